@@ -1,0 +1,283 @@
+"""Profiles: measured runtime per batch size, memory, and per-sample predictions of one model.
+
+A profile is what the offline phase plans with, so that re-planning never re-runs models. It is
+stored as a JSON header plus a Parquet table of per-sample predictions and probabilities, in a
+folder keyed by (model fingerprint, hardware, data) under ``KEN_HOME/profiles``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ken.errors import ProfileError
+from ken.operators.certainty import certainty_fn
+from ken.operators.datasets import LabelledSample
+from ken.operators.model import DeviceConfig, Model
+from ken.paths import ken_home
+
+SCHEMA_VERSION = 1
+DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+@dataclass(frozen=True, eq=False)
+class Profile:
+    """One model on one hardware configuration, measured on one labelled sample."""
+
+    model: str
+    hardware: str
+    batch_sizes: tuple[int, ...]
+    batch_runtime_s: tuple[float, ...]  # median seconds for one batch of each size
+    memory_bytes: int  # resident weights
+    peak_memory_bytes: int  # process peak RSS while running the largest batch
+    label_names: tuple[str, ...]
+    sample_name: str
+    sample_hash: str
+    model_fingerprint: str
+    true_labels: np.ndarray = field(repr=False)  # int64 (rows,)
+    predictions: np.ndarray = field(repr=False)  # int64 (rows,)
+    probabilities: np.ndarray = field(repr=False)  # float32 (rows, classes)
+    num_params: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.batch_sizes) != len(self.batch_runtime_s) or not self.batch_sizes:
+            raise ProfileError(f"profile of {self.model}: batch sizes and runtimes differ in length")
+        if list(self.batch_sizes) != sorted(set(self.batch_sizes)):
+            raise ProfileError(f"profile of {self.model}: batch sizes must be increasing")
+        n = self.true_labels.shape[0]
+        if self.predictions.shape != (n,) or self.probabilities.shape[0] != n:
+            raise ProfileError(f"profile of {self.model}: per-sample arrays differ in length")
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.true_labels.shape[0])
+
+    @property
+    def correct(self) -> np.ndarray:
+        return self.predictions == self.true_labels
+
+    @property
+    def accuracy(self) -> float:
+        return float(self.correct.mean()) if self.num_rows else 0.0
+
+    def certainty(self, name: str = "max_prob") -> np.ndarray:
+        return certainty_fn(name)(self.probabilities)
+
+    def batch_runtime(self, batch_size: float) -> float:
+        """Seconds for one batch, linearly interpolated between profiled sizes.
+
+        Beyond the largest profiled size the per-row cost of the largest batch is extrapolated.
+        """
+        sizes = np.asarray(self.batch_sizes, dtype=np.float64)
+        times = np.asarray(self.batch_runtime_s, dtype=np.float64)
+        if batch_size <= sizes[-1]:
+            return float(np.interp(batch_size, sizes, times))
+        return float(times[-1] / sizes[-1] * batch_size)
+
+    def ms_per_row(self, batch_size: int) -> float:
+        return self.batch_runtime(batch_size) / batch_size * 1000.0
+
+    def best_batch_size(self) -> int:
+        """The profiled batch size with the lowest time per row (throughput-optimal)."""
+        per_row = np.asarray(self.batch_runtime_s) / np.asarray(self.batch_sizes)
+        return int(self.batch_sizes[int(np.argmin(per_row))])
+
+    # -- storage -----------------------------------------------------------------------------
+
+    def header(self) -> dict:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "model": self.model,
+            "hardware": self.hardware,
+            "batch_sizes": list(self.batch_sizes),
+            "batch_runtime_s": list(self.batch_runtime_s),
+            "memory_bytes": self.memory_bytes,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "label_names": list(self.label_names),
+            "sample_name": self.sample_name,
+            "sample_hash": self.sample_hash,
+            "model_fingerprint": self.model_fingerprint,
+            "num_params": self.num_params,
+            "num_rows": self.num_rows,
+            "accuracy": self.accuracy,
+        }
+
+    def save(self, folder: Path) -> Path:
+        folder.mkdir(parents=True, exist_ok=True)
+        table = pa.table(
+            {
+                "row": pa.array(np.arange(self.num_rows), pa.int64()),
+                "true_label": pa.array(self.true_labels, pa.int64()),
+                "prediction": pa.array(self.predictions, pa.int64()),
+                "probabilities": pa.array(list(self.probabilities.astype(np.float32)),
+                                          pa.list_(pa.float32())),
+            }
+        )
+        tmp = folder / "samples.parquet.tmp"
+        pq.write_table(table, tmp)
+        os.replace(tmp, folder / "samples.parquet")
+        # the header is written last: its presence marks a complete profile
+        tmp = folder / "header.json.tmp"
+        tmp.write_text(json.dumps(self.header(), indent=2))
+        os.replace(tmp, folder / "header.json")
+        return folder
+
+    @classmethod
+    def load(cls, folder: Path) -> Profile:
+        header_path = folder / "header.json"
+        if not header_path.exists():
+            raise ProfileError(f"no profile at {folder}; run `ken profile` to create it")
+        header = json.loads(header_path.read_text())
+        if header.get("schema_version") != SCHEMA_VERSION:
+            raise ProfileError(
+                f"profile at {folder} has schema version {header.get('schema_version')}, "
+                f"this KEN reads version {SCHEMA_VERSION}; delete it and run `ken profile` again"
+            )
+        table = pq.read_table(folder / "samples.parquet")
+        probs = np.asarray(table.column("probabilities").to_pylist(), dtype=np.float32)
+        return cls(
+            model=header["model"],
+            hardware=header["hardware"],
+            batch_sizes=tuple(header["batch_sizes"]),
+            batch_runtime_s=tuple(header["batch_runtime_s"]),
+            memory_bytes=header["memory_bytes"],
+            peak_memory_bytes=header["peak_memory_bytes"],
+            label_names=tuple(header["label_names"]),
+            sample_name=header["sample_name"],
+            sample_hash=header["sample_hash"],
+            model_fingerprint=header["model_fingerprint"],
+            num_params=header.get("num_params", 0),
+            true_labels=table.column("true_label").to_numpy().astype(np.int64),
+            predictions=table.column("prediction").to_numpy().astype(np.int64),
+            probabilities=probs.reshape(table.num_rows, len(header["label_names"])),
+        )
+
+
+# -- measuring ---------------------------------------------------------------------------------
+
+
+def hardware_fingerprint(device: DeviceConfig) -> str:
+    """Device label plus what makes timings comparable: CPU model, architecture, torch version."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torch
+
+    return f"{device.label}|{cpu}|{platform.machine()}|torch-{torch.__version__}"
+
+
+def profile_key(model: Model, sample: LabelledSample, batch_sizes: Sequence[int]) -> str:
+    text = "|".join(
+        [model.spec.fingerprint or model.spec.name, hardware_fingerprint(model.device),
+         sample.content_hash, ",".join(map(str, batch_sizes))]
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def profile_dir(model: Model, sample: LabelledSample, batch_sizes: Sequence[int],
+                home: Path | None = None) -> Path:
+    base = (home or ken_home()) / "profiles"
+    return base / f"{model.name}-{model.device.label}-{profile_key(model, sample, batch_sizes)}"
+
+
+def _read_status_kb(key: str) -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _reset_peak_rss() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pass
+
+
+def measure_batch_runtimes(
+    model: Model, texts: Sequence[str], batch_sizes: Sequence[int], repeats: int = 3,
+    on_step: Callable[[int], None] | None = None,
+) -> tuple[list[float], int]:
+    """Median seconds per batch for each size (distinct slices of ``texts``), and peak RSS."""
+    if not texts:
+        raise ProfileError("cannot time a model on an empty sample")
+    model.predict(list(texts[: min(8, len(texts))]), batch_size=8)  # warm-up
+    runtimes: list[float] = []
+    peak = 0
+    for size in batch_sizes:
+        if size == batch_sizes[-1]:
+            _reset_peak_rss()
+        times = []
+        for r in range(repeats):
+            start = (r * size) % max(1, len(texts))
+            chunk = [texts[(start + i) % len(texts)] for i in range(size)]
+            t0 = time.perf_counter()
+            model.predict(chunk, batch_size=size)
+            times.append(time.perf_counter() - t0)
+        runtimes.append(float(np.median(times)))
+        if size == batch_sizes[-1]:
+            peak = _read_status_kb("VmHWM") * 1024
+        if on_step:
+            on_step(size)
+    return runtimes, peak
+
+
+def run_profile(
+    model: Model, sample: LabelledSample, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+    repeats: int = 3, on_step: Callable[[int], None] | None = None,
+) -> Profile:
+    """Measure ``model`` on ``sample``: batch runtimes, memory, predictions and probabilities."""
+    if tuple(model.spec.labels) != tuple(sample.label_names):
+        raise ProfileError(
+            f"model {model.name} predicts {model.spec.labels} but sample {sample.name} is "
+            f"labelled {sample.label_names}"
+        )
+    runtimes, peak = measure_batch_runtimes(model, sample.texts, batch_sizes, repeats, on_step)
+    pred = model.predict(sample.texts, batch_size=32)
+    return Profile(
+        model=model.name,
+        hardware=model.device.label,
+        batch_sizes=tuple(batch_sizes),
+        batch_runtime_s=tuple(runtimes),
+        memory_bytes=model.spec.memory_bytes,
+        peak_memory_bytes=peak,
+        label_names=tuple(sample.label_names),
+        sample_name=sample.name,
+        sample_hash=sample.content_hash,
+        model_fingerprint=model.spec.fingerprint,
+        num_params=model.spec.num_params,
+        true_labels=np.asarray(sample.labels, dtype=np.int64),
+        predictions=pred.labels.astype(np.int64),
+        probabilities=pred.probabilities.astype(np.float32),
+    )
+
+
+def load_or_run_profile(
+    model: Model, sample: LabelledSample, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+    home: Path | None = None, repeats: int = 3, on_step: Callable[[int], None] | None = None,
+) -> Profile:
+    """The cached profile for (model, hardware, sample), measuring it on the first call."""
+    folder = profile_dir(model, sample, batch_sizes, home)
+    if (folder / "header.json").exists():
+        return Profile.load(folder)
+    profile = run_profile(model, sample, batch_sizes, repeats, on_step)
+    profile.save(folder)
+    return profile
