@@ -106,3 +106,13 @@ def split(sample: LabelledSample, num_train: int, num_test: int, seed: int = 0
     train = sample.subset(order[num_test:num_test + num_train],
                           f"{sample.name}-train{num_train}-s{seed}")
     return train, test
+
+
+def unseen(sample: LabelledSample, num_train: int, num_test: int, num_rows: int, seed: int = 0
+           ) -> LabelledSample:
+    """``num_rows`` rows that are in neither split of ``split(sample, num_train, num_test, seed)``."""
+    order = np.random.default_rng(seed).permutation(len(sample))
+    rest = order[num_train + num_test:]
+    if num_rows > len(rest):
+        raise DataError(f"{sample.name} has only {len(rest)} rows outside the splits")
+    return sample.subset(rest[:num_rows], f"{sample.name}-unseen{num_rows}-s{seed}")

@@ -1,0 +1,120 @@
+"""Batch execution of a cascade over an Arrow column.
+
+Stage 1 runs on every non-NULL row in batches; rows whose certainty is below the stage threshold
+escalate to the next stage; every row's output comes back in input order. NULL input gives NULL
+output and never reaches a model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from ken.errors import CascadeError, DataError
+from ken.operators.cascade import Cascade, escalates
+from ken.operators.certainty import certainty_fn
+from ken.operators.model import Model
+
+
+@dataclass(frozen=True)
+class StageStats:
+    """What one cascade stage did during a run."""
+
+    model: str
+    input_rows: int
+    resolved_rows: int
+    num_batches: int
+    seconds: float
+
+
+@dataclass(frozen=True, eq=False)
+class CascadeResult:
+    """Per-row outputs of a cascade run (input order) and per-stage statistics."""
+
+    labels: pa.Array = field(repr=False)  # string, NULL where the input was NULL
+    label_index: np.ndarray = field(repr=False)  # int64, -1 for NULL input
+    certainty: np.ndarray = field(repr=False)  # float64 of the resolving stage, NaN for NULL
+    stage: np.ndarray = field(repr=False)  # int64 resolving stage (0-based), -1 for NULL
+    stages: tuple[StageStats, ...]
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.stage.shape[0])
+
+
+def text_column(column: pa.Array | pa.ChunkedArray | Sequence[str | None], name: str = "input"
+                ) -> pa.Array:
+    """The input as one Arrow string array; anything that is not text is a ``DataError``."""
+    if not isinstance(column, pa.Array | pa.ChunkedArray):
+        try:
+            column = pa.array(list(column))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as exc:
+            raise DataError(f"column {name!r} cannot be read as text: {exc}") from None
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks() if column.num_chunks else pa.array([], pa.string())
+    kind = column.type
+    if pa.types.is_null(kind):
+        return pa.nulls(len(column), pa.string())
+    if pa.types.is_dictionary(kind) and pa.types.is_string(kind.value_type):
+        return column.cast(pa.string())
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind) or (
+        hasattr(pa.types, "is_string_view") and pa.types.is_string_view(kind)
+    ):
+        return column
+    raise DataError(
+        f"semantic functions need a text column, but {name!r} has type {kind}; "
+        f"cast it first, e.g. CAST({name} AS VARCHAR)"
+    )
+
+
+def run_cascade(cascade: Cascade, models: Mapping[str, Model],
+                column: pa.Array | pa.ChunkedArray | Sequence[str | None],
+                batch_size: int = 32, name: str = "input") -> CascadeResult:
+    """Run ``cascade`` on every row of a text column, in batches, returning outputs in order.
+
+    >>> # result = run_cascade(Cascade(("minilm-l3", "minilm-l6"), (0.8,)), models, table["text"])
+    """
+    if batch_size < 1:
+        raise CascadeError(f"batch size must be at least 1, got {batch_size}")
+    missing = [m for m in cascade.models if m not in models]
+    if missing:
+        raise CascadeError(f"cascade uses {missing} but only {sorted(models)} are loaded")
+    label_names = models[cascade.models[0]].spec.labels
+    for m in cascade.models[1:]:
+        if models[m].spec.labels != label_names:
+            raise CascadeError(f"models of a cascade must predict the same labels: {m} predicts "
+                               f"{models[m].spec.labels}, {cascade.models[0]} {label_names}")
+    texts = text_column(column, name)
+    n = len(texts)
+    label_index = np.full(n, -1, dtype=np.int64)
+    certainty = np.full(n, np.nan)
+    stage = np.full(n, -1, dtype=np.int64)
+    valid = texts.is_valid().to_numpy(zero_copy_only=False) if n else np.zeros(0, bool)
+    pending = np.flatnonzero(valid)
+    values = texts.to_pylist()
+    score = certainty_fn(cascade.certainty)
+    stats: list[StageStats] = []
+    for i, model_name in enumerate(cascade.models):
+        if not len(pending):
+            stats.append(StageStats(model_name, 0, 0, 0, 0.0))
+            continue
+        started = time.perf_counter()
+        prediction = models[model_name].predict([values[j] for j in pending], batch_size)
+        seconds = time.perf_counter() - started
+        sure = score(prediction.probabilities)
+        last = i == cascade.num_stages - 1
+        up = np.zeros(len(pending), bool) if last else escalates(sure, cascade.thresholds[i])
+        done = pending[~up]
+        label_index[done] = prediction.labels[~up]
+        certainty[done] = sure[~up]
+        stage[done] = i
+        stats.append(StageStats(model_name, len(pending), len(done),
+                                -(-len(pending) // batch_size), seconds))
+        pending = pending[up]
+    labels = pa.array([label_names[k] if k >= 0 else None for k in label_index.tolist()],
+                      pa.string())
+    return CascadeResult(labels, label_index, certainty, stage, tuple(stats))

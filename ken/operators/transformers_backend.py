@@ -1,0 +1,161 @@
+"""Transformers backend: a pretrained body (encoder or decoder), mean pooling, a linear head."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ken.errors import ModelError
+from ken.operators.head import LinearHead
+from ken.operators.model import DeviceConfig, Model, ModelSpec, Prediction
+
+BODY_KINDS = ("encoder", "decoder")
+
+
+@dataclass(frozen=True)
+class BodyConfig:
+    """Which pretrained network produces features and how they are pooled.
+
+    ``layer`` picks the hidden state to mean-pool (``None``: the last layer's output). For a
+    decoder, layers after ``layer`` are dropped at load time since their output is never used.
+    """
+
+    source: str  # a local folder or a hub model id
+    kind: str = "encoder"
+    layer: int | None = None
+    max_tokens: int = 128
+
+    def __post_init__(self) -> None:
+        if self.kind not in BODY_KINDS:
+            raise ModelError(f"body kind must be one of {BODY_KINDS}, not {self.kind!r}")
+        if self.max_tokens < 2:
+            raise ModelError(f"max_tokens must be at least 2, got {self.max_tokens}")
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+class TransformersBody:
+    """Tokenizer + transformer network mapping texts to attention-masked mean-pooled features."""
+
+    def __init__(self, config: BodyConfig, device: DeviceConfig | None = None) -> None:
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+
+        _quiet_transformers()
+        self.config = config
+        self.device = device or DeviceConfig()
+        if self.device.kind == "cuda" and not torch.cuda.is_available():
+            raise ModelError("a CUDA device was requested but torch sees no GPU")
+        # local folders never touch the network; hub ids do (for users who have internet)
+        local = os.path.isdir(config.source)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(config.source, local_files_only=local)
+            net = AutoModel.from_pretrained(config.source, local_files_only=local,
+                                            dtype=torch.float32)
+        except OSError as exc:
+            raise ModelError(f"cannot load model from {config.source!r}: {exc}") from exc
+        if config.kind == "decoder" and config.layer is not None:
+            layers = net.layers
+            if not 0 < config.layer <= len(layers):
+                raise ModelError(f"{config.source} has {len(layers)} layers, not {config.layer}")
+            net.layers = layers[: config.layer]
+            net.config.num_hidden_layers = config.layer
+        self.net = net.eval().to(self.device.torch_device)
+        self.pad_id = self.tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = self.tokenizer.eos_token_id or 0
+        # A decoder tokenizer may add no special tokens, so an empty text would have no token to
+        # pool over: always start decoder inputs with BOS (or EOS when there is no BOS).
+        self.prefix: list[int] = []
+        if config.kind == "decoder" and not self.tokenizer("")["input_ids"]:
+            first = self.tokenizer.bos_token_id
+            self.prefix = [first if first is not None else self.pad_id]
+        limit = getattr(self.net.config, "max_position_embeddings", config.max_tokens)
+        self.max_tokens = min(config.max_tokens, int(limit))
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.net.parameters())
+
+    @property
+    def memory_bytes(self) -> int:
+        params = sum(p.numel() * p.element_size() for p in self.net.parameters())
+        return params + sum(b.numel() * b.element_size() for b in self.net.buffers())
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids per text, truncated to the model's limit (special tokens included)."""
+        room = self.max_tokens - len(self.prefix)
+        ids = self.tokenizer(list(texts), truncation=True, max_length=room)["input_ids"]
+        return [self.prefix + row for row in ids]
+
+    def features(self, texts: Sequence[str], batch_size: int = 32,
+                 on_batch: Callable[[int], None] | None = None) -> np.ndarray:
+        """Mean-pooled hidden states, shape ``(len(texts), hidden)``, in input order.
+
+        Rows are sorted by token count before batching so that a batch pads to similar lengths;
+        results are put back in input order.
+        """
+        import torch
+
+        if batch_size < 1:
+            raise ModelError(f"batch size must be at least 1, got {batch_size}")
+        hidden = int(self.net.config.hidden_size)
+        out = np.zeros((len(texts), hidden), dtype=np.float32)
+        if not texts:
+            return out
+        torch.set_num_threads(self.device.threads)
+        ids = self.tokenize(texts)
+        order = np.argsort([len(row) for row in ids], kind="stable")
+        with torch.inference_mode():
+            for start in range(0, len(order), batch_size):
+                rows = order[start:start + batch_size]
+                width = max(len(ids[i]) for i in rows)
+                input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+                mask = torch.zeros((len(rows), width), dtype=torch.long)
+                for j, i in enumerate(rows):
+                    input_ids[j, : len(ids[i])] = torch.tensor(ids[i])
+                    mask[j, : len(ids[i])] = 1
+                input_ids = input_ids.to(self.device.torch_device)
+                mask = mask.to(self.device.torch_device)
+                pooled = self._pool(input_ids, mask)
+                out[rows] = pooled.float().cpu().numpy()
+                if on_batch:
+                    on_batch(len(rows))
+        return out
+
+    def _pool(self, input_ids, mask):  # noqa: ANN001, ANN202 - torch tensors
+        if self.config.layer is None:
+            states = self.net(input_ids=input_ids, attention_mask=mask).last_hidden_state
+        else:
+            result = self.net(input_ids=input_ids, attention_mask=mask,
+                              output_hidden_states=True)
+            states = result.hidden_states[self.config.layer]
+        weights = mask.unsqueeze(-1).to(states.dtype)
+        return (states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
+
+
+class TransformersClassifier(Model):
+    """A transformers body with a linear head: ``predict(texts) -> labels, probabilities``."""
+
+    def __init__(self, spec: ModelSpec, body: TransformersBody, head: LinearHead) -> None:
+        if tuple(head.label_names) != tuple(spec.labels):
+            raise ModelError(f"{spec.name}: head labels {head.label_names} != {spec.labels}")
+        self.spec = spec
+        self.body = body
+        self.head = head
+        self.device = body.device
+
+    def predict(self, texts: Sequence[str], batch_size: int = 32,
+                on_batch: Callable[[int], None] | None = None) -> Prediction:
+        probs = self.head.predict_proba(self.body.features(texts, batch_size, on_batch))
+        if len(texts) == 0:
+            probs = np.zeros((0, len(self.spec.labels)), dtype=np.float32)
+        return Prediction(probs.argmax(axis=1).astype(np.int64), probs, self.spec.labels)

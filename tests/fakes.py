@@ -1,0 +1,36 @@
+"""Deterministic stand-in models for fast unit tests (no weights, no torch)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from ken.operators.model import DeviceConfig, Model, ModelSpec, Prediction
+
+LABELS = ("negative", "neutral", "positive")
+
+
+class FakeModel(Model):
+    """Probabilities derived from a hash of (model name, text); records every call it gets."""
+
+    def __init__(self, name: str, labels: tuple[str, ...] = LABELS) -> None:
+        self.spec = ModelSpec(name, "fake", "fake", "", 1000, 4000, 16, labels, f"fp-{name}")
+        self.device = DeviceConfig()
+        self.calls: list[tuple[int, int]] = []  # (rows, batch_size) per predict call
+        self.rows_seen: list[str] = []
+
+    def probabilities(self, text: str) -> np.ndarray:
+        digest = hashlib.sha256(f"{self.spec.name}|{text}".encode()).digest()
+        raw = np.frombuffer(digest[: 4 * len(self.spec.labels)], dtype=np.uint32).astype(float)
+        logits = (raw / 2**32) * 4.0
+        e = np.exp(logits - logits.max())
+        return (e / e.sum()).astype(np.float32)
+
+    def predict(self, texts: Sequence[str], batch_size: int = 32) -> Prediction:
+        self.calls.append((len(texts), batch_size))
+        self.rows_seen.extend(texts)
+        probs = np.array([self.probabilities(t) for t in texts], dtype=np.float32).reshape(
+            len(texts), len(self.spec.labels))
+        return Prediction(probs.argmax(axis=1).astype(np.int64), probs, self.spec.labels)
