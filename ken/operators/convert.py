@@ -20,11 +20,11 @@ looks like a usable model.
 
 from __future__ import annotations
 
-import math
+import copy
 import os
 import re
 import shutil
-import tempfile
+import uuid
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -167,15 +167,17 @@ def _staging_dir(out_dir: Path) -> Iterator[Path]:
     if out_dir.exists() and not out_dir.is_dir():
         raise ModelError(f"{out_dir} exists and is not a folder; choose another output path")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial",
-                                    dir=out_dir.parent))
+    # os.mkdir (unlike tempfile.mkdtemp, which forces 0700) honours the umask, so the finished
+    # folder gets the same permissions as any folder the user creates.
+    staging = out_dir.parent / f".{out_dir.name}.{uuid.uuid4().hex[:12]}.partial"
+    os.mkdir(staging)
     try:
         yield staging
+        _normalise_permissions(staging)
         if out_dir.exists():
             # Directories cannot be replaced atomically; move the old one aside first so that
             # at every moment out_dir is either the old or the new complete folder (or absent).
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old",
-                                        dir=out_dir.parent))
+            old = out_dir.parent / f".{out_dir.name}.{uuid.uuid4().hex[:12]}.old"
             os.replace(out_dir, old)
             os.replace(staging, out_dir)
             shutil.rmtree(old, ignore_errors=True)
@@ -183,6 +185,18 @@ def _staging_dir(out_dir: Path) -> Iterator[Path]:
             os.replace(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _normalise_permissions(folder: Path) -> None:
+    """Give every file in ``folder`` the folder's umask-derived read/write bits.
+
+    transformers writes ``model.safetensors`` through a private temporary file (mode 0600);
+    a converted model in a shared cache should be readable like the rest of the folder.
+    """
+    mode = folder.stat().st_mode & 0o666
+    for path in folder.rglob("*"):
+        if path.is_file():
+            path.chmod(mode)
 
 
 def _check_state_dict(
@@ -251,7 +265,7 @@ def bert_state_dict_from_onnx(
 
     for name, array in initializers.items():
         if name.startswith(prefix):
-            assign(name[len(prefix):], array, name)
+            assign(name[len(prefix) :], array, name)
             continue
         weight, why = _linear_weight(name, array, initializers, consumers, prefix)
         if weight is None:
@@ -313,7 +327,7 @@ def _linear_weight(
                 f"its output width {matrix.shape[1]} does not match {bias} "
                 f"{list(initializers[bias].shape)} (fused weights are not supported)"
             )
-        key = bias[len(prefix):-len(".bias")] + ".weight"
+        key = bias[len(prefix) : -len(".bias")] + ".weight"
         # ONNX computes x @ W with W [in, out]; nn.Linear stores [out, in].
         return (key, np.ascontiguousarray(matrix.T)), ""
     return None, "its MatMul's output is not added to a bias initializer"
@@ -371,8 +385,9 @@ def bert_config_from_onnx(
         for n in nodes
         if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"
     }
-    constants.update((t.name, numpy_helper.to_array(t)) for t in model.graph.initializer
-                     if not tuple(t.dims))
+    constants.update(
+        (t.name, numpy_helper.to_array(t)) for t in model.graph.initializer if not tuple(t.dims)
+    )
     producers = {out: n for n in nodes for out in n.output}
     head_dims = set()
     for softmax in (n for n in nodes if n.op_type == "Softmax"):
@@ -389,8 +404,12 @@ def bert_config_from_onnx(
                 scores, scale = node.input
                 if scale in producers and producers[scale].op_type == "MatMul":
                     scores, scale = scale, scores
-                if (scale in constants and constants[scale].size == 1
-                        and scores in producers and producers[scores].op_type == "MatMul"):
+                if (
+                    scale in constants
+                    and constants[scale].size == 1
+                    and scores in producers
+                    and producers[scores].op_type == "MatMul"
+                ):
                     value = float(constants[scale].reshape(()))
                     head_dims.add(round(value**2 if node.op_type == "Div" else value**-2))
     if len(head_dims) != 1:
@@ -399,8 +418,10 @@ def bert_config_from_onnx(
         )
     (head_dim,) = head_dims
     if config.hidden_size % head_dim:
-        raise ModelError(f"cannot convert the ONNX model: head size {head_dim} does not divide "
-                         f"hidden size {config.hidden_size}")
+        raise ModelError(
+            f"cannot convert the ONNX model: head size {head_dim} does not divide "
+            f"hidden size {config.hidden_size}"
+        )
     config.num_attention_heads = config.hidden_size // head_dim
 
     # BERT's exact GELU exports as x * 0.5 * (1 + erf(x / sqrt 2)): one Erf per layer. A tanh
@@ -414,8 +435,6 @@ def bert_config_from_onnx(
     config.hidden_act = "gelu"
     config.position_embedding_type = "absolute"
     config.architectures = ["BertModel"]
-    if not math.isfinite(config.layer_norm_eps):
-        raise ModelError("cannot convert the ONNX model: non-finite LayerNorm epsilon")
     return config
 
 
@@ -425,9 +444,10 @@ def convert_minilm_l3(onnx_path: Path, tokenizer_dir: Path, out_dir: Path) -> Pa
     ``tokenizer_dir`` is a transformers folder with the same (bert-base-uncased) vocabulary,
     normally :func:`minilm_l6_dir`; its ``config.json``, if it is a BERT config, is the base for
     the hyperparameters the graph cannot show. The result (safetensors weights, config and
-    tokenizer) loads with ``AutoModel.from_pretrained(out_dir)``; it has no pooler (the ONNX
-    graph has none: sentence embeddings are attention-masked means of the token states).
-    Returns ``out_dir``.
+    tokenizer) has no pooler (the ONNX graph has none: sentence embeddings are attention-masked
+    means of the token states), so load it with ``AutoModel.from_pretrained(out_dir,
+    add_pooling_layer=False)``; without that flag transformers adds a randomly initialised
+    pooler and warns about its missing weights. Returns ``out_dir``.
     """
     import onnx
     import torch
@@ -451,8 +471,9 @@ def convert_minilm_l3(onnx_path: Path, tokenizer_dir: Path, out_dir: Path) -> Pa
         model = BertModel(config, add_pooling_layer=False)
         expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         state = bert_state_dict_from_onnx(onnx_initializers(graph), graph.graph.node, expected)
-        model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.items()},
-                              strict=True)
+        model.load_state_dict(
+            {k: torch.from_numpy(v.copy()) for k, v in state.items()}, strict=True
+        )
         model.eval()
         try:
             tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -494,7 +515,7 @@ def rebuild_plain_model(gguf_model: PreTrainedModel) -> PreTrainedModel:
         out, inp = plain.get_output_embeddings(), plain.get_input_embeddings()
         if out is not None and out.weight is not inp.weight:
             raise ModelError("the rebuilt model's output embeddings are not tied to its inputs")
-    plain.generation_config = gguf_model.generation_config
+    plain.generation_config = copy.deepcopy(gguf_model.generation_config)
     plain.eval()
     return plain
 
@@ -550,6 +571,10 @@ def convert_smollm2_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> Path:
             tokenizer.pad_token = "<|im_end|>" if "<|im_end|>" in vocab else tokenizer.eos_token
         if tokenizer.pad_token is None:
             raise ModelError(f"the tokenizer of {gguf_file} has neither a pad nor an eos token")
+        if tokenizer.model_max_length > 10 * plain.config.max_position_embeddings:
+            # A GGUF tokenizer carries no length limit (transformers' "very large" sentinel),
+            # so truncation=True would never truncate: use the model's context length.
+            tokenizer.model_max_length = plain.config.max_position_embeddings
         plain.config.pad_token_id = tokenizer.pad_token_id
         plain.generation_config.pad_token_id = tokenizer.pad_token_id
 

@@ -47,7 +47,7 @@ class TransformersBody:
 
     def __init__(self, config: BodyConfig, device: DeviceConfig | None = None) -> None:
         import torch
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoConfig, AutoModel, AutoTokenizer
 
         _quiet_transformers()
         self.config = config
@@ -58,8 +58,12 @@ class TransformersBody:
         local = os.path.isdir(config.source)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(config.source, local_files_only=local)
+            extra = {}
+            if AutoConfig.from_pretrained(config.source, local_files_only=local
+                                          ).model_type == "bert":
+                extra["add_pooling_layer"] = False  # mean pooling needs no (random) pooler
             net = AutoModel.from_pretrained(config.source, local_files_only=local,
-                                            dtype=torch.float32)
+                                            dtype=torch.float32, **extra)
         except OSError as exc:
             raise ModelError(f"cannot load model from {config.source!r}: {exc}") from exc
         if config.kind == "decoder" and config.layer is not None:
