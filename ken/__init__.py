@@ -1,6 +1,17 @@
-"""KEN: semantic SQL served by model cascades."""
+"""KEN: semantic SQL served by model cascades.
+
+>>> import ken
+>>> session = ken.connect()
+>>> session.sql("SELECT 1 + 1 AS two").fetchall()
+[(2,)]
+"""
 
 from ken.errors import KenError
+from ken.operators.cascade import Cascade
+from ken.operators.model import DeviceConfig
+from ken.session import Result, Session, connect
+from ken.sql.functions import SemanticFunction
 
-__all__ = ["KenError"]
+__all__ = ["Cascade", "DeviceConfig", "KenError", "Result", "SemanticFunction", "Session",
+           "connect"]
 __version__ = "0.1.0"

@@ -59,11 +59,17 @@ def models_table(cards, profiles=None) -> Table:  # noqa: ANN001
     return table
 
 
-def frontier_table(points, title: str = "Pareto cascades") -> Table:  # noqa: ANN001
+def frontier_table(points, title: str = "Pareto cascades", limit: int = 14) -> Table:  # noqa: ANN001
+    """The frontier as a table; long frontiers are thinned to ``limit`` evenly spaced rows."""
+    shown = list(range(len(points)))
+    if len(points) > limit:
+        shown = sorted({round(i * (len(points) - 1) / (limit - 1)) for i in range(limit)})
+        title += f" — {len(shown)} of {len(points)} points shown"
     table = Table(title=title)
     for col in ("#", "cascade", "accuracy", "ms/row", "rows reaching each stage"):
         table.add_column(col, justify="left" if col == "cascade" else "right")
-    for i, m in enumerate(points):
+    for i in shown:
+        m = points[i]
         reach = " / ".join(f"{f:.0%}" for f in m.stage_fractions)
         table.add_row(str(i), m.cascade.describe(), f"{m.accuracy:.1%}",
                       f"{m.cost_ms_per_row:.2f}", reach)
@@ -97,7 +103,7 @@ def _load_profiles(args: argparse.Namespace, threads: Sequence[int], reporter: R
         for card in cards:
             model = family.load_model(card, DeviceConfig(threads=t), data=data)
             sizes = tuple(batch_sizes or DEFAULT_BATCH_SIZES)
-            with reporter.task(f"profile {card.name} on cpu-{t}t", len(sizes)) as advance:
+            with reporter.task(f"profile {card.name} on cpu-{t}t", len(sizes) + 1) as advance:
                 profiles.append(load_or_run_profile(model, sample, sizes,
                                                     on_step=lambda _s: advance(1)))
             del model

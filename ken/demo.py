@@ -42,7 +42,7 @@ def run_demo(args: argparse.Namespace, console: Console) -> int:
     console.rule(f"2. profiles on {len(sample)} held-out tweets ({device.label})")
     profiles = {}
     for name, model in models.items():
-        with reporter.task(f"profile {name}", len(batch_sizes)) as advance:
+        with reporter.task(f"profile {name}", len(batch_sizes) + 1) as advance:
             profiles[name] = load_or_run_profile(model, sample, batch_sizes,
                                                  on_step=lambda _s: advance(1))
     console.print(models_table(cards, list(profiles.values())))

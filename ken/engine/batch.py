@@ -72,9 +72,11 @@ def text_column(column: pa.Array | pa.ChunkedArray | Sequence[str | None], name:
 
 
 def run_cascade(cascade: Cascade, models: Mapping[str, Model],
-                column: pa.Array | pa.ChunkedArray | Sequence[str | None],
+                column: pa.Array | pa.ChunkedArray | Sequence,
                 batch_size: int = 32, name: str = "input") -> CascadeResult:
     """Run ``cascade`` on every row of a text column, in batches, returning outputs in order.
+
+    For pair models (``spec.num_inputs == 2``) ``column`` is a list of two text columns.
 
     >>> # result = run_cascade(Cascade(("minilm-l3", "minilm-l6"), (0.8,)), models, table["text"])
     """
@@ -88,14 +90,27 @@ def run_cascade(cascade: Cascade, models: Mapping[str, Model],
         if models[m].spec.labels != label_names:
             raise CascadeError(f"models of a cascade must predict the same labels: {m} predicts "
                                f"{models[m].spec.labels}, {cascade.models[0]} {label_names}")
-    texts = text_column(column, name)
-    n = len(texts)
+    arity = models[cascade.models[0]].spec.num_inputs
+    if any(models[m].spec.num_inputs != arity for m in cascade.models):
+        raise CascadeError("models of a cascade must take the same number of inputs per row")
+    if arity == 1:
+        columns = [text_column(column, name)]
+    else:
+        if not isinstance(column, list | tuple) or len(column) != arity:
+            raise CascadeError(f"{cascade.models[0]} takes {arity} text columns per row")
+        columns = [text_column(c, f"{name}[{i}]") for i, c in enumerate(column)]
+        if len({len(c) for c in columns}) != 1:
+            raise DataError(f"the {arity} input columns of {name!r} differ in length")
+    n = len(columns[0])
     label_index = np.full(n, -1, dtype=np.int64)
     certainty = np.full(n, np.nan)
     stage = np.full(n, -1, dtype=np.int64)
-    valid = texts.is_valid().to_numpy(zero_copy_only=False) if n else np.zeros(0, bool)
+    valid = np.ones(n, bool)
+    for c in columns:  # a row with any NULL argument is NULL
+        valid &= c.is_valid().to_numpy(zero_copy_only=False) if n else np.zeros(0, bool)
     pending = np.flatnonzero(valid)
-    values = texts.to_pylist()
+    values = (columns[0].to_pylist() if arity == 1
+              else list(zip(*(c.to_pylist() for c in columns), strict=True)))
     score = certainty_fn(cascade.certainty)
     stats: list[StageStats] = []
     for i, model_name in enumerate(cascade.models):

@@ -48,6 +48,7 @@ class ModelSpec:
     max_tokens: int  # inputs are truncated to this many tokens
     labels: tuple[str, ...]
     fingerprint: str = ""  # content hash of weights + head; keys the profile cache
+    num_inputs: int = 1  # texts per row: 1, or 2 for pair models (predict gets tuples)
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,5 +77,8 @@ class Model(ABC):
         return self.spec.name
 
     @abstractmethod
-    def predict(self, texts: Sequence[str], batch_size: int = 32) -> Prediction:
-        """Classify ``texts``; runs in batches of ``batch_size``; output is in input order."""
+    def predict(self, texts: Sequence, batch_size: int = 32) -> Prediction:
+        """Classify ``texts``; runs in batches of ``batch_size``; output is in input order.
+
+        ``texts`` holds strings, or tuples of ``spec.num_inputs`` strings for pair models.
+        """

@@ -246,7 +246,10 @@ def run_profile(
     model: Model, sample: LabelledSample, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
     repeats: int = 3, on_step: Callable[[int], None] | None = None,
 ) -> Profile:
-    """Measure ``model`` on ``sample``: batch runtimes, memory, predictions and probabilities."""
+    """Measure ``model`` on ``sample``: batch runtimes, memory, predictions and probabilities.
+
+    ``on_step`` is called after each batch size and once more (with 0) after the predictions.
+    """
     if tuple(model.spec.labels) != tuple(sample.label_names):
         raise ProfileError(
             f"model {model.name} predicts {model.spec.labels} but sample {sample.name} is "
@@ -254,6 +257,8 @@ def run_profile(
         )
     runtimes, peak = measure_batch_runtimes(model, sample.texts, batch_sizes, repeats, on_step)
     pred = model.predict(sample.texts, batch_size=32)
+    if on_step:
+        on_step(0)  # 0 marks the per-sample predictions, the step after the batch sizes
     return Profile(
         model=model.name,
         hardware=model.device.label,

@@ -1,0 +1,91 @@
+"""Built-in semantic functions on the packaged models: sentiment, sem_filter, sem_match."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ken.operators.cascade import Cascade
+from ken.sql.functions import Bound, ClassifierBinding, SemanticFunction
+
+if TYPE_CHECKING:
+    from ken.session import Session
+
+
+def family_models(session: Session) -> dict[str, Any]:
+    """The minilm-sentiment models, prepared on first use and loaded once per session."""
+    from ken.operators import family
+
+    def load() -> dict[str, Any]:
+        data = session.data or family.FamilyData()
+        family.prepare(data, session.device, home=session.home, reporter=session.reporter)
+        return family.load_models(data, session.device, home=session.home)
+
+    return session.resource("family-models", load)
+
+
+def choose_sentiment_cascade(session: Session) -> ClassifierBinding:
+    """The session's sentiment cascade: the one set by the user, or from the profile frontier.
+
+    Default: the cheapest Pareto cascade at least as accurate as the best single model.
+    """
+    from ken.operators import family
+    from ken.optimizer.cascades import evaluate, pareto_cascades
+    from ken.optimizer.profile import DEFAULT_BATCH_SIZES, load_or_run_profile, profile_dir
+
+    models = family_models(session)
+    data = session.data or family.FamilyData()
+    sample = family.heldout_sample(data)
+    profiles = {}
+    for name, model in models.items():
+        sizes = DEFAULT_BATCH_SIZES
+        if not (profile_dir(model, sample, sizes, session.home) / "header.json").exists():
+            sizes = (1, 8, 32)  # a short profile when `ken profile` has not run here
+        with session.reporter.task(f"profile {name}", len(sizes) + 1) as advance:
+            profiles[name] = load_or_run_profile(model, sample, sizes, session.home,
+                                                 on_step=lambda _s: advance(1))
+    if session.sentiment_cascade is not None:
+        chosen = evaluate(session.sentiment_cascade, profiles, session.batch_size)
+    else:
+        front = pareto_cascades(profiles, batch_size=session.batch_size)
+        best_single = max(p.accuracy for p in profiles.values())
+        good = [m for m in front if m.accuracy >= best_single]
+        chosen = good[0] if good else front[-1]
+    return ClassifierBinding("sentiment", chosen.cascade, models,
+                             stage_fractions=chosen.stage_fractions,
+                             expected_accuracy=chosen.accuracy)
+
+
+def bind_sentiment(session: Session, _constants: tuple[str, ...]) -> Bound:
+    return session.resource("sentiment-binding", lambda: choose_sentiment_cascade(session))
+
+
+def bind_filter(session: Session, constants: tuple[str, ...]) -> Bound:
+    from ken.operators import filter as sem_filter
+
+    resources = session.resource("semantic-resources",
+                                 lambda: sem_filter.Resources(session.device, session.home))
+    return sem_filter.bind_sem_filter(constants[0], resources)
+
+
+def bind_match(session: Session, _constants: tuple[str, ...]) -> Bound:
+    from ken.operators import filter as sem_filter
+    from ken.operators import match
+
+    resources = session.resource("semantic-resources",
+                                 lambda: sem_filter.Resources(session.device, session.home))
+    return session.resource("sem-match-binding", lambda: match.bind_sem_match(resources))
+
+
+def register_builtins(session: Session) -> None:
+    session.functions["sentiment"] = SemanticFunction(
+        "sentiment", 1, (), "varchar", lambda c: bind_sentiment(session, c),
+        "negative / neutral / positive, by the minilm-sentiment cascade")
+    session.functions["sem_filter"] = SemanticFunction(
+        "sem_filter", 1, ("predicate",), "boolean", lambda c: bind_filter(session, c),
+        "does the text satisfy a natural-language predicate")
+    session.functions["sem_match"] = SemanticFunction(
+        "sem_match", 2, (), "boolean", lambda c: bind_match(session, c),
+        "do two texts name the same entity")
+
+
+__all__ = ["Cascade", "register_builtins"]

@@ -1,0 +1,136 @@
+"""Runs the semantic call sites of a query as vectorised DuckDB functions over Arrow.
+
+DuckDB hands each site Arrow chunks of the rows that reach it (after the relational predicates
+it evaluates first). A site looks up inputs it has already answered (deduplication within the
+query), sends the distinct new inputs through the cascade engine in batches, and returns one
+value per row. NULL input gives NULL output without reaching a model.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+
+from ken.engine.batch import run_cascade
+from ken.errors import KenError
+from ken.sql.functions import Bound
+from ken.sql.rewrite import CallSite
+
+ARROW_TYPES = {"varchar": pa.string(), "boolean": pa.bool_()}
+
+
+@dataclass
+class StageCounter:
+    model: str
+    input_rows: int = 0
+    resolved_rows: int = 0
+    num_batches: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class SiteStats:
+    """What one call site did while a query ran (for EXPLAIN ANALYZE and the tests)."""
+
+    rows_in: int = 0  # rows DuckDB passed in (incl. NULLs and repeats)
+    null_rows: int = 0
+    distinct_evaluated: int = 0  # inputs sent to the models
+    chunks: int = 0
+    seconds: float = 0.0
+    stages: list[StageCounter] = field(default_factory=list)
+
+    @property
+    def model_calls(self) -> int:
+        return sum(s.input_rows for s in self.stages)
+
+
+class SiteRunner:
+    """The Python function DuckDB calls for one call site; keeps the per-query memo."""
+
+    def __init__(self, site: CallSite, bound: Bound, batch_size: int, lock: threading.Lock,
+                 memo: dict[Any, Any] | None = None) -> None:
+        self.site = site
+        self.bound = bound
+        self.batch_size = batch_size
+        self.lock = lock  # models are shared; DuckDB may call from several threads
+        # the memo maps input values to outputs; sites of the same bound operator share it
+        self.memo: dict[Any, Any] = {} if memo is None else memo
+        self.stats = SiteStats(stages=[StageCounter(m) for m in bound.cascade.models])
+        self.arrow_type = ARROW_TYPES[bound.output_type]
+
+    def __call__(self, *arrays: pa.Array) -> pa.Array:
+        with self.lock:
+            started = time.perf_counter()
+            columns = [a.to_pylist() for a in arrays]
+            keys = columns[0] if len(columns) == 1 else list(zip(*columns, strict=True))
+            if len(columns) > 1:  # a pair with a NULL side is NULL
+                keys = [None if any(v is None for v in k) else k for k in keys]
+            new = list(dict.fromkeys(k for k in keys if k is not None and k not in self.memo))
+            if new:
+                self._evaluate(new)
+            self.stats.rows_in += len(keys)
+            self.stats.null_rows += sum(k is None for k in keys)
+            self.stats.chunks += 1
+            self.stats.seconds += time.perf_counter() - started
+            return pa.array([None if k is None else self.memo[k] for k in keys], self.arrow_type)
+
+    def _evaluate(self, inputs: list) -> None:
+        if len(self.site.args) == 1:
+            column: Any = pa.array(inputs, pa.string())
+        else:
+            column = [pa.array([k[i] for k in inputs], pa.string())
+                      for i in range(len(self.site.args))]
+        result = run_cascade(self.bound.cascade, self.bound.models, column, self.batch_size,
+                             name=self.site.call_sql())
+        values = self.bound.to_sql_values(result.labels.to_pylist())
+        self.memo.update(zip(inputs, values, strict=True))
+        self.stats.distinct_evaluated += len(inputs)
+        for counter, stage in zip(self.stats.stages, result.stages, strict=True):
+            counter.input_rows += stage.input_rows
+            counter.resolved_rows += stage.resolved_rows
+            counter.num_batches += stage.num_batches
+            counter.seconds += stage.seconds
+
+
+def register_sites(con: duckdb.DuckDBPyConnection, runners: list[SiteRunner]) -> None:
+    from duckdb.sqltypes import BOOLEAN, VARCHAR
+
+    sql_types = {"varchar": VARCHAR, "boolean": BOOLEAN}
+    for r in runners:
+        con.create_function(r.site.udf_name, r, [VARCHAR] * len(r.site.args),
+                            sql_types[r.bound.output_type], type="arrow",
+                            null_handling="special", side_effects=False)
+
+
+def unregister_sites(con: duckdb.DuckDBPyConnection, runners: list[SiteRunner]) -> None:
+    for r in runners:
+        try:
+            con.remove_function(r.site.udf_name)
+        except duckdb.Error:
+            pass
+
+
+_UDF = re.compile(r"__ken_s\d+_(\w+?)\b(?=\()?")
+
+
+def translate_error(error: Exception, sites: list[CallSite]) -> KenError:
+    """A DuckDB error about a rewritten query, in the user's terms."""
+    message = str(error)
+    for site in sites:
+        if site.udf_name in message and "No function matches" in message:
+            got = re.search(re.escape(site.udf_name) + r"\(([^)]*)\)", message)
+            types = got.group(1) if got else "non-text"
+            return KenError(
+                f"{site.function}() needs text arguments, but {site.call_sql()} passes "
+                f"{types}; cast the argument, e.g. {site.function}(CAST({site.args[0]} AS "
+                "VARCHAR))"
+            )
+    for site in sites:
+        message = message.replace(site.udf_name, site.function)
+    return KenError(message)

@@ -1,0 +1,145 @@
+"""Front-end: parse SQL with sqlglot (DuckDB dialect), find semantic calls, rewrite them.
+
+Every semantic call becomes a *call site*: identical calls (same function, same argument
+expressions, same constants) share one site, so they are evaluated once per distinct input.
+The rewritten statement calls one vectorised DuckDB function per site (``__ken_s0_sentiment``);
+relational work stays in DuckDB, whose optimizer evaluates cheap predicates before them (see
+``tests/test_sql.py`` for the call-count checks that hold it to that).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import sqlglot
+from sqlglot import exp
+from sqlglot.errors import ParseError
+
+from ken.errors import KenError
+from ken.sql.functions import SemanticFunction, suggest
+
+
+class SqlError(KenError):
+    """The query is not valid SQL, or uses a function wrongly."""
+
+
+@dataclass(frozen=True)
+class CallSite:
+    """One distinct semantic call in a query."""
+
+    id: int
+    function: str
+    args: tuple[str, ...]  # SQL of the column arguments
+    constants: tuple[str, ...]  # bound string-literal arguments
+    clauses: tuple[str, ...]  # where it appears: SELECT, WHERE, JOIN ON, GROUP BY, ...
+
+    @property
+    def udf_name(self) -> str:
+        return f"__ken_s{self.id}_{self.function}"
+
+    @property
+    def label(self) -> str:
+        return f"s{self.id}"
+
+    def call_sql(self) -> str:
+        consts = [f"'{c}'" for c in self.constants]
+        return f"{self.function}({', '.join([*self.args, *consts])})"
+
+
+@dataclass(frozen=True)
+class Rewritten:
+    original: exp.Expression
+    statement: exp.Expression
+    sites: tuple[CallSite, ...]
+
+    @property
+    def sql(self) -> str:
+        return self.statement.sql(dialect="duckdb")
+
+    @property
+    def is_semantic(self) -> bool:
+        return bool(self.sites)
+
+
+def parse(query: str) -> list[exp.Expression]:
+    """Parse one or more statements; syntax errors name the line and column."""
+    try:
+        statements = [s for s in sqlglot.parse(query, read="duckdb") if s is not None]
+    except ParseError as error:
+        first = error.errors[0] if error.errors else {}
+        line, col = first.get("line"), first.get("col")
+        lines = query.splitlines() or [""]
+        pointer = ""
+        if line and 1 <= line <= len(lines):
+            pointer = f"\n  {lines[line - 1]}\n  {' ' * max(0, (col or 1) - 1)}^"
+        what = first.get("description", str(error)).split("\n")[0]
+        raise SqlError(f"SQL syntax error at line {line}, column {col}: {what}{pointer}") from None
+    if not statements:
+        raise SqlError("empty query")
+    return statements
+
+
+def _clause(node: exp.Expression) -> str:
+    child, parent = node, node.parent
+    while parent is not None:
+        if isinstance(parent, exp.Where):
+            return "WHERE"
+        if isinstance(parent, exp.Join) and child.arg_key == "on":
+            return "JOIN ON"
+        if isinstance(parent, exp.Group):
+            return "GROUP BY"
+        if isinstance(parent, exp.Having):
+            return "HAVING"
+        if isinstance(parent, exp.Order):
+            return "ORDER BY"
+        if isinstance(parent, exp.Select) and child.arg_key == "expressions":
+            return "SELECT"
+        child, parent = parent, parent.parent
+    return "EXPRESSION"
+
+
+def rewrite(statement: exp.Expression, functions: Mapping[str, SemanticFunction],
+            known: frozenset[str], first_id: int = 0) -> Rewritten:
+    """Validate semantic calls and replace each by a call of its site's DuckDB function.
+
+    ``known`` holds the names of the functions DuckDB itself has (lower case), so that unknown
+    names are reported here with a suggestion instead of as a DuckDB binder error.
+    """
+    rewritten = statement.copy()
+    sites: dict[tuple, CallSite] = {}
+    clauses: dict[tuple, list[str]] = {}
+    for node in list(rewritten.find_all(exp.Anonymous)):
+        name = str(node.this).lower()
+        if name not in functions:
+            if name not in known and not name.startswith("__ken_"):
+                registered = ", ".join(sorted(functions)) or "none"
+                hint = suggest(name, [*functions, *known])
+                raise SqlError(f"unknown function {name}(); semantic functions registered on "
+                               f"this session: {registered}.{hint}")
+            continue
+        fn = functions[name]
+        args = list(node.expressions)
+        if len(args) != fn.arity:
+            raise SqlError(f"{name}() takes {fn.arity} argument(s) — {fn.signature()} — but "
+                           f"got {len(args)}: {node.sql(dialect='duckdb')}")
+        constants = []
+        for arg, const_name in zip(args[fn.num_columns:], fn.constants, strict=True):
+            if not (isinstance(arg, exp.Literal) and arg.is_string):
+                raise SqlError(f"the {const_name} argument of {name}() must be a string literal, "
+                               f"got {arg.sql(dialect='duckdb')}: {fn.signature()}")
+            constants.append(arg.this)
+        columns = args[: fn.num_columns]
+        key = (name, tuple(a.sql(dialect="duckdb") for a in columns), tuple(constants))
+        if key not in sites:
+            sites[key] = CallSite(first_id + len(sites), name, key[1], key[2], ())
+            clauses[key] = []
+        clause = _clause(node)
+        if clause not in clauses[key]:
+            clauses[key].append(clause)
+        node.replace(exp.Anonymous(this=sites[key].udf_name, expressions=columns))
+    final = tuple(
+        CallSite(s.id, s.function, s.args, s.constants, tuple(clauses[k]))
+        for k, s in sites.items()
+    )
+    return Rewritten(statement, rewritten, final)
