@@ -15,8 +15,9 @@ LABELS = ("negative", "neutral", "positive")
 class FakeModel(Model):
     """Probabilities derived from a hash of (model name, text); records every call it gets."""
 
-    def __init__(self, name: str, labels: tuple[str, ...] = LABELS) -> None:
-        self.spec = ModelSpec(name, "fake", "fake", "", 1000, 4000, 16, labels, f"fp-{name}")
+    def __init__(self, name: str, labels: tuple[str, ...] = LABELS, num_inputs: int = 1) -> None:
+        self.spec = ModelSpec(name, "fake", "fake", "", 1000, 4000, 16, labels, f"fp-{name}",
+                              num_inputs)
         self.device = DeviceConfig()
         self.calls: list[tuple[int, int]] = []  # (rows, batch_size) per predict call
         self.rows_seen: list[str] = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,9 +104,19 @@ def register_sites(con: duckdb.DuckDBPyConnection, runners: list[SiteRunner]) ->
 
     sql_types = {"varchar": VARCHAR, "boolean": BOOLEAN}
     for r in runners:
-        con.create_function(r.site.udf_name, r, [VARCHAR] * len(r.site.args),
+        # DuckDB reads the arity from the callable's signature, so give it an exact one
+        fn = _exact_arity(r, len(r.site.args))
+        con.create_function(r.site.udf_name, fn, [VARCHAR] * len(r.site.args),
                             sql_types[r.bound.output_type], type="arrow",
                             null_handling="special", side_effects=False)
+
+
+def _exact_arity(runner: SiteRunner, arity: int) -> Callable[..., pa.Array]:
+    if arity == 1:
+        return lambda a: runner(a)
+    if arity == 2:
+        return lambda a, b: runner(a, b)
+    raise KenError(f"semantic functions take 1 or 2 text columns, not {arity}")
 
 
 def unregister_sites(con: duckdb.DuckDBPyConnection, runners: list[SiteRunner]) -> None:
