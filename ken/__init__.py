@@ -7,11 +7,12 @@
 """
 
 from ken.errors import KenError
+from ken.frame import Frame, call
 from ken.operators.cascade import Cascade
 from ken.operators.model import DeviceConfig
 from ken.session import Result, Session, connect
 from ken.sql.functions import SemanticFunction
 
-__all__ = ["Cascade", "DeviceConfig", "KenError", "Result", "SemanticFunction", "Session",
-           "connect"]
+__all__ = ["Cascade", "DeviceConfig", "Frame", "KenError", "Result", "SemanticFunction",
+           "Session", "call", "connect"]
 __version__ = "0.1.0"

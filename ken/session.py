@@ -95,7 +95,6 @@ class Session:
         self._lock = threading.Lock()
         self._resources: dict[str, Any] = {}
         self._known: frozenset[str] | None = None
-        self._next_site = 0
         self.sentiment_cascade: Cascade | None = None
         if builtins:
             from ken.sql.builtins import register_builtins
@@ -177,10 +176,11 @@ class Session:
     # -- queries -----------------------------------------------------------------------------
 
     def _rewrite(self, query: str) -> list[Rewritten]:
-        out = []
+        out: list[Rewritten] = []
+        next_site = 0  # site ids restart per query so that EXPLAIN output is deterministic
         for statement in parse(query):
-            rw = rewrite(statement, self.functions, self._duckdb_functions(), self._next_site)
-            self._next_site += len(rw.sites)
+            rw = rewrite(statement, self.functions, self._duckdb_functions(), next_site)
+            next_site += len(rw.sites)
             out.append(rw)
         return out
 
