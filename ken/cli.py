@@ -14,7 +14,8 @@ from rich.table import Table
 from ken.errors import KenError
 from ken.progress import Reporter
 
-console = Console()
+# a fixed width when not a terminal keeps wide tables readable in logs and CI
+console = Console(width=None if sys.stdout.isatty() else 160)
 
 
 def _family_args(p: argparse.ArgumentParser) -> None:
@@ -165,6 +166,34 @@ def cmd_cascades(args: argparse.Namespace) -> int:
     return 0
 
 
+def _session(args: argparse.Namespace):  # noqa: ANN202
+    import ken
+    from ken.operators.model import DeviceConfig
+    from ken.sql.builtins import load_demo_tables
+
+    session = ken.connect(args.db, device=DeviceConfig(threads=args.threads),
+                          data=_family(args), reporter=Reporter(args.quiet))
+    if args.db is None or args.demo_tables:
+        tables = load_demo_tables(session)
+        if not args.quiet:
+            Console(stderr=True).print(f"demo tables: {', '.join(tables)}")
+    return session
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    with _session(args) as session:
+        result = session.sql(args.query)
+        console.print(str(result))
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    with _session(args) as session:
+        console.print(session.explain(args.query, analyze=args.analyze), highlight=False,
+                      markup=False)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from ken.demo import run_demo
 
@@ -202,6 +231,18 @@ def build_parser() -> argparse.ArgumentParser:
                       help="batch size for cost per row (default: each model's best)")
     casc.add_argument("--json", type=Path, default=None, help="write the frontier as JSON")
     casc.set_defaults(func=cmd_cascades)
+
+    for name, func, text in (("sql", cmd_sql, "run a semantic SQL query"),
+                             ("explain", cmd_explain, "show the plan of a semantic SQL query")):
+        p = sub.add_parser(name, help=text)
+        _family_args(p)
+        p.add_argument("query", help="SQL, e.g. \"SELECT sentiment(text) FROM tweets\"")
+        p.add_argument("--db", default=None, help="DuckDB database file (default: in memory "
+                       "with the demo tables: tweets, and abt/buy when ../shared/data is there)")
+        p.add_argument("--demo-tables", action="store_true", help="add the demo tables to --db")
+        if name == "explain":
+            p.add_argument("--analyze", action="store_true", help="run it and add actual counts")
+        p.set_defaults(func=func)
 
     demo = sub.add_parser("demo", help="the whole pipeline on the packaged models and data")
     _family_args(demo)

@@ -144,3 +144,26 @@ def test_cli_list(home, capsys) -> None:
     for name in family.MEMBER_NAMES:
         assert name in out
     assert main(["models", "list", "--train-rows", "301", "--test-rows", "150"]) == 1
+
+
+def test_sentiment_sql_on_real_models(home, models) -> None:
+    import ken
+    from ken.sql.builtins import load_demo_tables
+
+    with ken.connect(device=DEVICE, data=DATA, home=home) as session:
+        load_demo_tables(session, num_rows=40)
+        session.sql("CREATE TABLE t AS SELECT * FROM tweets UNION ALL "
+                    "SELECT 1000, NULL, NULL, NULL UNION ALL SELECT * FROM tweets LIMIT 5")
+        result = session.sql("SELECT id, text, sentiment(text) AS mood FROM t ORDER BY id")
+        binding = session.bind("sentiment", ())
+        rows = result.fetchall()
+        texts = [r[1] for r in rows]
+        expected = run_cascade(binding.cascade, models, texts, batch_size=1).labels.to_pylist()
+        assert [r[2] for r in rows] == expected
+        stats = result.stats["s0"]
+        distinct = len({t for t in texts if t is not None})
+        assert stats.distinct_evaluated == distinct  # duplicates evaluated once
+        assert stats.stages[0].input_rows == distinct
+        plan = session.explain("SELECT count(*) FROM t WHERE len > 40 AND "
+                               "sentiment(text) = 'negative'")
+        assert "Semantic filter s0:sentiment(text)" in plan and "cascade minilm" in plan
