@@ -59,21 +59,25 @@ def bind_sentiment(session: Session, _constants: tuple[str, ...]) -> Bound:
     return session.resource("sentiment-binding", lambda: choose_sentiment_cascade(session))
 
 
-def bind_filter(session: Session, constants: tuple[str, ...]) -> Bound:
-    from ken.operators import filter as sem_filter
+def semantic_resources(session: Session) -> Any:
+    """The networks behind sem_filter / sem_match, loaded once per session."""
+    from ken.operators.semantic import Resources
 
-    resources = session.resource("semantic-resources",
-                                 lambda: sem_filter.Resources(session.device, session.home))
-    return sem_filter.bind_sem_filter(constants[0], resources)
+    return session.resource("semantic-resources",
+                            lambda: Resources(session.device, session.home, session.reporter))
+
+
+def bind_filter(session: Session, constants: tuple[str, ...]) -> Bound:
+    from ken.operators.filter import bind_sem_filter
+
+    return bind_sem_filter(constants[0], semantic_resources(session))
 
 
 def bind_match(session: Session, _constants: tuple[str, ...]) -> Bound:
-    from ken.operators import filter as sem_filter
-    from ken.operators import match
+    from ken.operators.match import bind_sem_match
 
-    resources = session.resource("semantic-resources",
-                                 lambda: sem_filter.Resources(session.device, session.home))
-    return session.resource("sem-match-binding", lambda: match.bind_sem_match(resources))
+    return session.resource("sem-match-binding",
+                            lambda: bind_sem_match(semantic_resources(session)))
 
 
 def register_builtins(session: Session) -> None:
