@@ -1,0 +1,341 @@
+"""What semantic SQL operators share: a bound operator and the heavy models behind it.
+
+A semantic function such as ``sem_filter(text, 'predicate')`` is *bound* once per call site to
+its constant arguments. The result, a :class:`BoundSemantic`, is a :class:`Cascade` plus the
+:class:`Model` objects it names, so the generic cascade executor runs it in batches like any
+classifier; ``to_sql_values`` turns the cascade's labels into SQL values.
+
+Different predicates need different models (each embeds its own predicate), but they all run on
+the same few pretrained networks. :class:`Resources` loads each network once per device and
+hands the same object to every bound operator, so a query with ten ``sem_filter`` predicates
+holds one MiniLM and one SmolLM2 in memory, not ten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from ken.errors import DataError, ModelError
+from ken.operators.cascade import Cascade
+from ken.operators.model import DeviceConfig, Model
+from ken.operators.transformers_backend import BodyConfig, TransformersBody
+from ken.paths import ken_home
+from ken.progress import QUIET, Reporter
+
+OUTPUT_TYPES = ("boolean", "varchar")
+BOOLEAN_LABELS = ("false", "true")  # label order of every boolean operator's models
+ENCODERS = ("minilm-l3", "minilm-l6")
+CAUSAL_LMS = ("smollm2-135m",)
+ENCODER_MAX_TOKENS = 128  # both MiniLMs were trained on inputs of at most 128 tokens
+
+
+def short_hash(*parts: object) -> str:
+    """Eight hex digits identifying ``parts``; keeps model names unique per bound argument."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(repr(part).encode("utf-8", "backslashreplace"))
+        h.update(b"\x1f")
+    return h.hexdigest()[:8]
+
+
+def quote_argument(text: str, limit: int = 60) -> str:
+    """A constant argument as a one-line SQL string literal, shortened for EXPLAIN."""
+    one_line = " ".join(text.split())
+    if len(one_line) > limit:
+        one_line = one_line[: limit - 3] + "..."
+    return "'" + one_line.replace("'", "''") + "'"
+
+
+@dataclass(frozen=True, eq=False)
+class BoundSemantic:
+    """A semantic function bound to its constant arguments: a cascade and the models it runs.
+
+    ``models`` holds at least every model the cascade names (read-only). ``calibrated`` says
+    whether thresholds and probabilities were fitted on labelled data for this operator;
+    EXPLAIN shows ``uncalibrated`` otherwise. ``detail`` is a short note for EXPLAIN (how it
+    was calibrated, or why it fell back to defaults).
+
+    >>> # bound = bind_sem_filter("complains about a flight delay", Resources())
+    >>> # result = run_cascade(bound.cascade, bound.models, table["text"])
+    >>> # keep = bound.to_sql_values(result.labels.to_pylist())  # [True, False, None, ...]
+    """
+
+    function: str
+    cascade: Cascade
+    models: Mapping[str, Model] = field(repr=False)
+    output_type: str
+    calibrated: bool
+    arguments: tuple[str, ...] = ()
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        if self.output_type not in OUTPUT_TYPES:
+            raise ModelError(f"output type must be one of {OUTPUT_TYPES}, "
+                             f"not {self.output_type!r}")
+        missing = [m for m in self.cascade.models if m not in self.models]
+        if missing:
+            raise ModelError(f"{self.function}: the cascade names {missing} but only "
+                             f"{sorted(self.models)} are bound")
+        if self.output_type == "boolean":
+            for name in self.cascade.models:
+                if tuple(self.models[name].spec.labels) != BOOLEAN_LABELS:
+                    raise ModelError(f"{self.function}: model {name} predicts "
+                                     f"{self.models[name].spec.labels}, a boolean operator "
+                                     f"needs {BOOLEAN_LABELS}")
+        # a read-only view: bound operators are shared between call sites and queries
+        object.__setattr__(self, "models", MappingProxyType(dict(self.models)))
+
+    def describe(self) -> str:
+        """One line for EXPLAIN: the call, the cascade with its thresholds, calibration."""
+        args = ", ".join(quote_argument(a) for a in self.arguments)
+        head = f"{self.function}({args})" if args else self.function
+        state = "calibrated" if self.calibrated else "uncalibrated"
+        text = f"{head}: {self.cascade.describe()} [{self.cascade.certainty}], {state}"
+        return f"{text}; {self.detail}" if self.detail else text
+
+    def to_sql_values(self, labels: Sequence[str | None]) -> list[Any]:
+        """The cascade's label strings as SQL values: ``"true"`` -> ``True``; NULL stays NULL."""
+        if hasattr(labels, "to_pylist"):
+            labels = labels.to_pylist()  # an Arrow array
+        if self.output_type == "varchar":
+            return list(labels)
+        out: list[bool | None] = []
+        for label in labels:
+            if label is None:
+                out.append(None)
+            elif label == "true":
+                out.append(True)
+            elif label == "false":
+                out.append(False)
+            else:
+                raise DataError(f"{self.function} returns a boolean, but a model produced the "
+                                f"label {label!r}; its models must predict {BOOLEAN_LABELS}")
+        return out
+
+
+class CausalLM:
+    """A causal language model that scores the next token of prompts given as token ids.
+
+    Prompts are batched with *left* padding so that every row's last real token sits in the
+    last column, and position ids are counted from each row's first real token, so a row gets
+    the same logits alone as inside a padded batch (up to float rounding).
+    """
+
+    def __init__(self, source: str | Path, device: DeviceConfig | None = None) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        self.source = str(source)
+        self.device = device or DeviceConfig()
+        if self.device.kind == "cuda" and not torch.cuda.is_available():
+            raise ModelError("a CUDA device was requested but torch sees no GPU")
+        local = Path(self.source).is_dir()
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.source, local_files_only=local)
+            net = AutoModelForCausalLM.from_pretrained(self.source, local_files_only=local,
+                                                       dtype=torch.float32)
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"cannot load a causal language model from {self.source!r}: "
+                             f"{exc}; run `ken models prepare` to convert the packaged one"
+                             ) from exc
+        self.net = net.eval().to(self.device.torch_device)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
+        self.context_tokens = int(getattr(self.net.config, "max_position_embeddings", 2048))
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.net.parameters())
+
+    @property
+    def memory_bytes(self) -> int:
+        params = sum(p.numel() * p.element_size() for p in self.net.parameters())
+        return params + sum(b.numel() * b.element_size() for b in self.net.buffers())
+
+    def single_token_ids(self, spellings: Sequence[str]) -> list[int]:
+        """Ids of the spellings that are exactly one token (others cannot be a next token)."""
+        ids: list[int] = []
+        for text in spellings:
+            tokens = self.tokenizer.encode(text, add_special_tokens=False)
+            if len(tokens) == 1 and tokens[0] not in ids:
+                ids.append(int(tokens[0]))
+        return ids
+
+    def next_token_scores(self, prompts: Sequence[Sequence[int]],
+                          groups: Sequence[Sequence[int]], batch_size: int = 8,
+                          on_batch: Callable[[int], None] | None = None) -> np.ndarray:
+        """Log-probability that the next token is in each group, shape ``(rows, groups)``.
+
+        A group's score is the log of the summed probability of its token ids. Rows are sorted
+        by length before batching so a batch pads little; output is in input order.
+        """
+        import torch
+
+        if batch_size < 1:
+            raise ModelError(f"batch size must be at least 1, got {batch_size}")
+        out = np.zeros((len(prompts), len(groups)), dtype=np.float64)
+        if not len(prompts):
+            return out
+        if any(not len(p) for p in prompts):
+            raise ModelError("every prompt needs at least one token")
+        index = [torch.tensor(list(g), dtype=torch.long) for g in groups]
+        torch.set_num_threads(self.device.threads)
+        order = np.argsort([len(p) for p in prompts], kind="stable")
+        with torch.inference_mode():
+            for start in range(0, len(order), batch_size):
+                rows = order[start:start + batch_size]
+                width = max(len(prompts[i]) for i in rows)
+                input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+                mask = torch.zeros((len(rows), width), dtype=torch.long)
+                for j, i in enumerate(rows):
+                    n = len(prompts[i])
+                    input_ids[j, width - n:] = torch.tensor(list(prompts[i]))
+                    mask[j, width - n:] = 1
+                positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+                logits = self.net(input_ids=input_ids.to(self.device.torch_device),
+                                  attention_mask=mask.to(self.device.torch_device),
+                                  position_ids=positions.to(self.device.torch_device),
+                                  use_cache=False, logits_to_keep=1).logits[:, -1, :]
+                logp = torch.log_softmax(logits.float(), dim=-1).cpu()
+                for g, ids in enumerate(index):
+                    out[rows, g] = torch.logsumexp(logp[:, ids], dim=1).double().numpy()
+                if on_batch:
+                    on_batch(len(rows))
+        return out
+
+    def continuation_logprobs(self, contexts: Sequence[Sequence[int]],
+                              continuations: Sequence[Sequence[int]], batch_size: int = 8,
+                              on_batch: Callable[[int], None] | None = None) -> np.ndarray:
+        """``log P(continuation | context)`` summed over the continuation's tokens, per row.
+
+        Left padding puts every continuation at the end of its row, so only the last
+        ``max continuation length + 1`` positions need logits over the vocabulary. An empty
+        continuation scores 0.
+        """
+        import torch
+
+        if batch_size < 1:
+            raise ModelError(f"batch size must be at least 1, got {batch_size}")
+        if len(contexts) != len(continuations):
+            raise ModelError(f"{len(contexts)} contexts but {len(continuations)} continuations")
+        out = np.zeros(len(contexts), dtype=np.float64)
+        if any(not len(c) for c in contexts):
+            raise ModelError("every context needs at least one token")
+        rows_all = [list(c) + list(t) for c, t in zip(contexts, continuations, strict=True)]
+        torch.set_num_threads(self.device.threads)
+        order = np.argsort([len(r) for r in rows_all], kind="stable")
+        with torch.inference_mode():
+            for start in range(0, len(order), batch_size):
+                rows = order[start:start + batch_size]
+                width = max(len(rows_all[i]) for i in rows)
+                keep = max(len(continuations[i]) for i in rows) + 1
+                input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+                mask = torch.zeros((len(rows), width), dtype=torch.long)
+                for j, i in enumerate(rows):
+                    n = len(rows_all[i])
+                    input_ids[j, width - n:] = torch.tensor(rows_all[i])
+                    mask[j, width - n:] = 1
+                positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+                logits = self.net(input_ids=input_ids.to(self.device.torch_device),
+                                  attention_mask=mask.to(self.device.torch_device),
+                                  position_ids=positions.to(self.device.torch_device),
+                                  use_cache=False, logits_to_keep=keep).logits
+                logp = torch.log_softmax(logits.float(), dim=-1).cpu()  # (rows, keep, vocab)
+                for j, i in enumerate(rows):
+                    n = len(continuations[i])
+                    if n == 0:
+                        continue
+                    # logits at column c predict the token at column c + 1; the continuation
+                    # occupies the last n columns, predicted by columns keep-1-n .. keep-2
+                    targets = torch.tensor(list(continuations[i]), dtype=torch.long)
+                    picked = logp[j, keep - 1 - n: keep - 1].gather(1, targets[:, None])
+                    out[i] = float(picked.double().sum())
+                if on_batch:
+                    on_batch(len(rows))
+        return out
+
+
+class Resources:
+    """Pretrained networks shared by all bound semantic operators, loaded on first use.
+
+    Keyed by network and device, so operators bound for the same device share one copy. A
+    session owns one ``Resources`` (no global state). Loading is guarded by a lock because
+    DuckDB may bind or run operators from several threads.
+
+    >>> # resources = Resources(DeviceConfig(threads=2))
+    >>> # body = resources.encoder("minilm-l6")  # loaded once, then reused
+    """
+
+    def __init__(self, device: DeviceConfig | None = None, home: Path | None = None,
+                 reporter: Reporter = QUIET) -> None:
+        self.device = device or DeviceConfig()
+        self._home = home
+        self.reporter = reporter
+        self._lock = threading.RLock()
+        self._loaded: dict[tuple[str, DeviceConfig], Any] = {}
+
+    @property
+    def home(self) -> Path:
+        """Where converted models and trained heads are cached (``KEN_HOME`` by default)."""
+        return self._home or ken_home()
+
+    def loaded(self) -> tuple[str, ...]:
+        """``name@device`` of every network loaded so far (for tests and diagnostics)."""
+        with self._lock:
+            return tuple(f"{name}@{device.label}" for name, device in self._loaded)
+
+    def encoder(self, name: str = "minilm-l6", device: DeviceConfig | None = None
+                ) -> TransformersBody:
+        """A MiniLM sentence encoder (mean-pooled features), converted on first use."""
+        if name not in ENCODERS:
+            raise ModelError(f"unknown encoder {name!r}; use one of: {', '.join(ENCODERS)}")
+        return self._get(name, device, lambda d: TransformersBody(
+            BodyConfig(str(self._body_dir(name)), "encoder", None, ENCODER_MAX_TOKENS), d))
+
+    def causal_lm(self, name: str = "smollm2-135m", device: DeviceConfig | None = None
+                  ) -> CausalLM:
+        """The full causal LM (all layers and the LM head), converted on first use."""
+        if name not in CAUSAL_LMS:
+            raise ModelError(f"unknown language model {name!r}; use one of: "
+                             f"{', '.join(CAUSAL_LMS)}")
+        return self._get(name, device, lambda d: CausalLM(self._body_dir(name), d))
+
+    def _body_dir(self, name: str) -> Path:
+        from ken.operators import family
+
+        return family.body_dir(family.member(name), self.home, self.reporter)
+
+    def _get(self, name: str, device: DeviceConfig | None, load: Callable[[DeviceConfig], Any]
+             ) -> Any:
+        key = (name, device or self.device)
+        with self._lock:
+            if key not in self._loaded:
+                self._loaded[key] = load(key[1])
+            return self._loaded[key]
+
+
+def normalise_rows(x: np.ndarray) -> np.ndarray:
+    """Rows scaled to unit L2 norm (all-zero rows stay zero)."""
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    return x / np.maximum(norms, 1e-12)
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * np.asarray(x, dtype=np.float64)))  # overflow-free
+
+
+def boolean_probabilities(p_true: np.ndarray) -> np.ndarray:
+    """``[[1 - p, p], ...]`` as float32, the probability layout of every boolean model."""
+    p = np.clip(np.asarray(p_true, dtype=np.float64), 0.0, 1.0)
+    return np.stack([1.0 - p, p], axis=1).astype(np.float32).reshape(len(p), 2)

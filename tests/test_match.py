@@ -1,0 +1,209 @@
+"""sem_match: data parsing and threshold logic (fast), and the real pair models.
+
+The pair heads are trained once per module in a temporary KEN_HOME on a subset of Abt-Buy's
+training pairs (validation and test splits in full). Tests that need the entity-matching data
+skip when ``../shared/data/entity-matching`` is absent, as on a fresh clone; the fallback test
+runs everywhere.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from ken.engine.batch import run_cascade
+from ken.errors import DataError, ModelError
+from ken.operators.match import (
+    FALLBACK_OFFSET,
+    MatchCard,
+    MatchScores,
+    cascade_labels,
+    choose_threshold,
+    has_data,
+    lexical_features,
+    load_card,
+    load_pair_model,
+    load_pairs,
+    parse_record,
+    prepare_sem_match,
+)
+from ken.operators.match import bind_sem_match as bind
+from ken.operators.model import DeviceConfig
+from ken.operators.semantic import Resources
+from ken.paths import shared_data_dir
+
+DATASET = "Abt-Buy"
+NUM_TRAIN = 2500
+DEVICE = DeviceConfig(threads=1)  # one thread: tolerant of other work on a 2-core machine
+needs_data = pytest.mark.skipif(
+    not has_data(DATASET),
+    reason=f"entity-matching data not found at {shared_data_dir() / 'entity-matching'} "
+           "(set KEN_DATA_DIR to the folder holding entity-matching/Abt-Buy)")
+
+
+# ----------------------------------------------------------------- no models
+
+
+def test_parse_record_keeps_attribute_order_and_empty_values() -> None:
+    record = parse_record("COL name VAL sony bravia kdl-40 COL description VAL  COL price VAL 10")
+    assert list(record) == ["name", "description", "price"]
+    assert record == {"name": "sony bravia kdl-40", "description": "", "price": "10"}
+    with pytest.raises(DataError, match="serialized entity"):
+        parse_record("just text")
+
+
+def test_load_pairs_reads_the_format(tmp_path) -> None:
+    folder = tmp_path / "entity-matching" / "Tiny"
+    folder.mkdir(parents=True)
+    line = "COL title VAL a b COL year VAL 1\tCOL title VAL a c COL year VAL 2\t{}\n"
+    for split in ("train", "valid", "test"):
+        (folder / f"{split}.txt").write_text(line.format(1) + line.format(0))
+    pairs = load_pairs("Tiny", "valid", tmp_path)
+    assert pairs.left == ("a b", "a b") and pairs.right == ("a c", "a c")
+    assert pairs.labels.tolist() == [1, 0]
+    assert load_pairs("Tiny", "test", tmp_path, attribute="year").left == ("1", "1")
+    with pytest.raises(DataError, match="no attribute 'price'"):
+        load_pairs("Tiny", "test", tmp_path, attribute="price")
+    (folder / "test.txt").write_text("broken line\n")
+    with pytest.raises(DataError, match="TAB"):
+        load_pairs("Tiny", "test", tmp_path)
+    with pytest.raises(DataError, match="not found"):
+        load_pairs("Missing", "test", tmp_path)
+
+
+def test_lexical_features_spot_shared_model_numbers() -> None:
+    feats = lexical_features(["LG LDS4821WW dishwasher", "sony tv"],
+                             ["lds4821ww white dishwasher", "samsung phone"])
+    assert feats[0, 1] == 1.0 and feats[1, 1] == 0.0
+    assert feats[0, 0] == pytest.approx(2 / 4) and feats[1, 0] == 0.0
+
+
+def brute_force_threshold(cheap, strong, truth, tolerance):
+    """Try every candidate threshold; keep the one escalating fewest rows within tolerance."""
+    sure = cheap.max(axis=1)
+    values = np.unique(sure)
+    candidates = [0.0, *((values[:-1] + values[1:]) / 2), float(np.nextafter(values[-1], 2))]
+    goal = (strong.argmax(axis=1) == truth).mean() - tolerance
+    best = None
+    for t in candidates:
+        acc = (cascade_labels(cheap, strong, t) == truth).mean()
+        rate = (sure < t).mean()
+        if acc >= goal - 1e-12 and (best is None or rate < best[0]):
+            best = (rate, t)
+    return best[1]
+
+
+def test_choose_threshold_matches_brute_force() -> None:
+    rng = np.random.default_rng(0)
+    for trial in range(30):
+        n = int(rng.integers(5, 40))
+        truth = rng.integers(0, 2, n)
+        p_cheap = np.round(rng.random(n), 1)  # coarse: many ties
+        cheap = np.stack([1 - p_cheap, p_cheap], axis=1)
+        p_strong = np.clip(truth * 0.7 + rng.random(n) * 0.5, 0, 1)
+        strong = np.stack([1 - p_strong, p_strong], axis=1)
+        tol = [0.0, 0.005, 0.05][trial % 3]
+        got = choose_threshold(cheap, strong, truth, tol)
+        want = brute_force_threshold(cheap, strong, truth, tol)
+        assert (cheap.max(axis=1) < got).mean() == (cheap.max(axis=1) < want).mean()
+        acc = (cascade_labels(cheap, strong, got) == truth).mean()
+        assert acc >= (strong.argmax(axis=1) == truth).mean() - tol - 1e-12
+
+
+def test_match_scores() -> None:
+    s = MatchScores.of(np.array([1, 1, 0, 0]), np.array([1, 0, 1, 0]))
+    assert (s.accuracy, s.precision, s.recall, s.f1) == (0.5, 0.5, 0.5, 0.5)
+    assert MatchScores.of(np.zeros(3), np.zeros(3)).f1 == 0.0
+
+
+# ----------------------------------------------------------------- real models
+
+
+@pytest.fixture(scope="module")
+def resources(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ken_home_match")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KEN_HOME", str(path))
+    yield Resources(DEVICE, home=path)
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def card(resources) -> MatchCard:
+    if not has_data(DATASET):
+        pytest.skip(f"entity-matching data not found at {shared_data_dir()}")
+    return prepare_sem_match(resources, DATASET, num_train=NUM_TRAIN)
+
+
+@pytest.fixture(scope="module")
+def bound(resources, card):
+    return bind(resources, DATASET, num_train=NUM_TRAIN)
+
+
+@pytest.mark.models
+@needs_data
+def test_obvious_matches_and_non_matches(bound) -> None:
+    left = ["sony bravia kdl-40v3000 40 ' lcd tv", "apple ipod nano 8gb silver mb598ll/a",
+            "garmin nuvi 200w 4.3 ' portable gps", "samsung 52 ' lcd tv ln52a650",
+            "bose quietcomfort 3 headphones", None, "garmin nuvi 200w gps"]
+    right = ["sony bravia 40 ' lcd hdtv kdl-40v3000", "sony bravia kdl-40v3000 40 ' lcd tv",
+             "garmin nuvi 200w gps navigator", "panasonic 50 ' plasma tv th-50pz800u",
+             "bose quietcomfort 3 acoustic noise cancelling headphones", "anything", None]
+    result = run_cascade(bound.cascade, bound.models,
+                         [pa.array(left), pa.array(right)], batch_size=4)
+    assert bound.to_sql_values(result.labels) == [True, False, True, False, True, None, None]
+    assert bound.calibrated and bound.describe().startswith("sem_match: pair-l3[abt-buy.name]")
+
+
+@pytest.mark.models
+@needs_data
+def test_pair_models_are_symmetric(bound) -> None:
+    pairs = [("samsung 52 ' lcd tv ln52a650", "ln52a650 samsung lcd television"),
+             ("logitech mx revolution mouse", "bose quietcomfort 3 headphones"), ("", "x")]
+    for model in bound.models.values():
+        forward = model.predict(pairs).probabilities
+        backward = model.predict([(b, a) for a, b in pairs]).probabilities
+        np.testing.assert_allclose(forward, backward, atol=1e-5)
+        assert model.spec.num_inputs == 2
+
+
+@pytest.mark.models
+@needs_data
+def test_card_test_f1_is_reproducible_from_the_saved_heads(resources, card) -> None:
+    assert card.num_train == NUM_TRAIN and card.attribute == "name"
+    test = load_pairs(DATASET, "test")
+    for member in card.members:
+        model = load_pair_model(resources, member.member, DATASET)
+        pred = model.predict(test.pairs, batch_size=32).labels
+        scores = MatchScores.of(pred, test.labels)
+        assert scores.f1 == pytest.approx(member.test.f1, abs=2e-3)
+        assert scores.accuracy == pytest.approx(member.test.accuracy, abs=1e-3)
+        assert member.test.f1 > 0.4  # far above the ~0.2 of guessing at the 11% base rate
+    assert load_card(resources, DATASET) == card  # JSON round trip
+    assert prepare_sem_match(resources, DATASET, num_train=NUM_TRAIN) == card  # cached
+
+
+@pytest.mark.models
+@needs_data
+def test_cascade_over_the_test_split_matches_the_card(bound, card) -> None:
+    test = load_pairs(DATASET, "test")
+    result = run_cascade(bound.cascade, bound.models,
+                         [pa.array(test.left), pa.array(test.right)], batch_size=32)
+    scores = MatchScores.of(result.label_index, test.labels)
+    assert scores.f1 == pytest.approx(card.cascade_test.f1, abs=5e-3)
+    escalated = result.stages[1].input_rows / len(test)
+    assert escalated == pytest.approx(card.escalation_test, abs=5e-3)
+
+
+@pytest.mark.models
+def test_fallback_without_data_never_fails(resources, tmp_path) -> None:
+    bound = bind(resources, "NoSuchDataset", data_dir=tmp_path)
+    assert not bound.calibrated and "uncalibrated" in bound.describe()
+    assert f"cos > {FALLBACK_OFFSET:g}" in bound.describe()
+    result = run_cascade(bound.cascade, bound.models,
+                         [pa.array(["apple ipod nano 8gb", None, "red wine"]),
+                          pa.array(["apple ipod nano 8 gb", "x", "quantum physics lecture"])])
+    assert bound.to_sql_values(result.labels) == [True, None, False]
+    with pytest.raises(ModelError, match="unknown sem_match model"):
+        bind(resources, "NoSuchDataset", data_dir=tmp_path, single="gpt")
