@@ -89,5 +89,23 @@ def run_demo(args: argparse.Namespace, console: Console) -> int:
         preview.add_row(str(i), "NULL" if text is None else repr(text[:70]),
                         str(out.column("sentiment")[i].as_py()))
     console.print(preview)
+
+    console.rule("5. semantic SQL on DuckDB: EXPLAIN, then EXPLAIN ANALYZE")
+    import ken
+    from ken.sql.builtins import load_demo_tables
+
+    with ken.connect(device=device, data=data, reporter=reporter) as session:
+        session.sentiment_cascade = best.cascade
+        load_demo_tables(session, num_rows=query_rows)
+        session.sql("CREATE TABLE replies AS SELECT * FROM tweets UNION ALL "
+                    "SELECT id + 100000, text, label, len FROM tweets WHERE id % 4 = 0")
+        query = ("SELECT sentiment(text) AS mood, count(*) AS n, "
+                 "round(avg(CASE WHEN sentiment(text) = label THEN 1 ELSE 0 END), 3) AS agree "
+                 "FROM replies WHERE len > 60 GROUP BY mood ORDER BY n DESC")
+        console.print(query)
+        console.print(session.explain(query), markup=False, highlight=False)
+        analyzed = session.explain(query, analyze=True).split("DuckDB physical plan")[0]
+        console.print(analyzed, markup=False, highlight=False)
+        console.print(str(session.sql(query)), markup=False, highlight=False)
     console.print(f"demo finished in {time.perf_counter() - started:.0f} s")
     return 0
