@@ -284,6 +284,9 @@ def load_or_run_profile(
     """The cached profile for (model, hardware, sample), measuring it on the first call."""
     folder = profile_dir(model, sample, batch_sizes, home)
     if (folder / "header.json").exists():
+        if on_step:  # report every step as done, so progress bars show a cache hit as complete
+            for size in (*batch_sizes, 0):
+                on_step(size)
         return Profile.load(folder)
     profile = run_profile(model, sample, batch_sizes, repeats, on_step)
     profile.save(folder)
