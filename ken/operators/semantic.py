@@ -26,7 +26,12 @@ import numpy as np
 from ken.errors import DataError, ModelError
 from ken.operators.cascade import Cascade
 from ken.operators.model import DeviceConfig, Model
-from ken.operators.transformers_backend import BodyConfig, TransformersBody
+from ken.operators.transformers_backend import (
+    BodyConfig,
+    TransformersBody,
+    count_params,
+    weight_bytes,
+)
 from ken.paths import ken_home
 from ken.progress import QUIET, Reporter
 
@@ -156,12 +161,11 @@ class CausalLM:
 
     @property
     def num_params(self) -> int:
-        return sum(p.numel() for p in self.net.parameters())
+        return count_params(self.net)
 
     @property
     def memory_bytes(self) -> int:
-        params = sum(p.numel() * p.element_size() for p in self.net.parameters())
-        return params + sum(b.numel() * b.element_size() for b in self.net.buffers())
+        return weight_bytes(self.net)
 
     def single_token_ids(self, spellings: Sequence[str]) -> list[int]:
         """Ids of the spellings that are exactly one token (others cannot be a next token)."""

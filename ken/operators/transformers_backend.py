@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +34,17 @@ class BodyConfig:
             raise ModelError(f"body kind must be one of {BODY_KINDS}, not {self.kind!r}")
         if self.max_tokens < 2:
             raise ModelError(f"max_tokens must be at least 2, got {self.max_tokens}")
+
+
+def count_params(net: Any) -> int:
+    """Parameters of a torch module."""
+    return sum(p.numel() for p in net.parameters())
+
+
+def weight_bytes(net: Any) -> int:
+    """Resident bytes of a torch module's parameters and buffers."""
+    params = sum(p.numel() * p.element_size() for p in net.parameters())
+    return params + sum(b.numel() * b.element_size() for b in net.buffers())
 
 
 def _quiet_transformers() -> None:
@@ -87,12 +99,11 @@ class TransformersBody:
 
     @property
     def num_params(self) -> int:
-        return sum(p.numel() for p in self.net.parameters())
+        return count_params(self.net)
 
     @property
     def memory_bytes(self) -> int:
-        params = sum(p.numel() * p.element_size() for p in self.net.parameters())
-        return params + sum(b.numel() * b.element_size() for b in self.net.buffers())
+        return weight_bytes(self.net)
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids per text, truncated to the model's limit (special tokens included)."""
