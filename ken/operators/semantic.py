@@ -30,6 +30,7 @@ from ken.operators.transformers_backend import (
     BodyConfig,
     TransformersBody,
     count_params,
+    pad_batch,
     weight_bytes,
 )
 from ken.paths import ken_home
@@ -199,13 +200,7 @@ class CausalLM:
         with torch.inference_mode():
             for start in range(0, len(order), batch_size):
                 rows = order[start:start + batch_size]
-                width = max(len(prompts[i]) for i in rows)
-                input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-                mask = torch.zeros((len(rows), width), dtype=torch.long)
-                for j, i in enumerate(rows):
-                    n = len(prompts[i])
-                    input_ids[j, width - n:] = torch.tensor(list(prompts[i]))
-                    mask[j, width - n:] = 1
+                input_ids, mask = pad_batch([prompts[i] for i in rows], self.pad_id, left=True)
                 positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
                 logits = self.net(input_ids=input_ids.to(self.device.torch_device),
                                   attention_mask=mask.to(self.device.torch_device),
@@ -242,14 +237,8 @@ class CausalLM:
         with torch.inference_mode():
             for start in range(0, len(order), batch_size):
                 rows = order[start:start + batch_size]
-                width = max(len(rows_all[i]) for i in rows)
                 keep = max(len(continuations[i]) for i in rows) + 1
-                input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-                mask = torch.zeros((len(rows), width), dtype=torch.long)
-                for j, i in enumerate(rows):
-                    n = len(rows_all[i])
-                    input_ids[j, width - n:] = torch.tensor(rows_all[i])
-                    mask[j, width - n:] = 1
+                input_ids, mask = pad_batch([rows_all[i] for i in rows], self.pad_id, left=True)
                 positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
                 logits = self.net(input_ids=input_ids.to(self.device.torch_device),
                                   attention_mask=mask.to(self.device.torch_device),

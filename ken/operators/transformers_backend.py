@@ -47,6 +47,24 @@ def weight_bytes(net: Any) -> int:
     return params + sum(b.numel() * b.element_size() for b in net.buffers())
 
 
+def pad_batch(sequences: Sequence[Sequence[int]], pad_id: int, left: bool = False
+              ) -> tuple[Any, Any]:
+    """Token-id rows padded to the longest: ``(input_ids, attention_mask)`` as torch tensors.
+
+    Encoders pad on the right; decoders that read the last position pad on the left.
+    """
+    import torch
+
+    width = max(len(seq) for seq in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for j, seq in enumerate(sequences):
+        span = slice(width - len(seq), width) if left else slice(0, len(seq))
+        input_ids[j, span] = torch.tensor(list(seq), dtype=torch.long)
+        mask[j, span] = 1
+    return input_ids, mask
+
+
 def _quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
@@ -132,12 +150,7 @@ class TransformersBody:
         with torch.inference_mode():
             for start in range(0, len(order), batch_size):
                 rows = order[start:start + batch_size]
-                width = max(len(ids[i]) for i in rows)
-                input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-                mask = torch.zeros((len(rows), width), dtype=torch.long)
-                for j, i in enumerate(rows):
-                    input_ids[j, : len(ids[i])] = torch.tensor(ids[i])
-                    mask[j, : len(ids[i])] = 1
+                input_ids, mask = pad_batch([ids[i] for i in rows], self.pad_id)
                 input_ids = input_ids.to(self.device.torch_device)
                 mask = mask.to(self.device.torch_device)
                 pooled = self._pool(input_ids, mask)
