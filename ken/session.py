@@ -26,7 +26,7 @@ from ken.progress import QUIET, Reporter
 from ken.sql.execute import SiteRunner, register_sites, translate_error, unregister_sites
 from ken.sql.explain import build, conjuncts, has_site, render, site_lines
 from ken.sql.functions import Bound, ClassifierBinding, SemanticFunction
-from ken.sql.rewrite import Rewritten, SqlError, parse, rewrite
+from ken.sql.rewrite import CallSite, Rewritten, SqlError, parse, rewrite
 
 _EXPLAIN = re.compile(r"^\s*EXPLAIN(\s+ANALYZE)?\s+", re.IGNORECASE)
 
@@ -232,7 +232,7 @@ class Session:
         rw = statements[0]
         lines = render(build(rw.statement))
         describe = {s.id: self.bind(s.function, s.constants).describe() for s in rw.sites}
-        estimates = {s.id: self._estimate(rw, s.id) for s in rw.sites}
+        estimates = {s.id: self._estimate(rw, s) for s in rw.sites}
         if not analyze:
             return "\n".join(lines + site_lines(rw.sites, describe, estimates))
         started = time.perf_counter()
@@ -252,11 +252,9 @@ class Session:
                 "DuckDB physical plan (actual rows and time per operator):", physical]
         return "\n".join(out)
 
-    def _estimate(self, rw: Rewritten, site_id: int) -> str:
+    def _estimate(self, rw: Rewritten, site: CallSite) -> str:
         """Rows and distinct inputs reaching a site, from a COUNT over its relational part."""
-        bound = self.bind(rw.sites[site_id - rw.sites[0].id].function,
-                          rw.sites[site_id - rw.sites[0].id].constants)
-        site = rw.sites[site_id - rw.sites[0].id]
+        bound = self.bind(site.function, site.constants)
         call = next((a for a in rw.statement.find_all(exp.Anonymous)
                      if str(a.this) == site.udf_name), None)
         scope = call.find_ancestor(exp.Select) if call is not None else None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -234,10 +233,6 @@ def load_models(data: FamilyData = FamilyData(), device: DeviceConfig = DeviceCo
 def _data_from_tag(tag: str) -> FamilyData:
     source, num_train, num_test, seed = tag.rsplit("-", 3)
     return FamilyData(source, int(num_train), int(num_test), int(seed[1:]))
-
-
-def remove(data: FamilyData, home: Path | None = None) -> None:
-    shutil.rmtree(family_dir(data, home), ignore_errors=True)
 
 
 def heldout_sample(data: FamilyData, data_dir: Path | None = None) -> LabelledSample:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ken.operators.cascade import Cascade
 from ken.sql.functions import Bound, ClassifierBinding, SemanticFunction
 
 if TYPE_CHECKING:
@@ -91,8 +90,6 @@ def register_builtins(session: Session) -> None:
         "sem_match", 2, (), "boolean", lambda c: bind_match(session, c),
         "do two texts name the same entity")
 
-
-__all__ = ["Cascade", "register_builtins"]
 
 
 def load_demo_tables(session: Session, num_rows: int = 1000) -> list[str]:

@@ -127,9 +127,6 @@ def unregister_sites(con: duckdb.DuckDBPyConnection, runners: list[SiteRunner]) 
             pass
 
 
-_UDF = re.compile(r"__ken_s\d+_(\w+?)\b(?=\()?")
-
-
 def translate_error(error: Exception, sites: list[CallSite]) -> KenError:
     """A DuckDB error about a rewritten query, in the user's terms."""
     message = str(error)
