@@ -12,7 +12,8 @@ Two steps, for a fixed cascade assignment and placement:
    batch size the range is infeasible.
 
 Replicas are identified by ``(model, index)`` where ``index`` is the position in the model's
-replica list; each replica runs on one device.
+replica list. A replica runs on one device (given as its id) or, tensor-parallel, on several
+devices at once (given as a tuple of ids): a batch then occupies every one of them.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from scipy.optimize import linprog
 from ken.errors import KenError
 from ken.optimizer.workload import Hardware
 
-#: seconds of work per row for ``(model, device_id, batch_size)``
-PerRowCost = Callable[[str, str, int], float]
+#: where one replica runs: a device id, or a tuple of device ids for a tensor-parallel replica
+ReplicaDevices = str | tuple[str, ...]
+#: seconds of work per row for ``(model, replica devices, batch_size)``
+PerRowCost = Callable[[str, ReplicaDevices, int], float]
 #: a callable, or a table ``{(model, device_id): seconds per row}`` independent of batch size
 PerRowCostLike = PerRowCost | Mapping[tuple[str, str], float]
 
@@ -40,12 +43,17 @@ class PlanningError(KenError):
     """The scheduler's input is malformed (e.g. a model with demand but no replica)."""
 
 
+def replica_devices(devices: ReplicaDevices) -> tuple[str, ...]:
+    """The device ids a replica occupies."""
+    return (devices,) if isinstance(devices, str) else tuple(devices)
+
+
 def _as_cost_fn(per_row_s: PerRowCostLike) -> PerRowCost:
     if callable(per_row_s):
         return per_row_s
     table = dict(per_row_s)
 
-    def lookup(model: str, device: str, batch_size: int) -> float:
+    def lookup(model: str, device: ReplicaDevices, batch_size: int) -> float:
         try:
             return float(table[(model, device)])
         except KeyError:
@@ -64,7 +72,8 @@ def _device_ids(devices: Hardware | Iterable[str]) -> tuple[str, ...]:
     return ids
 
 
-def _check_input(demand_rows_s: Mapping[str, float], replicas: Mapping[str, Sequence[str]],
+def _check_input(demand_rows_s: Mapping[str, float],
+                 replicas: Mapping[str, Sequence[ReplicaDevices]],
                  device_ids: Sequence[str]) -> None:
     known = set(device_ids)
     for model, demand in demand_rows_s.items():
@@ -74,10 +83,11 @@ def _check_input(demand_rows_s: Mapping[str, float], replicas: Mapping[str, Sequ
             raise PlanningError(f"model {model!r} has demand {demand:g} rows/s but no replica; "
                                 "place at least one replica of it")
     for model, devs in replicas.items():
-        for dev in devs:
-            if dev not in known:
-                raise PlanningError(f"replica of {model!r} is on unknown device {dev!r}; "
-                                    f"devices: {list(device_ids)}")
+        for rep in devs:
+            for dev in replica_devices(rep):
+                if dev not in known:
+                    raise PlanningError(f"replica of {model!r} is on unknown device {dev!r}; "
+                                        f"devices: {list(device_ids)}")
 
 
 @dataclass(frozen=True)
@@ -99,7 +109,8 @@ class Allocation:
         return self.shares[model][replica]
 
 
-def device_busy(demand_rows_s: Mapping[str, float], replicas: Mapping[str, Sequence[str]],
+def device_busy(demand_rows_s: Mapping[str, float],
+                replicas: Mapping[str, Sequence[ReplicaDevices]],
                 shares: Mapping[str, Sequence[float]], per_row_s: PerRowCostLike,
                 devices: Hardware | Iterable[str],
                 queue_lengths: Mapping[str, Sequence[int]] | None = None) -> dict[str, float]:
@@ -111,11 +122,14 @@ def device_busy(demand_rows_s: Mapping[str, float], replicas: Mapping[str, Seque
         for i, dev in enumerate(devs):
             batch = queue_lengths[model][i] if queue_lengths is not None else 1
             if demand > 0 and shares[model][i] > 0:
-                busy[dev] += demand * shares[model][i] * cost(model, dev, batch)
+                work = demand * shares[model][i] * cost(model, dev, batch)
+                for d in replica_devices(dev):
+                    busy[d] += work
     return busy
 
 
-def balance_load(demand_rows_s: Mapping[str, float], replicas: Mapping[str, Sequence[str]],
+def balance_load(demand_rows_s: Mapping[str, float],
+                 replicas: Mapping[str, Sequence[ReplicaDevices]],
                  per_row_s: PerRowCostLike, devices: Hardware | Iterable[str],
                  queue_lengths: Mapping[str, Sequence[int]] | None = None) -> Allocation:
     """Solve the load-balancing LP for one QPS range.
@@ -133,7 +147,7 @@ def balance_load(demand_rows_s: Mapping[str, float], replicas: Mapping[str, Sequ
 
     # only models with demand get variables; others route nothing
     var_model: list[str] = []
-    var_dev: list[int] = []
+    var_devs: list[list[int]] = []
     var_cost: list[float] = []  # seconds of device work per second at share 1
     for model, demand in demand_rows_s.items():
         if demand <= 0:
@@ -145,7 +159,7 @@ def balance_load(demand_rows_s: Mapping[str, float], replicas: Mapping[str, Sequ
                 raise PlanningError(f"per-row cost of {model!r} on {dev!r} at batch {batch} "
                                     f"must be >= 0 seconds, got {c}")
             var_model.append(model)
-            var_dev.append(dev_index[dev])
+            var_devs.append([dev_index[d] for d in replica_devices(dev)])
             var_cost.append(float(demand) * c)
 
     shares: dict[str, list[float]] = {m: [0.0] * len(replicas.get(m, ())) for m in replicas}
@@ -154,10 +168,12 @@ def balance_load(demand_rows_s: Mapping[str, float], replicas: Mapping[str, Sequ
     if n_x:
         # membership[d, j] = 1 if variable j's replica is on device d
         membership = np.zeros((n_d, n_x))
-        membership[var_dev, np.arange(n_x)] = 1.0
+        for j, devs in enumerate(var_devs):
+            membership[devs, j] = 1.0
         c_row = np.asarray(var_cost)
         # (b_d - mean b) as a linear function of x
-        centred = (membership - 1.0 / n_d) * c_row
+        # (b_d - mean b): a tensor-parallel replica adds its work to each of its devices
+        centred = (membership - membership.sum(axis=0) / n_d) * c_row
         eye = np.eye(n_d)
         a_ub = np.block([[centred, -eye], [-centred, -eye]])
         b_ub = np.zeros(2 * n_d)
@@ -205,7 +221,7 @@ class QueuePlan:
 
 
 def raise_queue_lengths(demand_rows_s: Mapping[str, float],
-                        replicas: Mapping[str, Sequence[str]], per_row_s: PerRowCost,
+                        replicas: Mapping[str, Sequence[ReplicaDevices]], per_row_s: PerRowCost,
                         devices: Hardware | Iterable[str], max_batch_size: int,
                         allocation: Allocation | None = None) -> QueuePlan:
     """Raise minimum queue lengths round-robin until no device is busier than 1 s/s.
@@ -227,8 +243,9 @@ def raise_queue_lengths(demand_rows_s: Mapping[str, float],
     queue: dict[str, list[int]] = {m: [1] * len(devs) for m, devs in replicas.items()}
     on_device: dict[str, list[tuple[str, int]]] = {d: [] for d in ids}
     for m, devs in replicas.items():
-        for i, dev in enumerate(devs):
-            on_device[dev].append((m, i))
+        for i, rep in enumerate(devs):
+            for dev in replica_devices(rep):
+                on_device[dev].append((m, i))
     next_turn = dict.fromkeys(ids, 0)  # round-robin pointer per device for ties
 
     def current_busy() -> dict[str, float]:

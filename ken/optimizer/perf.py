@@ -1,0 +1,198 @@
+"""What the planner and the simulator know about each model (DESIGN.md section 4).
+
+``ModelPerf`` holds a model's batch runtimes per tensor-parallel degree and its memory per device;
+``Catalog`` adds the per-sample outcomes (correct or not, certainty) measured on the labelled
+sample, from which cascade accuracy and escalation are derived. Both are built from the
+foundation's ``Profile`` objects, or from other measured profiles (``ken.optimizer.artifact``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from types import MappingProxyType
+
+import numpy as np
+
+from ken.errors import ProfileError
+from ken.operators.cascade import Cascade, escalates
+from ken.operators.certainty import certainty_fn
+from ken.optimizer.profile import Profile
+
+#: tensor-parallel degrees a replica may span (one node)
+PARALLEL_DEGREES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class ModelPerf:
+    """Batch runtimes (seconds) at ``batch_sizes`` for each tensor-parallel degree.
+
+    ``runtime_s[k][j]`` is the time of one batch of ``batch_sizes[j]`` rows on a replica spanning
+    ``degrees[k]`` devices; ``memory_bytes[k]`` is what such a replica needs on *each* device.
+    Runtimes between profiled sizes are interpolated linearly; beyond the largest size the
+    per-row cost of the largest batch is extrapolated.
+    """
+
+    name: str
+    batch_sizes: tuple[int, ...]
+    runtime_s: tuple[tuple[float, ...], ...]
+    memory_bytes: tuple[int, ...]
+    degrees: tuple[int, ...] = (1,)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "batch_sizes", tuple(int(b) for b in self.batch_sizes))
+        object.__setattr__(self, "runtime_s",
+                           tuple(tuple(float(t) for t in row) for row in self.runtime_s))
+        object.__setattr__(self, "memory_bytes", tuple(int(m) for m in self.memory_bytes))
+        object.__setattr__(self, "degrees", tuple(int(d) for d in self.degrees))
+        where = f"performance profile of {self.name!r}"
+        if not self.batch_sizes or list(self.batch_sizes) != sorted(set(self.batch_sizes)) \
+                or self.batch_sizes[0] < 1:
+            raise ProfileError(f"{where}: batch sizes must be increasing and >= 1")
+        if not self.degrees or any(d not in PARALLEL_DEGREES for d in self.degrees) \
+                or len(set(self.degrees)) != len(self.degrees):
+            raise ProfileError(f"{where}: degrees must be distinct values of {PARALLEL_DEGREES}")
+        if len(self.runtime_s) != len(self.degrees) or len(self.memory_bytes) != len(self.degrees):
+            raise ProfileError(f"{where}: need one runtime row and one memory size per degree")
+        for row in self.runtime_s:
+            if len(row) != len(self.batch_sizes):
+                raise ProfileError(f"{where}: a runtime row has {len(row)} entries for "
+                                   f"{len(self.batch_sizes)} batch sizes")
+            if any(not np.isfinite(t) or t <= 0 for t in row):
+                raise ProfileError(f"{where}: runtimes must be positive seconds")
+
+    @classmethod
+    def from_profile(cls, profile: Profile) -> ModelPerf:
+        return cls(profile.model, profile.batch_sizes, (profile.batch_runtime_s,),
+                   (profile.memory_bytes,), (1,))
+
+    @property
+    def max_batch(self) -> int:
+        return self.batch_sizes[-1]
+
+    def _row(self, degree: int) -> tuple[float, ...]:
+        try:
+            return self.runtime_s[self.degrees.index(degree)]
+        except ValueError:
+            raise ProfileError(f"{self.name!r} has no runtimes for {degree} devices; profiled "
+                               f"degrees: {list(self.degrees)}") from None
+
+    def memory(self, degree: int = 1) -> int:
+        self._row(degree)
+        return self.memory_bytes[self.degrees.index(degree)]
+
+    def batch_runtime(self, batch_size: float, degree: int = 1) -> float:
+        times = self._row(degree)
+        if batch_size <= self.batch_sizes[-1]:
+            return float(np.interp(batch_size, self.batch_sizes, times))
+        return times[-1] / self.batch_sizes[-1] * batch_size
+
+    def runtime_table(self, degree: int = 1, up_to: int | None = None) -> list[float]:
+        """``table[b]`` = seconds for a batch of ``b`` rows, ``b = 0..up_to`` (``table[0] = 0``)."""
+        top = self.max_batch if up_to is None else up_to
+        sizes = np.arange(1, top + 1, dtype=np.float64)
+        times = self._row(degree)
+        table = np.interp(sizes, self.batch_sizes, times)
+        beyond = sizes > self.batch_sizes[-1]
+        table[beyond] = times[-1] / self.batch_sizes[-1] * sizes[beyond]
+        return [0.0, *table.tolist()]
+
+    def per_row_s(self, batch_size: int, degree: int = 1) -> float:
+        return self.batch_runtime(batch_size, degree) / batch_size
+
+
+@dataclass(frozen=True, eq=False)
+class Catalog:
+    """Models available to a plan: performance plus per-sample outcomes on one labelled sample.
+
+    ``correct[m]`` is a boolean per sample row; ``probabilities[m]`` the class probabilities
+    (rows x classes) that certainties are computed from.
+    """
+
+    perf: Mapping[str, ModelPerf]
+    correct: Mapping[str, np.ndarray] = field(repr=False)
+    probabilities: Mapping[str, np.ndarray] = field(repr=False)
+    sample_hash: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "perf", MappingProxyType(dict(self.perf)))
+        object.__setattr__(self, "correct", MappingProxyType(
+            {m: np.asarray(c, dtype=bool) for m, c in self.correct.items()}))
+        object.__setattr__(self, "probabilities", MappingProxyType(
+            {m: np.asarray(p, dtype=np.float64) for m, p in self.probabilities.items()}))
+        if not self.perf:
+            raise ProfileError("a catalog needs at least one model")
+        if set(self.perf) != set(self.correct) or set(self.perf) != set(self.probabilities):
+            raise ProfileError("a catalog needs performance and per-sample outcomes for the "
+                               f"same models; got {sorted(self.perf)} vs {sorted(self.correct)}")
+        sizes = {c.shape[0] for c in self.correct.values()}
+        sizes |= {p.shape[0] for p in self.probabilities.values()}
+        if len(sizes) != 1 or 0 in sizes:
+            raise ProfileError(f"per-sample outcomes must cover the same non-empty sample; "
+                               f"row counts: {sorted(sizes)}")
+
+    @classmethod
+    def from_profiles(cls, profiles: Mapping[str, Profile] | Sequence[Profile]) -> Catalog:
+        items = list(profiles.values()) if isinstance(profiles, Mapping) else list(profiles)
+        return cls({p.model: ModelPerf.from_profile(p) for p in items},
+                   {p.model: p.correct for p in items},
+                   {p.model: p.probabilities for p in items},
+                   items[0].sample_hash if items else "")
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return tuple(sorted(self.perf))
+
+    @property
+    def num_rows(self) -> int:
+        return int(next(iter(self.correct.values())).shape[0])
+
+    @cached_property
+    def _certainty_cache(self) -> dict[tuple[str, str], np.ndarray]:
+        return {}
+
+    def certainty(self, model: str, kind: str = "max_prob") -> np.ndarray:
+        key = (model, kind)
+        cache = self._certainty_cache
+        if key not in cache:
+            cache[key] = np.asarray(certainty_fn(kind)(self.probabilities[self._known(model)]),
+                                    dtype=np.float64)
+        return cache[key]
+
+    def _known(self, model: str) -> str:
+        if model not in self.perf:
+            raise ProfileError(f"model {model!r} is not in the catalog; known: "
+                               f"{list(self.models)}")
+        return model
+
+    def stage_fractions(self, cascade: Cascade) -> tuple[float, ...]:
+        """Fraction of sample rows that reach each stage of ``cascade``."""
+        active = np.ones(self.num_rows, dtype=bool)
+        out = []
+        for i, model in enumerate(cascade.models):
+            self._known(model)
+            out.append(float(active.mean()))
+            if i < len(cascade.thresholds):
+                active &= escalates(self.certainty(model, cascade.certainty),
+                                    cascade.thresholds[i])
+        return tuple(out)
+
+    def correct_per_row(self, cascade: Cascade) -> np.ndarray:
+        """Whether the cascade's answer is correct, per sample row."""
+        result = np.zeros(self.num_rows, dtype=bool)
+        active = np.ones(self.num_rows, dtype=bool)
+        for i, model in enumerate(cascade.models):
+            self._known(model)
+            if i < len(cascade.thresholds):
+                passed = escalates(self.certainty(model, cascade.certainty),
+                                   cascade.thresholds[i])
+                done = active & ~passed
+            else:
+                done = active
+            result[done] = self.correct[model][done]
+            active &= ~done
+        return result
+
+    def accuracy(self, cascade: Cascade) -> float:
+        return float(self.correct_per_row(cascade).mean())

@@ -1,0 +1,373 @@
+"""Gear plans and the frontier (DESIGN.md section 4): the offline phase's output.
+
+A ``GearPlan`` says, for one semantic operator: which cascade to run in each QPS range, where
+each model's replicas live (``placement``), and per range how each model's rows are split over
+its replicas (``shares``) and how many rows a replica's queue must hold before it runs a batch
+(``min_queue``), plus the maximum time a row may wait for that. ``predicted`` holds what the
+simulator measured for the plan. A ``Frontier`` is a list of Pareto-optimal plans sorted by
+latency. All are frozen and round-trip through versioned JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ken.errors import KenError
+from ken.operators.cascade import Cascade
+
+PLAN_SCHEMA_VERSION = 1
+
+
+class PlanError(KenError):
+    """A gear plan or frontier is malformed, or a JSON file holds something else."""
+
+
+def _check_version(data: Mapping[str, Any], what: str) -> None:
+    if data.get("schema_version") != PLAN_SCHEMA_VERSION:
+        raise PlanError(f"unsupported {what} schema version {data.get('schema_version')!r}; "
+                        f"this KEN reads version {PLAN_SCHEMA_VERSION} — re-run `ken plan`")
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One copy of ``model`` on ``devices`` (several devices: tensor-parallel)."""
+
+    model: str
+    devices: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", tuple(self.devices))
+        if not self.devices or len(set(self.devices)) != len(self.devices):
+            raise PlanError(f"replica of {self.model!r} needs distinct devices, "
+                            f"got {self.devices}")
+
+    @property
+    def degree(self) -> int:
+        return len(self.devices)
+
+    def label(self) -> str:
+        return f"{self.model}@{'+'.join(self.devices)}"
+
+
+@dataclass(frozen=True)
+class RangeSchedule:
+    """Scheduling policy of one QPS range, with one entry per replica of the placement.
+
+    ``shares[r]``: fraction of replica ``r``'s model's rows routed to ``r`` (0 if unused);
+    ``min_queue[r]``: rows queued before ``r`` runs a batch; ``feasible``: the invocation
+    scheduler found no device busier than 1 s per s at this range's top rate.
+    """
+
+    cascade: int
+    shares: tuple[float, ...]
+    min_queue: tuple[int, ...]
+    feasible: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shares", tuple(float(s) for s in self.shares))
+        object.__setattr__(self, "min_queue", tuple(int(q) for q in self.min_queue))
+        if len(self.shares) != len(self.min_queue):
+            raise PlanError("a range schedule needs one share and one queue length per replica")
+        if any(q < 1 for q in self.min_queue) or any(s < 0 for s in self.shares):
+            raise PlanError("queue lengths must be >= 1 and shares >= 0")
+
+
+@dataclass(frozen=True)
+class RangeMetrics:
+    """Simulated latency of the requests admitted while a QPS range's gear was active."""
+
+    lo_qps: float
+    hi_qps: float
+    num_requests: int
+    accuracy: float
+    p50_ms: float
+    p95_ms: float
+    p99_ms: float
+
+
+@dataclass(frozen=True)
+class PlanMetrics:
+    """What the simulator (or a measured replay) found for a plan on a trace."""
+
+    accuracy: float
+    p50_ms: float
+    p95_ms: float
+    p99_ms: float
+    mean_ms: float
+    num_requests: int
+    gear_switches: int
+    duration_s: float
+    utilisation: tuple[tuple[str, float], ...] = ()
+    per_range: tuple[RangeMetrics, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"accuracy": self.accuracy, "p50_ms": self.p50_ms, "p95_ms": self.p95_ms,
+                "p99_ms": self.p99_ms, "mean_ms": self.mean_ms,
+                "num_requests": self.num_requests, "gear_switches": self.gear_switches,
+                "duration_s": self.duration_s,
+                "utilisation": [[d, u] for d, u in self.utilisation],
+                "per_range": [vars(r) for r in self.per_range]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PlanMetrics:
+        return cls(float(data["accuracy"]), float(data["p50_ms"]), float(data["p95_ms"]),
+                   float(data["p99_ms"]), float(data["mean_ms"]), int(data["num_requests"]),
+                   int(data["gear_switches"]), float(data["duration_s"]),
+                   tuple((str(d), float(u)) for d, u in data.get("utilisation", ())),
+                   tuple(RangeMetrics(**r) for r in data.get("per_range", ())))
+
+
+@dataclass(frozen=True)
+class GearPlan:
+    """How to serve one operator at every load (see the module docstring)."""
+
+    operator: str
+    qps_edges: tuple[float, ...]
+    cascades: tuple[Cascade, ...]
+    placement: tuple[Replica, ...]
+    ranges: tuple[RangeSchedule, ...]
+    max_batch: tuple[int, ...]  # per replica: the largest batch it runs
+    max_wait_s: float = 0.05
+    alpha: float = 8.0
+    rate_window_s: float = 0.1
+    predicted: PlanMetrics | None = None
+    provenance: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("qps_edges", "cascades", "placement", "ranges", "max_batch", "provenance"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "qps_edges", tuple(float(e) for e in self.qps_edges))
+        where = f"gear plan of {self.operator!r}"
+        edges = self.qps_edges
+        if len(edges) < 2 or edges[0] != 0 or any(b <= a for a, b in zip(edges, edges[1:])):
+            raise PlanError(f"{where}: QPS edges must start at 0 and increase, got {edges}")
+        if len(self.ranges) != len(edges) - 1:
+            raise PlanError(f"{where}: {len(edges) - 1} QPS ranges but {len(self.ranges)} "
+                            "range schedules")
+        if not self.cascades:
+            raise PlanError(f"{where}: no cascades")
+        n_rep = len(self.placement)
+        if len(self.max_batch) != n_rep or any(b < 1 for b in self.max_batch):
+            raise PlanError(f"{where}: need a max batch >= 1 per replica")
+        placed = {r.model for r in self.placement}
+        for i, rs in enumerate(self.ranges):
+            if not 0 <= rs.cascade < len(self.cascades):
+                raise PlanError(f"{where}: range {i} names cascade {rs.cascade}, but the plan "
+                                f"has {len(self.cascades)}")
+            if len(rs.shares) != n_rep:
+                raise PlanError(f"{where}: range {i} has {len(rs.shares)} shares for "
+                                f"{n_rep} replicas")
+            missing = set(self.cascades[rs.cascade].models) - placed
+            if missing:
+                raise PlanError(f"{where}: range {i} uses {sorted(missing)} with no replica")
+        kinds = {c.certainty for c in self.cascades}
+        if len(kinds) > 1:
+            raise PlanError(f"{where}: all cascades of a plan must use one certainty function, "
+                            f"got {sorted(kinds)}")
+        if self.max_wait_s <= 0 or self.alpha <= 0 or self.rate_window_s <= 0:
+            raise PlanError(f"{where}: max_wait_s, alpha and rate_window_s must be > 0")
+
+    # -- lookups -----------------------------------------------------------------------------
+
+    @property
+    def qps_max(self) -> float:
+        return self.qps_edges[-1]
+
+    @property
+    def certainty(self) -> str:
+        return self.cascades[0].certainty
+
+    @property
+    def num_ranges(self) -> int:
+        return len(self.ranges)
+
+    def cascade_of(self, range_index: int) -> Cascade:
+        return self.cascades[self.ranges[range_index].cascade]
+
+    def replicas_of(self, model: str) -> list[int]:
+        return [i for i, r in enumerate(self.placement) if r.model == model]
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(d for r in self.placement for d in r.devices))
+
+    @property
+    def feasible(self) -> bool:
+        return all(r.feasible for r in self.ranges)
+
+    def with_predicted(self, metrics: PlanMetrics) -> GearPlan:
+        return GearPlan(self.operator, self.qps_edges, self.cascades, self.placement,
+                        self.ranges, self.max_batch, self.max_wait_s, self.alpha,
+                        self.rate_window_s, metrics, self.provenance)
+
+    def gears(self) -> list[tuple[float, float, int]]:
+        """Consecutive ranges with the same cascade merged: ``(lo_qps, hi_qps, cascade)``."""
+        out: list[tuple[float, float, int]] = []
+        for i, rs in enumerate(self.ranges):
+            lo, hi = self.qps_edges[i], self.qps_edges[i + 1]
+            if out and out[-1][2] == rs.cascade:
+                out[-1] = (out[-1][0], hi, rs.cascade)
+            else:
+                out.append((lo, hi, rs.cascade))
+        return out
+
+    def describe(self) -> list[str]:
+        """Human-readable lines: gears, placement, batch triggers, prediction."""
+        lines = []
+        p = self.predicted
+        if p is not None:
+            lines.append(f"predicted: accuracy {p.accuracy:.1%}, p50 {p.p50_ms:.1f} ms, "
+                         f"p95 {p.p95_ms:.1f} ms, p99 {p.p99_ms:.1f} ms "
+                         f"({p.num_requests} simulated requests)")
+        for lo, hi, c in self.gears():
+            lines.append(f"{lo:g}-{hi:g} qps: {self.cascades[c].describe()}")
+        lines.append("placement: " + ", ".join(r.label() for r in self.placement))
+        edges = self.qps_edges
+        triggers = []
+        for i, rs in enumerate(self.ranges):
+            used = [f"{self.placement[r].label()} q>={q}" for r, q in enumerate(rs.min_queue)
+                    if rs.shares[r] > 0 and q > 1]
+            if used:
+                triggers.append(f"{edges[i]:g}-{edges[i + 1]:g} qps: " + ", ".join(used))
+        lines.append(f"batch triggers (max wait {self.max_wait_s * 1000:g} ms): "
+                     + ("; ".join(triggers) if triggers else "queue >= 1 everywhere"))
+        if not self.feasible:
+            bad = [f"{edges[i]:g}-{edges[i + 1]:g}" for i, r in enumerate(self.ranges)
+                   if not r.feasible]
+            lines.append(f"overloaded at: {', '.join(bad)} qps (no schedule keeps every device "
+                         "under 1 s of work per s)")
+        return lines
+
+    # -- JSON --------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": PLAN_SCHEMA_VERSION,
+            "operator": self.operator,
+            "qps_edges": list(self.qps_edges),
+            "cascades": [json.loads(c.to_json()) for c in self.cascades],
+            "placement": [{"model": r.model, "devices": list(r.devices)}
+                          for r in self.placement],
+            "ranges": [{"cascade": r.cascade, "shares": list(r.shares),
+                        "min_queue": list(r.min_queue), "feasible": r.feasible}
+                       for r in self.ranges],
+            "max_batch": list(self.max_batch),
+            "max_wait_s": self.max_wait_s,
+            "alpha": self.alpha,
+            "rate_window_s": self.rate_window_s,
+            "predicted": None if self.predicted is None else self.predicted.to_dict(),
+            "provenance": dict(self.provenance),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> GearPlan:
+        _check_version(data, "gear plan")
+        try:
+            return cls(
+                operator=str(data["operator"]),
+                qps_edges=tuple(data["qps_edges"]),
+                cascades=tuple(Cascade.from_json(json.dumps(c)) for c in data["cascades"]),
+                placement=tuple(Replica(r["model"], tuple(r["devices"]))
+                                for r in data["placement"]),
+                ranges=tuple(RangeSchedule(int(r["cascade"]), tuple(r["shares"]),
+                                           tuple(r["min_queue"]), bool(r["feasible"]))
+                             for r in data["ranges"]),
+                max_batch=tuple(int(b) for b in data["max_batch"]),
+                max_wait_s=float(data["max_wait_s"]),
+                alpha=float(data["alpha"]),
+                rate_window_s=float(data["rate_window_s"]),
+                predicted=None if data.get("predicted") is None
+                else PlanMetrics.from_dict(data["predicted"]),
+                provenance=tuple(sorted((str(k), str(v))
+                                        for k, v in data.get("provenance", {}).items())),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"malformed gear plan JSON: {exc!r}") from exc
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> GearPlan:
+        return cls.from_dict(json.loads(text))
+
+
+@dataclass(frozen=True)
+class Frontier:
+    """Pareto-optimal gear plans of one operator, sorted by predicted p95 latency."""
+
+    operator: str
+    plans: tuple[GearPlan, ...]
+    provenance: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "plans", tuple(self.plans))
+        if not self.plans:
+            raise PlanError(f"frontier of {self.operator!r} is empty")
+        if any(p.predicted is None for p in self.plans):
+            raise PlanError("every plan on a frontier needs predicted metrics")
+        lat = [p.predicted.p95_ms for p in self.plans]  # type: ignore[union-attr]
+        if lat != sorted(lat):
+            raise PlanError("frontier plans must be sorted by predicted p95 latency")
+
+    def __len__(self) -> int:
+        return len(self.plans)
+
+    def points(self) -> list[tuple[float, float]]:
+        """``(p95_ms, accuracy)`` per plan."""
+        return [(p.predicted.p95_ms, p.predicted.accuracy)  # type: ignore[union-attr]
+                for p in self.plans]
+
+    def pick(self, min_accuracy: float | None = None,
+             max_p95_ms: float | None = None) -> GearPlan:
+        """The fastest plan with ``accuracy >= min_accuracy``, or the most accurate plan with
+        ``p95 <= max_p95_ms`` (exactly one target)."""
+        if (min_accuracy is None) == (max_p95_ms is None):
+            raise PlanError("give exactly one target: min_accuracy or max_p95_ms")
+        pts = self.points()
+        if min_accuracy is not None:
+            ok = [i for i, (_, a) in enumerate(pts) if a >= min_accuracy]
+            if not ok:
+                best = max(a for _, a in pts)
+                raise PlanError(f"no plan reaches accuracy {min_accuracy:.1%}; the most "
+                                f"accurate plan on the frontier reaches {best:.1%}")
+            return self.plans[min(ok, key=lambda i: pts[i][0])]
+        ok = [i for i, (lat, _) in enumerate(pts) if lat <= max_p95_ms]  # type: ignore[operator]
+        if not ok:
+            fastest = min(lat for lat, _ in pts)
+            raise PlanError(f"no plan has p95 <= {max_p95_ms:g} ms; the fastest plan on the "
+                            f"frontier has p95 {fastest:.1f} ms")
+        return self.plans[max(ok, key=lambda i: (pts[i][1], -pts[i][0]))]
+
+    def to_json(self) -> str:
+        return json.dumps({"schema_version": PLAN_SCHEMA_VERSION, "operator": self.operator,
+                           "plans": [p.to_dict() for p in self.plans],
+                           "provenance": dict(self.provenance)}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Frontier:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"not a frontier JSON file: {exc}") from exc
+        _check_version(data, "frontier")
+        return cls(str(data["operator"]), tuple(GearPlan.from_dict(p) for p in data["plans"]),
+                   tuple(sorted((str(k), str(v)) for k, v in data.get("provenance", {}).items())))
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_json())
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Frontier:
+        path = Path(path)
+        if not path.is_file():
+            raise PlanError(f"no frontier file at {path}; create one with `ken plan`")
+        return cls.from_json(path.read_text())
+

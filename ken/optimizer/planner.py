@@ -1,0 +1,558 @@
+"""The gear-plan frontier: workload adapter, placement beam search, invocation scheduling
+(DESIGN.md sections 5.3-5.5; paper section 4).
+
+``plan_frontier`` starts from the most accurate cascade in every QPS range; each iteration tries,
+for every range, the next cheaper cascade there, propagated to all higher ranges (a higher load
+never gets a costlier cascade), re-optimises placement (beam search scored by simulated p95)
+and scheduling (load-balancing LP + queue lengths) for each candidate assignment, simulates it,
+and keeps the candidate with the best ``accuracy / p95``. Each iteration emits one gear plan;
+the search stops at "cheapest everywhere" and returns the Pareto-optimal plans.
+
+Costs are kept down by exploiting structure, not by skipping the simulator: the LP's shares do
+not change when a cascade's demand is scaled, so one LP per (cascade, placement) serves every
+range that uses the cascade; simulated candidates are memoised by (assignment, placement); and
+each placement search is warm-started from the previous iteration's placement.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ken.operators.cascade import Cascade
+from ken.optimizer.perf import Catalog
+from ken.optimizer.plan import Frontier, GearPlan, PlanMetrics, RangeSchedule, Replica
+from ken.optimizer.scheduler import (
+    Allocation,
+    PlanningError,
+    balance_load,
+    raise_queue_lengths,
+)
+from ken.optimizer.simulator import simulate
+from ken.optimizer.workload import Hardware, Trace
+from ken.progress import QUIET, Reporter
+
+Placement = tuple[Replica, ...]
+
+
+@dataclass(frozen=True)
+class PlannerSettings:
+    """Knobs of the offline search (defaults follow the papers where they give one)."""
+
+    num_ranges: int = 10  # |Q|: equal QPS ranges over [0, qps_max]
+    beam_width: int = 2  # bw: placements kept per beam round
+    expansions: int = 3  # k: new placements sampled from each beam member per round
+    initial_samples: int = 4  # one-replica-per-model placements the beam starts from
+    max_rounds: int = 12  # beam rounds per placement search (it also stops on no improvement)
+    max_batch: int | None = None  # cap on batch size; None: each model's largest profiled batch
+    full_replication: bool = False  # every model on every device (paper section 5.6); no search
+    screen: int = 3  # per iteration, candidates simulated after an analytic ranking; 0: all
+    max_wait_s: float = 0.05
+    alpha: float = 8.0
+    rate_window_s: float = 0.1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_ranges < 1 or self.beam_width < 1 or self.expansions < 0 \
+                or self.initial_samples < 1 or self.max_rounds < 0 or self.screen < 0:
+            raise PlanningError("num_ranges, beam_width and initial_samples must be >= 1; "
+                                "expansions and max_rounds >= 0")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise PlanningError(f"max_batch must be >= 1, got {self.max_batch}")
+
+    def provenance(self) -> tuple[tuple[str, str], ...]:
+        return tuple((f"planner.{k}", str(v)) for k, v in sorted(vars(self).items()))
+
+
+@dataclass
+class PlannerStats:
+    """Counts and time of one planning run (what the paper's Figure 14 reports)."""
+
+    simulations: int = 0
+    memo_hits: int = 0
+    lp_solves: int = 0
+    placement_searches: int = 0
+    iterations: int = 0
+    wall_s: float = 0.0
+    simulate_s: float = 0.0
+
+
+@dataclass
+class _Context:
+    """Everything fixed during one planning run."""
+
+    operator: str
+    cascades: tuple[Cascade, ...]  # sorted cheapest first
+    catalog: Catalog
+    hardware: Hardware
+    trace: Trace
+    edges: tuple[float, ...]
+    settings: PlannerSettings
+    stats: PlannerStats
+    fractions: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    accuracies: dict[int, float] = field(default_factory=dict)
+    lp_cache: dict = field(default_factory=dict)
+    range_cache: dict = field(default_factory=dict)
+    estimate_cache: dict = field(default_factory=dict)
+    range_weights: np.ndarray | None = None  # fraction of trace requests arriving per range
+    sim_cache: dict = field(default_factory=dict)
+
+    def max_batch(self, model: str) -> int:
+        top = self.catalog.perf[model].max_batch
+        cap = self.settings.max_batch
+        return top if cap is None else min(top, cap)
+
+    def stage_fractions(self, c: int) -> tuple[float, ...]:
+        if c not in self.fractions:
+            self.fractions[c] = self.catalog.stage_fractions(self.cascades[c])
+        return self.fractions[c]
+
+    def accuracy(self, c: int) -> float:
+        if c not in self.accuracies:
+            self.accuracies[c] = self.catalog.accuracy(self.cascades[c])
+        return self.accuracies[c]
+
+    def unit_demand(self, c: int) -> dict[str, float]:
+        """Rows per second each model of cascade ``c`` sees per 1 request per second."""
+        return dict(zip(self.cascades[c].models, self.stage_fractions(c), strict=True))
+
+    def per_row(self, model: str, devices: str | tuple[str, ...], batch: int) -> float:
+        degree = 1 if isinstance(devices, str) else len(devices)
+        return self.catalog.perf[model].per_row_s(min(batch, self.max_batch(model)), degree)
+
+
+def qps_edges(qps_max: float, num_ranges: int) -> tuple[float, ...]:
+    if not qps_max > 0:
+        raise PlanningError(f"qps_max must be > 0, got {qps_max}")
+    return tuple(float(x) for x in np.linspace(0.0, qps_max, num_ranges + 1))
+
+
+# -- invocation scheduling ---------------------------------------------------------------------
+
+
+def _replica_map(placement: Placement) -> dict[str, list[tuple[str, ...]]]:
+    out: dict[str, list[tuple[str, ...]]] = {}
+    for r in placement:
+        out.setdefault(r.model, []).append(r.devices if r.degree > 1 else r.devices[0])
+    return out
+
+
+def _replica_index(placement: Placement) -> dict[tuple[str, int], int]:
+    """``(model, j)`` -> position in ``placement`` of the model's ``j``-th replica."""
+    index: dict[tuple[str, int], int] = {}
+    seen: dict[str, int] = {}
+    for i, r in enumerate(placement):
+        index[(r.model, seen.get(r.model, 0))] = i
+        seen[r.model] = seen.get(r.model, 0) + 1
+    return index
+
+
+def _allocation(ctx: _Context, c: int, placement: Placement) -> Allocation:
+    """LP shares for cascade ``c`` at 1 request/s (valid at every rate: scaling every model's
+    demand by the same factor scales the objective and keeps the optimum)."""
+    key = (c, placement)
+    alloc = ctx.lp_cache.get(key)
+    if alloc is None:
+        unit = ctx.unit_demand(c)
+        replicas = _replica_map(placement)
+        alloc = balance_load(unit, {m: replicas[m] for m in unit}, ctx.per_row, ctx.hardware.ids)
+        ctx.lp_cache[key] = alloc
+        ctx.stats.lp_solves += 1
+    return alloc
+
+
+def range_schedule(ctx: _Context, k: int, c: int, placement: Placement) -> RangeSchedule:
+    """Shares and raised queue lengths for cascade ``c`` in range ``k`` (at its top rate)."""
+    key = (k, c, placement)
+    hit = ctx.range_cache.get(key)
+    if hit is not None:
+        return hit
+    unit = ctx.unit_demand(c)
+    replicas = _replica_map(placement)
+    alloc = _allocation(ctx, c, placement)
+    top = ctx.edges[k + 1]
+    demand = {m: f * top for m, f in unit.items()}
+    batch_cap = min(ctx.max_batch(m) for m in unit)
+    qp = raise_queue_lengths(demand, {m: replicas[m] for m in unit}, ctx.per_row,
+                             ctx.hardware.ids, batch_cap, allocation=alloc)
+    index = _replica_index(placement)
+    shares = [0.0] * len(placement)
+    queues = [1] * len(placement)
+    for m in unit:
+        for j, share in enumerate(alloc.shares[m]):
+            shares[index[(m, j)]] = share
+            queues[index[(m, j)]] = qp.queue_lengths[m][j]
+    out = RangeSchedule(c, tuple(shares), tuple(queues), qp.feasible)
+    ctx.range_cache[key] = out
+    return out
+
+
+def schedule_ranges(ctx: _Context, assignment: Sequence[int],
+                    placement: Placement) -> tuple[RangeSchedule, ...]:
+    """Per range: LP shares and raised queue lengths, laid out per replica of ``placement``."""
+    return tuple(range_schedule(ctx, k, c, placement) for k, c in enumerate(assignment))
+
+
+def build_plan(ctx: _Context, assignment: Sequence[int], placement: Placement) -> GearPlan:
+    """A gear plan (without prediction) for an assignment of cascade indices to ranges."""
+    used = sorted(set(assignment))
+    remap = {c: i for i, c in enumerate(used)}
+    ranges = schedule_ranges(ctx, assignment, placement)
+    ranges = tuple(RangeSchedule(remap[r.cascade], r.shares, r.min_queue, r.feasible)
+                   for r in ranges)
+    return GearPlan(
+        operator=ctx.operator, qps_edges=ctx.edges,
+        cascades=tuple(ctx.cascades[c] for c in used), placement=placement, ranges=ranges,
+        max_batch=tuple(ctx.max_batch(r.model) for r in placement),
+        max_wait_s=ctx.settings.max_wait_s, alpha=ctx.settings.alpha,
+        rate_window_s=ctx.settings.rate_window_s,
+        provenance=(("catalog.sample_hash", ctx.catalog.sample_hash),
+                    *ctx.settings.provenance()))
+
+
+def evaluate_plan(ctx: _Context, assignment: Sequence[int],
+                  placement: Placement) -> tuple[GearPlan, PlanMetrics]:
+    """Schedule and simulate (memoised by assignment and placement)."""
+    key = (tuple(assignment), placement)
+    hit = ctx.sim_cache.get(key)
+    if hit is not None:
+        ctx.stats.memo_hits += 1
+        return hit
+    plan = build_plan(ctx, assignment, placement)
+    t0 = time.perf_counter()
+    metrics = simulate(plan, ctx.catalog, ctx.trace, ctx.settings.seed).metrics(0, plan)
+    ctx.stats.simulate_s += time.perf_counter() - t0
+    ctx.stats.simulations += 1
+    result = (plan.with_predicted(metrics), metrics)
+    ctx.sim_cache[key] = result
+    return result
+
+
+# -- analytic screening ------------------------------------------------------------------------
+
+
+def range_weights(trace: Trace, edges: Sequence[float], window_s: float) -> np.ndarray:
+    """Fraction of the trace's requests that arrive in a rate-meter window whose rate falls
+    in each QPS range."""
+    buckets = np.floor(trace.arrival_s / window_s).astype(np.int64)
+    counts = np.bincount(buckets)
+    rates = counts / window_s
+    k = np.clip(np.searchsorted(np.asarray(edges), rates, side="right") - 1, 0, len(edges) - 2)
+    weights = np.bincount(k, weights=counts, minlength=len(edges) - 1)
+    return weights / weights.sum()
+
+
+def _range_latency(ctx: _Context, k: int, c: int, placement: Placement) -> float:
+    """Rough mean latency (s) of range ``k`` under cascade ``c``: per stage, batch runtime
+    inflated by the device's load (M/D/1-like ``1 / (1 - rho)``) plus the time to fill the
+    batch trigger; an overloaded device counts as 1000 s times its overload."""
+    key = (k, c, placement)
+    hit = ctx.estimate_cache.get(key)
+    if hit is not None:
+        return hit
+    rs = range_schedule(ctx, k, c, placement)
+    rate = max((ctx.edges[k] + ctx.edges[k + 1]) / 2.0, 1e-9)
+    unit = ctx.unit_demand(c)
+    busy: dict[str, float] = {}
+    for i, r in enumerate(placement):
+        if rs.shares[i] > 0 and r.model in unit:
+            work = rate * unit[r.model] * rs.shares[i] * \
+                ctx.per_row(r.model, r.devices, rs.min_queue[i])
+            for d in r.devices:
+                busy[d] = busy.get(d, 0.0) + work
+    latency = 0.0
+    for m, frac in unit.items():
+        stage = 0.0
+        for i, r in enumerate(placement):
+            share = rs.shares[i]
+            if r.model != m or share <= 0:
+                continue
+            b = rs.min_queue[i]
+            rho = max(busy[d] for d in r.devices)
+            if rho >= 1.0:
+                stage += share * 1000.0 * rho
+                continue
+            run = ctx.catalog.perf[m].batch_runtime(b, r.degree)
+            fill = (b - 1) / (2.0 * rate * frac * share) if b > 1 else 0.0
+            stage += share * (run / (1.0 - rho) + fill)
+        latency += frac * stage
+    ctx.estimate_cache[key] = latency
+    return latency
+
+
+def estimate_score(ctx: _Context, assignment: Sequence[int], placement: Placement) -> float:
+    """``accuracy / p95`` estimated without simulating: accuracy weighted by the trace's time
+    in each range, p95 as the weighted 95th percentile of the per-range latencies."""
+    if ctx.range_weights is None:
+        ctx.range_weights = range_weights(ctx.trace, ctx.edges, ctx.settings.rate_window_s)
+    w = ctx.range_weights
+    acc = sum(w[k] * ctx.accuracy(c) for k, c in enumerate(assignment))
+    lat = [_range_latency(ctx, k, c, placement) for k, c in enumerate(assignment)]
+    order = np.argsort(lat)
+    cum = np.cumsum(w[order])
+    p95 = lat[int(order[min(np.searchsorted(cum, 0.95), len(lat) - 1)])]
+    return acc / max(p95, 1e-12)
+
+
+def _screen_score(ctx: _Context, assignment: Sequence[int], placement: Placement) -> float:
+    adapted = adapt_placement(ctx, placement, _models_of(ctx, assignment))
+    return -np.inf if adapted is None else estimate_score(ctx, assignment, adapted)
+
+
+# -- placement ---------------------------------------------------------------------------------
+
+
+def memory_used(placement: Placement, catalog: Catalog) -> dict[str, int]:
+    used: dict[str, int] = {}
+    for r in placement:
+        need = catalog.perf[r.model].memory(r.degree)
+        for d in r.devices:
+            used[d] = used.get(d, 0) + need
+    return used
+
+
+def fits(placement: Placement, catalog: Catalog, hardware: Hardware) -> bool:
+    """Memory-feasible and no model twice on one device."""
+    used = memory_used(placement, catalog)
+    if any(used[d] > hardware.device(d).memory_bytes for d in used):
+        return False
+    pairs = [(r.model, d) for r in placement for d in r.devices]
+    return len(pairs) == len(set(pairs))
+
+
+def _canonical(placement: Sequence[Replica]) -> Placement:
+    return tuple(sorted(placement, key=lambda r: (r.model, r.devices)))
+
+
+def _sample_replica(rng: random.Random, ctx: _Context, placement: Placement,
+                    model: str) -> Replica | None:
+    """A random memory-feasible new replica of ``model`` (None if none fits)."""
+    perf = ctx.catalog.perf[model]
+    used = memory_used(placement, ctx.catalog)
+    hosting = {d for r in placement if r.model == model for d in r.devices}
+    options = []
+    for degree in perf.degrees:
+        need = perf.memory(degree)
+        by_node: dict[int, list[str]] = {}
+        for dev in ctx.hardware.devices:
+            if dev.id not in hosting and used.get(dev.id, 0) + need <= dev.memory_bytes:
+                by_node.setdefault(dev.node, []).append(dev.id)
+        options += [(degree, devs) for devs in by_node.values() if len(devs) >= degree]
+    if not options:
+        return None
+    degree, devs = rng.choice(options)
+    return Replica(model, tuple(sorted(rng.sample(devs, degree))))
+
+
+def _models_of(ctx: _Context, assignment: Sequence[int]) -> list[str]:
+    return sorted({m for c in set(assignment) for m in ctx.cascades[c].models})
+
+
+def adapt_placement(ctx: _Context, placement: Placement,
+                    models: Sequence[str]) -> Placement | None:
+    """``placement`` reduced to ``models``, plus one replica of each missing model on the
+    device with the most free memory (None if a missing model fits nowhere)."""
+    kept = [r for r in placement if r.model in models]
+    for m in models:
+        if any(r.model == m for r in kept):
+            continue
+        need = ctx.catalog.perf[m].memory(1)
+        used = memory_used(tuple(kept), ctx.catalog)
+        free = sorted(((d.memory_bytes - used.get(d.id, 0), d.id) for d in ctx.hardware.devices),
+                      reverse=True)
+        if not free or free[0][0] < need:
+            return None
+        kept.append(Replica(m, (free[0][1],)))
+    return _canonical(kept)
+
+
+def _latency_key(metrics: PlanMetrics) -> float:
+    return metrics.p95_ms
+
+
+def search_placement(ctx: _Context, assignment: Sequence[int],
+                     warm: Placement | None = None) -> tuple[GearPlan, PlanMetrics]:
+    """Beam search over placements for one assignment, scored by simulated p95 latency."""
+    models = _models_of(ctx, assignment)
+    s = ctx.settings
+    if s.full_replication:
+        placement = _canonical([Replica(m, (d,)) for m in models for d in ctx.hardware.ids])
+        return evaluate_plan(ctx, assignment, placement)
+    ctx.stats.placement_searches += 1
+    rng = random.Random(hash((s.seed, tuple(assignment))) & 0xFFFFFFFF)
+    starts: list[Placement] = []
+    if warm is not None:
+        adapted = adapt_placement(ctx, warm, models)
+        if adapted is not None:
+            starts.append(adapted)
+    tries = 0
+    # a warm start needs fewer random company: one sample keeps the beam from getting stuck
+    wanted = 1 + len(starts) if starts else s.initial_samples
+    while len(starts) < wanted and tries < 20 * s.initial_samples:
+        tries += 1
+        cand: list[Replica] = []
+        for m in rng.sample(models, len(models)):
+            new = _sample_replica(rng, ctx, tuple(cand), m)
+            if new is None:
+                break
+            cand.append(new)
+        else:
+            p = _canonical(cand)
+            if p not in starts:
+                starts.append(p)
+    if not starts:
+        raise PlanningError(f"no memory-feasible placement of {models} on "
+                            f"{len(ctx.hardware.devices)} devices: a model does not fit")
+    scored = [(evaluate_plan(ctx, assignment, p), p) for p in starts]
+    scored.sort(key=lambda x: _latency_key(x[0][1]))
+    beam = scored[: s.beam_width]
+    best = _latency_key(beam[0][0][1])
+    for _ in range(s.max_rounds):
+        pool = list(beam)
+        seen = {p for _, p in pool}
+        for _, p in beam:
+            for _ in range(s.expansions):
+                m = _pick_model_to_replicate(rng, ctx, assignment, p, models)
+                new = _sample_replica(rng, ctx, p, m)
+                if new is None:
+                    continue
+                q = _canonical((*p, new))
+                if q in seen:
+                    continue
+                seen.add(q)
+                pool.append((evaluate_plan(ctx, assignment, q), q))
+        pool.sort(key=lambda x: _latency_key(x[0][1]))
+        beam = pool[: s.beam_width]
+        now_best = _latency_key(beam[0][0][1])
+        if now_best >= best:
+            break
+        best = now_best
+    return beam[0][0]
+
+
+def _pick_model_to_replicate(rng: random.Random, ctx: _Context, assignment: Sequence[int],
+                             placement: Placement, models: Sequence[str]) -> str:
+    """Sample a model, weighted by the device time it needs per replica at peak load (a model
+    that is busy and has few replicas is the one that gains from another copy)."""
+    peak = ctx.edges[-1]
+    need = dict.fromkeys(models, 0.0)
+    for c in set(assignment):
+        for m, f in ctx.unit_demand(c).items():
+            work = f * peak * ctx.per_row(m, "", ctx.max_batch(m))
+            need[m] = max(need[m], work)
+    count = {m: sum(1 for r in placement if r.model == m) for m in models}
+    weights = [need[m] / count[m] + 1e-12 for m in models]
+    return rng.choices(list(models), weights=weights, k=1)[0]
+
+
+# -- workload adapter --------------------------------------------------------------------------
+
+
+def _candidates(assignment: Sequence[int]) -> list[tuple[int, ...]]:
+    """Every range's next cheaper cascade, propagated upward; deduplicated, in range order."""
+    out: dict[tuple[int, ...], None] = {}
+    for i, c in enumerate(assignment):
+        if c == 0:
+            continue
+        new = list(assignment)
+        for j in range(i, len(new)):
+            new[j] = min(new[j], c - 1)
+        out[tuple(new)] = None
+    return list(out)
+
+
+def _score(metrics: PlanMetrics) -> float:
+    return metrics.accuracy / max(metrics.p95_ms, 1e-9)
+
+
+def pareto_plans(plans: Sequence[GearPlan]) -> list[GearPlan]:
+    """Plans not dominated in (lower p95, higher accuracy), sorted by p95."""
+    pts = sorted(plans, key=lambda p: (p.predicted.p95_ms, -p.predicted.accuracy))
+    out: list[GearPlan] = []
+    best_acc = -1.0
+    for p in pts:
+        if p.predicted.accuracy > best_acc:
+            out.append(p)
+            best_acc = p.predicted.accuracy
+    return out
+
+
+def plan_frontier(operator: str, cascades: Sequence[Cascade], catalog: Catalog,
+                  hardware: Hardware, trace: Trace, qps_max: float | None = None,
+                  settings: PlannerSettings | None = None, reporter: Reporter = QUIET,
+                  on_plan: Callable[[GearPlan], None] | None = None,
+                  ) -> tuple[Frontier, PlannerStats]:
+    """Approximate the latency-accuracy frontier of gear plans for one operator.
+
+    ``cascades``: the candidate set C (e.g. ``pareto_cascades``); it is ordered here by expected
+    compute per row. ``trace`` is the sample workload the simulator replays; ``qps_max``
+    defaults to its peak rate in 1 s buckets.
+    """
+    settings = settings or PlannerSettings()
+    if not cascades:
+        raise PlanningError("no candidate cascades; run the cascade search first")
+    t0 = time.perf_counter()
+    stats = PlannerStats()
+    order = _by_cost(cascades, catalog, settings)
+    peak = trace.qps_max() if qps_max is None else qps_max
+    ctx = _Context(operator, order, catalog, hardware, trace,
+                   qps_edges(peak, settings.num_ranges), settings, stats)
+    assignment = (len(order) - 1,) * settings.num_ranges
+    plan, metrics = search_placement(ctx, assignment)
+    emitted = [plan]
+    if on_plan:
+        on_plan(plan)
+    reporter.note(f"plan 1: {_summary(plan)}")
+    total = (len(order) - 1) * settings.num_ranges
+    with reporter.task(f"gear plans for {operator}", total) as advance:
+        while any(assignment):
+            stats.iterations += 1
+            best = None
+            cands = _candidates(assignment)
+            if settings.screen and len(cands) > settings.screen:
+                cands.sort(key=lambda a: -_screen_score(ctx, a, plan.placement))
+                cands = cands[: settings.screen]
+            for cand in cands:
+                p, m = search_placement(ctx, cand, warm=plan.placement)
+                if best is None or _score(m) > _score(best[1][1]):
+                    best = (cand, (p, m))
+            assert best is not None
+            advance(sum(assignment) - sum(best[0]))
+            assignment, (plan, metrics) = best
+            emitted.append(plan)
+            if on_plan:
+                on_plan(plan)
+    front = pareto_plans(emitted)
+    stats.wall_s = time.perf_counter() - t0
+    reporter.note(f"{len(emitted)} gear plans in {stats.wall_s:.1f} s "
+                  f"({stats.simulations} simulations); {len(front)} on the frontier")
+    prov = (("trace", trace.name), ("qps_max", f"{peak:g}"),
+            ("catalog.sample_hash", catalog.sample_hash), *settings.provenance())
+    return Frontier(operator, tuple(front), prov), stats
+
+
+def _by_cost(cascades: Sequence[Cascade], catalog: Catalog,
+             settings: PlannerSettings) -> tuple[Cascade, ...]:
+    """Candidates ordered by expected device seconds per row (cheapest first)."""
+    def cost(c: Cascade) -> float:
+        fr = catalog.stage_fractions(c)
+        total = 0.0
+        for m, f in zip(c.models, fr, strict=True):
+            perf = catalog.perf[m]
+            b = perf.max_batch if settings.max_batch is None else min(perf.max_batch,
+                                                                      settings.max_batch)
+            total += f * perf.per_row_s(b)
+        return total
+
+    unique = list(dict.fromkeys(cascades))
+    return tuple(sorted(unique, key=lambda c: (cost(c), -catalog.accuracy(c))))
+
+
+def _summary(plan: GearPlan) -> str:
+    p = plan.predicted
+    return (f"accuracy {p.accuracy:.1%}, p95 {p.p95_ms:.1f} ms, {len(plan.gears())} gears, "
+            f"{len(plan.placement)} replicas")

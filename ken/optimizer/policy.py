@@ -1,0 +1,451 @@
+"""Scheduling policy shared by the simulator and the online engine (DESIGN.md section 6).
+
+One policy, two clocks: these classes decide *what* happens — which gear is active, which
+replica a row goes to, when a replica's queue runs a batch, which rows escalate — and never
+sleep or read the time themselves. The caller owns a ``Clock``: the simulator advances a
+``VirtualClock`` from event to event and charges profiled runtimes; the engine uses a
+``WallClock`` and real model calls. Both drive the same ``Dispatcher``:
+
+- ``admit(request_id)`` when a request arrives (meters the rate, may switch gear, routes the
+  row to a first-stage replica);
+- ``finish(batch, certainties)`` when a batch's model call returns (frees the devices,
+  escalates rows below their stage threshold, resolves the rest);
+- ``expire()`` when ``next_deadline()`` has passed (a queue waited ``max_wait_s``).
+
+Each returns the batches that may start now; devices run one batch at a time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from bisect import bisect_right
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ken.errors import KenError
+from ken.optimizer.plan import GearPlan
+
+
+class PolicyError(KenError):
+    """A request or batch handed to the dispatcher is not one it knows."""
+
+
+# -- clocks ------------------------------------------------------------------------------------
+
+
+class Clock(Protocol):
+    def now(self) -> float: ...
+
+
+class VirtualClock:
+    """Simulated time in seconds; the simulator sets ``t`` before each event."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def now(self) -> float:
+        return self.t
+
+
+class WallClock:
+    """Seconds since construction on the monotonic clock."""
+
+    def __init__(self) -> None:
+        self._start = time.monotonic()
+
+    def now(self) -> float:
+        return time.monotonic() - self._start
+
+
+# -- the policy pieces -------------------------------------------------------------------------
+
+
+class RateMeter:
+    """Arrivals per second in the last complete window of ``window_s`` seconds.
+
+    Windows are fixed buckets ``[k * window_s, (k + 1) * window_s)``. ``record`` returns True
+    when it opened a new window, i.e. when the measured rate may have changed.
+    """
+
+    __slots__ = ("window_s", "_window", "_count", "_last")
+
+    def __init__(self, window_s: float = 0.1) -> None:
+        if window_s <= 0:
+            raise PolicyError(f"rate window must be > 0 s, got {window_s}")
+        self.window_s = window_s
+        self._window = -1
+        self._count = 0
+        self._last = 0
+
+    def _roll(self, now: float) -> bool:
+        w = int(now // self.window_s)
+        if w == self._window:
+            return False
+        self._last = self._count if w == self._window + 1 else 0
+        self._window = w
+        self._count = 0
+        return True
+
+    def record(self, now: float, n: int = 1) -> bool:
+        rolled = self._roll(now)
+        self._count += n
+        return rolled
+
+    def rate(self, now: float) -> float:
+        self._roll(now)
+        return self._last / self.window_s
+
+
+class GearSelector:
+    """Maps a measured rate to a QPS range, with the papers' hysteresis (alpha).
+
+    Moving to a lower range (a costlier, more accurate cascade) is held back while the
+    first-stage queue still holds more than ``rate / alpha`` rows: the backlog of a burst is
+    served by the gear that was chosen for it. Moving up is immediate.
+    """
+
+    def __init__(self, plan: GearPlan) -> None:
+        self._edges = plan.qps_edges
+        self._last = plan.num_ranges - 1
+        self._cascade = [r.cascade for r in plan.ranges]
+        self.alpha = plan.alpha
+        self.current = 0
+        self.switches: list[tuple[float, int, int]] = []  # (time, from range, to range)
+        self.held = 0  # how often hysteresis kept the current gear
+
+    def range_for(self, rate: float) -> int:
+        i = bisect_right(self._edges, rate) - 1
+        return 0 if i < 0 else (self._last if i > self._last else i)
+
+    def update(self, now: float, rate: float, first_stage_queued: int) -> int:
+        target = self.range_for(rate)
+        cur = self.current
+        if target == cur:
+            return cur
+        if target < cur and first_stage_queued > rate / self.alpha:
+            self.held += 1
+            return cur
+        if self._cascade[target] != self._cascade[cur]:
+            self.switches.append((now, cur, target))
+        self.current = target
+        return target
+
+
+class Router:
+    """Picks a replica of a model by the plan's shares for a range.
+
+    Smooth weighted round-robin, precomputed as a cycle of ``cycle`` picks (so a pick is O(1)):
+    deterministic, and every prefix of picks follows the shares to within ``1 / cycle``.
+    """
+
+    def __init__(self, plan: GearPlan, cycle: int = 1000) -> None:
+        self._plan = plan
+        self._cycle = cycle
+        self._table: dict[tuple[int, str], list] = {}  # [sequence, position], built lazily
+        self._sequences: dict[tuple, list[int]] = {}  # ranges with equal shares share one
+
+    def _entry(self, range_index: int, model: str) -> list:
+        reps = tuple(self._plan.replicas_of(model))
+        if not reps:
+            raise PolicyError(f"the plan has no replica of {model!r}")
+        shares = self._plan.ranges[range_index].shares
+        weights = tuple(shares[r] for r in reps)
+        if sum(weights) <= 0:  # no share planned here: spread evenly
+            weights = (1.0,) * len(reps)
+        key = (reps, weights)
+        if key not in self._sequences:
+            self._sequences[key] = _smooth_round_robin(reps, weights, self._cycle)
+        entry = self._table[(range_index, model)] = [self._sequences[key], 0]
+        return entry
+
+    def pick(self, range_index: int, model: str) -> int:
+        entry = self._table.get((range_index, model))
+        if entry is None:
+            entry = self._entry(range_index, model)
+        seq, pos = entry
+        entry[1] = pos + 1 if pos + 1 < len(seq) else 0
+        return seq[pos]
+
+
+def _smooth_round_robin(items: Sequence[int], weights: Sequence[float], n: int) -> list[int]:
+    keep = [(r, w) for r, w in zip(items, weights, strict=True) if w > 0]
+    if len(keep) == 1:
+        return [keep[0][0]]
+    total = sum(w for _, w in keep)
+    current = [0.0] * len(keep)
+    out = []
+    for _ in range(n):
+        best = 0
+        for j, (_, w) in enumerate(keep):
+            current[j] += w
+            if current[j] > current[best]:
+                best = j
+        current[best] -= total
+        out.append(keep[best][0])
+    return out
+
+
+class QueueTrigger:
+    """A queue runs a batch once it holds ``min_queue`` rows or its oldest row waited
+    ``max_wait_s``."""
+
+    __slots__ = ("max_wait_s",)
+
+    def __init__(self, max_wait_s: float) -> None:
+        self.max_wait_s = max_wait_s
+
+    def deadline(self, oldest_s: float) -> float:
+        return oldest_s + self.max_wait_s
+
+    def ready(self, queued: int, min_queue: int, oldest_s: float, now: float) -> bool:
+        """``oldest_s``: when the oldest queued row arrived (compared as ``now >= oldest +
+        max_wait``, the same sum the deadline uses, so a deadline event always fires)."""
+        return queued >= min_queue or (queued > 0 and now >= oldest_s + self.max_wait_s)
+
+
+class Escalation:
+    """Per cascade: the threshold below which a stage passes a row on (-inf at the last stage,
+    so the last stage resolves everything). The rule is ``ken.operators.cascade.escalates``."""
+
+    def __init__(self, plan: GearPlan) -> None:
+        self._thresholds = [(*c.thresholds, -np.inf) for c in plan.cascades]
+        self._models = [c.models for c in plan.cascades]
+
+    def thresholds(self, cascades: Sequence[int], stages: Sequence[int]) -> np.ndarray:
+        th = self._thresholds
+        return np.fromiter((th[c][s] for c, s in zip(cascades, stages, strict=True)),
+                           dtype=np.float64, count=len(stages))
+
+    def next_model(self, cascade: int, stage: int) -> str:
+        return self._models[cascade][stage]
+
+
+# -- the dispatcher ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Rows a replica runs as one model call."""
+
+    replica: int
+    model: str
+    devices: tuple[str, ...]
+    request_ids: tuple[int, ...]
+    started_s: float
+
+
+@dataclass(frozen=True)
+class Finished:
+    """What ``Dispatcher.finish`` did: rows resolved (with their 0-based stage), rows
+    escalated, and batches that may start now."""
+
+    resolved: tuple[int, ...]
+    resolved_stages: tuple[int, ...]
+    escalated: tuple[int, ...]
+    started: tuple[Batch, ...]
+
+
+class Dispatcher:
+    """Queues, devices and per-request state of one gear plan (see the module docstring)."""
+
+    def __init__(self, plan: GearPlan, clock: Clock, busy: set[str] | None = None) -> None:
+        """``busy``: the set of busy device ids, shared with other dispatchers whose plans
+        place replicas on the same devices (a device still runs one batch at a time)."""
+        self.plan = plan
+        self.clock = clock
+        self.meter = RateMeter(plan.rate_window_s)
+        self.gears = GearSelector(plan)
+        self.router = Router(plan)
+        self.trigger = QueueTrigger(plan.max_wait_s)
+        self.escalation = Escalation(plan)
+        n = len(plan.placement)
+        self._model = [r.model for r in plan.placement]
+        self._devices = [r.devices for r in plan.placement]
+        self._max_batch = list(plan.max_batch)
+        self._min_queue = [list(r.min_queue) for r in plan.ranges]
+        self._range_cascade = [r.cascade for r in plan.ranges]
+        self._first_model = [plan.cascade_of(k).models[0] for k in range(plan.num_ranges)]
+        self._replicas_of = {m: plan.replicas_of(m) for m in set(self._model)}
+        self._on_device: dict[str, list[int]] = {}
+        for i, devs in enumerate(self._devices):
+            for d in devs:
+                self._on_device.setdefault(d, []).append(i)
+        self._queue: list[deque[int]] = [deque() for _ in range(n)]
+        self._since: list[deque[float]] = [deque() for _ in range(n)]
+        self._busy: set[str] = set() if busy is None else busy
+        self._deadlines: list[tuple[float, int]] = []
+        self._req_cascade: dict[int, int] = {}
+        self._req_range: dict[int, int] = {}
+        self._req_stage: dict[int, int] = {}
+
+    # -- state views ------------------------------------------------------------------------
+
+    @property
+    def current_range(self) -> int:
+        return self.gears.current
+
+    def queued(self, replica: int | None = None) -> int:
+        if replica is not None:
+            return len(self._queue[replica])
+        return sum(len(q) for q in self._queue)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not yet resolved."""
+        return len(self._req_stage)
+
+    def range_of(self, request_id: int) -> int:
+        return self._req_range[request_id]
+
+    def busy_devices(self) -> frozenset[str]:
+        return frozenset(self._busy)
+
+    # -- events -----------------------------------------------------------------------------
+
+    def admit(self, request_id: int) -> list[Batch]:
+        """A new request: meter it, maybe switch gear, queue it at a first-stage replica."""
+        if request_id in self._req_stage:
+            raise PolicyError(f"request {request_id} was already admitted")
+        now = self.clock.now()
+        if self.meter.record(now):
+            first = self._first_model[self.gears.current]
+            backlog = sum(len(self._queue[r]) for r in self._replicas_of[first])
+            self.gears.update(now, self.meter.rate(now), backlog)
+        rng = self.gears.current
+        cascade = self._range_cascade[rng]
+        rep = self.router.pick(rng, self._first_model[rng])
+        self._req_cascade[request_id] = cascade
+        self._req_range[request_id] = rng
+        self._req_stage[request_id] = 0
+        self._enqueue(rep, request_id, now)
+        return self._start_ready((rep,), now)
+
+    def finish(self, batch: Batch, certainties: np.ndarray | Sequence[float]) -> Finished:
+        """A batch's model call returned ``certainties`` (one per row, in batch order)."""
+        now = self.clock.now()
+        ids = batch.request_ids
+        if len(certainties) != len(ids):
+            raise PolicyError(f"batch of {len(ids)} rows got {len(certainties)} certainties")
+        for d in batch.devices:
+            if d not in self._busy:
+                raise PolicyError(f"device {d!r} was not running a batch")
+            self._busy.discard(d)
+        req_cascade, req_stage = self._req_cascade, self._req_stage
+        try:
+            cascades = [req_cascade[i] for i in ids]
+            stages = [req_stage[i] for i in ids]
+        except KeyError as exc:
+            raise PolicyError(f"request {exc.args[0]} is not in flight") from None
+        escalate = np.asarray(certainties, dtype=np.float64) < \
+            self.escalation.thresholds(cascades, stages)
+        resolved: list[int] = []
+        resolved_stages: list[int] = []
+        escalated: list[int] = []
+        touched: list[int] = []
+        for j, rid in enumerate(ids):
+            if escalate[j]:
+                stage = stages[j] + 1
+                req_stage[rid] = stage
+                model = self.escalation.next_model(cascades[j], stage)
+                rep = self.router.pick(self._req_range[rid], model)
+                self._enqueue(rep, rid, now)
+                escalated.append(rid)
+                touched.append(rep)
+            else:
+                resolved.append(rid)
+                resolved_stages.append(stages[j])
+                del req_stage[rid], req_cascade[rid], self._req_range[rid]
+        candidates = [r for d in batch.devices for r in self._on_device[d]]
+        candidates.extend(dict.fromkeys(touched))
+        started = self._start_ready(candidates, now)
+        return Finished(tuple(resolved), tuple(resolved_stages), tuple(escalated),
+                        tuple(started))
+
+    def next_deadline(self) -> float | None:
+        """When the earliest waiting queue reaches its maximum wait (None: nothing waits)."""
+        heap = self._deadlines
+        while heap:
+            t, rep = heap[0]
+            since = self._since[rep]
+            if since and self.trigger.deadline(since[0]) == t:
+                return t
+            heapq.heappop(heap)  # stale: that queue was emptied or its head changed
+        return None
+
+    def expire(self) -> list[Batch]:
+        """Start batches of queues whose oldest row has waited ``max_wait_s`` (if their devices
+        are free; otherwise they run when the devices free up)."""
+        now = self.clock.now()
+        due = []
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            due.append(heapq.heappop(heap)[1])
+        return self._start_ready(dict.fromkeys(due), now) if due else []
+
+    def poll(self, devices: Iterable[str]) -> list[Batch]:
+        """Start ready batches on ``devices`` (e.g. freed by another dispatcher's batch)."""
+        now = self.clock.now()
+        return self._start_ready([r for d in devices for r in self._on_device.get(d, ())], now)
+
+    def drain(self) -> list[int]:
+        """Remove every queued (not running) request and return their ids, e.g. on shutdown."""
+        out = []
+        for q, s in zip(self._queue, self._since, strict=True):
+            while q:
+                rid = q.popleft()
+                s.popleft()
+                out.append(rid)
+                del self._req_stage[rid], self._req_cascade[rid], self._req_range[rid]
+        self._deadlines.clear()
+        return out
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _enqueue(self, rep: int, rid: int, now: float) -> None:
+        q = self._queue[rep]
+        q.append(rid)
+        self._since[rep].append(now)
+        if len(q) == 1:
+            heapq.heappush(self._deadlines, (self.trigger.deadline(now), rep))
+
+    def _start_ready(self, candidates: Iterable[int], now: float) -> list[Batch]:
+        """Start, oldest queue head first, every candidate replica whose trigger fired and
+        whose devices are all free."""
+        busy = self._busy
+        queue, since = self._queue, self._since
+        min_queue = self._min_queue[self.gears.current]
+        ready = []
+        for rep in candidates:
+            q = queue[rep]
+            if not q:
+                continue
+            if any(d in busy for d in self._devices[rep]):
+                continue
+            if self.trigger.ready(len(q), min_queue[rep], since[rep][0], now):
+                ready.append((since[rep][0], rep))
+        if not ready:
+            return []
+        if len(ready) > 1:
+            ready.sort()
+        started = []
+        for _, rep in ready:
+            devs = self._devices[rep]
+            if any(d in busy for d in devs):
+                continue  # an older queue just took a shared device
+            q, s = queue[rep], since[rep]
+            take = min(len(q), self._max_batch[rep])
+            ids = tuple(q.popleft() for _ in range(take))
+            for _ in range(take):
+                s.popleft()
+            if s:  # the rest keeps waiting: its new head gets a deadline
+                heapq.heappush(self._deadlines, (self.trigger.deadline(s[0]), rep))
+            busy.update(devs)
+            started.append(Batch(rep, self._model[rep], devs, ids, now))
+        return started

@@ -1,0 +1,225 @@
+"""Continuous-time discrete-event simulator of gear plans (DESIGN.md section 5.6).
+
+Replays a trace's arrivals through the same ``Dispatcher`` the online engine uses, on a
+``VirtualClock``: a batch of ``b`` rows on a replica occupies its devices for the profiled
+runtime of ``b`` rows (interpolated between profiled batch sizes), and each row's escalation is
+decided by the certainty its model recorded for that row's sample in the profile. Request ``i``
+of the trace is sample row ``order[i % rows]`` of a seeded permutation, so accuracy is measured
+on the labelled sample.
+
+Several operators (plans) can be simulated together: each request passes through them in
+order, and plans that place replicas on the same device share that device.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ken.errors import KenError
+from ken.optimizer.perf import Catalog
+from ken.optimizer.plan import GearPlan, PlanMetrics, RangeMetrics
+from ken.optimizer.policy import Batch, Dispatcher, VirtualClock
+from ken.optimizer.workload import Trace
+
+
+class SimulationError(KenError):
+    """A plan cannot be simulated with the given catalog (e.g. a model without a profile)."""
+
+
+@dataclass(frozen=True, eq=False)
+class SimResult:
+    """Per-request outcome of one simulation (arrays indexed by request)."""
+
+    arrival_s: np.ndarray = field(repr=False)
+    completion_s: np.ndarray = field(repr=False)
+    correct: np.ndarray = field(repr=False)  # (operators, requests) bool
+    stage: np.ndarray = field(repr=False)  # (operators, requests): 0-based resolving stage
+    range_index: np.ndarray = field(repr=False)  # (operators, requests): gear at admission
+    gear_switches: tuple[tuple[tuple[float, int, int], ...], ...]
+    device_busy_s: tuple[tuple[str, float], ...]
+    batches: int
+    stage_rows: tuple[tuple[int, ...], ...]  # per operator: rows processed at each stage
+
+    @property
+    def latency_s(self) -> np.ndarray:
+        return self.completion_s - self.arrival_s
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.arrival_s.size)
+
+    def metrics(self, plan_index: int = 0, plan: GearPlan | None = None) -> PlanMetrics:
+        """Accuracy of one operator and end-to-end latency percentiles, with per-range
+        figures when ``plan`` (that operator's plan) is given."""
+        lat_ms = self.latency_s * 1000.0
+        duration = float(self.completion_s.max() - self.arrival_s.min()) \
+            if self.num_requests else 0.0
+        p50, p95, p99 = _percentiles(lat_ms)
+        correct = self.correct[plan_index]
+        per_range = []
+        if plan is not None:
+            ranges = self.range_index[plan_index]
+            for k in range(plan.num_ranges):
+                mask = ranges == k
+                n = int(mask.sum())
+                if n == 0:
+                    continue
+                r50, r95, r99 = _percentiles(lat_ms[mask])
+                per_range.append(RangeMetrics(plan.qps_edges[k], plan.qps_edges[k + 1], n,
+                                              float(correct[mask].mean()), r50, r95, r99))
+        util = tuple((d, b / duration if duration > 0 else 0.0) for d, b in self.device_busy_s)
+        return PlanMetrics(
+            accuracy=float(correct.mean()), p50_ms=p50, p95_ms=p95, p99_ms=p99,
+            mean_ms=float(lat_ms.mean()), num_requests=self.num_requests,
+            gear_switches=len(self.gear_switches[plan_index]), duration_s=duration,
+            utilisation=util, per_range=tuple(per_range))
+
+
+def _percentiles(lat_ms: np.ndarray) -> tuple[float, float, float]:
+    p = np.percentile(lat_ms, [50, 95, 99])
+    return float(p[0]), float(p[1]), float(p[2])
+
+
+def _sample_rows(num_requests: int, num_rows: int, seed: int) -> np.ndarray:
+    order = np.random.default_rng(seed).permutation(num_rows)
+    return order[np.arange(num_requests) % num_rows]
+
+
+def simulate(plan: GearPlan, catalog: Catalog, trace: Trace, seed: int = 0) -> SimResult:
+    """Replay ``trace`` through one plan."""
+    return simulate_many([plan], [catalog], trace, seed)
+
+
+def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace: Trace,
+                  seed: int = 0) -> SimResult:
+    """Replay ``trace`` through ``plans`` in order (request ``i`` enters plan ``k + 1`` when
+    plan ``k`` resolved it); plans share devices with the same id."""
+    if not plans or len(plans) != len(catalogs):
+        raise SimulationError("give one catalog per plan (and at least one plan)")
+    clock = VirtualClock()
+    busy: set[str] = set()
+    ops = [_Operator(p, c, clock, busy, len(trace), seed + k)
+           for k, (p, c) in enumerate(zip(plans, catalogs, strict=True))]
+    last = len(ops) - 1
+    arrivals = trace.arrival_s.tolist()
+    n = len(arrivals)
+    completion = np.full(n, math.nan)
+    events: list[tuple[float, int, int, Batch]] = []  # (end time, seq, operator, batch)
+    seq = 0
+    device_busy: dict[str, float] = {}
+    inf = math.inf
+    i = 0
+
+    def launch(k: int, batches: list[Batch] | tuple[Batch, ...], now: float) -> None:
+        nonlocal seq
+        runtime = ops[k].runtime
+        for b in batches:
+            dt = runtime[b.replica][len(b.request_ids)]
+            for d in b.devices:
+                device_busy[d] = device_busy.get(d, 0.0) + dt
+            seq += 1
+            heapq.heappush(events, (now + dt, seq, k, b))
+
+    while True:
+        t_arrival = arrivals[i] if i < n else inf
+        t_event = events[0][0] if events else inf
+        t_deadline = inf
+        deadline_op = -1
+        for k, op in enumerate(ops):
+            d = op.dispatcher.next_deadline()
+            if d is not None and d < t_deadline:
+                t_deadline, deadline_op = d, k
+        if t_event <= t_arrival and t_event <= t_deadline:
+            if t_event == inf:
+                break
+            now, _, k, batch = heapq.heappop(events)
+            clock.t = now
+            op = ops[k]
+            done = op.dispatcher.finish(batch, op.certainties(batch))
+            launch(k, done.started, now)
+            if done.resolved:
+                ids = np.fromiter(done.resolved, dtype=np.int64, count=len(done.resolved))
+                op.record(ids, batch.model, done.resolved_stages)
+                if k == last:
+                    completion[ids] = now
+                else:
+                    nxt = ops[k + 1]
+                    for rid in done.resolved:
+                        launch(k + 1, nxt.admit(rid), now)
+            for j, other in enumerate(ops):
+                if j != k and len(ops) > 1:
+                    launch(j, other.dispatcher.poll(batch.devices), now)
+        elif t_arrival <= t_deadline:
+            clock.t = t_arrival
+            launch(0, ops[0].admit(i), t_arrival)
+            i += 1
+        else:
+            clock.t = t_deadline
+            launch(deadline_op, ops[deadline_op].dispatcher.expire(), t_deadline)
+
+    unfinished = int(np.isnan(completion).sum()) if n else 0
+    if unfinished:  # cannot happen: every queue eventually triggers by its max wait
+        raise SimulationError(f"{unfinished} requests never completed; this is a bug")
+    for op in ops:
+        op.check_complete()
+    return SimResult(
+        arrival_s=trace.arrival_s.copy(), completion_s=completion,
+        correct=np.stack([op.correct for op in ops]),
+        stage=np.stack([op.stage for op in ops]),
+        range_index=np.stack([op.range_index for op in ops]),
+        gear_switches=tuple(tuple(op.dispatcher.gears.switches) for op in ops),
+        device_busy_s=tuple(sorted(device_busy.items())),
+        batches=seq,
+        stage_rows=tuple(op.stage_rows() for op in ops),
+    )
+
+
+class _Operator:
+    """One plan inside a simulation: its dispatcher plus the per-request bookkeeping."""
+
+    def __init__(self, plan: GearPlan, catalog: Catalog, clock: VirtualClock, busy: set[str],
+                 num_requests: int, seed: int) -> None:
+        missing = sorted({r.model for r in plan.placement} - set(catalog.perf))
+        if missing:
+            raise SimulationError(f"plan {plan.operator!r} places {missing}, which have no "
+                                  f"profile in the catalog ({list(catalog.models)})")
+        self.dispatcher = Dispatcher(plan, clock, busy)
+        kind = plan.certainty
+        self._cert = {m: catalog.certainty(m, kind) for m in catalog.perf}
+        self._correct = catalog.correct
+        self.runtime = [catalog.perf[r.model].runtime_table(r.degree, plan.max_batch[i])
+                        for i, r in enumerate(plan.placement)]
+        self.rows = _sample_rows(num_requests, catalog.num_rows, seed)
+        self.correct = np.zeros(num_requests, dtype=bool)
+        self.stage = np.full(num_requests, -1, dtype=np.int64)
+        self.range_index = np.full(num_requests, -1, dtype=np.int64)
+        self.resolved = np.zeros(num_requests, dtype=np.int64)
+        self._depth = max(c.num_stages for c in plan.cascades)
+
+    def admit(self, rid: int) -> list[Batch]:
+        started = self.dispatcher.admit(rid)
+        self.range_index[rid] = self.dispatcher.current_range
+        return started
+
+    def certainties(self, batch: Batch) -> np.ndarray:
+        return self._cert[batch.model][self.rows[list(batch.request_ids)]]
+
+    def record(self, ids: np.ndarray, model: str, stages: Sequence[int]) -> None:
+        self.correct[ids] = self._correct[model][self.rows[ids]]
+        self.stage[ids] = np.asarray(stages, dtype=np.int64)
+        np.add.at(self.resolved, ids, 1)
+
+    def stage_rows(self) -> tuple[int, ...]:
+        """Rows that reached each stage (a row resolved at stage s ran stages 0..s)."""
+        resolved_at = np.bincount(self.stage[self.stage >= 0], minlength=self._depth)
+        return tuple(int(c) for c in np.cumsum(resolved_at[::-1])[::-1])
+
+    def check_complete(self) -> None:
+        if not np.all(self.resolved == 1):
+            bad = int(np.count_nonzero(self.resolved != 1))
+            raise SimulationError(f"{bad} requests were not resolved exactly once; this is a bug")
