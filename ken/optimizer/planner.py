@@ -51,6 +51,8 @@ class PlannerSettings:
     max_batch: int | None = None  # cap on batch size; None: each model's largest profiled batch
     full_replication: bool = False  # every model on every device (paper section 5.6); no search
     screen: int = 3  # per iteration, candidates simulated after an analytic ranking; 0: all
+    max_iterations: int | None = None  # stop the adapter early (None: at cheapest everywhere)
+    placement_scoring: str = "simulate"  # or "estimate": see search_placement
     max_wait_s: float = 0.05
     alpha: float = 8.0
     rate_window_s: float = 0.1
@@ -61,6 +63,9 @@ class PlannerSettings:
                 or self.initial_samples < 1 or self.max_rounds < 0 or self.screen < 0:
             raise PlanningError("num_ranges, beam_width and initial_samples must be >= 1; "
                                 "expansions and max_rounds >= 0")
+        if self.placement_scoring not in ("simulate", "estimate"):
+            raise PlanningError("placement_scoring must be 'simulate' or 'estimate', got "
+                                f"{self.placement_scoring!r}")
         if self.max_batch is not None and self.max_batch < 1:
             raise PlanningError(f"max_batch must be >= 1, got {self.max_batch}")
 
@@ -284,17 +289,27 @@ def _range_latency(ctx: _Context, k: int, c: int, placement: Placement) -> float
     return latency
 
 
-def estimate_score(ctx: _Context, assignment: Sequence[int], placement: Placement) -> float:
-    """``accuracy / p95`` estimated without simulating: accuracy weighted by the trace's time
-    in each range, p95 as the weighted 95th percentile of the per-range latencies."""
-    if ctx.range_weights is None:
-        ctx.range_weights = range_weights(ctx.trace, ctx.edges, ctx.settings.rate_window_s)
+def _estimate_parts(ctx: _Context, assignment: Sequence[int],
+                    placement: Placement) -> tuple[float, float]:
+    """Estimated ``(accuracy, p95 seconds)`` without simulating: accuracy weighted by the
+    trace's time in each range, p95 as the weighted 95th percentile of per-range latencies."""
     w = ctx.range_weights
+    assert w is not None
     acc = sum(w[k] * ctx.accuracy(c) for k, c in enumerate(assignment))
     lat = [_range_latency(ctx, k, c, placement) for k, c in enumerate(assignment)]
     order = np.argsort(lat)
     cum = np.cumsum(w[order])
-    p95 = lat[int(order[min(np.searchsorted(cum, 0.95), len(lat) - 1)])]
+    p95 = lat[int(order[min(int(np.searchsorted(cum, 0.95)), len(lat) - 1)])]
+    return acc, p95
+
+
+def estimate_p95(ctx: _Context, assignment: Sequence[int], placement: Placement) -> float:
+    return _estimate_parts(ctx, assignment, placement)[1] * 1000.0
+
+
+def estimate_score(ctx: _Context, assignment: Sequence[int], placement: Placement) -> float:
+    """Estimated ``accuracy / p95``, the adapter's score, for screening candidates."""
+    acc, p95 = _estimate_parts(ctx, assignment, placement)
     return acc / max(p95, 1e-12)
 
 
@@ -376,7 +391,12 @@ def _latency_key(metrics: PlanMetrics) -> float:
 
 def search_placement(ctx: _Context, assignment: Sequence[int],
                      warm: Placement | None = None) -> tuple[GearPlan, PlanMetrics]:
-    """Beam search over placements for one assignment, scored by simulated p95 latency."""
+    """Beam search over placements for one assignment.
+
+    With ``placement_scoring="simulate"`` every placement in the beam is scored by simulated p95
+    latency (the paper's method); with ``"estimate"`` expansions are ranked by the analytic
+    estimate and only the final beam is simulated, which is what makes large searches fast.
+    """
     models = _models_of(ctx, assignment)
     s = ctx.settings
     if s.full_replication:
@@ -407,10 +427,16 @@ def search_placement(ctx: _Context, assignment: Sequence[int],
     if not starts:
         raise PlanningError(f"no memory-feasible placement of {models} on "
                             f"{len(ctx.hardware.devices)} devices: a model does not fit")
-    scored = [(evaluate_plan(ctx, assignment, p), p) for p in starts]
-    scored.sort(key=lambda x: _latency_key(x[0][1]))
+    simulated = s.placement_scoring == "simulate"
+
+    def latency(p: Placement) -> float:
+        if simulated:
+            return evaluate_plan(ctx, assignment, p)[1].p95_ms
+        return estimate_p95(ctx, assignment, p)
+
+    scored = sorted(((latency(p), p) for p in starts), key=lambda x: x[0])
     beam = scored[: s.beam_width]
-    best = _latency_key(beam[0][0][1])
+    best = beam[0][0]
     for _ in range(s.max_rounds):
         pool = list(beam)
         seen = {p for _, p in pool}
@@ -424,14 +450,15 @@ def search_placement(ctx: _Context, assignment: Sequence[int],
                 if q in seen:
                     continue
                 seen.add(q)
-                pool.append((evaluate_plan(ctx, assignment, q), q))
-        pool.sort(key=lambda x: _latency_key(x[0][1]))
+                pool.append((latency(q), q))
+        pool.sort(key=lambda x: x[0])
         beam = pool[: s.beam_width]
-        now_best = _latency_key(beam[0][0][1])
-        if now_best >= best:
+        if beam[0][0] >= best:
             break
-        best = now_best
-    return beam[0][0]
+        best = beam[0][0]
+    # the final beam is scored by simulation (in estimate mode only its best member)
+    results = [evaluate_plan(ctx, assignment, p) for _, p in beam[: 1 if not simulated else None]]
+    return min(results, key=lambda r: _latency_key(r[1]))
 
 
 def _pick_model_to_replicate(rng: random.Random, ctx: _Context, assignment: Sequence[int],
@@ -452,11 +479,16 @@ def _pick_model_to_replicate(rng: random.Random, ctx: _Context, assignment: Sequ
 # -- workload adapter --------------------------------------------------------------------------
 
 
-def _candidates(assignment: Sequence[int]) -> list[tuple[int, ...]]:
-    """Every range's next cheaper cascade, propagated upward; deduplicated, in range order."""
+def _candidates(assignment: Sequence[int],
+                visited: Sequence[bool] | None = None) -> list[tuple[int, ...]]:
+    """Every range's next cheaper cascade, propagated upward; deduplicated, in range order.
+
+    Only ranges the sample trace visits (``visited``) are pivots: the simulator cannot tell
+    what a change in a range without requests does; such ranges follow by propagation.
+    """
     out: dict[tuple[int, ...], None] = {}
     for i, c in enumerate(assignment):
-        if c == 0:
+        if c == 0 or (visited is not None and not visited[i]):
             continue
         new = list(assignment)
         for j in range(i, len(new)):
@@ -502,6 +534,8 @@ def plan_frontier(operator: str, cascades: Sequence[Cascade], catalog: Catalog,
     ctx = _Context(operator, order, catalog, hardware, trace,
                    qps_edges(peak, settings.num_ranges), settings, stats)
     assignment = (len(order) - 1,) * settings.num_ranges
+    ctx.range_weights = range_weights(trace, ctx.edges, settings.rate_window_s)
+    visited = [bool(w > 0) for w in ctx.range_weights]
     plan, metrics = search_placement(ctx, assignment)
     emitted = [plan]
     if on_plan:
@@ -509,10 +543,14 @@ def plan_frontier(operator: str, cascades: Sequence[Cascade], catalog: Catalog,
     reporter.note(f"plan 1: {_summary(plan)}")
     total = (len(order) - 1) * settings.num_ranges
     with reporter.task(f"gear plans for {operator}", total) as advance:
-        while any(assignment):
+        while settings.max_iterations is None or stats.iterations < settings.max_iterations:
+            cands = _candidates(assignment, visited)
+            if not cands:
+                if not any(assignment):
+                    break
+                cands = [(0,) * len(assignment)]  # unvisited ranges left: cheapest everywhere
             stats.iterations += 1
             best = None
-            cands = _candidates(assignment)
             if settings.screen and len(cands) > settings.screen:
                 cands.sort(key=lambda a: -_screen_score(ctx, a, plan.placement))
                 cands = cands[: settings.screen]

@@ -18,6 +18,7 @@ Each returns the batches that may start now; devices run one batch at a time.
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from bisect import bisect_right
 from collections import deque
@@ -215,16 +216,11 @@ class Escalation:
     so the last stage resolves everything). The rule is ``ken.operators.cascade.escalates``."""
 
     def __init__(self, plan: GearPlan) -> None:
-        self._thresholds = [(*c.thresholds, -np.inf) for c in plan.cascades]
-        self._models = [c.models for c in plan.cascades]
+        self.thresholds = [(*c.thresholds, -math.inf) for c in plan.cascades]
+        self.models = [c.models for c in plan.cascades]
 
-    def thresholds(self, cascades: Sequence[int], stages: Sequence[int]) -> np.ndarray:
-        th = self._thresholds
-        return np.fromiter((th[c][s] for c, s in zip(cascades, stages, strict=True)),
-                           dtype=np.float64, count=len(stages))
-
-    def next_model(self, cascade: int, stage: int) -> str:
-        return self._models[cascade][stage]
+    def escalates(self, cascade: int, stage: int, certainty: float) -> bool:
+        return bool(certainty < self.thresholds[cascade][stage])
 
 
 # -- the dispatcher ----------------------------------------------------------------------------
@@ -337,31 +333,30 @@ class Dispatcher:
             if d not in self._busy:
                 raise PolicyError(f"device {d!r} was not running a batch")
             self._busy.discard(d)
-        req_cascade, req_stage = self._req_cascade, self._req_stage
-        try:
-            cascades = [req_cascade[i] for i in ids]
-            stages = [req_stage[i] for i in ids]
-        except KeyError as exc:
-            raise PolicyError(f"request {exc.args[0]} is not in flight") from None
-        escalate = np.asarray(certainties, dtype=np.float64) < \
-            self.escalation.thresholds(cascades, stages)
+        if isinstance(certainties, np.ndarray):
+            certainties = certainties.tolist()
+        req_cascade, req_stage, req_range = self._req_cascade, self._req_stage, self._req_range
+        thresholds, models = self.escalation.thresholds, self.escalation.models
         resolved: list[int] = []
         resolved_stages: list[int] = []
         escalated: list[int] = []
         touched: list[int] = []
         for j, rid in enumerate(ids):
-            if escalate[j]:
-                stage = stages[j] + 1
+            try:
+                cascade, stage = req_cascade[rid], req_stage[rid]
+            except KeyError:
+                raise PolicyError(f"request {rid} is not in flight") from None
+            if certainties[j] < thresholds[cascade][stage]:
+                stage += 1
                 req_stage[rid] = stage
-                model = self.escalation.next_model(cascades[j], stage)
-                rep = self.router.pick(self._req_range[rid], model)
+                rep = self.router.pick(req_range[rid], models[cascade][stage])
                 self._enqueue(rep, rid, now)
                 escalated.append(rid)
                 touched.append(rep)
             else:
                 resolved.append(rid)
-                resolved_stages.append(stages[j])
-                del req_stage[rid], req_cascade[rid], self._req_range[rid]
+                resolved_stages.append(stage)
+                del req_stage[rid], req_cascade[rid], req_range[rid]
         candidates = [r for d in batch.devices for r in self._on_device[d]]
         candidates.extend(dict.fromkeys(touched))
         started = self._start_ready(candidates, now)

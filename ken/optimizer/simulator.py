@@ -108,7 +108,7 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
     last = len(ops) - 1
     arrivals = trace.arrival_s.tolist()
     n = len(arrivals)
-    completion = np.full(n, math.nan)
+    completion = [math.nan] * n
     events: list[tuple[float, int, int, Batch]] = []  # (end time, seq, operator, batch)
     seq = 0
     device_busy: dict[str, float] = {}
@@ -143,10 +143,10 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
             done = op.dispatcher.finish(batch, op.certainties(batch))
             launch(k, done.started, now)
             if done.resolved:
-                ids = np.fromiter(done.resolved, dtype=np.int64, count=len(done.resolved))
-                op.record(ids, batch.model, done.resolved_stages)
+                op.record(done.resolved, batch.model, done.resolved_stages)
                 if k == last:
-                    completion[ids] = now
+                    for rid in done.resolved:
+                        completion[rid] = now
                 else:
                     nxt = ops[k + 1]
                     for rid in done.resolved:
@@ -162,16 +162,17 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
             clock.t = t_deadline
             launch(deadline_op, ops[deadline_op].dispatcher.expire(), t_deadline)
 
-    unfinished = int(np.isnan(completion).sum()) if n else 0
+    completion_s = np.asarray(completion, dtype=np.float64)
+    unfinished = int(np.isnan(completion_s).sum()) if n else 0
     if unfinished:  # cannot happen: every queue eventually triggers by its max wait
         raise SimulationError(f"{unfinished} requests never completed; this is a bug")
     for op in ops:
         op.check_complete()
     return SimResult(
-        arrival_s=trace.arrival_s.copy(), completion_s=completion,
-        correct=np.stack([op.correct for op in ops]),
-        stage=np.stack([op.stage for op in ops]),
-        range_index=np.stack([op.range_index for op in ops]),
+        arrival_s=trace.arrival_s.copy(), completion_s=completion_s,
+        correct=np.array([op.correct for op in ops], dtype=bool),
+        stage=np.array([op.stage for op in ops], dtype=np.int64),
+        range_index=np.array([op.range_index for op in ops], dtype=np.int64),
         gear_switches=tuple(tuple(op.dispatcher.gears.switches) for op in ops),
         device_busy_s=tuple(sorted(device_busy.items())),
         batches=seq,
@@ -190,15 +191,17 @@ class _Operator:
                                   f"profile in the catalog ({list(catalog.models)})")
         self.dispatcher = Dispatcher(plan, clock, busy)
         kind = plan.certainty
-        self._cert = {m: catalog.certainty(m, kind) for m in catalog.perf}
-        self._correct = catalog.correct
+        rows = _sample_rows(num_requests, catalog.num_rows, seed)
+        used = {r.model for r in plan.placement}
+        # per model, per request: the certainty and correctness of that request's sample row
+        self._cert = {m: catalog.certainty(m, kind)[rows].tolist() for m in used}
+        self._correct = {m: catalog.correct[m][rows].tolist() for m in used}
         self.runtime = [catalog.perf[r.model].runtime_table(r.degree, plan.max_batch[i])
                         for i, r in enumerate(plan.placement)]
-        self.rows = _sample_rows(num_requests, catalog.num_rows, seed)
-        self.correct = np.zeros(num_requests, dtype=bool)
-        self.stage = np.full(num_requests, -1, dtype=np.int64)
-        self.range_index = np.full(num_requests, -1, dtype=np.int64)
-        self.resolved = np.zeros(num_requests, dtype=np.int64)
+        self.correct = [False] * num_requests
+        self.stage = [-1] * num_requests
+        self.range_index = [-1] * num_requests
+        self.resolved = [0] * num_requests
         self._depth = max(c.num_stages for c in plan.cascades)
 
     def admit(self, rid: int) -> list[Batch]:
@@ -206,20 +209,25 @@ class _Operator:
         self.range_index[rid] = self.dispatcher.current_range
         return started
 
-    def certainties(self, batch: Batch) -> np.ndarray:
-        return self._cert[batch.model][self.rows[list(batch.request_ids)]]
+    def certainties(self, batch: Batch) -> list[float]:
+        cert = self._cert[batch.model]
+        return [cert[i] for i in batch.request_ids]
 
-    def record(self, ids: np.ndarray, model: str, stages: Sequence[int]) -> None:
-        self.correct[ids] = self._correct[model][self.rows[ids]]
-        self.stage[ids] = np.asarray(stages, dtype=np.int64)
-        np.add.at(self.resolved, ids, 1)
+    def record(self, ids: Sequence[int], model: str, stages: Sequence[int]) -> None:
+        correct, ok, stage, resolved = self._correct[model], self.correct, self.stage, \
+            self.resolved
+        for rid, st in zip(ids, stages, strict=True):
+            ok[rid] = correct[rid]
+            stage[rid] = st
+            resolved[rid] += 1
 
     def stage_rows(self) -> tuple[int, ...]:
         """Rows that reached each stage (a row resolved at stage s ran stages 0..s)."""
-        resolved_at = np.bincount(self.stage[self.stage >= 0], minlength=self._depth)
+        st = np.asarray(self.stage, dtype=np.int64)
+        resolved_at = np.bincount(st[st >= 0], minlength=self._depth)
         return tuple(int(c) for c in np.cumsum(resolved_at[::-1])[::-1])
 
     def check_complete(self) -> None:
-        if not np.all(self.resolved == 1):
-            bad = int(np.count_nonzero(self.resolved != 1))
+        bad = sum(1 for r in self.resolved if r != 1)
+        if bad:
             raise SimulationError(f"{bad} requests were not resolved exactly once; this is a bug")
