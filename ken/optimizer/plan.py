@@ -10,6 +10,7 @@ latency. All are frozen and round-trip through versioned JSON.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -143,7 +144,7 @@ class GearPlan:
         object.__setattr__(self, "qps_edges", tuple(float(e) for e in self.qps_edges))
         where = f"gear plan of {self.operator!r}"
         edges = self.qps_edges
-        if len(edges) < 2 or edges[0] != 0 or any(b <= a for a, b in zip(edges, edges[1:])):
+        if len(edges) < 2 or edges[0] != 0 or any(b <= a for a, b in itertools.pairwise(edges)):
             raise PlanError(f"{where}: QPS edges must start at 0 and increase, got {edges}")
         if len(self.ranges) != len(edges) - 1:
             raise PlanError(f"{where}: {len(edges) - 1} QPS ranges but {len(self.ranges)} "

@@ -87,7 +87,7 @@ class PlannerStats:
 
 
 @dataclass
-class _Context:
+class PlanningContext:
     """Everything fixed during one planning run."""
 
     operator: str
@@ -156,7 +156,7 @@ def _replica_index(placement: Placement) -> dict[tuple[str, int], int]:
     return index
 
 
-def _allocation(ctx: _Context, c: int, placement: Placement) -> Allocation:
+def _allocation(ctx: PlanningContext, c: int, placement: Placement) -> Allocation:
     """LP shares for cascade ``c`` at 1 request/s (valid at every rate: scaling every model's
     demand by the same factor scales the objective and keeps the optimum)."""
     key = (c, placement)
@@ -170,7 +170,7 @@ def _allocation(ctx: _Context, c: int, placement: Placement) -> Allocation:
     return alloc
 
 
-def range_schedule(ctx: _Context, k: int, c: int, placement: Placement) -> RangeSchedule:
+def range_schedule(ctx: PlanningContext, k: int, c: int, placement: Placement) -> RangeSchedule:
     """Shares and raised queue lengths for cascade ``c`` in range ``k`` (at its top rate)."""
     key = (k, c, placement)
     hit = ctx.range_cache.get(key)
@@ -196,13 +196,13 @@ def range_schedule(ctx: _Context, k: int, c: int, placement: Placement) -> Range
     return out
 
 
-def schedule_ranges(ctx: _Context, assignment: Sequence[int],
+def schedule_ranges(ctx: PlanningContext, assignment: Sequence[int],
                     placement: Placement) -> tuple[RangeSchedule, ...]:
     """Per range: LP shares and raised queue lengths, laid out per replica of ``placement``."""
     return tuple(range_schedule(ctx, k, c, placement) for k, c in enumerate(assignment))
 
 
-def build_plan(ctx: _Context, assignment: Sequence[int], placement: Placement) -> GearPlan:
+def build_plan(ctx: PlanningContext, assignment: Sequence[int], placement: Placement) -> GearPlan:
     """A gear plan (without prediction) for an assignment of cascade indices to ranges."""
     used = sorted(set(assignment))
     remap = {c: i for i, c in enumerate(used)}
@@ -219,7 +219,7 @@ def build_plan(ctx: _Context, assignment: Sequence[int], placement: Placement) -
                     *ctx.settings.provenance()))
 
 
-def evaluate_plan(ctx: _Context, assignment: Sequence[int],
+def evaluate_plan(ctx: PlanningContext, assignment: Sequence[int],
                   placement: Placement) -> tuple[GearPlan, PlanMetrics]:
     """Schedule and simulate (memoised by assignment and placement)."""
     key = (tuple(assignment), placement)
@@ -251,7 +251,7 @@ def range_weights(trace: Trace, edges: Sequence[float], window_s: float) -> np.n
     return weights / weights.sum()
 
 
-def _range_latency(ctx: _Context, k: int, c: int, placement: Placement) -> float:
+def _range_latency(ctx: PlanningContext, k: int, c: int, placement: Placement) -> float:
     """Rough mean latency (s) of range ``k`` under cascade ``c``: per stage, batch runtime
     inflated by the device's load (M/D/1-like ``1 / (1 - rho)``) plus the time to fill the
     batch trigger; an overloaded device counts as 1000 s times its overload."""
@@ -289,7 +289,7 @@ def _range_latency(ctx: _Context, k: int, c: int, placement: Placement) -> float
     return latency
 
 
-def _estimate_parts(ctx: _Context, assignment: Sequence[int],
+def _estimate_parts(ctx: PlanningContext, assignment: Sequence[int],
                     placement: Placement) -> tuple[float, float]:
     """Estimated ``(accuracy, p95 seconds)`` without simulating: accuracy weighted by the
     trace's time in each range, p95 as the weighted 95th percentile of per-range latencies."""
@@ -303,17 +303,17 @@ def _estimate_parts(ctx: _Context, assignment: Sequence[int],
     return acc, p95
 
 
-def estimate_p95(ctx: _Context, assignment: Sequence[int], placement: Placement) -> float:
+def estimate_p95(ctx: PlanningContext, assignment: Sequence[int], placement: Placement) -> float:
     return _estimate_parts(ctx, assignment, placement)[1] * 1000.0
 
 
-def estimate_score(ctx: _Context, assignment: Sequence[int], placement: Placement) -> float:
+def estimate_score(ctx: PlanningContext, assignment: Sequence[int], placement: Placement) -> float:
     """Estimated ``accuracy / p95``, the adapter's score, for screening candidates."""
     acc, p95 = _estimate_parts(ctx, assignment, placement)
     return acc / max(p95, 1e-12)
 
 
-def _screen_score(ctx: _Context, assignment: Sequence[int], placement: Placement) -> float:
+def _screen_score(ctx: PlanningContext, assignment: Sequence[int], placement: Placement) -> float:
     adapted = adapt_placement(ctx, placement, _models_of(ctx, assignment))
     return -np.inf if adapted is None else estimate_score(ctx, assignment, adapted)
 
@@ -343,7 +343,7 @@ def _canonical(placement: Sequence[Replica]) -> Placement:
     return tuple(sorted(placement, key=lambda r: (r.model, r.devices)))
 
 
-def _sample_replica(rng: random.Random, ctx: _Context, placement: Placement,
+def _sample_replica(rng: random.Random, ctx: PlanningContext, placement: Placement,
                     model: str) -> Replica | None:
     """A random memory-feasible new replica of ``model`` (None if none fits)."""
     perf = ctx.catalog.perf[model]
@@ -363,11 +363,11 @@ def _sample_replica(rng: random.Random, ctx: _Context, placement: Placement,
     return Replica(model, tuple(sorted(rng.sample(devs, degree))))
 
 
-def _models_of(ctx: _Context, assignment: Sequence[int]) -> list[str]:
+def _models_of(ctx: PlanningContext, assignment: Sequence[int]) -> list[str]:
     return sorted({m for c in set(assignment) for m in ctx.cascades[c].models})
 
 
-def adapt_placement(ctx: _Context, placement: Placement,
+def adapt_placement(ctx: PlanningContext, placement: Placement,
                     models: Sequence[str]) -> Placement | None:
     """``placement`` reduced to ``models``, plus one replica of each missing model on the
     device with the most free memory (None if a missing model fits nowhere)."""
@@ -389,7 +389,7 @@ def _latency_key(metrics: PlanMetrics) -> float:
     return metrics.p95_ms
 
 
-def search_placement(ctx: _Context, assignment: Sequence[int],
+def search_placement(ctx: PlanningContext, assignment: Sequence[int],
                      warm: Placement | None = None) -> tuple[GearPlan, PlanMetrics]:
     """Beam search over placements for one assignment.
 
@@ -400,8 +400,7 @@ def search_placement(ctx: _Context, assignment: Sequence[int],
     models = _models_of(ctx, assignment)
     s = ctx.settings
     if s.full_replication:
-        placement = _canonical([Replica(m, (d,)) for m in models for d in ctx.hardware.ids])
-        return evaluate_plan(ctx, assignment, placement)
+        return evaluate_plan(ctx, assignment, full_placement(ctx, assignment))
     ctx.stats.placement_searches += 1
     rng = random.Random(hash((s.seed, tuple(assignment))) & 0xFFFFFFFF)
     starts: list[Placement] = []
@@ -461,7 +460,7 @@ def search_placement(ctx: _Context, assignment: Sequence[int],
     return min(results, key=lambda r: _latency_key(r[1]))
 
 
-def _pick_model_to_replicate(rng: random.Random, ctx: _Context, assignment: Sequence[int],
+def _pick_model_to_replicate(rng: random.Random, ctx: PlanningContext, assignment: Sequence[int],
                              placement: Placement, models: Sequence[str]) -> str:
     """Sample a model, weighted by the device time it needs per replica at peak load (a model
     that is busy and has few replicas is the one that gains from another copy)."""
@@ -528,13 +527,9 @@ def plan_frontier(operator: str, cascades: Sequence[Cascade], catalog: Catalog,
     if not cascades:
         raise PlanningError("no candidate cascades; run the cascade search first")
     t0 = time.perf_counter()
-    stats = PlannerStats()
-    order = _by_cost(cascades, catalog, settings)
-    peak = trace.qps_max() if qps_max is None else qps_max
-    ctx = _Context(operator, order, catalog, hardware, trace,
-                   qps_edges(peak, settings.num_ranges), settings, stats)
+    ctx = planning_context(operator, cascades, catalog, hardware, trace, qps_max, settings)
+    stats, order, peak = ctx.stats, ctx.cascades, ctx.edges[-1]
     assignment = (len(order) - 1,) * settings.num_ranges
-    ctx.range_weights = range_weights(trace, ctx.edges, settings.rate_window_s)
     visited = [bool(w > 0) for w in ctx.range_weights]
     plan, metrics = search_placement(ctx, assignment)
     emitted = [plan]
@@ -571,6 +566,27 @@ def plan_frontier(operator: str, cascades: Sequence[Cascade], catalog: Catalog,
     prov = (("trace", trace.name), ("qps_max", f"{peak:g}"),
             ("catalog.sample_hash", catalog.sample_hash), *settings.provenance())
     return Frontier(operator, tuple(front), prov), stats
+
+
+def planning_context(operator: str, cascades: Sequence[Cascade], catalog: Catalog,
+                     hardware: Hardware, trace: Trace, qps_max: float | None = None,
+                     settings: PlannerSettings | None = None) -> PlanningContext:
+    """The fixed inputs of a planning run; ``ctx.cascades`` is ``cascades`` ordered by cost.
+
+    Exposed so benchmarks can score assignments (``evaluate_plan``) the same way."""
+    settings = settings or PlannerSettings()
+    order = _by_cost(cascades, catalog, settings)
+    peak = trace.qps_max() if qps_max is None else qps_max
+    ctx = PlanningContext(operator, order, catalog, hardware, trace,
+                          qps_edges(peak, settings.num_ranges), settings, PlannerStats())
+    ctx.range_weights = range_weights(trace, ctx.edges, settings.rate_window_s)
+    return ctx
+
+
+def full_placement(ctx: PlanningContext, assignment: Sequence[int]) -> Placement:
+    """Every model of the assignment on every device (the restricted space of section 5.6)."""
+    return _canonical([Replica(m, (d,)) for m in _models_of(ctx, assignment)
+                       for d in ctx.hardware.ids])
 
 
 def _by_cost(cascades: Sequence[Cascade], catalog: Catalog,
