@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import replace
 from typing import Any
@@ -28,7 +29,7 @@ TWO_STAGE = Cascade(("a", "b"), (0.8,))
 def _metrics(accuracy: float, p95_ms: float, edges: tuple[float, ...] = ()) -> PlanMetrics:
     per_range = tuple(RangeMetrics(lo, hi, 10 + i, accuracy - 0.01 * i, p95_ms / 2, p95_ms,
                                    p95_ms * 1.5)
-                      for i, (lo, hi) in enumerate(zip(edges, edges[1:])))
+                      for i, (lo, hi) in enumerate(itertools.pairwise(edges)))
     return PlanMetrics(accuracy=accuracy, p50_ms=p95_ms / 2, p95_ms=p95_ms, p99_ms=p95_ms * 1.5,
                        mean_ms=p95_ms * 0.6, num_requests=sum(r.num_requests for r in per_range),
                        gear_switches=3, duration_s=12.5,
@@ -174,7 +175,7 @@ def test_other_validation_errors() -> None:
         make_plan(max_batch=(8, 0, 1))
     with pytest.raises(PlanError, match="no cascades"):
         make_plan(cascades=())
-    with pytest.raises(PlanError, match="must be > 0"):
+    with pytest.raises(PlanError, match="must be finite and > 0"):
         make_plan(max_wait_s=0.0)
     with pytest.raises(PlanError, match="distinct devices"):
         Replica("a", ("cpu0", "cpu0"))
@@ -184,7 +185,7 @@ def test_other_validation_errors() -> None:
         RangeSchedule(0, (1.0,), (1, 1))
     with pytest.raises(PlanError, match=">= 1"):
         RangeSchedule(0, (1.0,), (0,))
-    with pytest.raises(PlanError, match="shares >= 0"):
+    with pytest.raises(PlanError, match="shares finite and >= 0"):
         RangeSchedule(0, (-0.5,), (1,))
 
 
@@ -247,7 +248,7 @@ def test_gears_merge_consecutive_equal_cascades() -> None:
     assert plan.gears() == [(0.0, 20.0, 1), (20.0, 40.0, 0)]
     # equal cascades that are not consecutive stay separate gears
     alternating = make_plan(ranges=tuple(replace(r, cascade=c)
-                                         for r, c in zip(plan.ranges, (1, 0, 1, 1))))
+                                         for r, c in zip(plan.ranges, (1, 0, 1, 1), strict=True)))
     assert alternating.gears() == [(0.0, 10.0, 1), (10.0, 20.0, 0), (20.0, 40.0, 1)]
     single = make_plan(ranges=tuple(replace(r, cascade=0) for r in plan.ranges))
     assert single.gears() == [(0.0, 40.0, 0)]
@@ -275,12 +276,9 @@ def test_describe() -> None:
     assert quiet_lines[-1] == "batch triggers (max wait 20 ms): queue >= 1 everywhere"
 
 
-# -- known gaps (see the xfail reasons) -------------------------------------------------------
+# -- gaps found by these tests, now fixed -------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="Frontier.from_json indexes data['plans'] outside any "
-                   "try/except: a gear plan file loaded as a frontier raises KeyError, "
-                   "not PlanError")
 def test_loading_a_gear_plan_file_as_a_frontier_is_a_plan_error(tmp_path) -> None:
     path = tmp_path / "plan.json"
     path.write_text(make_plan().to_json())  # a gear plan, not a frontier
@@ -288,15 +286,22 @@ def test_loading_a_gear_plan_file_as_a_frontier_is_a_plan_error(tmp_path) -> Non
         Frontier.load(path)
 
 
-@pytest.mark.xfail(strict=True, reason="_check_version calls data.get() on whatever json.loads "
-                   "returned: a JSON array raises AttributeError, not PlanError")
 def test_json_that_is_not_an_object_is_a_plan_error() -> None:
     with pytest.raises(PlanError):
         Frontier.from_json("[]")
 
 
-@pytest.mark.xfail(strict=True, reason="GearPlan accepts a NaN QPS edge: 'b <= a' is False for "
-                   "NaN, so the 'edges increase' check passes")
 def test_nan_qps_edge_is_rejected() -> None:
     with pytest.raises(PlanError, match="QPS edges"):
         make_plan(qps_edges=(0.0, 10.0, 20.0, 30.0, float("nan")))
+
+
+@pytest.mark.parametrize("max_wait_s", [float("inf"), float("nan")])
+def test_non_finite_max_wait_is_rejected(max_wait_s: float) -> None:
+    with pytest.raises(PlanError, match="max_wait_s"):
+        make_plan(max_wait_s=max_wait_s)
+
+
+def test_nan_share_is_rejected() -> None:
+    with pytest.raises(PlanError, match="shares"):
+        RangeSchedule(0, (float("nan"), 1.0), (1, 1))

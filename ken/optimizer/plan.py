@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,9 @@ class PlanError(KenError):
     """A gear plan or frontier is malformed, or a JSON file holds something else."""
 
 
-def _check_version(data: Mapping[str, Any], what: str) -> None:
+def _check_version(data: Any, what: str) -> None:
+    if not isinstance(data, Mapping):
+        raise PlanError(f"not a {what} JSON object (got {type(data).__name__})")
     if data.get("schema_version") != PLAN_SCHEMA_VERSION:
         raise PlanError(f"unsupported {what} schema version {data.get('schema_version')!r}; "
                         f"this KEN reads version {PLAN_SCHEMA_VERSION} — re-run `ken plan`")
@@ -73,8 +76,9 @@ class RangeSchedule:
         object.__setattr__(self, "min_queue", tuple(int(q) for q in self.min_queue))
         if len(self.shares) != len(self.min_queue):
             raise PlanError("a range schedule needs one share and one queue length per replica")
-        if any(q < 1 for q in self.min_queue) or any(s < 0 for s in self.shares):
-            raise PlanError("queue lengths must be >= 1 and shares >= 0")
+        if any(q < 1 for q in self.min_queue) or not all(
+                math.isfinite(s) and s >= 0 for s in self.shares):
+            raise PlanError("queue lengths must be >= 1 and shares finite and >= 0")
 
 
 @dataclass(frozen=True)
@@ -144,7 +148,8 @@ class GearPlan:
         object.__setattr__(self, "qps_edges", tuple(float(e) for e in self.qps_edges))
         where = f"gear plan of {self.operator!r}"
         edges = self.qps_edges
-        if len(edges) < 2 or edges[0] != 0 or any(b <= a for a, b in itertools.pairwise(edges)):
+        if len(edges) < 2 or edges[0] != 0 or not all(map(math.isfinite, edges)) \
+                or any(b <= a for a, b in itertools.pairwise(edges)):
             raise PlanError(f"{where}: QPS edges must start at 0 and increase, got {edges}")
         if len(self.ranges) != len(edges) - 1:
             raise PlanError(f"{where}: {len(edges) - 1} QPS ranges but {len(self.ranges)} "
@@ -169,8 +174,10 @@ class GearPlan:
         if len(kinds) > 1:
             raise PlanError(f"{where}: all cascades of a plan must use one certainty function, "
                             f"got {sorted(kinds)}")
-        if self.max_wait_s <= 0 or self.alpha <= 0 or self.rate_window_s <= 0:
-            raise PlanError(f"{where}: max_wait_s, alpha and rate_window_s must be > 0")
+        if not all(math.isfinite(v) and v > 0
+                   for v in (self.max_wait_s, self.alpha, self.rate_window_s)):
+            raise PlanError(f"{where}: max_wait_s, alpha and rate_window_s must be finite "
+                            "and > 0")
 
     # -- lookups -----------------------------------------------------------------------------
 
@@ -356,8 +363,14 @@ class Frontier:
         except json.JSONDecodeError as exc:
             raise PlanError(f"not a frontier JSON file: {exc}") from exc
         _check_version(data, "frontier")
-        return cls(str(data["operator"]), tuple(GearPlan.from_dict(p) for p in data["plans"]),
-                   tuple(sorted((str(k), str(v)) for k, v in data.get("provenance", {}).items())))
+        try:
+            return cls(str(data["operator"]),
+                       tuple(GearPlan.from_dict(p) for p in data["plans"]),
+                       tuple(sorted((str(k), str(v))
+                                    for k, v in data.get("provenance", {}).items())))
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise PlanError(f"malformed frontier JSON (is it a gear plan file?): {exc!r}") \
+                from exc
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)

@@ -53,6 +53,10 @@ class PlannerSettings:
     screen: int = 3  # per iteration, candidates simulated after an analytic ranking; 0: all
     max_iterations: int | None = None  # stop the adapter early (None: at cheapest everywhere)
     placement_scoring: str = "simulate"  # or "estimate": see search_placement
+    # candidate cascades less than this much more accurate (on the sample) than the next
+    # cheaper kept one are dropped: the sample cannot tell them apart, and each would cost the
+    # adapter another round of iterations
+    min_accuracy_step: float = 0.001
     max_wait_s: float = 0.05
     alpha: float = 8.0
     rate_window_s: float = 0.1
@@ -63,6 +67,8 @@ class PlannerSettings:
                 or self.initial_samples < 1 or self.max_rounds < 0 or self.screen < 0:
             raise PlanningError("num_ranges, beam_width and initial_samples must be >= 1; "
                                 "expansions and max_rounds >= 0")
+        if self.min_accuracy_step < 0:
+            raise PlanningError("min_accuracy_step must be >= 0")
         if self.placement_scoring not in ("simulate", "estimate"):
             raise PlanningError("placement_scoring must be 'simulate' or 'estimate', got "
                                 f"{self.placement_scoring!r}")
@@ -520,7 +526,9 @@ def plan_frontier(operator: str, cascades: Sequence[Cascade], catalog: Catalog,
     """Approximate the latency-accuracy frontier of gear plans for one operator.
 
     ``cascades``: the candidate set C (e.g. ``pareto_cascades``); it is ordered here by expected
-    compute per row. ``trace`` is the sample workload the simulator replays; ``qps_max``
+    compute per row, and thinned to steps of at least ``settings.min_accuracy_step`` accuracy
+    (the most accurate and the cheapest candidate are always kept).
+    ``trace`` is the sample workload the simulator replays; ``qps_max``
     defaults to its peak rate in 1 s buckets.
     """
     settings = settings or PlannerSettings()
@@ -603,7 +611,14 @@ def _by_cost(cascades: Sequence[Cascade], catalog: Catalog,
         return total
 
     unique = list(dict.fromkeys(cascades))
-    return tuple(sorted(unique, key=lambda c: (cost(c), -catalog.accuracy(c))))
+    ordered = sorted(unique, key=lambda c: (cost(c), -catalog.accuracy(c)))
+    # walk down from the most accurate; keep the cheapest (the "cheapest everywhere" anchor)
+    kept = [ordered[-1]]
+    for c in reversed(ordered[:-1]):
+        acc = catalog.accuracy(c)
+        if acc <= catalog.accuracy(kept[-1]) - settings.min_accuracy_step or c is ordered[0]:
+            kept.append(c)
+    return tuple(reversed(kept))
 
 
 def _summary(plan: GearPlan) -> str:

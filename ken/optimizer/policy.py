@@ -277,6 +277,7 @@ class Dispatcher:
         self._since: list[deque[float]] = [deque() for _ in range(n)]
         self._busy: set[str] = set() if busy is None else busy
         self._deadlines: list[tuple[float, int]] = []
+        self._running: dict[int, Batch] = {}  # replica -> its batch in flight
         self._req_cascade: dict[int, int] = {}
         self._req_range: dict[int, int] = {}
         self._req_stage: dict[int, int] = {}
@@ -329,9 +330,10 @@ class Dispatcher:
         ids = batch.request_ids
         if len(certainties) != len(ids):
             raise PolicyError(f"batch of {len(ids)} rows got {len(certainties)} certainties")
+        if self._running.get(batch.replica) is not batch:
+            raise PolicyError(f"batch on replica {batch.replica} is not running here")
+        del self._running[batch.replica]
         for d in batch.devices:
-            if d not in self._busy:
-                raise PolicyError(f"device {d!r} was not running a batch")
             self._busy.discard(d)
         if isinstance(certainties, np.ndarray):
             certainties = certainties.tolist()
@@ -442,5 +444,7 @@ class Dispatcher:
             if s:  # the rest keeps waiting: its new head gets a deadline
                 heapq.heappush(self._deadlines, (self.trigger.deadline(s[0]), rep))
             busy.update(devs)
-            started.append(Batch(rep, self._model[rep], devs, ids, now))
+            batch = Batch(rep, self._model[rep], devs, ids, now)
+            self._running[rep] = batch
+            started.append(batch)
         return started

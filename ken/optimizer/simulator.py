@@ -158,9 +158,9 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
             clock.t = t_arrival
             launch(0, ops[0].admit(i), t_arrival)
             i += 1
-        else:
-            clock.t = t_deadline
-            launch(deadline_op, ops[deadline_op].dispatcher.expire(), t_deadline)
+        else:  # a deadline already past (queue left behind by a full batch) fires now
+            clock.t = max(clock.t, t_deadline)
+            launch(deadline_op, ops[deadline_op].dispatcher.expire(), clock.t)
 
     completion_s = np.asarray(completion, dtype=np.float64)
     unfinished = int(np.isnan(completion_s).sum()) if n else 0
