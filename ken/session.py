@@ -8,12 +8,16 @@
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+import math
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 import pyarrow as pa
@@ -22,11 +26,23 @@ from sqlglot import exp
 from ken.errors import KenError
 from ken.operators.cascade import Cascade
 from ken.operators.model import DeviceConfig, Model
+from ken.paths import ken_home
 from ken.progress import QUIET, Reporter
 from ken.sql.execute import SiteRunner, register_sites, translate_error, unregister_sites
 from ken.sql.explain import build, conjuncts, has_site, render, site_lines
 from ken.sql.functions import Bound, ClassifierBinding, SemanticFunction
 from ken.sql.rewrite import CallSite, Rewritten, SqlError, parse, rewrite
+
+if TYPE_CHECKING:
+    from ken.optimizer.perf import Catalog
+    from ken.optimizer.plan import Frontier, GearPlan
+    from ken.optimizer.planner import PlannerSettings, PlannerStats
+    from ken.optimizer.profile import Profile
+    from ken.optimizer.query import QueryPlan, Target
+    from ken.optimizer.workload import Hardware, Trace
+
+#: where a plannable function gets its profiles: ``source(threads_per_device) -> {model: Profile}``
+ProfileSource = Callable[[int], Mapping[str, "Profile"]]
 
 _EXPLAIN = re.compile(r"^\s*EXPLAIN(\s+ANALYZE)?\s+", re.IGNORECASE)
 
@@ -96,6 +112,11 @@ class Session:
         self._resources: dict[str, Any] = {}
         self._known: frozenset[str] | None = None
         self.sentiment_cascade: Cascade | None = None
+        # functions the offline planner can plan (their models have profiles); builtins add
+        # sentiment, registering a function under the same name removes it
+        self.profile_sources: dict[str, ProfileSource] = {}
+        self.frontiers: dict[str, Frontier] = {}
+        self._gear_plans: dict[str, GearPlan] = {}
         if builtins:
             from ken.sql.builtins import register_builtins
 
@@ -135,6 +156,10 @@ class Session:
             raise KenError(f"{name}() is a DuckDB function; choose another name")
         self.functions[name] = fn
         self._bound = {k: v for k, v in self._bound.items() if k[0] != name}
+        # plans and profiles were for the function this name named before
+        self.profile_sources.pop(name, None)
+        self.frontiers.pop(name, None)
+        self._gear_plans.pop(name, None)
 
     def resource(self, key: str, make: Callable[[], Any]) -> Any:
         """Heavy objects (loaded models) shared by all functions of this session."""
@@ -154,6 +179,103 @@ class Session:
                                     ).fetchall()
             self._known = frozenset(r[0] for r in rows)
         return self._known
+
+    # -- gear plans (offline phase) ----------------------------------------------------------
+
+    @property
+    def gear_plans(self) -> Mapping[str, GearPlan]:
+        """The gear plan chosen for each semantic function (read-only view)."""
+        return MappingProxyType(self._gear_plans)
+
+    def use_plan(self, plan: GearPlan) -> None:
+        """Set the gear plan of ``plan.operator`` by hand (e.g. one picked from a frontier file
+        written by ``ken plan``: ``Frontier.load(path).pick(min_accuracy=0.7)``)."""
+        from ken.optimizer.plan import GearPlan
+
+        if not isinstance(plan, GearPlan):
+            raise KenError(f"use_plan() takes a GearPlan, not {type(plan).__name__}; load one "
+                           "with ken.Frontier.load(path).pick(...)")
+        name = plan.operator.lower()
+        if name not in self.functions:
+            raise KenError(f"the gear plan is for {plan.operator}(), which is not a semantic "
+                           f"function of this session; registered: "
+                           f"{', '.join(sorted(self.functions)) or '(none)'}")
+        self._gear_plans[name] = plan
+
+    def plan(self, target: Target | str, functions: Sequence[str] = ("sentiment",),
+             trace: Trace | str | None = None, devices: int = 2, memory_gb: float = 4.0,
+             threads_per_device: int = 1, peak_qps: float | None = None,
+             duration_s: float = 120.0, num_ranges: int = 8,
+             settings: PlannerSettings | None = None, force: bool = False) -> QueryPlan:
+        """Plan ``functions`` offline and pick one gear plan each for ``target``.
+
+        Profiles the functions' models (cached), searches their Pareto cascades, builds each
+        function's frontier of gear plans for ``devices`` CPU workers of ``threads_per_device``
+        threads and ``memory_gb`` each on ``trace`` ("azure" — the default, from the shared
+        data folder —, "poisson", "gamma", or a ``Trace``), and chooses plans with the query
+        optimizer. Frontiers are cached under ``KEN_HOME/plans``; the chosen plans are kept on
+        the session (``session.gear_plans``, shown by EXPLAIN).
+
+        >>> qp = session.plan("accuracy >= 0.7")              # doctest: +SKIP
+        >>> qp.plan_for("sentiment").describe()               # doctest: +SKIP
+        """
+        from ken.optimizer.planner import PlannerSettings
+        from ken.optimizer.query import Target, choose_plans
+        from ken.optimizer.workload import Hardware
+
+        if isinstance(target, str):
+            target = Target.parse(target)
+        names = [f.lower() for f in functions]
+        if not names:
+            raise KenError("plan() needs at least one semantic function, e.g. "
+                           "functions=('sentiment',)")
+        for name in names:
+            if name not in self.functions:
+                raise KenError(f"unknown function {name}(); semantic functions registered on "
+                               f"this session: {', '.join(sorted(self.functions)) or '(none)'}")
+            if name not in self.profile_sources:
+                plannable = ", ".join(sorted(self.profile_sources)) or "none"
+                raise KenError(
+                    f"{name}() cannot be planned yet: gear plans are built from model profiles "
+                    f"(runtime per batch size and per-sample predictions on a labelled "
+                    f"sample), and {name}() has none; functions this session can plan: "
+                    f"{plannable}. A plan made elsewhere can be set with session.use_plan(...)")
+        check_planning_args(devices, memory_gb, threads_per_device, peak_qps, duration_s,
+                            num_ranges)
+        hardware = Hardware.cpu_workers(devices, int(memory_gb * 2**30))
+        settings = settings or PlannerSettings(num_ranges=num_ranges)
+        profiles = {n: dict(self.profile_sources[n](threads_per_device)) for n in names}
+        prepared = {n: planning_inputs(profiles[n]) for n in names}
+        catalogs = {n: prepared[n][0] for n in names}
+        if peak_qps is None:  # the slowest operator sets the load the query can be planned for
+            peak_qps = min(default_peak_qps(cat, cascades, devices)
+                           for cat, cascades in prepared.values())
+        plan_trace = planning_trace("azure" if trace is None else trace, peak_qps, duration_s)
+        frontiers = {}
+        for n in names:
+            catalog, cascades = prepared[n]
+            frontiers[n], _stats = plan_operator(
+                n, profiles[n], catalog, cascades, hardware, plan_trace, peak_qps, settings,
+                cache_dir=(self.home or ken_home()) / "plans", reporter=self.reporter,
+                force=force)
+        chosen = choose_plans(frontiers, catalogs, plan_trace, target)
+        self.frontiers.update(frontiers)
+        for p in chosen.plans:
+            self._gear_plans[p.operator] = p
+        return chosen
+
+    def _gear_plan_lines(self, function: str) -> list[str]:
+        plan = self._gear_plans.get(function)
+        if plan is None:
+            if function in self.profile_sources:
+                return ["gear plan: none (run session.plan(...) or `ken plan`)"]
+            return [f"gear plan: none ({function}() has no profiles to plan with; "
+                    "session.use_plan(...) sets one)"]
+        gears = len(plan.gears())
+        head = (f"gear plan: {gears} gear{'s' if gears != 1 else ''} over 0-{plan.qps_max:g} "
+                f"qps on {', '.join(plan.devices)} (for online serving; batch queries run the "
+                "implementation above)")
+        return [head, *("  " + line for line in plan.describe())]
 
     # -- tables ------------------------------------------------------------------------------
 
@@ -233,8 +355,9 @@ class Session:
         lines = render(build(rw.statement))
         describe = {s.id: self.bind(s.function, s.constants).describe() for s in rw.sites}
         estimates = {s.id: self._estimate(rw, s) for s in rw.sites}
+        plans = {s.id: self._gear_plan_lines(s.function) for s in rw.sites}
         if not analyze:
-            return "\n".join(lines + site_lines(rw.sites, describe, estimates))
+            return "\n".join(lines + site_lines(rw.sites, describe, estimates, plans=plans))
         started = time.perf_counter()
         runners = self._runners(rw)
         register_sites(self.con, runners)
@@ -247,7 +370,7 @@ class Session:
             unregister_sites(self.con, runners)
         seconds = time.perf_counter() - started
         actual = {r.site.id: _actual_lines(r) for r in runners}
-        out = lines + site_lines(rw.sites, describe, estimates, actual)
+        out = lines + site_lines(rw.sites, describe, estimates, actual, plans)
         out += ["", f"Total time: {seconds:.3f} s", "",
                 "DuckDB physical plan (actual rows and time per operator):", physical]
         return "\n".join(out)
@@ -317,6 +440,193 @@ def _actual_lines(runner: SiteRunner) -> list[str]:
         lines.append(f"stage {stage.model}: {stage.input_rows:,} in, {stage.resolved_rows:,} "
                      f"resolved, {stage.num_batches} batches, {stage.seconds:.3f} s")
     return lines
+
+
+# -- offline planning helpers (used by Session.plan and `ken plan`) -------------------------------
+
+TRACE_KINDS = ("azure", "poisson", "gamma")
+
+
+def check_planning_args(devices: int, memory_gb: float, threads_per_device: int,
+                        peak_qps: float | None, duration_s: float, num_ranges: int) -> None:
+    """Reject impossible planning arguments before any model is profiled."""
+    problems = []
+    if devices < 1:
+        problems.append(f"devices must be >= 1 (got {devices})")
+    if not memory_gb > 0 or not math.isfinite(memory_gb):
+        problems.append(f"memory per device must be > 0 GB (got {memory_gb})")
+    if threads_per_device < 1:
+        problems.append(f"threads per device must be >= 1 (got {threads_per_device})")
+    if peak_qps is not None and (not peak_qps > 0 or not math.isfinite(peak_qps)):
+        problems.append(f"peak QPS must be > 0 (got {peak_qps})")
+    if not duration_s > 0 or not math.isfinite(duration_s):
+        problems.append(f"the trace duration must be > 0 s (got {duration_s})")
+    if num_ranges < 1:
+        problems.append(f"the number of QPS ranges must be >= 1 (got {num_ranges})")
+    if problems:
+        raise KenError("cannot plan: " + "; ".join(problems))
+
+
+def planning_inputs(profiles: Mapping[str, Profile], max_stages: int = 3,
+                    grid_size: int = 16) -> tuple[Catalog, tuple[Cascade, ...]]:
+    """The catalog and the candidate cascades (the Pareto set, cost at each model's best
+    batch size) that a frontier is planned from."""
+    from ken.optimizer.cascades import pareto_cascades
+    from ken.optimizer.perf import Catalog
+
+    front = pareto_cascades(profiles, max_stages=max_stages, grid_size=grid_size,
+                            batch_size=None)
+    return Catalog.from_profiles(profiles), tuple(m.cascade for m in front)
+
+
+def sustained_qps(catalog: Catalog, cascade: Cascade, devices: int) -> float:
+    """Rows/s that ``devices`` equal workers sustain running ``cascade`` flat out.
+
+    ``devices / sum_i(f_i * s_i)``: ``f_i`` is the fraction of rows reaching stage ``i`` and
+    ``s_i`` that model's seconds per row at its throughput-optimal (profiled) batch size.
+    """
+    seconds = 0.0
+    for model, fraction in zip(cascade.models, catalog.stage_fractions(cascade), strict=True):
+        perf = catalog.perf[model]
+        seconds += fraction * min(perf.per_row_s(b) for b in perf.batch_sizes)
+    return devices / seconds
+
+
+def default_peak_qps(catalog: Catalog, cascades: Sequence[Cascade], devices: int) -> float:
+    """1.5x the rate the most accurate candidate cascade sustains on all devices (rounded):
+    the top QPS ranges then need cheaper cascades, so the frontier has something to trade."""
+    best = max(cascades, key=catalog.accuracy)
+    return float(max(1, round(1.5 * sustained_qps(catalog, best, devices))))
+
+
+def _fit_peak(make: Callable[[float], Trace], start: float, peak_qps: float) -> Trace:
+    """``make(x)`` for the ``x`` whose trace has a 1-s peak closest to ``peak_qps``.
+
+    Peaks are counts in fixed 1-s buckets, so they move in steps as ``x`` scales the rate;
+    a few multiplicative corrections get within one step.
+    """
+    x, best = start, None
+    for _ in range(12):
+        trace = make(x)
+        got = trace.qps_max()
+        if best is None or abs(got - peak_qps) < abs(best.qps_max() - peak_qps):
+            best = trace
+        if abs(got - peak_qps) < 1.0:
+            break
+        x *= peak_qps / got
+    assert best is not None
+    return best
+
+
+def _around_peak(trace: Trace, duration_s: float) -> Trace:
+    """The ``duration_s`` window of ``trace`` around its busiest 1-s bucket; it starts on a
+    whole second, so the window's 1-s buckets (and its peak) are the trace's own."""
+    import numpy as np
+
+    if trace.duration_s <= duration_s:
+        return trace
+    counts = np.bincount(np.floor(trace.arrival_s).astype(np.int64))
+    peak_at = int(np.argmax(counts))
+    start = min(max(0, peak_at - int(duration_s // 2)), int(trace.duration_s - duration_s))
+    return trace.window(float(max(start, 0)), duration_s)
+
+
+def planning_trace(kind: str | Trace, peak_qps: float, duration_s: float, seed: int = 0,
+                   cv: float = 4.0) -> Trace:
+    """The sample trace a frontier is planned on, with a 1-s peak of (about) ``peak_qps``.
+
+    ``"azure"``: the Azure LLM inference trace (code) from the shared data folder, rate-scaled
+    so that its busiest second has ``peak_qps`` arrivals, cut to the ``duration_s`` window
+    around that second. ``"poisson"`` / ``"gamma"`` (bursty, CV ``cv``): ``duration_s`` of
+    synthetic arrivals whose mean rate is set so that the busiest second has ``peak_qps``.
+    A ``Trace`` is rate-scaled to the peak and used whole.
+    """
+    from ken.optimizer.workload import (
+        Trace,
+        WorkloadError,
+        gamma_trace,
+        load_azure_trace,
+        poisson_trace,
+    )
+
+    if isinstance(kind, Trace):
+        return _fit_peak(kind.rate_scaled, peak_qps / kind.qps_max(), peak_qps)
+    if kind == "azure":
+        try:
+            full = load_azure_trace()
+        except WorkloadError as exc:
+            raise WorkloadError(f"{exc}; or plan on a synthetic trace: --trace poisson / "
+                                "gamma (trace='poisson' in session.plan)") from None
+        return _fit_peak(lambda f: _around_peak(full.rate_scaled(f), duration_s),
+                         peak_qps / full.qps_max(), peak_qps)
+    if kind == "poisson":
+        return _fit_peak(lambda r: poisson_trace(r, duration_s, seed), peak_qps * 0.8, peak_qps)
+    if kind == "gamma":
+        return _fit_peak(lambda r: gamma_trace(r, duration_s, cv, seed), peak_qps / 4, peak_qps)
+    raise WorkloadError(f"unknown trace {kind!r}; use one of {', '.join(TRACE_KINDS)} or pass "
+                        "a ken.optimizer.workload.Trace")
+
+
+def _planner_code_hash() -> str:
+    """A hash of the planner's code, so cached frontiers are re-planned when it changes."""
+    from ken.optimizer import cascades, perf, plan, planner, policy, scheduler, simulator
+
+    digest = hashlib.sha256()
+    for module in (cascades, perf, plan, planner, policy, scheduler, simulator):
+        digest.update(inspect.getsource(module).encode())
+    return digest.hexdigest()[:16]
+
+
+def frontier_cache_key(operator: str, profiles: Mapping[str, Profile],
+                       cascades: Sequence[Cascade], hardware: Hardware, trace: Trace,
+                       qps_max: float, settings: PlannerSettings) -> str:
+    """What a frontier depends on: profiles, candidates, devices, trace, settings, code."""
+    digest = hashlib.sha256()
+    parts = [operator, _planner_code_hash(), hardware.to_json(), f"{qps_max!r}",
+             repr(settings.provenance()), trace.name, str(len(trace))]
+    for name in sorted(profiles):
+        p = profiles[name]
+        parts += [name, p.model_fingerprint, p.hardware, p.sample_hash, repr(p.batch_sizes),
+                  repr(p.batch_runtime_s), str(p.memory_bytes)]
+    parts += [c.to_json() for c in cascades]
+    for part in parts:
+        digest.update(part.encode())
+        digest.update(b"\0")
+    digest.update(trace.arrival_s.tobytes())
+    return digest.hexdigest()[:16]
+
+
+def plan_operator(operator: str, profiles: Mapping[str, Profile], catalog: Catalog,
+                  cascades: Sequence[Cascade], hardware: Hardware, trace: Trace,
+                  qps_max: float, settings: PlannerSettings, cache_dir: Path | None = None,
+                  reporter: Reporter = QUIET, force: bool = False,
+                  ) -> tuple[Frontier, PlannerStats | None]:
+    """``plan_frontier`` with an on-disk cache in ``cache_dir`` (stats are None on a hit)."""
+    from ken.optimizer.plan import Frontier
+    from ken.optimizer.planner import plan_frontier
+
+    largest = max(d.memory_bytes for d in hardware.devices)
+    too_big = sorted(m for m in {m for c in cascades for m in c.models}
+                     if catalog.perf[m].memory(1) > largest)
+    if too_big:
+        needs = ", ".join(f"{m} {catalog.perf[m].memory(1) / 2**20:,.0f} MB" for m in too_big)
+        raise KenError(f"cannot plan {operator}: a replica needs its model's weights on one "
+                       f"device ({needs}), but the largest device has "
+                       f"{largest / 2**20:,.0f} MB; give the devices more memory "
+                       "(--memory-gb, memory_gb=...)")
+    path = None
+    if cache_dir is not None:
+        key = frontier_cache_key(operator, profiles, cascades, hardware, trace, qps_max,
+                                 settings)
+        path = cache_dir / f"{operator}-{key}.json"
+        if path.is_file() and not force:
+            reporter.note(f"{operator}: frontier from cache {path}")
+            return Frontier.load(path), None
+    frontier, stats = plan_frontier(operator, cascades, catalog, hardware, trace,
+                                    qps_max=qps_max, settings=settings, reporter=reporter)
+    if path is not None:
+        frontier.save(path)
+    return frontier, stats
 
 
 def connect(path: str | Path | None = None, **options: Any) -> Session:

@@ -22,26 +22,48 @@ def family_models(session: Session) -> dict[str, Any]:
     return session.resource("family-models", load)
 
 
-def choose_sentiment_cascade(session: Session) -> ClassifierBinding:
-    """The session's sentiment cascade: the one set by the user, or from the profile frontier.
+def sentiment_profiles(session: Session, threads: int | None = None) -> dict[str, Any]:
+    """Profiles of the minilm-sentiment models (cached; measured on first use).
 
-    Default: the cheapest Pareto cascade at least as accurate as the best single model.
+    On the session's device by default, or on a CPU device of ``threads`` threads (what the
+    planner's CPU workers run on); models for another device are loaded only to be profiled.
+    Every batch size when `ken profile` already measured them here, else a short profile.
     """
     from ken.operators import family
-    from ken.optimizer.cascades import evaluate, pareto_cascades
+    from ken.operators.model import DeviceConfig
     from ken.optimizer.profile import DEFAULT_BATCH_SIZES, load_or_run_profile, profile_dir
 
-    models = family_models(session)
     data = session.data or family.FamilyData()
+    device = session.device
+    if threads is not None and (device.kind != "cpu" or device.threads != threads):
+        device = DeviceConfig(threads=threads)
+    if device == session.device:
+        models = family_models(session)
+    else:
+        family.prepare(data, session.device, home=session.home, reporter=session.reporter)
+        models = family.load_models(data, device, home=session.home)
     sample = family.heldout_sample(data)
     profiles = {}
     for name, model in models.items():
         sizes = DEFAULT_BATCH_SIZES
         if not (profile_dir(model, sample, sizes, session.home) / "header.json").exists():
             sizes = (1, 8, 32)  # a short profile when `ken profile` has not run here
-        with session.reporter.task(f"profile {name}", len(sizes) + 1) as advance:
+        with session.reporter.task(f"profile {name} on {device.label}",
+                                   len(sizes) + 1) as advance:
             profiles[name] = load_or_run_profile(model, sample, sizes, session.home,
                                                  on_step=lambda _s: advance(1))
+    return profiles
+
+
+def choose_sentiment_cascade(session: Session) -> ClassifierBinding:
+    """The session's sentiment cascade: the one set by the user, or from the profile frontier.
+
+    Default: the cheapest Pareto cascade at least as accurate as the best single model.
+    """
+    from ken.optimizer.cascades import evaluate, pareto_cascades
+
+    models = family_models(session)
+    profiles = sentiment_profiles(session)
     if session.sentiment_cascade is not None:
         chosen = evaluate(session.sentiment_cascade, profiles, session.batch_size)
     else:
@@ -83,6 +105,7 @@ def register_builtins(session: Session) -> None:
     session.functions["sentiment"] = SemanticFunction(
         "sentiment", 1, (), "varchar", lambda c: bind_sentiment(session, c),
         "negative / neutral / positive, by the minilm-sentiment cascade")
+    session.profile_sources["sentiment"] = lambda threads: sentiment_profiles(session, threads)
     session.functions["sem_filter"] = SemanticFunction(
         "sem_filter", 1, ("predicate",), "boolean", lambda c: bind_filter(session, c),
         "does the text satisfy a natural-language predicate")

@@ -141,13 +141,17 @@ def render(node: PlanNode, prefix: str = "", last: bool = True, top: bool = True
 
 def site_lines(sites: Sequence[CallSite], describe: Mapping[int, str],
                estimates: Mapping[int, str], actual: Mapping[int, list[str]] | None = None,
-               ) -> list[str]:
+               plans: Mapping[int, list[str]] | None = None) -> list[str]:
+    """Per call site: the call, its implementation, estimates, the gear plan (``plans``:
+    lines per site, continuation lines indented further) and actual counts."""
     lines = ["", "Semantic operators:"]
     for site in sites:
         lines.append(f"  {site.label}: {site.call_sql()}  (in {', '.join(site.clauses)})")
         lines.append(f"      implementation: {describe[site.id]}")
         if site.id in estimates:
             lines.append(f"      estimated: {estimates[site.id]}")
+        for line in (plans or {}).get(site.id, []):
+            lines.append(f"      {line}")
         for line in (actual or {}).get(site.id, []):
             lines.append(f"      actual: {line}")
     return lines
