@@ -10,9 +10,13 @@ from ken.errors import KenError
 from ken.frame import Frame, call
 from ken.operators.cascade import Cascade
 from ken.operators.model import DeviceConfig
+from ken.optimizer.plan import Frontier, GearPlan
+from ken.optimizer.query import QueryPlan, Target
+from ken.optimizer.workload import Hardware, Workload
 from ken.session import Result, Session, connect
 from ken.sql.functions import SemanticFunction
 
-__all__ = ["Cascade", "DeviceConfig", "Frame", "KenError", "Result", "SemanticFunction",
-           "Session", "call", "connect"]
+__all__ = ["Cascade", "DeviceConfig", "Frame", "Frontier", "GearPlan", "Hardware", "KenError",
+           "QueryPlan", "Result", "SemanticFunction", "Session", "Target", "Workload", "call",
+           "connect"]
 __version__ = "0.1.0"

@@ -166,6 +166,124 @@ def cmd_cascades(args: argparse.Namespace) -> int:
     return 0
 
 
+def cascade_names(frontier, catalog=None) -> dict:  # noqa: ANN001
+    """Short names ``C0, C1, ...`` for the cascades a frontier uses: by expected compute per
+    row when ``catalog`` is given (C0 cheapest), else by number of stages."""
+    from ken.session import sustained_qps
+
+    used = list(dict.fromkeys(c for plan in frontier.plans for c in plan.cascades))
+    if catalog is not None:
+        used.sort(key=lambda c: -sustained_qps(catalog, c, 1))
+    else:
+        used.sort(key=lambda c: (c.num_stages, c.models, c.thresholds))
+    return {c: f"C{i}" for i, c in enumerate(used)}
+
+
+def gear_plan_table(frontier, chosen=None, catalog=None) -> tuple[Table, list[str]]:  # noqa: ANN001
+    """The frontier of gear plans, fastest first (``chosen`` marked with *), and a legend of
+    the cascades its "cascade per QPS range" column names."""
+    names = cascade_names(frontier, catalog)
+    table = Table(title=f"Gear-plan frontier of {frontier.operator} ({len(frontier)} plans)")
+    for col in ("#", "p95 ms", "p50 ms", "accuracy", "gears", "replicas",
+                "cascade per QPS range (low to high load)"):
+        table.add_column(col, justify="left" if col.startswith("cascade") else "right")
+    for i, plan in enumerate(frontier.plans):
+        p = plan.predicted
+        gears = ", ".join(f"{names[plan.cascades[c]]} to {hi:g}" for _lo, hi, c in plan.gears())
+        mark = " *" if plan is chosen else ""
+        table.add_row(f"{i}{mark}", f"{p.p95_ms:,.1f}", f"{p.p50_ms:,.1f}", f"{p.accuracy:.1%}",
+                      str(len(plan.gears())), str(len(plan.placement)), gears)
+    legend = []
+    for cascade, name in names.items():
+        acc = "" if catalog is None else f" ({catalog.accuracy(cascade):.1%} on the sample)"
+        legend.append(f"{name} = {cascade.describe()}{acc}")
+    return table, legend
+
+
+def _pick(frontier, target: str | None):  # noqa: ANN001, ANN202
+    """The plan for ``target`` ("accuracy >= 0.7" / "p95 <= 50"), or the most accurate."""
+    from ken.optimizer.query import Target
+
+    if target is None:
+        return max(frontier.plans, key=lambda p: (p.predicted.accuracy, -p.predicted.p95_ms))
+    t = Target.parse(target)
+    return frontier.pick(min_accuracy=t.min_accuracy, max_p95_ms=t.max_p95_ms)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import time
+
+    from ken.optimizer.planner import PlannerSettings
+    from ken.optimizer.plotting import plot_frontier
+    from ken.optimizer.query import Target
+    from ken.optimizer.workload import Hardware
+    from ken.paths import ken_home
+    from ken.session import (
+        check_planning_args,
+        default_peak_qps,
+        plan_operator,
+        planning_inputs,
+        planning_trace,
+        sustained_qps,
+    )
+
+    check_planning_args(args.devices, args.memory_gb, args.device_threads, args.peak_qps,
+                        args.duration, args.ranges)
+    if args.target is not None:
+        Target.parse(args.target)  # a typo fails now, not after planning
+    if args.trace == "azure":
+        from ken.optimizer.workload import AZURE_CODE_TRACE
+        from ken.paths import shared_data_dir
+
+        if not (shared_data_dir() / AZURE_CODE_TRACE).is_file():
+            raise KenError(f"the Azure trace is not at {shared_data_dir() / AZURE_CODE_TRACE}; "
+                           "set KEN_DATA_DIR to the folder holding traces/, or plan on a "
+                           "synthetic trace with --trace poisson or --trace gamma")
+    reporter = Reporter(args.quiet)
+    started = time.perf_counter()
+    operator = "sentiment"
+    _cards, profiles = _load_profiles(args, [args.device_threads], reporter)
+    by_name = {p.model: p for p in profiles}
+    catalog, cascades = planning_inputs(by_name, args.max_stages, args.grid)
+    best = max(cascades, key=catalog.accuracy)
+    sustained = sustained_qps(catalog, best, args.devices)
+    peak = args.peak_qps or default_peak_qps(catalog, cascades, args.devices)
+    reporter.note(f"{len(cascades)} Pareto cascades; the most accurate, {best.describe()} "
+                  f"({catalog.accuracy(best):.1%}), sustains {sustained:.1f} rows/s on "
+                  f"{args.devices} x cpu-{args.device_threads}t"
+                  + ("" if args.peak_qps else f"; peak load 1.5x that = {peak:g} qps"))
+    trace = planning_trace(args.trace, peak, args.duration, seed=args.seed, cv=args.cv)
+    reporter.note(f"trace {trace.name}: {len(trace):,} requests over {trace.duration_s:.0f} s, "
+                  f"mean {trace.mean_qps:.1f} qps, 1-s peak {trace.qps_max():g} qps")
+    hardware = Hardware.cpu_workers(args.devices, int(args.memory_gb * 2**30))
+    settings = PlannerSettings(num_ranges=args.ranges, placement_scoring=args.placement_scoring,
+                               seed=args.seed)
+    frontier, stats = plan_operator(operator, by_name, catalog, cascades, hardware, trace, peak,
+                                    settings, cache_dir=ken_home() / "plans", reporter=reporter,
+                                    force=args.force)
+    out = Path(args.out)
+    json_path = frontier.save(out / f"frontier-{operator}.json")
+    png_path = plot_frontier(
+        frontier, out / f"frontier-{operator}.png",
+        title=f"{operator} gear plans: {args.devices} x cpu-{args.device_threads}t, "
+              f"{args.trace} trace, {args.duration:g} s, peak {peak:g} qps")
+    chosen = _pick(frontier, args.target)
+    table, legend = gear_plan_table(frontier, chosen, catalog)
+    console.print(table)
+    for line in legend:
+        console.print(f"  {line}", highlight=False, markup=False)
+    how = f"for target {args.target}" if args.target else "the most accurate"
+    console.print(f"plan {frontier.plans.index(chosen)} ({how}):", highlight=False)
+    for line in chosen.describe():
+        console.print(f"  {line}", highlight=False, markup=False)
+    took = time.perf_counter() - started
+    planned = ("from cache" if stats is None else
+               f"{stats.simulations} simulations, {stats.wall_s:.1f} s planning")
+    console.print(f"wrote {json_path} and {png_path} ({planned}; {took:.1f} s in all)",
+                  highlight=False)
+    return 0
+
+
 def _session(args: argparse.Namespace):  # noqa: ANN202
     import ken
     from ken.operators.model import DeviceConfig
@@ -188,7 +306,12 @@ def cmd_sql(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
+    from ken.optimizer.plan import Frontier
+
+    frontiers = [Frontier.load(path) for path in args.frontier or ()]
     with _session(args) as session:
+        for frontier in frontiers:
+            session.use_plan(_pick(frontier, args.target))
         console.print(session.explain(args.query, analyze=args.analyze), highlight=False,
                       markup=False)
     return 0
@@ -242,7 +365,53 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--demo-tables", action="store_true", help="add the demo tables to --db")
         if name == "explain":
             p.add_argument("--analyze", action="store_true", help="run it and add actual counts")
+            p.add_argument("--frontier", type=Path, nargs="+", default=None,
+                           help="frontier JSON file(s) written by `ken plan`; EXPLAIN shows "
+                                "the gear plan picked from each")
+            p.add_argument("--target", default=None, help="pick from --frontier for this "
+                           "target, e.g. \"accuracy >= 0.7\" or \"p95 <= 50\" (default: the "
+                           "most accurate plan)")
         p.set_defaults(func=func)
+
+    plan = sub.add_parser(
+        "plan", help="build the latency-accuracy frontier of gear plans for sentiment",
+        description="Profile the models (cached), find the Pareto cascades, and build the "
+        "frontier of gear plans (cascade per QPS range, placement on the devices, batch "
+        "triggers) by simulating a trace. Writes DIR/frontier-sentiment.json and .png.")
+    _family_args(plan)
+    plan.add_argument("--devices", type=int, default=2,
+                      help="CPU workers to place model replicas on (default 2)")
+    plan.add_argument("--device-threads", type=int, default=1,
+                      help="threads per worker; profiles are measured at this count (default 1)")
+    plan.add_argument("--memory-gb", type=float, default=4.0,
+                      help="memory per worker in GB (default 4)")
+    plan.add_argument("--trace", choices=("azure", "poisson", "gamma"), default="azure",
+                      help="arrival pattern: the Azure LLM inference trace from "
+                           "../shared/data (default), Poisson, or bursty Gamma arrivals")
+    plan.add_argument("--cv", type=float, default=4.0,
+                      help="coefficient of variation of --trace gamma gaps (default 4)")
+    plan.add_argument("--peak-qps", type=float, default=None,
+                      help="rate-scale the trace so its busiest second has this many requests "
+                           "(default: 1.5x the rows/s the most accurate cascade sustains on "
+                           "all workers)")
+    plan.add_argument("--duration", type=float, default=120.0,
+                      help="seconds of trace to plan on (default 120)")
+    plan.add_argument("--ranges", type=int, default=8,
+                      help="number of equal QPS ranges |Q| over [0, peak] (default 8)")
+    plan.add_argument("--target", default=None,
+                      help="print the plan for \"accuracy >= 0.7\" or \"p95 <= 50\" (ms) "
+                           "(default: the most accurate plan)")
+    plan.add_argument("--out", type=Path, default=Path("ken-plan"),
+                      help="output folder (default ./ken-plan)")
+    plan.add_argument("--placement-scoring", choices=("simulate", "estimate"),
+                      default="simulate", help="score placements by simulation (default) or "
+                      "by the faster analytic estimate")
+    plan.add_argument("--max-stages", type=int, default=3)
+    plan.add_argument("--grid", type=int, default=16, help="thresholds per cascade stage")
+    plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument("--force", action="store_true",
+                      help="re-plan even if KEN_HOME/plans holds this frontier")
+    plan.set_defaults(func=cmd_plan)
 
     demo = sub.add_parser("demo", help="the whole pipeline on the packaged models and data")
     _family_args(demo)

@@ -1,0 +1,341 @@
+"""`ken plan`, Session.plan / use_plan, gear plans in EXPLAIN, the frontier plot.
+
+Everything runs on synthetic profiles (three made-up models with known runtimes and per-sample
+outcomes) and deterministic stand-in models, so no weights are loaded.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from fakes import LABELS, FakeModel
+
+import ken
+from ken.cli import main
+from ken.errors import KenError
+from ken.operators.cascade import Cascade
+from ken.optimizer.plan import Frontier, GearPlan
+from ken.optimizer.planner import PlannerSettings
+from ken.optimizer.plotting import plot_frontier
+from ken.optimizer.profile import Profile
+from ken.optimizer.query import Target
+from ken.optimizer.workload import Hardware, Trace, poisson_trace
+from ken.session import (
+    default_peak_qps,
+    plan_operator,
+    planning_inputs,
+    planning_trace,
+    sustained_qps,
+)
+
+ROWS = 120
+BATCH_SIZES = (1, 4, 16)
+#: per model: seconds per batch at BATCH_SIZES, and how often it is right
+MODELS = {"a": ((0.004, 0.010, 0.032), 0.55),
+          "b": ((0.010, 0.028, 0.090), 0.70),
+          "c": ((0.030, 0.090, 0.300), 0.85)}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def synthetic_profiles(seed: int = 0) -> dict[str, Profile]:
+    """Three models whose certainty predicts correctness (so cascades are worth it)."""
+    rng = np.random.default_rng(seed)
+    truth = rng.integers(0, len(LABELS), ROWS)
+    out = {}
+    for name, (runtimes, skill) in MODELS.items():
+        probs = rng.dirichlet(np.full(len(LABELS), 0.7), size=ROWS)
+        sure = probs.max(axis=1)
+        correct = rng.random(ROWS) < np.clip(skill - 0.3 + 0.6 * sure, 0, 1)
+        pred = np.where(correct, truth, (truth + 1 + rng.integers(0, 2, ROWS)) % len(LABELS))
+        # put each row's largest probability on its prediction
+        top = probs.argmax(axis=1)
+        rows = np.arange(ROWS)
+        probs[rows, top], probs[rows, pred] = probs[rows, pred], probs[rows, top]
+        out[name] = Profile(name, "cpu-1t", BATCH_SIZES, runtimes, 50 * 2**20, 60 * 2**20,
+                            LABELS, "synthetic", "sample-hash", f"fp-{name}",
+                            truth.astype(np.int64), pred.astype(np.int64),
+                            probs.astype(np.float32))
+    return out
+
+
+PROFILES = synthetic_profiles()
+SETTINGS = PlannerSettings(num_ranges=3, placement_scoring="estimate", max_rounds=3)
+
+
+@pytest.fixture(scope="module")
+def frontier() -> Frontier:
+    catalog, cascades = planning_inputs(PROFILES, grid_size=4)
+    trace = poisson_trace(20.0, 10.0, seed=1)
+    front, _stats = plan_operator("mood", PROFILES, catalog, cascades,
+                                  Hardware.cpu_workers(2, 2**30), trace, 30.0, SETTINGS)
+    return front
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("KEN_HOME", str(tmp_path / "ken_home"))
+    return tmp_path / "ken_home"
+
+
+# -- frontier, plot, JSON ----------------------------------------------------------------------
+
+
+def test_plot_writes_a_png(frontier: Frontier, tmp_path) -> None:
+    path = plot_frontier(frontier, tmp_path / "sub" / "front.png", title="synthetic",
+                         extra_points=[("c alone", 300.0, 0.8)])
+    data = path.read_bytes()
+    assert path == tmp_path / "sub" / "front.png"
+    assert data.startswith(PNG_MAGIC) and len(data) > 5000
+
+
+def test_frontier_json_round_trip(frontier: Frontier, tmp_path) -> None:
+    again = Frontier.from_json(frontier.to_json())
+    assert again == frontier
+    assert dict(again.provenance) == dict(frontier.provenance)  # sorted by key on load
+    assert Frontier.load(frontier.save(tmp_path / "f.json")) == frontier
+    lat = [p95 for p95, _ in frontier.points()]
+    acc = [a for _, a in frontier.points()]
+    assert lat == sorted(lat) and acc == sorted(acc)  # Pareto: slower plans are more accurate
+
+
+def test_plan_operator_caches_by_inputs(tmp_path) -> None:
+    catalog, cascades = planning_inputs(PROFILES, grid_size=4)
+    hw = Hardware.cpu_workers(2, 2**30)
+    trace = poisson_trace(20.0, 10.0, seed=1)
+    args: tuple[Any, ...] = ("mood", PROFILES, catalog, cascades, hw, trace, 30.0, SETTINGS)
+    first, stats = plan_operator(*args, cache_dir=tmp_path)
+    assert stats is not None and len(list(tmp_path.glob("mood-*.json"))) == 1
+    again, stats = plan_operator(*args, cache_dir=tmp_path)
+    assert stats is None and again == first  # served from the cache
+    other = poisson_trace(20.0, 10.0, seed=2)
+    _f, stats = plan_operator("mood", PROFILES, catalog, cascades, hw, other, 30.0, SETTINGS,
+                              cache_dir=tmp_path)
+    assert stats is not None and len(list(tmp_path.glob("mood-*.json"))) == 2
+
+
+def test_a_model_too_big_for_every_device_is_named(tmp_path) -> None:
+    catalog, cascades = planning_inputs(PROFILES, grid_size=4)
+    needs = r"\(a 50 MB, b 50 MB, c 50 MB\), but the largest device has 10 MB.*--memory-gb"
+    with pytest.raises(KenError, match=needs):
+        plan_operator("mood", PROFILES, catalog, cascades,
+                      Hardware.cpu_workers(2, 10 * 2**20), poisson_trace(5.0, 5.0), 10.0,
+                      SETTINGS)
+
+
+# -- load and traces ---------------------------------------------------------------------------
+
+
+def test_sustained_and_default_peak_by_hand() -> None:
+    catalog, cascades = planning_inputs(PROFILES, grid_size=4)
+    single = Cascade(("c",))
+    # c alone at its best batch (16 rows in 0.3 s): 53.3 rows/s per device
+    assert sustained_qps(catalog, single, 2) == pytest.approx(2 / (0.300 / 16))
+    two = Cascade(("a", "c"), (0.5,))
+    reach_c = catalog.stage_fractions(two)[1]
+    assert sustained_qps(catalog, two, 1) == pytest.approx(1 / (0.032 / 16 + reach_c * 0.3 / 16))
+    best = max(cascades, key=catalog.accuracy)
+    assert default_peak_qps(catalog, cascades, 2) == round(1.5 * sustained_qps(catalog, best, 2))
+
+
+@pytest.mark.parametrize("kind", ["poisson", "gamma"])
+def test_synthetic_planning_traces_hit_the_peak(kind: str) -> None:
+    trace = planning_trace(kind, 40.0, 30.0, seed=3)
+    assert abs(trace.qps_max() - 40.0) <= 1.0
+    assert trace.duration_s <= 30.0
+
+
+def test_azure_planning_trace_is_a_window_around_the_peak() -> None:
+    from ken.optimizer.workload import AZURE_CODE_TRACE
+    from ken.paths import shared_data_dir
+
+    if not (shared_data_dir() / AZURE_CODE_TRACE).is_file():
+        pytest.skip("the Azure trace is not in ../shared/data")
+    trace = planning_trace("azure", 50.0, 60.0)
+    assert abs(trace.qps_max() - 50.0) <= 1.0
+    assert trace.duration_s < 60.0 and len(trace) > 50
+
+
+def test_given_trace_is_scaled_and_unknown_kind_is_an_error() -> None:
+    base = Trace(np.arange(0.0, 10.0, 0.1))  # 10 per second
+    assert planning_trace(base, 20.0, 99.0).qps_max() == pytest.approx(20.0, abs=1.0)
+    with pytest.raises(KenError, match="unknown trace 'nope'.*azure, poisson, gamma"):
+        planning_trace("nope", 10.0, 10.0)
+
+
+def test_missing_azure_data_says_what_to_do(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KEN_DATA_DIR", str(tmp_path))
+    with pytest.raises(KenError, match="Azure trace not found.*--trace poisson"):
+        planning_trace("azure", 10.0, 10.0)
+
+
+# -- ken plan ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_profiles(monkeypatch) -> list[list[int]]:
+    """`ken plan` gets the synthetic profiles instead of profiling the packaged models."""
+    calls: list[list[int]] = []
+
+    def load(_args: Any, threads: Any, _reporter: Any, *_rest: Any) -> Any:
+        calls.append(list(threads))
+        return [], list(PROFILES.values())
+
+    monkeypatch.setattr("ken.cli._load_profiles", load)
+    return calls
+
+
+def test_ken_plan_end_to_end(home, fake_profiles, tmp_path, capsys) -> None:
+    out = tmp_path / "out"
+    argv = ["plan", "--trace", "poisson", "--duration", "10", "--peak-qps", "30",
+            "--ranges", "3", "--grid", "4", "--placement-scoring", "estimate",
+            "--target", "accuracy >= 0.6", "--out", str(out), "--quiet"]
+    assert main(argv) == 0
+    assert fake_profiles == [[1]]  # one thread per worker by default
+    text = capsys.readouterr().out
+    front = Frontier.load(out / "frontier-sentiment.json")
+    assert (out / "frontier-sentiment.png").read_bytes().startswith(PNG_MAGIC)
+    assert f"Gear-plan frontier of sentiment ({len(front)} plans)" in text
+    assert "for target accuracy >= 0.6" in text
+    chosen = front.pick(min_accuracy=0.6)
+    for line in chosen.describe():
+        assert line.split(" (")[0] in " ".join(text.split())
+    assert "C0 = " in text and "placement: " in text
+    # the frontier is cached: a second run does not plan again
+    assert main(argv) == 0
+    assert "from cache" in capsys.readouterr().out
+    assert len(list((home / "plans").glob("sentiment-*.json"))) == 1
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--devices", "0"], "devices must be >= 1"),
+    (["--memory-gb", "-1"], "memory per device must be > 0 GB"),
+    (["--ranges", "0"], "QPS ranges must be >= 1"),
+    (["--duration", "0"], "duration must be > 0 s"),
+    (["--peak-qps", "0"], "peak QPS must be > 0"),
+    (["--device-threads", "0"], "threads per device must be >= 1"),
+    (["--devices", "0", "--ranges", "0"], "devices must be >= 1.*QPS ranges must be >= 1"),
+    (["--target", "acc > 3"], "cannot read target 'acc > 3'.*accuracy >= 0.7"),
+])
+def test_ken_plan_argument_errors(args: list[str], message: str, fake_profiles,
+                                  capsys) -> None:
+    assert main(["plan", "--trace", "poisson", *args]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "error:" in err
+    assert re.search(message, err), err
+    assert fake_profiles == []  # rejected before any profiling
+
+
+def test_ken_plan_without_azure_data(tmp_path, monkeypatch, fake_profiles, capsys) -> None:
+    monkeypatch.setenv("KEN_DATA_DIR", str(tmp_path))
+    assert main(["plan"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "Azure trace is not at" in err and "--trace poisson" in err
+    assert fake_profiles == []
+
+
+def test_ken_plan_unknown_trace_is_an_argparse_error(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--trace", "uniform"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'uniform'" in capsys.readouterr().err
+
+
+# -- Session.plan, use_plan, EXPLAIN ------------------------------------------------------------
+
+
+def fake_session() -> ken.Session:
+    s = ken.connect(builtins=False)
+    models = {m: FakeModel(m) for m in MODELS}
+    s.register("mood", Cascade(("a", "b", "c"), (0.5, 0.45)), models=models)
+    s.register("other", Cascade(("a",)), models=models)
+    s.register_table("tweets", pa.table({"id": [1, 2, 3], "text": ["great", "awful", None]}))
+    return s
+
+
+QUERY = "SELECT id, mood(text) AS m FROM tweets WHERE other(text) = 'positive'"
+
+
+def test_explain_without_plan() -> None:
+    s = fake_session()
+    s.profile_sources["mood"] = lambda _threads: PROFILES
+    text = s.explain(QUERY)
+    assert "      gear plan: none (run session.plan(...) or `ken plan`)" in text
+    assert "      gear plan: none (other() has no profiles to plan with; session.use_plan(...)" \
+        in text
+
+
+def test_explain_shows_the_plan_set_with_use_plan(frontier: Frontier) -> None:
+    s = fake_session()
+    plan = frontier.plans[-1]
+    s.use_plan(plan)
+    assert s.gear_plans["mood"] is plan
+    text = s.explain(QUERY)
+    lines = text.splitlines()
+    head = next(i for i, line in enumerate(lines) if "gear plan: " in line and "none" not in line)
+    gears = len(plan.gears())
+    assert lines[head] == (f"      gear plan: {gears} gear{'s' if gears != 1 else ''} over "
+                           f"0-{plan.qps_max:g} qps on {', '.join(plan.devices)} (for online "
+                           "serving; batch queries run the implementation above)")
+    assert lines[head + 1: head + 1 + len(plan.describe())] == \
+        [f"        {line}" for line in plan.describe()]
+    assert lines[head - 3].startswith("  s0: mood(text)")  # under the mood site, not other
+    assert "predicted: accuracy" in text and "placement: " in text and "batch triggers" in text
+    assert "gear plan: none" in text  # other() still has none
+    analyzed = str(s.sql("EXPLAIN ANALYZE " + QUERY))
+    assert lines[head] in analyzed.splitlines()
+    # re-registering the name drops the plan made for the old function
+    s.register("mood", Cascade(("a",)), models={"a": FakeModel("a")})
+    assert "mood" not in s.gear_plans
+
+
+def test_use_plan_errors(frontier: Frontier) -> None:
+    s = fake_session()
+    with pytest.raises(KenError, match=r"use_plan\(\) takes a GearPlan, not Frontier"):
+        s.use_plan(frontier)  # type: ignore[arg-type]
+    stray = GearPlan.from_dict({**frontier.plans[0].to_dict(), "operator": "sentimnet"})
+    with pytest.raises(KenError, match=r"sentimnet\(\), which is not a semantic function.*"
+                                       r"registered: mood, other"):
+        s.use_plan(stray)
+    with pytest.raises(TypeError):
+        s.gear_plans["mood"] = frontier.plans[0]  # type: ignore[index]
+
+
+def test_session_plan_with_profiles(home) -> None:
+    s = fake_session()
+    seen: list[int] = []
+
+    def source(threads: int) -> dict[str, Profile]:
+        seen.append(threads)
+        return PROFILES
+
+    s.profile_sources["mood"] = source
+    result = s.plan("accuracy >= 0.6", functions=("mood",), trace="poisson", duration_s=10,
+                    peak_qps=30, settings=SETTINGS)
+    assert seen == [1]
+    assert result.target == Target(min_accuracy=0.6)
+    plan = result.plan_for("mood")
+    assert s.gear_plans == {"mood": plan}
+    assert plan.predicted.accuracy >= 0.6  # type: ignore[union-attr]
+    assert s.frontiers["mood"].plans[0].predicted.p95_ms <= \
+        plan.predicted.p95_ms  # type: ignore[union-attr]
+    assert len(list((home / "plans").glob("mood-*.json"))) == 1
+    assert "gear plan: none" not in s.explain("SELECT mood(text) FROM tweets")
+
+
+def test_session_plan_on_a_function_without_profiles() -> None:
+    s = ken.connect()  # builtins: registering them loads no models
+    with pytest.raises(KenError, match=r"sem_filter\(\) cannot be planned yet.*has none; "
+                                       r"functions this session can plan: sentiment"):
+        s.plan("accuracy >= 0.7", functions=("sem_filter",))
+    with pytest.raises(KenError, match=r"unknown function sentimnet\(\)"):
+        s.plan("accuracy >= 0.7", functions=("sentimnet",))
+    with pytest.raises(KenError, match="cannot read target"):
+        s.plan("fast please")
+    with pytest.raises(KenError, match="devices must be >= 1"):
+        s.plan("p95 <= 50", devices=0)
+    assert dict(s.gear_plans) == {}
