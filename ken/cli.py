@@ -308,6 +308,8 @@ def cmd_sql(args: argparse.Namespace) -> int:
 def cmd_explain(args: argparse.Namespace) -> int:
     from ken.optimizer.plan import Frontier
 
+    if args.target is not None and not args.frontier:
+        raise KenError("--target picks a gear plan from --frontier FILE (written by `ken plan`)")
     frontiers = [Frontier.load(path) for path in args.frontier or ()]
     with _session(args) as session:
         for frontier in frontiers:
@@ -365,9 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--demo-tables", action="store_true", help="add the demo tables to --db")
         if name == "explain":
             p.add_argument("--analyze", action="store_true", help="run it and add actual counts")
-            p.add_argument("--frontier", type=Path, nargs="+", default=None,
-                           help="frontier JSON file(s) written by `ken plan`; EXPLAIN shows "
-                                "the gear plan picked from each")
+            p.add_argument("--frontier", type=Path, action="append", default=None,
+                           help="a frontier JSON file written by `ken plan` (repeatable); "
+                                "EXPLAIN shows the gear plan picked from it")
             p.add_argument("--target", default=None, help="pick from --frontier for this "
                            "target, e.g. \"accuracy >= 0.7\" or \"p95 <= 50\" (default: the "
                            "most accurate plan)")

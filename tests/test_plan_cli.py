@@ -245,6 +245,22 @@ def test_ken_plan_unknown_trace_is_an_argparse_error(capsys) -> None:
     assert "invalid choice: 'uniform'" in capsys.readouterr().err
 
 
+def test_ken_explain_with_a_frontier_file(frontier: Frontier, tmp_path, capsys) -> None:
+    plans = [GearPlan.from_dict({**p.to_dict(), "operator": "sentiment"})
+             for p in frontier.plans]
+    path = Frontier("sentiment", plans).save(tmp_path / "frontier-sentiment.json")
+    db = str(tmp_path / "empty.duckdb")
+    # no semantic call: the plan is loaded and set, and nothing runs a model
+    assert main(["explain", "--quiet", "--db", db, "--frontier", str(path), "--target",
+                 "accuracy >= 0.6", "SELECT 42 AS answer"]) == 0
+    assert "[duckdb] Project 42 AS answer" in capsys.readouterr().out
+    assert main(["explain", "--quiet", "--db", db, "--frontier",
+                 str(tmp_path / "missing.json"), "SELECT 1"]) == 2
+    assert "create one with `ken plan`" in " ".join(capsys.readouterr().err.split())
+    assert main(["explain", "--quiet", "--db", db, "--target", "p95 <= 5", "SELECT 1"]) == 2
+    assert "--target picks a gear plan from --frontier" in capsys.readouterr().err
+
+
 # -- Session.plan, use_plan, EXPLAIN ------------------------------------------------------------
 
 
