@@ -132,6 +132,11 @@ class Catalog:
             raise ProfileError(f"per-sample outcomes must cover the same non-empty sample; "
                                f"row counts: {sorted(sizes)}")
 
+    def __reduce__(self) -> tuple:
+        # mapping proxies do not pickle; rebuild from plain dicts (e.g. in planner workers)
+        return (Catalog, (dict(self.perf), dict(self.correct), dict(self.probabilities),
+                          self.sample_hash))
+
     @classmethod
     def from_profiles(cls, profiles: Mapping[str, Profile] | Sequence[Profile]) -> Catalog:
         items = list(profiles.values()) if isinstance(profiles, Mapping) else list(profiles)

@@ -16,10 +16,13 @@ each placement search is warm-started from the previous iteration's placement.
 
 from __future__ import annotations
 
+import multiprocessing
 import random
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +33,7 @@ from ken.optimizer.scheduler import (
     Allocation,
     PlanningError,
     balance_load,
+    device_busy,
     raise_queue_lengths,
 )
 from ken.optimizer.simulator import simulate
@@ -56,13 +60,16 @@ class PlannerSettings:
     # candidate cascades less than this much more accurate (on the sample) than the next
     # cheaper kept one are dropped: the sample cannot tell them apart, and each would cost the
     # adapter another round of iterations
-    min_accuracy_step: float = 0.001
+    min_accuracy_step: float = 0.002
+    workers: int = 1  # processes that simulate candidates in parallel
     max_wait_s: float = 0.05
     alpha: float = 8.0
     rate_window_s: float = 0.1
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise PlanningError(f"workers must be >= 1, got {self.workers}")
         if self.num_ranges < 1 or self.beam_width < 1 or self.expansions < 0 \
                 or self.initial_samples < 1 or self.max_rounds < 0 or self.screen < 0:
             raise PlanningError("num_ranges, beam_width and initial_samples must be >= 1; "
@@ -110,6 +117,7 @@ class PlanningContext:
     range_cache: dict = field(default_factory=dict)
     estimate_cache: dict = field(default_factory=dict)
     range_weights: np.ndarray | None = None  # fraction of trace requests arriving per range
+    pool: Any = None  # a process pool for simulations (settings.workers > 1)
     sim_cache: dict = field(default_factory=dict)
 
     def max_batch(self, model: str) -> int:
@@ -162,37 +170,50 @@ def _replica_index(placement: Placement) -> dict[tuple[str, int], int]:
     return index
 
 
-def _allocation(ctx: PlanningContext, c: int, placement: Placement) -> Allocation:
+def _sub_placement(ctx: PlanningContext, c: int, placement: Placement) -> Placement:
+    """The replicas of cascade ``c``'s models: all that its schedule depends on (so caches
+    keyed by it hit when the beam search adds a replica of some other model)."""
+    models = ctx.cascades[c].models
+    return tuple(r for r in placement if r.model in models)
+
+
+def _allocation(ctx: PlanningContext, c: int, sub: Placement) -> Allocation:
     """LP shares for cascade ``c`` at 1 request/s (valid at every rate: scaling every model's
     demand by the same factor scales the objective and keeps the optimum)."""
-    key = (c, placement)
+    key = (c, sub)
     alloc = ctx.lp_cache.get(key)
     if alloc is None:
         unit = ctx.unit_demand(c)
-        replicas = _replica_map(placement)
-        alloc = balance_load(unit, {m: replicas[m] for m in unit}, ctx.per_row, ctx.hardware.ids)
+        replicas = _replica_map(sub)
+        if all(len(replicas[m]) == 1 for m in unit):  # nothing to balance
+            shares = {m: (1.0,) for m in unit}
+            busy = device_busy(unit, replicas, shares, ctx.per_row, ctx.hardware.ids)
+            alloc = Allocation(shares, busy, max(busy.values()), 0.0, True)
+        else:
+            alloc = balance_load(unit, replicas, ctx.per_row, ctx.hardware.ids)
+            ctx.stats.lp_solves += 1
         ctx.lp_cache[key] = alloc
-        ctx.stats.lp_solves += 1
     return alloc
 
 
-def range_schedule(ctx: PlanningContext, k: int, c: int, placement: Placement) -> RangeSchedule:
-    """Shares and raised queue lengths for cascade ``c`` in range ``k`` (at its top rate)."""
-    key = (k, c, placement)
+def _sub_schedule(ctx: PlanningContext, k: int, c: int, sub: Placement) -> RangeSchedule:
+    """Shares and raised queue lengths of ``sub``'s replicas for cascade ``c`` in range ``k``
+    (at the range's top rate)."""
+    key = (k, c, sub)
     hit = ctx.range_cache.get(key)
     if hit is not None:
         return hit
     unit = ctx.unit_demand(c)
-    replicas = _replica_map(placement)
-    alloc = _allocation(ctx, c, placement)
+    replicas = _replica_map(sub)
+    alloc = _allocation(ctx, c, sub)
     top = ctx.edges[k + 1]
     demand = {m: f * top for m, f in unit.items()}
     batch_cap = min(ctx.max_batch(m) for m in unit)
-    qp = raise_queue_lengths(demand, {m: replicas[m] for m in unit}, ctx.per_row,
-                             ctx.hardware.ids, batch_cap, allocation=alloc)
-    index = _replica_index(placement)
-    shares = [0.0] * len(placement)
-    queues = [1] * len(placement)
+    qp = raise_queue_lengths(demand, replicas, ctx.per_row, ctx.hardware.ids, batch_cap,
+                             allocation=alloc)
+    index = _replica_index(sub)
+    shares = [0.0] * len(sub)
+    queues = [1] * len(sub)
     for m in unit:
         for j, share in enumerate(alloc.shares[m]):
             shares[index[(m, j)]] = share
@@ -200,6 +221,23 @@ def range_schedule(ctx: PlanningContext, k: int, c: int, placement: Placement) -
     out = RangeSchedule(c, tuple(shares), tuple(queues), qp.feasible)
     ctx.range_cache[key] = out
     return out
+
+
+def range_schedule(ctx: PlanningContext, k: int, c: int, placement: Placement) -> RangeSchedule:
+    """Range ``k``'s schedule for cascade ``c``, laid out per replica of ``placement``
+    (replicas of models outside the cascade get share 0 and queue length 1)."""
+    models = ctx.cascades[c].models
+    sub = tuple(r for r in placement if r.model in models)
+    part = _sub_schedule(ctx, k, c, sub)
+    shares = [0.0] * len(placement)
+    queues = [1] * len(placement)
+    j = 0
+    for i, r in enumerate(placement):
+        if r.model in models:
+            shares[i] = part.shares[j]
+            queues[i] = part.min_queue[j]
+            j += 1
+    return RangeSchedule(c, tuple(shares), tuple(queues), part.feasible)
 
 
 def schedule_ranges(ctx: PlanningContext, assignment: Sequence[int],
@@ -243,6 +281,36 @@ def evaluate_plan(ctx: PlanningContext, assignment: Sequence[int],
     return result
 
 
+_WORKER: dict = {}
+
+
+def _init_worker(catalog: Catalog, trace: Trace, seed: int) -> None:
+    _WORKER.update(catalog=catalog, trace=trace, seed=seed)
+
+
+def _simulate_in_worker(plan: GearPlan) -> PlanMetrics:
+    return simulate(plan, _WORKER["catalog"], _WORKER["trace"], _WORKER["seed"]).metrics(0, plan)
+
+
+def evaluate_many(ctx: PlanningContext, pairs: Sequence[tuple[Sequence[int], Placement]],
+                  ) -> list[tuple[GearPlan, PlanMetrics]]:
+    """``evaluate_plan`` for several (assignment, placement) pairs, simulated in parallel
+    when ``settings.workers > 1``."""
+    todo = []
+    for a, p in pairs:
+        key = (tuple(a), p)
+        if key not in ctx.sim_cache and key not in {k for k, _ in todo}:
+            todo.append((key, build_plan(ctx, a, p)))
+    if ctx.pool is not None and len(todo) > 1:
+        t0 = time.perf_counter()
+        metrics = list(ctx.pool.map(_simulate_in_worker, [plan for _, plan in todo]))
+        ctx.stats.simulate_s += time.perf_counter() - t0
+        ctx.stats.simulations += len(todo)
+        for (key, plan), m in zip(todo, metrics, strict=True):
+            ctx.sim_cache[key] = (plan.with_predicted(m), m)
+    return [evaluate_plan(ctx, a, p) for a, p in pairs]
+
+
 # -- analytic screening ------------------------------------------------------------------------
 
 
@@ -261,11 +329,12 @@ def _range_latency(ctx: PlanningContext, k: int, c: int, placement: Placement) -
     """Rough mean latency (s) of range ``k`` under cascade ``c``: per stage, batch runtime
     inflated by the device's load (M/D/1-like ``1 / (1 - rho)``) plus the time to fill the
     batch trigger; an overloaded device counts as 1000 s times its overload."""
+    placement = _sub_placement(ctx, c, placement)
     key = (k, c, placement)
     hit = ctx.estimate_cache.get(key)
     if hit is not None:
         return hit
-    rs = range_schedule(ctx, k, c, placement)
+    rs = _sub_schedule(ctx, k, c, placement)
     rate = max((ctx.edges[k] + ctx.edges[k + 1]) / 2.0, 1e-9)
     unit = ctx.unit_demand(c)
     busy: dict[str, float] = {}
@@ -397,16 +466,32 @@ def _latency_key(metrics: PlanMetrics) -> float:
 
 def search_placement(ctx: PlanningContext, assignment: Sequence[int],
                      warm: Placement | None = None) -> tuple[GearPlan, PlanMetrics]:
-    """Beam search over placements for one assignment.
+    """Beam search over placements for one assignment; the best simulated plan."""
+    results = evaluate_many(ctx, [(assignment, p)
+                                  for p in choose_placements(ctx, assignment, warm)])
+    return min(results, key=lambda r: _latency_key(r[1]))
+
+
+def choose_placements(ctx: PlanningContext, assignment: Sequence[int],
+                      warm: Placement | None = None) -> list[Placement]:
+    """The placements worth simulating for an assignment (the final beam).
 
     With ``placement_scoring="simulate"`` every placement in the beam is scored by simulated p95
-    latency (the paper's method); with ``"estimate"`` expansions are ranked by the analytic
-    estimate and only the final beam is simulated, which is what makes large searches fast.
+    latency (the paper's method). With ``"estimate"`` expansions are ranked by the analytic
+    estimate and only the best final placement is simulated; and the previous plan's placement
+    (``warm``) is kept without a search when it already hosts every model of the assignment and
+    the scheduler finds every range feasible on it — a cheaper assignment seldom needs more.
     """
     models = _models_of(ctx, assignment)
     s = ctx.settings
     if s.full_replication:
-        return evaluate_plan(ctx, assignment, full_placement(ctx, assignment))
+        return [full_placement(ctx, assignment)]
+    if warm is not None and s.placement_scoring == "estimate":
+        adapted = adapt_placement(ctx, warm, models)
+        if adapted is not None and set(models) <= {r.model for r in warm} and all(
+                _sub_schedule(ctx, k, c, _sub_placement(ctx, c, adapted)).feasible
+                for k, c in enumerate(assignment)):
+            return [adapted]
     ctx.stats.placement_searches += 1
     rng = random.Random(hash((s.seed, tuple(assignment))) & 0xFFFFFFFF)
     starts: list[Placement] = []
@@ -462,8 +547,7 @@ def search_placement(ctx: PlanningContext, assignment: Sequence[int],
             break
         best = beam[0][0]
     # the final beam is scored by simulation (in estimate mode only its best member)
-    results = [evaluate_plan(ctx, assignment, p) for _, p in beam[: 1 if not simulated else None]]
-    return min(results, key=lambda r: _latency_key(r[1]))
+    return [p for _, p in beam[: None if simulated else 1]]
 
 
 def _pick_model_to_replicate(rng: random.Random, ctx: PlanningContext, assignment: Sequence[int],
@@ -536,6 +620,23 @@ def plan_frontier(operator: str, cascades: Sequence[Cascade], catalog: Catalog,
         raise PlanningError("no candidate cascades; run the cascade search first")
     t0 = time.perf_counter()
     ctx = planning_context(operator, cascades, catalog, hardware, trace, qps_max, settings)
+    if settings.workers > 1:
+        # spawn, not fork: the caller may hold model threads (torch) that fork would break
+        ctx.pool = ProcessPoolExecutor(settings.workers, multiprocessing.get_context("spawn"),
+                                       initializer=_init_worker,
+                                       initargs=(catalog, trace, settings.seed))
+    try:
+        return _adapt(ctx, trace, catalog, settings, reporter, on_plan, t0)
+    finally:
+        if ctx.pool is not None:
+            ctx.pool.shutdown()
+
+
+def _adapt(ctx: PlanningContext, trace: Trace, catalog: Catalog, settings: PlannerSettings,
+           reporter: Reporter, on_plan: Callable[[GearPlan], None] | None,
+           t0: float) -> tuple[Frontier, PlannerStats]:
+    """The workload adapter's iterations (see ``plan_frontier``)."""
+    operator = ctx.operator
     stats, order, peak = ctx.stats, ctx.cascades, ctx.edges[-1]
     assignment = (len(order) - 1,) * settings.num_ranges
     visited = [bool(w > 0) for w in ctx.range_weights]
@@ -557,8 +658,9 @@ def plan_frontier(operator: str, cascades: Sequence[Cascade], catalog: Catalog,
             if settings.screen and len(cands) > settings.screen:
                 cands.sort(key=lambda a: -_screen_score(ctx, a, plan.placement))
                 cands = cands[: settings.screen]
-            for cand in cands:
-                p, m = search_placement(ctx, cand, warm=plan.placement)
+            pairs = [(cand, p) for cand in cands
+                     for p in choose_placements(ctx, cand, warm=plan.placement)]
+            for (cand, _), (p, m) in zip(pairs, evaluate_many(ctx, pairs), strict=True):
                 if best is None or _score(m) > _score(best[1][1]):
                     best = (cand, (p, m))
             assert best is not None
