@@ -6,7 +6,8 @@ for every range, the next cheaper cascade there, propagated to all higher ranges
 never gets a costlier cascade), re-optimises placement (beam search scored by simulated p95)
 and scheduling (load-balancing LP + queue lengths) for each candidate assignment, simulates it,
 and keeps the candidate with the best ``accuracy / p95``. Each iteration emits one gear plan;
-the search stops at "cheapest everywhere" and returns the Pareto-optimal plans.
+the search stops at "cheapest everywhere" and returns the Pareto-optimal plans among all the
+gear plans it simulated on the way (every candidate is a complete plan).
 
 Costs are kept down by exploiting structure, not by skipping the simulator: the LP's shares do
 not change when a cascade's demand is scaled, so one LP per (cascade, placement) serves every
@@ -669,7 +670,9 @@ def _adapt(ctx: PlanningContext, trace: Trace, catalog: Catalog, settings: Plann
             emitted.append(plan)
             if on_plan:
                 on_plan(plan)
-    front = pareto_plans(emitted)
+    # every simulated candidate is a complete gear plan: the frontier is the Pareto set of all
+    # of them, not only of each iteration's winner
+    front = pareto_plans([p for p, _ in ctx.sim_cache.values()])
     stats.wall_s = time.perf_counter() - t0
     reporter.note(f"{len(emitted)} gear plans in {stats.wall_s:.1f} s "
                   f"({stats.simulations} simulations); {len(front)} on the frontier")
