@@ -276,6 +276,8 @@ def main() -> int:
     ap.add_argument("--b-screen", type=int, default=2)
     ap.add_argument("--b-scoring", choices=("estimate", "simulate"), default="estimate")
     ap.add_argument("--workers", type=int, default=2, help="simulation processes (default 2)")
+    ap.add_argument("--b-step", type=float, default=0.003,
+                    help="min_accuracy_step: thin candidate cascades to this accuracy step")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args()
     reporter = Reporter(args.quiet)
@@ -290,7 +292,8 @@ def main() -> int:
         results["b_full"], plan = part_b(reporter, args.b_grid, args.b_ranges, args.seed,
                                          {"screen": args.b_screen,
                                           "placement_scoring": args.b_scoring,
-                                          "workers": args.workers})
+                                          "workers": args.workers,
+                                          "min_accuracy_step": args.b_step})
     if args.part in ("c", "all"):
         results["c_simulator"] = part_c(reporter, plan, args.seed)
     out_path.write_text(json.dumps(results, indent=1, default=float))

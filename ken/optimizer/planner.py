@@ -716,7 +716,13 @@ def _by_cost(cascades: Sequence[Cascade], catalog: Catalog,
         return total
 
     unique = list(dict.fromkeys(cascades))
-    ordered = sorted(unique, key=lambda c: (cost(c), -catalog.accuracy(c)))
+    ranked = sorted(unique, key=lambda c: (cost(c), -catalog.accuracy(c)))
+    # Pareto under this cost (batch sizes may differ from the cascade search's): drop every
+    # cascade that a cheaper one matches in accuracy
+    ordered = []
+    for c in ranked:
+        if not ordered or catalog.accuracy(c) > catalog.accuracy(ordered[-1]):
+            ordered.append(c)
     # walk down from the most accurate; keep the cheapest (the "cheapest everywhere" anchor)
     kept = [ordered[-1]]
     for c in reversed(ordered[:-1]):
