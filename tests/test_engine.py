@@ -7,6 +7,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 from fakes import FakeModel
 
@@ -150,3 +151,31 @@ def test_shutdown_without_drain_cancels_what_is_left() -> None:
     late = engine.submit("after shutdown").result(timeout=1)
     assert late.status == "cancelled"
     assert threading.active_count() < 50
+
+
+def test_replay_accuracy_equals_the_simulated_accuracy_of_the_same_plan(tmp_path) -> None:  # noqa: ANN001
+    from ken.engine.replay import plot_replay, replay
+    from ken.optimizer.perf import Catalog, ModelPerf
+    from ken.optimizer.simulator import simulate
+    from ken.optimizer.workload import poisson_trace
+
+    models = {"a": FakeModel("a"), "b": FakeModel("b")}
+    rows = texts(120)
+    labels = [i % 3 for i in range(120)]
+    probs = {m: np.array([models[m].probabilities(t) for t in rows]) for m in models}
+    catalog = Catalog({m: ModelPerf(m, (1, 16), ((0.001, 0.002),), (1,)) for m in models},
+                      {m: probs[m].argmax(axis=1) == np.array(labels) for m in models}, probs)
+    trace = poisson_trace(150, 1.5, seed=3)
+    p = plan()
+    with Engine(p, models) as engine:
+        rep = replay(engine, trace, rows, labels, seed=5)
+    assert rep.status_counts() == {"ok": len(trace)}
+    simulated = simulate(p, catalog, trace, seed=5).metrics(0, p)
+    measured = rep.result.metrics(0, p)
+    assert measured.accuracy == simulated.accuracy
+    assert measured.num_requests == simulated.num_requests == len(trace)
+    assert np.array_equal(rep.result.stage[0], simulate(p, catalog, trace, seed=5).stage[0])
+    import json
+    assert json.loads(rep.to_json(p))["status"] == {"ok": len(trace)}
+    png = plot_replay(rep, p, tmp_path / "replay.png")
+    assert png.stat().st_size > 1000

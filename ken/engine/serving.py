@@ -200,6 +200,11 @@ class Engine:
     def in_flight(self) -> int:
         return len(self._requests)
 
+    @property
+    def gear_switches(self) -> list[tuple[float, int, int]]:
+        """``(time, from range, to range)`` for every change of cascade so far."""
+        return list(self._dispatcher.gears.switches)
+
     # -- scheduler thread -------------------------------------------------------------------
 
     def _schedule(self) -> None:

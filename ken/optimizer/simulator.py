@@ -85,7 +85,7 @@ def _percentiles(lat_ms: np.ndarray) -> tuple[float, float, float]:
     return float(p[0]), float(p[1]), float(p[2])
 
 
-def _sample_rows(num_requests: int, num_rows: int, seed: int) -> np.ndarray:
+def sample_rows(num_requests: int, num_rows: int, seed: int) -> np.ndarray:
     order = np.random.default_rng(seed).permutation(num_rows)
     return order[np.arange(num_requests) % num_rows]
 
@@ -191,7 +191,7 @@ class _Operator:
                                   f"profile in the catalog ({list(catalog.models)})")
         self.dispatcher = Dispatcher(plan, clock, busy)
         kind = plan.certainty
-        rows = _sample_rows(num_requests, catalog.num_rows, seed)
+        rows = sample_rows(num_requests, catalog.num_rows, seed)
         used = {r.model for r in plan.placement}
         # per model, per request: the certainty and correctness of that request's sample row
         self._cert = {m: catalog.certainty(m, kind)[rows].tolist() for m in used}

@@ -1,0 +1,118 @@
+"""Open-loop trace replay through the online engine (issue 5, part).
+
+``replay`` submits one labelled sample row per trace arrival at the arrival's time (it does not
+wait for answers: open loop), then collects every outcome. Request ``i`` uses the same sample
+row as in the simulator (``sample_rows``), so a replay and a simulation of the same plan and
+trace can be compared request by request; the result is a ``SimResult`` so both are summarised
+by the same code (``.metrics(0, plan)``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ken.engine.serving import Engine, Outcome
+from ken.optimizer.plan import GearPlan
+from ken.optimizer.simulator import SimResult, sample_rows
+from ken.optimizer.workload import Trace
+from ken.progress import QUIET, Reporter
+
+
+@dataclass(frozen=True, eq=False)
+class Replay:
+    """Outcomes of a replay plus how late the sender was against the trace."""
+
+    result: SimResult  # arrival/completion, correctness, stage and gear per request
+    outcomes: tuple[Outcome, ...] = field(repr=False)
+    max_send_lag_s: float = 0.0  # worst delay of a submit behind its trace time
+
+    def status_counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for o in self.outcomes:
+            out[o.status] = out.get(o.status, 0) + 1
+        return out
+
+    def to_json(self, plan: GearPlan) -> str:
+        m = self.result.metrics(0, plan)
+        return json.dumps({
+            "metrics": m.to_dict(), "status": self.status_counts(),
+            "max_send_lag_s": self.max_send_lag_s,
+            "gear_switches": [list(s) for s in self.result.gear_switches[0]],
+            "requests": [{"arrival_s": o.arrival_s, "completion_s": o.completion_s,
+                          "status": o.status, "stage": o.stage, "gear": o.gear,
+                          "model": o.model} for o in self.outcomes],
+        })
+
+
+def replay(engine: Engine, trace: Trace, texts: Sequence[str], labels: Sequence[int],
+           seed: int = 0, reporter: Reporter = QUIET) -> Replay:
+    """Send ``trace``'s arrivals through a started ``engine`` (see the module docstring)."""
+    n = len(trace)
+    rows = sample_rows(n, len(texts), seed)
+    arrivals = trace.arrival_s
+    futures = []
+    lag = 0.0
+    start = time.monotonic()
+    with reporter.task(f"replay {trace.name}", n) as advance:
+        for i in range(n):
+            delay = start + arrivals[i] - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            else:
+                lag = max(lag, -delay)
+            futures.append(engine.submit(texts[rows[i]]))
+            advance(1)
+    outcomes = tuple(f.result() for f in futures)
+    truth = np.asarray(labels)[rows]
+    ok = np.array([o.status == "ok" for o in outcomes])
+    idx = np.array([o.label_index if o.label_index is not None else -1 for o in outcomes])
+    result = SimResult(
+        arrival_s=np.array([o.arrival_s for o in outcomes]),
+        completion_s=np.array([o.completion_s for o in outcomes]),
+        correct=(ok & (idx == truth))[None, :],
+        stage=np.array([o.stage if o.stage is not None else -1 for o in outcomes])[None, :],
+        range_index=np.array([o.gear if o.gear is not None else -1 for o in outcomes])[None, :],
+        gear_switches=(tuple(engine.gear_switches),),
+        device_busy_s=(),
+        batches=0,
+        stage_rows=(),
+    )
+    return Replay(result, outcomes, lag)
+
+
+def plot_replay(rep: Replay, plan: GearPlan, path: str | Path, title: str = "") -> Path:
+    """Latency over time (one dot per request), measured QPS, and gear switches."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    r = rep.result
+    t = r.arrival_s - r.arrival_s.min()
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
+    ax.scatter(t, r.latency_s * 1000, s=2, alpha=0.5)
+    ax.set_yscale("log")
+    ax.set_ylabel("latency (ms)")
+    for when, _a, b in r.gear_switches[0]:
+        ax.axvline(when - r.arrival_s.min(), color="red", lw=0.5, alpha=0.6)
+        ax.annotate(f"g{b}", (when - r.arrival_s.min(), ax.get_ylim()[1]), fontsize=6,
+                    color="red")
+    bins = np.arange(0, t.max() + 1.0, 1.0)
+    ax2.hist(t, bins=bins, color="gray")
+    ax2.set_ylabel("requests / s")
+    ax2.set_xlabel("time (s)")
+    m = r.metrics(0, plan)
+    ax.set_title(title or f"accuracy {m.accuracy:.1%}, p50 {m.p50_ms:.0f} ms, "
+                          f"p95 {m.p95_ms:.0f} ms, {m.gear_switches} gear switches", fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
