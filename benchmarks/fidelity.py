@@ -1,0 +1,106 @@
+"""Simulator fidelity (issue 5): replay gear plans through the online engine with the real
+packaged models and compare measured with simulated latency and accuracy.
+
+Plans come from the same frontier `ken plan` builds (2 CPU workers x 1 thread, the Azure code
+trace rate-scaled to 1.5x what the most accurate cascade sustains, |Q| = 8). Three plans are
+replayed: the fastest, one from the middle, and the most accurate one whose simulated p95 is
+under a second. The replay trace is the planning trace itself (open loop, real time), and
+request i is held-out sample row ``sample_rows(...)[i]`` in both the replay and the simulation.
+Writes benchmarks/results/fidelity.json and fidelity_<k>.png (latency over time).
+
+    python benchmarks/fidelity.py            # ~6 minutes with cached models and profiles
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from ken.engine.replay import plot_replay, replay
+from ken.engine.serving import Engine
+from ken.operators import family
+from ken.operators.model import DeviceConfig
+from ken.optimizer.cascades import pareto_cascades
+from ken.optimizer.perf import Catalog
+from ken.optimizer.planner import PlannerSettings, plan_frontier
+from ken.optimizer.profile import DEFAULT_BATCH_SIZES, load_or_run_profile
+from ken.optimizer.simulator import simulate
+from ken.optimizer.workload import Hardware
+from ken.progress import Reporter
+from ken.session import default_peak_qps, planning_trace
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=90.0, help="trace window (s)")
+    ap.add_argument("--ranges", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args()
+    reporter = Reporter(args.quiet)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+
+    data = family.FamilyData()
+    device = DeviceConfig(threads=1)
+    cards = family.prepare(data, device, reporter=reporter)
+    sample = family.heldout_sample(data)
+    models = {c.name: family.load_model(c, device, data=data) for c in cards}
+    profiles = {n: load_or_run_profile(m, sample, DEFAULT_BATCH_SIZES) for n, m in models.items()}
+    catalog = Catalog.from_profiles(profiles)
+    cascades = [m.cascade for m in pareto_cascades(profiles)]
+    peak = default_peak_qps(catalog, cascades, 2)
+    trace = planning_trace("azure", peak, args.duration, seed=args.seed)
+    hardware = Hardware.cpu_workers(2, 4 * 10**9)
+    reporter.note(f"trace: {len(trace)} requests over {trace.duration_s:.0f} s, 1-s peak "
+                  f"{trace.qps_max():.0f} qps")
+    frontier, _ = plan_frontier("sentiment", cascades, catalog, hardware, trace,
+                                settings=PlannerSettings(num_ranges=args.ranges,
+                                                         seed=args.seed),
+                                reporter=reporter)
+    usable = [p for p in frontier.plans if p.predicted.p95_ms < 1000.0]
+    picks = {"fastest": usable[0], "middle": usable[len(usable) // 2],
+             "most accurate (p95 < 1 s)": usable[-1]}
+
+    rows = []
+    for k, (name, plan) in enumerate(picks.items()):
+        simulated = simulate(plan, catalog, trace, args.seed).metrics(0, plan)
+        engine = Engine(plan, models)
+        load = engine.start()
+        t0 = time.perf_counter()
+        rep = replay(engine, trace, sample.texts, sample.labels, seed=args.seed,
+                     reporter=reporter)
+        wall = time.perf_counter() - t0
+        engine.shutdown()
+        measured = rep.result.metrics(0, plan)
+        plot_replay(rep, plan, RESULTS / f"fidelity_{k}.png", title=f"{name}: measured")
+        row = {
+            "plan": name, "gears": [plan.cascades[c].describe() for _, _, c in plan.gears()],
+            "placement": [r.label() for r in plan.placement],
+            "simulated": simulated.to_dict(), "measured": measured.to_dict(),
+            "p50_error": measured.p50_ms / simulated.p50_ms - 1,
+            "p95_error": measured.p95_ms / simulated.p95_ms - 1,
+            "accuracy_diff_points": 100 * (measured.accuracy - simulated.accuracy),
+            "status": rep.status_counts(), "max_send_lag_s": rep.max_send_lag_s,
+            "load_s": load.total_s, "replay_wall_s": wall,
+        }
+        rows.append(row)
+        reporter.note(f"{name}: p50 {simulated.p50_ms:.1f} -> {measured.p50_ms:.1f} ms, p95 "
+                      f"{simulated.p95_ms:.1f} -> {measured.p95_ms:.1f} ms "
+                      f"({row['p95_error']:+.1%}), accuracy {simulated.accuracy:.1%} -> "
+                      f"{measured.accuracy:.1%}, gear switches {simulated.gear_switches} -> "
+                      f"{measured.gear_switches}")
+    out = {"trace_requests": len(trace), "trace_peak_qps": trace.qps_max(),
+           "duration_s": trace.duration_s, "plans": rows}
+    (RESULTS / "fidelity.json").write_text(json.dumps(out, indent=1, default=float))
+    reporter.note(f"wrote {RESULTS / 'fidelity.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
