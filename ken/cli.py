@@ -319,6 +319,65 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    """Serve one gear plan with the online engine and replay a trace through it (open loop)."""
+    from ken.engine.replay import plot_replay, replay
+    from ken.engine.serving import Engine
+    from ken.operators import family
+    from ken.operators.model import DeviceConfig
+    from ken.optimizer.plan import Frontier
+    from ken.optimizer.simulator import simulate
+    from ken.session import planning_inputs, planning_trace
+
+    frontier = Frontier.load(args.frontier)
+    plan = _pick(frontier, args.target)
+    if args.rate_scale <= 0 or args.duration <= 0:
+        raise KenError("--rate-scale and --duration must be > 0")
+    reporter = Reporter(args.quiet)
+    data = _family(args)
+    device = DeviceConfig(threads=args.device_threads)
+    cards = {c.name: c for c in family.prepare(data, device, reporter=reporter,
+                                               data_dir=args.data_dir)}
+    needed = sorted({r.model for r in plan.placement})
+    unknown = [m for m in needed if m not in cards]
+    if unknown:
+        raise KenError(f"the plan uses {unknown}, which are not models of the packaged family "
+                       f"({', '.join(cards)})")
+    _cards, profiles = _load_profiles(args, [args.device_threads], reporter)
+    catalog, _ = planning_inputs({p.model: p for p in profiles})
+    sample = family.heldout_sample(data, args.data_dir)
+    peak = (args.peak_qps or plan.qps_max) * args.rate_scale
+    trace = planning_trace(args.trace, peak, args.duration, seed=args.seed)
+    reporter.note(f"plan: {len(plan.gears())} gears on {', '.join(plan.devices)}; trace "
+                  f"{trace.name}: {len(trace):,} requests over {trace.duration_s:.0f} s, "
+                  f"1-s peak {trace.qps_max():g} qps")
+    engine = Engine(plan, {m: (lambda m=m: family.load_model(cards[m], device, data=data))
+                           for m in needed})
+    load = engine.start()
+    reporter.note(f"loaded {len(needed)} models in {load.total_s:.1f} s")
+    try:
+        rep = replay(engine, trace, sample.texts, sample.labels, seed=args.seed,
+                     reporter=reporter)
+    finally:
+        engine.shutdown()
+    measured = rep.result.metrics(0, plan)
+    simulated = simulate(plan, catalog, trace, args.seed).metrics(0, plan)
+    table = Table(title=f"replay of {trace.name} ({len(trace):,} requests)")
+    for col in ("", "accuracy", "p50 ms", "p95 ms", "p99 ms", "gear switches"):
+        table.add_column(col, justify="right")
+    for name, m in (("simulated", simulated), ("measured", measured)):
+        table.add_row(name, f"{m.accuracy:.1%}", f"{m.p50_ms:.1f}", f"{m.p95_ms:.1f}",
+                      f"{m.p99_ms:.1f}", str(m.gear_switches))
+    console.print(table)
+    console.print(f"outcomes: {rep.status_counts()}; worst send lag {rep.max_send_lag_s:.3f} s")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "replay.json").write_text(rep.to_json(plan))
+    plot_replay(rep, plan, out / "replay.png")
+    console.print(f"wrote {out / 'replay.json'} and {out / 'replay.png'}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from ken.demo import run_demo
 
@@ -414,6 +473,23 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--force", action="store_true",
                       help="re-plan even if KEN_HOME/plans holds this frontier")
     plan.set_defaults(func=cmd_plan)
+
+    rp = sub.add_parser("replay", help="serve a gear plan with the online engine and replay a "
+                        "trace through it (open loop); compares with the simulator")
+    _family_args(rp)
+    rp.add_argument("--frontier", type=Path, default=Path("ken-plan/frontier-sentiment.json"),
+                    help="frontier file written by `ken plan`")
+    rp.add_argument("--target", default=None, help='pick the plan: "accuracy >= 0.69" or '
+                    '"p95 <= 50" (default: the most accurate plan)')
+    rp.add_argument("--trace", choices=("azure", "poisson", "gamma"), default="azure")
+    rp.add_argument("--peak-qps", type=float, default=None,
+                    help="1-s peak of the replayed trace (default: the plan's QPS maximum)")
+    rp.add_argument("--rate-scale", type=float, default=1.0, help="multiply the peak")
+    rp.add_argument("--duration", type=float, default=60.0, help="seconds of trace")
+    rp.add_argument("--device-threads", type=int, default=1)
+    rp.add_argument("--seed", type=int, default=0)
+    rp.add_argument("--out", type=Path, default=Path("ken-replay"))
+    rp.set_defaults(func=cmd_replay)
 
     demo = sub.add_parser("demo", help="the whole pipeline on the packaged models and data")
     _family_args(demo)

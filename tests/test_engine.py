@@ -179,3 +179,10 @@ def test_replay_accuracy_equals_the_simulated_accuracy_of_the_same_plan(tmp_path
     assert json.loads(rep.to_json(p))["status"] == {"ok": len(trace)}
     png = plot_replay(rep, p, tmp_path / "replay.png")
     assert png.stat().st_size > 1000
+
+
+def test_ken_replay_needs_a_frontier_file(tmp_path, capsys) -> None:  # noqa: ANN001
+    from ken.cli import main
+
+    assert main(["replay", "--quiet", "--frontier", str(tmp_path / "none.json")]) == 2
+    assert "ken plan" in capsys.readouterr().err
