@@ -89,7 +89,7 @@ def pick_spread(cascades: list, k: int) -> list:
 
 
 def part_a(reporter: Reporter, num_cascades: int, num_ranges: int, devices: int,
-           peak_qps: float, seed: int) -> dict:
+           peak_qps: float, seed: int, score: str = "ratio") -> dict:
     profiles = bert_profiles(num_rows=2000, seed=seed)
     catalog = Catalog.from_profiles(profiles)
     front = pareto_cascades(profiles, grid_size=16, batch_size=1)
@@ -97,7 +97,7 @@ def part_a(reporter: Reporter, num_cascades: int, num_ranges: int, devices: int,
     hardware = v100_hardware(devices, per_node=devices)
     trace = busiest_window(azure_at_peak(peak_qps), 8.0)
     settings = PlannerSettings(num_ranges=num_ranges, full_replication=True, max_batch=1,
-                               screen=0, seed=seed)
+                               screen=0, seed=seed, score=score)
     reporter.note(f"(a) {len(cascades)} cascades, |Q|={num_ranges}, {devices} devices, "
                   f"8 s trace with {len(trace)} requests (1-s peak {trace.qps_max():.0f} QPS)")
 
@@ -278,6 +278,8 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=2, help="simulation processes (default 2)")
     ap.add_argument("--b-step", type=float, default=0.003,
                     help="min_accuracy_step: thin candidate cascades to this accuracy step")
+    ap.add_argument("--score", choices=("ratio", "tradeoff"), default="ratio",
+                    help="the adapter's per-iteration choice in (a) (default: the paper's)")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args()
     reporter = Reporter(args.quiet)
@@ -287,7 +289,7 @@ def main() -> int:
     plan = None
     if args.part in ("a", "all"):
         results["a_restricted"] = part_a(reporter, args.a_cascades, args.a_ranges,
-                                         args.a_devices, args.a_peak, args.seed)
+                                         args.a_devices, args.a_peak, args.seed, args.score)
     if args.part in ("b", "all"):
         results["b_full"], plan = part_b(reporter, args.b_grid, args.b_ranges, args.seed,
                                          {"screen": args.b_screen,

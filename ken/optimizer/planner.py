@@ -63,6 +63,7 @@ class PlannerSettings:
     # adapter another round of iterations
     min_accuracy_step: float = 0.002
     workers: int = 1  # processes that simulate candidates in parallel
+    score: str = "ratio"  # adapter's choice per iteration: "ratio" (paper) or "tradeoff"
     max_wait_s: float = 0.05
     alpha: float = 8.0
     rate_window_s: float = 0.1
@@ -75,6 +76,8 @@ class PlannerSettings:
                 or self.initial_samples < 1 or self.max_rounds < 0 or self.screen < 0:
             raise PlanningError("num_ranges, beam_width and initial_samples must be >= 1; "
                                 "expansions and max_rounds >= 0")
+        if self.score not in ("ratio", "tradeoff"):
+            raise PlanningError(f"score must be 'ratio' or 'tradeoff', got {self.score!r}")
         if self.min_accuracy_step < 0:
             raise PlanningError("min_accuracy_step must be >= 0")
         if self.placement_scoring not in ("simulate", "estimate"):
@@ -587,8 +590,15 @@ def _candidates(assignment: Sequence[int],
     return list(out)
 
 
-def _score(metrics: PlanMetrics) -> float:
-    return metrics.accuracy / max(metrics.p95_ms, 1e-9)
+def _score(metrics: PlanMetrics, current: PlanMetrics, kind: str) -> float:
+    """``"ratio"``: the paper's ``acc / p95`` of the candidate. ``"tradeoff"``: p95 saved per
+    accuracy point given up against the current plan ("minimal accuracy for maximum latency
+    reduction"), which takes smaller steps and so emits a denser frontier."""
+    if kind == "ratio":
+        return metrics.accuracy / max(metrics.p95_ms, 1e-9)
+    saved = current.p95_ms - metrics.p95_ms
+    lost = max(current.accuracy - metrics.accuracy, 0.0) + 1e-6
+    return saved / lost
 
 
 def pareto_plans(plans: Sequence[GearPlan]) -> list[GearPlan]:
@@ -662,11 +672,12 @@ def _adapt(ctx: PlanningContext, trace: Trace, catalog: Catalog, settings: Plann
             pairs = [(cand, p) for cand in cands
                      for p in choose_placements(ctx, cand, warm=plan.placement)]
             for (cand, _), (p, m) in zip(pairs, evaluate_many(ctx, pairs), strict=True):
-                if best is None or _score(m) > _score(best[1][1]):
-                    best = (cand, (p, m))
+                score = _score(m, metrics, settings.score)
+                if best is None or score > best[2]:
+                    best = (cand, (p, m), score)
             assert best is not None
             advance(sum(assignment) - sum(best[0]))
-            assignment, (plan, metrics) = best
+            assignment, (plan, metrics), _ = best
             emitted.append(plan)
             if on_plan:
                 on_plan(plan)
