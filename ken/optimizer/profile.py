@@ -226,8 +226,8 @@ def measure_batch_runtimes(
     """Median seconds per batch for each size (distinct slices of ``texts``), and peak RSS.
 
     Each size is timed on at least ``repeats`` batches and at least ``MIN_TIMED_ROWS`` rows:
-    a text's runtime depends on its length, so the median of three single tweets is not the
-    typical single-row runtime (the simulator's batch-1 latency was 25-35% low with it).
+    a text's runtime depends on its length, so the median of three single tweets is a noisy
+    estimate of the typical single-row runtime.
     """
     if not texts:
         raise ProfileError("cannot time a model on an empty sample")
