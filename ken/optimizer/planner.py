@@ -231,8 +231,7 @@ def range_schedule(ctx: PlanningContext, k: int, c: int, placement: Placement) -
     """Range ``k``'s schedule for cascade ``c``, laid out per replica of ``placement``
     (replicas of models outside the cascade get share 0 and queue length 1)."""
     models = ctx.cascades[c].models
-    sub = tuple(r for r in placement if r.model in models)
-    part = _sub_schedule(ctx, k, c, sub)
+    part = _sub_schedule(ctx, k, c, _sub_placement(ctx, c, placement))
     shares = [0.0] * len(placement)
     queues = [1] * len(placement)
     j = 0
@@ -300,17 +299,17 @@ def evaluate_many(ctx: PlanningContext, pairs: Sequence[tuple[Sequence[int], Pla
                   ) -> list[tuple[GearPlan, PlanMetrics]]:
     """``evaluate_plan`` for several (assignment, placement) pairs, simulated in parallel
     when ``settings.workers > 1``."""
-    todo = []
+    todo: dict[tuple, GearPlan] = {}
     for a, p in pairs:
         key = (tuple(a), p)
-        if key not in ctx.sim_cache and key not in {k for k, _ in todo}:
-            todo.append((key, build_plan(ctx, a, p)))
+        if key not in ctx.sim_cache and key not in todo:
+            todo[key] = build_plan(ctx, a, p)
     if ctx.pool is not None and len(todo) > 1:
         t0 = time.perf_counter()
-        metrics = list(ctx.pool.map(_simulate_in_worker, [plan for _, plan in todo]))
+        metrics = list(ctx.pool.map(_simulate_in_worker, list(todo.values())))
         ctx.stats.simulate_s += time.perf_counter() - t0
         ctx.stats.simulations += len(todo)
-        for (key, plan), m in zip(todo, metrics, strict=True):
+        for (key, plan), m in zip(todo.items(), metrics, strict=True):
             ctx.sim_cache[key] = (plan.with_predicted(m), m)
     return [evaluate_plan(ctx, a, p) for a, p in pairs]
 
@@ -528,6 +527,7 @@ def choose_placements(ctx: PlanningContext, assignment: Sequence[int],
             return evaluate_plan(ctx, assignment, p)[1].p95_ms
         return estimate_p95(ctx, assignment, p)
 
+    need = _peak_need(ctx, assignment, models)
     scored = sorted(((latency(p), p) for p in starts), key=lambda x: x[0])
     beam = scored[: s.beam_width]
     best = beam[0][0]
@@ -536,7 +536,7 @@ def choose_placements(ctx: PlanningContext, assignment: Sequence[int],
         seen = {p for _, p in pool}
         for _, p in beam:
             for _ in range(s.expansions):
-                m = _pick_model_to_replicate(rng, ctx, assignment, p, models)
+                m = _pick_model_to_replicate(rng, need, p)
                 new = _sample_replica(rng, ctx, p, m)
                 if new is None:
                     continue
@@ -554,19 +554,26 @@ def choose_placements(ctx: PlanningContext, assignment: Sequence[int],
     return [p for _, p in beam[: None if simulated else 1]]
 
 
-def _pick_model_to_replicate(rng: random.Random, ctx: PlanningContext, assignment: Sequence[int],
-                             placement: Placement, models: Sequence[str]) -> str:
-    """Sample a model, weighted by the device time it needs per replica at peak load (a model
-    that is busy and has few replicas is the one that gains from another copy)."""
+def _peak_need(ctx: PlanningContext, assignment: Sequence[int],
+               models: Sequence[str]) -> dict[str, float]:
+    """Device seconds per second each model needs at the peak rate (largest over the
+    assignment's cascades, at its largest batch)."""
     peak = ctx.edges[-1]
     need = dict.fromkeys(models, 0.0)
     for c in set(assignment):
         for m, f in ctx.unit_demand(c).items():
-            work = f * peak * ctx.per_row(m, "", ctx.max_batch(m))
-            need[m] = max(need[m], work)
+            need[m] = max(need[m], f * peak * ctx.per_row(m, "", ctx.max_batch(m)))
+    return need
+
+
+def _pick_model_to_replicate(rng: random.Random, need: dict[str, float],
+                             placement: Placement) -> str:
+    """Sample a model, weighted by its peak need per replica (a model that is busy and has
+    few replicas is the one that gains from another copy)."""
+    models = list(need)
     count = {m: sum(1 for r in placement if r.model == m) for m in models}
     weights = [need[m] / count[m] + 1e-12 for m in models]
-    return rng.choices(list(models), weights=weights, k=1)[0]
+    return rng.choices(models, weights=weights, k=1)[0]
 
 
 # -- workload adapter --------------------------------------------------------------------------
