@@ -44,6 +44,7 @@ from ken.optimizer.planner import (  # noqa: E402
     plan_frontier,
     planning_context,
 )
+from ken.optimizer.plotting import plot_frontier  # noqa: E402
 from ken.optimizer.simulator import simulate  # noqa: E402
 from ken.optimizer.workload import Trace, load_azure_trace  # noqa: E402
 from ken.progress import Reporter  # noqa: E402
@@ -213,20 +214,9 @@ def part_b(reporter: Reporter, grid: int, num_ranges: int, seed: int,
                      for (lat, acc), p in zip(pts, frontier.plans, strict=True)],
         "single_model_accuracy": {m: p.accuracy for m, p in profiles.items()},
     }
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(*zip(*pts, strict=True), "ro-", markersize=4, label="KEN gear plans")
-    for p, (lat, acc) in zip(frontier.plans, pts, strict=True):
-        ax.annotate(str(len(p.gears())), (lat, acc), fontsize=6, xytext=(2, 2),
-                    textcoords="offset points")
-    ax.set_xscale("log")
-    ax.set_xlabel("simulated p95 latency (ms)")
-    ax.set_ylabel("accuracy (synthetic outcomes)")
-    ax.set_title(f"(b) V100 BERT frontier: {len(frontier)} plans in {wall:.0f} s "
-                 "(labels: gears)", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "planner_full_frontier.png", dpi=120)
-    plt.close(fig)
+    plot_frontier(frontier, RESULTS / "planner_full_frontier.png",
+                  title=f"(b) V100 BERT frontier (synthetic accuracies): {len(frontier)} plans "
+                        f"in {wall:.0f} s")
     reporter.note(f"(b) planned in {wall:.1f} s: {stats.iterations} iterations, "
                   f"{stats.simulations} simulations ({stats.simulate_s:.1f} s), "
                   f"{stats.lp_solves} LPs; {len(frontier)} plans on the frontier")
