@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -35,3 +36,21 @@ class FakeModel(Model):
         probs = np.array([self.probabilities(t) for t in texts], dtype=np.float32).reshape(
             len(texts), len(self.spec.labels))
         return Prediction(probs.argmax(axis=1).astype(np.int64), probs, self.spec.labels)
+
+
+class SlowModel(FakeModel):
+    """A fake model whose every call takes ``seconds`` (plus ``per_row_s`` per row)."""
+
+    def __init__(self, name: str, seconds: float, per_row_s: float = 0.0) -> None:
+        super().__init__(name)
+        self.seconds = seconds
+        self.per_row_s = per_row_s
+
+    def predict(self, texts: Sequence[str], batch_size: int = 32) -> Prediction:
+        time.sleep(self.seconds + self.per_row_s * len(texts))
+        return super().predict(texts, batch_size)
+
+
+def broken_loader(name: str) -> Model:
+    """A loader that fails the way a missing weights file does."""
+    raise FileNotFoundError(f"no weights for {name}")

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from fakes import FakeModel
+from fakes import FakeModel, SlowModel
 
 from ken.engine.serving import Engine, EngineError
 from ken.operators.cascade import Cascade
@@ -39,16 +39,6 @@ def expected(models: dict[str, FakeModel], text: str) -> tuple[int, int]:
 
 def texts(n: int) -> list[str]:
     return [f"tweet number {i}" for i in range(n)]
-
-
-class SlowModel(FakeModel):
-    def __init__(self, name: str, seconds: float) -> None:
-        super().__init__(name)
-        self.seconds = seconds
-
-    def predict(self, texts, batch_size=32):  # noqa: ANN001, ANN201
-        time.sleep(self.seconds)
-        return super().predict(texts, batch_size)
 
 
 class FlakyModel(FakeModel):
@@ -115,7 +105,7 @@ def test_a_failing_worker_is_restarted_and_its_batch_rerun() -> None:
     with Engine(plan(), models) as engine:
         outcomes = [f.result(timeout=5) for f in [engine.submit(t) for t in texts(20)]]
     assert [o.status for o in outcomes] == ["ok"] * 20
-    assert engine.worker_restarts == 1
+    assert engine.failed_attempts == 1 and engine.worker_restarts == 0  # threads: no restart
     assert len(models["a"].rows_seen) == 20  # the failed call recorded nothing; no duplicates
 
 
@@ -186,3 +176,182 @@ def test_ken_replay_needs_a_frontier_file(tmp_path, capsys) -> None:  # noqa: AN
 
     assert main(["replay", "--quiet", "--frontier", str(tmp_path / "none.json")]) == 2
     assert "ken plan" in capsys.readouterr().err
+
+
+def test_process_workers_survive_a_worker_killed_mid_batch() -> None:
+    import functools
+    import os
+    import signal
+
+    import fakes
+
+    sources = {"a": functools.partial(fakes.SlowModel, "a", 0.6),
+               "b": functools.partial(fakes.FakeModel, "b")}
+    reference = {"a": FakeModel("a"), "b": FakeModel("b")}
+    rows = texts(12)
+    with Engine(plan(max_batch=4), sources) as engine:
+        assert engine.workers == "process" and engine.load_report.workers == "process"
+        pids = engine.pids()
+        assert all(pids.values()) and len(set(pids.values())) == 2
+        futures = [engine.submit(t) for t in rows]
+        time.sleep(0.3)  # the first batch of 4 is inside the 0.6 s model call now
+        os.kill(pids["cpu0"], signal.SIGKILL)
+        outcomes = [f.result(timeout=60) for f in futures]
+        assert engine.pids()["cpu0"] != pids["cpu0"]  # a fresh process serves cpu0
+    assert engine.worker_restarts == 1 and engine.failed_attempts == 1
+    assert [o.status for o in outcomes] == ["ok"] * len(rows)
+    assert len({o.request_id for o in outcomes}) == len(rows)
+    for text, o in zip(rows, outcomes, strict=True):
+        assert (o.label_index, o.stage) == expected(reference, text)
+
+
+def test_a_worker_that_cannot_load_its_model_fails_start_clearly() -> None:
+    import functools
+
+    import fakes
+
+    sources = {"a": functools.partial(fakes.broken_loader, "a"),
+               "b": functools.partial(fakes.FakeModel, "b")}
+    engine = Engine(plan(), sources, workers="process")
+    with pytest.raises(Exception, match="could not load its models: FileNotFoundError"):
+        engine.start()
+    with pytest.raises(EngineError, match="loaders"):
+        Engine(plan(), {"a": FakeModel("a"), "b": FakeModel("b")}, workers="process")
+
+
+def two_gear_plan(edge: float = 100.0, max_batch: int = 1) -> GearPlan:
+    """Below ``edge`` qps: cascade a -> b; above it: a alone."""
+    placement = (Replica("a", ("cpu0",)), Replica("b", ("cpu1",)))
+    fast = Cascade(("a",))
+    return GearPlan("op", (0.0, edge, 1e6), (CASCADE, fast), placement,
+                    (RangeSchedule(0, (1.0, 1.0), (1, 1)), RangeSchedule(1, (1.0, 0.0), (1, 1))),
+                    (max_batch, max_batch), max_wait_s=0.01)
+
+
+def send(engine: Engine, qps: float, seconds: float, start: int = 0) -> list:
+    """Open-loop arrivals at ``qps`` for ``seconds``; returns (submit time, future) pairs."""
+    out = []
+    t0 = time.monotonic()
+    n = int(qps * seconds)
+    for i in range(n):
+        delay = t0 + i / qps - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        out.append((engine.clock.now(), engine.submit(f"row {start + i}")))
+    return out
+
+
+def test_gear_switches_follow_the_measured_rate_with_hysteresis() -> None:
+    models = {"a": SlowModel("a", 0.01), "b": FakeModel("b")}  # a: ~100 rows/s at batch 1
+    with Engine(two_gear_plan(edge=100.0), models) as engine:
+        calm = send(engine, 20, 0.6)
+        burst_start = engine.clock.now()
+        burst = send(engine, 300, 0.5, start=1000)  # 150 rows: a backlog builds on a
+        burst_end = engine.clock.now()
+        after = send(engine, 20, 2.0, start=2000)
+        outcomes = {f.result(timeout=30).request_id: (t, f.result()) for t, f in
+                    calm + burst + after}
+        held = engine._dispatcher.gears.held
+    switches = engine.gear_switches
+    assert [(a, b) for _, a, b in switches][:2] == [(0, 1), (1, 0)], switches
+    (t_up, _, _), (t_down, _, _) = switches[:2]
+    assert burst_start <= t_up <= burst_start + 0.3  # up at once: within a few rate windows
+    assert t_down > burst_end  # down only after the burst ...
+    assert held > 0  # ... and later than the rate alone says: hysteresis held the gear
+    # when it moved down, the burst's backlog on the first stage was (nearly) served:
+    # at most rate/alpha rows (20/8) plus the batch in flight were still unanswered
+    left = sum(o.completion_s > t_down for t, o in outcomes.values()
+               if o.gear == 1 and t <= burst_end)
+    assert left <= 20 / 8 + 1, left
+    # every request carries the gear active when the scheduler admitted it (a few ms after
+    # its submit time)
+    for t, o in outcomes.values():
+        assert o.status == "ok"
+        if t_up < t < t_down - 0.05:
+            assert o.gear == 1 and o.stage == 0
+        if t < t_up - 0.05:
+            assert o.gear == 0
+
+
+def test_plan_swap_moves_queued_requests_and_loses_nothing() -> None:
+    models = {"a": SlowModel("a", 0.3), "b": FakeModel("b")}
+    old = plan(min_queue=1, max_batch=2)
+    b_only = GearPlan("op", (0.0, 1e6), (Cascade(("b",)),),
+                      (Replica("b", ("cpu1",)), Replica("c", ("cpu2",))),
+                      (RangeSchedule(0, (0.5, 0.5), (1, 1)),), (8, 8), max_wait_s=0.01)
+    with Engine(old, models) as engine:
+        futures = [engine.submit(t) for t in texts(10)]
+        time.sleep(0.1)  # row 0 runs on a alone (min queue 1); rows 1-9 wait for a
+        moved = engine.swap_plan(b_only, {"c": FakeModel("c")})
+        outcomes = [f.result(timeout=10) for f in futures]
+        late = engine.submit("after the swap").result(timeout=5)
+        assert engine.pids().keys() == {"cpu0", "cpu1", "cpu2"}
+    assert moved == 9
+    assert [o.status for o in outcomes] == ["ok"] * 10 and late.status == "ok"
+    assert len({o.request_id for o in outcomes}) == 10
+    # the row already running finished under the old plan (a, maybe escalated to b)
+    assert (outcomes[0].label_index, outcomes[0].stage) == expected(models, texts(1)[0])
+    # the moved rows and later ones ran the new plan: b alone, stage 0
+    assert all(o.model == "b" and o.stage == 0 for o in outcomes[1:] + [late])
+    assert len(models["a"].rows_seen) == 1
+    assert engine.plan is b_only and engine.plan_swaps[0][1] == 9
+
+
+def test_swap_needs_a_running_engine_and_known_models() -> None:
+    engine = Engine(plan(), {"a": FakeModel("a"), "b": FakeModel("b")})
+    with pytest.raises(EngineError, match="not running"):
+        engine.swap_plan(plan())
+    other = GearPlan("op", (0.0, 1e6), (Cascade(("z",)),), (Replica("z", ("cpu0",)),),
+                     (RangeSchedule(0, (1.0,), (1,)),), (4,))
+    with engine:
+        with pytest.raises(EngineError, match="no model was given"):
+            engine.swap_plan(other)
+        assert engine.submit("still serving").result(timeout=5).status == "ok"
+
+
+def test_bulk_rows_run_the_most_accurate_gear_in_throughput_batches() -> None:
+    models = {"a": FakeModel("a"), "b": FakeModel("b")}
+    rows = texts(300)
+    with Engine(two_gear_plan(), models, bulk_batch_size=64) as engine:
+        online = [engine.submit(f"online {i}") for i in range(20)]
+        outcomes = [f.result(timeout=10) for f in engine.submit_many(rows, bulk=True)]
+        assert all(f.result(timeout=10).status == "ok" for f in online)
+        assert engine.gear_switches == []  # bulk rows are not metered
+        assert engine.in_flight == 0
+    for text, o in zip(rows, outcomes, strict=True):  # range 0's cascade: a -> b
+        assert o.status == "ok" and o.gear is None
+        assert (o.label_index, o.stage) == expected(models, text)
+    bulk_calls = [n for n, _ in models["a"].calls if n > 1]
+    assert max(bulk_calls) == 64 and sum(n == 64 for n in bulk_calls) >= 4
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_ten_times_overload_stays_up_bounded_and_answers_everything() -> None:
+    # capacity: a takes 10 ms per batch of <= 4 rows -> ~400 rows/s; send ~4,000 rows/s
+    models = {"a": SlowModel("a", 0.01), "b": FakeModel("b")}
+    with Engine(plan(max_batch=4), models, max_in_flight=200) as engine:
+        send(engine, 200, 0.2)  # warm up
+        before = _rss_mb()
+        peak = 0
+        futures = []
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 3.0:
+            futures += [engine.submit(f"flood {len(futures) + i}") for i in range(40)]
+            peak = max(peak, engine.in_flight)
+            time.sleep(0.01)
+        outcomes = [f.result(timeout=60) for f in futures]
+        grown = _rss_mb() - before
+        assert engine.submit("after the flood").result(timeout=5).status == "ok"
+    statuses = {o.status for o in outcomes}
+    assert statuses <= {"ok", "rejected"}, statuses
+    assert len(futures) > 5000 and peak <= 200
+    ok = sum(o.status == "ok" for o in outcomes)
+    assert 0 < ok < len(futures) / 3  # served what it could, rejected the rest explicitly
+    assert grown < 100, f"RSS grew {grown:.0f} MB"

@@ -1,18 +1,31 @@
-"""Online serving of one gear plan (DESIGN.md section 6; issue 5, first part).
+"""Online serving of a gear plan (DESIGN.md section 6; issue 5).
 
 ``Engine`` runs the optimizer's ``Dispatcher`` — the same scheduling policy the simulator uses —
 on a ``WallClock`` with real model calls:
 
 - one *scheduler* thread owns the dispatcher and processes events in order: arrivals
-  (``submit``), finished batches from the device workers, and queue deadlines (max wait);
-- one *worker* thread per device runs the batches placed on it, one at a time, with the
-  models preloaded before serving starts. Model calls release the GIL inside torch, so workers
-  on different devices run in parallel (each device has its own thread count).
+  (``submit``), finished batches from the devices, queue deadlines (max wait), plan swaps;
+- one *device worker* per device of the plan runs the batches placed on it, one at a time, on
+  models loaded before serving starts (``workers.py``): its own process by default (a device
+  of ``threads_per_device`` torch threads), or a thread of this process for models given
+  already loaded.
 
 Every submitted request gets exactly one ``Outcome``: a result, ``null`` for a NULL input,
 ``rejected`` when the bounded admission queue is full, ``error`` when its batch failed
 ``max_retries + 1`` times, or ``cancelled`` when the engine shut down before it ran. A worker
-whose model call raised is replaced by a fresh thread and its batch is run again.
+process that dies mid-batch is restarted and the batch runs again.
+
+Two kinds of work share the devices:
+
+- *online* requests (``submit``) go through the gear plan: metered, routed, batched by the
+  queue triggers, escalated per stage;
+- *bulk* rows (``submit_many(..., bulk=True)``, e.g. an analytical query's column) run the
+  plan's lowest-load cascade (its most accurate gear) in throughput-sized batches on devices the
+  online queues leave idle; they are not metered, so they never move the gear.
+
+``swap_plan`` installs a new gear plan while serving: rows still queued under the old plan are
+moved to the new one's first stage, batches already running finish (and escalate) under the
+old plan, nothing is lost.
 """
 
 from __future__ import annotations
@@ -21,20 +34,24 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
+from ken.engine.workers import ProcessRunner, ThreadRunner, WorkerDied, WorkerError
 from ken.errors import KenError
+from ken.operators.cascade import Cascade
 from ken.operators.certainty import certainty_fn
 from ken.operators.model import Model
 from ken.optimizer.plan import GearPlan
 from ken.optimizer.policy import Batch, Dispatcher, WallClock
 
 Status = Literal["ok", "null", "rejected", "error", "cancelled"]
+Source = Model | Callable[[], Model]
 
 
 class EngineError(KenError):
@@ -54,7 +71,7 @@ class Outcome:
     certainty: float | None = None
     stage: int | None = None  # 0-based cascade stage that answered
     model: str | None = None
-    gear: int | None = None  # QPS range active when the request was admitted
+    gear: int | None = None  # QPS range active when the request was admitted (None: bulk)
     error: str | None = None
 
     @property
@@ -64,10 +81,11 @@ class Outcome:
 
 @dataclass(frozen=True)
 class LoadReport:
-    """Models loaded before serving: seconds per model and in total."""
+    """Models loaded before serving: seconds per (device, model), and wall time in total."""
 
     seconds: Mapping[str, float]
     total_s: float
+    workers: str  # "process" | "thread"
 
 
 @dataclass
@@ -77,6 +95,15 @@ class _Request:
     arrival_s: float
 
 
+@dataclass(frozen=True, eq=False)
+class _BulkBatch:
+    """A throughput batch of bulk rows on one device (not the dispatcher's)."""
+
+    model: str
+    devices: tuple[str, ...]
+    request_ids: tuple[int, ...]
+
+
 _STOP = object()
 
 
@@ -84,62 +111,138 @@ class Engine:
     """Serves one operator's gear plan on preloaded models (see the module docstring).
 
     ``models`` maps each model the plan places to a loaded ``Model`` or to a zero-argument
-    loader; loaders run in ``start()`` and their time is reported. Replicas of one model on
-    several CPU workers share the loaded weights (read-only).
+    loader. ``workers="process"`` needs picklable loaders (each device process loads its own
+    copy); ``"thread"`` loads each model once in this process and shares it; ``"auto"`` picks
+    processes when every source is a loader.
     """
 
-    def __init__(self, plan: GearPlan, models: Mapping[str, Model | Callable[[], Model]],
+    def __init__(self, plan: GearPlan, models: Mapping[str, Source],
                  max_in_flight: int = 10_000, max_retries: int = 2,
-                 clock: WallClock | None = None) -> None:
-        missing = sorted({r.model for r in plan.placement} - set(models))
-        if missing:
-            raise EngineError(f"the plan places {missing} but no model was given for them")
-        if any(r.degree > 1 for r in plan.placement):
-            raise EngineError("tensor-parallel replicas need a GPU backend; this engine runs "
-                              "one replica per CPU worker")
+                 clock: WallClock | None = None, *,
+                 workers: Literal["auto", "process", "thread"] = "auto",
+                 threads_per_device: int = 1, bulk_batch_size: int | None = None) -> None:
+        self._check_plan(plan, models)
         if max_in_flight < 1 or max_retries < 0:
             raise EngineError("max_in_flight must be >= 1 and max_retries >= 0")
+        if workers == "auto":
+            workers = "thread" if any(isinstance(s, Model) for s in models.values()) \
+                else "process"
+        if workers not in ("process", "thread"):
+            raise EngineError(f"workers must be 'auto', 'process' or 'thread', not {workers!r}")
+        if workers == "process" and any(isinstance(s, Model) for s in models.values()):
+            raise EngineError("process workers load their own models: pass loaders "
+                              "(zero-argument functions), not loaded models, or use "
+                              "workers='thread'")
+        if threads_per_device < 1:
+            raise EngineError("a device needs at least one thread")
         self.plan = plan
-        self._sources = dict(models)
-        self._models: dict[str, Model] = {}
+        self.workers = workers
+        self.threads_per_device = threads_per_device
+        self._sources: dict[str, Source] = dict(models)
+        self._models: dict[str, Model] = {}  # thread workers share these
         self.clock = clock or WallClock()
         self.max_in_flight = max_in_flight
         self.max_retries = max_retries
-        self._certainty = certainty_fn(plan.certainty)
-        self._dispatcher = Dispatcher(plan, self.clock)
+        self.bulk_batch_size = bulk_batch_size or max(plan.max_batch)
+        self._busy: set[str] = set()  # devices running a batch, shared by all dispatchers
+        self._dispatcher = Dispatcher(plan, self.clock, self._busy)
+        self._retiring: list[Dispatcher] = []  # swapped-out plans finishing running batches
+        self._owner: dict[int, Dispatcher] = {}  # id(batch) -> dispatcher that started it
+        self._past_switches: list[tuple[float, int, int]] = []
+        self.plan_swaps: list[tuple[float, int]] = []  # (time, queued rows moved)
+        self._bulk_cascade: Cascade = plan.cascade_of(0)
+        self._bulk_rows: dict[int, tuple[Cascade, int]] = {}  # rid -> (cascade, stage)
+        self._bulk_queue: dict[str, deque[int]] = {}  # model -> waiting bulk rows
         self._events: queue.Queue = queue.Queue()
-        self._device_queues: dict[str, queue.Queue] = {d: queue.Queue() for d in plan.devices}
-        self._workers: dict[str, threading.Thread] = {}
+        self._device_queues: dict[str, queue.Queue] = {}
+        self._runners: dict[str, ThreadRunner | ProcessRunner] = {}
+        self._loaded_on: dict[str, set[str]] = {}  # device -> models loaded there
+        self._threads: dict[str, threading.Thread] = {}
         self._scheduler: threading.Thread | None = None
         self._requests: dict[int, _Request] = {}
         self._ids = itertools.count()
         self._attempts: dict[int, int] = {}  # id(batch) -> failed attempts
         self._accepting = False
         self._lock = threading.Lock()
-        self.worker_restarts = 0
+        self.failed_attempts = 0  # model calls that raised or whose worker died
+        self.worker_restarts = 0  # worker processes restarted after dying
         self.load_report: LoadReport | None = None
+
+    @staticmethod
+    def _check_plan(plan: GearPlan, models: Mapping[str, Source]) -> None:
+        missing = sorted({r.model for r in plan.placement} - set(models))
+        if missing:
+            raise EngineError(f"the plan places {missing} but no model was given for them")
+        if any(r.degree > 1 for r in plan.placement):
+            raise EngineError("tensor-parallel replicas need a GPU backend; this engine runs "
+                              "one replica per CPU worker")
+
+    def _placed(self, plan: GearPlan) -> dict[str, list[str]]:
+        """Models each device of ``plan`` hosts."""
+        out: dict[str, list[str]] = {d: [] for d in plan.devices}
+        for r in plan.placement:
+            for d in r.devices:
+                if r.model not in out[d]:
+                    out[d].append(r.model)
+        return out
 
     # -- lifecycle --------------------------------------------------------------------------
 
     def start(self) -> LoadReport:
-        """Load every model of the plan, then start the scheduler and device workers."""
+        """Load every model of the plan on its devices, then start serving."""
         if self._scheduler is not None:
             raise EngineError("the engine is already running")
-        seconds = {}
         t0 = time.perf_counter()
-        for name in sorted({r.model for r in self.plan.placement}):
-            src = self._sources[name]
-            t = time.perf_counter()
-            self._models[name] = src if isinstance(src, Model) else src()
-            seconds[name] = time.perf_counter() - t
-        self.load_report = LoadReport(seconds, time.perf_counter() - t0)
-        for device in self._device_queues:
-            self._spawn_worker(device)
+        seconds = self._add_devices(self._placed(self.plan))
+        self.load_report = LoadReport(seconds, time.perf_counter() - t0, self.workers)
         self._scheduler = threading.Thread(target=self._schedule, name="ken-scheduler",
                                            daemon=True)
         self._accepting = True
         self._scheduler.start()
         return self.load_report
+
+    def _add_devices(self, placed: Mapping[str, list[str]]) -> dict[str, float]:
+        """Start workers for devices not served yet (loading their models, in parallel) and
+        load models new to running devices. Seconds per ``device/model``."""
+        seconds: dict[str, float] = {}
+        new = {d: ms for d, ms in placed.items() if d not in self._runners}
+        if self.workers == "thread":
+            for name in sorted({m for ms in placed.values() for m in ms} - set(self._models)):
+                src = self._sources[name]
+                t = time.perf_counter()
+                self._models[name] = src if isinstance(src, Model) else src()
+                seconds[f"shared/{name}"] = time.perf_counter() - t
+            runners = {d: ThreadRunner(d, self._models) for d in new}
+        else:
+            runners = {d: ProcessRunner(d, {m: self._sources[m] for m in ms},  # type: ignore[misc]
+                                        self.threads_per_device) for d, ms in new.items()}
+        if runners:
+            with ThreadPoolExecutor(len(runners)) as pool:
+                started = {d: pool.submit(r.start) for d, r in runners.items()}
+            failed = [f.exception() for f in started.values() if f.exception() is not None]
+            if failed:  # stop the workers that did start; nothing is left running
+                for r in runners.values():
+                    r.close()
+                raise failed[0]
+            for d, f in started.items():
+                seconds.update({f"{d}/{m}": s for m, s in f.result().items()})
+        for d, runner in runners.items():
+            self._runners[d] = runner
+            self._loaded_on[d] = set(placed[d])
+            self._device_queues[d] = queue.Queue()
+            t = threading.Thread(target=self._work, args=(d,), name=f"ken-device-{d}",
+                                 daemon=True)
+            self._threads[d] = t
+            t.start()
+        for d, ms in placed.items():  # running devices that must host more models
+            for m in ms:
+                if m in self._loaded_on[d]:
+                    continue
+                done: Future = Future()
+                self._device_queues[d].put(("load", m, self._sources[m], done))
+                seconds[f"{d}/{m}"] = done.result()
+                self._loaded_on[d].add(m)
+        return seconds
 
     def shutdown(self, drain: bool = True, timeout_s: float = 60.0) -> int:
         """Stop accepting requests. With ``drain``, wait (up to ``timeout_s``) for admitted
@@ -159,8 +262,10 @@ class Engine:
         self._scheduler.join(timeout=5.0)
         for q in self._device_queues.values():
             q.put(_STOP)
-        for w in self._workers.values():
-            w.join(timeout=5.0)
+        for t in self._threads.values():
+            t.join(timeout=5.0)
+        for r in self._runners.values():
+            r.close()
         self._scheduler = None
         return cancelled
 
@@ -171,30 +276,66 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
+    # -- plan swap --------------------------------------------------------------------------
+
+    def swap_plan(self, plan: GearPlan, models: Mapping[str, Source] | None = None) -> int:
+        """Serve ``plan`` from now on (see the module docstring). ``models`` adds sources for
+        models the old plan did not use. Models the new plan places are loaded on their
+        devices first (new devices get new workers). Returns the number of queued rows moved
+        to the new plan."""
+        if self._scheduler is None:
+            raise EngineError("the engine is not running; start() it, or pass the plan to "
+                              "Engine(...)")
+        if models:
+            if self.workers == "process" and any(isinstance(s, Model) for s in models.values()):
+                raise EngineError("process workers need loaders, not loaded models")
+            self._sources.update(models)
+        self._check_plan(plan, self._sources)
+        self._add_devices(self._placed(plan))
+        done: Future = Future()
+        self._events.put(("swap", plan, done))
+        return done.result()
+
     # -- requests ---------------------------------------------------------------------------
 
     def submit(self, text: str | None) -> Future:
-        """Queue one input row; the future resolves to its ``Outcome``."""
-        future: Future = Future()
+        """Queue one input row (online); the future resolves to its ``Outcome``."""
+        return self._admit([text], bulk=False)[0]
+
+    def submit_many(self, texts: Iterable[str | None], bulk: bool = False) -> list[Future]:
+        """Queue many rows at once; ``bulk`` rows run in throughput-sized batches (see the
+        module docstring) and are not bounded by ``max_in_flight``: the caller holds them."""
+        return self._admit(list(texts), bulk=bulk)
+
+    def _admit(self, texts: Sequence[str | None], bulk: bool) -> list[Future]:
+        futures = []
+        admitted = []
         now = self.clock.now()
         with self._lock:
-            rid = next(self._ids)
-            if not self._accepting:
-                future.set_result(Outcome(rid, "cancelled", now, now,
-                                          error="the engine is not running"))
-                return future
-            if text is None:
-                future.set_result(Outcome(rid, "null", now, now))
-                return future
-            if not isinstance(text, str):
-                raise EngineError(f"the engine classifies text; got {type(text).__name__}")
-            if len(self._requests) >= self.max_in_flight:
-                future.set_result(Outcome(rid, "rejected", now, now,
-                                          error=f"{self.max_in_flight} requests in flight"))
-                return future
-            self._requests[rid] = _Request(text, future, now)
-        self._events.put(("arrive", rid))
-        return future
+            for text in texts:
+                future: Future = Future()
+                futures.append(future)
+                rid = next(self._ids)
+                if not self._accepting:
+                    future.set_result(Outcome(rid, "cancelled", now, now,
+                                              error="the engine is not running"))
+                elif text is None:
+                    future.set_result(Outcome(rid, "null", now, now))
+                elif not isinstance(text, str):
+                    future.set_result(Outcome(rid, "error", now, now, error=(
+                        f"the engine classifies text; got {type(text).__name__}")))
+                    if len(texts) == 1:
+                        raise EngineError(f"the engine classifies text; got "
+                                          f"{type(text).__name__}")
+                elif not bulk and len(self._requests) >= self.max_in_flight:
+                    future.set_result(Outcome(rid, "rejected", now, now,
+                                              error=f"{self.max_in_flight} requests in flight"))
+                else:
+                    self._requests[rid] = _Request(text, future, now)
+                    admitted.append(rid)
+        if admitted:
+            self._events.put(("bulk" if bulk else "arrive", admitted))
+        return futures
 
     @property
     def in_flight(self) -> int:
@@ -202,43 +343,76 @@ class Engine:
 
     @property
     def gear_switches(self) -> list[tuple[float, int, int]]:
-        """``(time, from range, to range)`` for every change of cascade so far."""
-        return list(self._dispatcher.gears.switches)
+        """``(time, from range, to range)`` for every change of cascade so far (across plan
+        swaps: ranges are those of the plan active at the time)."""
+        return self._past_switches + list(self._dispatcher.gears.switches)
+
+    def pids(self) -> dict[str, int | None]:
+        """Worker process id per device (None for thread workers)."""
+        return {d: r.pid for d, r in self._runners.items()}
 
     # -- scheduler thread -------------------------------------------------------------------
 
+    def _dispatchers(self) -> list[Dispatcher]:
+        return [self._dispatcher, *self._retiring]
+
     def _schedule(self) -> None:
-        disp = self._dispatcher
         while True:
-            deadline = disp.next_deadline()
+            deadlines = [t for d in self._dispatchers() if (t := d.next_deadline()) is not None]
+            deadline = min(deadlines) if deadlines else None
             timeout = None if deadline is None else max(deadline - self.clock.now(), 0.0)
             try:
                 event = self._events.get(timeout=timeout)
             except queue.Empty:
-                self._launch(disp.expire())
+                self._expire()
                 continue
             kind = event[0]
             if kind == "arrive":
-                self._launch(disp.admit(event[1]))
+                disp = self._dispatcher
+                for rid in event[1]:
+                    self._launch(disp, disp.admit(rid))
+            elif kind == "bulk":
+                for rid in event[1]:
+                    self._bulk_enqueue(rid, self._bulk_cascade, 0)
+                self._launch_bulk()
             elif kind == "done":
                 self._finished(*event[1:])
             elif kind == "failed":
                 self._failed(*event[1:])
+            elif kind == "swap":
+                self._swap(*event[1:])
             elif kind == "stop":
                 event[1].set_result(self._cancel_queued())
                 return
             if deadline is not None and self.clock.now() >= deadline:
-                self._launch(disp.expire())
+                self._expire()
 
-    def _launch(self, batches: list[Batch] | tuple[Batch, ...]) -> None:
+    def _expire(self) -> None:
+        for disp in self._dispatchers():
+            self._launch(disp, disp.expire())
+
+    def _launch(self, disp: Dispatcher, batches: Iterable[Batch]) -> None:
         for b in batches:
-            self._device_queues[b.devices[0]].put(b)
+            self._owner[id(b)] = disp
+            self._device_queues[b.devices[0]].put(("run", b))
 
-    def _finished(self, batch: Batch, labels: np.ndarray, certs: np.ndarray,
+    def _freed(self, devices: tuple[str, ...]) -> None:
+        """Devices came free: online queues first, then bulk rows."""
+        for disp in self._dispatchers():
+            self._launch(disp, disp.poll(devices))
+        self._launch_bulk()
+        self._retiring = [d for d in self._retiring if d.in_flight]
+
+    def _finished(self, batch: Batch | _BulkBatch, labels: np.ndarray, probs: np.ndarray,
                   label_names: tuple[str, ...]) -> None:
         self._attempts.pop(id(batch), None)
-        gears = {rid: self._dispatcher.range_of(rid) for rid in batch.request_ids}
-        fin = self._dispatcher.finish(batch, certs)
+        if isinstance(batch, _BulkBatch):
+            self._bulk_finished(batch, labels, probs, label_names)
+            return
+        disp = self._owner.pop(id(batch))
+        certs = np.asarray(certainty_fn(disp.plan.certainty)(probs), dtype=np.float64)
+        gears = {rid: disp.range_of(rid) for rid in batch.request_ids}
+        fin = disp.finish(batch, certs)
         now = self.clock.now()
         row = {rid: j for j, rid in enumerate(batch.request_ids)}
         for rid, stage in zip(fin.resolved, fin.resolved_stages, strict=True):
@@ -248,31 +422,103 @@ class Engine:
             req.future.set_result(Outcome(
                 rid, "ok", req.arrival_s, now, label_names[idx], idx, float(certs[j]), stage,
                 batch.model, gears[rid]))
-        self._launch(fin.started)
+        self._launch(disp, fin.started)
+        self._freed(batch.devices)
 
-    def _failed(self, batch: Batch, message: str) -> None:
+    def _failed(self, batch: Batch | _BulkBatch, message: str) -> None:
         attempts = self._attempts.get(id(batch), 0) + 1
         self._attempts[id(batch)] = attempts
-        if attempts <= self.max_retries:  # run the same batch again on a fresh worker
-            self._device_queues[batch.devices[0]].put(batch)
+        if attempts <= self.max_retries:  # run the same batch again (the device stays busy)
+            self._device_queues[batch.devices[0]].put(("run", batch))
             return
         del self._attempts[id(batch)]
-        gears = {rid: self._dispatcher.range_of(rid) for rid in batch.request_ids}
-        # resolve every row (certainty +inf never escalates) to free the devices
-        fin = self._dispatcher.finish(batch, [np.inf] * len(batch.request_ids))
         now = self.clock.now()
+        error = f"{batch.model} failed {attempts} times: {message}"
+        if isinstance(batch, _BulkBatch):
+            for d in batch.devices:
+                self._busy.discard(d)
+            for rid in batch.request_ids:
+                self._bulk_rows.pop(rid, None)
+                req = self._requests.pop(rid)
+                req.future.set_result(Outcome(rid, "error", req.arrival_s, now,
+                                              model=batch.model, error=error))
+            self._freed(batch.devices)
+            return
+        disp = self._owner.pop(id(batch))
+        gears = {rid: disp.range_of(rid) for rid in batch.request_ids}
+        # resolve every row (certainty +inf never escalates) to free the devices
+        fin = disp.finish(batch, [np.inf] * len(batch.request_ids))
         for rid in fin.resolved:
             req = self._requests.pop(rid)
-            req.future.set_result(Outcome(
-                rid, "error", req.arrival_s, now, model=batch.model, gear=gears[rid],
-                error=f"{batch.model} failed {attempts} times: {message}"))
-        self._launch(fin.started)
+            req.future.set_result(Outcome(rid, "error", req.arrival_s, now, model=batch.model,
+                                          gear=gears[rid], error=error))
+        self._launch(disp, fin.started)
+        self._freed(batch.devices)
+
+    def _swap(self, plan: GearPlan, done: Future) -> None:
+        old = self._dispatcher
+        self._past_switches.extend(old.gears.switches)
+        moved = sorted(old.drain())  # request ids grow with arrival: oldest first
+        new = Dispatcher(plan, self.clock, self._busy)
+        self._dispatcher = new
+        if old.in_flight:
+            self._retiring.append(old)
+        self.plan = plan
+        self._bulk_cascade = plan.cascade_of(0)
+        for rid in moved:
+            self._launch(new, new.admit(rid, metered=False))
+        self._launch(new, new.poll(plan.devices))
+        self.plan_swaps.append((self.clock.now(), len(moved)))
+        done.set_result(len(moved))
+
+    # -- bulk rows --------------------------------------------------------------------------
+
+    def _bulk_enqueue(self, rid: int, cascade: Cascade, stage: int) -> None:
+        self._bulk_rows[rid] = (cascade, stage)
+        self._bulk_queue.setdefault(cascade.models[stage], deque()).append(rid)
+
+    def _bulk_devices(self, model: str) -> list[str]:
+        plan = self.plan
+        placed = [d for r in plan.replicas_of(model) for d in plan.placement[r].devices]
+        return placed or [d for d, ms in self._loaded_on.items() if model in ms]
+
+    def _launch_bulk(self) -> None:
+        for model, q in self._bulk_queue.items():
+            for device in self._bulk_devices(model):
+                if not q:
+                    break
+                if device in self._busy:
+                    continue
+                ids = tuple(q.popleft() for _ in range(min(len(q), self.bulk_batch_size)))
+                self._busy.add(device)
+                self._device_queues[device].put(("run", _BulkBatch(model, (device,), ids)))
+
+    def _bulk_finished(self, batch: _BulkBatch, labels: np.ndarray, probs: np.ndarray,
+                       label_names: tuple[str, ...]) -> None:
+        for d in batch.devices:
+            self._busy.discard(d)
+        now = self.clock.now()
+        for j, rid in enumerate(batch.request_ids):
+            cascade, stage = self._bulk_rows[rid]
+            cert = float(certainty_fn(cascade.certainty)(probs[j:j + 1])[0])
+            if stage < cascade.num_stages - 1 and cert < cascade.thresholds[stage]:
+                self._bulk_enqueue(rid, cascade, stage + 1)
+                continue
+            del self._bulk_rows[rid]
+            req = self._requests.pop(rid)
+            idx = int(labels[j])
+            req.future.set_result(Outcome(rid, "ok", req.arrival_s, now, label_names[idx], idx,
+                                          cert, stage, batch.model, None))
+        self._freed(batch.devices)
 
     def _cancel_queued(self) -> int:
         """At shutdown: every request still queued or running ends ``cancelled`` (a running
         batch's late result is ignored)."""
         now = self.clock.now()
-        self._dispatcher.drain()
+        for disp in self._dispatchers():
+            disp.drain()
+        self._bulk_queue.clear()
+        self._bulk_rows.clear()
         with self._lock:
             left = list(self._requests.items())
             self._requests.clear()
@@ -283,28 +529,31 @@ class Engine:
 
     # -- device workers ---------------------------------------------------------------------
 
-    def _spawn_worker(self, device: str) -> None:
-        w = threading.Thread(target=self._work, args=(device,), name=f"ken-worker-{device}",
-                             daemon=True)
-        self._workers[device] = w
-        w.start()
-
     def _work(self, device: str) -> None:
         q = self._device_queues[device]
+        runner = self._runners[device]
         while True:
-            batch = q.get()
-            if batch is _STOP:
+            item = q.get()
+            if item is _STOP:
                 return
+            if item[0] == "load":
+                _, name, source, done = item
+                try:
+                    done.set_result(runner.load(name, source))
+                except Exception as exc:  # noqa: BLE001 - handed to swap_plan's caller
+                    done.set_exception(exc)
+                continue
+            batch = item[1]
             try:
                 texts = [self._requests[rid].text for rid in batch.request_ids]
             except KeyError:  # cancelled by shutdown while queued here
                 continue
             try:
-                pred = self._models[batch.model].predict(texts, batch_size=len(texts))
-                certs = np.asarray(self._certainty(pred.probabilities), dtype=np.float64)
-            except Exception as exc:  # noqa: BLE001 - any model failure: restart, re-run
-                self._events.put(("failed", batch, f"{type(exc).__name__}: {exc}"))
-                self.worker_restarts += 1
-                self._spawn_worker(device)  # this thread ends; a fresh one serves the queue
-                return
-            self._events.put(("done", batch, pred.labels, certs, pred.label_names))
+                labels, probs, names = runner.run(batch.model, texts)
+            except WorkerError as exc:
+                self.failed_attempts += 1
+                if isinstance(exc, WorkerDied):
+                    self.worker_restarts += 1
+                self._events.put(("failed", batch, str(exc)))
+                continue
+            self._events.put(("done", batch, labels, probs, names))

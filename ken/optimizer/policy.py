@@ -306,12 +306,15 @@ class Dispatcher:
 
     # -- events -----------------------------------------------------------------------------
 
-    def admit(self, request_id: int) -> list[Batch]:
-        """A new request: meter it, maybe switch gear, queue it at a first-stage replica."""
+    def admit(self, request_id: int, metered: bool = True) -> list[Batch]:
+        """A new request: meter it, maybe switch gear, queue it at a first-stage replica.
+
+        ``metered=False`` queues without counting it as an arrival (a request moved here from
+        another plan's queues when a plan is swapped in)."""
         if request_id in self._req_stage:
             raise PolicyError(f"request {request_id} was already admitted")
         now = self.clock.now()
-        if self.meter.record(now):
+        if metered and self.meter.record(now):
             first = self._first_model[self.gears.current]
             backlog = sum(len(self._queue[r]) for r in self._replicas_of[first])
             self.gears.update(now, self.meter.rate(now), backlog)

@@ -1,0 +1,209 @@
+"""Device workers: where an engine's batches run (DESIGN.md section 6; issue 5).
+
+A *runner* owns the models placed on one device and runs one batch at a time:
+
+- ``ProcessRunner``: the device is its own process (``multiprocessing`` spawn), with its own
+  torch thread count and its own copy of the models, loaded from picklable zero-argument
+  loaders before serving starts. Nothing is shared with other devices, not even the GIL. If
+  the process dies (killed, out of memory, a crash in native code) the runner starts a fresh
+  one, reloads the models, and reports ``WorkerDied``; the engine then runs the batch again.
+- ``ThreadRunner``: the device is a thread of the engine's process calling already-loaded
+  ``Model`` objects (shared by every device). Used for models that cannot be pickled (tests,
+  models built in a notebook); torch releases the GIL inside model calls, but tokenisation and
+  Python code of two devices still take turns.
+
+Both return ``(labels, probabilities, label_names)`` from ``run`` or raise ``WorkerError``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ken.errors import KenError
+from ken.operators.model import Model
+
+Loader = Callable[[], Model]
+Output = tuple[np.ndarray, np.ndarray, tuple[str, ...]]
+
+
+class WorkerError(KenError):
+    """A batch could not run on its device (the model raised, or the worker died)."""
+
+
+class WorkerDied(WorkerError):
+    """The worker process ended while it ran a batch; a fresh one has been started."""
+
+
+class ThreadRunner:
+    """A device served by a thread of this process, calling shared loaded models."""
+
+    mode = "thread"
+
+    def __init__(self, device: str, models: Mapping[str, Model]) -> None:
+        self.device = device
+        self.models = models  # shared dict: models added later are seen here too
+        self.pid: int | None = None
+
+    def start(self) -> dict[str, float]:
+        return {}
+
+    def load(self, name: str, source: Model | Loader) -> float:
+        return 0.0  # the engine loads shared models once, for every thread runner
+
+    def run(self, model: str, texts: Sequence[str]) -> Output:
+        try:
+            pred = self.models[model].predict(list(texts), batch_size=max(len(texts), 1))
+        except Exception as exc:  # noqa: BLE001 - any model failure is reported, re-run
+            raise WorkerError(f"{type(exc).__name__}: {exc}") from exc
+        return pred.labels, pred.probabilities, pred.label_names
+
+    def close(self) -> None:
+        pass
+
+
+def _serve(conn: Any, sources: dict[str, Loader], threads: int) -> None:
+    """Body of a worker process: load every model, then answer batches until told to stop."""
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+    except ImportError:  # fake models in tests need no torch
+        pass
+    models: dict[str, Model] = {}
+
+    def load(name: str, loader: Loader) -> None:
+        started = time.perf_counter()
+        models[name] = loader()
+        conn.send(("loaded", name, time.perf_counter() - started))
+
+    try:
+        for name, loader in sources.items():
+            load(name, loader)
+    except Exception as exc:  # noqa: BLE001 - reported to the engine, which raises it
+        conn.send(("load_error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready",))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:  # the engine is gone
+            return
+        if msg is None:
+            return
+        if msg[0] == "load":
+            try:
+                load(msg[1], msg[2])
+            except Exception as exc:  # noqa: BLE001
+                conn.send(("load_error", f"{type(exc).__name__}: {exc}"))
+            continue
+        _, model, texts = msg
+        try:
+            pred = models[model].predict(texts, batch_size=max(len(texts), 1))
+            conn.send(("ok", pred.labels, pred.probabilities, pred.label_names))
+        except Exception as exc:  # noqa: BLE001 - the engine decides whether to re-run
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+class ProcessRunner:
+    """A device served by its own process (see the module docstring)."""
+
+    mode = "process"
+
+    def __init__(self, device: str, sources: Mapping[str, Loader], threads: int = 1,
+                 start_timeout_s: float = 600.0) -> None:
+        self.device = device
+        self.sources = dict(sources)
+        self.threads = threads
+        self.start_timeout_s = start_timeout_s
+        self._ctx = mp.get_context("spawn")
+        self._proc: Any = None
+        self._conn: Any = None
+        self.restarts = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self) -> dict[str, float]:
+        """Start the process and wait until it has loaded every model; seconds per model."""
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(target=_serve, args=(child, self.sources, self.threads),
+                                 name=f"ken-worker-{self.device}", daemon=True)
+        proc.start()
+        child.close()
+        self._proc, self._conn = proc, parent
+        seconds: dict[str, float] = {}
+        while True:
+            msg = self._receive(self.start_timeout_s, "while loading its models")
+            if msg[0] == "loaded":
+                seconds[msg[1]] = msg[2]
+            elif msg[0] == "ready":
+                return seconds
+            else:
+                self.close()
+                raise WorkerError(f"worker {self.device} could not load its models: {msg[1]}")
+
+    def load(self, name: str, source: Model | Loader) -> float:
+        """Load one more model in the running process (e.g. for a swapped-in plan)."""
+        if isinstance(source, Model):
+            raise WorkerError(f"{name}: a process worker needs a loader, not a loaded model")
+        self.sources[name] = source
+        self._conn.send(("load", name, source))
+        msg = self._receive(self.start_timeout_s, f"while loading {name}")
+        if msg[0] != "loaded":
+            raise WorkerError(f"worker {self.device} could not load {name}: {msg[1]}")
+        return msg[2]
+
+    def run(self, model: str, texts: Sequence[str]) -> Output:
+        try:
+            self._conn.send(("run", model, list(texts)))
+            msg = self._conn.recv()
+        except (EOFError, OSError, BrokenPipeError):
+            code = self._proc.exitcode if self._proc is not None else None
+            self._restart()
+            raise WorkerDied(f"worker process of {self.device} died (exit code {code}) while "
+                             f"running {model} on {len(texts)} rows") from None
+        if msg[0] == "ok":
+            return msg[1], msg[2], msg[3]
+        raise WorkerError(msg[1])
+
+    def close(self) -> None:
+        if self._proc is None:
+            return
+        try:
+            self._conn.send(None)
+        except (OSError, BrokenPipeError):
+            pass
+        self._proc.join(timeout=5.0)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(timeout=5.0)
+        self._conn.close()
+        self._proc = self._conn = None
+
+    def _restart(self) -> None:
+        self.restarts += 1
+        if self._proc is not None:
+            self._proc.join(timeout=1.0)
+            if self._proc.is_alive():
+                self._proc.kill()
+            self._conn.close()
+        self._proc = self._conn = None
+        self.start()
+
+    def _receive(self, timeout_s: float, doing: str) -> tuple:
+        if not self._conn.poll(timeout_s):
+            self.close()
+            raise WorkerError(f"worker {self.device} did not answer within {timeout_s:.0f} s "
+                              f"{doing}")
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            code = self._proc.exitcode if self._proc is not None else None
+            raise WorkerError(f"worker process of {self.device} ended (exit code {code}) "
+                              f"{doing}") from None
