@@ -14,6 +14,7 @@ Writes benchmarks/results/fidelity.json and fidelity_<k>.png (latency over time)
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -42,6 +43,7 @@ def main() -> int:
     ap.add_argument("--ranges", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--workers", choices=("process", "thread"), default="process")
     args = ap.parse_args()
     reporter = Reporter(args.quiet)
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -51,6 +53,8 @@ def main() -> int:
     cards = family.prepare(data, device, reporter=reporter)
     sample = family.heldout_sample(data)
     models = {c.name: family.load_model(c, device, data=data) for c in cards}
+    loaders = ({c.name: functools.partial(family.load_model, c, device, None, data)
+                for c in cards} if args.workers == "process" else models)
     profiles = {n: load_or_run_profile(m, sample, DEFAULT_BATCH_SIZES) for n, m in models.items()}
     catalog = Catalog.from_profiles(profiles)
     cascades = [m.cascade for m in pareto_cascades(profiles)]
@@ -70,7 +74,7 @@ def main() -> int:
     rows = []
     for k, (name, plan) in enumerate(picks.items()):
         simulated = simulate(plan, catalog, trace, args.seed).metrics(0, plan)
-        engine = Engine(plan, models)
+        engine = Engine(plan, loaders, workers=args.workers)
         load = engine.start()
         t0 = time.perf_counter()
         rep = replay(engine, trace, sample.texts, sample.labels, seed=args.seed,
@@ -87,7 +91,7 @@ def main() -> int:
             "p95_error": measured.p95_ms / simulated.p95_ms - 1,
             "accuracy_diff_points": 100 * (measured.accuracy - simulated.accuracy),
             "status": rep.status_counts(), "max_send_lag_s": rep.max_send_lag_s,
-            "load_s": load.total_s, "replay_wall_s": wall,
+            "load_s": load.total_s, "replay_wall_s": wall, "workers": args.workers,
         }
         rows.append(row)
         reporter.note(f"{name}: p50 {simulated.p50_ms:.1f} -> {measured.p50_ms:.1f} ms, p95 "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Sequence
@@ -325,12 +326,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from ken.engine.serving import Engine
     from ken.operators import family
     from ken.operators.model import DeviceConfig
-    from ken.optimizer.plan import Frontier
+    from ken.optimizer.plan import Frontier, GearPlan
     from ken.optimizer.simulator import simulate
     from ken.session import planning_inputs, planning_trace
 
-    frontier = Frontier.load(args.frontier)
-    plan = _pick(frontier, args.target)
+    if args.plan is not None:
+        plan = GearPlan.load(args.plan)
+    else:
+        plan = _pick(Frontier.load(args.frontier), args.target)
     if args.rate_scale <= 0 or args.duration <= 0:
         raise KenError("--rate-scale and --duration must be > 0")
     reporter = Reporter(args.quiet)
@@ -351,10 +354,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
     reporter.note(f"plan: {len(plan.gears())} gears on {', '.join(plan.devices)}; trace "
                   f"{trace.name}: {len(trace):,} requests over {trace.duration_s:.0f} s, "
                   f"1-s peak {trace.qps_max():g} qps")
-    engine = Engine(plan, {m: (lambda m=m: family.load_model(cards[m], device, data=data))
-                           for m in needed})
+    engine = Engine(plan, {m: functools.partial(family.load_model, cards[m], device, None, data)
+                           for m in needed}, workers=args.workers,
+                    threads_per_device=args.device_threads)
     load = engine.start()
-    reporter.note(f"loaded {len(needed)} models in {load.total_s:.1f} s")
+    reporter.note(f"{len(plan.devices)} {args.workers} workers loaded {len(needed)} models in "
+                  f"{load.total_s:.1f} s")
     try:
         rep = replay(engine, trace, sample.texts, sample.labels, seed=args.seed,
                      reporter=reporter)
@@ -373,6 +378,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "replay.json").write_text(rep.to_json(plan))
+    plan.save(out / "plan.json")
     plot_replay(rep, plan, out / "replay.png")
     console.print(f"wrote {out / 'replay.json'} and {out / 'replay.png'}")
     return 0
@@ -486,7 +492,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="1-s peak of the replayed trace (default: the plan's QPS maximum)")
     rp.add_argument("--rate-scale", type=float, default=1.0, help="multiply the peak")
     rp.add_argument("--duration", type=float, default=60.0, help="seconds of trace")
+    rp.add_argument("--plan", type=Path, default=None,
+                    help="a gear plan JSON file (e.g. ken-replay/plan.json) instead of "
+                    "--frontier/--target")
     rp.add_argument("--device-threads", type=int, default=1)
+    rp.add_argument("--workers", choices=("process", "thread"), default="process",
+                    help="a process per device (default) or threads of one process")
     rp.add_argument("--seed", type=int, default=0)
     rp.add_argument("--out", type=Path, default=Path("ken-replay"))
     rp.set_defaults(func=cmd_replay)

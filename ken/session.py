@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import itertools
 import math
 import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -28,12 +30,13 @@ from ken.operators.cascade import Cascade
 from ken.operators.model import DeviceConfig, Model
 from ken.paths import ken_home
 from ken.progress import QUIET, Reporter
-from ken.sql.execute import SiteRunner, register_sites, translate_error, unregister_sites
+from ken.sql.execute import SiteRunner, query_error, register_sites, unregister_sites
 from ken.sql.explain import build, conjuncts, has_site, render, site_lines
 from ken.sql.functions import Bound, ClassifierBinding, SemanticFunction
 from ken.sql.rewrite import CallSite, Rewritten, SqlError, parse, rewrite
 
 if TYPE_CHECKING:
+    from ken.engine.serving import Engine, LoadReport
     from ken.optimizer.perf import Catalog
     from ken.optimizer.plan import Frontier, GearPlan
     from ken.optimizer.planner import PlannerSettings, PlannerStats
@@ -52,6 +55,7 @@ class Result:
 
     def __init__(self, con: duckdb.DuckDBPyConnection, table: pa.Table | None = None,
                  relation: Any = None, stats: dict | None = None) -> None:
+        # the connection (or thread cursor) of the session that made this result
         self._con = con
         self._table = table
         self._relation = relation
@@ -117,6 +121,19 @@ class Session:
         self.profile_sources: dict[str, ProfileSource] = {}
         self.frontiers: dict[str, Frontier] = {}
         self._gear_plans: dict[str, GearPlan] = {}
+        # online serving: an engine per served function; picklable model loaders per function
+        # (``source(threads_per_device) -> {model: loader}``) let its devices be processes
+        self.loader_sources: dict[str, Callable[[int], Mapping[str, Callable[[], Model]]]] = {}
+        self._engines: dict[str, Engine] = {}
+        self.bulk_threshold = 64
+        # DuckDB connections run one query at a time: other threads get cursors of ``con``
+        self._owner_thread = threading.get_ident()
+        self._local = threading.local()
+        self._cursors: list[duckdb.DuckDBPyConnection] = []
+        self._tables: dict[str, Any] = {}
+        self._tables_version = 0
+        self._thread_ids = itertools.count(1)
+        self._pool: ThreadPoolExecutor | None = None
         if builtins:
             from ken.sql.builtins import register_builtins
 
@@ -158,8 +175,12 @@ class Session:
         self._bound = {k: v for k, v in self._bound.items() if k[0] != name}
         # plans and profiles were for the function this name named before
         self.profile_sources.pop(name, None)
+        self.loader_sources.pop(name, None)
         self.frontiers.pop(name, None)
         self._gear_plans.pop(name, None)
+        engine = self._engines.pop(name, None)
+        if engine is not None:
+            engine.shutdown()
 
     def resource(self, key: str, make: Callable[[], Any]) -> Any:
         """Heavy objects (loaded models) shared by all functions of this session."""
@@ -175,8 +196,8 @@ class Session:
 
     def _duckdb_functions(self) -> frozenset[str]:
         if self._known is None:
-            rows = self.con.execute("SELECT DISTINCT lower(function_name) FROM duckdb_functions()"
-                                    ).fetchall()
+            rows = self._connection().execute(
+                "SELECT DISTINCT lower(function_name) FROM duckdb_functions()").fetchall()
             self._known = frozenset(r[0] for r in rows)
         return self._known
 
@@ -200,7 +221,15 @@ class Session:
             raise KenError(f"the gear plan is for {plan.operator}(), which is not a semantic "
                            f"function of this session; registered: "
                            f"{', '.join(sorted(self.functions)) or '(none)'}")
+        self._set_plan(name, plan)
+
+    def _set_plan(self, name: str, plan: GearPlan) -> None:
+        """Keep ``plan`` for ``name``; a running engine of ``name`` swaps to it."""
         self._gear_plans[name] = plan
+        engine = self._engines.get(name)
+        if engine is not None:
+            engine.swap_plan(plan, self._model_sources(name, engine.workers,
+                                                       engine.threads_per_device))
 
     def plan(self, target: Target | str, functions: Sequence[str] = ("sentiment",),
              trace: Trace | str | None = None, devices: int = 2, memory_gb: float = 4.0,
@@ -261,8 +290,117 @@ class Session:
         chosen = choose_plans(frontiers, catalogs, plan_trace, target)
         self.frontiers.update(frontiers)
         for p in chosen.plans:
-            self._gear_plans[p.operator] = p
+            self._set_plan(p.operator, p)
         return chosen
+
+    # -- online serving (issue 5) -------------------------------------------------------------
+
+    @property
+    def engines(self) -> Mapping[str, Engine]:
+        """The running online engine of each served function (read-only view)."""
+        return MappingProxyType(self._engines)
+
+    def serve(self, functions: Sequence[str] | None = None,
+              workers: str = "auto", threads_per_device: int = 1,
+              max_in_flight: int = 10_000, bulk_threshold: int | None = None,
+              ) -> dict[str, LoadReport]:
+        """Start an online engine for each function with a gear plan (all of them by default).
+
+        From then on every query's calls of a served function go through its engine, from any
+        number of threads (``sql``) or tasks (``asql``) at once: a chunk of fewer than
+        ``bulk_threshold`` distinct new inputs enters as online requests (metered, batched with
+        other queries' rows by the gear plan), a larger one as bulk rows (the plan's most
+        accurate gear in throughput-sized batches). ``workers="auto"`` runs each device in its
+        own process when the function's models can be loaded there (the packaged ones can),
+        else as threads. Returns the model load times per function.
+
+        >>> session.plan("p95 <= 50")                   # doctest: +SKIP
+        >>> session.serve()                             # doctest: +SKIP
+        >>> session.sql("SELECT sentiment(?)", ["great game!"]).fetchall()   # doctest: +SKIP
+        """
+        from ken.engine.serving import Engine
+
+        if bulk_threshold is not None:
+            if bulk_threshold < 1:
+                raise KenError("bulk_threshold must be >= 1")
+            self.bulk_threshold = bulk_threshold
+        names = list(self._gear_plans) if functions is None else [f.lower() for f in functions]
+        if not names:
+            raise KenError("nothing to serve: no function has a gear plan yet; run "
+                           "session.plan(...) or session.use_plan(...) first")
+        missing = [n for n in names if n not in self._gear_plans]
+        if missing:
+            raise KenError(f"{', '.join(f'{n}()' for n in missing)} has no gear plan; run "
+                           "session.plan(...) or session.use_plan(...) first")
+        reports = {}
+        for name in names:
+            if name in self._engines:
+                continue
+            kind = workers
+            if kind == "auto":
+                kind = "process" if name in self.loader_sources else "thread"
+            engine = Engine(self._gear_plans[name],
+                            self._model_sources(name, kind, threads_per_device),
+                            max_in_flight=max_in_flight, workers=kind,  # type: ignore[arg-type]
+                            threads_per_device=threads_per_device)
+            with self.reporter.task(f"start {name}() engine: {kind} workers on "
+                                    f"{', '.join(engine.plan.devices)}", 1) as advance:
+                reports[name] = engine.start()
+                advance(1)
+            self._engines[name] = engine
+        return reports
+
+    def _model_sources(self, name: str, workers: str, threads: int) -> Mapping[str, Any]:
+        """What an engine of ``name`` loads: picklable loaders for process workers, the
+        session's loaded models for thread workers."""
+        if workers == "process":
+            if name not in self.loader_sources:
+                raise KenError(f"{name}() has no model loaders for worker processes; serve it "
+                               "with workers='thread'")
+            return self.loader_sources[name](threads)
+        return self.bind(name, ()).models
+
+    def stop_serving(self, drain: bool = True) -> dict[str, int]:
+        """Shut every engine down (draining admitted requests first, by default); returns
+        how many requests each cancelled."""
+        out = {name: engine.shutdown(drain=drain) for name, engine in self._engines.items()}
+        self._engines.clear()
+        return out
+
+    async def asql(self, query: str, params: Any = None) -> Result:
+        """``sql`` for asyncio code: runs the query on a session worker thread, so many
+        ``await session.asql(...)`` run at once and a served function batches their rows."""
+        import asyncio
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(32, thread_name_prefix="ken-query")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self.sql, query, params)
+
+    def _connection(self) -> duckdb.DuckDBPyConnection:
+        """``con`` in the thread that opened the session; in any other thread that thread's
+        own cursor of it (same database), with the session's registered tables."""
+        if threading.get_ident() == self._owner_thread:
+            return self.con
+        local = self._local
+        cur = getattr(local, "con", None)
+        if cur is None:
+            with self._lock:
+                cur = self.con.cursor()
+                self._cursors.append(cur)
+                local.namespace = f"t{next(self._thread_ids)}"
+            local.con, local.version = cur, -1
+        if local.version != self._tables_version:
+            for table_name, data in list(self._tables.items()):
+                cur.register(table_name, data)
+            local.version = self._tables_version
+        return cur
+
+    def _namespace(self) -> str:
+        if threading.get_ident() == self._owner_thread:
+            return ""
+        self._connection()
+        return self._local.namespace
 
     def _gear_plan_lines(self, function: str) -> list[str]:
         plan = self._gear_plans.get(function)
@@ -272,16 +410,25 @@ class Session:
             return [f"gear plan: none ({function}() has no profiles to plan with; "
                     "session.use_plan(...) sets one)"]
         gears = len(plan.gears())
+        engine = self._engines.get(function)
+        serving = (f"served by the online engine ({engine.workers} workers): chunks of < "
+                   f"{self.bulk_threshold} new inputs as online requests, larger ones as bulk "
+                   f"rows of gear 1 in batches of {engine.bulk_batch_size}"
+                   if engine is not None else
+                   "for online serving, session.serve(); until then queries run the "
+                   "implementation above")
         head = (f"gear plan: {gears} gear{'s' if gears != 1 else ''} over 0-{plan.qps_max:g} "
-                f"qps on {', '.join(plan.devices)} (for online serving; batch queries run the "
-                "implementation above)")
+                f"qps on {', '.join(plan.devices)} ({serving})")
         return [head, *("  " + line for line in plan.describe())]
 
     # -- tables ------------------------------------------------------------------------------
 
     def register_table(self, name: str, data: Any) -> None:
-        """Expose an Arrow table or pandas frame as a view ``name``."""
-        self.con.register(name, data)
+        """Expose an Arrow table or pandas frame as a view ``name`` (in every thread)."""
+        self._connection().register(name, data)
+        with self._lock:
+            self._tables[name] = data
+            self._tables_version += 1
 
     def table(self, name: str):  # noqa: ANN201 - Frame
         from ken.frame import Frame
@@ -300,8 +447,10 @@ class Session:
     def _rewrite(self, query: str) -> list[Rewritten]:
         out: list[Rewritten] = []
         next_site = 0  # site ids restart per query so that EXPLAIN output is deterministic
+        namespace = self._namespace()
         for statement in parse(query):
-            rw = rewrite(statement, self.functions, self._duckdb_functions(), next_site)
+            rw = rewrite(statement, self.functions, self._duckdb_functions(), next_site,
+                         namespace)
             next_site += len(rw.sites)
             out.append(rw)
         return out
@@ -311,14 +460,15 @@ class Session:
         match = _EXPLAIN.match(query)
         if match:
             text = self.explain(query[match.end():], analyze=bool(match.group(1)), params=params)
-            return Result(self.con, pa.table({"explain": text.splitlines()}))
+            return Result(self._connection(), pa.table({"explain": text.splitlines()}))
         statements = self._rewrite(query)
+        con = self._connection()
         if not any(rw.is_semantic for rw in statements):
             try:  # no semantic calls: DuckDB runs the user's text unchanged
-                return Result(self.con, relation=self.con.sql(query, params=params))
+                return Result(con, relation=con.sql(query, params=params))
             except duckdb.Error as error:
                 raise KenError(str(error)) from None
-        result = Result(self.con)
+        result = Result(con)
         for rw in statements:
             result = self._run(rw, params if rw is statements[-1] else None)
         return result
@@ -327,21 +477,28 @@ class Session:
         """One runner per site; sites of one bound operator (e.g. ``f(t.x)`` and ``f(x)``)
         share a memo, so an input value is evaluated once per query."""
         memos: dict[tuple, dict] = {}
-        return [SiteRunner(site, self.bind(site.function, site.constants), self.batch_size,
-                           self._lock, memos.setdefault((site.function, site.constants), {}))
-                for site in rw.sites]
+        query_lock = threading.Lock()  # engines are thread-safe; in-process models are not
+        out = []
+        for site in rw.sites:
+            engine = self._engines.get(site.function)
+            out.append(SiteRunner(site, self.bind(site.function, site.constants),
+                                  self.batch_size, query_lock if engine else self._lock,
+                                  memos.setdefault((site.function, site.constants), {}),
+                                  engine=engine, bulk_threshold=self.bulk_threshold))
+        return out
 
     def _run(self, rw: Rewritten, params: Any) -> Result:
         runners = self._runners(rw)
-        register_sites(self.con, runners)
+        con = self._connection()
+        register_sites(con, runners)
         try:
-            relation = self.con.sql(rw.sql, params=params)
+            relation = con.sql(rw.sql, params=params)
             table = relation.to_arrow_table() if relation is not None else pa.table({})
         except duckdb.Error as error:
-            raise translate_error(error, list(rw.sites)) from None
+            raise query_error(error, runners) from None
         finally:
-            unregister_sites(self.con, runners)
-        return Result(self.con, table=table,
+            unregister_sites(con, runners)
+        return Result(con, table=table,
                       stats={r.site.label: r.stats for r in runners})
 
     # -- EXPLAIN -----------------------------------------------------------------------------
@@ -360,14 +517,15 @@ class Session:
             return "\n".join(lines + site_lines(rw.sites, describe, estimates, plans=plans))
         started = time.perf_counter()
         runners = self._runners(rw)
-        register_sites(self.con, runners)
+        con = self._connection()
+        register_sites(con, runners)
         try:
-            relation = self.con.sql("EXPLAIN ANALYZE " + rw.sql, params=params)
+            relation = con.sql("EXPLAIN ANALYZE " + rw.sql, params=params)
             physical = relation.fetchall()[0][1] if relation is not None else ""
         except duckdb.Error as error:
-            raise translate_error(error, list(rw.sites)) from None
+            raise query_error(error, runners) from None
         finally:
-            unregister_sites(self.con, runners)
+            unregister_sites(con, runners)
         seconds = time.perf_counter() - started
         actual = {r.site.id: _actual_lines(r) for r in runners}
         out = lines + site_lines(rw.sites, describe, estimates, actual, plans)
@@ -401,13 +559,14 @@ class Session:
         if root_with is not None and probe.args.get("with_") is None:
             probe.set("with_", root_with.copy())
         runners = self._runners(rw)
-        register_sites(self.con, runners)  # nested calls may remain inside FROM subqueries
+        con = self._connection()
+        register_sites(con, runners)  # nested calls may remain inside FROM subqueries
         try:
-            rows, distinct = self.con.sql(probe.sql(dialect="duckdb")).fetchall()[0]
+            rows, distinct = con.sql(probe.sql(dialect="duckdb")).fetchall()[0]
         except duckdb.Error:
             return "input rows unknown (correlated or nested scope)"
         finally:
-            unregister_sites(self.con, runners)
+            unregister_sites(con, runners)
         upper = "≤ " if site.clauses != ("WHERE",) or len(kept) != len(conjuncts(
             where.this if where is not None else None)) else ""
         text = f"{upper}{rows:,} input rows, {upper}{distinct:,} distinct non-NULL inputs"
@@ -421,6 +580,13 @@ class Session:
         return text
 
     def close(self) -> None:
+        """Stop serving (draining), close worker threads, cursors and the connection."""
+        self.stop_serving()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        for cur in self._cursors:
+            cur.close()
         self.con.close()
 
     def __enter__(self) -> Session:
@@ -436,6 +602,10 @@ def _actual_lines(runner: SiteRunner) -> list[str]:
     lines = [f"{st.rows_in:,} rows in = {st.null_rows:,} NULL + {st.distinct_evaluated:,} "
              f"distinct evaluated + {repeats:,} repeats served by dedup; {st.chunks} chunks, "
              f"{st.seconds:.3f} s"]
+    if st.online_rows or st.bulk_rows:
+        answered = ", ".join(f"{k} {v:,}" for k, v in st.resolved_by.items())
+        return lines + [f"online engine: {st.online_rows:,} rows as requests, {st.bulk_rows:,} "
+                        f"as bulk rows; answered by {answered}"]
     for stage in st.stages:
         lines.append(f"stage {stage.model}: {stage.input_rows:,} in, {stage.resolved_rows:,} "
                      f"resolved, {stage.num_batches} batches, {stage.seconds:.3f} s")

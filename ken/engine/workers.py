@@ -2,7 +2,7 @@
 
 A *runner* owns the models placed on one device and runs one batch at a time:
 
-- ``ProcessRunner``: the device is its own process (``multiprocessing`` spawn), with its own
+- ``ProcessRunner``: the device is its own process (a fresh Python process), with its own
   torch thread count and its own copy of the models, loaded from picklable zero-argument
   loaders before serving starts. Nothing is shared with other devices, not even the GIL. If
   the process dies (killed, out of memory, a crash in native code) the runner starts a fresh
@@ -17,10 +17,12 @@ Both return ``(labels, probabilities, label_names)`` from ``run`` or raise ``Wor
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from multiprocessing.connection import Connection
 
 import numpy as np
 
@@ -66,8 +68,9 @@ class ThreadRunner:
         pass
 
 
-def _serve(conn: Any, sources: dict[str, Loader], threads: int) -> None:
+def _serve(inp: Connection, out: Connection, threads: int) -> None:
     """Body of a worker process: load every model, then answer batches until told to stop."""
+    sys.path[:0] = [p for p in inp.recv() if p not in sys.path]  # the engine's import path
     try:
         import torch
 
@@ -79,18 +82,18 @@ def _serve(conn: Any, sources: dict[str, Loader], threads: int) -> None:
     def load(name: str, loader: Loader) -> None:
         started = time.perf_counter()
         models[name] = loader()
-        conn.send(("loaded", name, time.perf_counter() - started))
+        out.send(("loaded", name, time.perf_counter() - started))
 
     try:
-        for name, loader in sources.items():
+        for name, loader in inp.recv().items():
             load(name, loader)
     except Exception as exc:  # noqa: BLE001 - reported to the engine, which raises it
-        conn.send(("load_error", f"{type(exc).__name__}: {exc}"))
+        out.send(("load_error", f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready",))
+    out.send(("ready",))
     while True:
         try:
-            msg = conn.recv()
+            msg = inp.recv()
         except EOFError:  # the engine is gone
             return
         if msg is None:
@@ -99,14 +102,14 @@ def _serve(conn: Any, sources: dict[str, Loader], threads: int) -> None:
             try:
                 load(msg[1], msg[2])
             except Exception as exc:  # noqa: BLE001
-                conn.send(("load_error", f"{type(exc).__name__}: {exc}"))
+                out.send(("load_error", f"{type(exc).__name__}: {exc}"))
             continue
         _, model, texts = msg
         try:
             pred = models[model].predict(texts, batch_size=max(len(texts), 1))
-            conn.send(("ok", pred.labels, pred.probabilities, pred.label_names))
+            out.send(("ok", pred.labels, pred.probabilities, pred.label_names))
         except Exception as exc:  # noqa: BLE001 - the engine decides whether to re-run
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            out.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
 class ProcessRunner:
@@ -120,9 +123,9 @@ class ProcessRunner:
         self.sources = dict(sources)
         self.threads = threads
         self.start_timeout_s = start_timeout_s
-        self._ctx = mp.get_context("spawn")
-        self._proc: Any = None
-        self._conn: Any = None
+        self._proc: subprocess.Popen | None = None
+        self._send: Connection | None = None
+        self._recv: Connection | None = None
         self.restarts = 0
 
     @property
@@ -130,13 +133,23 @@ class ProcessRunner:
         return self._proc.pid if self._proc is not None else None
 
     def start(self) -> dict[str, float]:
-        """Start the process and wait until it has loaded every model; seconds per model."""
-        parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_serve, args=(child, self.sources, self.threads),
-                                 name=f"ken-worker-{self.device}", daemon=True)
-        proc.start()
-        child.close()
-        self._proc, self._conn = proc, parent
+        """Start the process and wait until it has loaded every model; seconds per model.
+
+        The worker is a fresh ``python`` running ``main`` below, talking over two pipes, so it never
+        imports the caller's ``__main__`` (no ``if __name__ == "__main__"`` guard needed)."""
+        to_child_r, to_child_w = os.pipe()
+        to_parent_r, to_parent_w = os.pipe()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from ken.engine.workers import main; "
+             "sys.exit(main(sys.argv[1:]))", str(to_child_r), str(to_parent_w),
+             str(self.threads), self.device],
+            pass_fds=(to_child_r, to_parent_w), stdin=subprocess.DEVNULL)
+        os.close(to_child_r)
+        os.close(to_parent_w)
+        self._send = Connection(to_child_w, readable=False)
+        self._recv = Connection(to_parent_r, writable=False)
+        self._send.send(list(sys.path))
+        self._send.send(self.sources)
         seconds: dict[str, float] = {}
         while True:
             msg = self._receive(self.start_timeout_s, "while loading its models")
@@ -152,19 +165,21 @@ class ProcessRunner:
         """Load one more model in the running process (e.g. for a swapped-in plan)."""
         if isinstance(source, Model):
             raise WorkerError(f"{name}: a process worker needs a loader, not a loaded model")
+        assert self._send is not None
         self.sources[name] = source
-        self._conn.send(("load", name, source))
+        self._send.send(("load", name, source))
         msg = self._receive(self.start_timeout_s, f"while loading {name}")
         if msg[0] != "loaded":
             raise WorkerError(f"worker {self.device} could not load {name}: {msg[1]}")
         return msg[2]
 
     def run(self, model: str, texts: Sequence[str]) -> Output:
+        assert self._send is not None and self._recv is not None
         try:
-            self._conn.send(("run", model, list(texts)))
-            msg = self._conn.recv()
-        except (EOFError, OSError, BrokenPipeError):
-            code = self._proc.exitcode if self._proc is not None else None
+            self._send.send(("run", model, list(texts)))
+            msg = self._recv.recv()
+        except (EOFError, OSError):
+            code = self._proc.wait(timeout=5.0) if self._proc is not None else None
             self._restart()
             raise WorkerDied(f"worker process of {self.device} died (exit code {code}) while "
                              f"running {model} on {len(texts)} rows") from None
@@ -176,34 +191,49 @@ class ProcessRunner:
         if self._proc is None:
             return
         try:
-            self._conn.send(None)
-        except (OSError, BrokenPipeError):
+            if self._send is not None:
+                self._send.send(None)
+        except OSError:
             pass
-        self._proc.join(timeout=5.0)
-        if self._proc.is_alive():
+        try:
+            self._proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
             self._proc.kill()
-            self._proc.join(timeout=5.0)
-        self._conn.close()
-        self._proc = self._conn = None
+            self._proc.wait(timeout=5.0)
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        for c in (self._send, self._recv):
+            if c is not None:
+                c.close()
+        self._proc = self._send = self._recv = None
 
     def _restart(self) -> None:
         self.restarts += 1
-        if self._proc is not None:
-            self._proc.join(timeout=1.0)
-            if self._proc.is_alive():
-                self._proc.kill()
-            self._conn.close()
-        self._proc = self._conn = None
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(timeout=5.0)
+        self._close_pipes()
         self.start()
 
     def _receive(self, timeout_s: float, doing: str) -> tuple:
-        if not self._conn.poll(timeout_s):
-            self.close()
-            raise WorkerError(f"worker {self.device} did not answer within {timeout_s:.0f} s "
-                              f"{doing}")
+        assert self._recv is not None
         try:
-            return self._conn.recv()
+            if not self._recv.poll(timeout_s):
+                self.close()
+                raise WorkerError(f"worker {self.device} did not answer within "
+                                  f"{timeout_s:.0f} s {doing}")
+            return self._recv.recv()
         except (EOFError, OSError):
-            code = self._proc.exitcode if self._proc is not None else None
+            code = self._proc.wait(timeout=5.0) if self._proc is not None else None
+            self._close_pipes()
             raise WorkerError(f"worker process of {self.device} ended (exit code {code}) "
                               f"{doing}") from None
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point of a worker process; arguments: IN OUT pipe fds, THREADS, DEVICE."""
+    inp = Connection(int(argv[0]), writable=False)
+    out = Connection(int(argv[1]), readable=False)
+    _serve(inp, out, int(argv[2]))
+    return 0

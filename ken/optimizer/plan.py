@@ -301,7 +301,24 @@ class GearPlan:
 
     @classmethod
     def from_json(cls, text: str) -> GearPlan:
-        return cls.from_dict(json.loads(text))
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"a gear plan file must be JSON: {exc}") from None
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_json())
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> GearPlan:
+        path = Path(path)
+        if not path.is_file():
+            raise PlanError(f"no gear plan file at {path}; `ken replay` writes one "
+                            "(ken-replay/plan.json), or pick one from a `ken plan` frontier")
+        return cls.from_json(path.read_text())
 
 
 @dataclass(frozen=True)

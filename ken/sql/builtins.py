@@ -55,6 +55,21 @@ def sentiment_profiles(session: Session, threads: int | None = None) -> dict[str
     return profiles
 
 
+def sentiment_loaders(session: Session, threads: int) -> dict[str, Any]:
+    """Picklable loaders of the minilm-sentiment models on a CPU device of ``threads``
+    threads: what the online engine's worker processes call to load their models."""
+    import functools
+
+    from ken.operators import family
+    from ken.operators.model import DeviceConfig
+
+    data = session.data or family.FamilyData()
+    family.prepare(data, session.device, home=session.home, reporter=session.reporter)
+    device = DeviceConfig(threads=threads)
+    return {c.name: functools.partial(family.load_model, c, device, session.home, data)
+            for c in family.load_cards(data, session.home)}
+
+
 def choose_sentiment_cascade(session: Session) -> ClassifierBinding:
     """The session's sentiment cascade: the one set by the user, or from the profile frontier.
 
@@ -106,6 +121,7 @@ def register_builtins(session: Session) -> None:
         "sentiment", 1, (), "varchar", lambda c: bind_sentiment(session, c),
         "negative / neutral / positive, by the minilm-sentiment cascade")
     session.profile_sources["sentiment"] = lambda threads: sentiment_profiles(session, threads)
+    session.loader_sources["sentiment"] = lambda threads: sentiment_loaders(session, threads)
     session.functions["sem_filter"] = SemanticFunction(
         "sem_filter", 1, ("predicate",), "boolean", lambda c: bind_filter(session, c),
         "does the text satisfy a natural-language predicate")

@@ -19,6 +19,7 @@ import duckdb
 import pyarrow as pa
 
 from ken.engine.batch import run_cascade
+from ken.engine.serving import Engine
 from ken.errors import KenError
 from ken.sql.functions import Bound
 from ken.sql.rewrite import CallSite
@@ -45,6 +46,9 @@ class SiteStats:
     chunks: int = 0
     seconds: float = 0.0
     stages: list[StageCounter] = field(default_factory=list)
+    online_rows: int = 0  # rows sent to an online engine as requests
+    bulk_rows: int = 0  # ... and as bulk rows
+    resolved_by: dict[str, int] = field(default_factory=dict)  # engine rows per answering stage
 
     @property
     def model_calls(self) -> int:
@@ -55,7 +59,8 @@ class SiteRunner:
     """The Python function DuckDB calls for one call site; keeps the per-query memo."""
 
     def __init__(self, site: CallSite, bound: Bound, batch_size: int, lock: threading.Lock,
-                 memo: dict[Any, Any] | None = None) -> None:
+                 memo: dict[Any, Any] | None = None, engine: Engine | None = None,
+                 bulk_threshold: int = 64) -> None:
         self.site = site
         self.bound = bound
         self.batch_size = batch_size
@@ -64,6 +69,10 @@ class SiteRunner:
         self.memo: dict[Any, Any] = {} if memo is None else memo
         self.stats = SiteStats(stages=[StageCounter(m) for m in bound.cascade.models])
         self.arrow_type = ARROW_TYPES[bound.output_type]
+        # with an online engine the site's rows go to it instead of running the cascade here
+        self.engine = engine
+        self.bulk_threshold = bulk_threshold
+        self.error: KenError | None = None  # what failed inside a DuckDB call, if anything
 
     def __call__(self, *arrays: pa.Array) -> pa.Array:
         with self.lock:
@@ -74,7 +83,11 @@ class SiteRunner:
                 keys = [None if any(v is None for v in k) else k for k in keys]
             new = list(dict.fromkeys(k for k in keys if k is not None and k not in self.memo))
             if new:
-                self._evaluate(new)
+                try:
+                    self._evaluate(new)
+                except KenError as exc:  # DuckDB wraps it; the session re-raises the original
+                    self.error = exc
+                    raise
             self.stats.rows_in += len(keys)
             self.stats.null_rows += sum(k is None for k in keys)
             self.stats.chunks += 1
@@ -82,6 +95,9 @@ class SiteRunner:
             return pa.array([None if k is None else self.memo[k] for k in keys], self.arrow_type)
 
     def _evaluate(self, inputs: list) -> None:
+        if self.engine is not None:
+            self._evaluate_online(inputs)
+            return
         if len(self.site.args) == 1:
             column: Any = pa.array(inputs, pa.string())
         else:
@@ -97,6 +113,36 @@ class SiteRunner:
             counter.resolved_rows += stage.resolved_rows
             counter.num_batches += stage.num_batches
             counter.seconds += stage.seconds
+
+
+    def _evaluate_online(self, inputs: list) -> None:
+        """Send the inputs to the engine and wait: fewer than ``bulk_threshold`` as online
+        requests, more as bulk rows. A row the engine could not answer fails the query."""
+        assert self.engine is not None
+        if len(self.site.args) != 1:
+            raise KenError(f"{self.site.function}() takes {len(self.site.args)} columns; the "
+                           "online engine serves one-column classifiers")
+        bulk = len(inputs) >= self.bulk_threshold
+        outcomes = [f.result() for f in self.engine.submit_many(inputs, bulk=bulk)]
+        failed = [o for o in outcomes if o.status != "ok"]
+        if failed:
+            first = failed[0]
+            raise EngineBusy(
+                f"{self.site.call_sql()}: {len(failed)} of {len(inputs)} rows were not answered "
+                f"by the online engine ({first.status}: {first.error}); retry later, or serve "
+                "with a larger max_in_flight")
+        values = self.bound.to_sql_values([o.label for o in outcomes])
+        self.memo.update(zip(inputs, values, strict=True))
+        self.stats.distinct_evaluated += len(inputs)
+        for o in outcomes:  # the gear plan's cascades may use other models than the site's
+            key = f"{o.model} (stage {o.stage + 1})"
+            self.stats.resolved_by[key] = self.stats.resolved_by.get(key, 0) + 1
+        self.stats.online_rows += 0 if bulk else len(inputs)
+        self.stats.bulk_rows += len(inputs) if bulk else 0
+
+
+class EngineBusy(KenError):
+    """The online engine rejected or failed rows of a query (overload, model failure)."""
 
 
 def register_sites(con: duckdb.DuckDBPyConnection, runners: list[SiteRunner]) -> None:
@@ -125,6 +171,15 @@ def unregister_sites(con: duckdb.DuckDBPyConnection, runners: list[SiteRunner]) 
             con.remove_function(r.site.udf_name)
         except duckdb.Error:
             pass
+
+
+def query_error(error: Exception, runners: list[SiteRunner]) -> KenError:
+    """The error to show for a failed query: what a call site raised, else DuckDB's error in
+    the user's terms."""
+    for r in runners:
+        if r.error is not None:
+            return r.error
+    return translate_error(error, [r.site for r in runners])
 
 
 def translate_error(error: Exception, sites: list[CallSite]) -> KenError:

@@ -33,10 +33,13 @@ class CallSite:
     args: tuple[str, ...]  # SQL of the column arguments
     constants: tuple[str, ...]  # bound string-literal arguments
     clauses: tuple[str, ...]  # where it appears: SELECT, WHERE, JOIN ON, GROUP BY, ...
+    # DuckDB functions are global to a database: queries running at the same time on other
+    # connections (threads) use another namespace
+    namespace: str = ""
 
     @property
     def udf_name(self) -> str:
-        return f"__ken_s{self.id}_{self.function}"
+        return f"__ken_{self.namespace}s{self.id}_{self.function}"
 
     @property
     def label(self) -> str:
@@ -100,7 +103,7 @@ def _clause(node: exp.Expression) -> str:
 
 
 def rewrite(statement: exp.Expression, functions: Mapping[str, SemanticFunction],
-            known: frozenset[str], first_id: int = 0) -> Rewritten:
+            known: frozenset[str], first_id: int = 0, namespace: str = "") -> Rewritten:
     """Validate semantic calls and replace each by a call of its site's DuckDB function.
 
     ``known`` holds the names of the functions DuckDB itself has (lower case), so that unknown
@@ -132,14 +135,14 @@ def rewrite(statement: exp.Expression, functions: Mapping[str, SemanticFunction]
         columns = args[: fn.num_columns]
         key = (name, tuple(a.sql(dialect="duckdb") for a in columns), tuple(constants))
         if key not in sites:
-            sites[key] = CallSite(first_id + len(sites), name, key[1], key[2], ())
+            sites[key] = CallSite(first_id + len(sites), name, key[1], key[2], (), namespace)
             clauses[key] = []
         clause = _clause(node)
         if clause not in clauses[key]:
             clauses[key].append(clause)
         node.replace(exp.Anonymous(this=sites[key].udf_name, expressions=columns))
     final = tuple(
-        CallSite(s.id, s.function, s.args, s.constants, tuple(clauses[k]))
+        CallSite(s.id, s.function, s.args, s.constants, tuple(clauses[k]), namespace)
         for k, s in sites.items()
     )
     return Rewritten(statement, rewritten, final)

@@ -1,0 +1,153 @@
+"""Semantic SQL served by the online engine: many threads / asyncio tasks through one session,
+their rows batched together; analytical queries as bulk rows; plan swap; overload errors.
+Fake models, thread workers (the process workers are tested in test_engine.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pyarrow as pa
+import pytest
+from fakes import FakeModel, SlowModel
+
+import ken
+from ken.errors import KenError
+from ken.operators.cascade import Cascade
+from ken.optimizer.plan import GearPlan, RangeSchedule, Replica
+from ken.sql.execute import EngineBusy
+
+CASCADE = Cascade(("a", "b"), (0.6,))
+
+
+def mood_plan(cascade: Cascade = CASCADE, max_wait_s: float = 0.02) -> GearPlan:
+    placement = (Replica("a", ("cpu0",)), Replica("b", ("cpu1",)))
+    return GearPlan("mood", (0.0, 1e6), (cascade,), placement,
+                    (RangeSchedule(0, (1.0, 1.0), (1, 1)),), (32, 32), max_wait_s=max_wait_s)
+
+
+def session_with(models: dict) -> ken.Session:
+    s = ken.connect(builtins=False)
+    s.register("mood", CASCADE, models=models)
+    return s
+
+
+def rows(n: int) -> list[str]:
+    return [f"tweet {i} about the game" for i in range(n)]
+
+
+@pytest.fixture
+def serial_answers() -> dict[str, str]:
+    """What the session answers without an engine (the cascade run in-process)."""
+    with session_with({"a": FakeModel("a"), "b": FakeModel("b")}) as s:
+        s.register_table("t", pa.table({"text": rows(300)}))
+        return dict(s.sql("SELECT text, mood(text) FROM t").fetchall())
+
+
+def test_32_threads_of_sql_get_the_serial_answers_and_share_batches(serial_answers) -> None:  # noqa: ANN001
+    models = {"a": SlowModel("a", 0.01), "b": FakeModel("b")}
+    texts = rows(300)
+    with session_with(models) as s:
+        s.use_plan(mood_plan())
+        report = s.serve(workers="thread")
+        assert report["mood"].workers == "thread"
+
+        def client(part: list[str]) -> list[tuple[str, str]]:
+            return [(t, s.sql("SELECT mood(?) AS m", [t]).fetchall()[0][0]) for t in part]
+
+        with ThreadPoolExecutor(32) as pool:
+            got = dict(x for part in pool.map(client, [texts[i::32] for i in range(32)])
+                       for x in part)
+        assert s.engines["mood"].in_flight == 0
+    assert got == {t: serial_answers[t] for t in texts}
+    # rows of different queries were batched together on model a
+    assert max(n for n, _ in models["a"].calls) > 1
+    assert len(models["a"].calls) < len(texts)
+    assert len(models["a"].rows_seen) == len(texts)  # each row once on stage 1
+
+
+def test_asql_runs_many_queries_at_once(serial_answers) -> None:  # noqa: ANN001
+    models = {"a": SlowModel("a", 0.01), "b": FakeModel("b")}
+    texts = rows(64)
+    with session_with(models) as s:
+        s.use_plan(mood_plan())
+        s.serve(workers="thread")
+
+        async def main() -> list:
+            results = await asyncio.gather(*(s.asql("SELECT mood(?)", [t]) for t in texts))
+            return [r.fetchall()[0][0] for r in results]
+
+        got = asyncio.run(main())
+    assert got == [serial_answers[t] for t in texts]
+    assert max(n for n, _ in models["a"].calls) > 1
+
+
+def test_an_analytical_query_runs_as_bulk_rows(serial_answers) -> None:  # noqa: ANN001
+    models = {"a": FakeModel("a"), "b": FakeModel("b")}
+    texts = rows(300)
+    with session_with(models) as s:
+        s.register_table("t", pa.table({"text": texts + texts[:50]}))  # 50 repeats
+        s.use_plan(mood_plan())
+        s.serve(workers="thread", bulk_threshold=16)
+        result = s.sql("SELECT text, mood(text) AS m FROM t")
+        assert dict(result.fetchall()) == serial_answers
+        stats = result.stats["s0"]
+        assert stats.bulk_rows == 300 and stats.online_rows == 0
+        assert sum(stats.resolved_by.values()) == 300
+        assert s.engines["mood"].gear_switches == []
+        assert max(n for n, _ in models["a"].calls) == 32  # the plan's max batch
+        text = str(s.sql("EXPLAIN ANALYZE SELECT mood(text) FROM t"))
+    assert "online engine" in text and "bulk rows" in text
+
+
+def test_tables_registered_on_the_session_are_seen_from_other_threads() -> None:
+    with session_with({"a": FakeModel("a"), "b": FakeModel("b")}) as s:
+        s.register_table("t", pa.table({"x": [1, 2, 3]}))
+        got = []
+        th = threading.Thread(target=lambda: got.append(s.sql("SELECT sum(x) FROM t")
+                                                        .fetchall()))
+        th.start()
+        th.join()
+    assert got == [[(6,)]]
+
+
+def test_use_plan_while_serving_swaps_the_engine_plan() -> None:
+    models = {"a": FakeModel("a"), "b": FakeModel("b")}
+    with session_with(models) as s:
+        s.use_plan(mood_plan())
+        s.serve(workers="thread")
+        engine = s.engines["mood"]
+        first = s.sql("SELECT mood('a quiet evening')").fetchall()[0][0]
+        only_b = mood_plan(Cascade(("b",)))
+        s.use_plan(only_b)
+        assert engine.plan is only_b and len(engine.plan_swaps) == 1
+        second = s.sql("SELECT mood('a loud morning')").fetchall()[0][0]
+    assert first in ("negative", "neutral", "positive")
+    assert second == models["b"].spec.labels[int(models["b"].probabilities(
+        "a loud morning").argmax())]
+
+
+def test_overloaded_engine_fails_the_query_with_an_explicit_error() -> None:
+    models = {"a": SlowModel("a", 0.5), "b": FakeModel("b")}
+    with session_with(models) as s:
+        s.use_plan(mood_plan())
+        s.serve(workers="thread", max_in_flight=1)
+        busy = threading.Thread(target=lambda: s.sql("SELECT mood('first in')"))
+        busy.start()
+        time.sleep(0.15)  # the first row holds the only in-flight slot for 0.5 s
+        with pytest.raises(EngineBusy, match="rejected.*retry later"):
+            s.sql("SELECT mood('second')")
+        busy.join()
+
+
+def test_serve_needs_a_gear_plan() -> None:
+    with session_with({"a": FakeModel("a"), "b": FakeModel("b")}) as s:
+        with pytest.raises(KenError, match="no function has a gear plan"):
+            s.serve()
+        with pytest.raises(KenError, match="has no gear plan"):
+            s.serve(["mood"])
+        s.use_plan(mood_plan())
+        with pytest.raises(KenError, match="loaders for worker processes"):
+            s.serve(workers="process")
