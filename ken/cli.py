@@ -356,7 +356,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
                   f"1-s peak {trace.qps_max():g} qps")
     engine = Engine(plan, {m: functools.partial(family.load_model, cards[m], device, None, data)
                            for m in needed}, workers=args.workers,
-                    threads_per_device=args.device_threads)
+                    threads_per_device=args.device_threads,
+                    memory_budget_bytes=int(args.memory_gb * 2**30))
     load = engine.start()
     reporter.note(f"{len(plan.devices)} {args.workers} workers loaded {len(needed)} models in "
                   f"{load.total_s:.1f} s")
@@ -496,6 +497,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a gear plan JSON file (e.g. ken-replay/plan.json) instead of "
                     "--frontier/--target")
     rp.add_argument("--device-threads", type=int, default=1)
+    rp.add_argument("--memory-gb", type=float, default=4.0,
+                    help="memory budget per device (process workers); over it the engine "
+                    "refuses to start")
     rp.add_argument("--workers", choices=("process", "thread"), default="process",
                     help="a process per device (default) or threads of one process")
     rp.add_argument("--seed", type=int, default=0)

@@ -303,7 +303,7 @@ class Session:
     def serve(self, functions: Sequence[str] | None = None,
               workers: str = "auto", threads_per_device: int = 1,
               max_in_flight: int = 10_000, bulk_threshold: int | None = None,
-              ) -> dict[str, LoadReport]:
+              memory_gb: float | None = None) -> dict[str, LoadReport]:
         """Start an online engine for each function with a gear plan (all of them by default).
 
         From then on every query's calls of a served function go through its engine, from any
@@ -312,7 +312,8 @@ class Session:
         other queries' rows by the gear plan), a larger one as bulk rows (the plan's most
         accurate gear in throughput-sized batches). ``workers="auto"`` runs each device in its
         own process when the function's models can be loaded there (the packaged ones can),
-        else as threads. Returns the model load times per function.
+        else as threads; ``memory_gb`` is a budget per process worker. Returns the model load
+        times (and worker memory) per function.
 
         >>> session.plan("p95 <= 50")                   # doctest: +SKIP
         >>> session.serve()                             # doctest: +SKIP
@@ -342,7 +343,9 @@ class Session:
             engine = Engine(self._gear_plans[name],
                             self._model_sources(name, kind, threads_per_device),
                             max_in_flight=max_in_flight, workers=kind,  # type: ignore[arg-type]
-                            threads_per_device=threads_per_device)
+                            threads_per_device=threads_per_device,
+                            memory_budget_bytes=None if memory_gb is None
+                            else int(memory_gb * 2**30))
             with self.reporter.task(f"start {name}() engine: {kind} workers on "
                                     f"{', '.join(engine.plan.devices)}", 1) as advance:
                 reports[name] = engine.start()

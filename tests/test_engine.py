@@ -12,6 +12,7 @@ import pytest
 from fakes import FakeModel, SlowModel
 
 from ken.engine.serving import Engine, EngineError
+from ken.engine.workers import WARM_UP_TEXT
 from ken.operators.cascade import Cascade
 from ken.operators.certainty import certainty_fn
 from ken.optimizer.plan import GearPlan, RangeSchedule, Replica
@@ -49,7 +50,7 @@ class FlakyModel(FakeModel):
         self.failures = failures
 
     def predict(self, texts, batch_size=32):  # noqa: ANN001, ANN201
-        if self.failures > 0:
+        if self.failures > 0 and WARM_UP_TEXT not in texts:
             self.failures -= 1
             raise RuntimeError("worker died")
         return super().predict(texts, batch_size)
@@ -355,3 +356,20 @@ def test_ten_times_overload_stays_up_bounded_and_answers_everything() -> None:
     ok = sum(o.status == "ok" for o in outcomes)
     assert 0 < ok < len(futures) / 3  # served what it could, rejected the rest explicitly
     assert grown < 100, f"RSS grew {grown:.0f} MB"
+
+
+def test_process_workers_report_memory_and_respect_a_budget() -> None:
+    import functools
+
+    import fakes
+
+    sources = {"a": functools.partial(fakes.FakeModel, "a"),
+               "b": functools.partial(fakes.FakeModel, "b")}
+    with Engine(plan(), sources, memory_budget_bytes=8 * 2**30) as engine:
+        rss = engine.load_report.rss_bytes
+        assert set(rss) == {"cpu0", "cpu1"} and all(b > 1_000_000 for b in rss.values())
+        assert engine.submit("fits").result(timeout=10).status == "ok"
+    tight = Engine(plan(), sources, memory_budget_bytes=1_000_000)
+    with pytest.raises(EngineError, match="over the memory budget of 1 MB per device: cpu0"):
+        tight.start()
+    assert all(p is None for p in tight.pids().values()) or tight.pids() == {}

@@ -167,3 +167,35 @@ def test_sentiment_sql_on_real_models(home, models) -> None:
         plan = session.explain("SELECT count(*) FROM t WHERE len > 40 AND "
                                "sentiment(text) = 'negative'")
         assert "Semantic filter s0:sentiment(text)" in plan and "cascade minilm" in plan
+
+
+def test_engine_process_workers_serve_the_real_models_like_the_batch_cascade(home, models
+                                                                           ) -> None:
+    """Two worker processes (1 thread each) load the real models and answer online and bulk
+    rows exactly as the in-process batch cascade does."""
+    import functools
+
+    from ken.engine.serving import Engine
+    from ken.optimizer.plan import GearPlan, RangeSchedule, Replica
+
+    rows = [t for t in texts_for_tests() if t is not None]
+    l3 = models["minilm-l3"].predict(rows, 32)
+    threshold = gap_threshold(certainty_fn("max_prob")(l3.probabilities))
+    cascade = Cascade(("minilm-l3", "minilm-l6"), (threshold,))
+    expected = run_cascade(cascade, models, rows, batch_size=8)
+    plan = GearPlan("sentiment", (0.0, 1e6), (cascade,),
+                    (Replica("minilm-l3", ("cpu0",)), Replica("minilm-l6", ("cpu1",))),
+                    (RangeSchedule(0, (1.0, 1.0), (1, 1)),), (8, 8), max_wait_s=0.01)
+    cards = {c.name: c for c in family.load_cards(DATA, home)}
+    one = DeviceConfig(threads=1)
+    loaders = {n: functools.partial(family.load_model, cards[n], one, home, DATA)
+               for n in ("minilm-l3", "minilm-l6")}
+    with Engine(plan, loaders) as engine:
+        assert engine.workers == "process"
+        assert set(engine.load_report.seconds) == {"cpu0/minilm-l3", "cpu1/minilm-l6"}
+        online = [f.result(timeout=120) for f in [engine.submit(t) for t in rows]]
+        bulk = [f.result(timeout=120) for f in engine.submit_many(rows, bulk=True)]
+    for got in (online, bulk):
+        assert [o.status for o in got] == ["ok"] * len(rows)
+        assert [o.label for o in got] == expected.labels.to_pylist()
+        assert [o.stage for o in got] == expected.stage.tolist()

@@ -447,3 +447,27 @@ def test_metrics_of_a_single_request() -> None:
     m = res.metrics()
     assert m.num_requests == 1 and m.duration_s == pytest.approx(0.002)
     assert math.isclose(m.mean_ms, 2.0)
+
+
+def test_runtime_spread_draws_one_factor_per_batch_from_the_distribution() -> None:
+    from ken.engine.calibrate import calibrated, runtime_spread
+    from ken.engine.serving import BatchRecord
+
+    rt = CATALOG.perf["b"].batch_runtime(1)
+    # a serving log: batch-1 calls of b took 1x or 3x the profile, half each
+    log = [BatchRecord("d0", "b", 1, 0.0, rt * (1 if i % 2 else 3), 0.0) for i in range(200)]
+    spreads = runtime_spread(log, CATALOG, points=10)
+    assert spreads["b"] == pytest.approx((1.0,) * 5 + (3.0,) * 5)
+    cat = calibrated(CATALOG, spreads)
+    assert cat.perf["a"].spread == () and cat.perf["b"].spread == spreads["b"]
+    trace = Trace(np.arange(400) * rt * 5 + 0.25)  # low load: latency = the batch's runtime
+    res = simulate(single("b", max_batch=1), cat, trace, seed=3)
+    factors = np.round(res.latency_s / rt, 6)
+    assert set(factors) <= {round(f, 6) for f in spreads["b"]}
+    assert 0.4 < np.mean(factors > 2.0) < 0.6  # about the measured share of slow calls
+    again = simulate(single("b", max_batch=1), cat, trace, seed=3)
+    assert np.array_equal(again.latency_s, res.latency_s)  # deterministic for a seed
+    plain = simulate(single("b", max_batch=1), CATALOG, trace, seed=3)
+    assert np.max(np.abs(plain.latency_s - rt)) <= 1e-9  # no spread: exactly the profile
+    with pytest.raises(ProfileError, match="spread"):
+        ModelPerf("x", (1,), ((0.1,),), (1,), (1,), (0.0,))

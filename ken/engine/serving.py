@@ -37,12 +37,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
 
-from ken.engine.workers import ProcessRunner, ThreadRunner, WorkerDied, WorkerError
+from ken.engine.workers import ProcessRunner, ThreadRunner, WorkerDied, WorkerError, warm_up
 from ken.errors import KenError
 from ken.operators.cascade import Cascade
 from ken.operators.certainty import certainty_fn
@@ -81,11 +81,30 @@ class Outcome:
 
 @dataclass(frozen=True)
 class LoadReport:
-    """Models loaded before serving: seconds per (device, model), and wall time in total."""
+    """Models loaded (and warmed up) before serving: seconds per (device, model), and wall
+    time in total."""
 
     seconds: Mapping[str, float]
     total_s: float
     workers: str  # "process" | "thread"
+    rss_bytes: Mapping[str, int] = field(default_factory=dict)  # per process worker, loaded
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    """One model call as a device ran it (engine clock; includes the worker round trip)."""
+
+    device: str
+    model: str
+    rows: int
+    start_s: float
+    end_s: float
+    idle_before_s: float  # how long the device had been idle before this call
+    bulk: bool = False
+
+    @property
+    def seconds(self) -> float:
+        return self.end_s - self.start_s
 
 
 @dataclass
@@ -120,7 +139,8 @@ class Engine:
                  max_in_flight: int = 10_000, max_retries: int = 2,
                  clock: WallClock | None = None, *,
                  workers: Literal["auto", "process", "thread"] = "auto",
-                 threads_per_device: int = 1, bulk_batch_size: int | None = None) -> None:
+                 threads_per_device: int = 1, bulk_batch_size: int | None = None,
+                 memory_budget_bytes: int | None = None) -> None:
         self._check_plan(plan, models)
         if max_in_flight < 1 or max_retries < 0:
             raise EngineError("max_in_flight must be >= 1 and max_retries >= 0")
@@ -144,6 +164,9 @@ class Engine:
         self.max_in_flight = max_in_flight
         self.max_retries = max_retries
         self.bulk_batch_size = bulk_batch_size or max(plan.max_batch)
+        if memory_budget_bytes is not None and memory_budget_bytes <= 0:
+            raise EngineError("the memory budget per device must be > 0 bytes")
+        self.memory_budget_bytes = memory_budget_bytes
         self._busy: set[str] = set()  # devices running a batch, shared by all dispatchers
         self._dispatcher = Dispatcher(plan, self.clock, self._busy)
         self._retiring: list[Dispatcher] = []  # swapped-out plans finishing running batches
@@ -164,6 +187,9 @@ class Engine:
         self._attempts: dict[int, int] = {}  # id(batch) -> failed attempts
         self._accepting = False
         self._lock = threading.Lock()
+        # the latest model calls (bounded: the oldest half is dropped at the limit)
+        self.batch_log: list[BatchRecord] = []
+        self.batch_log_limit = 200_000
         self.failed_attempts = 0  # model calls that raised or whose worker died
         self.worker_restarts = 0  # worker processes restarted after dying
         self.load_report: LoadReport | None = None
@@ -194,7 +220,8 @@ class Engine:
             raise EngineError("the engine is already running")
         t0 = time.perf_counter()
         seconds = self._add_devices(self._placed(self.plan))
-        self.load_report = LoadReport(seconds, time.perf_counter() - t0, self.workers)
+        self.load_report = LoadReport(seconds, time.perf_counter() - t0, self.workers,
+                                      self._check_memory())
         self._scheduler = threading.Thread(target=self._schedule, name="ken-scheduler",
                                            daemon=True)
         self._accepting = True
@@ -211,6 +238,7 @@ class Engine:
                 src = self._sources[name]
                 t = time.perf_counter()
                 self._models[name] = src if isinstance(src, Model) else src()
+                warm_up(self._models[name])
                 seconds[f"shared/{name}"] = time.perf_counter() - t
             runners = {d: ThreadRunner(d, self._models) for d in new}
         else:
@@ -243,6 +271,24 @@ class Engine:
                 seconds[f"{d}/{m}"] = done.result()
                 self._loaded_on[d].add(m)
         return seconds
+
+    def _check_memory(self, stop: bool = True) -> dict[str, int]:
+        """Resident memory per process worker; over ``memory_budget_bytes`` an
+        ``EngineError`` says which device holds what (at start, the workers are stopped)."""
+        rss = {d: b for d, r in self._runners.items() if (b := r.rss_bytes()) is not None}
+        budget = self.memory_budget_bytes
+        over = {d: b for d, b in rss.items() if budget is not None and b > budget}
+        if over and stop:
+            for r in self._runners.values():
+                r.close()
+            self._runners.clear()
+        if over:
+            detail = "; ".join(f"{d} holds {b / 2**20:,.0f} MB with "
+                               f"{', '.join(sorted(self._loaded_on[d]))}"
+                               for d, b in over.items())
+            raise EngineError(f"over the memory budget of {budget / 2**20:,.0f} MB per device: "
+                              f"{detail}; give the devices more memory or plan with less")
+        return rss
 
     def shutdown(self, drain: bool = True, timeout_s: float = 60.0) -> int:
         """Stop accepting requests. With ``drain``, wait (up to ``timeout_s``) for admitted
@@ -292,6 +338,7 @@ class Engine:
             self._sources.update(models)
         self._check_plan(plan, self._sources)
         self._add_devices(self._placed(plan))
+        self._check_memory(stop=False)  # over budget: keep serving the old plan
         done: Future = Future()
         self._events.put(("swap", plan, done))
         return done.result()
@@ -532,6 +579,7 @@ class Engine:
     def _work(self, device: str) -> None:
         q = self._device_queues[device]
         runner = self._runners[device]
+        idle_since = self.clock.now()
         while True:
             item = q.get()
             if item is _STOP:
@@ -548,6 +596,7 @@ class Engine:
                 texts = [self._requests[rid].text for rid in batch.request_ids]
             except KeyError:  # cancelled by shutdown while queued here
                 continue
+            started = self.clock.now()
             try:
                 labels, probs, names = runner.run(batch.model, texts)
             except WorkerError as exc:
@@ -556,4 +605,10 @@ class Engine:
                     self.worker_restarts += 1
                 self._events.put(("failed", batch, str(exc)))
                 continue
+            idle_since, idle_s = self.clock.now(), started - idle_since
+            self.batch_log.append(BatchRecord(device, batch.model, len(texts), started,
+                                              idle_since, idle_s,
+                                              isinstance(batch, _BulkBatch)))
+            if len(self.batch_log) > self.batch_log_limit:
+                del self.batch_log[: len(self.batch_log) // 2]
             self._events.put(("done", batch, labels, probs, names))

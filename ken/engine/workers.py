@@ -41,6 +41,21 @@ class WorkerDied(WorkerError):
     """The worker process ended while it ran a batch; a fresh one has been started."""
 
 
+WARM_UP_TEXT = ("a warm-up row: the first calls of a freshly loaded model page in its weights "
+                "and set up its kernels, which would otherwise stall the first requests")
+
+
+def warm_up(model: Model) -> None:
+    """Run ``model`` on a few batches before it serves (a fresh process's first forward pass
+    pages in the weights and initialises kernels: up to a second for the larger models)."""
+    if model.spec.num_inputs != 1:
+        rows: list = [(WARM_UP_TEXT, WARM_UP_TEXT)]
+    else:
+        rows = [WARM_UP_TEXT]
+    for n in (1, 8, 1):
+        model.predict(rows * n, batch_size=n)
+
+
 class ThreadRunner:
     """A device served by a thread of this process, calling shared loaded models."""
 
@@ -53,6 +68,9 @@ class ThreadRunner:
 
     def start(self) -> dict[str, float]:
         return {}
+
+    def rss_bytes(self) -> int | None:
+        return None  # threads share the engine's process: no per-device figure
 
     def load(self, name: str, source: Model | Loader) -> float:
         return 0.0  # the engine loads shared models once, for every thread runner
@@ -82,6 +100,7 @@ def _serve(inp: Connection, out: Connection, threads: int) -> None:
     def load(name: str, loader: Loader) -> None:
         started = time.perf_counter()
         models[name] = loader()
+        warm_up(models[name])
         out.send(("loaded", name, time.perf_counter() - started))
 
     try:
@@ -131,6 +150,19 @@ class ProcessRunner:
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
+
+    def rss_bytes(self) -> int | None:
+        """Resident memory of the worker process (None if it is not running)."""
+        if self._proc is None:
+            return None
+        try:
+            with open(f"/proc/{self._proc.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+        return None
 
     def start(self) -> dict[str, float]:
         """Start the process and wait until it has loaded every model; seconds per model.

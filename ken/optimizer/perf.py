@@ -39,6 +39,10 @@ class ModelPerf:
     runtime_s: tuple[tuple[float, ...], ...]
     memory_bytes: tuple[int, ...]
     degrees: tuple[int, ...] = (1,)
+    # optional runtime noise: multiplicative factors, one drawn per batch by the simulator
+    # (an empirical distribution, e.g. measured serving calls / profiled runtime; see
+    # ken.engine.calibrate). Empty: every batch takes exactly its profiled runtime.
+    spread: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "batch_sizes", tuple(int(b) for b in self.batch_sizes))
@@ -46,6 +50,7 @@ class ModelPerf:
                            tuple(tuple(float(t) for t in row) for row in self.runtime_s))
         object.__setattr__(self, "memory_bytes", tuple(int(m) for m in self.memory_bytes))
         object.__setattr__(self, "degrees", tuple(int(d) for d in self.degrees))
+        object.__setattr__(self, "spread", tuple(float(f) for f in self.spread))
         where = f"performance profile of {self.name!r}"
         if not self.batch_sizes or list(self.batch_sizes) != sorted(set(self.batch_sizes)) \
                 or self.batch_sizes[0] < 1:
@@ -55,6 +60,8 @@ class ModelPerf:
             raise ProfileError(f"{where}: degrees must be distinct values of {PARALLEL_DEGREES}")
         if len(self.runtime_s) != len(self.degrees) or len(self.memory_bytes) != len(self.degrees):
             raise ProfileError(f"{where}: need one runtime row and one memory size per degree")
+        if any(not np.isfinite(f) or f <= 0 for f in self.spread):
+            raise ProfileError(f"{where}: runtime spread factors must be positive")
         for row in self.runtime_s:
             if len(row) != len(self.batch_sizes):
                 raise ProfileError(f"{where}: a runtime row has {len(row)} entries for "

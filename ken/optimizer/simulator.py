@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -117,9 +118,13 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
 
     def launch(k: int, batches: list[Batch] | tuple[Batch, ...], now: float) -> None:
         nonlocal seq
-        runtime = ops[k].runtime
+        op = ops[k]
+        runtime, spread = op.runtime, op.spread
         for b in batches:
             dt = runtime[b.replica][len(b.request_ids)]
+            factors = spread[b.replica]
+            if factors:
+                dt *= factors[op.rng.randrange(len(factors))]
             for d in b.devices:
                 device_busy[d] = device_busy.get(d, 0.0) + dt
             seq += 1
@@ -198,6 +203,8 @@ class _Operator:
         self._correct = {m: catalog.correct[m][rows].tolist() for m in used}
         self.runtime = [catalog.perf[r.model].runtime_table(r.degree, plan.max_batch[i])
                         for i, r in enumerate(plan.placement)]
+        self.spread = [catalog.perf[r.model].spread for r in plan.placement]
+        self.rng = random.Random(seed)  # draws runtime spread factors (if any)
         self.correct = [False] * num_requests
         self.stage = [-1] * num_requests
         self.range_index = [-1] * num_requests
