@@ -53,10 +53,12 @@ _EXPLAIN = re.compile(r"^\s*EXPLAIN(\s+ANALYZE)?\s+", re.IGNORECASE)
 class Result:
     """A query result; converts like a DuckDB relation: ``arrow()``, ``df()``, ``fetchall()``."""
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, table: pa.Table | None = None,
-                 relation: Any = None, stats: dict | None = None) -> None:
-        # the connection (or thread cursor) of the session that made this result
-        self._con = con
+    def __init__(self, con: duckdb.DuckDBPyConnection | Callable[[], duckdb.DuckDBPyConnection],
+                 table: pa.Table | None = None, relation: Any = None,
+                 stats: dict | None = None) -> None:
+        # a connection, or (from a session) a function giving the calling thread's connection:
+        # a result may be read in another thread than the one that ran the query
+        self._connect = con if callable(con) else (lambda: con)
         self._table = table
         self._relation = relation
         self.stats = stats or {}  # call-site label -> SiteStats, for semantic queries
@@ -76,7 +78,7 @@ class Result:
         table = self.arrow()
         if table.num_columns == 0:
             return []
-        return self._con.from_arrow(table).fetchall()
+        return self._connect().from_arrow(table).fetchall()
 
     @property
     def columns(self) -> list[str]:
@@ -86,7 +88,8 @@ class Result:
         return self.arrow().num_rows
 
     def __repr__(self) -> str:
-        return str(self._con.from_arrow(self.arrow())) if self.arrow().num_columns else "<empty>"
+        return (str(self._connect().from_arrow(self.arrow())) if self.arrow().num_columns
+                else "<empty>")
 
     def __str__(self) -> str:
         table = self.arrow()
@@ -463,15 +466,18 @@ class Session:
         match = _EXPLAIN.match(query)
         if match:
             text = self.explain(query[match.end():], analyze=bool(match.group(1)), params=params)
-            return Result(self._connection(), pa.table({"explain": text.splitlines()}))
+            return Result(self._connection, pa.table({"explain": text.splitlines()}))
         statements = self._rewrite(query)
         con = self._connection()
         if not any(rw.is_semantic for rw in statements):
             try:  # no semantic calls: DuckDB runs the user's text unchanged
-                return Result(con, relation=con.sql(query, params=params))
+                relation = con.sql(query, params=params)
+                if con is not self.con and relation is not None:  # the cursor is this thread's
+                    return Result(self._connection, relation.to_arrow_table())
+                return Result(self._connection, relation=relation)
             except duckdb.Error as error:
                 raise KenError(str(error)) from None
-        result = Result(con)
+        result = Result(self._connection)
         for rw in statements:
             result = self._run(rw, params if rw is statements[-1] else None)
         return result
@@ -501,7 +507,7 @@ class Session:
             raise query_error(error, runners) from None
         finally:
             unregister_sites(con, runners)
-        return Result(con, table=table,
+        return Result(self._connection, table=table,
                       stats={r.site.label: r.stats for r in runners})
 
     # -- EXPLAIN -----------------------------------------------------------------------------
