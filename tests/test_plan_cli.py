@@ -296,7 +296,8 @@ def test_explain_shows_the_plan_set_with_use_plan(frontier: Frontier) -> None:
     gears = len(plan.gears())
     assert lines[head] == (f"      gear plan: {gears} gear{'s' if gears != 1 else ''} over "
                            f"0-{plan.qps_max:g} qps on {', '.join(plan.devices)} (for online "
-                           "serving; batch queries run the implementation above)")
+                           "serving, session.serve(); until then queries run the implementation "
+                           "above)")
     assert lines[head + 1: head + 1 + len(plan.describe())] == \
         [f"        {line}" for line in plan.describe()]
     assert lines[head - 3].startswith("  s0: mood(text)")  # under the mood site, not other
