@@ -246,6 +246,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _cards, profiles = _load_profiles(args, [args.device_threads], reporter)
     by_name = {p.model: p for p in profiles}
     catalog, cascades = planning_inputs(by_name, args.max_stages, args.grid)
+    spreads = None
+    if args.calibration is not None:
+        from ken.engine.calibrate import calibrated, load_spreads
+
+        spreads = load_spreads(args.calibration)
+        unknown = sorted(set(spreads) - set(catalog.perf))
+        if unknown:
+            raise KenError(f"{args.calibration} calibrates {unknown}, which are not models of "
+                           f"this family ({', '.join(catalog.models)})")
+        catalog = calibrated(catalog, spreads)
+        reporter.note(f"runtimes calibrated by {args.calibration}: median serving/profile "
+                      + ", ".join(f"{m} x{v[len(v) // 2]:.2f}" for m, v in spreads.items()))
     best = max(cascades, key=catalog.accuracy)
     sustained = sustained_qps(catalog, best, args.devices)
     peak = args.peak_qps or default_peak_qps(catalog, cascades, args.devices)
@@ -261,7 +273,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                seed=args.seed)
     frontier, stats = plan_operator(operator, by_name, catalog, cascades, hardware, trace, peak,
                                     settings, cache_dir=ken_home() / "plans", reporter=reporter,
-                                    force=args.force)
+                                    force=args.force, calibration=spreads)
     out = Path(args.out)
     json_path = frontier.save(out / f"frontier-{operator}.json")
     png_path = plot_frontier(
@@ -322,6 +334,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     """Serve one gear plan with the online engine and replay a trace through it (open loop)."""
+    from ken.engine.calibrate import runtime_spread, save_spreads
     from ken.engine.replay import plot_replay, replay
     from ken.engine.serving import Engine
     from ken.operators import family
@@ -380,8 +393,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "replay.json").write_text(rep.to_json(plan))
     plan.save(out / "plan.json")
+    save_spreads(runtime_spread(engine.batch_log, catalog), out / "calibration.json",
+                 source=f"ken replay of {trace.name}, {len(trace)} requests")
     plot_replay(rep, plan, out / "replay.png")
-    console.print(f"wrote {out / 'replay.json'} and {out / 'replay.png'}")
+    console.print(f"wrote {out / 'replay.json'}, {out / 'replay.png'}, {out / 'plan.json'} and "
+                  f"{out / 'calibration.json'} (for `ken plan --calibration`)")
     return 0
 
 
@@ -477,6 +493,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--max-stages", type=int, default=3)
     plan.add_argument("--grid", type=int, default=16, help="thresholds per cascade stage")
     plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument("--calibration", type=Path, default=None,
+                      help="runtime calibration written by `ken replay` "
+                      "(ken-replay/calibration.json): simulate with serving runtimes")
     plan.add_argument("--force", action="store_true",
                       help="re-plan even if KEN_HOME/plans holds this frontier")
     plan.set_defaults(func=cmd_plan)

@@ -758,11 +758,14 @@ def _planner_code_hash() -> str:
 
 def frontier_cache_key(operator: str, profiles: Mapping[str, Profile],
                        cascades: Sequence[Cascade], hardware: Hardware, trace: Trace,
-                       qps_max: float, settings: PlannerSettings) -> str:
-    """What a frontier depends on: profiles, candidates, devices, trace, settings, code."""
+                       qps_max: float, settings: PlannerSettings,
+                       calibration: Mapping[str, tuple[float, ...]] | None = None) -> str:
+    """What a frontier depends on: profiles, candidates, devices, trace, settings, code, and
+    the runtime calibration if any."""
     digest = hashlib.sha256()
     parts = [operator, _planner_code_hash(), hardware.to_json(), f"{qps_max!r}",
-             repr(settings.provenance()), trace.name, str(len(trace))]
+             repr(settings.provenance()), trace.name, str(len(trace)),
+             repr(sorted((calibration or {}).items()))]
     for name in sorted(profiles):
         p = profiles[name]
         parts += [name, p.model_fingerprint, p.hardware, p.sample_hash, repr(p.batch_sizes),
@@ -779,8 +782,10 @@ def plan_operator(operator: str, profiles: Mapping[str, Profile], catalog: Catal
                   cascades: Sequence[Cascade], hardware: Hardware, trace: Trace,
                   qps_max: float, settings: PlannerSettings, cache_dir: Path | None = None,
                   reporter: Reporter = QUIET, force: bool = False,
+                  calibration: Mapping[str, tuple[float, ...]] | None = None,
                   ) -> tuple[Frontier, PlannerStats | None]:
-    """``plan_frontier`` with an on-disk cache in ``cache_dir`` (stats are None on a hit)."""
+    """``plan_frontier`` with an on-disk cache in ``cache_dir`` (stats are None on a hit).
+    ``calibration``: the runtime spreads ``catalog`` was calibrated with (part of the key)."""
     from ken.optimizer.plan import Frontier
     from ken.optimizer.planner import plan_frontier
 
@@ -796,7 +801,7 @@ def plan_operator(operator: str, profiles: Mapping[str, Profile], catalog: Catal
     path = None
     if cache_dir is not None:
         key = frontier_cache_key(operator, profiles, cascades, hardware, trace, qps_max,
-                                 settings)
+                                 settings, calibration)
         path = cache_dir / f"{operator}-{key}.json"
         if path.is_file() and not force:
             reporter.note(f"{operator}: frontier from cache {path}")

@@ -14,7 +14,9 @@ arrivals and compares on the Azure trace.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import numpy as np
 
@@ -48,3 +50,36 @@ def calibrated(catalog: Catalog, spreads: Mapping[str, tuple[float, ...]]) -> Ca
                             spreads.get(m, p.spread))
     return Catalog(perf, dict(catalog.correct), dict(catalog.probabilities),
                    catalog.sample_hash)
+
+
+CALIBRATION_KIND = "ken-runtime-calibration"
+
+
+def save_spreads(spreads: Mapping[str, tuple[float, ...]], path: str | Path,
+                 source: str = "") -> Path:
+    """Write runtime spreads as JSON (``ken replay`` writes ``calibration.json``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"kind": CALIBRATION_KIND, "version": 1, "source": source,
+                                "spreads": {m: list(v) for m, v in spreads.items()}}, indent=1))
+    return path
+
+
+def load_spreads(path: str | Path) -> dict[str, tuple[float, ...]]:
+    """Read a calibration file written by ``save_spreads``."""
+    path = Path(path)
+    if not path.is_file():
+        raise KenError(f"no calibration file at {path}; `ken replay` writes one "
+                       "(ken-replay/calibration.json)")
+    try:
+        data = json.loads(path.read_text())
+        if data.get("kind") != CALIBRATION_KIND:
+            raise ValueError(f"kind is {data.get('kind')!r}")
+        spreads = {str(m): tuple(float(f) for f in v) for m, v in data["spreads"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise KenError(f"{path} is not a runtime calibration file: {exc}") from None
+    bad = [m for m, v in spreads.items() if not v or not all(np.isfinite(f) and f > 0
+                                                             for f in v)]
+    if bad:
+        raise KenError(f"{path}: the runtime factors of {bad} must be positive numbers")
+    return spreads
