@@ -361,6 +361,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
                        f"({', '.join(cards)})")
     _cards, profiles = _load_profiles(args, [args.device_threads], reporter)
     catalog, _ = planning_inputs({p.model: p for p in profiles})
+    profiled = catalog
+    if args.calibration is not None:  # simulate the comparison with serving runtimes
+        from ken.engine.calibrate import calibrated, load_spreads
+
+        catalog = calibrated(catalog, load_spreads(args.calibration))
     sample = family.heldout_sample(data, args.data_dir)
     peak = (args.peak_qps or plan.qps_max) * args.rate_scale
     trace = planning_trace(args.trace, peak, args.duration, seed=args.seed)
@@ -384,7 +389,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     table = Table(title=f"replay of {trace.name} ({len(trace):,} requests)")
     for col in ("", "accuracy", "p50 ms", "p95 ms", "p99 ms", "gear switches"):
         table.add_column(col, justify="right")
-    for name, m in (("simulated", simulated), ("measured", measured)):
+    label = "simulated (calibrated)" if args.calibration is not None else "simulated"
+    for name, m in ((label, simulated), ("measured", measured)):
         table.add_row(name, f"{m.accuracy:.1%}", f"{m.p50_ms:.1f}", f"{m.p95_ms:.1f}",
                       f"{m.p99_ms:.1f}", str(m.gear_switches))
     console.print(table)
@@ -393,7 +399,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "replay.json").write_text(rep.to_json(plan))
     plan.save(out / "plan.json")
-    save_spreads(runtime_spread(engine.batch_log, catalog), out / "calibration.json",
+    save_spreads(runtime_spread(engine.batch_log, profiled), out / "calibration.json",
                  source=f"ken replay of {trace.name}, {len(trace)} requests")
     plot_replay(rep, plan, out / "replay.png")
     console.print(f"wrote {out / 'replay.json'}, {out / 'replay.png'}, {out / 'plan.json'} and "
@@ -515,6 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--plan", type=Path, default=None,
                     help="a gear plan JSON file (e.g. ken-replay/plan.json) instead of "
                     "--frontier/--target")
+    rp.add_argument("--calibration", type=Path, default=None,
+                    help="simulate the comparison with these serving runtimes (a "
+                    "calibration.json of an earlier replay)")
     rp.add_argument("--device-threads", type=int, default=1)
     rp.add_argument("--memory-gb", type=float, default=4.0,
                     help="memory budget per device (process workers); over it the engine "
