@@ -307,18 +307,13 @@ class GearPlan:
             raise PlanError(f"a gear plan file must be JSON: {exc}") from None
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.to_json())
-        return path
+        return _write(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> GearPlan:
-        path = Path(path)
-        if not path.is_file():
-            raise PlanError(f"no gear plan file at {path}; `ken replay` writes one "
-                            "(ken-replay/plan.json), or pick one from a `ken plan` frontier")
-        return cls.from_json(path.read_text())
+        return cls.from_json(_read(path, "no gear plan file at {path}; `ken replay` writes one "
+                                   "(ken-replay/plan.json), or pick one from a `ken plan` "
+                                   "frontier"))
 
 
 @dataclass(frozen=True)
@@ -390,15 +385,24 @@ class Frontier:
                 from exc
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.to_json())
-        return path
+        return _write(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> Frontier:
-        path = Path(path)
-        if not path.is_file():
-            raise PlanError(f"no frontier file at {path}; create one with `ken plan`")
-        return cls.from_json(path.read_text())
+        return cls.from_json(_read(path, "no frontier file at {path}; create one with "
+                                   "`ken plan`"))
 
+
+def _write(path: str | Path, text: str) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def _read(path: str | Path, missing: str) -> str:
+    """The file's text; ``missing`` (with ``{path}``) is the error when there is none."""
+    path = Path(path)
+    if not path.is_file():
+        raise PlanError(missing.format(path=path))
+    return path.read_text()
