@@ -56,3 +56,14 @@ class SlowModel(FakeModel):
 def broken_loader(name: str) -> Model:
     """A loader that fails the way a missing weights file does."""
     raise FileNotFoundError(f"no weights for {name}")
+
+
+def load_once(name: str, flag: str, seconds: float = 0.0) -> Model:
+    """A loader that works once (it leaves ``flag``) and fails every later time: a worker
+    that cannot come back after dying."""
+    from pathlib import Path
+
+    if Path(flag).exists():
+        raise RuntimeError(f"{name}: weights gone")
+    Path(flag).write_text("loaded")
+    return SlowModel(name, seconds)

@@ -373,3 +373,23 @@ def test_process_workers_report_memory_and_respect_a_budget() -> None:
     with pytest.raises(EngineError, match="over the memory budget of 1 MB per device: cpu0"):
         tight.start()
     assert all(p is None for p in tight.pids().values()) or tight.pids() == {}
+
+
+def test_a_worker_that_cannot_restart_ends_its_requests_in_error(tmp_path) -> None:  # noqa: ANN001
+    import functools
+    import os
+    import signal
+
+    import fakes
+
+    sources = {"a": functools.partial(fakes.load_once, "a", str(tmp_path / "flag"), 0.5),
+               "b": functools.partial(fakes.FakeModel, "b")}
+    with Engine(plan(max_batch=4), sources, max_retries=1) as engine:
+        futures = [engine.submit(t) for t in texts(6)]
+        time.sleep(0.25)
+        os.kill(engine.pids()["cpu0"], signal.SIGKILL)
+        outcomes = [f.result(timeout=60) for f in futures]
+        assert engine.in_flight == 0
+    assert {o.status for o in outcomes} == {"error"}
+    assert all("restarting it failed" in o.error or "weights gone" in o.error
+               for o in outcomes)

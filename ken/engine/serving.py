@@ -278,7 +278,9 @@ class Engine:
         rss = {d: b for d, r in self._runners.items() if (b := r.rss_bytes()) is not None}
         budget = self.memory_budget_bytes
         over = {d: b for d, b in rss.items() if budget is not None and b > budget}
-        if over and stop:
+        if over and stop:  # nothing is left running
+            for q in self._device_queues.values():
+                q.put(_STOP)
             for r in self._runners.values():
                 r.close()
             self._runners.clear()
@@ -599,11 +601,13 @@ class Engine:
             started = self.clock.now()
             try:
                 labels, probs, names = runner.run(batch.model, texts)
-            except WorkerError as exc:
+            except Exception as exc:  # noqa: BLE001 - this thread must never die with a batch
                 self.failed_attempts += 1
                 if isinstance(exc, WorkerDied):
                     self.worker_restarts += 1
-                self._events.put(("failed", batch, str(exc)))
+                message = str(exc) if isinstance(exc, WorkerError) else \
+                    f"{type(exc).__name__}: {exc}"
+                self._events.put(("failed", batch, message))
                 continue
             idle_since, idle_s = self.clock.now(), started - idle_since
             self.batch_log.append(BatchRecord(device, batch.model, len(texts), started,

@@ -206,15 +206,21 @@ class ProcessRunner:
         return msg[2]
 
     def run(self, model: str, texts: Sequence[str]) -> Output:
+        if self._proc is None:  # an earlier restart failed: try again (WorkerError if not)
+            self.start()
         assert self._send is not None and self._recv is not None
         try:
             self._send.send(("run", model, list(texts)))
             msg = self._recv.recv()
         except (EOFError, OSError):
             code = self._proc.wait(timeout=5.0) if self._proc is not None else None
-            self._restart()
-            raise WorkerDied(f"worker process of {self.device} died (exit code {code}) while "
-                             f"running {model} on {len(texts)} rows") from None
+            died = (f"worker process of {self.device} died (exit code {code}) while running "
+                    f"{model} on {len(texts)} rows")
+            try:
+                self._restart()
+            except WorkerError as exc:
+                raise WorkerDied(f"{died}; restarting it failed: {exc}") from None
+            raise WorkerDied(died) from None
         if msg[0] == "ok":
             return msg[1], msg[2], msg[3]
         raise WorkerError(msg[1])
