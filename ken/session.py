@@ -116,6 +116,7 @@ class Session:
         self.functions: dict[str, SemanticFunction] = {}
         self._bound: dict[tuple[str, tuple[str, ...]], Bound] = {}
         self._lock = threading.Lock()
+        self._make_lock = threading.RLock()  # binding may make resources, which may bind
         self._resources: dict[str, Any] = {}
         self._known: frozenset[str] | None = None
         self.sentiment_cascade: Cascade | None = None
@@ -186,16 +187,19 @@ class Session:
             engine.shutdown()
 
     def resource(self, key: str, make: Callable[[], Any]) -> Any:
-        """Heavy objects (loaded models) shared by all functions of this session."""
-        if key not in self._resources:
-            self._resources[key] = make()
-        return self._resources[key]
+        """Heavy objects (loaded models) shared by all functions of this session; made once
+        even when queries of several threads ask at the same time."""
+        with self._make_lock:
+            if key not in self._resources:
+                self._resources[key] = make()
+            return self._resources[key]
 
     def bind(self, function: str, constants: tuple[str, ...]) -> Bound:
         key = (function, constants)
-        if key not in self._bound:
-            self._bound[key] = self.functions[function].bind(constants)
-        return self._bound[key]
+        with self._make_lock:
+            if key not in self._bound:
+                self._bound[key] = self.functions[function].bind(constants)
+            return self._bound[key]
 
     def _duckdb_functions(self) -> frozenset[str]:
         if self._known is None:

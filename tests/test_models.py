@@ -199,3 +199,33 @@ def test_engine_process_workers_serve_the_real_models_like_the_batch_cascade(hom
         assert [o.status for o in got] == ["ok"] * len(rows)
         assert [o.label for o in got] == expected.labels.to_pylist()
         assert [o.stage for o in got] == expected.stage.tolist()
+
+
+def test_session_serves_sentiment_from_worker_processes(home, models) -> None:
+    """session.serve() on the packaged sentiment models: SQL from several threads and an
+    analytical scan answer as the plan's cascade does."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import ken
+    from ken.optimizer.plan import GearPlan, RangeSchedule, Replica
+
+    rows = list(DATA.unseen(40).texts)
+    expected = models["minilm-l3"].predict(rows, 8).label_strings()
+    plan = GearPlan("sentiment", (0.0, 1e6), (Cascade(("minilm-l3",)),),
+                    (Replica("minilm-l3", ("cpu0",)), Replica("minilm-l3", ("cpu1",))),
+                    (RangeSchedule(0, (0.5, 0.5), (1, 1)),), (8, 8), max_wait_s=0.01)
+    with ken.connect(device=DEVICE, data=DATA, home=home) as session:
+        session.use_plan(plan)
+        report = session.serve(memory_gb=4, bulk_threshold=16)
+        assert report["sentiment"].workers == "process"
+        assert set(report["sentiment"].rss_bytes) == {"cpu0", "cpu1"}
+        with ThreadPoolExecutor(8) as pool:
+            online = list(pool.map(
+                lambda t: session.sql("SELECT sentiment(?)", [t]).fetchall()[0][0], rows))
+        session.register_table("t", pa.table({"text": rows}))
+        scan = session.sql("SELECT text, sentiment(text) FROM t")
+        assert scan.stats["s0"].bulk_rows == len(set(rows))
+        assert "served by the online engine (process workers)" in session.explain(
+            "SELECT sentiment(text) FROM t")
+        assert dict(scan.fetchall()) == dict(zip(rows, expected, strict=True))
+    assert online == expected
