@@ -44,7 +44,6 @@ import numpy as np
 
 from ken.engine.workers import ProcessRunner, ThreadRunner, WorkerDied, WorkerError, warm_up
 from ken.errors import KenError
-from ken.operators.cascade import Cascade
 from ken.operators.certainty import certainty_fn
 from ken.operators.model import Model
 from ken.optimizer.plan import GearPlan
@@ -149,14 +148,11 @@ class Engine:
                 else "process"
         if workers not in ("process", "thread"):
             raise EngineError(f"workers must be 'auto', 'process' or 'thread', not {workers!r}")
-        if workers == "process" and any(isinstance(s, Model) for s in models.values()):
-            raise EngineError("process workers load their own models: pass loaders "
-                              "(zero-argument functions), not loaded models, or use "
-                              "workers='thread'")
+        self.workers = workers
+        self._check_sources(models)
         if threads_per_device < 1:
             raise EngineError("a device needs at least one thread")
         self.plan = plan
-        self.workers = workers
         self.threads_per_device = threads_per_device
         self._sources: dict[str, Source] = dict(models)
         self._models: dict[str, Model] = {}  # thread workers share these
@@ -173,8 +169,9 @@ class Engine:
         self._owner: dict[int, Dispatcher] = {}  # id(batch) -> dispatcher that started it
         self._past_switches: list[tuple[float, int, int]] = []
         self.plan_swaps: list[tuple[float, int]] = []  # (time, queued rows moved)
-        self._bulk_cascade: Cascade = plan.cascade_of(0)
-        self._bulk_rows: dict[int, tuple[Cascade, int]] = {}  # rid -> (cascade, stage)
+        # a bulk row runs the lowest-load cascade of the plan active when it arrived, escalated
+        # by that plan's dispatcher policy: rid -> (dispatcher, cascade index, stage)
+        self._bulk_rows: dict[int, tuple[Dispatcher, int, int]] = {}
         self._bulk_queue: dict[str, deque[int]] = {}  # model -> waiting bulk rows
         self._events: queue.Queue = queue.Queue()
         self._device_queues: dict[str, queue.Queue] = {}
@@ -202,6 +199,12 @@ class Engine:
         if any(r.degree > 1 for r in plan.placement):
             raise EngineError("tensor-parallel replicas need a GPU backend; this engine runs "
                               "one replica per CPU worker")
+
+    def _check_sources(self, models: Mapping[str, Source]) -> None:
+        if self.workers == "process" and any(isinstance(s, Model) for s in models.values()):
+            raise EngineError("process workers load their own models: pass loaders "
+                              "(zero-argument functions), not loaded models, or use "
+                              "workers='thread'")
 
     def _placed(self, plan: GearPlan) -> dict[str, list[str]]:
         """Models each device of ``plan`` hosts."""
@@ -335,8 +338,7 @@ class Engine:
             raise EngineError("the engine is not running; start() it, or pass the plan to "
                               "Engine(...)")
         if models:
-            if self.workers == "process" and any(isinstance(s, Model) for s in models.values()):
-                raise EngineError("process workers need loaders, not loaded models")
+            self._check_sources(models)
             self._sources.update(models)
         self._check_plan(plan, self._sources)
         self._add_devices(self._placed(plan))
@@ -349,6 +351,8 @@ class Engine:
 
     def submit(self, text: str | None) -> Future:
         """Queue one input row (online); the future resolves to its ``Outcome``."""
+        if text is not None and not isinstance(text, str):
+            raise EngineError(f"the engine classifies text; got {type(text).__name__}")
         return self._admit([text], bulk=False)[0]
 
     def submit_many(self, texts: Iterable[str | None], bulk: bool = False) -> list[Future]:
@@ -373,9 +377,6 @@ class Engine:
                 elif not isinstance(text, str):
                     future.set_result(Outcome(rid, "error", now, now, error=(
                         f"the engine classifies text; got {type(text).__name__}")))
-                    if len(texts) == 1:
-                        raise EngineError(f"the engine classifies text; got "
-                                          f"{type(text).__name__}")
                 elif not bulk and len(self._requests) >= self.max_in_flight:
                     future.set_result(Outcome(rid, "rejected", now, now,
                                               error=f"{self.max_in_flight} requests in flight"))
@@ -421,8 +422,10 @@ class Engine:
                 for rid in event[1]:
                     self._launch(disp, disp.admit(rid))
             elif kind == "bulk":
+                disp = self._dispatcher
+                gear = disp.plan.ranges[0].cascade
                 for rid in event[1]:
-                    self._bulk_enqueue(rid, self._bulk_cascade, 0)
+                    self._bulk_enqueue(rid, disp, gear, 0)
                 self._launch_bulk()
             elif kind == "done":
                 self._finished(*event[1:])
@@ -513,7 +516,6 @@ class Engine:
         if old.in_flight:
             self._retiring.append(old)
         self.plan = plan
-        self._bulk_cascade = plan.cascade_of(0)
         for rid in moved:
             self._launch(new, new.admit(rid, metered=False))
         self._launch(new, new.poll(plan.devices))
@@ -522,9 +524,10 @@ class Engine:
 
     # -- bulk rows --------------------------------------------------------------------------
 
-    def _bulk_enqueue(self, rid: int, cascade: Cascade, stage: int) -> None:
-        self._bulk_rows[rid] = (cascade, stage)
-        self._bulk_queue.setdefault(cascade.models[stage], deque()).append(rid)
+    def _bulk_enqueue(self, rid: int, disp: Dispatcher, cascade: int, stage: int) -> None:
+        self._bulk_rows[rid] = (disp, cascade, stage)
+        model = disp.escalation.models[cascade][stage]
+        self._bulk_queue.setdefault(model, deque()).append(rid)
 
     def _bulk_devices(self, model: str) -> list[str]:
         plan = self.plan
@@ -547,11 +550,15 @@ class Engine:
         for d in batch.devices:
             self._busy.discard(d)
         now = self.clock.now()
+        certs: dict[str, np.ndarray] = {}  # certainty kind -> this batch's certainties
         for j, rid in enumerate(batch.request_ids):
-            cascade, stage = self._bulk_rows[rid]
-            cert = float(certainty_fn(cascade.certainty)(probs[j:j + 1])[0])
-            if stage < cascade.num_stages - 1 and cert < cascade.thresholds[stage]:
-                self._bulk_enqueue(rid, cascade, stage + 1)
+            disp, cascade, stage = self._bulk_rows[rid]
+            kind = disp.plan.certainty
+            if kind not in certs:
+                certs[kind] = np.asarray(certainty_fn(kind)(probs), dtype=np.float64)
+            cert = float(certs[kind][j])
+            if disp.escalation.escalates(cascade, stage, cert):  # the dispatcher's rule
+                self._bulk_enqueue(rid, disp, cascade, stage + 1)
                 continue
             del self._bulk_rows[rid]
             req = self._requests.pop(rid)
