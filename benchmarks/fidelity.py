@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ken.engine.calibrate import calibrated, runtime_spread
+from ken.engine.calibrate import calibrated, runtime_ratios, runtime_spread
 from ken.engine.replay import plot_replay, replay
 from ken.engine.serving import Engine
 from ken.operators import family
@@ -50,10 +50,10 @@ def serving_runtimes(log: list, catalog: Catalog) -> dict[str, dict]:
     """Per model: how the engine's model calls compare with the profile's batch runtimes
     (ratio measured / profile per call), after an idle device and back to back."""
     out = {}
-    for model in sorted({r.model for r in log}):
-        calls = [r for r in log if r.model == model]
+    for model, pairs in sorted(runtime_ratios(log, catalog).items()):
+        calls = [r for r, _ in pairs]
+        ratios = np.array([x for _, x in pairs])
         perf = catalog.perf[model]
-        ratios = np.array([r.seconds / perf.batch_runtime(r.rows) for r in calls])
         ones = [r.seconds for r in calls if r.rows == 1]
         idle = np.array([r.idle_before_s for r in calls])
         out[model] = {

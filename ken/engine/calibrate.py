@@ -25,19 +25,27 @@ from ken.errors import KenError
 from ken.optimizer.perf import Catalog, ModelPerf
 
 
-def runtime_spread(log: Iterable[BatchRecord], catalog: Catalog, points: int = 101,
-                   include_bulk: bool = False) -> dict[str, tuple[float, ...]]:
-    """Per model: the measured / profiled runtime ratio as ``points`` equally likely values
-    (the quantile at the middle of each of ``points`` equal-mass bins, so drawing one
-    uniformly reproduces the distribution; the single worst call is not given 1/points)."""
-    ratios: dict[str, list[float]] = {}
+def runtime_ratios(log: Iterable[BatchRecord], catalog: Catalog, include_bulk: bool = False
+                   ) -> dict[str, list[tuple[BatchRecord, float]]]:
+    """Per model: every model call with its ratio measured / profiled runtime of that size."""
+    out: dict[str, list[tuple[BatchRecord, float]]] = {}
     for r in log:
         if r.bulk and not include_bulk:
             continue
         if r.model not in catalog.perf:
             raise KenError(f"the engine ran {r.model}, which the catalog has no profile of")
-        ratios.setdefault(r.model, []).append(r.seconds / catalog.perf[r.model].batch_runtime(
-            r.rows))
+        out.setdefault(r.model, []).append((r, r.seconds / catalog.perf[r.model].batch_runtime(
+            r.rows)))
+    return out
+
+
+def runtime_spread(log: Iterable[BatchRecord], catalog: Catalog, points: int = 101,
+                   include_bulk: bool = False) -> dict[str, tuple[float, ...]]:
+    """Per model: the measured / profiled runtime ratio as ``points`` equally likely values
+    (the quantile at the middle of each of ``points`` equal-mass bins, so drawing one
+    uniformly reproduces the distribution; the single worst call is not given 1/points)."""
+    ratios = {m: [x for _, x in calls]
+              for m, calls in runtime_ratios(log, catalog, include_bulk).items()}
     qs = (np.arange(points) + 0.5) * 100.0 / points
     return {m: tuple(float(x) for x in np.percentile(v, qs)) for m, v in ratios.items()}
 
