@@ -8,12 +8,16 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
 from ken.errors import KenError
 from ken.progress import Reporter
+
+if TYPE_CHECKING:
+    from ken.optimizer.perf import Catalog
 
 # a fixed width when not a terminal keeps wide tables readable in logs and CI
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -246,18 +250,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _cards, profiles = _load_profiles(args, [args.device_threads], reporter)
     by_name = {p.model: p for p in profiles}
     catalog, cascades = planning_inputs(by_name, args.max_stages, args.grid)
-    spreads = None
-    if args.calibration is not None:
-        from ken.engine.calibrate import calibrated, load_spreads
-
-        spreads = load_spreads(args.calibration)
-        unknown = sorted(set(spreads) - set(catalog.perf))
-        if unknown:
-            raise KenError(f"{args.calibration} calibrates {unknown}, which are not models of "
-                           f"this family ({', '.join(catalog.models)})")
-        catalog = calibrated(catalog, spreads)
-        reporter.note(f"runtimes calibrated by {args.calibration}: median serving/profile "
-                      + ", ".join(f"{m} x{v[len(v) // 2]:.2f}" for m, v in spreads.items()))
+    catalog, spreads = _calibrate(args.calibration, catalog, reporter)
     best = max(cascades, key=catalog.accuracy)
     sustained = sustained_qps(catalog, best, args.devices)
     peak = args.peak_qps or default_peak_qps(catalog, cascades, args.devices)
@@ -295,6 +288,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     console.print(f"wrote {json_path} and {png_path} ({planned}; {took:.1f} s in all)",
                   highlight=False)
     return 0
+
+
+def _calibrate(path: Path | None, catalog: Catalog, reporter: Reporter
+               ) -> tuple[Catalog, dict | None]:
+    """``catalog`` with the runtime calibration at ``path`` (if given), and its spreads."""
+    if path is None:
+        return catalog, None
+    from ken.engine.calibrate import calibrated, load_spreads
+
+    spreads = load_spreads(path)
+    reporter.note(f"runtimes calibrated by {path}: median serving/profile "
+                  + ", ".join(f"{m} x{v[len(v) // 2]:.2f}" for m, v in spreads.items()))
+    return calibrated(catalog, spreads), spreads
 
 
 def _session(args: argparse.Namespace):  # noqa: ANN202
@@ -362,10 +368,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     _cards, profiles = _load_profiles(args, [args.device_threads], reporter)
     catalog, _ = planning_inputs({p.model: p for p in profiles})
     profiled = catalog
-    if args.calibration is not None:  # simulate the comparison with serving runtimes
-        from ken.engine.calibrate import calibrated, load_spreads
-
-        catalog = calibrated(catalog, load_spreads(args.calibration))
+    catalog, _ = _calibrate(args.calibration, catalog, reporter)  # simulate with serving times
     sample = family.heldout_sample(data, args.data_dir)
     peak = (args.peak_qps or plan.qps_max) * args.rate_scale
     trace = planning_trace(args.trace, peak, args.duration, seed=args.seed)

@@ -52,6 +52,10 @@ def runtime_spread(log: Iterable[BatchRecord], catalog: Catalog, points: int = 1
 
 def calibrated(catalog: Catalog, spreads: Mapping[str, tuple[float, ...]]) -> Catalog:
     """``catalog`` with each model in ``spreads`` given that runtime distribution."""
+    unknown = sorted(set(spreads) - set(catalog.perf))
+    if unknown:
+        raise KenError(f"the calibration covers {unknown}, which the catalog does not have "
+                       f"({', '.join(catalog.models)})")
     perf = {}
     for m, p in catalog.perf.items():
         perf[m] = ModelPerf(m, p.batch_sizes, p.runtime_s, p.memory_bytes, p.degrees,
