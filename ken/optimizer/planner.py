@@ -55,6 +55,7 @@ class PlannerSettings:
     max_rounds: int = 12  # beam rounds per placement search (it also stops on no improvement)
     max_batch: int | None = None  # cap on batch size; None: each model's largest profiled batch
     full_replication: bool = False  # every model on every device (paper section 5.6); no search
+    heuristic_placement: bool = False  # the ablation's simple rule (``heuristic_placement``)
     screen: int = 3  # per iteration, candidates simulated after an analytic ranking; 0: all
     max_iterations: int | None = None  # stop the adapter early (None: at cheapest everywhere)
     placement_scoring: str = "simulate"  # or "estimate": see search_placement
@@ -489,6 +490,8 @@ def choose_placements(ctx: PlanningContext, assignment: Sequence[int],
     s = ctx.settings
     if s.full_replication:
         return [full_placement(ctx, assignment)]
+    if s.heuristic_placement:
+        return [heuristic_placement(models, ctx.hardware, ctx.catalog)]
     if warm is not None and s.placement_scoring == "estimate":
         adapted = adapt_placement(ctx, warm, models)
         if adapted is not None and set(models) <= {r.model for r in warm} and all(
@@ -718,6 +721,32 @@ def full_placement(ctx: PlanningContext, assignment: Sequence[int]) -> Placement
     """Every model of the assignment on every device (the restricted space of section 5.6)."""
     return _canonical([Replica(m, (d,)) for m in _models_of(ctx, assignment)
                        for d in ctx.hardware.ids])
+
+
+def heuristic_placement(models: Sequence[str], hardware: Hardware,
+                        catalog: Catalog) -> Placement:
+    """The simple placement rule of the paper's ablation (section 5.7), without search.
+
+    If all ``models`` fit on one device together, every device holds all of them (collocated,
+    and replicated so no device idles); otherwise each model gets devices of its own (device
+    ``i`` goes to model ``i mod len(models)``). Raises ``PlanningError`` when neither fits.
+    """
+    models = sorted(dict.fromkeys(models))
+    together = sum(catalog.perf[m].memory(1) for m in models)
+    devices = hardware.devices
+    if all(d.memory_bytes >= together for d in devices):
+        return _canonical([Replica(m, (d.id,)) for m in models for d in devices])
+    if len(models) > len(devices):
+        raise PlanningError(f"the placement heuristic cannot place {models} on "
+                            f"{len(devices)} devices: they do not fit on one together and "
+                            "there are fewer devices than models")
+    out = []
+    for i, d in enumerate(devices):
+        m = models[i % len(models)]
+        if catalog.perf[m].memory(1) > d.memory_bytes:
+            raise PlanningError(f"{m} does not fit on device {d.id}")
+        out.append(Replica(m, (d.id,)))
+    return _canonical(out)
 
 
 def _by_cost(cascades: Sequence[Cascade], catalog: Catalog,
