@@ -682,38 +682,6 @@ def default_peak_qps(catalog: Catalog, cascades: Sequence[Cascade], devices: int
     return float(max(1, round(1.5 * sustained_qps(catalog, best, devices))))
 
 
-def _fit_peak(make: Callable[[float], Trace], start: float, peak_qps: float) -> Trace:
-    """``make(x)`` for the ``x`` whose trace has a 1-s peak closest to ``peak_qps``.
-
-    Peaks are counts in fixed 1-s buckets, so they move in steps as ``x`` scales the rate;
-    a few multiplicative corrections get within one step.
-    """
-    x, best = start, None
-    for _ in range(12):
-        trace = make(x)
-        got = trace.qps_max()
-        if best is None or abs(got - peak_qps) < abs(best.qps_max() - peak_qps):
-            best = trace
-        if abs(got - peak_qps) < 1.0:
-            break
-        x *= peak_qps / got
-    assert best is not None
-    return best
-
-
-def _around_peak(trace: Trace, duration_s: float) -> Trace:
-    """The ``duration_s`` window of ``trace`` around its busiest 1-s bucket; it starts on a
-    whole second, so the window's 1-s buckets (and its peak) are the trace's own."""
-    import numpy as np
-
-    if trace.duration_s <= duration_s:
-        return trace
-    counts = np.bincount(np.floor(trace.arrival_s).astype(np.int64))
-    peak_at = int(np.argmax(counts))
-    start = min(max(0, peak_at - int(duration_s // 2)), int(trace.duration_s - duration_s))
-    return trace.window(float(max(start, 0)), duration_s)
-
-
 def planning_trace(kind: str | Trace, peak_qps: float, duration_s: float, seed: int = 0,
                    cv: float = 4.0) -> Trace:
     """The sample trace a frontier is planned on, with a 1-s peak of (about) ``peak_qps``.
@@ -727,25 +695,26 @@ def planning_trace(kind: str | Trace, peak_qps: float, duration_s: float, seed: 
     from ken.optimizer.workload import (
         Trace,
         WorkloadError,
+        fit_peak,
         gamma_trace,
         load_azure_trace,
         poisson_trace,
     )
 
     if isinstance(kind, Trace):
-        return _fit_peak(kind.rate_scaled, peak_qps / kind.qps_max(), peak_qps)
+        return fit_peak(kind.rate_scaled, peak_qps / kind.qps_max(), peak_qps)
     if kind == "azure":
         try:
             full = load_azure_trace()
         except WorkloadError as exc:
             raise WorkloadError(f"{exc}; or plan on a synthetic trace: --trace poisson / "
                                 "gamma (trace='poisson' in session.plan)") from None
-        return _fit_peak(lambda f: _around_peak(full.rate_scaled(f), duration_s),
+        return fit_peak(lambda f: full.rate_scaled(f).around_peak(duration_s),
                          peak_qps / full.qps_max(), peak_qps)
     if kind == "poisson":
-        return _fit_peak(lambda r: poisson_trace(r, duration_s, seed), peak_qps * 0.8, peak_qps)
+        return fit_peak(lambda r: poisson_trace(r, duration_s, seed), peak_qps * 0.8, peak_qps)
     if kind == "gamma":
-        return _fit_peak(lambda r: gamma_trace(r, duration_s, cv, seed), peak_qps / 4, peak_qps)
+        return fit_peak(lambda r: gamma_trace(r, duration_s, cv, seed), peak_qps / 4, peak_qps)
     raise WorkloadError(f"unknown trace {kind!r}; use one of {', '.join(TRACE_KINDS)} or pass "
                         "a ken.optimizer.workload.Trace")
 

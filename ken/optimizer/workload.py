@@ -8,7 +8,7 @@ per-sample predictions give accuracy. All are frozen dataclasses with versioned 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -188,6 +188,16 @@ class Trace:
         return self._with(self.arrival_s[idx] - start_s, idx,
                           f"{self.name}[{start_s:g}+{duration_s:g}s]")
 
+    def around_peak(self, duration_s: float) -> Trace:
+        """The ``duration_s`` window around the busiest 1-s bucket; it starts on a whole
+        second, so the window's 1-s buckets (and its peak) are the trace's own."""
+        if self.duration_s <= duration_s:
+            return self
+        counts = np.bincount(np.floor(self.arrival_s).astype(np.int64))
+        peak_at = int(np.argmax(counts))
+        start = min(max(0, peak_at - int(duration_s // 2)), int(self.duration_s - duration_s))
+        return self.window(float(max(start, 0)), duration_s)
+
     def qps_max(self, window_s: float = 1.0) -> float:
         """Peak rate: the most arrivals in one *bucketed* window, divided by ``window_s``.
 
@@ -220,6 +230,25 @@ class Trace:
     @classmethod
     def from_json(cls, text: str) -> Trace:
         return cls.from_dict(json.loads(text))
+
+
+def fit_peak(make: Callable[[float], Trace], start: float, peak_qps: float) -> Trace:
+    """``make(x)`` for the ``x`` whose trace has a 1-s peak closest to ``peak_qps``.
+
+    Peaks are counts in fixed 1-s buckets, so they move in steps as ``x`` scales the rate;
+    a few multiplicative corrections get within one step.
+    """
+    x, best = start, None
+    for _ in range(12):
+        trace = make(x)
+        got = trace.qps_max()
+        if best is None or abs(got - peak_qps) < abs(best.qps_max() - peak_qps):
+            best = trace
+        if abs(got - peak_qps) < 1.0:
+            break
+        x *= peak_qps / got
+    assert best is not None
+    return best
 
 
 def load_azure_trace(path: str | Path | None = None) -> Trace:
