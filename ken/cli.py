@@ -539,7 +539,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="the whole pipeline on the packaged models and data")
     _family_args(demo)
-    demo.add_argument("--quick", action="store_true", help="smaller data, fewer batch sizes")
+    demo.add_argument("--quick", action="store_true",
+                      help="about 2 minutes: smaller data, fewer batch sizes, shorter traces")
+    demo.add_argument("--out", type=Path, default=Path("ken-demo"),
+                      help="folder for the figures (default: ken-demo)")
     demo.set_defaults(func=cmd_demo)
     return parser
 

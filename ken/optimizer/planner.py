@@ -56,6 +56,9 @@ class PlannerSettings:
     max_batch: int | None = None  # cap on batch size; None: each model's largest profiled batch
     full_replication: bool = False  # every model on every device (paper section 5.6); no search
     heuristic_placement: bool = False  # the ablation's simple rule (``heuristic_placement``)
+    # also place every candidate cascade alone at all loads: the greedy adapter does not visit
+    # every static plan, and one of them can beat its gear plans at their accuracy
+    include_static: bool = True
     screen: int = 3  # per iteration, candidates simulated after an analytic ranking; 0: all
     max_iterations: int | None = None  # stop the adapter early (None: at cheapest everywhere)
     placement_scoring: str = "simulate"  # or "estimate": see search_placement
@@ -691,6 +694,11 @@ def _adapt(ctx: PlanningContext, trace: Trace, catalog: Catalog, settings: Plann
             emitted.append(plan)
             if on_plan:
                 on_plan(plan)
+    if settings.include_static:
+        with reporter.task(f"static plans for {operator}", len(order)) as advance:
+            for c in range(len(order)):
+                search_placement(ctx, (c,) * settings.num_ranges)
+                advance(1)
     # every simulated candidate is a complete gear plan: the frontier is the Pareto set of all
     # of them, not only of each iteration's winner
     front = pareto_plans([p for p, _ in ctx.sim_cache.values()])
