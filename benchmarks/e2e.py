@@ -67,6 +67,7 @@ from ken.operators.cascade import Cascade
 from ken.operators.model import DeviceConfig
 from ken.optimizer.baselines import (
     best_at_accuracy,
+    gear_accuracy,
     ratio_at_accuracy,
     static_plans,
     tune_dynamic_batching,
@@ -101,20 +102,6 @@ ABLATIONS = {"no gear switching": STATIC,
              "no cascades": "MS+ (model switching)",
              "heuristic placement": "ken, heuristic placement"}
 TOLERANCE = 0.005  # matched accuracy: within half a point
-
-
-def gear_accuracy(plan: GearPlan, catalog: Catalog, ranges: np.ndarray) -> float:
-    """Accuracy of a served plan with the row-sampling noise taken out: the mean, over the
-    requests, of the sample-wide accuracy of the cascade of the gear each was admitted in.
-
-    A replayed window of a few hundred requests estimates a cascade's accuracy to about
-    +-2 points; every system's gears are known per request, and each cascade's accuracy on the
-    whole held-out sample is exact, so this compares systems at matched accuracy."""
-    acc = np.array([catalog.accuracy(plan.cascade_of(k)) for k in range(plan.num_ranges)])
-    ranges = np.asarray(ranges)
-    if (ranges < 0).any():
-        raise ValueError("a request has no gear (not served)")
-    return float(acc[ranges].mean())
 
 
 @dataclass
@@ -307,7 +294,7 @@ def run_workload(name: str, plan_t: Trace, eval_t: Trace, args: argparse.Namespa
     chosen: list[int] = []
     for pt in points:
         i = best_at_accuracy([(a, m.p95_ms) for m, a in ken_pts], pt.accuracy["evaluated"],
-                             tolerance=0.0)
+                             tolerance=1e-9)  # float noise of averaging equal accuracies
         if i is not None and i not in chosen:
             chosen.append(i)
     ken_points = []

@@ -9,6 +9,7 @@ import pytest
 from ken.optimizer.baselines import (
     best_at_accuracy,
     dynamic_batching_plan,
+    gear_accuracy,
     ratio_at_accuracy,
     static_plans,
     tune_dynamic_batching,
@@ -135,3 +136,21 @@ def test_ratio_at_accuracy_matches_brute_force() -> None:
             assert got[0] == pytest.approx(want)
             assert ours[got[1]][1] == pytest.approx(base[1] / want)
             assert best_at_accuracy(ours, base[0]) == got[1]
+
+
+def test_gear_accuracy_is_the_served_cascades_sample_accuracy() -> None:
+    cat = catalog()
+    settings = PlannerSettings(num_ranges=3)
+    frontier, _ = plan_frontier("op", CASCADES, cat, hardware(2), trace(), settings=settings)
+    plan = max(frontier.plans, key=lambda p: len(p.gears()))
+    res = simulate(plan, cat, trace())
+    ranges = res.range_index[0]
+    got = gear_accuracy(plan, cat, ranges)
+    by_hand = np.mean([cat.accuracy(plan.cascade_of(int(k))) for k in ranges])
+    assert got == pytest.approx(by_hand)
+    # a static plan's is exactly its cascade's accuracy on the whole sample
+    static = dynamic_batching_plan("op", "l", cat, hardware(2), 100.0, 4, 0.01)
+    assert gear_accuracy(static, cat, np.zeros(7, int)) == pytest.approx(
+        cat.accuracy(static.cascades[0]))
+    with pytest.raises(PlanningError, match="every request"):
+        gear_accuracy(static, cat, np.array([0, -1]))
