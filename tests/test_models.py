@@ -229,3 +229,21 @@ def test_session_serves_sentiment_from_worker_processes(home, models) -> None:
             "SELECT sentiment(text) FROM t")
         assert dict(scan.fetchall()) == dict(zip(rows, expected, strict=True))
     assert online == expected
+
+
+def test_demo_quick_tours_the_pipeline(home, tmp_path, capsys) -> None:
+    """`ken demo --quick` end to end on the small family: gear-plan frontier PNG, a plan
+    picked for the target, EXPLAIN and the SQL result served by the engine, and the replay of
+    ken's plan against the best static cascade, both measured."""
+    out = tmp_path / "demo"
+    code = main(["demo", "--quick", "--train-rows", "300", "--test-rows", "150",
+                 "--out", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    for png in ("gear-plan-frontier.png", "replay-ken.png", "replay-best.png"):
+        assert (out / png).stat().st_size > 10_000
+    assert "picked for 'accuracy >=" in text
+    assert "served by the online engine (process workers)" in text  # EXPLAIN
+    assert "│ negative │" in text or "negative" in text  # the query's result
+    assert "ken gear plan" in text and "best static cascade" in text
+    assert "the static cascade's is" in text and "x ken's" in text
