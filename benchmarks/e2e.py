@@ -448,9 +448,9 @@ def plot(name: str, points: list[Point], path: Path, info: dict) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("accuracy (%)")
     ax.set_ylabel("p95 latency (ms)")
-    ax.set_title(f"{name}: measured on {info['replayed_requests']} requests (solid; hollow: "
-                 f"simulated, overloaded), simulated on the whole evaluation window (dotted)",
-                 fontsize=8)
+    ax.set_title(f"{name}: solid = measured on the engine ({info['replayed_requests']} "
+                 "requests; hollow: not replayed, simulated)\ndotted = simulated on the whole "
+                 f"evaluation window ({info['evaluation_requests']} requests)", fontsize=8)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
