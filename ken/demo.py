@@ -138,7 +138,6 @@ def _gear_plans(session, profiles, target: float, duration_s: float, out: Path, 
         goal = f"accuracy >= {target:.1%}, out of reach: the most accurate plan"
     plan = frontier.plans[k]
     session.use_plan(plan)
-    frontier = session.frontiers["sentiment"]
     ctx = planning_context("sentiment", cascades, catalog, Hardware.cpu_workers(2, 4 * 2**30),
                            trace, peak, settings)
     statics = static_plans(ctx)
