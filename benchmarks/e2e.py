@@ -60,8 +60,7 @@ from pathlib import Path
 import numpy as np
 
 from ken.engine.calibrate import calibrated, runtime_spread
-from ken.engine.replay import replay
-from ken.engine.serving import Engine
+from ken.engine.replay import serve_trace
 from ken.operators import family
 from ken.operators.cascade import Cascade
 from ken.operators.model import DeviceConfig
@@ -201,28 +200,19 @@ def calibrate(args: argparse.Namespace, catalog: Catalog, cascades: list[Cascade
     ctx = planning_context(OPERATOR, [top], catalog, hardware, trace,
                            settings=PlannerSettings(num_ranges=2, full_replication=True))
     plan = search_placement(ctx, (0, 0))[0]
-    engine = Engine(plan, loaders, workers=args.workers)
-    engine.start()
-    try:
-        replay(engine, trace, sample.texts, sample.labels, seed=args.seed + 1,
-               reporter=reporter)
-    finally:
-        engine.shutdown()
-    spreads = runtime_spread(engine.batch_log, catalog)
+    served = serve_trace(plan, loaders, trace, sample.texts, sample.labels, seed=args.seed + 1,
+                         reporter=reporter, workers=args.workers)
+    spreads = runtime_spread(served.batch_log, catalog)
     return calibrated(catalog, spreads), spreads, len(trace)
 
 
 def measure(plan: GearPlan, trace: Trace, args: argparse.Namespace, loaders: dict, sample,
             reporter: Reporter) -> tuple[SimResult, dict]:
-    engine = Engine(plan, loaders, workers=args.workers)
-    load = engine.start()
-    try:
-        rep = replay(engine, trace, sample.texts, sample.labels, seed=args.seed,
-                     reporter=reporter)
-    finally:
-        engine.shutdown()
+    served = serve_trace(plan, loaders, trace, sample.texts, sample.labels, seed=args.seed,
+                         reporter=reporter, workers=args.workers)
+    rep = served.replay
     return rep.result, {"status": rep.status_counts(), "max_send_lag_s": rep.max_send_lag_s,
-                        "load_s": load.total_s}
+                        "load_s": served.load.total_s}
 
 
 def run_workload(name: str, plan_t: Trace, eval_t: Trace, args: argparse.Namespace,
@@ -245,7 +235,7 @@ def run_workload(name: str, plan_t: Trace, eval_t: Trace, args: argparse.Namespa
                              reporter=reporter)
     candidates["ken"] = list(front.plans)
     info["ken_planning_s"] = time.perf_counter() - t0
-    single_models = sorted({c.models[0] for c in cascades} | set(catalog.models))
+    single_models = sorted(catalog.models)
     singles = [Cascade((m,), (), cascades[0].certainty) for m in single_models]
     ms, _ = plan_frontier(OPERATOR, singles, catalog, hardware, plan_t, settings=settings)
     candidates["MS+ (model switching)"] = list(ms.plans)

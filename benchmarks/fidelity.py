@@ -29,8 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from ken.engine.calibrate import calibrated, runtime_ratios, runtime_spread
-from ken.engine.replay import plot_replay, replay
-from ken.engine.serving import Engine
+from ken.engine.replay import plot_replay, serve_trace
 from ken.operators import family
 from ken.operators.model import DeviceConfig
 from ken.optimizer.cascades import pareto_cascades
@@ -113,13 +112,9 @@ def main() -> int:
                                       seed=args.seed + 1)
 
     def serve(plan: GearPlan, on: Trace, seed: int) -> tuple:
-        engine = Engine(plan, loaders, workers=args.workers)
-        load = engine.start()
-        try:
-            rep = replay(engine, on, sample.texts, sample.labels, seed=seed, reporter=reporter)
-        finally:
-            engine.shutdown()
-        return rep, list(engine.batch_log), load
+        served = serve_trace(plan, loaders, on, sample.texts, sample.labels, seed=seed,
+                             reporter=reporter, workers=args.workers)
+        return served.replay, list(served.batch_log), served.load
 
     rows = []
     for k, (name, plan) in enumerate(picks.items()):

@@ -164,8 +164,7 @@ def _compare(plan, statics, catalog, planning, replay_s: float, loaders,  # noqa
              sample, out: Path, console: Console, reporter: Reporter) -> None:
     """Replay a fresh window of bursty arrivals through the engine with ``plan`` and with
     the static cascade that is best at its accuracy on that very window."""
-    from ken.engine.replay import plot_replay, replay
-    from ken.engine.serving import Engine
+    from ken.engine.replay import plot_replay, serve_trace
     from ken.optimizer.baselines import best_at_accuracy, gear_accuracy
     from ken.optimizer.simulator import simulate
     from ken.session import planning_trace
@@ -189,12 +188,8 @@ def _compare(plan, statics, catalog, planning, replay_s: float, loaders,  # noqa
         table.add_column(col, justify="left" if col == "system" else "right")
     measured = {}
     for name, p in (("ken gear plan", plan), ("best static cascade", static)):
-        engine = Engine(p, loaders, workers="process")
-        engine.start()
-        try:
-            rep = replay(engine, trace, sample.texts, sample.labels, reporter=reporter)
-        finally:
-            engine.shutdown()
+        rep = serve_trace(p, loaders, trace, sample.texts, sample.labels, reporter=reporter,
+                          workers="process").replay
         m = rep.result.metrics(0, p)
         acc = gear_accuracy(p, catalog, rep.result.range_index[0])
         measured[name] = (m, acc)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from ken.engine.serving import Engine, Outcome
+from ken.engine.serving import BatchRecord, Engine, LoadReport, Outcome
 from ken.optimizer.plan import GearPlan
 from ken.optimizer.simulator import SimResult, sample_rows
 from ken.optimizer.workload import Trace
@@ -84,6 +85,26 @@ def replay(engine: Engine, trace: Trace, texts: Sequence[str], labels: Sequence[
         stage_rows=(),
     )
     return Replay(result, outcomes, lag)
+
+
+@dataclass(frozen=True, eq=False)
+class Served:
+    """What ``serve_trace`` measured: the replay, the model load, and every model call."""
+
+    replay: Replay
+    load: LoadReport
+    batch_log: tuple[BatchRecord, ...]
+
+
+def serve_trace(plan: GearPlan, models: Mapping[str, Any], trace: Trace, texts: Sequence[str],
+                labels: Sequence[int], seed: int = 0, reporter: Reporter = QUIET,
+                **engine_options: Any) -> Served:
+    """Start an ``Engine(plan, models, **engine_options)``, replay ``trace`` through it and
+    shut it down (also when the replay fails)."""
+    with Engine(plan, models, **engine_options) as engine:
+        rep = replay(engine, trace, texts, labels, seed=seed, reporter=reporter)
+    assert engine.load_report is not None
+    return Served(rep, engine.load_report, tuple(engine.batch_log))
 
 
 def plot_replay(rep: Replay, plan: GearPlan, path: str | Path, title: str = "") -> Path:

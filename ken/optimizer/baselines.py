@@ -102,12 +102,8 @@ def ratio_at_accuracy(baseline: tuple[float, float], ours: Sequence[tuple[float,
     """``baseline``'s p95 over the lowest p95 among ``ours`` points (accuracy, p95) whose
     accuracy is at least the baseline's minus ``tolerance``; with that point's index.
     None when no point of ours is that accurate."""
-    acc, p95 = baseline
-    matches = [(p, i) for i, (a, p) in enumerate(ours) if a >= acc - tolerance]
-    if not matches:
-        return None
-    best, i = min(matches)
-    return p95 / best, i
+    i = best_at_accuracy(ours, baseline[0], tolerance)
+    return None if i is None else (baseline[1] / ours[i][1], i)
 
 
 def best_at_accuracy(points: Sequence[tuple[float, float]], accuracy: float,
