@@ -19,9 +19,9 @@ from pathlib import Path
 import pyarrow as pa
 
 from ken.engine.batch import run_cascade
-from ken.operators import family
-from ken.operators.cascade import Cascade
-from ken.operators.model import DeviceConfig
+from ken.models import family
+from ken.models.cascade import Cascade
+from ken.models.model import DeviceConfig
 from ken.progress import Reporter
 
 

@@ -61,9 +61,9 @@ import numpy as np
 
 from ken.engine.calibrate import calibrated, runtime_spread
 from ken.engine.replay import serve_trace
-from ken.operators import family
-from ken.operators.cascade import Cascade
-from ken.operators.model import DeviceConfig
+from ken.models import family
+from ken.models.cascade import Cascade
+from ken.models.model import DeviceConfig
 from ken.optimizer.baselines import (
     best_at_accuracy,
     gear_accuracy,
@@ -73,7 +73,7 @@ from ken.optimizer.baselines import (
 )
 from ken.optimizer.cascades import pareto_cascades
 from ken.optimizer.perf import Catalog
-from ken.optimizer.plan import GearPlan, PlanMetrics
+from ken.policy.plan import GearPlan, PlanMetrics
 from ken.optimizer.planner import (
     PlannerSettings,
     pareto_plans,
@@ -92,7 +92,7 @@ from ken.optimizer.workload import (
     poisson_trace,
 )
 from ken.progress import Reporter
-from ken.session import sustained_qps
+from ken.optimizer.planning import sustained_qps
 
 RESULTS = Path(__file__).parent / "results" / "e2e"
 OPERATOR = "sentiment"
@@ -200,7 +200,7 @@ def calibrate(args: argparse.Namespace, catalog: Catalog, cascades: list[Cascade
     ctx = planning_context(OPERATOR, [top], catalog, hardware, trace,
                            settings=PlannerSettings(num_ranges=2, full_replication=True))
     plan = search_placement(ctx, (0, 0))[0]
-    served = serve_trace(plan, loaders, trace, sample.texts, sample.labels, seed=args.seed + 1,
+    served = serve_trace(plan, loaders, trace, sample, seed=args.seed + 1,
                          reporter=reporter, workers=args.workers)
     spreads = runtime_spread(served.batch_log, catalog)
     return calibrated(catalog, spreads), spreads, len(trace)
@@ -208,7 +208,7 @@ def calibrate(args: argparse.Namespace, catalog: Catalog, cascades: list[Cascade
 
 def measure(plan: GearPlan, trace: Trace, args: argparse.Namespace, loaders: dict, sample,
             reporter: Reporter) -> tuple[SimResult, dict]:
-    served = serve_trace(plan, loaders, trace, sample.texts, sample.labels, seed=args.seed,
+    served = serve_trace(plan, loaders, trace, sample, seed=args.seed,
                          reporter=reporter, workers=args.workers)
     rep = served.replay
     return rep.result, {"status": rep.status_counts(), "max_send_lag_s": rep.max_send_lag_s,

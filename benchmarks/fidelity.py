@@ -30,17 +30,17 @@ import numpy as np
 
 from ken.engine.calibrate import calibrated, runtime_ratios, runtime_spread
 from ken.engine.replay import plot_replay, serve_trace
-from ken.operators import family
-from ken.operators.model import DeviceConfig
+from ken.models import family
+from ken.models.model import DeviceConfig
 from ken.optimizer.cascades import pareto_cascades
 from ken.optimizer.perf import Catalog
-from ken.optimizer.plan import GearPlan
+from ken.policy.plan import GearPlan
 from ken.optimizer.planner import PlannerSettings, plan_frontier
 from ken.optimizer.profile import DEFAULT_BATCH_SIZES, load_or_run_profile
 from ken.optimizer.simulator import simulate
 from ken.optimizer.workload import Hardware, Trace, poisson_trace
 from ken.progress import Reporter
-from ken.session import default_peak_qps, planning_trace
+from ken.optimizer.planning import default_peak_qps, planning_trace
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -112,7 +112,7 @@ def main() -> int:
                                       seed=args.seed + 1)
 
     def serve(plan: GearPlan, on: Trace, seed: int) -> tuple:
-        served = serve_trace(plan, loaders, on, sample.texts, sample.labels, seed=seed,
+        served = serve_trace(plan, loaders, on, sample, seed=seed,
                              reporter=reporter, workers=args.workers)
         return served.replay, list(served.batch_log), served.load
 

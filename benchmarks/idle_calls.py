@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ken.operators import family
-from ken.operators.model import DeviceConfig
+from ken.models import family
+from ken.models.model import DeviceConfig
 from ken.progress import Reporter
 
 RESULTS = Path(__file__).parent / "results"

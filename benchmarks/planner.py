@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 from ken.optimizer.artifact import bert_profiles, v100_hardware  # noqa: E402
 from ken.optimizer.cascades import pareto_cascades  # noqa: E402
 from ken.optimizer.perf import Catalog  # noqa: E402
-from ken.optimizer.plan import GearPlan  # noqa: E402
+from ken.policy.plan import GearPlan  # noqa: E402
 from ken.optimizer.planner import (  # noqa: E402
     PlannerSettings,
     evaluate_plan,

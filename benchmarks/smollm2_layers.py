@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ken.operators import family
-from ken.operators.head import fit_logistic_cv
-from ken.operators.model import DeviceConfig
-from ken.operators.transformers_backend import BodyConfig, TransformersBody
+from ken.models import family
+from ken.models.head import fit_logistic_cv
+from ken.models.model import DeviceConfig
+from ken.models.transformers_backend import BodyConfig, TransformersBody
 from ken.progress import Reporter
 
 

@@ -4,8 +4,8 @@
 """
 
 import ken
+from ken.demo_tables import load_demo_tables
 from ken.progress import Reporter
-from ken.sql.builtins import load_demo_tables
 
 session = ken.connect(reporter=Reporter())
 load_demo_tables(session, num_rows=500)  # tweets(id, text, label, len): rows no model saw

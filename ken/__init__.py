@@ -8,13 +8,13 @@
 
 from ken.errors import KenError
 from ken.frame import Frame, call
-from ken.operators.cascade import Cascade
-from ken.operators.model import DeviceConfig
-from ken.optimizer.plan import Frontier, GearPlan
+from ken.models.cascade import Cascade
+from ken.models.model import DeviceConfig
+from ken.ops.base import SemanticFunction
 from ken.optimizer.query import QueryPlan, Target
 from ken.optimizer.workload import Hardware, Workload
+from ken.policy.plan import Frontier, GearPlan
 from ken.session import Result, Session, connect
-from ken.sql.functions import SemanticFunction
 
 __all__ = ["Cascade", "DeviceConfig", "Frame", "Frontier", "GearPlan", "Hardware", "KenError",
            "QueryPlan", "Result", "SemanticFunction", "Session", "Target", "Workload", "call",

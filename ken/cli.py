@@ -36,7 +36,7 @@ def _family_args(p: argparse.ArgumentParser) -> None:
 
 
 def _family(args: argparse.Namespace):  # noqa: ANN202
-    from ken.operators.family import FamilyData
+    from ken.models.family import FamilyData
 
     return FamilyData(args.data, args.train_rows, args.test_rows)
 
@@ -83,8 +83,8 @@ def frontier_table(points, title: str = "Pareto cascades", limit: int = 14) -> T
 
 
 def cmd_models_prepare(args: argparse.Namespace) -> int:
-    from ken.operators import family
-    from ken.operators.model import DeviceConfig
+    from ken.models import family
+    from ken.models.model import DeviceConfig
 
     cards = family.prepare(_family(args), DeviceConfig(threads=args.threads),
                            reporter=Reporter(args.quiet), data_dir=args.data_dir,
@@ -95,8 +95,8 @@ def cmd_models_prepare(args: argparse.Namespace) -> int:
 
 def _load_profiles(args: argparse.Namespace, threads: Sequence[int], reporter: Reporter,
                    batch_sizes: Sequence[int] | None = None):  # noqa: ANN202
-    from ken.operators import family
-    from ken.operators.model import DeviceConfig
+    from ken.models import family
+    from ken.models.model import DeviceConfig
     from ken.optimizer.profile import DEFAULT_BATCH_SIZES, load_or_run_profile
 
     data = _family(args)
@@ -117,7 +117,7 @@ def _load_profiles(args: argparse.Namespace, threads: Sequence[int], reporter: R
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:
-    from ken.operators import family
+    from ken.models import family
 
     cards = family.load_cards(_family(args), missing_ok=True)
     if not cards:
@@ -148,7 +148,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_cascades(args: argparse.Namespace) -> int:
-    from ken.operators.cascade import Cascade
+    from ken.models.cascade import Cascade
     from ken.optimizer.cascades import evaluate, pareto_cascades
 
     reporter = Reporter(args.quiet)
@@ -174,7 +174,7 @@ def cmd_cascades(args: argparse.Namespace) -> int:
 def cascade_names(frontier, catalog=None) -> dict:  # noqa: ANN001
     """Short names ``C0, C1, ...`` for the cascades a frontier uses: by expected compute per
     row when ``catalog`` is given (C0 cheapest), else by number of stages."""
-    from ken.session import sustained_qps
+    from ken.optimizer.planning import sustained_qps
 
     used = list(dict.fromkeys(c for plan in frontier.plans for c in plan.cascades))
     if catalog is not None:
@@ -219,11 +219,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import time
 
     from ken.optimizer.planner import PlannerSettings
-    from ken.optimizer.plotting import plot_frontier
-    from ken.optimizer.query import Target
-    from ken.optimizer.workload import Hardware
-    from ken.paths import ken_home
-    from ken.session import (
+    from ken.optimizer.planning import (
         check_planning_args,
         default_peak_qps,
         plan_operator,
@@ -231,6 +227,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         planning_trace,
         sustained_qps,
     )
+    from ken.optimizer.plotting import plot_frontier
+    from ken.optimizer.query import Target
+    from ken.optimizer.workload import Hardware
+    from ken.paths import ken_home
 
     check_planning_args(args.devices, args.memory_gb, args.device_threads, args.peak_qps,
                         args.duration, args.ranges)
@@ -246,9 +246,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
                            "synthetic trace with --trace poisson or --trace gamma")
     reporter = Reporter(args.quiet)
     started = time.perf_counter()
-    operator = "sentiment"
-    _cards, profiles = _load_profiles(args, [args.device_threads], reporter)
-    by_name = {p.model: p for p in profiles}
+    operator = args.function
+    if operator == "sentiment":
+        _cards, profiles = _load_profiles(args, [args.device_threads], reporter)
+        by_name = {p.model: p for p in profiles}
+    else:
+        by_name = _operator_profiles(args, operator, reporter)
     catalog, cascades = planning_inputs(by_name, args.max_stages, args.grid)
     catalog, spreads = _calibrate(args.calibration, catalog, reporter)
     best = max(cascades, key=catalog.accuracy)
@@ -290,6 +293,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _operator_profiles(args: argparse.Namespace, name: str, reporter: Reporter):  # noqa: ANN202
+    """Profiles of a built-in operator's candidates on its evaluation sample, every batch
+    size, on a CPU device of ``--device-threads`` threads."""
+    from ken.models.model import DeviceConfig
+    from ken.ops import builtin_operators
+    from ken.ops.base import OpContext
+    from ken.optimizer.planning import operator_profiles
+    from ken.optimizer.profile import DEFAULT_BATCH_SIZES
+
+    op = builtin_operators()[name]
+    ctx = OpContext(DeviceConfig(threads=args.threads), data=_family(args), reporter=reporter)
+    reporter.note(f"{name}: profiling its candidates on {op.eval_description()}")
+    return operator_profiles(op, ctx, args.device_threads, DEFAULT_BATCH_SIZES)
+
+
 def _calibrate(path: Path | None, catalog: Catalog, reporter: Reporter
                ) -> tuple[Catalog, dict | None]:
     """``catalog`` with the runtime calibration at ``path`` (if given), and its spreads."""
@@ -305,8 +323,8 @@ def _calibrate(path: Path | None, catalog: Catalog, reporter: Reporter
 
 def _session(args: argparse.Namespace):  # noqa: ANN202
     import ken
-    from ken.operators.model import DeviceConfig
-    from ken.sql.builtins import load_demo_tables
+    from ken.demo_tables import load_demo_tables
+    from ken.models.model import DeviceConfig
 
     session = ken.connect(args.db, device=DeviceConfig(threads=args.threads),
                           data=_family(args), reporter=Reporter(args.quiet))
@@ -325,7 +343,7 @@ def cmd_sql(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from ken.optimizer.plan import Frontier
+    from ken.policy.plan import Frontier
 
     if args.target is not None and not args.frontier:
         raise KenError("--target picks a gear plan from --frontier FILE (written by `ken plan`)")
@@ -343,11 +361,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from ken.engine.calibrate import runtime_spread, save_spreads
     from ken.engine.replay import plot_replay, replay
     from ken.engine.serving import Engine
-    from ken.operators import family
-    from ken.operators.model import DeviceConfig
-    from ken.optimizer.plan import Frontier, GearPlan
+    from ken.models import family
+    from ken.models.model import DeviceConfig
+    from ken.optimizer.planning import planning_inputs, planning_trace
     from ken.optimizer.simulator import simulate
-    from ken.session import planning_inputs, planning_trace
+    from ken.policy.plan import Frontier, GearPlan
 
     if args.plan is not None:
         plan = GearPlan.load(args.plan)
@@ -383,7 +401,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     reporter.note(f"{len(plan.devices)} {args.workers} workers loaded {len(needed)} models in "
                   f"{load.total_s:.1f} s")
     try:
-        rep = replay(engine, trace, sample.texts, sample.labels, seed=args.seed,
+        rep = replay(engine, trace, sample, seed=args.seed,
                      reporter=reporter)
     finally:
         engine.shutdown()
@@ -472,6 +490,10 @@ def build_parser() -> argparse.ArgumentParser:
         "frontier of gear plans (cascade per QPS range, placement on the devices, batch "
         "triggers) by simulating a trace. Writes DIR/frontier-sentiment.json and .png.")
     _family_args(plan)
+    plan.add_argument("--function", default="sentiment",
+                      choices=("sentiment", "sem_filter", "sem_match", "sem_classify"),
+                      help="the semantic operator to plan (default sentiment); each is profiled "
+                           "on its evaluation sample")
     plan.add_argument("--devices", type=int, default=2,
                       help="CPU workers to place model replicas on (default 2)")
     plan.add_argument("--device-threads", type=int, default=1,

@@ -21,12 +21,12 @@ from ken.progress import Reporter
 def run_demo(args: argparse.Namespace, console: Console) -> int:
     import ken
     from ken.cli import frontier_table, gear_plan_table, models_table
-    from ken.operators import family
-    from ken.operators.cascade import Cascade
-    from ken.operators.model import DeviceConfig
+    from ken.demo_tables import load_demo_tables
+    from ken.models import family
+    from ken.models.cascade import Cascade
+    from ken.models.model import DeviceConfig
     from ken.optimizer.cascades import evaluate, pareto_cascades
     from ken.optimizer.profile import load_or_run_profile
-    from ken.sql.builtins import load_demo_tables, sentiment_loaders
 
     reporter = Reporter(args.quiet)
     if args.quick:
@@ -99,7 +99,7 @@ def run_demo(args: argparse.Namespace, console: Console) -> int:
 
         console.rule(f"6. a {replay_s:.0f}-s bursty trace through the engine: ken's gear plan "
                      "vs the best static cascade")
-        loaders = sentiment_loaders(session, 1)
+        loaders = session.operators["sentiment"].loaders(session.ctx, 1)
     _compare(plan, statics, catalog, trace, replay_s, loaders, sample, out, console, reporter)
     console.print(f"demo finished in {time.perf_counter() - started:.0f} s; figures in {out}/")
     return 0
@@ -111,10 +111,10 @@ def _gear_plans(session, profiles, target: float, duration_s: float, out: Path, 
     cascades (each alone at every load, placed and scheduled by ken) for comparison."""
     from ken.optimizer.baselines import gear_accuracy, static_plans
     from ken.optimizer.planner import PlannerSettings, pareto_plans, planning_context
+    from ken.optimizer.planning import default_peak_qps, planning_inputs, planning_trace
     from ken.optimizer.plotting import plot_frontier
     from ken.optimizer.simulator import simulate
     from ken.optimizer.workload import Hardware
-    from ken.session import default_peak_qps, planning_inputs, planning_trace
 
     catalog, cascades = planning_inputs(profiles)
     peak = default_peak_qps(catalog, cascades, 2)
@@ -166,8 +166,8 @@ def _compare(plan, statics, catalog, planning, replay_s: float, loaders,  # noqa
     the static cascade that is best at its accuracy on that very window."""
     from ken.engine.replay import plot_replay, serve_trace
     from ken.optimizer.baselines import best_at_accuracy, gear_accuracy
+    from ken.optimizer.planning import planning_trace
     from ken.optimizer.simulator import simulate
-    from ken.session import planning_trace
 
     trace = planning_trace("gamma", planning.qps_max(), replay_s, seed=1)
     # the static cascade is chosen knowing the replayed trace (the paper's AlpaServe+)
@@ -188,7 +188,7 @@ def _compare(plan, statics, catalog, planning, replay_s: float, loaders,  # noqa
         table.add_column(col, justify="left" if col == "system" else "right")
     measured = {}
     for name, p in (("ken gear plan", plan), ("best static cascade", static)):
-        rep = serve_trace(p, loaders, trace, sample.texts, sample.labels, reporter=reporter,
+        rep = serve_trace(p, loaders, trace, sample, reporter=reporter,
                           workers="process").replay
         m = rep.result.metrics(0, p)
         acc = gear_accuracy(p, catalog, rep.result.range_index[0])

@@ -17,6 +17,7 @@ import pyarrow as pa
 from sqlglot import exp
 
 from ken.errors import KenError
+from ken.ops.base import SQL_TYPES
 from ken.sql.rewrite import parse
 
 if TYPE_CHECKING:
@@ -165,11 +166,11 @@ class Frame:
 def _relational_probe(frame: Frame) -> str:
     """The frame's query with semantic calls replaced by NULLs of their type, for DESCRIBE."""
     query = parse(frame.sql())[0]
-    functions = frame.session.functions
+    operators = frame.session.operators
     for node in list(query.find_all(exp.Anonymous)):
         name = str(node.this).lower()
-        if name in functions:
-            kind = "BOOLEAN" if functions[name].output_type == "boolean" else "VARCHAR"
+        if name in operators:
+            kind = SQL_TYPES[operators[name].output_type]
             node.replace(exp.cast(exp.null(), kind))
     return query.sql(dialect="duckdb")
 

@@ -8,10 +8,7 @@
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import itertools
-import math
 import re
 import threading
 import time
@@ -23,29 +20,25 @@ from typing import TYPE_CHECKING, Any
 
 import duckdb
 import pyarrow as pa
-from sqlglot import exp
 
 from ken.errors import KenError
-from ken.operators.cascade import Cascade
-from ken.operators.model import DeviceConfig, Model
+from ken.models.cascade import Cascade
+from ken.models.model import DeviceConfig, Model
+from ken.models.quality import EvalSample
+from ken.ops import builtin_operators
+from ken.ops.base import Bound, ModelOperator, OpContext, Operator
 from ken.paths import ken_home
 from ken.progress import QUIET, Reporter
 from ken.sql.execute import SiteRunner, query_error, register_sites, unregister_sites
-from ken.sql.explain import build, conjuncts, has_site, render, site_lines
-from ken.sql.functions import Bound, ClassifierBinding, SemanticFunction
-from ken.sql.rewrite import CallSite, Rewritten, SqlError, parse, rewrite
+from ken.sql.explain import actual_lines, build, estimate, render, site_lines
+from ken.sql.rewrite import Rewritten, SqlError, parse, rewrite
 
 if TYPE_CHECKING:
     from ken.engine.serving import Engine, LoadReport
-    from ken.optimizer.perf import Catalog
-    from ken.optimizer.plan import Frontier, GearPlan
-    from ken.optimizer.planner import PlannerSettings, PlannerStats
-    from ken.optimizer.profile import Profile
+    from ken.optimizer.planner import PlannerSettings
     from ken.optimizer.query import QueryPlan, Target
-    from ken.optimizer.workload import Hardware, Trace
-
-#: where a plannable function gets its profiles: ``source(threads_per_device) -> {model: Profile}``
-ProfileSource = Callable[[int], Mapping[str, "Profile"]]
+    from ken.optimizer.workload import Trace
+    from ken.policy.plan import Frontier, GearPlan
 
 _EXPLAIN = re.compile(r"^\s*EXPLAIN(\s+ANALYZE)?\s+", re.IGNORECASE)
 
@@ -108,26 +101,16 @@ class Session:
             self.con = duckdb.connect(str(path) if path else ":memory:")
         except duckdb.Error as error:
             raise KenError(f"cannot open database {path}: {error}") from None
-        self.device = device or DeviceConfig(threads=2)
-        self.data = data
-        self.home = home
-        self.batch_size = batch_size
-        self.reporter = reporter
-        self.functions: dict[str, SemanticFunction] = {}
+        from ken.optimizer.planning import choose_cascade
+
+        self.ctx = OpContext(device, home, data, reporter, batch_size, chooser=choose_cascade)
+        # the operator registry: SQL name -> Operator (see ken.ops)
+        self.operators: dict[str, Operator] = builtin_operators() if builtins else {}
         self._bound: dict[tuple[str, tuple[str, ...]], Bound] = {}
         self._lock = threading.Lock()
-        self._make_lock = threading.RLock()  # binding may make resources, which may bind
-        self._resources: dict[str, Any] = {}
         self._known: frozenset[str] | None = None
-        self.sentiment_cascade: Cascade | None = None
-        # functions the offline planner can plan (their models have profiles); builtins add
-        # sentiment, registering a function under the same name removes it
-        self.profile_sources: dict[str, ProfileSource] = {}
         self.frontiers: dict[str, Frontier] = {}
         self._gear_plans: dict[str, GearPlan] = {}
-        # online serving: an engine per served function; picklable model loaders per function
-        # (``source(threads_per_device) -> {model: loader}``) let its devices be processes
-        self.loader_sources: dict[str, Callable[[int], Mapping[str, Callable[[], Model]]]] = {}
         self._engines: dict[str, Engine] = {}
         self.bulk_threshold = 64
         # DuckDB connections run one query at a time: other threads get cursors of ``con``
@@ -138,67 +121,81 @@ class Session:
         self._tables_version = 0
         self._thread_ids = itertools.count(1)
         self._pool: ThreadPoolExecutor | None = None
-        if builtins:
-            from ken.sql.builtins import register_builtins
 
-            register_builtins(self)
+    @property
+    def device(self) -> DeviceConfig:
+        return self.ctx.device
+
+    @property
+    def home(self) -> Path | None:
+        return self.ctx.home
+
+    @property
+    def reporter(self) -> Reporter:
+        return self.ctx.reporter
+
+    @property
+    def batch_size(self) -> int:
+        return self.ctx.batch_size
 
     # -- registry ----------------------------------------------------------------------------
 
-    def register(self, name: str, operator: SemanticFunction | Model | Callable | Any,
-                 models: Mapping[str, Model] | None = None) -> None:
+    @property
+    def sentiment_cascade(self) -> Cascade | None:
+        """The cascade ``sentiment()`` runs when no gear plan serves it (None: the cheapest
+        Pareto cascade at least as accurate as the best single model)."""
+        op = self.operators.get("sentiment")
+        return getattr(op, "cascade", None)
+
+    @sentiment_cascade.setter
+    def sentiment_cascade(self, cascade: Cascade | None) -> None:
+        op = self.operators.get("sentiment")
+        if op is None or not hasattr(op, "cascade"):
+            raise KenError("this session has no built-in sentiment() to set a cascade for")
+        op.cascade = cascade
+        with self.ctx._lock:
+            self._bound = {k: v for k, v in self._bound.items() if k[0] != "sentiment"}
+
+    def register(self, name: str, operator: Operator | Model | Cascade,
+                 models: Mapping[str, Model] | None = None, sample: EvalSample | None = None,
+                 output_type: str = "varchar") -> None:
         """Make ``operator`` callable from SQL as ``name(...)``.
 
-        ``operator`` is a ``SemanticFunction``, a single ``Model`` (one text argument, its
-        labels are the values), or a ``Cascade`` together with ``models``.
+        ``operator`` is an ``Operator`` (e.g. a ``SemanticFunction``), a single ``Model`` (its
+        values are the SQL values), or a ``Cascade`` together with ``models``. With ``sample``
+        (an ``EvalSample``) a model or cascade can be profiled and planned like a built-in.
         """
         name = name.lower()
-        if isinstance(operator, SemanticFunction):
-            fn = operator
-            if fn.name != name:
-                fn = SemanticFunction(name, fn.num_columns, fn.constants, fn.output_type,
-                                      fn.bind, fn.doc)
+        if isinstance(operator, Operator):
+            op = operator if operator.name == name else operator.renamed(name)
         elif isinstance(operator, Model):
-            binding = ClassifierBinding(name, Cascade((operator.name,)),
-                                        {operator.name: operator})
-            fn = SemanticFunction(name, operator.spec.num_inputs, (), "varchar",
-                                  lambda _c, b=binding: b, f"model {operator.name}")
+            op = ModelOperator(name, Cascade((operator.name,)), {operator.name: operator},
+                               output_type, sample)
         elif isinstance(operator, Cascade):
             if models is None:
                 raise KenError("registering a Cascade needs models=... with its models")
-            binding = ClassifierBinding(name, operator, dict(models))
-            arity = models[operator.models[0]].spec.num_inputs
-            fn = SemanticFunction(name, arity, (), "varchar", lambda _c, b=binding: b,
-                                  f"cascade {operator.describe()}")
+            op = ModelOperator(name, operator, models, output_type, sample)
         else:
-            raise KenError(f"cannot register {type(operator).__name__} as {name}(); pass a "
-                           "SemanticFunction, a Model, or a Cascade with models=...")
+            raise KenError(f"cannot register {type(operator).__name__} as {name}(); pass an "
+                           "Operator (e.g. ken.SemanticFunction), a Model, or a Cascade with "
+                           "models=...")
         if name in self._duckdb_functions():
             raise KenError(f"{name}() is a DuckDB function; choose another name")
-        self.functions[name] = fn
+        self.operators[name] = op
         self._bound = {k: v for k, v in self._bound.items() if k[0] != name}
-        # plans and profiles were for the function this name named before
-        self.profile_sources.pop(name, None)
-        self.loader_sources.pop(name, None)
+        # plans were for the operator this name named before
         self.frontiers.pop(name, None)
         self._gear_plans.pop(name, None)
         engine = self._engines.pop(name, None)
         if engine is not None:
             engine.shutdown()
 
-    def resource(self, key: str, make: Callable[[], Any]) -> Any:
-        """Heavy objects (loaded models) shared by all functions of this session; made once
-        even when queries of several threads ask at the same time."""
-        with self._make_lock:
-            if key not in self._resources:
-                self._resources[key] = make()
-            return self._resources[key]
-
     def bind(self, function: str, constants: tuple[str, ...]) -> Bound:
+        """The operator ``function`` bound to ``constants`` (made once per session)."""
         key = (function, constants)
-        with self._make_lock:
+        with self.ctx._lock:
             if key not in self._bound:
-                self._bound[key] = self.functions[function].bind(constants)
+                self._bound[key] = self.operators[function].bind(self.ctx, constants)
             return self._bound[key]
 
     def _duckdb_functions(self) -> frozenset[str]:
@@ -218,16 +215,16 @@ class Session:
     def use_plan(self, plan: GearPlan) -> None:
         """Set the gear plan of ``plan.operator`` by hand (e.g. one picked from a frontier file
         written by ``ken plan``: ``Frontier.load(path).pick(min_accuracy=0.7)``)."""
-        from ken.optimizer.plan import GearPlan
+        from ken.policy.plan import GearPlan
 
         if not isinstance(plan, GearPlan):
             raise KenError(f"use_plan() takes a GearPlan, not {type(plan).__name__}; load one "
                            "with ken.Frontier.load(path).pick(...)")
         name = plan.operator.lower()
-        if name not in self.functions:
+        if name not in self.operators:
             raise KenError(f"the gear plan is for {plan.operator}(), which is not a semantic "
                            f"function of this session; registered: "
-                           f"{', '.join(sorted(self.functions)) or '(none)'}")
+                           f"{', '.join(sorted(self.operators)) or '(none)'}")
         self._set_plan(name, plan)
 
     def _set_plan(self, name: str, plan: GearPlan) -> None:
@@ -256,6 +253,14 @@ class Session:
         >>> qp.plan_for("sentiment").describe()               # doctest: +SKIP
         """
         from ken.optimizer.planner import PlannerSettings
+        from ken.optimizer.planning import (
+            check_planning_args,
+            default_peak_qps,
+            operator_profiles,
+            plan_operator,
+            planning_inputs,
+            planning_trace,
+        )
         from ken.optimizer.query import Target, choose_plans
         from ken.optimizer.workload import Hardware
 
@@ -266,21 +271,15 @@ class Session:
             raise KenError("plan() needs at least one semantic function, e.g. "
                            "functions=('sentiment',)")
         for name in names:
-            if name not in self.functions:
+            if name not in self.operators:
                 raise KenError(f"unknown function {name}(); semantic functions registered on "
-                               f"this session: {', '.join(sorted(self.functions)) or '(none)'}")
-            if name not in self.profile_sources:
-                plannable = ", ".join(sorted(self.profile_sources)) or "none"
-                raise KenError(
-                    f"{name}() cannot be planned yet: gear plans are built from model profiles "
-                    f"(runtime per batch size and per-sample predictions on a labelled "
-                    f"sample), and {name}() has none; functions this session can plan: "
-                    f"{plannable}. A plan made elsewhere can be set with session.use_plan(...)")
+                               f"this session: {', '.join(sorted(self.operators)) or '(none)'}")
         check_planning_args(devices, memory_gb, threads_per_device, peak_qps, duration_s,
                             num_ranges)
         hardware = Hardware.cpu_workers(devices, int(memory_gb * 2**30))
         settings = settings or PlannerSettings(num_ranges=num_ranges)
-        profiles = {n: dict(self.profile_sources[n](threads_per_device)) for n in names}
+        profiles = {n: operator_profiles(self.operators[n], self.ctx, threads_per_device)
+                    for n in names}
         prepared = {n: planning_inputs(profiles[n]) for n in names}
         catalogs = {n: prepared[n][0] for n in names}
         if peak_qps is None:  # the slowest operator sets the load the query can be planned for
@@ -346,7 +345,7 @@ class Session:
                 continue
             kind = workers
             if kind == "auto":
-                kind = "process" if name in self.loader_sources else "thread"
+                kind = "process" if self._loaders(name, threads_per_device) else "thread"
             engine = Engine(self._gear_plans[name],
                             self._model_sources(name, kind, threads_per_device),
                             max_in_flight=max_in_flight, workers=kind,  # type: ignore[arg-type]
@@ -364,11 +363,20 @@ class Session:
         """What an engine of ``name`` loads: picklable loaders for process workers, the
         session's loaded models for thread workers."""
         if workers == "process":
-            if name not in self.loader_sources:
+            loaders = self._loaders(name, threads)
+            if not loaders:
                 raise KenError(f"{name}() has no model loaders for worker processes; serve it "
                                "with workers='thread'")
-            return self.loader_sources[name](threads)
-        return self.bind(name, ()).models
+            return loaders
+        op = self.operators[name]
+        models = dict(self.bind(name, op.eval_constants).models)
+        placed = {r.model for r in self._gear_plans[name].placement}
+        if not placed <= set(models):  # a plan over candidates the binding does not use
+            models.update(op.candidates(self.ctx, self.device))
+        return models
+
+    def _loaders(self, name: str, threads: int) -> Mapping[str, Callable[[], Model]] | None:
+        return self.operators[name].loaders(self.ctx, threads)
 
     def stop_serving(self, drain: bool = True) -> dict[str, int]:
         """Shut every engine down (draining admitted requests first, by default); returns
@@ -415,8 +423,10 @@ class Session:
     def _gear_plan_lines(self, function: str) -> list[str]:
         plan = self._gear_plans.get(function)
         if plan is None:
-            if function in self.profile_sources:
-                return ["gear plan: none (run session.plan(...) or `ken plan`)"]
+            op = self.operators[function]
+            if type(op).eval_sample is not Operator.eval_sample or getattr(op, "sample", None):
+                return ["gear plan: none (run session.plan(...) or `ken plan`; planned on "
+                        f"{op.eval_description()})"]
             return [f"gear plan: none ({function}() has no profiles to plan with; "
                     "session.use_plan(...) sets one)"]
         gears = len(plan.gears())
@@ -459,7 +469,7 @@ class Session:
         next_site = 0  # site ids restart per query so that EXPLAIN output is deterministic
         namespace = self._namespace()
         for statement in parse(query):
-            rw = rewrite(statement, self.functions, self._duckdb_functions(), next_site,
+            rw = rewrite(statement, self.operators, self._duckdb_functions(), next_site,
                          namespace)
             next_site += len(rw.sites)
             out.append(rw)
@@ -494,6 +504,9 @@ class Session:
         out = []
         for site in rw.sites:
             engine = self._engines.get(site.function)
+            planned_for = self.operators[site.function].eval_constants
+            if planned_for and site.constants != planned_for:
+                engine = None  # the plan's models answer its own constants, not these
             out.append(SiteRunner(site, self.bind(site.function, site.constants),
                                   self.batch_size, query_lock if engine else self._lock,
                                   memos.setdefault((site.function, site.constants), {}),
@@ -540,57 +553,20 @@ class Session:
         finally:
             unregister_sites(con, runners)
         seconds = time.perf_counter() - started
-        actual = {r.site.id: _actual_lines(r) for r in runners}
+        actual = {r.site.id: actual_lines(r) for r in runners}
         out = lines + site_lines(rw.sites, describe, estimates, actual, plans)
         out += ["", f"Total time: {seconds:.3f} s", "",
                 "DuckDB physical plan (actual rows and time per operator):", physical]
         return "\n".join(out)
 
-    def _estimate(self, rw: Rewritten, site: CallSite) -> str:
-        """Rows and distinct inputs reaching a site, from a COUNT over its relational part."""
-        bound = self.bind(site.function, site.constants)
-        call = next((a for a in rw.statement.find_all(exp.Anonymous)
-                     if str(a.this) == site.udf_name), None)
-        scope = call.find_ancestor(exp.Select) if call is not None else None
-        if scope is None:
-            return "input rows unknown"
-        probe = scope.copy()
-        for key in ("group", "having", "order", "limit", "distinct", "offset"):
-            probe.set(key, None)
-        where = probe.args.get("where")
-        kept = [c for c in conjuncts(where.this if where is not None else None)
-                if not has_site(c)]
-        probe.set("where", exp.Where(this=exp.and_(*kept)) if kept else None)
-        for join in probe.args.get("joins") or []:
-            on = [c for c in conjuncts(join.args.get("on")) if not has_site(c)]
-            join.set("on", exp.and_(*on) if on else exp.true())
-        args = [exp.maybe_parse(a, dialect="duckdb") for a in site.args]
-        distinct_arg = args[0] if len(args) == 1 else exp.Array(expressions=args)
-        probe.set("expressions", [exp.Count(this=exp.Star()),
-                                  exp.Count(this=exp.Distinct(expressions=[distinct_arg]))])
-        root_with = rw.statement.args.get("with_")
-        if root_with is not None and probe.args.get("with_") is None:
-            probe.set("with_", root_with.copy())
+    def _estimate(self, rw: Rewritten, site: Any) -> str:
         runners = self._runners(rw)
         con = self._connection()
         register_sites(con, runners)  # nested calls may remain inside FROM subqueries
         try:
-            rows, distinct = con.sql(probe.sql(dialect="duckdb")).fetchall()[0]
-        except duckdb.Error:
-            return "input rows unknown (correlated or nested scope)"
+            return estimate(con, rw, site, self.bind(site.function, site.constants))
         finally:
             unregister_sites(con, runners)
-        upper = "≤ " if site.clauses != ("WHERE",) or len(kept) != len(conjuncts(
-            where.this if where is not None else None)) else ""
-        text = f"{upper}{rows:,} input rows, {upper}{distinct:,} distinct non-NULL inputs"
-        fractions = getattr(bound, "stage_fractions", None)
-        if fractions:
-            calls = ", ".join(f"{m} {distinct * f:,.0f}"
-                              for m, f in zip(bound.cascade.models, fractions, strict=True))
-            text += f"; model calls ≈ {calls}"
-        else:
-            text += f"; model calls ≤ {distinct:,} per stage"
-        return text
 
     def close(self) -> None:
         """Stop serving (draining), close worker threads, cursors and the connection."""
@@ -607,183 +583,6 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _actual_lines(runner: SiteRunner) -> list[str]:
-    st = runner.stats
-    repeats = st.rows_in - st.null_rows - st.distinct_evaluated
-    lines = [f"{st.rows_in:,} rows in = {st.null_rows:,} NULL + {st.distinct_evaluated:,} "
-             f"distinct evaluated + {repeats:,} repeats served by dedup; {st.chunks} chunks, "
-             f"{st.seconds:.3f} s"]
-    if st.online_rows or st.bulk_rows:
-        answered = ", ".join(f"{k} {v:,}" for k, v in st.resolved_by.items())
-        return lines + [f"online engine: {st.online_rows:,} rows as requests, {st.bulk_rows:,} "
-                        f"as bulk rows; answered by {answered}"]
-    for stage in st.stages:
-        lines.append(f"stage {stage.model}: {stage.input_rows:,} in, {stage.resolved_rows:,} "
-                     f"resolved, {stage.num_batches} batches, {stage.seconds:.3f} s")
-    return lines
-
-
-# -- offline planning helpers (used by Session.plan and `ken plan`) -------------------------------
-
-TRACE_KINDS = ("azure", "poisson", "gamma")
-
-
-def check_planning_args(devices: int, memory_gb: float, threads_per_device: int,
-                        peak_qps: float | None, duration_s: float, num_ranges: int) -> None:
-    """Reject impossible planning arguments before any model is profiled."""
-    problems = []
-    if devices < 1:
-        problems.append(f"devices must be >= 1 (got {devices})")
-    if not memory_gb > 0 or not math.isfinite(memory_gb):
-        problems.append(f"memory per device must be > 0 GB (got {memory_gb})")
-    if threads_per_device < 1:
-        problems.append(f"threads per device must be >= 1 (got {threads_per_device})")
-    if peak_qps is not None and (not peak_qps > 0 or not math.isfinite(peak_qps)):
-        problems.append(f"peak QPS must be > 0 (got {peak_qps})")
-    if not duration_s > 0 or not math.isfinite(duration_s):
-        problems.append(f"the trace duration must be > 0 s (got {duration_s})")
-    if num_ranges < 1:
-        problems.append(f"the number of QPS ranges must be >= 1 (got {num_ranges})")
-    if problems:
-        raise KenError("cannot plan: " + "; ".join(problems))
-
-
-def planning_inputs(profiles: Mapping[str, Profile], max_stages: int = 3,
-                    grid_size: int = 16) -> tuple[Catalog, tuple[Cascade, ...]]:
-    """The catalog and the candidate cascades (the Pareto set, cost at each model's best
-    batch size) that a frontier is planned from."""
-    from ken.optimizer.cascades import pareto_cascades
-    from ken.optimizer.perf import Catalog
-
-    front = pareto_cascades(profiles, max_stages=max_stages, grid_size=grid_size,
-                            batch_size=None)
-    return Catalog.from_profiles(profiles), tuple(m.cascade for m in front)
-
-
-def sustained_qps(catalog: Catalog, cascade: Cascade, devices: int) -> float:
-    """Rows/s that ``devices`` equal workers sustain running ``cascade`` flat out.
-
-    ``devices / sum_i(f_i * s_i)``: ``f_i`` is the fraction of rows reaching stage ``i`` and
-    ``s_i`` that model's seconds per row at its throughput-optimal (profiled) batch size.
-    """
-    seconds = 0.0
-    for model, fraction in zip(cascade.models, catalog.stage_fractions(cascade), strict=True):
-        perf = catalog.perf[model]
-        seconds += fraction * min(perf.per_row_s(b) for b in perf.batch_sizes)
-    return devices / seconds
-
-
-def default_peak_qps(catalog: Catalog, cascades: Sequence[Cascade], devices: int) -> float:
-    """1.5x the rate the most accurate candidate cascade sustains on all devices (rounded):
-    the top QPS ranges then need cheaper cascades, so the frontier has something to trade."""
-    best = max(cascades, key=catalog.accuracy)
-    return float(max(1, round(1.5 * sustained_qps(catalog, best, devices))))
-
-
-def planning_trace(kind: str | Trace, peak_qps: float, duration_s: float, seed: int = 0,
-                   cv: float = 4.0) -> Trace:
-    """The sample trace a frontier is planned on, with a 1-s peak of (about) ``peak_qps``.
-
-    ``"azure"``: the Azure LLM inference trace (code) from the shared data folder, rate-scaled
-    so that its busiest second has ``peak_qps`` arrivals, cut to the ``duration_s`` window
-    around that second. ``"poisson"`` / ``"gamma"`` (bursty, CV ``cv``): ``duration_s`` of
-    synthetic arrivals whose mean rate is set so that the busiest second has ``peak_qps``.
-    A ``Trace`` is rate-scaled to the peak and used whole.
-    """
-    from ken.optimizer.workload import (
-        Trace,
-        WorkloadError,
-        fit_peak,
-        gamma_trace,
-        load_azure_trace,
-        poisson_trace,
-    )
-
-    if isinstance(kind, Trace):
-        return fit_peak(kind.rate_scaled, peak_qps / kind.qps_max(), peak_qps)
-    if kind == "azure":
-        try:
-            full = load_azure_trace()
-        except WorkloadError as exc:
-            raise WorkloadError(f"{exc}; or plan on a synthetic trace: --trace poisson / "
-                                "gamma (trace='poisson' in session.plan)") from None
-        return fit_peak(lambda f: full.rate_scaled(f).around_peak(duration_s),
-                         peak_qps / full.qps_max(), peak_qps)
-    if kind == "poisson":
-        return fit_peak(lambda r: poisson_trace(r, duration_s, seed), peak_qps * 0.8, peak_qps)
-    if kind == "gamma":
-        return fit_peak(lambda r: gamma_trace(r, duration_s, cv, seed), peak_qps / 4, peak_qps)
-    raise WorkloadError(f"unknown trace {kind!r}; use one of {', '.join(TRACE_KINDS)} or pass "
-                        "a ken.optimizer.workload.Trace")
-
-
-def _planner_code_hash() -> str:
-    """A hash of the planner's code, so cached frontiers are re-planned when it changes."""
-    from ken.optimizer import cascades, perf, plan, planner, policy, scheduler, simulator
-
-    digest = hashlib.sha256()
-    for module in (cascades, perf, plan, planner, policy, scheduler, simulator):
-        digest.update(inspect.getsource(module).encode())
-    return digest.hexdigest()[:16]
-
-
-def frontier_cache_key(operator: str, profiles: Mapping[str, Profile],
-                       cascades: Sequence[Cascade], hardware: Hardware, trace: Trace,
-                       qps_max: float, settings: PlannerSettings,
-                       calibration: Mapping[str, tuple[float, ...]] | None = None) -> str:
-    """What a frontier depends on: profiles, candidates, devices, trace, settings, code, and
-    the runtime calibration if any."""
-    digest = hashlib.sha256()
-    parts = [operator, _planner_code_hash(), hardware.to_json(), f"{qps_max!r}",
-             repr(settings.provenance()), trace.name, str(len(trace)),
-             repr(sorted((calibration or {}).items()))]
-    for name in sorted(profiles):
-        p = profiles[name]
-        parts += [name, p.model_fingerprint, p.hardware, p.sample_hash, repr(p.batch_sizes),
-                  repr(p.batch_runtime_s), str(p.memory_bytes)]
-    parts += [c.to_json() for c in cascades]
-    for part in parts:
-        digest.update(part.encode())
-        digest.update(b"\0")
-    digest.update(trace.arrival_s.tobytes())
-    return digest.hexdigest()[:16]
-
-
-def plan_operator(operator: str, profiles: Mapping[str, Profile], catalog: Catalog,
-                  cascades: Sequence[Cascade], hardware: Hardware, trace: Trace,
-                  qps_max: float, settings: PlannerSettings, cache_dir: Path | None = None,
-                  reporter: Reporter = QUIET, force: bool = False,
-                  calibration: Mapping[str, tuple[float, ...]] | None = None,
-                  ) -> tuple[Frontier, PlannerStats | None]:
-    """``plan_frontier`` with an on-disk cache in ``cache_dir`` (stats are None on a hit).
-    ``calibration``: the runtime spreads ``catalog`` was calibrated with (part of the key)."""
-    from ken.optimizer.plan import Frontier
-    from ken.optimizer.planner import plan_frontier
-
-    largest = max(d.memory_bytes for d in hardware.devices)
-    too_big = sorted(m for m in {m for c in cascades for m in c.models}
-                     if catalog.perf[m].memory(1) > largest)
-    if too_big:
-        needs = ", ".join(f"{m} {catalog.perf[m].memory(1) / 2**20:,.0f} MB" for m in too_big)
-        raise KenError(f"cannot plan {operator}: a replica needs its model's weights on one "
-                       f"device ({needs}), but the largest device has "
-                       f"{largest / 2**20:,.0f} MB; give the devices more memory "
-                       "(--memory-gb, memory_gb=...)")
-    path = None
-    if cache_dir is not None:
-        key = frontier_cache_key(operator, profiles, cascades, hardware, trace, qps_max,
-                                 settings, calibration)
-        path = cache_dir / f"{operator}-{key}.json"
-        if path.is_file() and not force:
-            reporter.note(f"{operator}: frontier from cache {path}")
-            return Frontier.load(path), None
-    frontier, stats = plan_frontier(operator, cascades, catalog, hardware, trace,
-                                    qps_max=qps_max, settings=settings, reporter=reporter)
-    if path is not None:
-        frontier.save(path)
-    return frontier, stats
 
 
 def connect(path: str | Path | None = None, **options: Any) -> Session:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ken.engine.workers import WARM_UP_TEXT
-from ken.operators.model import DeviceConfig, Model, ModelSpec, Prediction
+from ken.models.model import DeviceConfig, Model, ModelSpec, Prediction
 
 LABELS = ("negative", "neutral", "positive")
 

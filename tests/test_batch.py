@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from ken.engine.batch import run_cascade, text_column
 from ken.errors import CascadeError, DataError, KenError
-from ken.operators.cascade import Cascade
-from ken.operators.certainty import certainty_fn
+from ken.models.cascade import Cascade
+from ken.models.certainty import certainty_fn
 
 
 def by_hand(cascade: Cascade, models: dict, values: list) -> list:

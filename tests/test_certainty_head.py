@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from ken.errors import KenError, ModelError
-from ken.operators.certainty import certainty_fn, margin, max_prob, neg_entropy
-from ken.operators.head import LinearHead, fit_logistic, fit_logistic_cv
+from ken.models.certainty import certainty_fn, margin, max_prob, neg_entropy
+from ken.models.head import LinearHead, fit_logistic, fit_logistic_cv
 
 
 def test_certainty_values() -> None:

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from ken.errors import ModelError
-from ken.operators import convert
-from ken.operators.convert import (
+from ken.models import convert
+from ken.models.convert import (
     bert_config_from_onnx,
     bert_state_dict_from_onnx,
     convert_minilm_l3,

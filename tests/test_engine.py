@@ -13,9 +13,9 @@ from fakes import FakeModel, SlowModel
 
 from ken.engine.serving import Engine, EngineError
 from ken.engine.workers import WARM_UP_TEXT
-from ken.operators.cascade import Cascade
-from ken.operators.certainty import certainty_fn
-from ken.optimizer.plan import GearPlan, RangeSchedule, Replica
+from ken.models.cascade import Cascade
+from ken.models.certainty import certainty_fn
+from ken.policy.plan import GearPlan, RangeSchedule, Replica
 
 CASCADE = Cascade(("a", "b"), (0.6,))
 

@@ -14,8 +14,8 @@ import pytest
 
 from ken.engine.batch import run_cascade
 from ken.errors import DataError, KenError, ModelError
-from ken.operators.cascade import Cascade
-from ken.operators.filter import (
+from ken.models.cascade import Cascade
+from ken.ops.sem_filter import (
     DEFAULT_THRESHOLD,
     ChannelLLMModel,
     FilterCalibration,
@@ -26,8 +26,9 @@ from ken.operators.filter import (
     calibrate_filter,
     fit_similarity_calibration,
 )
-from ken.operators.model import DeviceConfig
-from ken.operators.semantic import BoundSemantic, Resources
+from ken.models.model import DeviceConfig
+from ken.models.resources import Resources
+from ken.ops.base import BoundSemantic
 
 DELAY = "complains about a flight delay"
 DELAYED = "I hate this airline, my flight was delayed for 5 hours"
@@ -161,7 +162,7 @@ def test_obvious_cases_through_run_cascade(delay_filter) -> None:
     texts = [DELAYED, BEACH, None, "", "Stuck at JFK for 3 hours, our flight keeps getting "
              "pushed back", "The pasta was delicious"]
     result = run_cascade(delay_filter.cascade, delay_filter.models, pa.array(texts), 4)
-    values = delay_filter.to_sql_values(result.labels)
+    values = delay_filter.to_sql_values(result.values)
     assert values[0] is True and values[1] is False
     assert values[2] is None  # NULL in, NULL out
     assert isinstance(values[3], bool)  # the empty string is a text like any other
@@ -187,7 +188,7 @@ def test_escalated_rows_null_and_empty_reach_the_llm(resources) -> None:
         bound = bind_sem_filter(DELAY, resources, llm=llm, calibration=everything_escalates)
         result = run_cascade(bound.cascade, bound.models,
                              pa.array([None, "", "   ", DELAYED, None]), batch_size=2)
-        values = bound.to_sql_values(result.labels)
+        values = bound.to_sql_values(result.values)
         assert values[0] is None and values[4] is None
         assert all(isinstance(v, bool) for v in values[1:4])
         assert result.stages[1].input_rows == 3 and result.stages[1].resolved_rows == 3
@@ -241,7 +242,7 @@ def test_bind_with_a_sample_is_calibrated(resources) -> None:
     assert "fitted on 16 rows" in bound.describe()
     held = FOOD[8:] + NOT_FOOD[8:]
     result = run_cascade(bound.cascade, bound.models, held, batch_size=8)
-    values = bound.to_sql_values(result.labels)
+    values = bound.to_sql_values(result.values)
     assert np.mean([v == (i < 4) for i, v in enumerate(values)]) >= 0.75
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from ken.engine.batch import run_cascade
 from ken.errors import DataError, ModelError
-from ken.operators.match import (
+from ken.ops.sem_match import (
     FALLBACK_OFFSET,
     MatchCard,
     MatchScores,
@@ -28,9 +28,9 @@ from ken.operators.match import (
     parse_record,
     prepare_sem_match,
 )
-from ken.operators.match import bind_sem_match as bind
-from ken.operators.model import DeviceConfig
-from ken.operators.semantic import Resources
+from ken.ops.sem_match import bind_sem_match as bind
+from ken.models.model import DeviceConfig
+from ken.models.resources import Resources
 from ken.paths import shared_data_dir
 
 DATASET = "Abt-Buy"
@@ -152,7 +152,7 @@ def test_obvious_matches_and_non_matches(bound) -> None:
              "bose quietcomfort 3 acoustic noise cancelling headphones", "anything", None]
     result = run_cascade(bound.cascade, bound.models,
                          [pa.array(left), pa.array(right)], batch_size=4)
-    assert bound.to_sql_values(result.labels) == [True, False, True, False, True, None, None]
+    assert bound.to_sql_values(result.values) == [True, False, True, False, True, None, None]
     assert bound.calibrated and bound.describe().startswith("sem_match: pair-l3[abt-buy.name]")
 
 
@@ -190,7 +190,8 @@ def test_cascade_over_the_test_split_matches_the_card(bound, card) -> None:
     test = load_pairs(DATASET, "test")
     result = run_cascade(bound.cascade, bound.models,
                          [pa.array(test.left), pa.array(test.right)], batch_size=32)
-    scores = MatchScores.of(result.label_index, test.labels)
+    predicted = np.array([1 if v == "true" else 0 for v in result.values])
+    scores = MatchScores.of(predicted, test.labels)
     assert scores.f1 == pytest.approx(card.cascade_test.f1, abs=5e-3)
     escalated = result.stages[1].input_rows / len(test)
     assert escalated == pytest.approx(card.escalation_test, abs=5e-3)
@@ -204,6 +205,6 @@ def test_fallback_without_data_never_fails(resources, tmp_path) -> None:
     result = run_cascade(bound.cascade, bound.models,
                          [pa.array(["apple ipod nano 8gb", None, "red wine"]),
                           pa.array(["apple ipod nano 8 gb", "x", "quantum physics lecture"])])
-    assert bound.to_sql_values(result.labels) == [True, None, False]
+    assert bound.to_sql_values(result.values) == [True, None, False]
     with pytest.raises(ModelError, match="unknown sem_match model"):
         bind(resources, "NoSuchDataset", data_dir=tmp_path, single="gpt")

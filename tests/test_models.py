@@ -13,10 +13,10 @@ import pytest
 from ken.cli import main
 from ken.engine.batch import run_cascade
 from ken.errors import DataError, KenError
-from ken.operators import family
-from ken.operators.cascade import Cascade
-from ken.operators.certainty import certainty_fn
-from ken.operators.model import DeviceConfig
+from ken.models import family
+from ken.models.cascade import Cascade
+from ken.models.certainty import certainty_fn
+from ken.models.model import DeviceConfig
 from ken.optimizer.cascades import evaluate
 from ken.optimizer.profile import run_profile
 
@@ -148,7 +148,7 @@ def test_cli_list(home, capsys) -> None:
 
 def test_sentiment_sql_on_real_models(home, models) -> None:
     import ken
-    from ken.sql.builtins import load_demo_tables
+    from ken.demo_tables import load_demo_tables
 
     with ken.connect(device=DEVICE, data=DATA, home=home) as session:
         load_demo_tables(session, num_rows=40)
@@ -176,7 +176,7 @@ def test_engine_process_workers_serve_the_real_models_like_the_batch_cascade(hom
     import functools
 
     from ken.engine.serving import Engine
-    from ken.optimizer.plan import GearPlan, RangeSchedule, Replica
+    from ken.policy.plan import GearPlan, RangeSchedule, Replica
 
     rows = [t for t in texts_for_tests() if t is not None]
     l3 = models["minilm-l3"].predict(rows, 32)
@@ -207,7 +207,7 @@ def test_session_serves_sentiment_from_worker_processes(home, models) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     import ken
-    from ken.optimizer.plan import GearPlan, RangeSchedule, Replica
+    from ken.policy.plan import GearPlan, RangeSchedule, Replica
 
     rows = list(DATA.unseen(40).texts)
     expected = models["minilm-l3"].predict(rows, 8).label_strings()

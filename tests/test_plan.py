@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from ken.errors import KenError
-from ken.operators.cascade import Cascade
-from ken.optimizer.plan import (
+from ken.models.cascade import Cascade
+from ken.policy.plan import (
     PLAN_SCHEMA_VERSION,
     Frontier,
     GearPlan,

@@ -18,14 +18,14 @@ from fakes import LABELS, FakeModel
 import ken
 from ken.cli import main
 from ken.errors import KenError
-from ken.operators.cascade import Cascade
-from ken.optimizer.plan import Frontier, GearPlan
+from ken.models.cascade import Cascade
+from ken.policy.plan import Frontier, GearPlan
 from ken.optimizer.planner import PlannerSettings
 from ken.optimizer.plotting import plot_frontier
 from ken.optimizer.profile import Profile
 from ken.optimizer.query import Target
 from ken.optimizer.workload import Hardware, Trace, poisson_trace
-from ken.session import (
+from ken.optimizer.planning import (
     default_peak_qps,
     plan_operator,
     planning_inputs,
@@ -58,8 +58,8 @@ def synthetic_profiles(seed: int = 0) -> dict[str, Profile]:
         probs[rows, top], probs[rows, pred] = probs[rows, pred], probs[rows, top]
         out[name] = Profile(name, "cpu-1t", BATCH_SIZES, runtimes, 50 * 2**20, 60 * 2**20,
                             LABELS, "synthetic", "sample-hash", f"fp-{name}",
-                            truth.astype(np.int64), pred.astype(np.int64),
-                            probs.astype(np.float32))
+                            (pred == truth).astype(np.float64), probs.astype(np.float32),
+                            tuple(LABELS[i] for i in pred))
     return out
 
 

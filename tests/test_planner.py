@@ -10,9 +10,9 @@ import itertools
 import numpy as np
 import pytest
 
-from ken.operators.cascade import Cascade
+from ken.models.cascade import Cascade
 from ken.optimizer.perf import Catalog, ModelPerf
-from ken.optimizer.plan import Frontier
+from ken.policy.plan import Frontier
 from ken.optimizer.planner import (
     PlannerSettings,
     _candidates,

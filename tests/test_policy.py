@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ken.operators.cascade import Cascade
-from ken.optimizer.plan import GearPlan, RangeSchedule, Replica
-from ken.optimizer.policy import (
+from ken.models.cascade import Cascade
+from ken.policy.plan import GearPlan, RangeSchedule, Replica
+from ken.policy.scheduling import (
     Batch,
     Dispatcher,
     Escalation,

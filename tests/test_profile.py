@@ -7,7 +7,7 @@ import pytest
 from fakes import LABELS, FakeModel
 
 from ken.errors import ProfileError
-from ken.operators.datasets import LabelledSample, split
+from ken.models.datasets import LabelledSample, split
 from ken.optimizer.profile import Profile, load_or_run_profile, profile_dir, run_profile
 
 

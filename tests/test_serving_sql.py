@@ -15,8 +15,8 @@ from fakes import FakeModel, SlowModel
 
 import ken
 from ken.errors import KenError
-from ken.operators.cascade import Cascade
-from ken.optimizer.plan import GearPlan, RangeSchedule, Replica
+from ken.models.cascade import Cascade
+from ken.policy.plan import GearPlan, RangeSchedule, Replica
 from ken.sql.execute import EngineBusy
 
 CASCADE = Cascade(("a", "b"), (0.6,))

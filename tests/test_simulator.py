@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 
 import ken.optimizer.simulator as simulator
 from ken.errors import ProfileError
-from ken.operators.cascade import Cascade
+from ken.models.cascade import Cascade
 from ken.optimizer.perf import Catalog, ModelPerf
-from ken.optimizer.plan import GearPlan, RangeSchedule, Replica
-from ken.optimizer.policy import Batch, Dispatcher
+from ken.policy.plan import GearPlan, RangeSchedule, Replica
+from ken.policy.scheduling import Batch, Dispatcher
 from ken.optimizer.simulator import SimulationError, simulate, simulate_many
 from ken.optimizer.workload import Trace, WorkloadError, gamma_trace, poisson_trace
 

@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ken
-from ken.operators.cascade import Cascade
-from ken.operators.certainty import certainty_fn
-from ken.sql.functions import ClassifierBinding, SemanticFunction
+from ken.models.cascade import Cascade
+from ken.models.certainty import certainty_fn
+from ken.ops.base import ClassifierBinding, SemanticFunction
 from ken.sql.rewrite import SqlError
 
 BOOL = ("false", "true")
@@ -305,7 +305,7 @@ def test_relational_queries_equal_duckdb(query: str) -> None:
     # and the regenerated SQL that semantic queries go through means the same thing
     from ken.sql.rewrite import parse, rewrite
 
-    rw = rewrite(parse(query)[0], s.functions, s._duckdb_functions())
+    rw = rewrite(parse(query)[0], s.operators, s._duckdb_functions())
     assert brute_connection().sql(rw.sql).fetchall() == expected
 
 

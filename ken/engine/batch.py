@@ -1,8 +1,8 @@
 """Batch execution of a cascade over an Arrow column.
 
-Stage 1 runs on every non-NULL row in batches; rows whose certainty is below the stage threshold
-escalate to the next stage; every row's output comes back in input order. NULL input gives NULL
-output and never reaches a model.
+Stage 1 runs on every non-NULL row in batches (values of any type, one certainty per row);
+rows whose certainty is below the stage threshold escalate to the next stage; every row's
+output comes back in input order. NULL input gives NULL output and never reaches a model.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ import numpy as np
 import pyarrow as pa
 
 from ken.errors import CascadeError, DataError
-from ken.operators.cascade import Cascade, escalates
-from ken.operators.certainty import certainty_fn
-from ken.operators.model import Model
+from ken.models.cascade import Cascade
+from ken.models.model import Model
 
 
 @dataclass(frozen=True)
@@ -33,10 +32,13 @@ class StageStats:
 
 @dataclass(frozen=True, eq=False)
 class CascadeResult:
-    """Per-row outputs of a cascade run (input order) and per-stage statistics."""
+    """Per-row outputs of a cascade run (input order) and per-stage statistics.
 
-    labels: pa.Array = field(repr=False)  # string, NULL where the input was NULL
-    label_index: np.ndarray = field(repr=False)  # int64, -1 for NULL input
+    ``values`` are the models' values (labels of classifiers, or any value type), ``None``
+    where the input was NULL.
+    """
+
+    values: list = field(repr=False)
     certainty: np.ndarray = field(repr=False)  # float64 of the resolving stage, NaN for NULL
     stage: np.ndarray = field(repr=False)  # int64 resolving stage (0-based), -1 for NULL
     stages: tuple[StageStats, ...]
@@ -86,7 +88,7 @@ def run_cascade(cascade: Cascade, models: Mapping[str, Model],
     if missing:
         raise CascadeError(f"cascade uses {missing} but only {sorted(models)} are loaded")
     label_names = models[cascade.models[0]].spec.labels
-    for m in cascade.models[1:]:
+    for m in cascade.models[1:]:  # a classifier cascade's stages must agree on the labels
         if models[m].spec.labels != label_names:
             raise CascadeError(f"models of a cascade must predict the same labels: {m} predicts "
                                f"{models[m].spec.labels}, {cascade.models[0]} {label_names}")
@@ -102,7 +104,7 @@ def run_cascade(cascade: Cascade, models: Mapping[str, Model],
         if len({len(c) for c in columns}) != 1:
             raise DataError(f"the {arity} input columns of {name!r} differ in length")
     n = len(columns[0])
-    label_index = np.full(n, -1, dtype=np.int64)
+    out: list = [None] * n
     certainty = np.full(n, np.nan)
     stage = np.full(n, -1, dtype=np.int64)
     valid = np.ones(n, bool)
@@ -111,7 +113,6 @@ def run_cascade(cascade: Cascade, models: Mapping[str, Model],
     pending = np.flatnonzero(valid)
     values = (columns[0].to_pylist() if arity == 1
               else list(zip(*(c.to_pylist() for c in columns), strict=True)))
-    score = certainty_fn(cascade.certainty)
     stats: list[StageStats] = []
     for i, model_name in enumerate(cascade.models):
         if not len(pending):
@@ -120,16 +121,18 @@ def run_cascade(cascade: Cascade, models: Mapping[str, Model],
         started = time.perf_counter()
         prediction = models[model_name].predict([values[j] for j in pending], batch_size)
         seconds = time.perf_counter() - started
-        sure = score(prediction.probabilities)
-        last = i == cascade.num_stages - 1
-        up = np.zeros(len(pending), bool) if last else escalates(sure, cascade.thresholds[i])
+        sure = prediction.certainty(cascade.certainty)
+        answers = prediction.values
+        if len(answers) != len(pending) or sure.shape[0] != len(pending):
+            raise CascadeError(f"{model_name} returned {len(answers)} values for "
+                               f"{len(pending)} rows")
+        up = cascade.escalates(i, sure)
         done = pending[~up]
-        label_index[done] = prediction.labels[~up]
+        for j in np.flatnonzero(~up).tolist():
+            out[pending[j]] = answers[j]
         certainty[done] = sure[~up]
         stage[done] = i
         stats.append(StageStats(model_name, len(pending), len(done),
                                 -(-len(pending) // batch_size), seconds))
         pending = pending[up]
-    labels = pa.array([label_names[k] if k >= 0 else None for k in label_index.tolist()],
-                      pa.string())
-    return CascadeResult(labels, label_index, certainty, stage, tuple(stats))
+    return CascadeResult(out, certainty, stage, tuple(stats))

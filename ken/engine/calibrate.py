@@ -60,7 +60,7 @@ def calibrated(catalog: Catalog, spreads: Mapping[str, tuple[float, ...]]) -> Ca
     for m, p in catalog.perf.items():
         perf[m] = ModelPerf(m, p.batch_sizes, p.runtime_s, p.memory_bytes, p.degrees,
                             spreads.get(m, p.spread))
-    return Catalog(perf, dict(catalog.correct), dict(catalog.probabilities),
+    return Catalog(perf, dict(catalog.quality), dict(catalog.scores),
                    catalog.sample_hash)
 
 

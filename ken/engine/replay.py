@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,9 +19,11 @@ from typing import Any
 import numpy as np
 
 from ken.engine.serving import BatchRecord, Engine, LoadReport, Outcome
-from ken.optimizer.plan import GearPlan
+from ken.models.datasets import LabelledSample
+from ken.models.quality import EvalSample
 from ken.optimizer.simulator import SimResult, sample_rows
 from ken.optimizer.workload import Trace
+from ken.policy.plan import GearPlan
 from ken.progress import QUIET, Reporter
 
 
@@ -29,7 +31,7 @@ from ken.progress import QUIET, Reporter
 class Replay:
     """Outcomes of a replay plus how late the sender was against the trace."""
 
-    result: SimResult  # arrival/completion, correctness, stage and gear per request
+    result: SimResult  # arrival/completion, answer quality, stage and gear per request
     outcomes: tuple[Outcome, ...] = field(repr=False)
     max_send_lag_s: float = 0.0  # worst delay of a submit behind its trace time
 
@@ -51,9 +53,13 @@ class Replay:
         })
 
 
-def replay(engine: Engine, trace: Trace, texts: Sequence[str], labels: Sequence[int],
-           seed: int = 0, reporter: Reporter = QUIET) -> Replay:
-    """Send ``trace``'s arrivals through a started ``engine`` (see the module docstring)."""
+def replay(engine: Engine, trace: Trace, sample: EvalSample | LabelledSample, seed: int = 0,
+           reporter: Reporter = QUIET) -> Replay:
+    """Send ``trace``'s arrivals through a started ``engine`` (see the module docstring);
+    each answer is scored by the sample's quality metric (a failed request scores 0)."""
+    if isinstance(sample, LabelledSample):
+        sample = sample.as_eval()
+    texts = sample.inputs
     n = len(trace)
     rows = sample_rows(n, len(texts), seed)
     arrivals = trace.arrival_s
@@ -70,13 +76,13 @@ def replay(engine: Engine, trace: Trace, texts: Sequence[str], labels: Sequence[
             futures.append(engine.submit(texts[rows[i]]))
             advance(1)
     outcomes = tuple(f.result() for f in futures)
-    truth = np.asarray(labels)[rows]
     ok = np.array([o.status == "ok" for o in outcomes])
-    idx = np.array([o.label_index if o.label_index is not None else -1 for o in outcomes])
+    asked = sample.subset(rows)
+    quality = asked.quality([o.value if o.status == "ok" else None for o in outcomes])
     result = SimResult(
         arrival_s=np.array([o.arrival_s for o in outcomes]),
         completion_s=np.array([o.completion_s for o in outcomes]),
-        correct=(ok & (idx == truth))[None, :],
+        quality=np.where(ok, quality, 0.0)[None, :],
         stage=np.array([o.stage if o.stage is not None else -1 for o in outcomes])[None, :],
         range_index=np.array([o.gear if o.gear is not None else -1 for o in outcomes])[None, :],
         gear_switches=(tuple(engine.gear_switches),),
@@ -96,13 +102,13 @@ class Served:
     batch_log: tuple[BatchRecord, ...]
 
 
-def serve_trace(plan: GearPlan, models: Mapping[str, Any], trace: Trace, texts: Sequence[str],
-                labels: Sequence[int], seed: int = 0, reporter: Reporter = QUIET,
+def serve_trace(plan: GearPlan, models: Mapping[str, Any], trace: Trace,
+                sample: EvalSample | LabelledSample, seed: int = 0, reporter: Reporter = QUIET,
                 **engine_options: Any) -> Served:
     """Start an ``Engine(plan, models, **engine_options)``, replay ``trace`` through it and
     shut it down (also when the replay fails)."""
     with Engine(plan, models, **engine_options) as engine:
-        rep = replay(engine, trace, texts, labels, seed=seed, reporter=reporter)
+        rep = replay(engine, trace, sample, seed=seed, reporter=reporter)
     assert engine.load_report is not None
     return Served(rep, engine.load_report, tuple(engine.batch_log))
 

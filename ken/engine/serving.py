@@ -38,19 +38,25 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
 from ken.engine.workers import ProcessRunner, ThreadRunner, WorkerDied, WorkerError, warm_up
 from ken.errors import KenError
-from ken.operators.certainty import certainty_fn
-from ken.operators.model import Model
-from ken.optimizer.plan import GearPlan
-from ken.optimizer.policy import Batch, Dispatcher, WallClock
+from ken.models.certainty import certainty_of
+from ken.models.model import Model
+from ken.policy.plan import GearPlan
+from ken.policy.scheduling import Batch, Dispatcher, WallClock
 
 Status = Literal["ok", "null", "rejected", "error", "cancelled"]
 Source = Model | Callable[[], Model]
+
+
+def _is_row(value: object) -> bool:
+    """A text, or a tuple of texts (a row of a model over several columns)."""
+    return isinstance(value, str) or (isinstance(value, tuple) and bool(value)
+                                      and all(isinstance(v, str) for v in value))
 
 
 class EngineError(KenError):
@@ -65,8 +71,7 @@ class Outcome:
     status: Status
     arrival_s: float
     completion_s: float
-    label: str | None = None
-    label_index: int | None = None
+    value: Any = None  # the answer: a label, boolean, number or text (None unless ok)
     certainty: float | None = None
     stage: int | None = None  # 0-based cascade stage that answered
     model: str | None = None
@@ -350,9 +355,10 @@ class Engine:
     # -- requests ---------------------------------------------------------------------------
 
     def submit(self, text: str | None) -> Future:
-        """Queue one input row (online); the future resolves to its ``Outcome``."""
-        if text is not None and not isinstance(text, str):
-            raise EngineError(f"the engine classifies text; got {type(text).__name__}")
+        """Queue one input row (online): a text, or a tuple of texts for models over several
+        columns; the future resolves to its ``Outcome``."""
+        if text is not None and not _is_row(text):
+            raise EngineError(f"the engine answers text rows; got {type(text).__name__}")
         return self._admit([text], bulk=False)[0]
 
     def submit_many(self, texts: Iterable[str | None], bulk: bool = False) -> list[Future]:
@@ -374,9 +380,9 @@ class Engine:
                                               error="the engine is not running"))
                 elif text is None:
                     future.set_result(Outcome(rid, "null", now, now))
-                elif not isinstance(text, str):
+                elif not _is_row(text):
                     future.set_result(Outcome(rid, "error", now, now, error=(
-                        f"the engine classifies text; got {type(text).__name__}")))
+                        f"the engine answers text rows; got {type(text).__name__}")))
                 elif not bulk and len(self._requests) >= self.max_in_flight:
                     future.set_result(Outcome(rid, "rejected", now, now,
                                               error=f"{self.max_in_flight} requests in flight"))
@@ -455,14 +461,13 @@ class Engine:
         self._launch_bulk()
         self._retiring = [d for d in self._retiring if d.in_flight]
 
-    def _finished(self, batch: Batch | _BulkBatch, labels: np.ndarray, probs: np.ndarray,
-                  label_names: tuple[str, ...]) -> None:
+    def _finished(self, batch: Batch | _BulkBatch, values: list, scores: np.ndarray) -> None:
         self._attempts.pop(id(batch), None)
         if isinstance(batch, _BulkBatch):
-            self._bulk_finished(batch, labels, probs, label_names)
+            self._bulk_finished(batch, values, scores)
             return
         disp = self._owner.pop(id(batch))
-        certs = np.asarray(certainty_fn(disp.plan.certainty)(probs), dtype=np.float64)
+        certs = certainty_of(scores, disp.plan.certainty)
         gears = {rid: disp.range_of(rid) for rid in batch.request_ids}
         fin = disp.finish(batch, certs)
         now = self.clock.now()
@@ -470,10 +475,8 @@ class Engine:
         for rid, stage in zip(fin.resolved, fin.resolved_stages, strict=True):
             req = self._requests.pop(rid)
             j = row[rid]
-            idx = int(labels[j])
-            req.future.set_result(Outcome(
-                rid, "ok", req.arrival_s, now, label_names[idx], idx, float(certs[j]), stage,
-                batch.model, gears[rid]))
+            req.future.set_result(Outcome(rid, "ok", req.arrival_s, now, values[j],
+                                          float(certs[j]), stage, batch.model, gears[rid]))
         self._launch(disp, fin.started)
         self._freed(batch.devices)
 
@@ -545,8 +548,7 @@ class Engine:
                 self._busy.add(device)
                 self._device_queues[device].put(("run", _BulkBatch(model, (device,), ids)))
 
-    def _bulk_finished(self, batch: _BulkBatch, labels: np.ndarray, probs: np.ndarray,
-                       label_names: tuple[str, ...]) -> None:
+    def _bulk_finished(self, batch: _BulkBatch, values: list, scores: np.ndarray) -> None:
         for d in batch.devices:
             self._busy.discard(d)
         now = self.clock.now()
@@ -555,16 +557,15 @@ class Engine:
             disp, cascade, stage = self._bulk_rows[rid]
             kind = disp.plan.certainty
             if kind not in certs:
-                certs[kind] = np.asarray(certainty_fn(kind)(probs), dtype=np.float64)
+                certs[kind] = certainty_of(scores, kind)
             cert = float(certs[kind][j])
             if disp.escalation.escalates(cascade, stage, cert):  # the dispatcher's rule
                 self._bulk_enqueue(rid, disp, cascade, stage + 1)
                 continue
             del self._bulk_rows[rid]
             req = self._requests.pop(rid)
-            idx = int(labels[j])
-            req.future.set_result(Outcome(rid, "ok", req.arrival_s, now, label_names[idx], idx,
-                                          cert, stage, batch.model, None))
+            req.future.set_result(Outcome(rid, "ok", req.arrival_s, now, values[j], cert, stage,
+                                          batch.model, None))
         self._freed(batch.devices)
 
     def _cancel_queued(self) -> int:
@@ -607,7 +608,7 @@ class Engine:
                 continue
             started = self.clock.now()
             try:
-                labels, probs, names = runner.run(batch.model, texts)
+                values, scores = runner.run(batch.model, texts)
             except Exception as exc:  # noqa: BLE001 - this thread must never die with a batch
                 self.failed_attempts += 1
                 if isinstance(exc, WorkerDied):
@@ -622,4 +623,4 @@ class Engine:
                                               isinstance(batch, _BulkBatch)))
             if len(self.batch_log) > self.batch_log_limit:
                 del self.batch_log[: len(self.batch_log) // 2]
-            self._events.put(("done", batch, labels, probs, names))
+            self._events.put(("done", batch, values, scores))

@@ -12,7 +12,8 @@ A *runner* owns the models placed on one device and runs one batch at a time:
   models built in a notebook); torch releases the GIL inside model calls, but tokenisation and
   Python code of two devices still take turns.
 
-Both return ``(labels, probabilities, label_names)`` from ``run`` or raise ``WorkerError``.
+Both return ``(values, scores)`` from ``run`` (one value per row, and the class probabilities
+of a classifier or the model's own certainty per row) or raise ``WorkerError``.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from ken.errors import KenError
-from ken.operators.model import Model
+from ken.models.model import Model, ModelOutput
 
 Loader = Callable[[], Model]
-Output = tuple[np.ndarray, np.ndarray, tuple[str, ...]]
+Answers = tuple[list, np.ndarray]  # (values, scores), see the module docstring
 
 
 class WorkerError(KenError):
@@ -56,6 +57,14 @@ def warm_up(model: Model) -> None:
         model.predict(rows * n, batch_size=n)
 
 
+def answers(out: ModelOutput, rows: int) -> Answers:
+    """``(values, scores)`` of a model's output, checked to have one answer per row."""
+    values, scores = list(out.values), np.asarray(out.scores)
+    if len(values) != rows or scores.shape[0] != rows:
+        raise WorkerError(f"the model answered {len(values)} of {rows} rows")
+    return values, scores
+
+
 class ThreadRunner:
     """A device served by a thread of this process, calling shared loaded models."""
 
@@ -75,12 +84,12 @@ class ThreadRunner:
     def load(self, name: str, source: Model | Loader) -> float:
         return 0.0  # the engine loads shared models once, for every thread runner
 
-    def run(self, model: str, texts: Sequence[str]) -> Output:
+    def run(self, model: str, texts: Sequence[str]) -> Answers:
         try:
-            pred = self.models[model].predict(list(texts), batch_size=max(len(texts), 1))
+            out = self.models[model].predict(list(texts), batch_size=max(len(texts), 1))
+            return answers(out, len(texts))
         except Exception as exc:  # noqa: BLE001 - any model failure is reported, re-run
             raise WorkerError(f"{type(exc).__name__}: {exc}") from exc
-        return pred.labels, pred.probabilities, pred.label_names
 
     def close(self) -> None:
         pass
@@ -125,8 +134,9 @@ def _serve(inp: Connection, out: Connection, threads: int) -> None:
             continue
         _, model, texts = msg
         try:
-            pred = models[model].predict(texts, batch_size=max(len(texts), 1))
-            out.send(("ok", pred.labels, pred.probabilities, pred.label_names))
+            values, scores = answers(models[model].predict(texts, batch_size=max(len(texts), 1)),
+                                     len(texts))
+            out.send(("ok", values, scores))
         except Exception as exc:  # noqa: BLE001 - the engine decides whether to re-run
             out.send(("error", f"{type(exc).__name__}: {exc}"))
 
@@ -205,7 +215,7 @@ class ProcessRunner:
             raise WorkerError(f"worker {self.device} could not load {name}: {msg[1]}")
         return msg[2]
 
-    def run(self, model: str, texts: Sequence[str]) -> Output:
+    def run(self, model: str, texts: Sequence[str]) -> Answers:
         if self._proc is None:  # an earlier restart failed: try again (WorkerError if not)
             self.start()
         assert self._send is not None and self._recv is not None
@@ -222,7 +232,7 @@ class ProcessRunner:
                 raise WorkerDied(f"{died}; restarting it failed: {exc}") from None
             raise WorkerDied(died) from None
         if msg[0] == "ok":
-            return msg[1], msg[2], msg[3]
+            return msg[1], msg[2]
         raise WorkerError(msg[1])
 
     def close(self) -> None:

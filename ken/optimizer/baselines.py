@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ken.operators.cascade import Cascade
+from ken.models.cascade import Cascade
 from ken.optimizer.perf import Catalog
-from ken.optimizer.plan import GearPlan, RangeSchedule, Replica
 from ken.optimizer.planner import PlanningContext, search_placement
 from ken.optimizer.scheduler import PlanningError
 from ken.optimizer.simulator import simulate
 from ken.optimizer.workload import Hardware, Trace
+from ken.policy.plan import GearPlan, RangeSchedule, Replica
 
 NO_WAIT_S = 1e-4  # "max queue delay 0": plans need a positive wait
 

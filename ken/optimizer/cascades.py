@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from ken.errors import CascadeError, ProfileError
-from ken.operators.cascade import Cascade, escalates
-from ken.operators.certainty import CERTAINTY_FUNCTIONS
+from ken.models.cascade import Cascade, escalates
+from ken.models.certainty import CERTAINTY_FUNCTIONS
 from ken.optimizer.profile import Profile
 
 
@@ -97,11 +97,11 @@ def _profiles_for(profiles: Mapping[str, Profile], models: Iterable[str]) -> lis
             what = f"sample hash {profile.sample_hash!r} vs {first.sample_hash!r}"
         elif profile.num_rows != first.num_rows:
             what = f"{profile.num_rows} rows vs {first.num_rows}"
-        elif tuple(profile.label_names) != tuple(first.label_names):
+        elif profile.metric != first.metric:
+            what = f"quality metric {profile.metric!r} vs {first.metric!r}"
+        elif (profile.label_names and first.label_names
+              and tuple(profile.label_names) != tuple(first.label_names)):
             what = f"labels {profile.label_names} vs {first.label_names}"
-        elif not np.array_equal(profile.true_labels, first.true_labels):
-            # same hash but different labels means a corrupted or hand-edited profile
-            what = "true labels differ although the sample hash matches"
         if what:
             raise ProfileError(
                 f"profiles of {name!r} and {first_name!r} were measured on different samples "
@@ -124,20 +124,20 @@ def _ms_per_row(profile: Profile, batch_size: int | None) -> float:
 def run_on_profiles(
     cascade: Cascade, profiles: Mapping[str, Profile]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Final predicted label per sample row and the 0-based stage that resolved it."""
+    """Quality of the cascade's answer per sample row and the 0-based stage that resolved it."""
     stages = _profiles_for(profiles, cascade.models)
     n = stages[0].num_rows
-    labels = np.empty(n, dtype=np.int64)
+    quality = np.empty(n, dtype=np.float64)
     resolved_at = np.full(n, cascade.num_stages - 1, dtype=np.int64)
     active = np.ones(n, dtype=bool)
-    for i, (profile, threshold) in enumerate(zip(stages[:-1], cascade.thresholds, strict=True)):
-        passed_on = escalates(profile.certainty(cascade.certainty), threshold)
+    for i, profile in enumerate(stages[:-1]):
+        passed_on = cascade.escalates(i, profile.certainty(cascade.certainty))
         done = active & ~passed_on
-        labels[done] = profile.predictions[done]
+        quality[done] = profile.quality[done]
         resolved_at[done] = i
         active &= passed_on
-    labels[active] = stages[-1].predictions[active]
-    return labels, resolved_at
+    quality[active] = stages[-1].quality[active]
+    return quality, resolved_at
 
 
 def evaluate(
@@ -148,7 +148,7 @@ def evaluate(
     Cost uses every model at ``batch_size``, or at its own ``best_batch_size()`` when None.
     """
     stages = _profiles_for(profiles, cascade.models)
-    labels, resolved_at = run_on_profiles(cascade, profiles)
+    quality, resolved_at = run_on_profiles(cascade, profiles)
     n = stages[0].num_rows
     k = cascade.num_stages
     resolved_counts = np.bincount(resolved_at, minlength=k)
@@ -158,10 +158,11 @@ def evaluate(
     # keep this accumulation identical to _score_sequence so both give bit-identical costs
     for count, profile in zip(reach_counts, stages, strict=True):
         cost = cost + (float(count) / n) * _ms_per_row(profile, batch_size)
-    correct = int(np.count_nonzero(labels == stages[0].true_labels))
+    # per-row qualities of 1/0 (accuracy) sum exactly in float64, as in _score_sequence
+    total = float(quality.sum())
     return CascadeMetrics(
         cascade=cascade,
-        accuracy=correct / n,
+        accuracy=total / n,
         stage_fractions=tuple(float(c) / n for c in reach_counts),
         resolved_fractions=tuple(float(c) / n for c in resolved_counts),
         cost_ms_per_row=cost,
@@ -222,31 +223,31 @@ def threshold_grid(certainties: np.ndarray, grid_size: int) -> np.ndarray:
 
 
 def _score_sequence(
-    correct: Sequence[np.ndarray], escalate: Sequence[np.ndarray], ms: Sequence[float], n: int
+    quality: Sequence[np.ndarray], escalate: Sequence[np.ndarray], ms: Sequence[float], n: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Correct-row counts and cost per row of every threshold combination of one sequence.
+    """Summed per-row quality and cost per row of every threshold combination of a sequence.
 
-    ``correct[i]`` is stage i's per-row correctness (bool, n); ``escalate[i]`` (bool,
+    ``quality[i]`` is stage i's per-row quality (float64, n); ``escalate[i]`` (bool,
     grid_i x n) says which rows stage i passes on under each of its grid thresholds. Returns
     two arrays of shape ``(grid_0, ..., grid_{k-2})`` (C order = itertools.product order).
     """
-    k = len(correct)
+    k = len(quality)
     if k == 1:
-        return np.array(int(np.count_nonzero(correct[0]))), np.array(0.0 + 1.0 * ms[0])
+        return np.array(float(quality[0].sum())), np.array(0.0 + 1.0 * ms[0])
     shape = tuple(e.shape[0] for e in escalate)
     first = escalate[0].astype(np.float64)
 
-    # Correctness of a row that reaches stage 1, per threshold combination of stages 1..k-2,
+    # Quality of a row that reaches stage 1, per threshold combination of stages 1..k-2,
     # built back to front: a stage keeps its own answer unless it escalates the row.
-    tail = correct[-1]
+    tail = quality[-1]
     for i in range(k - 2, 0, -1):
         e = escalate[i].reshape((shape[i],) + (1,) * (tail.ndim - 1) + (n,))
-        tail = np.where(e, tail, correct[i])
-    # Stage 0 is folded in with one matrix product (0/1 entries: float64 sums are exact), which
-    # saves materialising the full grid_0 x ... x n array.
-    own = np.count_nonzero(~escalate[0] & correct[0], axis=1).astype(np.float64)
+        tail = np.where(e, tail, quality[i])
+    # Stage 0 is folded in with one matrix product (for 1/0 qualities float64 sums are exact),
+    # which saves materialising the full grid_0 x ... x n array.
+    own = np.where(escalate[0], 0.0, quality[0]).sum(axis=1)
     later = first @ tail.reshape(-1, n).T.astype(np.float64)
-    correct_counts = np.rint(own[:, None] + later).astype(np.int64).reshape(shape)
+    quality_sums = (own[:, None] + later).reshape(shape)
 
     # Same accumulation as evaluate(): cost = 0.0 + sum_j (reach_count_j / n) * ms_j.
     cost = np.full(shape, 0.0 + 1.0 * ms[0])
@@ -259,7 +260,7 @@ def _score_sequence(
             passed = passed[..., None, :] & escalate[j].reshape(
                 (1,) * (passed.ndim - 1) + (shape[j], n)
             )
-    return correct_counts, cost
+    return quality_sums, cost
 
 
 def pareto_cascades(
@@ -293,7 +294,7 @@ def pareto_cascades(
     n = checked[names[0]].num_rows
     ms = {m: _ms_per_row(checked[m], batch_size) for m in names}
     by_cost = sorted(names, key=lambda m: (ms[m], m))
-    correct = {m: np.asarray(checked[m].correct, dtype=bool) for m in names}
+    quality = {m: np.asarray(checked[m].quality, dtype=np.float64) for m in names}
     grids: dict[str, np.ndarray] = {}
     escalate: dict[str, np.ndarray] = {}
     for m in names:
@@ -303,7 +304,7 @@ def pareto_cascades(
         escalate[m] = np.array([escalates(cert, t) for t in grids[m]], dtype=bool).reshape(-1, n)
 
     sequences: list[tuple[str, ...]] = []
-    correct_counts: list[np.ndarray] = []
+    quality_sums: list[np.ndarray] = []
     costs: list[np.ndarray] = []
     # shorter sequences first, so exact ties resolve to the simpler cascade
     for k in range(1, min(max_stages, len(names)) + 1):
@@ -313,16 +314,16 @@ def pareto_cascades(
             if any(grids[m].size == 0 for m in seq[:-1]):
                 continue  # constant certainty: this model can only be a last stage
             counts, cost = _score_sequence(
-                [correct[m] for m in seq], [escalate[m] for m in seq[:-1]],
+                [quality[m] for m in seq], [escalate[m] for m in seq[:-1]],
                 [ms[m] for m in seq], n,
             )
             sequences.append(seq)
-            correct_counts.append(counts)
+            quality_sums.append(counts)
             costs.append(cost)
 
-    sizes = [c.size for c in correct_counts]
+    sizes = [c.size for c in quality_sums]
     offsets = np.concatenate(([0], np.cumsum(sizes)))
-    all_acc = np.concatenate([c.ravel() for c in correct_counts]) / n
+    all_acc = np.concatenate([c.ravel() for c in quality_sums]) / n
     all_cost = np.concatenate([c.ravel() for c in costs])
     front = pareto_front(np.column_stack((all_acc, all_cost)))
 
@@ -330,7 +331,7 @@ def pareto_cascades(
     for index in front:
         s = int(np.searchsorted(offsets, index, side="right") - 1)
         seq = sequences[s]
-        combo = np.unravel_index(index - offsets[s], correct_counts[s].shape)
+        combo = np.unravel_index(index - offsets[s], quality_sums[s].shape)
         thresholds = tuple(float(grids[m][c]) for m, c in zip(seq[:-1], combo, strict=True))
         result.append(evaluate(Cascade(seq, thresholds, certainty), checked, batch_size))
     return result

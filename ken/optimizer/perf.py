@@ -16,8 +16,8 @@ from types import MappingProxyType
 import numpy as np
 
 from ken.errors import ProfileError
-from ken.operators.cascade import Cascade, escalates
-from ken.operators.certainty import certainty_fn
+from ken.models.cascade import Cascade
+from ken.models.certainty import certainty_of
 from ken.optimizer.profile import Profile
 
 #: tensor-parallel degrees a replica may span (one node)
@@ -111,45 +111,46 @@ class ModelPerf:
 
 @dataclass(frozen=True, eq=False)
 class Catalog:
-    """Models available to a plan: performance plus per-sample outcomes on one labelled sample.
+    """Models available to a plan: performance plus per-sample outcomes on one sample.
 
-    ``correct[m]`` is a boolean per sample row; ``probabilities[m]`` the class probabilities
-    (rows x classes) that certainties are computed from.
+    ``quality[m]`` is model ``m``'s quality per sample row (1/0 correctness for accuracy;
+    booleans are read as 1/0); ``scores[m]`` the class probabilities (rows x classes) that
+    certainties are computed from, or the model's own certainty per row (rows,).
     """
 
     perf: Mapping[str, ModelPerf]
-    correct: Mapping[str, np.ndarray] = field(repr=False)
-    probabilities: Mapping[str, np.ndarray] = field(repr=False)
+    quality: Mapping[str, np.ndarray] = field(repr=False)
+    scores: Mapping[str, np.ndarray] = field(repr=False)
     sample_hash: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "perf", MappingProxyType(dict(self.perf)))
-        object.__setattr__(self, "correct", MappingProxyType(
-            {m: np.asarray(c, dtype=bool) for m, c in self.correct.items()}))
-        object.__setattr__(self, "probabilities", MappingProxyType(
-            {m: np.asarray(p, dtype=np.float64) for m, p in self.probabilities.items()}))
+        object.__setattr__(self, "quality", MappingProxyType(
+            {m: np.asarray(c, dtype=np.float64) for m, c in self.quality.items()}))
+        object.__setattr__(self, "scores", MappingProxyType(
+            {m: np.asarray(p, dtype=np.float64) for m, p in self.scores.items()}))
         if not self.perf:
             raise ProfileError("a catalog needs at least one model")
-        if set(self.perf) != set(self.correct) or set(self.perf) != set(self.probabilities):
+        if set(self.perf) != set(self.quality) or set(self.perf) != set(self.scores):
             raise ProfileError("a catalog needs performance and per-sample outcomes for the "
-                               f"same models; got {sorted(self.perf)} vs {sorted(self.correct)}")
-        sizes = {c.shape[0] for c in self.correct.values()}
-        sizes |= {p.shape[0] for p in self.probabilities.values()}
+                               f"same models; got {sorted(self.perf)} vs {sorted(self.quality)}")
+        sizes = {c.shape[0] for c in self.quality.values()}
+        sizes |= {p.shape[0] for p in self.scores.values()}
         if len(sizes) != 1 or 0 in sizes:
             raise ProfileError(f"per-sample outcomes must cover the same non-empty sample; "
                                f"row counts: {sorted(sizes)}")
 
     def __reduce__(self) -> tuple:
         # mapping proxies do not pickle; rebuild from plain dicts (e.g. in planner workers)
-        return (Catalog, (dict(self.perf), dict(self.correct), dict(self.probabilities),
+        return (Catalog, (dict(self.perf), dict(self.quality), dict(self.scores),
                           self.sample_hash))
 
     @classmethod
     def from_profiles(cls, profiles: Mapping[str, Profile] | Sequence[Profile]) -> Catalog:
         items = list(profiles.values()) if isinstance(profiles, Mapping) else list(profiles)
         return cls({p.model: ModelPerf.from_profile(p) for p in items},
-                   {p.model: p.correct for p in items},
-                   {p.model: p.probabilities for p in items},
+                   {p.model: p.quality for p in items},
+                   {p.model: p.scores for p in items},
                    items[0].sample_hash if items else "")
 
     @property
@@ -158,7 +159,7 @@ class Catalog:
 
     @property
     def num_rows(self) -> int:
-        return int(next(iter(self.correct.values())).shape[0])
+        return int(next(iter(self.quality.values())).shape[0])
 
     @cached_property
     def _certainty_cache(self) -> dict[tuple[str, str], np.ndarray]:
@@ -168,8 +169,7 @@ class Catalog:
         key = (model, kind)
         cache = self._certainty_cache
         if key not in cache:
-            cache[key] = np.asarray(certainty_fn(kind)(self.probabilities[self._known(model)]),
-                                    dtype=np.float64)
+            cache[key] = certainty_of(self.scores[self._known(model)], kind)
         return cache[key]
 
     def _known(self, model: str) -> str:
@@ -185,26 +185,20 @@ class Catalog:
         for i, model in enumerate(cascade.models):
             self._known(model)
             out.append(float(active.mean()))
-            if i < len(cascade.thresholds):
-                active &= escalates(self.certainty(model, cascade.certainty),
-                                    cascade.thresholds[i])
+            active &= cascade.escalates(i, self.certainty(model, cascade.certainty))
         return tuple(out)
 
-    def correct_per_row(self, cascade: Cascade) -> np.ndarray:
-        """Whether the cascade's answer is correct, per sample row."""
-        result = np.zeros(self.num_rows, dtype=bool)
+    def quality_per_row(self, cascade: Cascade) -> np.ndarray:
+        """The quality of the cascade's answer, per sample row."""
+        result = np.zeros(self.num_rows, dtype=np.float64)
         active = np.ones(self.num_rows, dtype=bool)
         for i, model in enumerate(cascade.models):
             self._known(model)
-            if i < len(cascade.thresholds):
-                passed = escalates(self.certainty(model, cascade.certainty),
-                                   cascade.thresholds[i])
-                done = active & ~passed
-            else:
-                done = active
-            result[done] = self.correct[model][done]
+            done = active & ~cascade.escalates(i, self.certainty(model, cascade.certainty))
+            result[done] = self.quality[model][done]
             active &= ~done
         return result
 
     def accuracy(self, cascade: Cascade) -> float:
-        return float(self.correct_per_row(cascade).mean())
+        """Mean per-row quality of ``cascade`` (its accuracy under the sample's metric)."""
+        return float(self.quality_per_row(cascade).mean())

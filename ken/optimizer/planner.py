@@ -27,9 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from ken.operators.cascade import Cascade
+from ken.models.cascade import Cascade
 from ken.optimizer.perf import Catalog
-from ken.optimizer.plan import Frontier, GearPlan, PlanMetrics, RangeSchedule, Replica
 from ken.optimizer.scheduler import (
     Allocation,
     PlanningError,
@@ -39,6 +38,7 @@ from ken.optimizer.scheduler import (
 )
 from ken.optimizer.simulator import simulate
 from ken.optimizer.workload import Hardware, Trace
+from ken.policy.plan import Frontier, GearPlan, PlanMetrics, RangeSchedule, Replica
 from ken.progress import QUIET, Reporter
 
 Placement = tuple[Replica, ...]

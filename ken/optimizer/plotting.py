@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ken.optimizer.plan import Frontier
+from ken.policy.plan import Frontier
 
 #: ``(label, p95_ms, accuracy)``: a point to compare against the frontier (e.g. a baseline)
 ExtraPoint = tuple[str, float, float]

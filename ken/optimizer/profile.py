@@ -1,8 +1,10 @@
-"""Profiles: measured runtime per batch size, memory, and per-sample predictions of one model.
+"""Profiles: measured runtime per batch size, memory, and per-sample outcomes of one model.
 
-A profile is what the offline phase plans with, so that re-planning never re-runs models. It is
-stored as a JSON header plus a Parquet table of per-sample predictions and probabilities, in a
-folder keyed by (model fingerprint, hardware, data) under ``KEN_HOME/profiles``.
+A profile is what the offline phase plans with, so that re-planning never re-runs models. Per
+sample row it holds the model's value, its certainty (class probabilities for classifiers, from
+which every certainty function is computed, else the model's own certainty) and the value's
+quality under the evaluation sample's metric. It is stored as a JSON header plus a Parquet
+table, in a folder keyed by (model fingerprint, hardware, data) under ``KEN_HOME/profiles``.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ken.errors import ProfileError
-from ken.operators.certainty import certainty_fn
-from ken.operators.datasets import LabelledSample
-from ken.operators.model import DeviceConfig, Model
+from ken.models.certainty import certainty_of
+from ken.models.datasets import LabelledSample
+from ken.models.model import DeviceConfig, Model, Prediction
+from ken.models.quality import EvalSample
 from ken.paths import ken_home
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 #: every batch size is timed on at least this many rows (see ``measure_batch_runtimes``)
 MIN_TIMED_ROWS = 32
@@ -36,7 +39,12 @@ TIMING_METHOD = "timing-v2"
 
 @dataclass(frozen=True, eq=False)
 class Profile:
-    """One model on one hardware configuration, measured on one labelled sample."""
+    """One model on one hardware configuration, measured on one evaluation sample.
+
+    ``scores`` are the class probabilities (rows x classes, float32) of a classifier, or the
+    model's own certainty per row (rows,) for other outputs; ``quality`` is each row's quality
+    under ``metric`` (1/0 correctness for accuracy); ``values`` the model's value per row.
+    """
 
     model: str
     hardware: str
@@ -44,14 +52,15 @@ class Profile:
     batch_runtime_s: tuple[float, ...]  # median seconds for one batch of each size
     memory_bytes: int  # resident weights
     peak_memory_bytes: int  # process peak RSS while running the largest batch
-    label_names: tuple[str, ...]
+    label_names: tuple[str, ...]  # a classifier's labels; () for other outputs
     sample_name: str
     sample_hash: str
     model_fingerprint: str
-    true_labels: np.ndarray = field(repr=False)  # int64 (rows,)
-    predictions: np.ndarray = field(repr=False)  # int64 (rows,)
-    probabilities: np.ndarray = field(repr=False)  # float32 (rows, classes)
+    quality: np.ndarray = field(repr=False)  # float64 (rows,)
+    scores: np.ndarray = field(repr=False)  # float32 (rows, classes) or float64 (rows,)
+    values: tuple = field(default=(), repr=False)  # per-row values (may be empty if unknown)
     num_params: int = 0
+    metric: str = "accuracy"
 
     def __post_init__(self) -> None:
         if len(self.batch_sizes) != len(self.batch_runtime_s) or not self.batch_sizes:
@@ -60,24 +69,22 @@ class Profile:
             )
         if list(self.batch_sizes) != sorted(set(self.batch_sizes)):
             raise ProfileError(f"profile of {self.model}: batch sizes must be increasing")
-        n = self.true_labels.shape[0]
-        if self.predictions.shape != (n,) or self.probabilities.shape[0] != n:
+        object.__setattr__(self, "quality", np.asarray(self.quality, dtype=np.float64))
+        n = self.quality.shape[0]
+        if self.scores.shape[0] != n or (self.values and len(self.values) != n):
             raise ProfileError(f"profile of {self.model}: per-sample arrays differ in length")
 
     @property
     def num_rows(self) -> int:
-        return int(self.true_labels.shape[0])
-
-    @property
-    def correct(self) -> np.ndarray:
-        return self.predictions == self.true_labels
+        return int(self.quality.shape[0])
 
     @property
     def accuracy(self) -> float:
-        return float(self.correct.mean()) if self.num_rows else 0.0
+        """Mean per-row quality on the sample (accuracy, or the sample's metric)."""
+        return float(self.quality.mean()) if self.num_rows else 0.0
 
     def certainty(self, name: str = "max_prob") -> np.ndarray:
-        return certainty_fn(name)(self.probabilities)
+        return certainty_of(self.scores, name)
 
     def batch_runtime(self, batch_size: float) -> float:
         """Seconds for one batch, linearly interpolated between profiled sizes.
@@ -110,6 +117,7 @@ class Profile:
             "memory_bytes": self.memory_bytes,
             "peak_memory_bytes": self.peak_memory_bytes,
             "label_names": list(self.label_names),
+            "metric": self.metric,
             "sample_name": self.sample_name,
             "sample_hash": self.sample_hash,
             "model_fingerprint": self.model_fingerprint,
@@ -120,17 +128,19 @@ class Profile:
 
     def save(self, folder: Path) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
-        table = pa.table(
-            {
-                "row": pa.array(np.arange(self.num_rows), pa.int64()),
-                "true_label": pa.array(self.true_labels, pa.int64()),
-                "prediction": pa.array(self.predictions, pa.int64()),
-                "probabilities": pa.array(list(self.probabilities.astype(np.float32)),
-                                          pa.list_(pa.float32())),
-            }
-        )
+        columns = {
+            "row": pa.array(np.arange(self.num_rows), pa.int64()),
+            "quality": pa.array(self.quality, pa.float64()),
+            "value": pa.array([json.dumps(v, default=str) for v in self.values]
+                              if self.values else [None] * self.num_rows, pa.string()),
+        }
+        if self.scores.ndim == 2:
+            columns["probabilities"] = pa.array(list(self.scores.astype(np.float32)),
+                                                pa.list_(pa.float32()))
+        else:
+            columns["certainty"] = pa.array(self.scores, pa.float64())
         tmp = folder / "samples.parquet.tmp"
-        pq.write_table(table, tmp)
+        pq.write_table(pa.table(columns), tmp)
         os.replace(tmp, folder / "samples.parquet")
         # the header is written last: its presence marks a complete profile
         tmp = folder / "header.json.tmp"
@@ -150,7 +160,13 @@ class Profile:
                 f"this KEN reads version {SCHEMA_VERSION}; delete it and run `ken profile` again"
             )
         table = pq.read_table(folder / "samples.parquet")
-        probs = np.asarray(table.column("probabilities").to_pylist(), dtype=np.float32)
+        if "probabilities" in table.column_names:
+            scores = np.asarray(table.column("probabilities").to_pylist(), dtype=np.float32)
+            scores = scores.reshape(table.num_rows, len(header["label_names"]))
+        else:
+            scores = table.column("certainty").to_numpy().astype(np.float64)
+        raw = table.column("value").to_pylist()
+        values = tuple(json.loads(v) for v in raw) if raw and raw[0] is not None else ()
         return cls(
             model=header["model"],
             hardware=header["hardware"],
@@ -163,9 +179,10 @@ class Profile:
             sample_hash=header["sample_hash"],
             model_fingerprint=header["model_fingerprint"],
             num_params=header.get("num_params", 0),
-            true_labels=table.column("true_label").to_numpy().astype(np.int64),
-            predictions=table.column("prediction").to_numpy().astype(np.int64),
-            probabilities=probs.reshape(table.num_rows, len(header["label_names"])),
+            metric=header.get("metric", "accuracy"),
+            quality=table.column("quality").to_numpy().astype(np.float64),
+            scores=scores,
+            values=values,
         )
 
 
@@ -187,7 +204,10 @@ def hardware_fingerprint(device: DeviceConfig) -> str:
     return f"{device.label}|{cpu}|{platform.machine()}|torch-{torch.__version__}"
 
 
-def profile_key(model: Model, sample: LabelledSample, batch_sizes: Sequence[int]) -> str:
+Sample = EvalSample | LabelledSample
+
+
+def profile_key(model: Model, sample: Sample, batch_sizes: Sequence[int]) -> str:
     text = "|".join(
         [TIMING_METHOD, model.spec.fingerprint or model.spec.name,
          hardware_fingerprint(model.device),
@@ -196,7 +216,7 @@ def profile_key(model: Model, sample: LabelledSample, batch_sizes: Sequence[int]
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def profile_dir(model: Model, sample: LabelledSample, batch_sizes: Sequence[int],
+def profile_dir(model: Model, sample: Sample, batch_sizes: Sequence[int],
                 home: Path | None = None) -> Path:
     base = (home or ken_home()) / "profiles"
     return base / f"{model.name}-{model.device.label}-{profile_key(model, sample, batch_sizes)}"
@@ -253,22 +273,40 @@ def measure_batch_runtimes(
 
 
 def run_profile(
-    model: Model, sample: LabelledSample, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+    model: Model, sample: Sample, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
     repeats: int = 3, on_step: Callable[[int], None] | None = None,
 ) -> Profile:
-    """Measure ``model`` on ``sample``: batch runtimes, memory, predictions and probabilities.
+    """Measure ``model`` on ``sample``: batch runtimes, memory, values, certainty, quality.
 
     ``on_step`` is called after each batch size and once more (with 0) after the predictions.
     """
-    if tuple(model.spec.labels) != tuple(sample.label_names):
-        raise ProfileError(
-            f"model {model.name} predicts {model.spec.labels} but sample {sample.name} is "
-            f"labelled {sample.label_names}"
-        )
-    runtimes, peak = measure_batch_runtimes(model, sample.texts, batch_sizes, repeats, on_step)
-    pred = model.predict(sample.texts, batch_size=32)
+    if isinstance(sample, LabelledSample):
+        if tuple(model.spec.labels) != tuple(sample.label_names):
+            raise ProfileError(
+                f"model {model.name} predicts {model.spec.labels} but sample {sample.name} is "
+                f"labelled {sample.label_names}"
+            )
+        sample_hash = sample.content_hash
+        sample = sample.as_eval()
+    else:
+        sample_hash = sample.content_hash
+    runtimes, peak = measure_batch_runtimes(model, list(sample.inputs), batch_sizes, repeats,
+                                            on_step)
+    out = model.predict(list(sample.inputs), batch_size=32)
     if on_step:
         on_step(0)  # 0 marks the per-sample predictions, the step after the batch sizes
+    values = tuple(_plain(v) for v in out.values)
+    if isinstance(out, Prediction):
+        scores = out.probabilities.astype(np.float32)
+        label_names = tuple(out.label_names)
+        unknown = sorted({str(r) for r in sample.references} - set(label_names))
+        if sample.metric in ("accuracy", "balanced_accuracy") and unknown and all(
+                isinstance(r, str) for r in sample.references):
+            raise ProfileError(f"model {model.name} predicts {label_names}, but sample "
+                               f"{sample.name} has references {unknown[:5]}")
+    else:
+        scores = out.certainty().astype(np.float64)
+        label_names = ()
     return Profile(
         model=model.name,
         hardware=model.device.label,
@@ -276,19 +314,25 @@ def run_profile(
         batch_runtime_s=tuple(runtimes),
         memory_bytes=model.spec.memory_bytes,
         peak_memory_bytes=peak,
-        label_names=tuple(sample.label_names),
+        label_names=label_names,
         sample_name=sample.name,
-        sample_hash=sample.content_hash,
+        sample_hash=sample_hash,
         model_fingerprint=model.spec.fingerprint,
         num_params=model.spec.num_params,
-        true_labels=np.asarray(sample.labels, dtype=np.int64),
-        predictions=pred.labels.astype(np.int64),
-        probabilities=pred.probabilities.astype(np.float32),
+        metric=sample.metric,
+        quality=sample.quality(values),
+        scores=scores,
+        values=values,
     )
 
 
+def _plain(value: object) -> object:
+    """A value as a plain JSON-able Python object (numpy scalars unwrapped)."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
 def load_or_run_profile(
-    model: Model, sample: LabelledSample, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+    model: Model, sample: Sample, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
     home: Path | None = None, repeats: int = 3, on_step: Callable[[int], None] | None = None,
 ) -> Profile:
     """The cached profile for (model, hardware, sample), measuring it on the first call."""

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from ken.errors import KenError
 from ken.optimizer.perf import Catalog
-from ken.optimizer.plan import Frontier, GearPlan, PlanMetrics
 from ken.optimizer.simulator import simulate_many
 from ken.optimizer.workload import Trace
+from ken.policy.plan import Frontier, GearPlan, PlanMetrics
 
 
 class QueryPlanError(KenError):
@@ -85,7 +85,7 @@ class QueryPlan:
 def _joint(plans: list[GearPlan], catalogs: list[Catalog], trace: Trace,
            seed: int) -> tuple[tuple[float, ...], PlanMetrics]:
     result = simulate_many(plans, catalogs, trace, seed)
-    accs = tuple(float(result.correct[k].mean()) for k in range(len(plans)))
+    accs = tuple(float(result.quality[k].mean()) for k in range(len(plans)))
     return accs, result.metrics(0, plans[0])
 
 

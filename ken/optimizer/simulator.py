@@ -23,9 +23,9 @@ import numpy as np
 
 from ken.errors import KenError
 from ken.optimizer.perf import Catalog
-from ken.optimizer.plan import GearPlan, PlanMetrics, RangeMetrics
-from ken.optimizer.policy import Batch, Dispatcher, VirtualClock
 from ken.optimizer.workload import Trace
+from ken.policy.plan import GearPlan, PlanMetrics, RangeMetrics
+from ken.policy.scheduling import Batch, Dispatcher, VirtualClock
 
 
 class SimulationError(KenError):
@@ -38,7 +38,7 @@ class SimResult:
 
     arrival_s: np.ndarray = field(repr=False)
     completion_s: np.ndarray = field(repr=False)
-    correct: np.ndarray = field(repr=False)  # (operators, requests) bool
+    quality: np.ndarray = field(repr=False)  # (operators, requests) float: answer quality
     stage: np.ndarray = field(repr=False)  # (operators, requests): 0-based resolving stage
     range_index: np.ndarray = field(repr=False)  # (operators, requests): gear at admission
     gear_switches: tuple[tuple[tuple[float, int, int], ...], ...]
@@ -61,7 +61,7 @@ class SimResult:
         duration = float(self.completion_s.max() - self.arrival_s.min()) \
             if self.num_requests else 0.0
         p50, p95, p99 = _percentiles(lat_ms)
-        correct = self.correct[plan_index]
+        quality = self.quality[plan_index]
         per_range = []
         if plan is not None:
             ranges = self.range_index[plan_index]
@@ -72,10 +72,10 @@ class SimResult:
                     continue
                 r50, r95, r99 = _percentiles(lat_ms[mask])
                 per_range.append(RangeMetrics(plan.qps_edges[k], plan.qps_edges[k + 1], n,
-                                              float(correct[mask].mean()), r50, r95, r99))
+                                              float(quality[mask].mean()), r50, r95, r99))
         util = tuple((d, b / duration if duration > 0 else 0.0) for d, b in self.device_busy_s)
         return PlanMetrics(
-            accuracy=float(correct.mean()), p50_ms=p50, p95_ms=p95, p99_ms=p99,
+            accuracy=float(quality.mean()), p50_ms=p50, p95_ms=p95, p99_ms=p99,
             mean_ms=float(lat_ms.mean()), num_requests=self.num_requests,
             gear_switches=len(self.gear_switches[plan_index]), duration_s=duration,
             utilisation=util, per_range=tuple(per_range))
@@ -175,7 +175,7 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
         op.check_complete()
     return SimResult(
         arrival_s=trace.arrival_s.copy(), completion_s=completion_s,
-        correct=np.array([op.correct for op in ops], dtype=bool),
+        quality=np.array([op.quality for op in ops], dtype=np.float64),
         stage=np.array([op.stage for op in ops], dtype=np.int64),
         range_index=np.array([op.range_index for op in ops], dtype=np.int64),
         gear_switches=tuple(tuple(op.dispatcher.gears.switches) for op in ops),
@@ -198,14 +198,14 @@ class _Operator:
         kind = plan.certainty
         rows = sample_rows(num_requests, catalog.num_rows, seed)
         used = {r.model for r in plan.placement}
-        # per model, per request: the certainty and correctness of that request's sample row
+        # per model, per request: the certainty and quality of that request's sample row
         self._cert = {m: catalog.certainty(m, kind)[rows].tolist() for m in used}
-        self._correct = {m: catalog.correct[m][rows].tolist() for m in used}
+        self._quality = {m: catalog.quality[m][rows].tolist() for m in used}
         self.runtime = [catalog.perf[r.model].runtime_table(r.degree, plan.max_batch[i])
                         for i, r in enumerate(plan.placement)]
         self.spread = [catalog.perf[r.model].spread for r in plan.placement]
         self.rng = random.Random(seed)  # draws runtime spread factors (if any)
-        self.correct = [False] * num_requests
+        self.quality = [0.0] * num_requests
         self.stage = [-1] * num_requests
         self.range_index = [-1] * num_requests
         self.resolved = [0] * num_requests
@@ -221,10 +221,10 @@ class _Operator:
         return [cert[i] for i in batch.request_ids]
 
     def record(self, ids: Sequence[int], model: str, stages: Sequence[int]) -> None:
-        correct, ok, stage, resolved = self._correct[model], self.correct, self.stage, \
+        quality, ok, stage, resolved = self._quality[model], self.quality, self.stage, \
             self.resolved
         for rid, st in zip(ids, stages, strict=True):
-            ok[rid] = correct[rid]
+            ok[rid] = quality[rid]
             stage[rid] = st
             resolved[rid] += 1
 

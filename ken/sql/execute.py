@@ -21,10 +21,11 @@ import pyarrow as pa
 from ken.engine.batch import run_cascade
 from ken.engine.serving import Engine
 from ken.errors import KenError
-from ken.sql.functions import Bound
+from ken.ops.base import Bound
 from ken.sql.rewrite import CallSite
 
-ARROW_TYPES = {"varchar": pa.string(), "boolean": pa.bool_()}
+ARROW_TYPES = {"varchar": pa.string(), "boolean": pa.bool_(), "double": pa.float64(),
+               "bigint": pa.int64()}
 
 
 @dataclass
@@ -105,7 +106,7 @@ class SiteRunner:
                       for i in range(len(self.site.args))]
         result = run_cascade(self.bound.cascade, self.bound.models, column, self.batch_size,
                              name=self.site.call_sql())
-        values = self.bound.to_sql_values(result.labels.to_pylist())
+        values = self.bound.to_sql_values(result.values)
         self.memo.update(zip(inputs, values, strict=True))
         self.stats.distinct_evaluated += len(inputs)
         for counter, stage in zip(self.stats.stages, result.stages, strict=True):
@@ -119,9 +120,6 @@ class SiteRunner:
         """Send the inputs to the engine and wait: fewer than ``bulk_threshold`` as online
         requests, more as bulk rows. A row the engine could not answer fails the query."""
         assert self.engine is not None
-        if len(self.site.args) != 1:
-            raise KenError(f"{self.site.function}() takes {len(self.site.args)} columns; the "
-                           "online engine serves one-column classifiers")
         bulk = len(inputs) >= self.bulk_threshold
         outcomes = [f.result() for f in self.engine.submit_many(inputs, bulk=bulk)]
         failed = [o for o in outcomes if o.status != "ok"]
@@ -131,7 +129,7 @@ class SiteRunner:
                 f"{self.site.call_sql()}: {len(failed)} of {len(inputs)} rows were not answered "
                 f"by the online engine ({first.status}: {first.error}); retry later, or serve "
                 "with a larger max_in_flight")
-        values = self.bound.to_sql_values([o.label for o in outcomes])
+        values = self.bound.to_sql_values([o.value for o in outcomes])
         self.memo.update(zip(inputs, values, strict=True))
         self.stats.distinct_evaluated += len(inputs)
         for o in outcomes:  # the gear plan's cascades may use other models than the site's
@@ -146,9 +144,9 @@ class EngineBusy(KenError):
 
 
 def register_sites(con: duckdb.DuckDBPyConnection, runners: list[SiteRunner]) -> None:
-    from duckdb.sqltypes import BOOLEAN, VARCHAR
+    from duckdb.sqltypes import BIGINT, BOOLEAN, DOUBLE, VARCHAR
 
-    sql_types = {"varchar": VARCHAR, "boolean": BOOLEAN}
+    sql_types = {"varchar": VARCHAR, "boolean": BOOLEAN, "double": DOUBLE, "bigint": BIGINT}
     for r in runners:
         # DuckDB reads the arity from the callable's signature, so give it an exact one
         fn = _exact_arity(r, len(r.site.args))

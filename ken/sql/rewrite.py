@@ -17,7 +17,7 @@ from sqlglot import exp
 from sqlglot.errors import ParseError
 
 from ken.errors import KenError
-from ken.sql.functions import SemanticFunction, suggest
+from ken.ops.base import Operator, suggest
 
 
 class SqlError(KenError):
@@ -102,7 +102,7 @@ def _clause(node: exp.Expression) -> str:
     return "EXPRESSION"
 
 
-def rewrite(statement: exp.Expression, functions: Mapping[str, SemanticFunction],
+def rewrite(statement: exp.Expression, functions: Mapping[str, Operator],
             known: frozenset[str], first_id: int = 0, namespace: str = "") -> Rewritten:
     """Validate semantic calls and replace each by a call of its site's DuckDB function.
 

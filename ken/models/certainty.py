@@ -51,3 +51,12 @@ def certainty_fn(name: str) -> CertaintyFn:
     except KeyError:
         known = ", ".join(sorted(CERTAINTY_FUNCTIONS))
         raise KenError(f"unknown certainty function {name!r}; use one of: {known}") from None
+
+
+def certainty_of(scores: np.ndarray, kind: str = "max_prob") -> np.ndarray:
+    """Certainty per row from a model's scores: the named function of class probabilities
+    (rows x classes), or the model's own certainty (rows,) as it is (other output types)."""
+    scores = np.asarray(scores)
+    if scores.ndim == 2:
+        return np.asarray(certainty_fn(kind)(scores), dtype=np.float64)
+    return scores.astype(np.float64)

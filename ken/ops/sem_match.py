@@ -19,30 +19,31 @@ falls back to :class:`SimilarityPairModel`, an *uncalibrated* cosine-similarity 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ken.errors import DataError, ModelError
-from ken.operators.cascade import Cascade
-from ken.operators.head import LinearHead, fit_logistic_cv
-from ken.operators.model import DeviceConfig, Model, ModelSpec, Prediction
-from ken.operators.semantic import (
-    BOOLEAN_LABELS,
-    BoundSemantic,
+from ken.models.cascade import Cascade
+from ken.models.head import LinearHead, fit_logistic_cv
+from ken.models.model import BOOLEAN_LABELS, DeviceConfig, Model, ModelSpec, Prediction
+from ken.models.quality import EvalSample
+from ken.models.resources import (
     Resources,
     boolean_probabilities,
     normalise_rows,
     sigmoid,
 )
-from ken.operators.transformers_backend import TransformersBody
+from ken.models.transformers_backend import TransformersBody
+from ken.ops.base import Bound, BoundSemantic, OpContext, Operator, shared_resources
 from ken.paths import shared_data_dir
 from ken.progress import Reporter
 
@@ -595,3 +596,50 @@ def bind_sem_match(resources: Resources, dataset: str = DEFAULT_DATASET,
                   f"{card.cascade_test.f1:.3f}, escalates {card.escalation_test:.0%}")
     return BoundSemantic("sem_match", cascade, models, "boolean", calibrated=True,
                          detail=detail)
+
+
+# -- the operator --------------------------------------------------------------------------------
+
+
+def load_member(member: str, home: Path | None, threads: int) -> PairModel:
+    """A trained pair model for a worker process (picklable via ``functools.partial``)."""
+    return load_pair_model(Resources(DeviceConfig(threads=threads), home), member)
+
+
+class SemMatch(Operator):
+    name = "sem_match"
+    num_columns = 2
+    constants = ()
+    output_type = "boolean"
+    doc = "do two texts name the same entity"
+
+    def bind(self, ctx: OpContext, constants: tuple[str, ...]) -> Bound:
+        return ctx.resource("sem-match-binding",
+                            lambda: bind_sem_match(shared_resources(ctx)))
+
+    def eval_sample(self, ctx: OpContext) -> EvalSample | None:
+        """The Abt-Buy test pairs (first attribute), or None without the shared data."""
+        if not has_data(DEFAULT_DATASET):
+            return None
+        pairs = load_pairs(DEFAULT_DATASET, "test")
+        return EvalSample(pairs.name, tuple(pairs.pairs),
+                          tuple(bool(v) for v in pairs.labels.tolist()), "balanced_accuracy")
+
+    def eval_description(self) -> str:
+        where = dataset_dir(DEFAULT_DATASET)
+        state = "" if has_data(DEFAULT_DATASET) else f" (absent: not found at {where})"
+        return f"{DEFAULT_DATASET} test pairs{state}, balanced accuracy"
+
+    def candidates(self, ctx: OpContext, device: DeviceConfig) -> Mapping[str, Model]:
+        resources = shared_resources(ctx)
+        prepare_sem_match(resources)
+        return {m.name: m for m in (load_pair_model(resources, member, device=device)
+                                    for member in MEMBERS)}
+
+    def loaders(self, ctx: OpContext, threads: int) -> Mapping[str, Callable[[], Model]]:
+        names = list(self.candidates(ctx, ctx.device))
+        return {name: functools.partial(load_member, member, ctx.home, threads)
+                for name, member in zip(names, MEMBERS, strict=True)}
+
+
+OPERATOR = SemMatch

@@ -1,9 +1,4 @@
-"""What semantic SQL operators share: a bound operator and the heavy models behind it.
-
-A semantic function such as ``sem_filter(text, 'predicate')`` is *bound* once per call site to
-its constant arguments. The result, a :class:`BoundSemantic`, is a :class:`Cascade` plus the
-:class:`Model` objects it names, so the generic cascade executor runs it in batches like any
-classifier; ``to_sql_values`` turns the cascade's labels into SQL values.
+"""The pretrained networks semantic operators share, loaded once per device.
 
 Different predicates need different models (each embeds its own predicate), but they all run on
 the same few pretrained networks. :class:`Resources` loads each network once per device and
@@ -15,18 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
-from ken.errors import DataError, ModelError
-from ken.operators.cascade import Cascade
-from ken.operators.model import DeviceConfig, Model
-from ken.operators.transformers_backend import (
+from ken.errors import ModelError
+from ken.models.model import DeviceConfig
+from ken.models.transformers_backend import (
     BodyConfig,
     TransformersBody,
     count_params,
@@ -36,8 +28,6 @@ from ken.operators.transformers_backend import (
 from ken.paths import ken_home
 from ken.progress import QUIET, Reporter
 
-OUTPUT_TYPES = ("boolean", "varchar")
-BOOLEAN_LABELS = ("false", "true")  # label order of every boolean operator's models
 ENCODERS = ("minilm-l3", "minilm-l6")
 CAUSAL_LMS = ("smollm2-135m",)
 ENCODER_MAX_TOKENS = 128  # both MiniLMs were trained on inputs of at most 128 tokens
@@ -50,81 +40,6 @@ def short_hash(*parts: object) -> str:
         h.update(repr(part).encode("utf-8", "backslashreplace"))
         h.update(b"\x1f")
     return h.hexdigest()[:8]
-
-
-def quote_argument(text: str, limit: int = 60) -> str:
-    """A constant argument as a one-line SQL string literal, shortened for EXPLAIN."""
-    one_line = " ".join(text.split())
-    if len(one_line) > limit:
-        one_line = one_line[: limit - 3] + "..."
-    return "'" + one_line.replace("'", "''") + "'"
-
-
-@dataclass(frozen=True, eq=False)
-class BoundSemantic:
-    """A semantic function bound to its constant arguments: a cascade and the models it runs.
-
-    ``models`` holds at least every model the cascade names (read-only). ``calibrated`` says
-    whether thresholds and probabilities were fitted on labelled data for this operator;
-    EXPLAIN shows ``uncalibrated`` otherwise. ``detail`` is a short note for EXPLAIN (how it
-    was calibrated, or why it fell back to defaults).
-
-    >>> # bound = bind_sem_filter("complains about a flight delay", Resources())
-    >>> # result = run_cascade(bound.cascade, bound.models, table["text"])
-    >>> # keep = bound.to_sql_values(result.labels.to_pylist())  # [True, False, None, ...]
-    """
-
-    function: str
-    cascade: Cascade
-    models: Mapping[str, Model] = field(repr=False)
-    output_type: str
-    calibrated: bool
-    arguments: tuple[str, ...] = ()
-    detail: str = ""
-
-    def __post_init__(self) -> None:
-        if self.output_type not in OUTPUT_TYPES:
-            raise ModelError(f"output type must be one of {OUTPUT_TYPES}, "
-                             f"not {self.output_type!r}")
-        missing = [m for m in self.cascade.models if m not in self.models]
-        if missing:
-            raise ModelError(f"{self.function}: the cascade names {missing} but only "
-                             f"{sorted(self.models)} are bound")
-        if self.output_type == "boolean":
-            for name in self.cascade.models:
-                if tuple(self.models[name].spec.labels) != BOOLEAN_LABELS:
-                    raise ModelError(f"{self.function}: model {name} predicts "
-                                     f"{self.models[name].spec.labels}, a boolean operator "
-                                     f"needs {BOOLEAN_LABELS}")
-        # a read-only view: bound operators are shared between call sites and queries
-        object.__setattr__(self, "models", MappingProxyType(dict(self.models)))
-
-    def describe(self) -> str:
-        """One line for EXPLAIN: the call, the cascade with its thresholds, calibration."""
-        args = ", ".join(quote_argument(a) for a in self.arguments)
-        head = f"{self.function}({args})" if args else self.function
-        state = "calibrated" if self.calibrated else "uncalibrated"
-        text = f"{head}: {self.cascade.describe()} [{self.cascade.certainty}], {state}"
-        return f"{text}; {self.detail}" if self.detail else text
-
-    def to_sql_values(self, labels: Sequence[str | None]) -> list[Any]:
-        """The cascade's label strings as SQL values: ``"true"`` -> ``True``; NULL stays NULL."""
-        if hasattr(labels, "to_pylist"):
-            labels = labels.to_pylist()  # an Arrow array
-        if self.output_type == "varchar":
-            return list(labels)
-        out: list[bool | None] = []
-        for label in labels:
-            if label is None:
-                out.append(None)
-            elif label == "true":
-                out.append(True)
-            elif label == "false":
-                out.append(False)
-            else:
-                raise DataError(f"{self.function} returns a boolean, but a model produced the "
-                                f"label {label!r}; its models must predict {BOOLEAN_LABELS}")
-        return out
 
 
 class CausalLM:
@@ -305,7 +220,7 @@ class Resources:
         return self._get(name, device, lambda d: CausalLM(self._body_dir(name), d))
 
     def _body_dir(self, name: str) -> Path:
-        from ken.operators import family
+        from ken.models import family
 
         return family.body_dir(family.member(name), self.home, self.reporter)
 

@@ -14,11 +14,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ken.errors import KenError, ModelError
-from ken.operators import convert
-from ken.operators.datasets import LabelledSample, load_source, split, unseen
-from ken.operators.head import LinearHead, fit_logistic_cv
-from ken.operators.model import DeviceConfig, ModelSpec
-from ken.operators.transformers_backend import BodyConfig, TransformersBody, TransformersClassifier
+from ken.models import convert
+from ken.models.datasets import LabelledSample, load_source, split, unseen
+from ken.models.head import LinearHead, fit_logistic_cv
+from ken.models.model import DeviceConfig, ModelSpec
+from ken.models.transformers_backend import BodyConfig, TransformersBody, TransformersClassifier
 from ken.paths import ken_home
 from ken.progress import QUIET, Reporter
 

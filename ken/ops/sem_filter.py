@@ -26,19 +26,20 @@ only if it beats stage 1 on the sample rows that would reach it.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import numpy as np
 
 from ken.errors import DataError, ModelError
-from ken.operators.cascade import Cascade
-from ken.operators.model import DeviceConfig, Model, ModelSpec, Prediction
-from ken.operators.semantic import (
-    BOOLEAN_LABELS,
-    BoundSemantic,
+from ken.models.cascade import Cascade
+from ken.models.model import BOOLEAN_LABELS, DeviceConfig, Model, ModelSpec, Prediction
+from ken.models.quality import EvalSample
+from ken.models.resources import (
     CausalLM,
     Resources,
     boolean_probabilities,
@@ -46,7 +47,8 @@ from ken.operators.semantic import (
     short_hash,
     sigmoid,
 )
-from ken.operators.transformers_backend import TransformersBody
+from ken.models.transformers_backend import TransformersBody
+from ken.ops.base import Bound, BoundSemantic, OpContext, Operator, shared_resources
 
 __all__ = [
     "BoundSemantic", "FilterCalibration", "FilterSample", "Resources", "SimilarityModel",
@@ -543,3 +545,93 @@ def bind_sem_filter(predicate: str, resources: Resources, sample: FilterSample |
         cascade = Cascade((sim.name,))
     return BoundSemantic("sem_filter", cascade, models, "boolean", calibration.calibrated,
                          (predicate,), calibration.describe())
+
+
+# -- the operator --------------------------------------------------------------------------------
+
+#: the predicate sem_filter is profiled and planned on, with its labels from the family's tweets
+EVAL_PREDICATE = "expresses a negative opinion"
+EVAL_CALIBRATION_ROWS = 300
+
+
+def tweets_filter_sample(ctx: OpContext) -> tuple[FilterSample, EvalSample]:
+    """Calibration rows and the evaluation sample for :data:`EVAL_PREDICATE`: the family's
+    tweets, true where a tweet is labelled negative (calibration from the training split, the
+    evaluation sample is the held-out split)."""
+    from ken.models import family
+
+    train, test = (ctx.data or family.FamilyData()).splits()
+    negative = train.label_names.index("negative")
+    rows = min(EVAL_CALIBRATION_ROWS, len(train))
+    calibration = FilterSample(train.texts[:rows],
+                               tuple(int(v) == negative for v in train.labels[:rows]))
+    sample = EvalSample(f"{test.name}-negative", test.texts,
+                        tuple(int(v) == negative for v in test.labels), "balanced_accuracy")
+    return calibration, sample
+
+
+def load_filter_stage(kind: str, predicate: str, scale: float, offset: float,
+                      home: Path | None, threads: int) -> Model:
+    """One sem_filter stage for a worker process (picklable via ``functools.partial``):
+    ``kind`` is an encoder name (similarity stage) or ``"channel"``."""
+    resources = Resources(DeviceConfig(threads=threads), home)
+    if kind == "channel":
+        return ChannelLLMModel(resources.causal_lm("smollm2-135m"), predicate)
+    return SimilarityModel(resources.encoder(kind), predicate, scale, offset, encoder=kind)
+
+
+class SemFilter(Operator):
+    name = "sem_filter"
+    num_columns = 1
+    constants = ("predicate",)
+    output_type = "boolean"
+    doc = "does the text satisfy a natural-language predicate"
+    eval_constants = (EVAL_PREDICATE,)
+
+    def bind(self, ctx: OpContext, constants: tuple[str, ...]) -> Bound:
+        return bind_sem_filter(constants[0], shared_resources(ctx))
+
+    def eval_sample(self, ctx: OpContext) -> EvalSample:
+        return tweets_filter_sample(ctx)[1]
+
+    def eval_description(self) -> str:
+        return (f"predicate {EVAL_PREDICATE!r} on the family's held-out tweets (true where "
+                "labelled negative), balanced accuracy")
+
+    def _stages(self, ctx: OpContext) -> list[tuple[str, float, float]]:
+        """(kind, scale, offset) of each candidate: both similarity encoders, calibrated on
+        the calibration rows, and the channel LLM stage."""
+        def fit() -> list[tuple[str, float, float]]:
+            calibration, _sample = tweets_filter_sample(ctx)
+            out = []
+            for encoder in ("minilm-l3", "minilm-l6"):
+                probe = SimilarityModel(shared_resources(ctx).encoder(encoder), EVAL_PREDICATE,
+                                        encoder=encoder)
+                fitted = fit_similarity_calibration(probe.similarity(calibration.texts),
+                                                    calibration.truth)
+                out.append((encoder, fitted.scale, fitted.offset))
+            return [*out, ("channel", CHANNEL_SCALE, CHANNEL_OFFSET)]
+
+        return ctx.resource("sem-filter-eval-stages", fit)
+
+    def candidates(self, ctx: OpContext, device: DeviceConfig) -> Mapping[str, Model]:
+        resources = shared_resources(ctx)
+        models: dict[str, Model] = {}
+        for kind, scale, offset in self._stages(ctx):
+            if kind == "channel":
+                model: Model = ChannelLLMModel(resources.causal_lm("smollm2-135m", device),
+                                               EVAL_PREDICATE)
+            else:
+                model = SimilarityModel(resources.encoder(kind, device), EVAL_PREDICATE, scale,
+                                        offset, encoder=kind)
+            models[model.name] = model
+        return models
+
+    def loaders(self, ctx: OpContext, threads: int) -> Mapping[str, Callable[[], Model]]:
+        names = list(self.candidates(ctx, ctx.device))
+        return {name: functools.partial(load_filter_stage, kind, EVAL_PREDICATE, scale, offset,
+                                        ctx.home, threads)
+                for name, (kind, scale, offset) in zip(names, self._stages(ctx), strict=True)}
+
+
+OPERATOR = SemFilter

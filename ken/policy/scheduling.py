@@ -29,7 +29,8 @@ from typing import Protocol
 import numpy as np
 
 from ken.errors import KenError
-from ken.optimizer.plan import GearPlan
+from ken.models.cascade import escalates_row
+from ken.policy.plan import GearPlan
 
 
 class PolicyError(KenError):
@@ -213,14 +214,14 @@ class QueueTrigger:
 
 class Escalation:
     """Per cascade: the threshold below which a stage passes a row on (-inf at the last stage,
-    so the last stage resolves everything). The rule is ``ken.operators.cascade.escalates``."""
+    so the last stage resolves everything). The rule is ``ken.models.cascade.escalates``."""
 
     def __init__(self, plan: GearPlan) -> None:
         self.thresholds = [(*c.thresholds, -math.inf) for c in plan.cascades]
         self.models = [c.models for c in plan.cascades]
 
     def escalates(self, cascade: int, stage: int, certainty: float) -> bool:
-        return bool(certainty < self.thresholds[cascade][stage])
+        return escalates_row(certainty, self.thresholds[cascade][stage])
 
 
 # -- the dispatcher ----------------------------------------------------------------------------
@@ -351,7 +352,7 @@ class Dispatcher:
                 cascade, stage = req_cascade[rid], req_stage[rid]
             except KeyError:
                 raise PolicyError(f"request {rid} is not in flight") from None
-            if certainties[j] < thresholds[cascade][stage]:
+            if escalates_row(certainties[j], thresholds[cascade][stage]):
                 stage += 1
                 req_stage[rid] = stage
                 rep = self.router.pick(req_range[rid], models[cascade][stage])

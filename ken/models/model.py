@@ -1,0 +1,152 @@
+"""The model interface every backend implements, and the data it exchanges.
+
+A model maps a batch of inputs to one value per row and one certainty per row (the output
+contract). Values may be labels, booleans, numbers or generated text: :class:`Output`.
+Classifiers are the fast special case, :class:`Prediction`: label indices plus class
+probabilities, from which any certainty function (``max_prob``, ``margin``, ...) is computed.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ken.errors import KenError, ModelError
+from ken.models.certainty import certainty_of
+
+#: label order of every boolean classifier (``sem_filter``, ``sem_match`` models)
+BOOLEAN_LABELS = ("false", "true")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where and how a model runs: a device kind, its index and (for CPU) a thread count."""
+
+    kind: str = "cpu"
+    index: int = 0
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("cpu", "cuda"):
+            raise KenError(f"device kind must be 'cpu' or 'cuda', not {self.kind!r}")
+        if self.threads < 1:
+            raise KenError(f"a device needs at least one thread, got {self.threads}")
+
+    @property
+    def torch_device(self) -> str:
+        return "cpu" if self.kind == "cpu" else f"cuda:{self.index}"
+
+    @property
+    def label(self) -> str:
+        """Short stable name, used in cache keys and tables (``cpu-2t``, ``cuda0``)."""
+        return f"cpu-{self.threads}t" if self.kind == "cpu" else f"cuda{self.index}"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a model is, independent of where it runs."""
+
+    name: str
+    family: str
+    backend: str
+    source: str  # a local folder or a hub model id
+    num_params: int
+    memory_bytes: int  # resident weights (fp32)
+    max_tokens: int  # inputs are truncated to this many tokens
+    labels: tuple[str, ...]  # class labels of a classifier; () for other output types
+    fingerprint: str = ""  # content hash of weights + head; keys the profile cache
+    num_inputs: int = 1  # texts per row: 1, or 2 for pair models (predict gets tuples)
+
+
+@dataclass(frozen=True, eq=False)
+class Prediction:
+    """Batched classifier output: label index and class probabilities per row."""
+
+    labels: np.ndarray  # int64, shape (rows,)
+    probabilities: np.ndarray  # float32, shape (rows, classes)
+    label_names: tuple[str, ...]
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def label_strings(self) -> list[str]:
+        return [self.label_names[i] for i in self.labels]
+
+    @property
+    def values(self) -> list[str]:
+        """The predicted label of each row (the output contract's values)."""
+        return self.label_strings()
+
+    @property
+    def scores(self) -> np.ndarray:
+        """What certainties are computed from: the class probabilities."""
+        return self.probabilities
+
+    def certainty(self, kind: str = "max_prob") -> np.ndarray:
+        """Certainty per row, by the named function of the class probabilities."""
+        return certainty_of(self.probabilities, kind)
+
+
+@dataclass(frozen=True, eq=False)
+class Output:
+    """Batched output of any model: one value per row and the model's certainty per row.
+
+    ``values`` hold Python values (``str``, ``bool``, ``int``, ``float``; ``None`` where the
+    model has no answer). ``scores`` is the model's own certainty (larger is surer), e.g. the
+    probability of a scored choice or a length-normalised sequence log-probability. For
+    generation, ``token_counts`` (generated tokens per row) and per-token ``logprobs`` may be
+    given.
+
+    >>> out = Output(["yes", "no"], np.array([0.9, 0.6]))
+    >>> out.values, out.certainty().tolist()
+    (['yes', 'no'], [0.9, 0.6])
+    """
+
+    values: list[Any]
+    scores: np.ndarray  # float64 (rows,)
+    token_counts: np.ndarray | None = field(default=None, repr=False)
+    logprobs: tuple[np.ndarray, ...] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "values", list(self.values))
+        scores = np.asarray(self.scores, dtype=np.float64).reshape(-1)
+        object.__setattr__(self, "scores", scores)
+        if scores.shape[0] != len(self.values):
+            raise ModelError(f"an output needs one certainty per value: {len(self.values)} "
+                             f"values, {scores.shape[0]} certainties")
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def certainty(self, kind: str = "max_prob") -> np.ndarray:
+        """The model's own certainty per row. Certainty functions of class probabilities
+        (``kind``) apply to classifiers only; other outputs carry their certainty."""
+        return self.scores
+
+
+#: what ``Model.predict`` returns: both have ``values`` and ``certainty(kind)``
+ModelOutput = Prediction | Output
+
+
+class Model(ABC):
+    """A model that maps a batch of texts to one value and one certainty per row."""
+
+    spec: ModelSpec
+    device: DeviceConfig
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @abstractmethod
+    def predict(self, texts: Sequence, batch_size: int = 32) -> ModelOutput:
+        """Answer ``texts``; runs in batches of ``batch_size``; output is in input order.
+
+        Classifiers return a :class:`Prediction`, other models an :class:`Output`.
+
+        ``texts`` holds strings, or tuples of ``spec.num_inputs`` strings for pair models.
+        """

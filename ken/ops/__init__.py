@@ -1,0 +1,23 @@
+"""The semantic operators, one module each, behind one interface (``ken.ops.base``).
+
+Registration is this list: a module named here defines ``OPERATOR``, an ``Operator`` subclass
+that a session instantiates (each session gets its own instances, so a user's choices, such as
+``session.sentiment_cascade``, stay in that session). Modules are imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from ken.ops.base import Operator
+
+BUILTIN_MODULES = ("sentiment", "sem_filter", "sem_match", "sem_classify")
+
+
+def builtin_operators() -> dict[str, Operator]:
+    """A fresh instance of every built-in operator, by SQL name."""
+    out: dict[str, Operator] = {}
+    for module in BUILTIN_MODULES:
+        op = importlib.import_module(f"ken.ops.{module}").OPERATOR()
+        out[op.name] = op
+    return out

@@ -1,0 +1,357 @@
+"""The operator interface: everything the rest of KEN needs to know about a semantic operator.
+
+An operator (``sentiment``, ``sem_filter``, ``sem_match``, ``sem_classify``, or one a user
+registers) is an :class:`Operator`. It gives
+
+- its SQL signature: ``num_columns`` text arguments, then ``constants`` (string literals bound
+  per call site, e.g. a predicate) and an ``output_type`` (VARCHAR, BOOLEAN, DOUBLE, BIGINT);
+- ``bind(ctx, constants)``: the runnable :class:`Bound` operator for one call site, a
+  :class:`~ken.models.cascade.Cascade` plus the models it names and how their values become SQL
+  values, with a one-line ``describe()`` for EXPLAIN;
+- ``eval_sample(ctx)``: the labelled evaluation sample with its per-row quality metric, which
+  profiles (and so the cascade search and the planner) are measured on, or None when the
+  operator cannot be planned;
+- ``candidates(ctx, device)``: the models to profile, loaded on ``device``;
+- ``loaders(ctx, threads)``: picklable zero-argument loaders of those models, what the online
+  engine's worker processes call (None: serve with thread workers).
+
+The SQL front-end, the profiler, the planner, the engine and EXPLAIN reach operators only
+through this interface, and the :class:`OpContext` gives operators what they need of the
+session (device, model store, data, progress reporter, a cache of loaded models).
+"""
+
+from __future__ import annotations
+
+import difflib
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Protocol
+
+from ken.errors import DataError, KenError, ModelError
+from ken.models.cascade import Cascade
+from ken.models.model import BOOLEAN_LABELS, DeviceConfig, Model
+from ken.models.quality import EvalSample
+from ken.progress import QUIET, Reporter
+
+SQL_TYPES = {"varchar": "VARCHAR", "boolean": "BOOLEAN", "double": "DOUBLE", "bigint": "BIGINT"}
+
+
+def to_sql_value(value: Any, output_type: str) -> Any:
+    """One model value as a SQL value of ``output_type``; None stays NULL.
+
+    Classifiers of boolean operators predict the labels ``"false"`` / ``"true"``; they become
+    ``False`` / ``True``. Anything else that does not fit the type is a ``DataError``.
+    """
+    if value is None:
+        return None
+    try:
+        if output_type == "varchar":
+            return value if isinstance(value, str) else str(value)
+        if output_type == "boolean":
+            if isinstance(value, str):
+                if value in BOOLEAN_LABELS:
+                    return value == "true"
+                raise ValueError(f"the label {value!r}; boolean models predict "
+                                 f"{BOOLEAN_LABELS}")
+            return bool(value)
+        if output_type == "double":
+            return float(value)
+        if output_type == "bigint":
+            return int(value)
+    except (TypeError, ValueError) as exc:
+        raise DataError(f"a model value does not fit the operator's type "
+                        f"{SQL_TYPES[output_type]}: {exc}") from None
+    raise DataError(f"unknown output type {output_type!r}; use one of {sorted(SQL_TYPES)}")
+
+
+def check_output_type(output_type: str) -> None:
+    if output_type not in SQL_TYPES:
+        raise KenError(f"output type must be one of {sorted(SQL_TYPES)}, not {output_type!r}")
+
+
+def quote_argument(text: str, limit: int = 60) -> str:
+    """A constant argument as a one-line SQL string literal, shortened for EXPLAIN."""
+    one_line = " ".join(text.split())
+    if len(one_line) > limit:
+        one_line = one_line[: limit - 3] + "..."
+    return "'" + one_line.replace("'", "''") + "'"
+
+
+class Bound(Protocol):
+    """A semantic operator bound to its constant arguments, ready to run on columns."""
+
+    function: str
+    cascade: Cascade
+    models: Mapping[str, Model]
+    output_type: str
+
+    def describe(self) -> str: ...
+
+    def to_sql_values(self, values: Sequence[Any]) -> list[Any]: ...
+
+
+@dataclass(frozen=True)
+class ClassifierBinding:
+    """A cascade whose values are the SQL values (e.g. ``sentiment``'s labels)."""
+
+    function: str
+    cascade: Cascade
+    models: Mapping[str, Model]
+    output_type: str = "varchar"
+    calibrated: bool = True
+    stage_fractions: tuple[float, ...] | None = None  # expected, from the profile
+    expected_accuracy: float | None = None
+
+    def describe(self) -> str:
+        text = f"cascade {self.cascade.describe()} [{self.cascade.certainty}]"
+        if self.expected_accuracy is not None:
+            text += f", profiled accuracy {self.expected_accuracy:.1%}"
+        return text
+
+    def to_sql_values(self, values: Sequence[Any]) -> list[Any]:
+        return [to_sql_value(v, self.output_type) for v in values]
+
+
+@dataclass(frozen=True, eq=False)
+class BoundSemantic:
+    """A semantic function bound to its constant arguments: a cascade and the models it runs.
+
+    ``models`` holds at least every model the cascade names (read-only). ``calibrated`` says
+    whether thresholds and probabilities were fitted on labelled data for this operator;
+    EXPLAIN shows ``uncalibrated`` otherwise. ``detail`` is a short note for EXPLAIN (how it
+    was calibrated, or why it fell back to defaults).
+
+    >>> # bound = bind_sem_filter("complains about a flight delay", Resources())
+    >>> # result = run_cascade(bound.cascade, bound.models, table["text"])
+    >>> # keep = bound.to_sql_values(result.values)  # [True, False, None, ...]
+    """
+
+    function: str
+    cascade: Cascade
+    models: Mapping[str, Model] = field(repr=False)
+    output_type: str
+    calibrated: bool
+    arguments: tuple[str, ...] = ()
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        if self.output_type not in SQL_TYPES:
+            raise ModelError(f"output type must be one of {sorted(SQL_TYPES)}, "
+                             f"not {self.output_type!r}")
+        missing = [m for m in self.cascade.models if m not in self.models]
+        if missing:
+            raise ModelError(f"{self.function}: the cascade names {missing} but only "
+                             f"{sorted(self.models)} are bound")
+        if self.output_type == "boolean":
+            for name in self.cascade.models:
+                labels = tuple(self.models[name].spec.labels)
+                if labels and labels != BOOLEAN_LABELS:
+                    raise ModelError(f"{self.function}: model {name} predicts {labels}, a "
+                                     f"boolean operator needs {BOOLEAN_LABELS}")
+        # a read-only view: bound operators are shared between call sites and queries
+        object.__setattr__(self, "models", MappingProxyType(dict(self.models)))
+
+    def describe(self) -> str:
+        """One line for EXPLAIN: the call, the cascade with its thresholds, calibration."""
+        args = ", ".join(quote_argument(a) for a in self.arguments)
+        head = f"{self.function}({args})" if args else self.function
+        state = "calibrated" if self.calibrated else "uncalibrated"
+        text = f"{head}: {self.cascade.describe()} [{self.cascade.certainty}], {state}"
+        return f"{text}; {self.detail}" if self.detail else text
+
+    def to_sql_values(self, values: Sequence[Any]) -> list[Any]:
+        """The cascade's values as SQL values (``"true"`` -> ``True``); NULL stays NULL."""
+        if hasattr(values, "to_pylist"):
+            values = values.to_pylist()  # an Arrow array
+        return [to_sql_value(v, self.output_type) for v in values]
+
+
+class OpContext:
+    """What operators get from the session: where models run and are stored, the data to
+    train or sample from, progress reporting, and a cache of heavy objects (loaded models)
+    made once even when several threads ask at once. A session owns one; no global state."""
+
+    def __init__(self, device: DeviceConfig | None = None, home: Path | None = None,
+                 data: Any = None, reporter: Reporter = QUIET, batch_size: int = 32,
+                 chooser: Chooser | None = None) -> None:
+        self.device = device or DeviceConfig(threads=2)
+        self.chooser = chooser
+        self.home = home
+        self.data = data
+        self.reporter = reporter
+        self.batch_size = batch_size
+        self._lock = threading.RLock()  # making a resource may make other resources
+        self._resources: dict[str, Any] = {}
+
+    def resource(self, key: str, make: Callable[[], Any]) -> Any:
+        with self._lock:
+            if key not in self._resources:
+                self._resources[key] = make()
+            return self._resources[key]
+
+    def choose_cascade(self, op: Operator, cascade: Cascade | None = None) -> ChosenCascade:
+        """The cascade ``op`` runs: ``cascade`` if given (scored by the chooser when there is
+        one), else the chooser's default from the operator's profiles."""
+        if self.chooser is not None:
+            return self.chooser(op, self, cascade)
+        if cascade is None:
+            raise KenError(f"{op.name}() has no cascade chosen and this context has no "
+                           "cascade chooser; set one (e.g. session.sentiment_cascade)")
+        return ChosenCascade(cascade)
+
+    def forget(self, prefix: str) -> None:
+        """Drop cached objects whose key starts with ``prefix`` (e.g. a re-chosen cascade)."""
+        with self._lock:
+            for key in [k for k in self._resources if k.startswith(prefix)]:
+                del self._resources[key]
+
+
+def shared_resources(ctx: OpContext) -> Any:
+    """The pretrained networks (MiniLM encoders, SmolLM2) that sem_filter, sem_match and
+    sem_classify share, loaded once per session and device (``ken.models.resources``)."""
+    from ken.models.resources import Resources
+
+    return ctx.resource("semantic-resources",
+                        lambda: Resources(ctx.device, ctx.home, ctx.reporter))
+
+
+@dataclass(frozen=True)
+class ChosenCascade:
+    """The cascade a bound operator runs, with what its profile expects of it (if known)."""
+
+    cascade: Cascade
+    stage_fractions: tuple[float, ...] | None = None
+    accuracy: float | None = None
+
+
+#: ``chooser(operator, ctx, user_cascade_or_None) -> ChosenCascade``: how a session picks an
+#: operator's default cascade from profiles (the optimizer's job; set by the session)
+Chooser = Callable[["Operator", "OpContext", Cascade | None], ChosenCascade]
+
+
+class Operator:
+    """A SQL-callable semantic operator (see the module docstring); subclass and override
+    ``bind`` — and ``eval_sample`` / ``candidates`` / ``loaders`` to make it plannable and
+    servable by worker processes."""
+
+    name: str = ""
+    num_columns: int = 1
+    constants: tuple[str, ...] = ()
+    output_type: str = "varchar"
+    doc: str = ""
+    #: constants the evaluation sample is for (profiles of an operator with constants are
+    #: measured on these, e.g. sem_filter's evaluation predicate)
+    eval_constants: tuple[str, ...] = ()
+
+    def bind(self, ctx: OpContext, constants: tuple[str, ...]) -> Bound:
+        raise NotImplementedError
+
+    def eval_sample(self, ctx: OpContext) -> EvalSample | None:
+        """The labelled sample profiles are measured on (None: the operator cannot be
+        planned)."""
+        return None
+
+    def eval_description(self) -> str:
+        """Which data the evaluation sample comes from (for EXPLAIN and `ken plan`)."""
+        return "no evaluation sample"
+
+    def candidates(self, ctx: OpContext, device: DeviceConfig) -> Mapping[str, Model]:
+        """The models to profile, loaded on ``device``: by default those of the operator
+        bound to its evaluation constants (on the session's device)."""
+        return dict(self.bind(ctx, self.eval_constants).models)
+
+    def loaders(self, ctx: OpContext, threads: int) -> Mapping[str, Callable[[], Model]] | None:
+        """Picklable loaders of the candidate models on a CPU device of ``threads`` threads
+        (None: the engine serves the operator with thread workers)."""
+        return None
+
+    @property
+    def arity(self) -> int:
+        return self.num_columns + len(self.constants)
+
+    def signature(self) -> str:
+        args = [f"text{i + 1}" if self.num_columns > 1 else "text"
+                for i in range(self.num_columns)]
+        args += [f"'{c}'" for c in self.constants]
+        return f"{self.name}({', '.join(args)}) -> {SQL_TYPES[self.output_type]}"
+
+    def check(self) -> None:
+        check_output_type(self.output_type)
+        if not self.name.isidentifier():
+            raise KenError(f"{self.name!r} is not a valid SQL function name")
+        if self.num_columns < 1:
+            raise KenError(f"{self.name}() needs at least one column argument")
+
+    def renamed(self, name: str) -> Operator:
+        """This operator under another SQL name (``session.register("mood", op)``)."""
+        import copy
+
+        clone = copy.copy(self)
+        clone.name = name
+        return clone
+
+
+class SemanticFunction(Operator):
+    """An operator made from a bind callable: ``binder(constants) -> Bound`` (not plannable).
+
+    >>> # session.register("mood", SemanticFunction("mood", 1, (), "varchar",
+    >>> #                  lambda _c: ClassifierBinding("mood", cascade, models)))
+    """
+
+    def __init__(self, name: str, num_columns: int, constants: tuple[str, ...],
+                 output_type: str, binder: Callable[[tuple[str, ...]], Bound],
+                 doc: str = "") -> None:
+        self.name = name
+        self.num_columns = num_columns
+        self.constants = tuple(constants)
+        self.output_type = output_type
+        self.binder = binder
+        self.doc = doc
+        self.check()
+
+    def bind(self, ctx: OpContext, constants: tuple[str, ...]) -> Bound:
+        return self.binder(constants)
+
+
+class ModelOperator(Operator):
+    """A user's model or cascade as an operator: its values are the SQL values.
+
+    With an evaluation ``sample`` (an :class:`EvalSample`) it can be profiled and planned like
+    a built-in: the candidates are ``models`` and the cascade search chooses among them.
+    """
+
+    def __init__(self, name: str, cascade: Cascade, models: Mapping[str, Model],
+                 output_type: str = "varchar", sample: EvalSample | None = None) -> None:
+        missing = [m for m in cascade.models if m not in models]
+        if missing:
+            raise KenError(f"the cascade of {name}() uses {missing}, which models= lacks")
+        self.name = name
+        self.cascade = cascade
+        self.models = dict(models)
+        self.output_type = output_type
+        self.num_columns = self.models[cascade.models[0]].spec.num_inputs
+        self.sample = sample
+        self.doc = f"cascade {cascade.describe()}"
+        self.check()
+
+    def bind(self, ctx: OpContext, constants: tuple[str, ...]) -> Bound:
+        return ClassifierBinding(self.name, self.cascade, self.models, self.output_type)
+
+    def eval_sample(self, ctx: OpContext) -> EvalSample | None:
+        return self.sample
+
+    def eval_description(self) -> str:
+        return (f"the sample given to register() ({self.sample.name}, {len(self.sample)} rows)"
+                if self.sample is not None else "no evaluation sample")
+
+    def candidates(self, ctx: OpContext, device: DeviceConfig) -> Mapping[str, Model]:
+        return dict(self.models)
+
+
+def suggest(name: str, candidates: Iterable[str]) -> str:
+    """`` Did you mean 'x'?`` for the closest candidate, or nothing."""
+    close = difflib.get_close_matches(name.lower(), sorted(set(candidates)), n=1, cutoff=0.6)
+    return f" Did you mean {close[0]!r}?" if close else ""

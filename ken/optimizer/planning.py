@@ -1,0 +1,229 @@
+"""Planning helpers shared by ``Session.plan``, ``ken plan`` and the demo: profiles of an
+operator's candidate models on its evaluation sample, the default cascade of a bound operator,
+planning arguments, the planning trace, and frontiers cached on disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from ken.errors import KenError
+from ken.models.cascade import Cascade
+from ken.models.model import DeviceConfig
+from ken.ops.base import ChosenCascade, OpContext, Operator
+from ken.optimizer.cascades import evaluate, pareto_cascades
+from ken.optimizer.perf import Catalog
+from ken.optimizer.planner import PlannerSettings, PlannerStats, plan_frontier
+from ken.optimizer.profile import DEFAULT_BATCH_SIZES, Profile, load_or_run_profile, profile_dir
+from ken.optimizer.workload import (
+    Hardware,
+    Trace,
+    WorkloadError,
+    fit_peak,
+    gamma_trace,
+    load_azure_trace,
+    poisson_trace,
+)
+from ken.policy.plan import Frontier
+from ken.progress import QUIET, Reporter
+
+#: batch sizes of a short profile, when `ken profile` has not measured every size here
+SHORT_BATCH_SIZES = (1, 8, 32)
+
+
+def operator_profiles(op: Operator, ctx: OpContext, threads: int | None = None,
+                      batch_sizes: Sequence[int] | None = None) -> dict[str, Profile]:
+    """Profiles of ``op``'s candidate models on its evaluation sample (cached on disk).
+
+    On the session's device by default, or on a CPU device of ``threads`` threads (what the
+    planner's CPU workers run on). Every batch size when `ken profile` already measured them
+    here, else a short profile (or exactly ``batch_sizes``).
+    """
+    sample = op.eval_sample(ctx)
+    if sample is None:
+        raise KenError(f"{op.name}() cannot be planned: it has no evaluation sample "
+                       f"({op.eval_description()}); gear plans are built from model profiles "
+                       "on a labelled sample. A plan made elsewhere can be set with "
+                       "session.use_plan(...)")
+    device = ctx.device
+    if threads is not None and (device.kind != "cpu" or device.threads != threads):
+        device = DeviceConfig(threads=threads)
+    models = op.candidates(ctx, device)
+    profiles = {}
+    for name, model in models.items():
+        sizes = tuple(batch_sizes or DEFAULT_BATCH_SIZES)
+        if batch_sizes is None and not (
+                profile_dir(model, sample, sizes, ctx.home) / "header.json").exists():
+            sizes = SHORT_BATCH_SIZES
+        with ctx.reporter.task(f"profile {name} on {device.label}", len(sizes) + 1) as advance:
+            profiles[name] = load_or_run_profile(model, sample, sizes, ctx.home,
+                                                 on_step=lambda _s: advance(1))
+    return profiles
+
+
+def choose_cascade(op: Operator, ctx: OpContext, cascade: Cascade | None = None
+                   ) -> ChosenCascade:
+    """The cascade a bound operator runs when no gear plan serves it: ``cascade`` (scored on
+    the profiles), else the cheapest Pareto cascade at least as accurate as the best single
+    model, at the session's batch size."""
+    profiles = operator_profiles(op, ctx)
+    if cascade is not None:
+        chosen = evaluate(cascade, profiles, ctx.batch_size)
+    else:
+        front = pareto_cascades(profiles, batch_size=ctx.batch_size)
+        best_single = max(p.accuracy for p in profiles.values())
+        good = [m for m in front if m.accuracy >= best_single]
+        chosen = good[0] if good else front[-1]
+    return ChosenCascade(chosen.cascade, chosen.stage_fractions, chosen.accuracy)
+
+
+TRACE_KINDS = ("azure", "poisson", "gamma")
+
+
+def check_planning_args(devices: int, memory_gb: float, threads_per_device: int,
+                        peak_qps: float | None, duration_s: float, num_ranges: int) -> None:
+    """Reject impossible planning arguments before any model is profiled."""
+    problems = []
+    if devices < 1:
+        problems.append(f"devices must be >= 1 (got {devices})")
+    if not memory_gb > 0 or not math.isfinite(memory_gb):
+        problems.append(f"memory per device must be > 0 GB (got {memory_gb})")
+    if threads_per_device < 1:
+        problems.append(f"threads per device must be >= 1 (got {threads_per_device})")
+    if peak_qps is not None and (not peak_qps > 0 or not math.isfinite(peak_qps)):
+        problems.append(f"peak QPS must be > 0 (got {peak_qps})")
+    if not duration_s > 0 or not math.isfinite(duration_s):
+        problems.append(f"the trace duration must be > 0 s (got {duration_s})")
+    if num_ranges < 1:
+        problems.append(f"the number of QPS ranges must be >= 1 (got {num_ranges})")
+    if problems:
+        raise KenError("cannot plan: " + "; ".join(problems))
+
+
+def planning_inputs(profiles: Mapping[str, Profile], max_stages: int = 3,
+                    grid_size: int = 16) -> tuple[Catalog, tuple[Cascade, ...]]:
+    """The catalog and the candidate cascades (the Pareto set, cost at each model's best
+    batch size) that a frontier is planned from."""
+    front = pareto_cascades(profiles, max_stages=max_stages, grid_size=grid_size,
+                            batch_size=None)
+    return Catalog.from_profiles(profiles), tuple(m.cascade for m in front)
+
+
+def sustained_qps(catalog: Catalog, cascade: Cascade, devices: int) -> float:
+    """Rows/s that ``devices`` equal workers sustain running ``cascade`` flat out.
+
+    ``devices / sum_i(f_i * s_i)``: ``f_i`` is the fraction of rows reaching stage ``i`` and
+    ``s_i`` that model's seconds per row at its throughput-optimal (profiled) batch size.
+    """
+    seconds = 0.0
+    for model, fraction in zip(cascade.models, catalog.stage_fractions(cascade), strict=True):
+        perf = catalog.perf[model]
+        seconds += fraction * min(perf.per_row_s(b) for b in perf.batch_sizes)
+    return devices / seconds
+
+
+def default_peak_qps(catalog: Catalog, cascades: Sequence[Cascade], devices: int) -> float:
+    """1.5x the rate the most accurate candidate cascade sustains on all devices (rounded):
+    the top QPS ranges then need cheaper cascades, so the frontier has something to trade."""
+    best = max(cascades, key=catalog.accuracy)
+    return float(max(1, round(1.5 * sustained_qps(catalog, best, devices))))
+
+
+def planning_trace(kind: str | Trace, peak_qps: float, duration_s: float, seed: int = 0,
+                   cv: float = 4.0) -> Trace:
+    """The sample trace a frontier is planned on, with a 1-s peak of (about) ``peak_qps``.
+
+    ``"azure"``: the Azure LLM inference trace (code) from the shared data folder, rate-scaled
+    so that its busiest second has ``peak_qps`` arrivals, cut to the ``duration_s`` window
+    around that second. ``"poisson"`` / ``"gamma"`` (bursty, CV ``cv``): ``duration_s`` of
+    synthetic arrivals whose mean rate is set so that the busiest second has ``peak_qps``.
+    A ``Trace`` is rate-scaled to the peak and used whole.
+    """
+    if isinstance(kind, Trace):
+        return fit_peak(kind.rate_scaled, peak_qps / kind.qps_max(), peak_qps)
+    if kind == "azure":
+        try:
+            full = load_azure_trace()
+        except WorkloadError as exc:
+            raise WorkloadError(f"{exc}; or plan on a synthetic trace: --trace poisson / "
+                                "gamma (trace='poisson' in session.plan)") from None
+        return fit_peak(lambda f: full.rate_scaled(f).around_peak(duration_s),
+                         peak_qps / full.qps_max(), peak_qps)
+    if kind == "poisson":
+        return fit_peak(lambda r: poisson_trace(r, duration_s, seed), peak_qps * 0.8, peak_qps)
+    if kind == "gamma":
+        return fit_peak(lambda r: gamma_trace(r, duration_s, cv, seed), peak_qps / 4, peak_qps)
+    raise WorkloadError(f"unknown trace {kind!r}; use one of {', '.join(TRACE_KINDS)} or pass "
+                        "a ken.optimizer.workload.Trace")
+
+
+def _planner_code_hash() -> str:
+    """A hash of the planner's code, so cached frontiers are re-planned when it changes."""
+    from ken.models import cascade
+    from ken.optimizer import cascades, perf, planner, scheduler, simulator
+    from ken.policy import plan, scheduling
+
+    digest = hashlib.sha256()
+    for module in (cascade, cascades, perf, plan, planner, scheduling, scheduler, simulator):
+        digest.update(inspect.getsource(module).encode())
+    return digest.hexdigest()[:16]
+
+
+def frontier_cache_key(operator: str, profiles: Mapping[str, Profile],
+                       cascades: Sequence[Cascade], hardware: Hardware, trace: Trace,
+                       qps_max: float, settings: PlannerSettings,
+                       calibration: Mapping[str, tuple[float, ...]] | None = None) -> str:
+    """What a frontier depends on: profiles, candidates, devices, trace, settings, code, and
+    the runtime calibration if any."""
+    digest = hashlib.sha256()
+    parts = [operator, _planner_code_hash(), hardware.to_json(), f"{qps_max!r}",
+             repr(settings.provenance()), trace.name, str(len(trace)),
+             repr(sorted((calibration or {}).items()))]
+    for name in sorted(profiles):
+        p = profiles[name]
+        parts += [name, p.model_fingerprint, p.hardware, p.sample_hash, repr(p.batch_sizes),
+                  repr(p.batch_runtime_s), str(p.memory_bytes)]
+    parts += [c.to_json() for c in cascades]
+    for part in parts:
+        digest.update(part.encode())
+        digest.update(b"\0")
+    digest.update(trace.arrival_s.tobytes())
+    return digest.hexdigest()[:16]
+
+
+def plan_operator(operator: str, profiles: Mapping[str, Profile], catalog: Catalog,
+                  cascades: Sequence[Cascade], hardware: Hardware, trace: Trace,
+                  qps_max: float, settings: PlannerSettings, cache_dir: Path | None = None,
+                  reporter: Reporter = QUIET, force: bool = False,
+                  calibration: Mapping[str, tuple[float, ...]] | None = None,
+                  ) -> tuple[Frontier, PlannerStats | None]:
+    """``plan_frontier`` with an on-disk cache in ``cache_dir`` (stats are None on a hit).
+    ``calibration``: the runtime spreads ``catalog`` was calibrated with (part of the key)."""
+    largest = max(d.memory_bytes for d in hardware.devices)
+    too_big = sorted(m for m in {m for c in cascades for m in c.models}
+                     if catalog.perf[m].memory(1) > largest)
+    if too_big:
+        needs = ", ".join(f"{m} {catalog.perf[m].memory(1) / 2**20:,.0f} MB" for m in too_big)
+        raise KenError(f"cannot plan {operator}: a replica needs its model's weights on one "
+                       f"device ({needs}), but the largest device has "
+                       f"{largest / 2**20:,.0f} MB; give the devices more memory "
+                       "(--memory-gb, memory_gb=...)")
+    path = None
+    if cache_dir is not None:
+        key = frontier_cache_key(operator, profiles, cascades, hardware, trace, qps_max,
+                                 settings, calibration)
+        path = cache_dir / f"{operator}-{key}.json"
+        if path.is_file() and not force:
+            reporter.note(f"{operator}: frontier from cache {path}")
+            return Frontier.load(path), None
+    frontier, stats = plan_frontier(operator, cascades, catalog, hardware, trace,
+                                    qps_max=qps_max, settings=settings, reporter=reporter)
+    if path is not None:
+        frontier.save(path)
+    return frontier, stats
+
+
