@@ -20,13 +20,13 @@ from ken.progress import Reporter
 
 def run_demo(args: argparse.Namespace, console: Console) -> int:
     import ken
-    from ken.cli import frontier_table, gear_plan_table, models_table
     from ken.demo_tables import load_demo_tables
     from ken.models import family
     from ken.models.cascade import Cascade
     from ken.models.model import DeviceConfig
     from ken.optimizer.cascades import evaluate, pareto_cascades
     from ken.optimizer.profile import load_or_run_profile
+    from ken.report import frontier_table, gear_plan_table, models_table
 
     reporter = Reporter(args.quiet)
     if args.quick:

@@ -37,12 +37,13 @@ RUNTIMES = {"a": ((0.002, 0.006, 0.016), (0.0015, 0.004, 0.01)),
 
 def make_catalog(seed: int = 0, rows: int = ROWS) -> Catalog:
     rng = np.random.default_rng(seed)
-    perf, correct, probs = {}, {}, {}
+    perf, quality, probs = {}, {}, {}
     for k, (m, rt) in enumerate(sorted(RUNTIMES.items())):
         perf[m] = ModelPerf(m, BATCH_SIZES, rt, (100, 60), (1, 2))
         probs[m] = rng.dirichlet(np.full(3, 0.6), size=rows)
-        correct[m] = rng.random(rows) < 0.6 + 0.15 * k  # later models are more accurate
-    return Catalog(perf, correct, probs, "synthetic")
+        # 1/0 correctness; later models are more accurate
+        quality[m] = (rng.random(rows) < 0.6 + 0.15 * k).astype(np.float64)
+    return Catalog(perf, quality, probs, "synthetic")
 
 
 CATALOG = make_catalog()
@@ -238,13 +239,15 @@ def test_catalog_stage_fractions_and_accuracy_by_hand() -> None:
     pa = np.array([[0.9, 0.1], [0.4, 0.6], [0.6, 0.4], [0.5, 0.5]])
     pb = np.array([[0.7, 0.3]] * 4)
     perf = {m: ModelPerf(m, (1,), ((0.01,),), (1,)) for m in "ab"}
+    # booleans are read as 1/0 quality
     cat = Catalog(perf, {"a": [True, False, True, True], "b": [False, True, False, False]},
                   {"a": pa, "b": pb})
+    assert cat.quality["a"].dtype == np.float64
     cas = Cascade(("a", "b"), (0.6,))
     assert cat.num_rows == 4 and cat.models == ("a", "b")
     assert cat.certainty("a").tolist() == [0.9, 0.6, 0.6, 0.5]
     assert cat.stage_fractions(cas) == (1.0, 0.25)  # only row 3 (0.5 < 0.6) escalates
-    assert cat.correct_per_row(cas).tolist() == [True, False, True, False]
+    assert cat.quality_per_row(cas).tolist() == [1.0, 0.0, 1.0, 0.0]
     assert cat.accuracy(cas) == 0.5
     assert cat.accuracy(Cascade(("a",))) == 0.75
     assert cat.stage_fractions(Cascade(("a", "b"), (0.95,))) == (1.0, 1.0)
@@ -252,6 +255,23 @@ def test_catalog_stage_fractions_and_accuracy_by_hand() -> None:
         cat.accuracy(Cascade(("zzz",)))
     with pytest.raises(ProfileError, match="same non-empty sample"):
         Catalog(perf, {"a": [True], "b": [True, False]}, {"a": pa[:1], "b": pb[:2]})
+    with pytest.raises(ProfileError, match="same non-empty sample"):
+        Catalog(perf, {"a": [True] * 4, "b": [True] * 4}, {"a": pa, "b": pb[:3]})
+
+
+def test_catalog_with_own_certainty_and_fractional_quality_by_hand() -> None:
+    # a non-classifier: one certainty per row (used whatever the certainty function), and
+    # quality in [0, 1] per row (e.g. token F1)
+    perf = {m: ModelPerf(m, (1,), ((0.01,),), (1,)) for m in "ab"}
+    cat = Catalog(perf, {"a": [1.0, 0.5, 0.25, 0.0], "b": [0.5, 1.0, 1.0, 1.0]},
+                  {"a": np.array([0.9, 0.4, 0.6, 0.5]), "b": np.array([0.7] * 4)})
+    cas = Cascade(("a", "b"), (0.6,), "margin")
+    assert cat.num_rows == 4
+    assert cat.certainty("a", "margin").tolist() == [0.9, 0.4, 0.6, 0.5]
+    assert cat.stage_fractions(cas) == (1.0, 0.5)  # rows 1 and 3 escalate
+    assert cat.quality_per_row(cas).tolist() == [1.0, 1.0, 0.25, 1.0]
+    assert cat.accuracy(cas) == 0.8125
+    assert cat.accuracy(Cascade(("a",))) == 0.4375
 
 
 # -- the simulator ------------------------------------------------------------------------------
@@ -310,8 +330,9 @@ def test_conservation_and_accuracy_match_catalog(plan: GearPlan, k: int, rate: f
     assert [c / n for c in res.stage_rows[0]] == pytest.approx(fractions, abs=1e-12)
     assert res.metrics(0, plan).accuracy == CATALOG.accuracy(cascade)
     # the per-request outcome is the catalog's outcome for that request's sample row
-    per_row = CATALOG.correct_per_row(cascade)
-    assert sorted(res.correct[0].tolist()) == sorted(np.tile(per_row, k).tolist())
+    per_row = CATALOG.quality_per_row(cascade)
+    assert res.quality.dtype == np.float64
+    assert sorted(res.quality[0].tolist()) == sorted(np.tile(per_row, k).tolist())
 
 
 def test_overloaded_plan_completes_every_request() -> None:
@@ -353,10 +374,10 @@ def test_simulate_many_shares_devices() -> None:
         # each request passed through both operators, first through "first"
         assert res.stage_rows == ((len(trace),), (len(trace),))
         m1 = res.metrics(1, pb)
-        assert m1.accuracy == pytest.approx(res.correct[1].mean())
+        assert m1.accuracy == pytest.approx(res.quality[1].mean())
     # the two operators draw sample rows with different seeds
     assert simulate_many([pa, pb], [CATALOG, CATALOG], Trace(np.arange(ROWS) * 0.1)) \
-        .correct[0].mean() == CATALOG.accuracy(Cascade(("a",)))
+        .quality[0].mean() == CATALOG.accuracy(Cascade(("a",)))
 
 
 @settings(max_examples=25, deadline=None)
@@ -404,7 +425,7 @@ def test_per_range_metrics() -> None:
 def test_deterministic_for_fixed_seed(plan: GearPlan, trace: Trace, seed: int) -> None:
     a = simulate(plan, CATALOG, trace, seed=seed)
     b = simulate(plan, CATALOG, trace, seed=seed)
-    for field in ("completion_s", "correct", "stage", "range_index"):
+    for field in ("completion_s", "quality", "stage", "range_index"):
         assert np.array_equal(getattr(a, field), getattr(b, field))
     assert a.stage_rows == b.stage_rows and a.gear_switches == b.gear_switches
     assert a.device_busy_s == b.device_busy_s and a.batches == b.batches
@@ -415,14 +436,14 @@ def test_seed_changes_sample_order() -> None:
     plan = single("a")
     trace = Trace(np.arange(ROWS) * 0.1)
     a, b = simulate(plan, CATALOG, trace, seed=0), simulate(plan, CATALOG, trace, seed=1)
-    assert not np.array_equal(a.correct, b.correct)
-    assert a.correct.mean() == b.correct.mean()  # the same rows, in another order
+    assert not np.array_equal(a.quality, b.quality)
+    assert a.quality.mean() == b.quality.mean()  # the same rows, in another order
 
 
 def test_simulation_errors() -> None:
     trace = Trace([0.0, 0.1])
-    cat = Catalog({"a": CATALOG.perf["a"]}, {"a": CATALOG.correct["a"]},
-                  {"a": CATALOG.probabilities["a"]})
+    cat = Catalog({"a": CATALOG.perf["a"]}, {"a": CATALOG.quality["a"]},
+                  {"a": CATALOG.scores["a"]})
     with pytest.raises(SimulationError, match=r"places \['b'\], which have no profile"):
         simulate(single("b"), cat, trace)
     with pytest.raises(SimulationError, match="one catalog per plan"):
