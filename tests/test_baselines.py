@@ -43,7 +43,7 @@ def test_dynamic_batching_runs_full_batches_or_waits_at_most_the_delay() -> None
     assert lonely.latency_s[0] == pytest.approx(0.02 + cat.perf["m"].batch_runtime(1))
     # accuracy is the model's own
     assert simulate(plan, cat, trace()).metrics().accuracy == pytest.approx(
-        cat.correct["m"][np.arange(len(trace())) % cat.num_rows].mean(), abs=0.06)
+        cat.quality["m"][np.arange(len(trace())) % cat.num_rows].mean(), abs=0.06)
 
 
 def test_dynamic_batching_rejects_bad_input() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -13,6 +15,7 @@ from ken.engine.batch import run_cascade, text_column
 from ken.errors import CascadeError, DataError, KenError
 from ken.models.cascade import Cascade
 from ken.models.certainty import certainty_fn
+from ken.models.model import DeviceConfig, Model, ModelSpec, Output
 
 
 def by_hand(cascade: Cascade, models: dict, values: list) -> list:
@@ -47,7 +50,8 @@ def test_cascade_equals_row_by_row(values, t1, t2, stages, batch) -> None:
     models = {n: FakeModel(n) for n in ("a", "b", "c")}
     cascade = Cascade(("a", "b", "c")[:stages], (t1, t2)[: stages - 1])
     result = run_cascade(cascade, models, pa.array(values, pa.string()), batch_size=batch)
-    assert result.labels.to_pylist() == by_hand(cascade, models, values)
+    assert result.values == by_hand(cascade, models, values)
+    assert isinstance(result.values, list) and len(result.values) == len(values)
     # conservation: every non-NULL row resolved exactly once, at one stage
     non_null = sum(v is not None for v in values)
     assert sum(s.resolved_rows for s in result.stages) == non_null
@@ -66,8 +70,8 @@ def test_batches_not_rows(models) -> None:
 def test_nulls_never_reach_a_model(models) -> None:
     values = [None, "x", None, "", "y"]
     result = run_cascade(Cascade(("a", "b"), (0.99,)), models, pa.array(values, pa.string()))
-    assert result.labels.to_pylist()[0] is None and result.labels.to_pylist()[2] is None
-    assert result.labels.null_count == 2
+    assert result.values[0] is None and result.values[2] is None
+    assert sum(v is None for v in result.values) == 2
     assert None not in models["a"].rows_seen
     assert list(result.stage[[0, 2]]) == [-1, -1]
     assert np.isnan(result.certainty[[0, 2]]).all()
@@ -76,17 +80,47 @@ def test_nulls_never_reach_a_model(models) -> None:
 def test_empty_and_all_null_columns(models) -> None:
     assert run_cascade(Cascade(("a",)), models, pa.array([], pa.string())).num_rows == 0
     result = run_cascade(Cascade(("a",)), models, pa.array([None, None]))
-    assert result.labels.to_pylist() == [None, None]
+    assert result.values == [None, None]
     assert models["a"].calls == []
 
 
 def test_chunked_large_and_dictionary_columns(models) -> None:
     values = ["p", "q", None, "p"]
-    expected = run_cascade(Cascade(("a",)), models, pa.array(values)).labels.to_pylist()
+    expected = run_cascade(Cascade(("a",)), models, pa.array(values)).values
     chunked = pa.chunked_array([pa.array(values[:2]), pa.array(values[2:], pa.string())])
     for column in (chunked, pa.array(values, pa.large_string()),
                    pa.array(values).dictionary_encode(), values):
-        assert run_cascade(Cascade(("a",)), models, column).labels.to_pylist() == expected
+        assert run_cascade(Cascade(("a",)), models, column).values == expected
+
+
+class Judge(Model):
+    """A stand-in non-classifier: says whether the text is longer than ``cut`` characters,
+    with its own certainty per row (no class probabilities)."""
+
+    def __init__(self, name: str, cut: int) -> None:
+        self.spec = ModelSpec(name, "fake", "fake", "", 10, 40, 16, (), f"fp-{name}")
+        self.device = DeviceConfig()
+        self.cut = cut
+        self.seen: list[str] = []
+
+    def predict(self, texts: Sequence[str], batch_size: int = 32) -> Output:
+        self.seen.extend(texts)
+        return Output([len(t) > self.cut for t in texts],
+                      np.array([min(1.0, abs(len(t) - self.cut) / 4) for t in texts]))
+
+
+def test_any_value_type_with_the_models_own_certainty() -> None:
+    judges = {"j1": Judge("j1", 3), "j2": Judge("j2", 5)}
+    values = ["ab", None, "abcd", "abcdefghij", "abcde", ""]
+    result = run_cascade(Cascade(("j1", "j2"), (0.5,), "margin"), judges,
+                         pa.array(values, pa.string()), batch_size=2)
+    # j1's certainties: 0.25, -, 0.25, 1.0, 0.5, 0.75 -> rows 0 and 2 escalate to j2
+    assert result.stage.tolist() == [1, -1, 1, 0, 0, 0]
+    assert result.values == [False, None, False, True, True, False]
+    assert result.certainty[[0, 2, 3, 4, 5]].tolist() == [0.75, 0.25, 1.0, 0.5, 0.75]
+    assert np.isnan(result.certainty[1])
+    assert judges["j2"].seen == ["ab", "abcd"]
+    assert [s.resolved_rows for s in result.stages] == [3, 2]
 
 
 @pytest.mark.parametrize("column", [pa.array([1, 2, 3]), pa.array([1.5]), pa.array([True]),

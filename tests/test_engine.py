@@ -27,14 +27,14 @@ def plan(min_queue: int = 1, max_wait_s: float = 0.02, max_batch: int = 16) -> G
                     (max_batch, max_batch), max_wait_s=max_wait_s)
 
 
-def expected(models: dict[str, FakeModel], text: str) -> tuple[int, int]:
-    """(label index, stage) of the cascade for one text, by hand."""
+def expected(models: dict[str, FakeModel], text: str) -> tuple[str, int]:
+    """(label, stage) of the cascade for one text, by hand."""
     cert = certainty_fn("max_prob")
     for stage, name in enumerate(CASCADE.models):
         p = models[name].probabilities(text)
         last = stage == len(CASCADE.models) - 1
         if last or cert(p[None, :])[0] >= CASCADE.thresholds[stage]:
-            return int(p.argmax()), stage
+            return models[name].spec.labels[int(p.argmax())], stage
     raise AssertionError
 
 
@@ -71,7 +71,9 @@ def test_concurrent_clients_get_the_serial_answers_exactly_once() -> None:
     for text, outcome in zip(ordered, results, strict=True):
         assert outcome.status == "ok"
         label, stage = expected(models, text)
-        assert (outcome.label_index, outcome.stage) == (label, stage), text
+        assert (outcome.value, outcome.stage) == (label, stage), text
+        p = models[CASCADE.models[stage]].probabilities(text)
+        assert outcome.certainty == pytest.approx(float(p.max()))
         assert outcome.completion_s >= outcome.arrival_s
     # every row ran stage a once; escalated rows ran b once
     assert len(models["a"].rows_seen) == 400
@@ -145,7 +147,10 @@ def test_shutdown_without_drain_cancels_what_is_left() -> None:
 
 
 def test_replay_accuracy_equals_the_simulated_accuracy_of_the_same_plan(tmp_path) -> None:  # noqa: ANN001
+    from fakes import LABELS
+
     from ken.engine.replay import plot_replay, replay
+    from ken.models.datasets import LabelledSample
     from ken.optimizer.perf import Catalog, ModelPerf
     from ken.optimizer.simulator import simulate
     from ken.optimizer.workload import poisson_trace
@@ -155,11 +160,16 @@ def test_replay_accuracy_equals_the_simulated_accuracy_of_the_same_plan(tmp_path
     labels = [i % 3 for i in range(120)]
     probs = {m: np.array([models[m].probabilities(t) for t in rows]) for m in models}
     catalog = Catalog({m: ModelPerf(m, (1, 16), ((0.001, 0.002),), (1,)) for m in models},
-                      {m: probs[m].argmax(axis=1) == np.array(labels) for m in models}, probs)
+                      {m: (probs[m].argmax(axis=1) == np.array(labels)).astype(float)
+                       for m in models}, probs)
+    sample = LabelledSample("tweets", tuple(rows), np.array(labels), LABELS)
     trace = poisson_trace(150, 1.5, seed=3)
     p = plan()
     with Engine(p, models) as engine:
-        rep = replay(engine, trace, rows, labels, seed=5)
+        rep = replay(engine, trace, sample, seed=5)
+        # an evaluation sample (label strings as references) scores the same answers alike
+        again = replay(engine, trace, sample.as_eval(), seed=5)
+    assert again.result.quality.tolist() == rep.result.quality.tolist()
     assert rep.status_counts() == {"ok": len(trace)}
     simulated = simulate(p, catalog, trace, seed=5).metrics(0, p)
     measured = rep.result.metrics(0, p)
@@ -203,7 +213,7 @@ def test_process_workers_survive_a_worker_killed_mid_batch() -> None:
     assert [o.status for o in outcomes] == ["ok"] * len(rows)
     assert len({o.request_id for o in outcomes}) == len(rows)
     for text, o in zip(rows, outcomes, strict=True):
-        assert (o.label_index, o.stage) == expected(reference, text)
+        assert (o.value, o.stage) == expected(reference, text)
 
 
 def test_a_worker_that_cannot_load_its_model_fails_start_clearly() -> None:
@@ -291,7 +301,7 @@ def test_plan_swap_moves_queued_requests_and_loses_nothing() -> None:
     assert [o.status for o in outcomes] == ["ok"] * 10 and late.status == "ok"
     assert len({o.request_id for o in outcomes}) == 10
     # the row already running finished under the old plan (a, maybe escalated to b)
-    assert (outcomes[0].label_index, outcomes[0].stage) == expected(models, texts(1)[0])
+    assert (outcomes[0].value, outcomes[0].stage) == expected(models, texts(1)[0])
     # the moved rows and later ones ran the new plan: b alone, stage 0
     assert all(o.model == "b" and o.stage == 0 for o in outcomes[1:] + [late])
     assert len(models["a"].rows_seen) == 1
@@ -321,7 +331,7 @@ def test_bulk_rows_run_the_most_accurate_gear_in_throughput_batches() -> None:
         assert engine.in_flight == 0
     for text, o in zip(rows, outcomes, strict=True):  # range 0's cascade: a -> b
         assert o.status == "ok" and o.gear is None
-        assert (o.label_index, o.stage) == expected(models, text)
+        assert (o.value, o.stage) == expected(models, text)
     bulk_calls = [n for n, _ in models["a"].calls if n > 1]
     assert max(bulk_calls) == 64 and sum(n == 64 for n in bulk_calls) >= 4
 

@@ -279,3 +279,27 @@ def test_similarity_only_and_errors(resources) -> None:
     with pytest.raises(ModelError, match="cascade names"):
         BoundSemantic("sem_filter", Cascade(("missing",)), bound.models, "boolean", False)
     assert issubclass(DataError, KenError)
+
+
+# ----------------------------------------------------------------- sem_classify (same networks)
+
+
+@pytest.mark.models
+def test_sem_classify_on_the_real_networks(resources) -> None:
+    from ken.ops.sem_classify import LabelLLMModel, bind_sem_classify
+
+    spec = "sports|politics|weather"
+    bound = bind_sem_classify(spec, resources)
+    assert bound.describe().startswith("sem_classify('sports|politics|weather'): cls-l6[")
+    texts = ["the striker scored twice in the final", "parliament passed the budget vote",
+             None, "heavy rain and strong winds tomorrow", ""]
+    result = run_cascade(bound.cascade, bound.models, texts, batch_size=4)
+    values = bound.to_sql_values(result.values)
+    assert values[2] is None
+    assert all(v in spec.split("|") for i, v in enumerate(values) if i != 2)
+    # the LLM stage answers a row the same alone as inside a padded batch
+    judge = next(m for m in bound.models.values() if isinstance(m, LabelLLMModel))
+    together = judge.predict([t for t in texts if t], batch_size=4).probabilities
+    alone = judge.predict([texts[3]], batch_size=1).probabilities
+    assert np.allclose(together[2], alone[0], atol=1e-4)
+    assert np.allclose(together.sum(axis=1), 1.0, atol=1e-5)

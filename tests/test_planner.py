@@ -37,15 +37,15 @@ def catalog(seed: int = 0) -> Catalog:
     """Three models: cheap/weak, middle, costly/strong, with correlated certainties."""
     rng = np.random.default_rng(seed)
     z = rng.standard_normal(ROWS)
-    perf, correct, probs = {}, {}, {}
+    perf, quality, probs = {}, {}, {}
     for name, skill, ms, mem in (("s", 0.6, 1.0, 100), ("m", 0.9, 3.0, 200),
                                  ("l", 1.2, 9.0, 400)):
         p = 1 / (1 + np.exp(-(2 * (skill - z) + rng.standard_normal(ROWS))))
-        correct[name] = p > 0.5
+        quality[name] = (p > 0.5).astype(np.float64)  # 1/0 correctness
         probs[name] = np.column_stack([p, 1 - p])
         per_batch = tuple(ms / 1000 * (1 + 0.25 * (b - 1)) for b in SIZES)
         perf[name] = ModelPerf(name, SIZES, (per_batch,), (mem,))
-    return Catalog(perf, correct, probs, f"test-{seed}")
+    return Catalog(perf, quality, probs, f"test-{seed}")
 
 
 CASCADES = (Cascade(("s",)), Cascade(("s", "m"), (0.8,)), Cascade(("s", "l"), (0.75,)),

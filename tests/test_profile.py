@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 from fakes import LABELS, FakeModel
 
 from ken.errors import ProfileError
 from ken.models.datasets import LabelledSample, split
-from ken.optimizer.profile import Profile, load_or_run_profile, profile_dir, run_profile
+from ken.models.model import DeviceConfig, Model, ModelSpec, Output
+from ken.models.quality import EvalSample
+from ken.optimizer.profile import (
+    SCHEMA_VERSION,
+    Profile,
+    load_or_run_profile,
+    profile_dir,
+    run_profile,
+)
 
 
 def sample(n: int = 50) -> LabelledSample:
@@ -23,19 +34,85 @@ def test_profile_measures_and_round_trips(tmp_path) -> None:
     p = run_profile(model, s, (1, 4, 16), repeats=2)
     assert p.batch_sizes == (1, 4, 16) and all(t > 0 for t in p.batch_runtime_s)
     expected = model.predict(list(s.texts))
-    assert np.array_equal(p.predictions, expected.labels)
+    assert p.values == tuple(expected.label_strings())
+    assert p.metric == "accuracy" and p.label_names == LABELS
+    assert p.quality.dtype == np.float64
+    assert p.quality.tolist() == (expected.labels == s.labels).astype(float).tolist()
+    assert p.scores.dtype == np.float32 and p.scores.shape == (len(s), len(LABELS))
+    assert np.array_equal(p.scores, expected.probabilities)
+    assert np.array_equal(p.certainty("margin"), expected.certainty("margin"))
     assert p.accuracy == pytest.approx(float((expected.labels == s.labels).mean()))
     p.save(tmp_path / "p")
     q = Profile.load(tmp_path / "p")
     assert q.header() == p.header()
-    assert np.array_equal(q.probabilities, p.probabilities)
-    assert np.array_equal(q.true_labels, p.true_labels)
+    assert np.array_equal(q.scores, p.scores) and q.scores.dtype == np.float32
+    assert np.array_equal(q.quality, p.quality)
+    assert q.values == p.values and q.metric == p.metric
+
+
+class ShortAnswers(Model):
+    """A stand-in extractive model: answers the first word of the text, or None for empty
+    texts; its certainty is 1 / (number of words)."""
+
+    def __init__(self) -> None:
+        self.spec = ModelSpec("short", "fake", "fake", "", 10, 40, 16, (), "fp-short")
+        self.device = DeviceConfig()
+
+    def predict(self, texts: Sequence[str], batch_size: int = 32) -> Output:
+        words = [t.split() for t in texts]
+        return Output([w[0] if w else None for w in words],
+                      np.array([1.0 / len(w) if w else 0.0 for w in words]))
+
+
+def test_profile_of_any_output_type(tmp_path) -> None:
+    sample = EvalSample("qa", ("paris is big", "the Louvre", "", "rome"),
+                        ("Paris", "Louvre", "x", ["Rome", "roma"]), "exact_match")
+    p = run_profile(ShortAnswers(), sample, (1, 2), repeats=1)
+    assert p.values == ("paris", "the", None, "rome")
+    assert p.quality.tolist() == [1.0, 0.0, 0.0, 1.0]  # articles are not answers
+    assert p.accuracy == 0.5 and p.metric == "exact_match" and p.label_names == ()
+    assert p.scores.ndim == 1 and p.scores.tolist() == pytest.approx([1 / 3, 0.5, 0.0, 1.0])
+    for kind in ("max_prob", "margin"):  # the model's own certainty, whatever the function
+        assert p.certainty(kind).tolist() == p.scores.tolist()
+    assert p.sample_hash == sample.content_hash
+    p.save(tmp_path / "p")
+    q = Profile.load(tmp_path / "p")
+    assert q.header() == p.header() and q.header()["metric"] == "exact_match"
+    assert np.array_equal(q.scores, p.scores) and q.scores.ndim == 1
+    assert np.array_equal(q.quality, p.quality) and q.values == p.values
+
+
+def test_profile_of_a_classifier_on_an_eval_sample() -> None:
+    model = FakeModel("a")
+    s = sample(30)
+    p = run_profile(model, s.as_eval(), (1, 2), repeats=1)
+    q = run_profile(model, s, (1, 2), repeats=1)
+    assert p.values == q.values and np.array_equal(p.quality, q.quality)
+    assert np.array_equal(p.scores, q.scores) and p.label_names == q.label_names
+    bad = EvalSample("s", s.texts, ("nope",) * len(s), "accuracy")
+    with pytest.raises(ProfileError, match="references"):
+        run_profile(model, bad, (1,), repeats=1)
+
+
+def test_profile_checks_lengths_and_schema(tmp_path) -> None:
+    with pytest.raises(ProfileError, match="differ in length"):
+        Profile("m", "x", (1,), (0.1,), 1, 1, (), "s", "h", "f", np.ones(3), np.ones(2))
+    with pytest.raises(ProfileError, match="differ in length"):
+        Profile("m", "x", (1,), (0.1,), 1, 1, (), "s", "h", "f", np.ones(3), np.ones(3),
+                ("a", "b"))
+    p = run_profile(FakeModel("a"), sample(8), (1,), repeats=1)
+    folder = p.save(tmp_path / "p")
+    header = json.loads((folder / "header.json").read_text())
+    header["schema_version"] = SCHEMA_VERSION - 1
+    (folder / "header.json").write_text(json.dumps(header))
+    with pytest.raises(ProfileError, match="schema version"):
+        Profile.load(folder)
 
 
 def test_interpolation_and_best_batch() -> None:
     s = sample(4)
     p = Profile("m", "cpu-1t", (1, 2, 4), (0.010, 0.012, 0.040), 1, 1, LABELS, "s", "h", "f",
-                s.labels, s.labels, np.eye(3)[s.labels].astype(np.float32))
+                np.ones(4), np.eye(3)[s.labels].astype(np.float32))
     assert p.batch_runtime(1) == pytest.approx(0.010)
     assert p.batch_runtime(3) == pytest.approx(0.026)
     assert p.batch_runtime(8) == pytest.approx(0.080)  # per-row cost of the largest batch
@@ -43,7 +120,7 @@ def test_interpolation_and_best_batch() -> None:
     assert p.best_batch_size() == 2
     with pytest.raises(ProfileError):
         Profile("m", "x", (2, 1), (0.1, 0.1), 1, 1, LABELS, "s", "h", "f",
-                s.labels, s.labels, np.eye(3)[s.labels])
+                np.ones(4), np.eye(3)[s.labels])
 
 
 def test_cache_reuses_and_keys_on_data(tmp_path) -> None:

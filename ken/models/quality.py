@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ken.errors import DataError
+from ken.models.model import BOOLEAN_LABELS
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
 
@@ -36,9 +37,16 @@ def normalise_answer(text: Any) -> str:
     return " ".join(_ARTICLES.sub(" ", text).split())
 
 
+def _as_boolean(value: Any) -> Any:
+    """Boolean classifiers predict the labels "false" / "true" (``BOOLEAN_LABELS``)."""
+    return (value == "true") if isinstance(value, str) and value in BOOLEAN_LABELS else value
+
+
 def _same(value: Any, reference: Any) -> bool:
     if value is None or reference is None:
         return value is None and reference is None
+    if isinstance(reference, bool | np.bool_):
+        value = _as_boolean(value)
     booleans = (isinstance(value, bool | np.bool_), isinstance(reference, bool | np.bool_))
     if any(booleans):
         return all(booleans) and bool(value) == bool(reference)
