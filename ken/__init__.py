@@ -9,14 +9,15 @@
 from ken.errors import KenError
 from ken.frame import Frame, call
 from ken.models.cascade import Cascade
-from ken.models.model import DeviceConfig
-from ken.ops.base import SemanticFunction
+from ken.models.model import DeviceConfig, Output
+from ken.models.quality import EvalSample
+from ken.ops.base import Operator, SemanticFunction
 from ken.optimizer.query import QueryPlan, Target
 from ken.optimizer.workload import Hardware, Workload
 from ken.policy.plan import Frontier, GearPlan
 from ken.session import Result, Session, connect
 
-__all__ = ["Cascade", "DeviceConfig", "Frame", "Frontier", "GearPlan", "Hardware", "KenError",
-           "QueryPlan", "Result", "SemanticFunction", "Session", "Target", "Workload", "call",
-           "connect"]
+__all__ = ["Cascade", "DeviceConfig", "EvalSample", "Frame", "Frontier", "GearPlan", "Hardware",
+           "KenError", "Operator", "Output", "QueryPlan", "Result", "SemanticFunction", "Session",
+           "Target", "Workload", "call", "connect"]
 __version__ = "0.1.0"

@@ -21,3 +21,47 @@ class ProfileError(KenError):
 
 class CascadeError(KenError):
     """A cascade is malformed or does not match the models/profiles given."""
+
+
+class EngineBusy(KenError):
+    """The online engine rejected or failed rows of a query (overload, model failure)."""
+
+
+class SqlError(KenError):
+    """The query is not valid SQL, or uses a function wrongly."""
+
+
+class PlanError(KenError):
+    """A gear plan or frontier is malformed, or a JSON file holds something else."""
+
+
+class PolicyError(KenError):
+    """A request or batch handed to the dispatcher is not one it knows."""
+
+
+class WorkerError(KenError):
+    """A batch could not run on its device (the model raised, or the worker died)."""
+
+
+class WorkerDied(WorkerError):
+    """The worker process ended while it ran a batch; a fresh one has been started."""
+
+
+class EngineError(KenError):
+    """The engine cannot serve this plan (e.g. a model is missing) or is not running."""
+
+
+class SimulationError(KenError):
+    """A plan cannot be simulated with the given catalog (e.g. a model without a profile)."""
+
+
+class QueryPlanError(KenError):
+    """No combination of gear plans meets the query's target."""
+
+
+class PlanningError(KenError):
+    """The scheduler's input is malformed (e.g. a model with demand but no replica)."""
+
+
+class WorkloadError(KenError):
+    """A hardware description, trace or workload is malformed or missing."""

@@ -274,6 +274,15 @@ class Session:
             if name not in self.operators:
                 raise KenError(f"unknown function {name}(); semantic functions registered on "
                                f"this session: {', '.join(sorted(self.operators)) or '(none)'}")
+            if not self.operators[name].plannable():
+                plannable = ", ".join(sorted(n for n, op in self.operators.items()
+                                             if op.plannable())) or "none"
+                raise KenError(
+                    f"{name}() cannot be planned: gear plans are built from model profiles on "
+                    f"a labelled evaluation sample, and {name}() has none "
+                    f"({self.operators[name].eval_description()}); functions this session "
+                    f"can plan: {plannable}. Register it with sample=ken.EvalSample(...), or "
+                    "set a plan made elsewhere with session.use_plan(...)")
         check_planning_args(devices, memory_gb, threads_per_device, peak_qps, duration_s,
                             num_ranges)
         hardware = Hardware.cpu_workers(devices, int(memory_gb * 2**30))
@@ -423,10 +432,8 @@ class Session:
     def _gear_plan_lines(self, function: str) -> list[str]:
         plan = self._gear_plans.get(function)
         if plan is None:
-            op = self.operators[function]
-            if type(op).eval_sample is not Operator.eval_sample or getattr(op, "sample", None):
-                return ["gear plan: none (run session.plan(...) or `ken plan`; planned on "
-                        f"{op.eval_description()})"]
+            if self.operators[function].plannable():
+                return ["gear plan: none (run session.plan(...) or `ken plan`)"]
             return [f"gear plan: none ({function}() has no profiles to plan with; "
                     "session.use_plan(...) sets one)"]
         gears = len(plan.gears())

@@ -15,6 +15,9 @@ import pytest
 from ken.engine.batch import run_cascade
 from ken.errors import DataError, KenError, ModelError
 from ken.models.cascade import Cascade
+from ken.models.model import DeviceConfig
+from ken.models.resources import Resources
+from ken.ops.base import BoundSemantic
 from ken.ops.sem_filter import (
     DEFAULT_THRESHOLD,
     ChannelLLMModel,
@@ -26,9 +29,6 @@ from ken.ops.sem_filter import (
     calibrate_filter,
     fit_similarity_calibration,
 )
-from ken.models.model import DeviceConfig
-from ken.models.resources import Resources
-from ken.ops.base import BoundSemantic
 
 DELAY = "complains about a flight delay"
 DELAYED = "I hate this airline, my flight was delayed for 5 hours"

@@ -152,9 +152,9 @@ TWEETS = [
     "worst service ever",
     "pizza at the airport food court was surprisingly good",
 ]
-ABT = ["Sony Bravia 46 inch LCD TV KDL46V5100", "Sony Cyber-shot DSC-W120 camera",
+ABT = ["sony bravia 46 inch lcd tv kdl46v5100", "sony cyber-shot dsc-w120 camera",
        "Samsung 40 inch LCD HDTV LN40A550", "sony walkman nwz-e436f 4gb", "Canon PowerShot SD1100",
-       None]
+       None, "Sony headphones MDR-V6"]
 BUY = ["Sony BRAVIA 46in LCD HDTV", "Sony Cybershot W120 digital camera", "Samsung LN40A550",
        "Sony NWZ-E436F Walkman 4GB MP3 player", "Panasonic Lumix DMC-FX35", "sony"]
 
@@ -178,10 +178,9 @@ def brute_connection() -> duckdb.DuckDBPyConnection:
     con = duckdb.connect()
     for name, table in tables().items():
         con.register(name, table)
-    text = duckdb.typing.VARCHAR
-    con.create_function("sentiment", brute_sentiment, [text], text)
-    con.create_function("sem_filter", brute_filter, [text, text], duckdb.typing.BOOLEAN)
-    con.create_function("sem_match", brute_match, [text, text], duckdb.typing.BOOLEAN)
+    con.create_function("sentiment", brute_sentiment, ["VARCHAR"], "VARCHAR")
+    con.create_function("sem_filter", brute_filter, ["VARCHAR", "VARCHAR"], "BOOLEAN")
+    con.create_function("sem_match", brute_match, ["VARCHAR", "VARCHAR"], "BOOLEAN")
     return con
 
 
@@ -314,6 +313,7 @@ DIFFERENTIAL = [
     "JOIN ON with a two-column call and a relational condition",
     "GROUP BY a semantic output",
     "HAVING",
+    "dedup of f(t.x) and f(x)",
     "no semantic call",
 ]
 
@@ -331,6 +331,17 @@ def test_rewritten_query_equals_row_by_row_standins(title: str) -> None:
     brute = brute_connection().sql(query).fetchall()
     assert ours, f"{title}: the query returns no rows, so the check checks nothing"
     assert sorted(ours, key=sort_key) == sorted(brute, key=sort_key)
+
+
+def test_qualified_and_bare_column_sites_share_answers() -> None:
+    """The golden rewrite keeps ``f(t.x)`` and ``f(x)`` as two sites; at run time they share
+    one memo, so each distinct input is still evaluated once per query."""
+    query = {c.title: c for c in load_rewrite_cases()}["dedup of f(t.x) and f(x)"].query
+    stats = standin_session().sql(query).stats
+    assert set(stats) == {"s0", "s1"}
+    distinct = len({t for t in TWEETS if t is not None})
+    assert sum(st.distinct_evaluated for st in stats.values()) == distinct
+    assert all(st.rows_in == len(TWEETS) for st in stats.values())
 
 
 # -- tests/golden/explain/*.txt -----------------------------------------------------------

@@ -19,12 +19,8 @@ import ken
 from ken.cli import main
 from ken.errors import KenError
 from ken.models.cascade import Cascade
-from ken.policy.plan import Frontier, GearPlan
+from ken.ops.base import ModelOperator
 from ken.optimizer.planner import PlannerSettings
-from ken.optimizer.plotting import plot_frontier
-from ken.optimizer.profile import Profile
-from ken.optimizer.query import Target
-from ken.optimizer.workload import Hardware, Trace, poisson_trace
 from ken.optimizer.planning import (
     default_peak_qps,
     plan_operator,
@@ -32,6 +28,11 @@ from ken.optimizer.planning import (
     planning_trace,
     sustained_qps,
 )
+from ken.optimizer.plotting import plot_frontier
+from ken.optimizer.profile import Profile
+from ken.optimizer.query import Target
+from ken.optimizer.workload import Hardware, Trace, poisson_trace
+from ken.policy.plan import Frontier, GearPlan
 
 ROWS = 120
 BATCH_SIZES = (1, 4, 16)
@@ -276,9 +277,28 @@ def fake_session() -> ken.Session:
 QUERY = "SELECT id, mood(text) AS m FROM tweets WHERE other(text) = 'positive'"
 
 
+class Profiled(ModelOperator):
+    """A cascade operator whose profiles were measured elsewhere (``PROFILES``)."""
+
+    def __init__(self, cascade: Cascade, models: dict, source) -> None:  # noqa: ANN001
+        super().__init__("mood", cascade, models)
+        self.source = source
+
+    def plannable(self) -> bool:
+        return True
+
+    def profiles(self, ctx, threads):  # noqa: ANN001, ANN201
+        return self.source(threads)
+
+
+def with_profiles(s: ken.Session, source) -> None:  # noqa: ANN001
+    old = s.operators["mood"]
+    s.register("mood", Profiled(old.cascade, old.models, source))
+
+
 def test_explain_without_plan() -> None:
     s = fake_session()
-    s.profile_sources["mood"] = lambda _threads: PROFILES
+    with_profiles(s, lambda _threads: PROFILES)
     text = s.explain(QUERY)
     assert "      gear plan: none (run session.plan(...) or `ken plan`)" in text
     assert "      gear plan: none (other() has no profiles to plan with; session.use_plan(...)" \
@@ -330,7 +350,7 @@ def test_session_plan_with_profiles(home) -> None:
         seen.append(threads)
         return PROFILES
 
-    s.profile_sources["mood"] = source
+    with_profiles(s, source)
     result = s.plan("accuracy >= 0.6", functions=("mood",), trace="poisson", duration_s=10,
                     peak_qps=30, settings=SETTINGS)
     assert seen == [1]
@@ -346,9 +366,11 @@ def test_session_plan_with_profiles(home) -> None:
 
 def test_session_plan_on_a_function_without_profiles() -> None:
     s = ken.connect()  # builtins: registering them loads no models
-    with pytest.raises(KenError, match=r"sem_filter\(\) cannot be planned yet.*has none; "
-                                       r"functions this session can plan: sentiment"):
-        s.plan("accuracy >= 0.7", functions=("sem_filter",))
+    s.register("other", Cascade(("a",)), models={"a": FakeModel("a")})
+    with pytest.raises(KenError, match=r"other\(\) cannot be planned: .*has none .*; "
+                                       r"functions this session can plan: sem_classify, "
+                                       r"sem_filter, .*sentiment"):
+        s.plan("accuracy >= 0.7", functions=("other",))
     with pytest.raises(KenError, match=r"unknown function sentimnet\(\)"):
         s.plan("accuracy >= 0.7", functions=("sentimnet",))
     with pytest.raises(KenError, match="cannot read target"):

@@ -43,7 +43,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ken.engine.workers import ProcessRunner, ThreadRunner, WorkerDied, WorkerError, warm_up
-from ken.errors import KenError
+from ken.errors import EngineError
 from ken.models.certainty import certainty_of
 from ken.models.model import Model
 from ken.policy.plan import GearPlan
@@ -57,10 +57,6 @@ def _is_row(value: object) -> bool:
     """A text, or a tuple of texts (a row of a model over several columns)."""
     return isinstance(value, str) or (isinstance(value, tuple) and bool(value)
                                       and all(isinstance(v, str) for v in value))
-
-
-class EngineError(KenError):
-    """The engine cannot serve this plan (e.g. a model is missing) or is not running."""
 
 
 @dataclass(frozen=True)

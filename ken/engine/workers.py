@@ -27,19 +27,11 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from ken.errors import KenError
+from ken.errors import WorkerDied, WorkerError
 from ken.models.model import Model, ModelOutput
 
 Loader = Callable[[], Model]
 Answers = tuple[list, np.ndarray]  # (values, scores), see the module docstring
-
-
-class WorkerError(KenError):
-    """A batch could not run on its device (the model raised, or the worker died)."""
-
-
-class WorkerDied(WorkerError):
-    """The worker process ended while it ran a batch; a fresh one has been started."""
 
 
 WARM_UP_TEXT = ("a warm-up row: the first calls of a freshly loaded model page in its weights "

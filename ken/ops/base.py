@@ -254,6 +254,15 @@ class Operator:
         planned)."""
         return None
 
+    def plannable(self) -> bool:
+        """Whether the operator can be profiled and planned (cheap: loads nothing)."""
+        return False
+
+    def profiles(self, ctx: OpContext, threads: int) -> Mapping[str, Any] | None:
+        """Profiles measured elsewhere (e.g. on other hardware, or an artifact), by model;
+        None (the default): the planner measures ``candidates`` on ``eval_sample``."""
+        return None
+
     def eval_description(self) -> str:
         """Which data the evaluation sample comes from (for EXPLAIN and `ken plan`)."""
         return "no evaluation sample"
@@ -342,6 +351,9 @@ class ModelOperator(Operator):
 
     def eval_sample(self, ctx: OpContext) -> EvalSample | None:
         return self.sample
+
+    def plannable(self) -> bool:
+        return self.sample is not None
 
     def eval_description(self) -> str:
         return (f"the sample given to register() ({self.sample.name}, {len(self.sample)} rows)"

@@ -184,6 +184,9 @@ class SemClassify(Operator):
 
         return family.heldout_sample(ctx.data or family.FamilyData()).as_eval()
 
+    def plannable(self) -> bool:
+        return True
+
     def eval_description(self) -> str:
         return f"labels {EVAL_LABELS!r} on the family's held-out tweets, accuracy"
 

@@ -594,6 +594,9 @@ class SemFilter(Operator):
     def eval_sample(self, ctx: OpContext) -> EvalSample:
         return tweets_filter_sample(ctx)[1]
 
+    def plannable(self) -> bool:
+        return True
+
     def eval_description(self) -> str:
         return (f"predicate {EVAL_PREDICATE!r} on the family's held-out tweets (true where "
                 "labelled negative), balanced accuracy")

@@ -625,6 +625,9 @@ class SemMatch(Operator):
         return EvalSample(pairs.name, tuple(pairs.pairs),
                           tuple(bool(v) for v in pairs.labels.tolist()), "balanced_accuracy")
 
+    def plannable(self) -> bool:
+        return has_data(DEFAULT_DATASET)
+
     def eval_description(self) -> str:
         where = dataset_dir(DEFAULT_DATASET)
         state = "" if has_data(DEFAULT_DATASET) else f" (absent: not found at {where})"

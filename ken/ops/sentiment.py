@@ -55,6 +55,9 @@ class Sentiment(Operator):
     def eval_sample(self, ctx: OpContext) -> EvalSample:
         return family.heldout_sample(family_data(ctx)).as_eval()
 
+    def plannable(self) -> bool:
+        return True
+
     def eval_description(self) -> str:
         return "the family's held-out tweets (3 classes), accuracy"
 

@@ -43,6 +43,9 @@ def operator_profiles(op: Operator, ctx: OpContext, threads: int | None = None,
     planner's CPU workers run on). Every batch size when `ken profile` already measured them
     here, else a short profile (or exactly ``batch_sizes``).
     """
+    given = op.profiles(ctx, ctx.device.threads if threads is None else threads)
+    if given is not None:
+        return dict(given)
     sample = op.eval_sample(ctx)
     if sample is None:
         raise KenError(f"{op.name}() cannot be planned: it has no evaluation sample "

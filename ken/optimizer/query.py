@@ -18,15 +18,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ken.errors import KenError
+from ken.errors import KenError, QueryPlanError
 from ken.optimizer.perf import Catalog
 from ken.optimizer.simulator import simulate_many
 from ken.optimizer.workload import Trace
 from ken.policy.plan import Frontier, GearPlan, PlanMetrics
-
-
-class QueryPlanError(KenError):
-    """No combination of gear plans meets the query's target."""
 
 
 @dataclass(frozen=True)

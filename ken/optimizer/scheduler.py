@@ -25,7 +25,7 @@ from types import MappingProxyType
 import numpy as np
 from scipy.optimize import linprog
 
-from ken.errors import KenError
+from ken.errors import PlanningError
 from ken.optimizer.workload import Hardware
 
 #: where one replica runs: a device id, or a tuple of device ids for a tensor-parallel replica
@@ -37,10 +37,6 @@ PerRowCostLike = PerRowCost | Mapping[tuple[str, str], float]
 
 # a device is overloaded only beyond this slack, so LP round-off never flips feasibility
 _BUSY_TOLERANCE = 1e-9
-
-
-class PlanningError(KenError):
-    """The scheduler's input is malformed (e.g. a model with demand but no replica)."""
 
 
 def replica_devices(devices: ReplicaDevices) -> tuple[str, ...]:

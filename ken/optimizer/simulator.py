@@ -21,15 +21,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ken.errors import KenError
+from ken.errors import SimulationError
 from ken.optimizer.perf import Catalog
 from ken.optimizer.workload import Trace
 from ken.policy.plan import GearPlan, PlanMetrics, RangeMetrics
 from ken.policy.scheduling import Batch, Dispatcher, VirtualClock
-
-
-class SimulationError(KenError):
-    """A plan cannot be simulated with the given catalog (e.g. a model without a profile)."""
 
 
 @dataclass(frozen=True, eq=False)

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ken.errors import KenError
+from ken.errors import WorkloadError
 from ken.paths import shared_data_dir
 
 SCHEMA_VERSION = 1
@@ -23,10 +23,6 @@ AZURE_CODE_TRACE = Path("traces") / "AzureLLMInferenceTrace_code.csv"
 
 DeviceKind = Literal["cpu", "cuda"]
 _DEVICE_KINDS = ("cpu", "cuda")
-
-
-class WorkloadError(KenError):
-    """A hardware description, trace or workload is malformed or missing."""
 
 
 def _check_version(data: Mapping[str, Any], what: str) -> None:

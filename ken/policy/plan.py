@@ -18,14 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ken.errors import KenError
+from ken.errors import PlanError
 from ken.models.cascade import Cascade
 
 PLAN_SCHEMA_VERSION = 1
-
-
-class PlanError(KenError):
-    """A gear plan or frontier is malformed, or a JSON file holds something else."""
 
 
 def _check_version(data: Any, what: str) -> None:

@@ -28,14 +28,9 @@ from typing import Protocol
 
 import numpy as np
 
-from ken.errors import KenError
+from ken.errors import PolicyError
 from ken.models.cascade import escalates_row
 from ken.policy.plan import GearPlan
-
-
-class PolicyError(KenError):
-    """A request or batch handed to the dispatcher is not one it knows."""
-
 
 # -- clocks ------------------------------------------------------------------------------------
 

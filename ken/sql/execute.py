@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from ken.engine.batch import run_cascade
 from ken.engine.serving import Engine
-from ken.errors import KenError
+from ken.errors import EngineBusy, KenError
 from ken.ops.base import Bound
 from ken.sql.rewrite import CallSite
 
@@ -137,10 +137,6 @@ class SiteRunner:
             self.stats.resolved_by[key] = self.stats.resolved_by.get(key, 0) + 1
         self.stats.online_rows += 0 if bulk else len(inputs)
         self.stats.bulk_rows += len(inputs) if bulk else 0
-
-
-class EngineBusy(KenError):
-    """The online engine rejected or failed rows of a query (overload, model failure)."""
 
 
 def register_sites(con: duckdb.DuckDBPyConnection, runners: list[SiteRunner]) -> None:

@@ -16,12 +16,8 @@ import sqlglot
 from sqlglot import exp
 from sqlglot.errors import ParseError
 
-from ken.errors import KenError
+from ken.errors import SqlError
 from ken.ops.base import Operator, suggest
-
-
-class SqlError(KenError):
-    """The query is not valid SQL, or uses a function wrongly."""
 
 
 @dataclass(frozen=True)
