@@ -73,7 +73,6 @@ from ken.optimizer.baselines import (
 )
 from ken.optimizer.cascades import pareto_cascades
 from ken.optimizer.perf import Catalog
-from ken.policy.plan import GearPlan, PlanMetrics
 from ken.optimizer.planner import (
     PlannerSettings,
     pareto_plans,
@@ -81,6 +80,7 @@ from ken.optimizer.planner import (
     planning_context,
     search_placement,
 )
+from ken.optimizer.planning import sustained_qps
 from ken.optimizer.profile import DEFAULT_BATCH_SIZES, load_or_run_profile
 from ken.optimizer.simulator import SimResult, simulate
 from ken.optimizer.workload import (
@@ -91,8 +91,8 @@ from ken.optimizer.workload import (
     load_azure_trace,
     poisson_trace,
 )
+from ken.policy.plan import GearPlan, PlanMetrics
 from ken.progress import Reporter
-from ken.optimizer.planning import sustained_qps
 
 RESULTS = Path(__file__).parent / "results" / "e2e"
 OPERATOR = "sentiment"

@@ -34,13 +34,13 @@ from ken.models import family
 from ken.models.model import DeviceConfig
 from ken.optimizer.cascades import pareto_cascades
 from ken.optimizer.perf import Catalog
-from ken.policy.plan import GearPlan
 from ken.optimizer.planner import PlannerSettings, plan_frontier
+from ken.optimizer.planning import default_peak_qps, planning_trace
 from ken.optimizer.profile import DEFAULT_BATCH_SIZES, load_or_run_profile
 from ken.optimizer.simulator import simulate
 from ken.optimizer.workload import Hardware, Trace, poisson_trace
+from ken.policy.plan import GearPlan
 from ken.progress import Reporter
-from ken.optimizer.planning import default_peak_qps, planning_trace
 
 RESULTS = Path(__file__).parent / "results"
 

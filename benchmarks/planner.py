@@ -36,7 +36,6 @@ import numpy as np  # noqa: E402
 from ken.optimizer.artifact import bert_profiles, v100_hardware  # noqa: E402
 from ken.optimizer.cascades import pareto_cascades  # noqa: E402
 from ken.optimizer.perf import Catalog  # noqa: E402
-from ken.policy.plan import GearPlan  # noqa: E402
 from ken.optimizer.planner import (  # noqa: E402
     PlannerSettings,
     evaluate_plan,
@@ -47,6 +46,7 @@ from ken.optimizer.planner import (  # noqa: E402
 from ken.optimizer.plotting import plot_frontier  # noqa: E402
 from ken.optimizer.simulator import simulate  # noqa: E402
 from ken.optimizer.workload import Trace, load_azure_trace  # noqa: E402
+from ken.policy.plan import GearPlan  # noqa: E402
 from ken.progress import Reporter  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

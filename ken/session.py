@@ -111,7 +111,10 @@ class Session:
         self._known: frozenset[str] | None = None
         self.frontiers: dict[str, Frontier] = {}
         self._gear_plans: dict[str, GearPlan] = {}
-        self._engines: dict[str, Engine] = {}
+        # online serving: one engine for the session's pool of devices, serving every
+        # function in ``_served`` with its gear plan
+        self._engine: Engine | None = None
+        self._served: set[str] = set()
         self.bulk_threshold = 64
         # DuckDB connections run one query at a time: other threads get cursors of ``con``
         self._owner_thread = threading.get_ident()
@@ -186,9 +189,8 @@ class Session:
         # plans were for the operator this name named before
         self.frontiers.pop(name, None)
         self._gear_plans.pop(name, None)
-        engine = self._engines.pop(name, None)
-        if engine is not None:
-            engine.shutdown()
+        # the engine keeps serving the other functions; calls of the new one run in-process
+        self._served.discard(name)
 
     def bind(self, function: str, constants: tuple[str, ...]) -> Bound:
         """The operator ``function`` bound to ``constants`` (made once per session)."""
@@ -230,10 +232,9 @@ class Session:
     def _set_plan(self, name: str, plan: GearPlan) -> None:
         """Keep ``plan`` for ``name``; a running engine of ``name`` swaps to it."""
         self._gear_plans[name] = plan
-        engine = self._engines.get(name)
-        if engine is not None:
-            engine.swap_plan(plan, self._model_sources(name, engine.workers,
-                                                       engine.threads_per_device))
+        if name in self._served and self._engine is not None:
+            self._engine.swap_plan(plan, self._model_sources(name, self._engine.workers,
+                                                             self._engine.threads_per_device))
 
     def plan(self, target: Target | str, functions: Sequence[str] = ("sentiment",),
              trace: Trace | str | None = None, devices: int = 2, memory_gb: float = 4.0,
@@ -312,29 +313,33 @@ class Session:
 
     @property
     def engines(self) -> Mapping[str, Engine]:
-        """The running online engine of each served function (read-only view)."""
-        return MappingProxyType(self._engines)
+        """The online engine serving each served function (read-only view; one engine
+        serves them all on the session's devices)."""
+        engine = self._engine
+        return MappingProxyType({} if engine is None else dict.fromkeys(self._served, engine))
 
     def serve(self, functions: Sequence[str] | None = None,
               workers: str = "auto", threads_per_device: int = 1,
               max_in_flight: int = 10_000, bulk_threshold: int | None = None,
               memory_gb: float | None = None) -> dict[str, LoadReport]:
-        """Start an online engine for each function with a gear plan (all of them by default).
+        """Serve the functions with a gear plan (all of them by default) on one online engine.
 
         From then on every query's calls of a served function go through its engine, from any
         number of threads (``sql``) or tasks (``asql``) at once: a chunk of fewer than
         ``bulk_threshold`` distinct new inputs enters as online requests (metered, batched with
         other queries' rows by the gear plan), a larger one as bulk rows (the plan's most
-        accurate gear in throughput-sized batches). ``workers="auto"`` runs each device in its
-        own process when the function's models can be loaded there (the packaged ones can),
-        else as threads; ``memory_gb`` is a budget per process worker. Returns the model load
-        times (and worker memory) per function.
+        accurate gear in throughput-sized batches). One engine serves every function on the
+        same devices, as the query optimizer planned them together; serving more functions
+        later adds them to it. ``workers="auto"`` runs each device in its own process when
+        every function's models can be loaded there (the packaged ones can), else as threads;
+        ``memory_gb`` is a budget per process worker. Returns the model load times (and
+        worker memory) per function.
 
         >>> session.plan("p95 <= 50")                   # doctest: +SKIP
         >>> session.serve()                             # doctest: +SKIP
         >>> session.sql("SELECT sentiment(?)", ["great game!"]).fetchall()   # doctest: +SKIP
         """
-        from ken.engine.serving import Engine
+        from ken.engine.serving import Engine, LoadReport
 
         if bulk_threshold is not None:
             if bulk_threshold < 1:
@@ -348,25 +353,43 @@ class Session:
         if missing:
             raise KenError(f"{', '.join(f'{n}()' for n in missing)} has no gear plan; run "
                            "session.plan(...) or session.use_plan(...) first")
-        reports = {}
+        names = [n for n in dict.fromkeys(names) if n not in self._served]
+        reports: dict[str, LoadReport] = {}
+        if not names:
+            return reports
+        if self._engine is not None:  # add the functions to the running engine
+            engine = self._engine
+            for name in names:
+                started = time.perf_counter()
+                engine.swap_plan(self._gear_plans[name], self._model_sources(
+                    name, engine.workers, engine.threads_per_device))
+                reports[name] = LoadReport({}, time.perf_counter() - started, engine.workers)
+                self._served.add(name)
+            return reports
+        kind = workers
+        if kind == "auto":
+            kind = ("process" if all(self._loaders(n, threads_per_device) for n in names)
+                    else "thread")
+        sources: dict[str, Any] = {}
         for name in names:
-            if name in self._engines:
-                continue
-            kind = workers
-            if kind == "auto":
-                kind = "process" if self._loaders(name, threads_per_device) else "thread"
-            engine = Engine(self._gear_plans[name],
-                            self._model_sources(name, kind, threads_per_device),
-                            max_in_flight=max_in_flight, workers=kind,  # type: ignore[arg-type]
-                            threads_per_device=threads_per_device,
-                            memory_budget_bytes=None if memory_gb is None
-                            else int(memory_gb * 2**30))
-            with self.reporter.task(f"start {name}() engine: {kind} workers on "
-                                    f"{', '.join(engine.plan.devices)}", 1) as advance:
-                reports[name] = engine.start()
-                advance(1)
-            self._engines[name] = engine
-        return reports
+            for model, source in self._model_sources(name, kind, threads_per_device).items():
+                if sources.setdefault(model, source) is not source and kind == "thread":
+                    raise KenError(f"two served functions name different models {model!r}; "
+                                   "give the models distinct names")
+                sources.setdefault(model, source)
+        engine = Engine([self._gear_plans[n] for n in names], sources,
+                        max_in_flight=max_in_flight, workers=kind,  # type: ignore[arg-type]
+                        threads_per_device=threads_per_device,
+                        memory_budget_bytes=None if memory_gb is None
+                        else int(memory_gb * 2**30))
+        devices = sorted({d for n in names for d in self._gear_plans[n].devices})
+        with self.reporter.task(f"start the engine for {', '.join(f'{n}()' for n in names)}: "
+                                f"{kind} workers on {', '.join(devices)}", 1) as advance:
+            report = engine.start()
+            advance(1)
+        self._engine = engine
+        self._served.update(names)
+        return dict.fromkeys(names, report)
 
     def _model_sources(self, name: str, workers: str, threads: int) -> Mapping[str, Any]:
         """What an engine of ``name`` loads: picklable loaders for process workers, the
@@ -387,12 +410,12 @@ class Session:
     def _loaders(self, name: str, threads: int) -> Mapping[str, Callable[[], Model]] | None:
         return self.operators[name].loaders(self.ctx, threads)
 
-    def stop_serving(self, drain: bool = True) -> dict[str, int]:
-        """Shut every engine down (draining admitted requests first, by default); returns
-        how many requests each cancelled."""
-        out = {name: engine.shutdown(drain=drain) for name, engine in self._engines.items()}
-        self._engines.clear()
-        return out
+    def stop_serving(self, drain: bool = True) -> int:
+        """Shut the engine down (draining admitted requests first, by default); returns how
+        many requests it cancelled."""
+        engine, self._engine = self._engine, None
+        self._served.clear()
+        return 0 if engine is None else engine.shutdown(drain=drain)
 
     async def asql(self, query: str, params: Any = None) -> Result:
         """``sql`` for asyncio code: runs the query on a session worker thread, so many
@@ -437,7 +460,7 @@ class Session:
             return [f"gear plan: none ({function}() has no profiles to plan with; "
                     "session.use_plan(...) sets one)"]
         gears = len(plan.gears())
-        engine = self._engines.get(function)
+        engine = self._engine if function in self._served else None
         serving = (f"served by the online engine ({engine.workers} workers): chunks of < "
                    f"{self.bulk_threshold} new inputs as online requests, larger ones as bulk "
                    f"rows of gear 1 in batches of {engine.bulk_batch_size}"
@@ -510,7 +533,7 @@ class Session:
         query_lock = threading.Lock()  # engines are thread-safe; in-process models are not
         out = []
         for site in rw.sites:
-            engine = self._engines.get(site.function)
+            engine = self._engine if site.function in self._served else None
             planned_for = self.operators[site.function].eval_constants
             if planned_for and site.constants != planned_for:
                 engine = None  # the plan's models answer its own constants, not these

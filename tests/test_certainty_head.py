@@ -1,4 +1,5 @@
-"""Certainty functions and the logistic-regression head."""
+"""Certainty functions, the output contract, the escalation rule and the logistic-regression
+head."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from ken.errors import KenError, ModelError
-from ken.models.certainty import certainty_fn, margin, max_prob, neg_entropy
+from ken.models.cascade import Cascade, escalates, escalates_row
+from ken.models.certainty import certainty_fn, certainty_of, margin, max_prob, neg_entropy
 from ken.models.head import LinearHead, fit_logistic, fit_logistic_cv
+from ken.models.model import Output, Prediction
 
 
 def test_certainty_values() -> None:
@@ -21,6 +24,53 @@ def test_certainty_values() -> None:
     assert neg_entropy(p) == pytest.approx([-h, -np.log(3), 0.0])
     with pytest.raises(KenError, match="max_prob"):
         certainty_fn("confidence")
+
+
+def test_certainty_of_probabilities_or_own_certainty() -> None:
+    p = np.array([[0.7, 0.2, 0.1], [0.4, 0.35, 0.25]], dtype=np.float32)
+    for name in ("max_prob", "margin", "neg_entropy"):
+        got = certainty_of(p, name)
+        assert got.dtype == np.float64
+        assert got.tolist() == certainty_fn(name)(p).tolist()
+    own = np.array([0.9, -1.5, 0.0], dtype=np.float32)  # a model's own certainty per row
+    for name in ("max_prob", "margin", "neg_entropy"):
+        got = certainty_of(own, name)
+        assert got.dtype == np.float64 and got.tolist() == own.astype(np.float64).tolist()
+    assert certainty_of(np.zeros((0, 3))).shape == (0,)
+    with pytest.raises(KenError, match="max_prob"):
+        certainty_of(p, "confidence")
+
+
+def test_prediction_and_output_share_the_contract() -> None:
+    probs = np.array([[0.1, 0.9], [0.6, 0.4], [0.5, 0.5]], dtype=np.float32)
+    pred = Prediction(np.array([1, 0, 0]), probs, ("neg", "pos"))
+    assert len(pred) == 3
+    assert pred.values == ["pos", "neg", "neg"] == pred.label_strings()
+    assert pred.scores is probs
+    assert pred.certainty().tolist() == pytest.approx([0.9, 0.6, 0.5])
+    assert pred.certainty("margin").tolist() == pytest.approx([0.8, 0.2, 0.0])
+    out = Output([True, None, 3.5], [0.8, 0.1, 0.5])
+    assert len(out) == 3 and out.values == [True, None, 3.5]
+    assert out.scores.dtype == np.float64
+    for name in ("max_prob", "margin"):  # its own certainty, whatever the function
+        assert out.certainty(name).tolist() == [0.8, 0.1, 0.5]
+    with pytest.raises(ModelError, match="one certainty per value"):
+        Output(["a", "b"], [0.5])
+    assert issubclass(ModelError, KenError)
+
+
+@settings(max_examples=50, deadline=None)
+@given(arrays(np.float64, 12, elements=st.floats(-2, 2)), st.floats(-2, 2))
+def test_one_escalation_rule(cert, threshold) -> None:
+    """Below the threshold escalates, at or above it resolves: array, row and cascade forms
+    agree; the last stage passes nothing on."""
+    mask = escalates(cert, threshold)
+    assert mask.tolist() == [escalates_row(float(c), threshold) for c in cert]
+    assert mask.tolist() == [bool(c < threshold) for c in cert]
+    cascade = Cascade(("a", "b"), (threshold,))
+    assert cascade.escalates(0, cert).tolist() == mask.tolist()
+    assert not cascade.escalates(1, cert).any()
+    assert not escalates_row(threshold, threshold)
 
 
 @settings(max_examples=50, deadline=None)

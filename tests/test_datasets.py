@@ -31,6 +31,22 @@ def test_missing_data_is_a_clear_error(tmp_path) -> None:
         load_source("imdb")
 
 
+def test_labelled_sample_as_an_evaluation_sample() -> None:
+    import numpy as np
+
+    from ken.models.datasets import LabelledSample
+
+    sample = LabelledSample("l", ("a", "b", "c"), np.array([2, 0, 2]), ("neg", "neu", "pos"))
+    ev = sample.as_eval()
+    assert ev.name == "l" and ev.inputs == sample.texts and ev.metric == "accuracy"
+    assert ev.references == ("pos", "neg", "pos")
+    assert ev.quality(["pos", "pos", "pos"]).tolist() == [1.0, 0.0, 1.0]
+    sub = sample.subset([2, 0], "sub").as_eval()
+    assert sub.references == ("pos", "pos") and sub.inputs == ("c", "a")
+    with pytest.raises(DataError):
+        ev.quality(["pos"])
+
+
 def test_unseen_rows_are_outside_both_splits() -> None:
     import numpy as np
 

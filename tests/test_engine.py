@@ -262,7 +262,7 @@ def test_gear_switches_follow_the_measured_rate_with_hysteresis() -> None:
         after = send(engine, 20, 2.0, start=2000)
         outcomes = {f.result(timeout=30).request_id: (t, f.result()) for t, f in
                     calm + burst + after}
-        held = engine._dispatcher.gears.held
+        held = engine.dispatcher().gears.held
     switches = engine.gear_switches
     assert [(a, b) for _, a, b in switches][:2] == [(0, 1), (1, 0)], switches
     (t_up, _, _), (t_down, _, _) = switches[:2]

@@ -80,7 +80,7 @@ def test_cascade_equals_row_by_row(models) -> None:
                 break
         k += 1
     result = run_cascade(cascade, models, pa.array(values, pa.string()), batch_size=8)
-    assert result.labels.to_pylist() == expected
+    assert result.values == expected
     assert sum(s.resolved_rows for s in result.stages) == len(present)
     assert all(s.input_rows > 0 for s in result.stages)  # every stage really ran
 
@@ -104,7 +104,7 @@ def test_null_empty_and_overlong(models) -> None:
         out = model.predict(["", " "])
         assert np.isfinite(out.probabilities).all()
     result = run_cascade(Cascade(("minilm-l3",)), models, pa.array([None, "", long, None]))
-    labels = result.labels.to_pylist()
+    labels = result.values
     assert labels[0] is None and labels[3] is None
     assert labels[1] in models["minilm-l3"].spec.labels
     assert labels[2] is not None
@@ -129,12 +129,17 @@ def test_profile_and_cascade_metrics_on_real_models(models) -> None:
     sample = family.heldout_sample(DATA).subset(range(40), "tiny")
     profiles = {n: run_profile(m, sample, (1, 4), repeats=1) for n, m in models.items()}
     for name, p in profiles.items():
-        assert np.array_equal(p.predictions, models[name].predict(list(sample.texts)).labels)
+        pred = models[name].predict(list(sample.texts))
+        assert p.values == tuple(pred.label_strings())
+        assert np.array_equal(p.scores, pred.probabilities)
+        assert p.quality.tolist() == (pred.labels == sample.labels).astype(float).tolist()
         assert p.peak_memory_bytes > p.memory_bytes
     cascade = Cascade(("minilm-l3", "smollm2-135m"), (0.6,))
     metrics = evaluate(cascade, profiles, batch_size=4)
     executed = run_cascade(cascade, models, list(sample.texts), batch_size=4)
-    assert metrics.accuracy == pytest.approx(float((executed.label_index == sample.labels).mean()))
+    truth = [sample.label_names[i] for i in sample.labels.tolist()]
+    assert metrics.accuracy == pytest.approx(
+        float(np.mean([v == t for v, t in zip(executed.values, truth, strict=True)])))
     assert metrics.stage_fractions[1] == pytest.approx(executed.stages[1].input_rows / 40)
 
 
@@ -158,7 +163,7 @@ def test_sentiment_sql_on_real_models(home, models) -> None:
         binding = session.bind("sentiment", ())
         rows = result.fetchall()
         texts = [r[1] for r in rows]
-        expected = run_cascade(binding.cascade, models, texts, batch_size=1).labels.to_pylist()
+        expected = run_cascade(binding.cascade, models, texts, batch_size=1).values
         assert [r[2] for r in rows] == expected
         stats = result.stats["s0"]
         distinct = len({t for t in texts if t is not None})
@@ -197,7 +202,7 @@ def test_engine_process_workers_serve_the_real_models_like_the_batch_cascade(hom
         bulk = [f.result(timeout=120) for f in engine.submit_many(rows, bulk=True)]
     for got in (online, bulk):
         assert [o.status for o in got] == ["ok"] * len(rows)
-        assert [o.label for o in got] == expected.labels.to_pylist()
+        assert [o.value for o in got] == expected.values
         assert [o.stage for o in got] == expected.stage.tolist()
 
 

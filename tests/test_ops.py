@@ -185,6 +185,10 @@ def test_plan_several_operators_and_serve_them_to_eight_threads(tmp_path) -> Non
     assert expected, "the query must return rows"
     s.serve(workers="thread", bulk_threshold=1)  # bulk rows run the first gear's cascade
     try:
+        # one engine serves all three on the one pool of devices
+        engines = {id(e) for e in s.engines.values()}
+        assert set(s.engines) == {"mood", "wanted", "same"} and len(engines) == 1
+        assert set(next(iter(s.engines.values())).plans) == {"mood", "wanted", "same"}
         results = run_in_threads(s, QUERY)
         assert all(r == expected for r in results)
         assert "online engine" in str(s.sql("EXPLAIN ANALYZE " + QUERY))

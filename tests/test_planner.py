@@ -12,7 +12,6 @@ import pytest
 
 from ken.models.cascade import Cascade
 from ken.optimizer.perf import Catalog, ModelPerf
-from ken.policy.plan import Frontier
 from ken.optimizer.planner import (
     PlannerSettings,
     _candidates,
@@ -28,6 +27,7 @@ from ken.optimizer.planner import (
 from ken.optimizer.query import QueryPlanError, Target, choose_plans
 from ken.optimizer.scheduler import PlanningError, balance_load
 from ken.optimizer.workload import Device, Hardware, gamma_trace, poisson_trace
+from ken.policy.plan import Frontier
 
 ROWS = 400
 SIZES = (1, 4, 16, 64)

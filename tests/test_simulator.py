@@ -22,10 +22,10 @@ import ken.optimizer.simulator as simulator
 from ken.errors import ProfileError
 from ken.models.cascade import Cascade
 from ken.optimizer.perf import Catalog, ModelPerf
-from ken.policy.plan import GearPlan, RangeSchedule, Replica
-from ken.policy.scheduling import Batch, Dispatcher
 from ken.optimizer.simulator import SimulationError, simulate, simulate_many
 from ken.optimizer.workload import Trace, WorkloadError, gamma_trace, poisson_trace
+from ken.policy.plan import GearPlan, RangeSchedule, Replica
+from ken.policy.scheduling import Batch, Dispatcher
 
 ROWS = 40
 BATCH_SIZES = (1, 8, 32)

@@ -1,7 +1,10 @@
-"""Online serving of a gear plan (DESIGN.md section 6; issue 5).
+"""Online serving of gear plans (DESIGN.md section 6; issue 5).
 
-``Engine`` runs the optimizer's ``Dispatcher`` — the same scheduling policy the simulator uses —
-on a ``WallClock`` with real model calls:
+``Engine`` serves one pool of devices for any number of operators, one gear plan each (the
+query optimizer plans them together on the same devices). Per operator it runs a
+``Dispatcher`` — the same scheduling policy the simulator uses — on a ``WallClock`` with real
+model calls; the dispatchers share the devices' busy set, so a device runs one batch at a time
+whichever operator it is for:
 
 - one *scheduler* thread owns the dispatcher and processes events in order: arrivals
   (``submit``), finished batches from the devices, queue deadlines (max wait), plan swaps;
@@ -127,21 +130,29 @@ _STOP = object()
 
 
 class Engine:
-    """Serves one operator's gear plan on preloaded models (see the module docstring).
+    """Serves gear plans, one per operator, on one pool of preloaded devices (see the module
+    docstring). ``plan`` is one ``GearPlan`` or several (for different operators).
 
-    ``models`` maps each model the plan places to a loaded ``Model`` or to a zero-argument
+    ``models`` maps each model the plans place to a loaded ``Model`` or to a zero-argument
     loader. ``workers="process"`` needs picklable loaders (each device process loads its own
     copy); ``"thread"`` loads each model once in this process and shares it; ``"auto"`` picks
     processes when every source is a loader.
     """
 
-    def __init__(self, plan: GearPlan, models: Mapping[str, Source],
+    def __init__(self, plan: GearPlan | Sequence[GearPlan], models: Mapping[str, Source],
                  max_in_flight: int = 10_000, max_retries: int = 2,
                  clock: WallClock | None = None, *,
                  workers: Literal["auto", "process", "thread"] = "auto",
                  threads_per_device: int = 1, bulk_batch_size: int | None = None,
                  memory_budget_bytes: int | None = None) -> None:
-        self._check_plan(plan, models)
+        plans = [plan] if isinstance(plan, GearPlan) else list(plan)
+        if not plans:
+            raise EngineError("an engine needs at least one gear plan")
+        if len({p.operator for p in plans}) != len(plans):
+            raise EngineError("an engine serves one gear plan per operator; got "
+                              f"{[p.operator for p in plans]}")
+        for p in plans:
+            self._check_plan(p, models)
         if max_in_flight < 1 or max_retries < 0:
             raise EngineError("max_in_flight must be >= 1 and max_retries >= 0")
         if workers == "auto":
@@ -153,22 +164,24 @@ class Engine:
         self._check_sources(models)
         if threads_per_device < 1:
             raise EngineError("a device needs at least one thread")
-        self.plan = plan
+        self.plans: dict[str, GearPlan] = {p.operator: p for p in plans}
         self.threads_per_device = threads_per_device
         self._sources: dict[str, Source] = dict(models)
         self._models: dict[str, Model] = {}  # thread workers share these
         self.clock = clock or WallClock()
         self.max_in_flight = max_in_flight
         self.max_retries = max_retries
-        self.bulk_batch_size = bulk_batch_size or max(plan.max_batch)
+        self.bulk_batch_size = bulk_batch_size or max(b for p in plans for b in p.max_batch)
         if memory_budget_bytes is not None and memory_budget_bytes <= 0:
             raise EngineError("the memory budget per device must be > 0 bytes")
         self.memory_budget_bytes = memory_budget_bytes
         self._busy: set[str] = set()  # devices running a batch, shared by all dispatchers
-        self._dispatcher = Dispatcher(plan, self.clock, self._busy)
+        # the dispatcher of each operator's active plan
+        self._active: dict[str, Dispatcher] = {
+            p.operator: Dispatcher(p, self.clock, self._busy) for p in plans}
         self._retiring: list[Dispatcher] = []  # swapped-out plans finishing running batches
         self._owner: dict[int, Dispatcher] = {}  # id(batch) -> dispatcher that started it
-        self._past_switches: list[tuple[float, int, int]] = []
+        self._past_switches: dict[str, list[tuple[float, int, int]]] = {}
         self.plan_swaps: list[tuple[float, int]] = []  # (time, queued rows moved)
         # a bulk row runs the lowest-load cascade of the plan active when it arrived, escalated
         # by that plan's dispatcher policy: rid -> (dispatcher, cascade index, stage)
@@ -207,14 +220,35 @@ class Engine:
                               "(zero-argument functions), not loaded models, or use "
                               "workers='thread'")
 
-    def _placed(self, plan: GearPlan) -> dict[str, list[str]]:
-        """Models each device of ``plan`` hosts."""
-        out: dict[str, list[str]] = {d: [] for d in plan.devices}
-        for r in plan.placement:
-            for d in r.devices:
-                if r.model not in out[d]:
-                    out[d].append(r.model)
+    @property
+    def plan(self) -> GearPlan:
+        """The gear plan served, when the engine serves one operator."""
+        if len(self.plans) != 1:
+            raise EngineError(f"this engine serves {len(self.plans)} operators "
+                              f"({', '.join(self.plans)}); use engine.plans[operator]")
+        return next(iter(self.plans.values()))
+
+    @staticmethod
+    def _placed(*plans: GearPlan) -> dict[str, list[str]]:
+        """Models each device of ``plans`` hosts."""
+        out: dict[str, list[str]] = {d: [] for p in plans for d in p.devices}
+        for p in plans:
+            for r in p.placement:
+                for d in r.devices:
+                    if r.model not in out[d]:
+                        out[d].append(r.model)
         return out
+
+    def _operator(self, operator: str | None) -> str:
+        if operator is None:
+            if len(self.plans) != 1:
+                raise EngineError(f"this engine serves {', '.join(self.plans)}: say which "
+                                  "operator a row is for (operator=...)")
+            return next(iter(self.plans))
+        if operator not in self.plans:
+            raise EngineError(f"this engine does not serve {operator}(); it serves "
+                              f"{', '.join(self.plans)}")
+        return operator
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -223,7 +257,7 @@ class Engine:
         if self._scheduler is not None:
             raise EngineError("the engine is already running")
         t0 = time.perf_counter()
-        seconds = self._add_devices(self._placed(self.plan))
+        seconds = self._add_devices(self._placed(*self.plans.values()))
         self.load_report = LoadReport(seconds, time.perf_counter() - t0, self.workers,
                                       self._check_memory())
         self._scheduler = threading.Thread(target=self._schedule, name="ken-scheduler",
@@ -331,8 +365,9 @@ class Engine:
     # -- plan swap --------------------------------------------------------------------------
 
     def swap_plan(self, plan: GearPlan, models: Mapping[str, Source] | None = None) -> int:
-        """Serve ``plan`` from now on (see the module docstring). ``models`` adds sources for
-        models the old plan did not use. Models the new plan places are loaded on their
+        """Serve ``plan`` for its operator from now on (see the module docstring); an operator
+        the engine did not serve yet is added. ``models`` adds sources for models the old
+        plans did not use. Models the new plan places are loaded on their
         devices first (new devices get new workers). Returns the number of queued rows moved
         to the new plan."""
         if self._scheduler is None:
@@ -343,6 +378,7 @@ class Engine:
             self._sources.update(models)
         self._check_plan(plan, self._sources)
         self._add_devices(self._placed(plan))
+        self.bulk_batch_size = max(self.bulk_batch_size, *plan.max_batch)
         self._check_memory(stop=False)  # over budget: keep serving the old plan
         done: Future = Future()
         self._events.put(("swap", plan, done))
@@ -350,19 +386,22 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def submit(self, text: str | None) -> Future:
-        """Queue one input row (online): a text, or a tuple of texts for models over several
-        columns; the future resolves to its ``Outcome``."""
+    def submit(self, text: str | tuple[str, ...] | None, operator: str | None = None
+               ) -> Future:
+        """Queue one input row (online) for ``operator`` (needed when the engine serves
+        several): a text, or a tuple of texts for models over several columns; the future
+        resolves to its ``Outcome``."""
         if text is not None and not _is_row(text):
             raise EngineError(f"the engine answers text rows; got {type(text).__name__}")
-        return self._admit([text], bulk=False)[0]
+        return self._admit([text], bulk=False, operator=self._operator(operator))[0]
 
-    def submit_many(self, texts: Iterable[str | None], bulk: bool = False) -> list[Future]:
+    def submit_many(self, texts: Iterable[str | tuple[str, ...] | None], bulk: bool = False,
+                    operator: str | None = None) -> list[Future]:
         """Queue many rows at once; ``bulk`` rows run in throughput-sized batches (see the
         module docstring) and are not bounded by ``max_in_flight``: the caller holds them."""
-        return self._admit(list(texts), bulk=bulk)
+        return self._admit(list(texts), bulk=bulk, operator=self._operator(operator))
 
-    def _admit(self, texts: Sequence[str | None], bulk: bool) -> list[Future]:
+    def _admit(self, texts: Sequence, bulk: bool, operator: str) -> list[Future]:
         futures = []
         admitted = []
         now = self.clock.now()
@@ -386,7 +425,7 @@ class Engine:
                     self._requests[rid] = _Request(text, future, now)
                     admitted.append(rid)
         if admitted:
-            self._events.put(("bulk" if bulk else "arrive", admitted))
+            self._events.put(("bulk" if bulk else "arrive", operator, admitted))
         return futures
 
     @property
@@ -395,9 +434,19 @@ class Engine:
 
     @property
     def gear_switches(self) -> list[tuple[float, int, int]]:
-        """``(time, from range, to range)`` for every change of cascade so far (across plan
-        swaps: ranges are those of the plan active at the time)."""
-        return self._past_switches + list(self._dispatcher.gears.switches)
+        """``(time, from range, to range)`` for every change of cascade so far, of every
+        operator in time order (across plan swaps: ranges are those of the plan active at the
+        time); ``gear_switches_of(operator)`` for one."""
+        return sorted(s for op in self.plans for s in self.gear_switches_of(op))
+
+    def dispatcher(self, operator: str | None = None) -> Dispatcher:
+        """The policy state of an operator's active plan (gear selector, queues), read-only
+        use: diagnostics and tests."""
+        return self._active[self._operator(operator)]
+
+    def gear_switches_of(self, operator: str) -> list[tuple[float, int, int]]:
+        return (self._past_switches.get(operator, [])
+                + list(self._active[self._operator(operator)].gears.switches))
 
     def pids(self) -> dict[str, int | None]:
         """Worker process id per device (None for thread workers)."""
@@ -406,7 +455,7 @@ class Engine:
     # -- scheduler thread -------------------------------------------------------------------
 
     def _dispatchers(self) -> list[Dispatcher]:
-        return [self._dispatcher, *self._retiring]
+        return [*self._active.values(), *self._retiring]
 
     def _schedule(self) -> None:
         while True:
@@ -420,13 +469,13 @@ class Engine:
                 continue
             kind = event[0]
             if kind == "arrive":
-                disp = self._dispatcher
-                for rid in event[1]:
+                disp = self._active[event[1]]
+                for rid in event[2]:
                     self._launch(disp, disp.admit(rid))
             elif kind == "bulk":
-                disp = self._dispatcher
+                disp = self._active[event[1]]
                 gear = disp.plan.ranges[0].cascade
-                for rid in event[1]:
+                for rid in event[2]:
                     self._bulk_enqueue(rid, disp, gear, 0)
                 self._launch_bulk()
             elif kind == "done":
@@ -507,14 +556,17 @@ class Engine:
         self._freed(batch.devices)
 
     def _swap(self, plan: GearPlan, done: Future) -> None:
-        old = self._dispatcher
-        self._past_switches.extend(old.gears.switches)
-        moved = sorted(old.drain())  # request ids grow with arrival: oldest first
+        op = plan.operator
+        old = self._active.get(op)
+        moved: list[int] = []
+        if old is not None:
+            self._past_switches.setdefault(op, []).extend(old.gears.switches)
+            moved = sorted(old.drain())  # request ids grow with arrival: oldest first
+            if old.in_flight:
+                self._retiring.append(old)
         new = Dispatcher(plan, self.clock, self._busy)
-        self._dispatcher = new
-        if old.in_flight:
-            self._retiring.append(old)
-        self.plan = plan
+        self._active[op] = new
+        self.plans[op] = plan
         for rid in moved:
             self._launch(new, new.admit(rid, metered=False))
         self._launch(new, new.poll(plan.devices))
@@ -529,8 +581,9 @@ class Engine:
         self._bulk_queue.setdefault(model, deque()).append(rid)
 
     def _bulk_devices(self, model: str) -> list[str]:
-        plan = self.plan
-        placed = [d for r in plan.replicas_of(model) for d in plan.placement[r].devices]
+        placed = list(dict.fromkeys(d for plan in self.plans.values()
+                                    for r in plan.replicas_of(model)
+                                    for d in plan.placement[r].devices))
         return placed or [d for d, ms in self._loaded_on.items() if model in ms]
 
     def _launch_bulk(self) -> None:

@@ -31,6 +31,7 @@ BERT_MODELS = ("tiny", "mini", "small", "medium", "base")
 #: single-model accuracy the synthetic outcomes are drawn to reach (Sentiment-140-like)
 ARTIFACT_ACCURACY = {"tiny": 0.78, "mini": 0.80, "small": 0.815, "medium": 0.825,
                      "base": 0.845, "large": 0.85}
+LABEL_NAMES = ("negative", "positive")
 _SCALE = 2.0
 _NOISE = 1.0
 
@@ -92,10 +93,11 @@ def bert_profiles(data_dir: str | Path | None = None, num_rows: int = 4000,
         out[mp.name] = Profile(
             model=mp.name, hardware="v100", batch_sizes=mp.batch_sizes,
             batch_runtime_s=mp.runtime_s[0], memory_bytes=mp.memory_bytes[0],
-            peak_memory_bytes=mp.memory_bytes[0], label_names=("negative", "positive"),
+            peak_memory_bytes=mp.memory_bytes[0], label_names=LABEL_NAMES,
             sample_name="synthetic-sentiment140", sample_hash=sample_hash,
-            model_fingerprint=f"artifact-{mp.name}", true_labels=labels.astype(np.int64),
-            predictions=preds.astype(np.int64), probabilities=probs)
+            model_fingerprint=f"artifact-{mp.name}",
+            quality=(preds == labels).astype(np.float64), scores=probs,
+            values=tuple(LABEL_NAMES[i] for i in preds.tolist()))
     return out
 
 

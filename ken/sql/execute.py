@@ -121,7 +121,8 @@ class SiteRunner:
         requests, more as bulk rows. A row the engine could not answer fails the query."""
         assert self.engine is not None
         bulk = len(inputs) >= self.bulk_threshold
-        outcomes = [f.result() for f in self.engine.submit_many(inputs, bulk=bulk)]
+        outcomes = [f.result() for f in self.engine.submit_many(
+            inputs, bulk=bulk, operator=self.site.function)]
         failed = [o for o in outcomes if o.status != "ok"]
         if failed:
             first = failed[0]
