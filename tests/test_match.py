@@ -14,6 +14,8 @@ import pytest
 
 from ken.engine.batch import run_cascade
 from ken.errors import DataError, ModelError
+from ken.models.model import DeviceConfig
+from ken.models.resources import Resources
 from ken.ops.sem_match import (
     FALLBACK_OFFSET,
     MatchCard,
@@ -29,8 +31,6 @@ from ken.ops.sem_match import (
     prepare_sem_match,
 )
 from ken.ops.sem_match import bind_sem_match as bind
-from ken.models.model import DeviceConfig
-from ken.models.resources import Resources
 from ken.paths import shared_data_dir
 
 DATASET = "Abt-Buy"
