@@ -452,8 +452,13 @@ class Session:
         self._connection()
         return self._local.namespace
 
-    def _gear_plan_lines(self, function: str) -> list[str]:
+    def _gear_plan_lines(self, function: str, constants: tuple[str, ...] = ()) -> list[str]:
         plan = self._gear_plans.get(function)
+        planned_for = self.operators[function].eval_constants
+        if plan is not None and planned_for and constants != planned_for:
+            return [f"gear plan: planned for {function}({', '.join(map(repr, planned_for))}); "
+                    "this call has other constants, so it runs the implementation above "
+                    "in-process"]
         if plan is None:
             if self.operators[function].plannable():
                 return ["gear plan: none (run session.plan(...) or `ken plan`)"]
@@ -568,7 +573,7 @@ class Session:
         lines = render(build(rw.statement))
         describe = {s.id: self.bind(s.function, s.constants).describe() for s in rw.sites}
         estimates = {s.id: self._estimate(rw, s) for s in rw.sites}
-        plans = {s.id: self._gear_plan_lines(s.function) for s in rw.sites}
+        plans = {s.id: self._gear_plan_lines(s.function, s.constants) for s in rw.sites}
         if not analyze:
             return "\n".join(lines + site_lines(rw.sites, describe, estimates, plans=plans))
         started = time.perf_counter()
