@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ken.errors import KenError
+from ken.ops import BUILTIN_MODULES
 from ken.progress import Reporter
 from ken.report import frontier_table, gear_plan_table, models_table
 
@@ -417,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
         "triggers) by simulating a trace. Writes DIR/frontier-sentiment.json and .png.")
     _family_args(plan)
     plan.add_argument("--function", default="sentiment",
-                      choices=("sentiment", "sem_filter", "sem_match", "sem_classify"),
+                      choices=tuple(m for m in BUILTIN_MODULES),
                       help="the semantic operator to plan (default sentiment); each is profiled "
                            "on its evaluation sample")
     plan.add_argument("--devices", type=int, default=2,
