@@ -496,9 +496,6 @@ def test_search_with_fractional_quality(seed: int) -> None:
     assert accs[-1] == pytest.approx(max(c.accuracy for c in candidates.values()), abs=1e-12)
 
 
-@pytest.mark.xfail(strict=True, reason="library: _score_sequence sums fractional per-row "
-                   "qualities in another order than evaluate(), so equal cascades differ by "
-                   "an ulp in the search and the fewest-stages tie rule fails")
 def test_search_tie_rule_with_fractional_quality() -> None:
     # seed 26: m0 -> m1 -> m2 with a stage-1 threshold that no row reaching m1 falls below
     # behaves exactly like m0 -> m1 (same accuracy and cost under evaluate()), but the

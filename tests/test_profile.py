@@ -89,6 +89,8 @@ def test_profile_of_a_classifier_on_an_eval_sample() -> None:
     q = run_profile(model, s, (1, 2), repeats=1)
     assert p.values == q.values and np.array_equal(p.quality, q.quality)
     assert np.array_equal(p.scores, q.scores) and p.label_names == q.label_names
+    # the same rows in either form are the same sample: their profiles combine in cascades
+    assert p.sample_hash == q.sample_hash
     bad = EvalSample("s", s.texts, ("nope",) * len(s), "accuracy")
     with pytest.raises(ProfileError, match="references"):
         run_profile(model, bad, (1,), repeats=1)

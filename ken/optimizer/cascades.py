@@ -323,7 +323,10 @@ def pareto_cascades(
 
     sizes = [c.size for c in quality_sums]
     offsets = np.concatenate(([0], np.cumsum(sizes)))
-    all_acc = np.concatenate([c.ravel() for c in quality_sums]) / n
+    # fractional qualities (balanced accuracy, token F1) are summed in another order here than
+    # in evaluate(); rounding keeps cascades that are equal up to an ulp equal, so the
+    # fewest-stages tie rule holds (1/0 qualities sum exactly either way)
+    all_acc = np.round(np.concatenate([c.ravel() for c in quality_sums]) / n, 12)
     all_cost = np.concatenate([c.ravel() for c in costs])
     front = pareto_front(np.column_stack((all_acc, all_cost)))
 

@@ -207,11 +207,17 @@ def hardware_fingerprint(device: DeviceConfig) -> str:
 Sample = EvalSample | LabelledSample
 
 
+def sample_hash(sample: Sample) -> str:
+    """The hash a profile records: that of the evaluation sample, so the same rows profiled
+    as a ``LabelledSample`` or as its ``as_eval()`` share profiles and combine in cascades."""
+    return (sample.as_eval() if isinstance(sample, LabelledSample) else sample).content_hash
+
+
 def profile_key(model: Model, sample: Sample, batch_sizes: Sequence[int]) -> str:
     text = "|".join(
         [TIMING_METHOD, model.spec.fingerprint or model.spec.name,
          hardware_fingerprint(model.device),
-         sample.content_hash, ",".join(map(str, batch_sizes))]
+         sample_hash(sample), ",".join(map(str, batch_sizes))]
     )
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -286,10 +292,9 @@ def run_profile(
                 f"model {model.name} predicts {model.spec.labels} but sample {sample.name} is "
                 f"labelled {sample.label_names}"
             )
-        sample_hash = sample.content_hash
+    recorded_hash = sample_hash(sample)
+    if isinstance(sample, LabelledSample):
         sample = sample.as_eval()
-    else:
-        sample_hash = sample.content_hash
     runtimes, peak = measure_batch_runtimes(model, list(sample.inputs), batch_sizes, repeats,
                                             on_step)
     out = model.predict(list(sample.inputs), batch_size=32)
@@ -316,7 +321,7 @@ def run_profile(
         peak_memory_bytes=peak,
         label_names=label_names,
         sample_name=sample.name,
-        sample_hash=sample_hash,
+        sample_hash=recorded_hash,
         model_fingerprint=model.spec.fingerprint,
         num_params=model.spec.num_params,
         metric=sample.metric,
