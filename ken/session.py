@@ -156,7 +156,7 @@ class Session:
         if op is None or not hasattr(op, "cascade"):
             raise KenError("this session has no built-in sentiment() to set a cascade for")
         op.cascade = cascade
-        with self.ctx._lock:
+        with self.ctx.lock:
             self._bound = {k: v for k, v in self._bound.items() if k[0] != "sentiment"}
 
     def register(self, name: str, operator: Operator | Model | Cascade,
@@ -195,7 +195,7 @@ class Session:
     def bind(self, function: str, constants: tuple[str, ...]) -> Bound:
         """The operator ``function`` bound to ``constants`` (made once per session)."""
         key = (function, constants)
-        with self.ctx._lock:
+        with self.ctx.lock:
             if key not in self._bound:
                 self._bound[key] = self.operators[function].bind(self.ctx, constants)
             return self._bound[key]
@@ -367,16 +367,22 @@ class Session:
                 self._served.add(name)
             return reports
         kind = workers
-        if kind == "auto":
-            kind = ("process" if all(self._loaders(n, threads_per_device) for n in names)
-                    else "thread")
+        per_function: dict[str, Mapping[str, Any]] = {}
+        if kind in ("auto", "process"):
+            loaders = {n: self._loaders(n, threads_per_device) for n in names}
+            if kind == "process" or all(loaders.values()):
+                kind = "process"
+                per_function = {n: self._check_loaders(n, loaders[n]) for n in names}
+            else:
+                kind = "thread"
+        if kind == "thread":
+            per_function = {n: self._model_sources(n, kind, threads_per_device) for n in names}
         sources: dict[str, Any] = {}
-        for name in names:
-            for model, source in self._model_sources(name, kind, threads_per_device).items():
+        for models in per_function.values():
+            for model, source in models.items():
                 if sources.setdefault(model, source) is not source and kind == "thread":
                     raise KenError(f"two served functions name different models {model!r}; "
                                    "give the models distinct names")
-                sources.setdefault(model, source)
         engine = Engine([self._gear_plans[n] for n in names], sources,
                         max_in_flight=max_in_flight, workers=kind,  # type: ignore[arg-type]
                         threads_per_device=threads_per_device,
@@ -395,11 +401,7 @@ class Session:
         """What an engine of ``name`` loads: picklable loaders for process workers, the
         session's loaded models for thread workers."""
         if workers == "process":
-            loaders = self._loaders(name, threads)
-            if not loaders:
-                raise KenError(f"{name}() has no model loaders for worker processes; serve it "
-                               "with workers='thread'")
-            return loaders
+            return self._check_loaders(name, self._loaders(name, threads))
         op = self.operators[name]
         models = dict(self.bind(name, op.eval_constants).models)
         placed = {r.model for r in self._gear_plans[name].placement}
@@ -409,6 +411,14 @@ class Session:
 
     def _loaders(self, name: str, threads: int) -> Mapping[str, Callable[[], Model]] | None:
         return self.operators[name].loaders(self.ctx, threads)
+
+    @staticmethod
+    def _check_loaders(name: str, loaders: Mapping[str, Callable[[], Model]] | None
+                       ) -> Mapping[str, Callable[[], Model]]:
+        if not loaders:
+            raise KenError(f"{name}() has no model loaders for worker processes; serve it "
+                           "with workers='thread'")
+        return loaders
 
     def stop_serving(self, drain: bool = True) -> int:
         """Shut the engine down (draining admitted requests first, by default); returns how
@@ -452,10 +462,23 @@ class Session:
         self._connection()
         return self._local.namespace
 
+    def _planned_for_other_constants(self, function: str, constants: tuple[str, ...]) -> bool:
+        """A plan of an operator with constants is made on its evaluation constants: its
+        models answer those, so calls with other constants cannot use it."""
+        planned_for = self.operators[function].eval_constants
+        return bool(planned_for) and constants != planned_for
+
+    def _serving_engine(self, function: str, constants: tuple[str, ...]) -> Engine | None:
+        """The engine that answers a call, or None when the call runs in-process."""
+        if function not in self._served or self._planned_for_other_constants(function,
+                                                                            constants):
+            return None
+        return self._engine
+
     def _gear_plan_lines(self, function: str, constants: tuple[str, ...] = ()) -> list[str]:
         plan = self._gear_plans.get(function)
-        planned_for = self.operators[function].eval_constants
-        if plan is not None and planned_for and constants != planned_for:
+        if plan is not None and self._planned_for_other_constants(function, constants):
+            planned_for = self.operators[function].eval_constants
             return [f"gear plan: planned for {function}({', '.join(map(repr, planned_for))}); "
                     "this call has other constants, so it runs the implementation above "
                     "in-process"]
@@ -465,7 +488,7 @@ class Session:
             return [f"gear plan: none ({function}() has no profiles to plan with; "
                     "session.use_plan(...) sets one)"]
         gears = len(plan.gears())
-        engine = self._engine if function in self._served else None
+        engine = self._serving_engine(function, constants)
         serving = (f"served by the online engine ({engine.workers} workers): chunks of < "
                    f"{self.bulk_threshold} new inputs as online requests, larger ones as bulk "
                    f"rows of gear 1 in batches of {engine.bulk_batch_size}"
@@ -538,10 +561,7 @@ class Session:
         query_lock = threading.Lock()  # engines are thread-safe; in-process models are not
         out = []
         for site in rw.sites:
-            engine = self._engine if site.function in self._served else None
-            planned_for = self.operators[site.function].eval_constants
-            if planned_for and site.constants != planned_for:
-                engine = None  # the plan's models answer its own constants, not these
+            engine = self._serving_engine(site.function, site.constants)
             out.append(SiteRunner(site, self.bind(site.function, site.constants),
                                   self.batch_size, query_lock if engine else self._lock,
                                   memos.setdefault((site.function, site.constants), {}),

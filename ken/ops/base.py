@@ -183,11 +183,11 @@ class OpContext:
         self.data = data
         self.reporter = reporter
         self.batch_size = batch_size
-        self._lock = threading.RLock()  # making a resource may make other resources
+        self.lock = threading.RLock()  # making a resource may make other resources
         self._resources: dict[str, Any] = {}
 
     def resource(self, key: str, make: Callable[[], Any]) -> Any:
-        with self._lock:
+        with self.lock:
             if key not in self._resources:
                 self._resources[key] = make()
             return self._resources[key]
@@ -201,12 +201,6 @@ class OpContext:
             raise KenError(f"{op.name}() has no cascade chosen and this context has no "
                            "cascade chooser; set one (e.g. session.sentiment_cascade)")
         return ChosenCascade(cascade)
-
-    def forget(self, prefix: str) -> None:
-        """Drop cached objects whose key starts with ``prefix`` (e.g. a re-chosen cascade)."""
-        with self._lock:
-            for key in [k for k in self._resources if k.startswith(prefix)]:
-                del self._resources[key]
 
 
 def shared_resources(ctx: OpContext) -> Any:
