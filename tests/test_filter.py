@@ -286,11 +286,13 @@ def test_similarity_only_and_errors(resources) -> None:
 
 @pytest.mark.models
 def test_sem_classify_on_the_real_networks(resources) -> None:
-    from ken.ops.sem_classify import LabelLLMModel, bind_sem_classify
+    from ken.ops.sem_classify import LabelLLMModel, bind_sem_classify, stage_name
 
     spec = "sports|politics|weather"
     bound = bind_sem_classify(spec, resources)
     assert bound.describe().startswith("sem_classify('sports|politics|weather'): cls-l6[")
+    # worker loaders are named without loading a model: the names must be the models' own
+    assert list(bound.models) == [stage_name("minilm-l6", spec), stage_name("llm", spec)]
     texts = ["the striker scored twice in the final", "parliament passed the budget vote",
              None, "heavy rain and strong winds tomorrow", ""]
     result = run_cascade(bound.cascade, bound.models, texts, batch_size=4)

@@ -59,6 +59,23 @@ def parse_labels(spec: str) -> tuple[str, ...]:
     return labels
 
 
+def similarity_name(labels: tuple[str, ...], encoder: str, scale: float = DEFAULT_SCALE) -> str:
+    """The model name of a label-similarity stage (what plans and profiles call it)."""
+    return f"cls-{encoder.replace('minilm-', '')}[{short_hash(labels, encoder, round(scale, 6))}]"
+
+
+def llm_name(labels: tuple[str, ...], lm_name: str = "smollm2-135m") -> str:
+    """The model name of an LLM stage scoring ``labels``."""
+    key = short_hash(labels, lm_name, PROMPT_VERSION, MAX_TEXT_TOKENS)
+    return f"cls-{lm_name.split('-')[0]}[{key}]"
+
+
+def stage_name(kind: str, spec: str) -> str:
+    """The name of the stage :func:`make_stage` builds (no model is loaded)."""
+    labels = parse_labels(spec)
+    return llm_name(labels) if kind == "llm" else similarity_name(labels, kind)
+
+
 def _softmax(x: np.ndarray) -> np.ndarray:
     z = x - x.max(axis=1, keepdims=True)
     e = np.exp(z)
@@ -81,13 +98,12 @@ class LabelSimilarityModel(Model):
         self.device = body.device
         self.queries = normalise_rows(body.features(list(labels), len(labels))
                                       ).astype(np.float64)
-        key = short_hash(labels, encoder, round(self.scale, 6))
-        short = encoder.replace("minilm-", "")
+        name = similarity_name(labels, encoder, self.scale)
         self.spec = ModelSpec(
-            name=f"cls-{short}[{key}]", family=FAMILY, backend="transformers",
+            name=name, family=FAMILY, backend="transformers",
             source=body.config.source, num_params=body.num_params,
             memory_bytes=body.memory_bytes, max_tokens=body.max_tokens, labels=labels,
-            fingerprint=f"cls-{short}-{short_hash(key, body.config.source)}")
+            fingerprint=f"{name}-{short_hash(body.config.source)}")
 
     def predict(self, texts: Sequence[str], batch_size: int = 32) -> Prediction:
         if not len(texts):
@@ -109,13 +125,12 @@ class LabelLLMModel(Model):
         self.label_ids = [encode(" " + label, add_special_tokens=False) for label in labels]
         prior_context = encode(EMPTY_PROMPT, add_special_tokens=False)
         self.prior = lm.continuation_logprobs([prior_context] * len(labels), self.label_ids)
-        short = lm_name.split("-")[0]
-        key = short_hash(labels, lm_name, PROMPT_VERSION, MAX_TEXT_TOKENS)
+        name = llm_name(labels, lm_name)
         self.spec = ModelSpec(
-            name=f"cls-{short}[{key}]", family=FAMILY, backend="transformers",
+            name=name, family=FAMILY, backend="transformers",
             source=lm.source, num_params=lm.num_params, memory_bytes=lm.memory_bytes,
             max_tokens=MAX_TEXT_TOKENS, labels=labels,
-            fingerprint=f"cls-{short}-{short_hash(key, lm.source)}")
+            fingerprint=f"{name}-{short_hash(lm.source)}")
 
     def prompt_ids(self, text: str) -> list[int]:
         tok = self.lm.tokenizer
@@ -196,10 +211,9 @@ class SemClassify(Operator):
         return {m.name: m for m in models}
 
     def loaders(self, ctx: OpContext, threads: int) -> Mapping[str, Callable[[], Model]]:
-        names = list(self.candidates(ctx, ctx.device))
-        return {name: functools.partial(load_classify_stage, kind, EVAL_LABELS, ctx.home,
-                                        threads)
-                for name, kind in zip(names, self._kinds, strict=True)}
+        return {stage_name(kind, EVAL_LABELS): functools.partial(
+                    load_classify_stage, kind, EVAL_LABELS, ctx.home, threads)
+                for kind in self._kinds}
 
 
 OPERATOR = SemClassify

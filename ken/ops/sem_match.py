@@ -640,9 +640,10 @@ class SemMatch(Operator):
                                     for member in MEMBERS)}
 
     def loaders(self, ctx: OpContext, threads: int) -> Mapping[str, Callable[[], Model]]:
-        names = list(self.candidates(ctx, ctx.device))
-        return {name: functools.partial(load_member, member, ctx.home, threads)
-                for name, member in zip(names, MEMBERS, strict=True)}
+        card = prepare_sem_match(shared_resources(ctx))  # names from the card: loads no model
+        return {card.member(member).name: functools.partial(load_member, member, ctx.home,
+                                                             threads)
+                for member in MEMBERS}
 
 
 OPERATOR = SemMatch
