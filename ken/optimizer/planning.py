@@ -10,6 +10,7 @@ import inspect
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ken.errors import KenError
 from ken.models.cascade import Cascade
@@ -30,6 +31,9 @@ from ken.optimizer.workload import (
 )
 from ken.policy.plan import Frontier
 from ken.progress import QUIET, Reporter
+
+if TYPE_CHECKING:
+    from ken.optimizer.query import QueryPlan, Target
 
 #: batch sizes of a short profile, when `ken profile` has not measured every size here
 SHORT_BATCH_SIZES = (1, 8, 32)
@@ -230,3 +234,60 @@ def plan_operator(operator: str, profiles: Mapping[str, Profile], catalog: Catal
     return frontier, stats
 
 
+
+
+#: the default peak load is capped here: models of a few microseconds per row would
+#: otherwise ask for traces of millions of arrivals (pass peak_qps to plan for more)
+MAX_DEFAULT_PEAK_QPS = 2000.0
+
+
+def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Sequence[str],
+                   target: Target, trace: Trace | str | None = None, devices: int = 2,
+                   memory_gb: float = 4.0, threads_per_device: int = 1,
+                   peak_qps: float | None = None, duration_s: float = 120.0,
+                   num_ranges: int = 8, settings: PlannerSettings | None = None,
+                   force: bool = False, cache_dir: Path | None = None,
+                   ) -> tuple[QueryPlan, dict[str, Frontier]]:
+    """Plan the operators ``names`` together for ``target``: profiles, Pareto cascades, one
+    frontier each on a shared planning trace, and the query optimizer's choice (see
+    ``Session.plan``). Returns the chosen plans and every frontier."""
+    from ken.optimizer.query import choose_plans
+
+    if not names:
+        raise KenError("plan() needs at least one semantic function, e.g. "
+                       "functions=('sentiment',)")
+    for name in names:
+        if name not in operators:
+            raise KenError(f"unknown function {name}(); semantic functions registered on "
+                           f"this session: {', '.join(sorted(operators)) or '(none)'}")
+        if not operators[name].plannable():
+            plannable = ", ".join(sorted(n for n, op in operators.items()
+                                         if op.plannable())) or "none"
+            raise KenError(
+                f"{name}() cannot be planned: gear plans are built from model profiles on "
+                f"a labelled evaluation sample, and {name}() has none "
+                f"({operators[name].eval_description()}); functions this session "
+                f"can plan: {plannable}. Register it with sample=ken.EvalSample(...), or "
+                "set a plan made elsewhere with session.use_plan(...)")
+    check_planning_args(devices, memory_gb, threads_per_device, peak_qps, duration_s,
+                        num_ranges)
+    hardware = Hardware.cpu_workers(devices, int(memory_gb * 2**30))
+    settings = settings or PlannerSettings(num_ranges=num_ranges)
+    profiles = {n: operator_profiles(operators[n], ctx, threads_per_device) for n in names}
+    prepared = {n: planning_inputs(profiles[n]) for n in names}
+    catalogs = {n: prepared[n][0] for n in names}
+    if peak_qps is None:  # the slowest operator sets the load the query can be planned for
+        peak_qps = min(default_peak_qps(cat, cascades, devices)
+                       for cat, cascades in prepared.values())
+        if peak_qps > MAX_DEFAULT_PEAK_QPS:
+            ctx.reporter.note(f"planning up to {MAX_DEFAULT_PEAK_QPS:g} qps (the models "
+                              f"sustain about {peak_qps:g}); pass peak_qps= to plan for more")
+            peak_qps = MAX_DEFAULT_PEAK_QPS
+    plan_trace = planning_trace("azure" if trace is None else trace, peak_qps, duration_s)
+    frontiers = {}
+    for n in names:
+        catalog, cascades = prepared[n]
+        frontiers[n], _stats = plan_operator(
+            n, profiles[n], catalog, cascades, hardware, plan_trace, peak_qps, settings,
+            cache_dir=cache_dir, reporter=ctx.reporter, force=force)
+    return choose_plans(frontiers, catalogs, plan_trace, target), frontiers

@@ -19,6 +19,7 @@ from ken.ops.base import Bound
 from ken.sql.rewrite import CallSite, Rewritten
 
 if TYPE_CHECKING:
+    from ken.engine.manager import ServingManager
     from ken.sql.execute import SiteRunner
 
 _SITE = re.compile(r"__ken_s(\d+)_(\w+?)\(", re.IGNORECASE)
@@ -219,3 +220,32 @@ def actual_lines(runner: SiteRunner) -> list[str]:
         lines.append(f"stage {stage.model}: {stage.input_rows:,} in, {stage.resolved_rows:,} "
                      f"resolved, {stage.num_batches} batches, {stage.seconds:.3f} s")
     return lines
+
+
+def gear_plan_lines(serving: ServingManager, function: str, constants: tuple[str, ...] = ()
+                    ) -> list[str]:
+    """EXPLAIN lines on how a call runs: its function's gear plan, whether the online engine
+    serves it, or why it runs in-process."""
+    op = serving.operators[function]
+    plan = serving.plans.get(function)
+    if plan is not None and serving.planned_for_other_constants(function, constants):
+        planned_for = op.eval_constants
+        return [f"gear plan: planned for {function}({', '.join(map(repr, planned_for))}); "
+                "this call has other constants, so it runs the implementation above "
+                "in-process"]
+    if plan is None:
+        if op.plannable():
+            return ["gear plan: none (run session.plan(...) or `ken plan`)"]
+        return [f"gear plan: none ({function}() has no profiles to plan with; "
+                "session.use_plan(...) sets one)"]
+    gears = len(plan.gears())
+    engine = serving.engine_for(function, constants)
+    how = (f"served by the online engine ({engine.workers} workers): chunks of < "
+           f"{serving.bulk_threshold} new inputs as online requests, larger ones as bulk "
+           f"rows of gear 1 in batches of {engine.bulk_batch_size}"
+           if engine is not None else
+           "for online serving, session.serve(); until then queries run the "
+           "implementation above")
+    head = (f"gear plan: {gears} gear{'s' if gears != 1 else ''} over 0-{plan.qps_max:g} "
+            f"qps on {', '.join(plan.devices)} ({how})")
+    return [head, *("  " + line for line in plan.describe())]

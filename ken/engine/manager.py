@@ -1,0 +1,186 @@
+"""Serving manager: the gear plans of a session's semantic functions and the one online
+engine that serves them on the session's pool of devices.
+
+The session keeps the SQL side (connection, registry, bound operators); this module decides
+which engine answers a call, starts it with each function's models (picklable loaders for
+process workers, the loaded models for thread workers), adds functions to it later and swaps
+plans in place.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+from ken.engine.serving import Engine, LoadReport
+from ken.errors import KenError
+from ken.models.model import Model
+from ken.ops.base import Bound, OpContext, Operator
+from ken.policy.plan import GearPlan
+
+
+class ServingManager:
+    """Gear plans per function and the engine serving the functions that ``serve`` named.
+
+    ``operators`` is the session's registry (read live), ``bind`` its cache of bound
+    operators: thread workers run the very models the session's in-process calls use.
+    """
+
+    def __init__(self, operators: Mapping[str, Operator], ctx: OpContext,
+                 bind: Callable[[str, tuple[str, ...]], Bound]) -> None:
+        self.operators = operators
+        self.ctx = ctx
+        self._bind = bind
+        self._plans: dict[str, GearPlan] = {}
+        self._engine: Engine | None = None
+        self._served: set[str] = set()
+        #: chunks with at least this many distinct new inputs enter as bulk rows
+        self.bulk_threshold = 64
+
+    # -- plans -------------------------------------------------------------------------------
+
+    @property
+    def plans(self) -> Mapping[str, GearPlan]:
+        return MappingProxyType(self._plans)
+
+    def set_plan(self, name: str, plan: GearPlan) -> None:
+        """Keep ``plan`` for ``name``; a running engine serving ``name`` swaps to it."""
+        self._plans[name] = plan
+        engine = self._engine
+        if name in self._served and engine is not None:
+            engine.swap_plan(plan, self._model_sources(name, engine.workers,
+                                                       engine.threads_per_device))
+
+    def forget(self, name: str) -> None:
+        """``name`` now names another operator: drop its plan; the engine keeps serving the
+        other functions and calls of ``name`` run in-process."""
+        self._plans.pop(name, None)
+        self._served.discard(name)
+
+    # -- which engine answers a call ---------------------------------------------------------
+
+    @property
+    def engine(self) -> Engine | None:
+        return self._engine
+
+    @property
+    def served(self) -> frozenset[str]:
+        return frozenset(self._served)
+
+    def engines(self) -> Mapping[str, Engine]:
+        engine = self._engine
+        return MappingProxyType({} if engine is None else dict.fromkeys(self._served, engine))
+
+    def planned_for_other_constants(self, function: str, constants: tuple[str, ...]) -> bool:
+        """A plan of an operator with constants is made on its evaluation constants: its
+        models answer those, so calls with other constants cannot use it."""
+        planned_for = self.operators[function].eval_constants
+        return bool(planned_for) and constants != planned_for
+
+    def engine_for(self, function: str, constants: tuple[str, ...]) -> Engine | None:
+        """The engine that answers a call, or None when the call runs in-process."""
+        if function not in self._served or self.planned_for_other_constants(function,
+                                                                           constants):
+            return None
+        return self._engine
+
+    # -- serving -----------------------------------------------------------------------------
+
+    def serve(self, functions: Sequence[str] | None = None, workers: str = "auto",
+              threads_per_device: int = 1, max_in_flight: int = 10_000,
+              bulk_threshold: int | None = None, memory_gb: float | None = None,
+              ) -> dict[str, LoadReport]:
+        """Serve ``functions`` (every function with a plan by default) on one engine; see
+        ``Session.serve``."""
+        if bulk_threshold is not None:
+            if bulk_threshold < 1:
+                raise KenError("bulk_threshold must be >= 1")
+            self.bulk_threshold = bulk_threshold
+        if workers not in ("auto", "process", "thread"):
+            raise KenError(f"workers must be 'auto', 'process' or 'thread' (got {workers!r})")
+        names = list(self._plans) if functions is None else [f.lower() for f in functions]
+        if not names:
+            raise KenError("nothing to serve: no function has a gear plan yet; run "
+                           "session.plan(...) or session.use_plan(...) first")
+        missing = [n for n in names if n not in self._plans]
+        if missing:
+            raise KenError(f"{', '.join(f'{n}()' for n in missing)} has no gear plan; run "
+                           "session.plan(...) or session.use_plan(...) first")
+        names = [n for n in dict.fromkeys(names) if n not in self._served]
+        if not names:
+            return {}
+        if self._engine is not None:
+            return self._add(names)
+        kind = workers
+        per_function: dict[str, Mapping[str, Any]] = {}
+        if kind in ("auto", "process"):
+            loaders = {n: self.operators[n].loaders(self.ctx, threads_per_device)
+                       for n in names}
+            if kind == "process" or all(loaders.values()):
+                kind = "process"
+                per_function = {n: _check_loaders(n, loaders[n]) for n in names}
+            else:
+                kind = "thread"
+        if kind == "thread":
+            per_function = {n: self._model_sources(n, kind, threads_per_device) for n in names}
+        sources: dict[str, Any] = {}
+        for models in per_function.values():
+            for model, source in models.items():
+                if sources.setdefault(model, source) is not source and kind == "thread":
+                    raise KenError(f"two served functions name different models {model!r}; "
+                                   "give the models distinct names")
+        engine = Engine([self._plans[n] for n in names], sources,
+                        max_in_flight=max_in_flight, workers=kind,  # type: ignore[arg-type]
+                        threads_per_device=threads_per_device,
+                        memory_budget_bytes=None if memory_gb is None
+                        else int(memory_gb * 2**30))
+        devices = sorted({d for n in names for d in self._plans[n].devices})
+        with self.ctx.reporter.task(f"start the engine for {', '.join(f'{n}()' for n in names)}"
+                                    f": {kind} workers on {', '.join(devices)}", 1) as advance:
+            report = engine.start()
+            advance(1)
+        self._engine = engine
+        self._served.update(names)
+        return dict.fromkeys(names, report)
+
+    def _add(self, names: Sequence[str]) -> dict[str, LoadReport]:
+        """Add functions to the running engine (their models load on its workers)."""
+        engine = self._engine
+        assert engine is not None
+        reports = {}
+        for name in names:
+            started = time.perf_counter()
+            engine.swap_plan(self._plans[name], self._model_sources(
+                name, engine.workers, engine.threads_per_device))
+            reports[name] = LoadReport({}, time.perf_counter() - started, engine.workers)
+            self._served.add(name)
+        return reports
+
+    def _model_sources(self, name: str, workers: str, threads: int) -> Mapping[str, Any]:
+        """What an engine of ``name`` loads: picklable loaders for process workers, the
+        session's loaded models for thread workers."""
+        op = self.operators[name]
+        if workers == "process":
+            return _check_loaders(name, op.loaders(self.ctx, threads))
+        models = dict(self._bind(name, op.eval_constants).models)
+        placed = {r.model for r in self._plans[name].placement}
+        if not placed <= set(models):  # a plan over candidates the binding does not use
+            models.update(op.candidates(self.ctx, self.ctx.device))
+        return models
+
+    def stop(self, drain: bool = True) -> int:
+        """Shut the engine down (draining admitted requests first, by default); returns how
+        many requests it cancelled."""
+        engine, self._engine = self._engine, None
+        self._served.clear()
+        return 0 if engine is None else engine.shutdown(drain=drain)
+
+
+def _check_loaders(name: str, loaders: Mapping[str, Callable[[], Model]] | None
+                   ) -> Mapping[str, Callable[[], Model]]:
+    if not loaders:
+        raise KenError(f"{name}() has no model loaders for worker processes; serve it "
+                       "with workers='thread'")
+    return loaders
