@@ -329,3 +329,12 @@ def test_register_validation() -> None:
         s.register("x", Cascade(("a",)))
     with pytest.raises(SqlError, match="empty"):
         s.sql("   ")
+
+
+def test_explain_quotes_constants_as_sql() -> None:
+    s, _ = make_session()
+    setup_tables(s)
+    text = s.explain("SELECT id FROM tweets WHERE fsem(text, 'it''s late')")
+    assert "s0: fsem(text, 'it''s late')" in text
+    assert [r[0] for r in s.sql("SELECT fsem('x', 'it''s late')").fetchall()] in ([True],
+                                                                                  [False])

@@ -42,7 +42,7 @@ class CallSite:
         return f"s{self.id}"
 
     def call_sql(self) -> str:
-        consts = [f"'{c}'" for c in self.constants]
+        consts = ["'" + c.replace("'", "''") + "'" for c in self.constants]
         return f"{self.function}({', '.join([*self.args, *consts])})"
 
 
