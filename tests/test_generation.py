@@ -1,0 +1,116 @@
+"""Generation and option scoring with the packaged SmolLM2-135M-Instruct (all 30 layers)
+against slow references: token-by-token decoding without a cache, and log-probabilities
+summed by hand from one unpadded forward pass per sequence."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ken.errors import ModelError
+from ken.models.generation import (
+    Generation,
+    chat_prompt,
+    generate,
+    generate_reference,
+    option_probabilities,
+    score_options,
+)
+from ken.models.resources import Resources
+
+pytestmark = pytest.mark.models
+
+QUESTIONS = ["What is the capital of France?",
+             "Name a fruit that is yellow.",
+             "Translate 'good morning' into French. Answer briefly, with nothing else.",
+             "2 + 2 ="]
+
+
+@pytest.fixture(scope="module")
+def lm(home):  # noqa: ANN001 - conftest's KEN_HOME (SmolLM2 converted there)
+    from conftest import FAMILY_DEVICE
+
+    return Resources(FAMILY_DEVICE, home=home).causal_lm("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def prompts(lm) -> list[list[int]]:  # noqa: ANN001
+    return [chat_prompt(lm, q) for q in QUESTIONS]
+
+
+def test_generation_equals_token_by_token_reference(lm, prompts) -> None:  # noqa: ANN001
+    got = generate(lm, prompts, max_new_tokens=10, batch_size=4)
+    assert len({len(p) for p in prompts}) > 1, "prompts of different lengths pad"
+    for g, p in zip(got, prompts, strict=True):
+        assert list(g.token_ids) == generate_reference(lm, p, 10)
+        assert g.prompt_tokens == len(p) and g.num_tokens <= 10
+        assert g.finish in ("eos", "length")
+        assert all(lp <= 0 for lp in g.logprobs) and len(g.logprobs) == g.num_tokens
+
+
+def test_batched_generation_equals_one_row_at_a_time(lm, prompts) -> None:  # noqa: ANN001
+    batched = generate(lm, prompts, max_new_tokens=16, batch_size=4)
+    single = generate(lm, prompts, max_new_tokens=16, batch_size=1)
+    assert [g.text for g in batched] == [g.text for g in single]
+    assert "paris" in batched[0].text.lower()
+
+
+def test_token_logprobs_are_the_model_s(lm, prompts) -> None:  # noqa: ANN001
+    g = generate(lm, prompts[:1], max_new_tokens=6)[0]
+    ids = list(prompts[0]) + list(g.token_ids)
+    with torch.inference_mode():
+        logp = torch.log_softmax(lm.net(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+    n = len(prompts[0])
+    expected = [float(logp[n - 1 + k, t]) for k, t in enumerate(g.token_ids)]
+    assert np.allclose(g.logprobs, expected, atol=1e-4)
+    assert g.certainty("mean_prob") == pytest.approx(math.exp(np.mean(expected)), rel=1e-3)
+    assert g.certainty("min_prob") <= g.certainty("mean_prob")
+
+
+def test_stop_strings_cut_the_text(lm) -> None:  # noqa: ANN001
+    prompt = chat_prompt(lm, "Count from 1 to 10, separated by commas.")
+    free = generate(lm, [prompt], max_new_tokens=30)[0]
+    assert "," in free.text
+    cut = generate(lm, [prompt], max_new_tokens=30, stop=[","])[0]
+    assert cut.finish == "stop" and "," not in cut.text
+    assert free.text.startswith(cut.text)
+    assert cut.num_tokens < free.num_tokens
+    assert generate(lm, [prompt], max_new_tokens=0)[0].text == ""
+
+
+def brute_force_logprob(lm, context: list[int], option: list[int]) -> float:  # noqa: ANN001
+    with torch.inference_mode():
+        ids = torch.tensor([context + option])
+        logp = torch.log_softmax(lm.net(input_ids=ids).logits[0].float(), -1)
+    return sum(float(logp[len(context) - 1 + k, t]) for k, t in enumerate(option))
+
+
+def test_option_scores_equal_brute_force_sums(lm) -> None:  # noqa: ANN001
+    tok = lm.tokenizer
+    contexts = ["The capital of France is", "A man is sitting on a roof. He",
+                "I put the milk in the"]
+    options = [[" Paris.", " Rome.", " a large city in Europe"],
+               [" starts pulling up roofing.", " is holding a cube."],
+               [" fridge", " oven", " car", " sky above the sea"]]
+    ctx_ids = [tok.encode(c, add_special_tokens=False) for c in contexts]
+    opt_ids = [[tok.encode(o, add_special_tokens=False) for o in opts] for opts in options]
+    scores = score_options(lm, ctx_ids, opt_ids, batch_size=3)
+    for c, opts, row in zip(ctx_ids, opt_ids, scores, strict=True):
+        expected = [brute_force_logprob(lm, c, o) for o in opts]
+        assert np.allclose(row, expected, atol=2e-3), (row, expected)
+    assert int(np.argmax(scores[0][:2])) == 0  # Paris over Rome
+    p = option_probabilities(scores[2])
+    assert p.sum() == pytest.approx(1.0) and (p > 0).all()
+    with pytest.raises(ModelError, match="at least one option"):
+        score_options(lm, ctx_ids[:1], [[]])
+
+
+def test_generation_rejects_bad_arguments(lm) -> None:  # noqa: ANN001
+    with pytest.raises(ModelError, match="at least one token"):
+        generate(lm, [[]])
+    with pytest.raises(ModelError, match="batch size"):
+        generate(lm, [[1]], batch_size=0)
+    assert Generation("", (), (), 3, "eos").certainty() == 1.0
