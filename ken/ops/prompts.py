@@ -1,0 +1,105 @@
+"""Every prompt the LLM operators send, versioned, in one place.
+
+A prompt's version is part of its models' names and fingerprints, so changing a template
+means bumping its version: profiles and plans made with the old text are then not reused.
+
+A :class:`ChatPrompt` turns a row (one text, or a tuple of texts for several columns) into
+the token ids of a one-turn chat in the model's template. Each column is cut to at most
+``max_tokens`` tokens from the side the operator says (EXPLAIN says so); a NULL or blank
+column the prompt needs gives no prompt, and the row the SQL value NULL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ken.errors import DataError
+from ken.models.generation import chat_prompt
+from ken.models.llm import truncate_ids
+from ken.models.resources import CausalLM
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A versioned chat template with ``{column}`` and ``{constant}`` fields."""
+
+    name: str
+    version: str
+    template: str
+    columns: tuple[str, ...]  # the row's texts, in SQL argument order
+    truncate: tuple[str, ...]  # per column: "right" (keep the start) or "left" (keep the end)
+    max_tokens: tuple[int, ...]  # per column
+    system: str | None = None
+    constants: tuple[tuple[str, str], ...] = field(default=())
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}/{self.version}"
+
+    def with_constants(self, values: Mapping[str, str]) -> ChatPrompt:
+        """This prompt with its constant fields (e.g. the instruction) filled in."""
+        for name, value in values.items():
+            if not isinstance(value, str) or not value.strip():
+                raise DataError(f"{self.name}'s {name} must be a non-empty string")
+        return ChatPrompt(self.name, self.version, self.template, self.columns, self.truncate,
+                          self.max_tokens, self.system, tuple(sorted(values.items())))
+
+    def describe_truncation(self) -> str:
+        parts = [f"{c} cut to {n} tokens from the {'end' if side == 'right' else 'start'}"
+                 for c, side, n in zip(self.columns, self.truncate, self.max_tokens,
+                                       strict=True)]
+        return f"prompt {self.key}; " + ", ".join(parts)
+
+    def __call__(self, lm: CausalLM, row: Any) -> list[int] | None:
+        texts = row if isinstance(row, (tuple, list)) else (row,)
+        if len(texts) != len(self.columns):
+            raise DataError(f"{self.name} takes {len(self.columns)} texts per row, got "
+                            f"{len(texts)}")
+        fields = dict(self.constants)
+        tok = lm.tokenizer
+        for column, text, side, limit in zip(self.columns, texts, self.truncate,
+                                             self.max_tokens, strict=True):
+            if not isinstance(text, str) or not text.strip():
+                return None
+            ids = tok.encode(text.strip(), add_special_tokens=False)
+            if len(ids) > limit:
+                text = tok.decode(truncate_ids(ids, limit, side))
+            fields[column] = text.strip()
+        return chat_prompt(lm, self.template.format(**fields), self.system)
+
+
+SEM_MAP = ChatPrompt(
+    "sem_map", "v1",
+    "{instruction}\n\nText: {text}",
+    ("text",), ("right",), (384,))
+
+SEM_EXTRACT = ChatPrompt(
+    "sem_extract", "v1",
+    "From the text below, extract {what}. Answer with the exact words from the text and "
+    "nothing else. If the text does not mention it, answer: none\n\nText: {text}",
+    ("text",), ("right",), (384,))
+
+SEM_QA = ChatPrompt(
+    "sem_qa", "v1",
+    "Read the passage and answer the question with a short answer (a few words, taken from "
+    "the passage).\n\nPassage: {context}\n\nQuestion: {question}",
+    ("question", "context"), ("right", "right"), (64, 448))
+
+SEM_CHOICE = ChatPrompt(
+    "sem_choice", "v1",
+    "{text}\n\nWhich of these fits the text above best: {options}? Answer with the option "
+    "only.",
+    ("text",), ("right",), (256,))
+
+#: answers that mean "not in the text" for sem_extract (compared lower-cased, without a
+#: final full stop)
+NONE_ANSWERS = frozenset({"", "none", "n/a", "na", "not mentioned", "nothing",
+                          "unknown"})
+
+
+def extracted_value(text: str) -> str | None:
+    """sem_extract's SQL value of an answer: None when the model says it is absent."""
+    answer = text.strip().strip('"').strip()
+    return None if answer.lower().rstrip(".") in NONE_ANSWERS else answer

@@ -1,0 +1,74 @@
+"""``sem_choice(text, 'option1|option2|...') -> VARCHAR``: which option fits the text, by an LLM.
+
+Each option is scored as the assistant's answer to the prompt ``sem_choice/v1``
+(``ken/ops/prompts.py``), which holds the text (cut to 256 tokens, keeping its start) and the
+options; the value is the most likely option, the certainty its probability among the
+options. Constrained answers are scored, never parsed from generated text. ``sem_classify``
+answers the same question with an embedding first stage; ``sem_choice`` is LLMs only.
+
+Evaluation sample (for planning): the options ``negative|neutral|positive`` on the family's
+held-out tweets, accuracy.
+
+>>> # session.sql("SELECT sem_choice(text, 'complaint|question|praise') FROM tickets")
+"""
+
+from __future__ import annotations
+
+from ken.errors import DataError
+from ken.models.llm import ChoiceModel
+from ken.models.model import DeviceConfig, Model
+from ken.models.quality import EvalSample
+from ken.models.resources import Resources, short_hash
+from ken.ops.base import OpContext
+from ken.ops.llm_operator import LLMOperator, stage_prefix
+from ken.ops.prompts import SEM_CHOICE
+
+EVAL_OPTIONS = "negative|neutral|positive"
+
+
+def parse_options(spec: str) -> tuple[str, ...]:
+    """``'a | b|c'`` -> ``('a', 'b', 'c')``: at least two distinct, non-empty options."""
+    if not isinstance(spec, str):
+        raise DataError("sem_choice needs its options as one string, e.g. 'yes|no|maybe'")
+    options = tuple(" ".join(part.split()) for part in spec.split("|"))
+    if len(options) < 2 or any(not o for o in options) or len(set(options)) != len(options):
+        raise DataError(f"sem_choice needs at least two distinct, non-empty options "
+                        f"separated by '|', e.g. 'yes|no|maybe'; got {spec!r}")
+    return options
+
+
+class SemChoice(LLMOperator):
+    name = "sem_choice"
+    num_columns = 1
+    constants = ("options",)
+    output_type = "varchar"
+    doc = "which of the options 'a|b|c' fits the text (LLM-scored)"
+    eval_constants = (EVAL_OPTIONS,)
+
+    def stage_name(self, lm_name: str, constants: tuple[str, ...]) -> str:
+        options = parse_options(constants[0])
+        return f"{stage_prefix(self.name, lm_name)}[{short_hash(SEM_CHOICE.key, options)}]"
+
+    def stage(self, resources: Resources, lm_name: str, constants: tuple[str, ...],
+              device: DeviceConfig | None = None) -> Model:
+        options = parse_options(constants[0])
+        prompt = SEM_CHOICE.with_constants({"options": ", ".join(options)})
+        return ChoiceModel(resources.causal_lm(lm_name, device), options, prompt,
+                           self.stage_name(lm_name, constants), "sem-choice", SEM_CHOICE.key)
+
+    def detail(self, constants: tuple[str, ...]) -> str:
+        return f"options scored by likelihood; {SEM_CHOICE.describe_truncation()}"
+
+    def eval_sample(self, ctx: OpContext) -> EvalSample:
+        from ken.models import family
+
+        return family.heldout_sample(ctx.data or family.FamilyData()).as_eval()
+
+    def plannable(self) -> bool:
+        return True
+
+    def eval_description(self) -> str:
+        return f"options {EVAL_OPTIONS!r} on the family's held-out tweets, accuracy"
+
+
+OPERATOR = SemChoice

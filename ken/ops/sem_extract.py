@@ -1,0 +1,45 @@
+"""``sem_extract(text, 'what to extract') -> VARCHAR``: a span of the text, NULL when absent.
+
+Greedy generation (at most 24 new tokens, one line) with the prompt ``sem_extract/v1``
+(``ken/ops/prompts.py``), which asks for the exact words or ``none``; answers meaning "not
+there" become NULL. Texts over 384 tokens keep their start. No built-in evaluation sample:
+register a copy with ``sample=`` to plan it.
+
+>>> # session.sql("SELECT sem_extract(bio, 'the person''s employer') FROM people")
+"""
+
+from __future__ import annotations
+
+from ken.models.llm import GenerativeModel
+from ken.models.model import DeviceConfig, Model
+from ken.models.resources import Resources, short_hash
+from ken.ops.llm_operator import LLMOperator, stage_prefix
+from ken.ops.prompts import SEM_EXTRACT, extracted_value
+
+MAX_NEW_TOKENS = 24
+
+
+class SemExtract(LLMOperator):
+    name = "sem_extract"
+    num_columns = 1
+    constants = ("what",)
+    output_type = "varchar"
+    doc = "the part of the text that says what is asked for (NULL when absent)"
+
+    def stage_name(self, lm_name: str, constants: tuple[str, ...]) -> str:
+        return f"{stage_prefix(self.name, lm_name)}[{short_hash(SEM_EXTRACT.key, constants)}]"
+
+    def stage(self, resources: Resources, lm_name: str, constants: tuple[str, ...],
+              device: DeviceConfig | None = None) -> Model:
+        prompt = SEM_EXTRACT.with_constants({"what": constants[0]})
+        return GenerativeModel(resources.causal_lm(lm_name, device), prompt,
+                               self.stage_name(lm_name, constants), "sem-extract",
+                               SEM_EXTRACT.key, MAX_NEW_TOKENS, stop=("\n",),
+                               finish=extracted_value)
+
+    def detail(self, constants: tuple[str, ...]) -> str:
+        return (f"greedy, one line of <= {MAX_NEW_TOKENS} tokens, 'none' -> NULL; "
+                f"{SEM_EXTRACT.describe_truncation()}")
+
+
+OPERATOR = SemExtract
