@@ -13,7 +13,8 @@
 How a row becomes a prompt is the operator's business: models take a ``Prompter``, a
 picklable callable ``prompter(lm, row) -> token ids`` (so worker processes can rebuild
 models from loaders). Rows that cannot be answered (NULL or empty input, no options) get
-the value None with certainty 1: nothing to escalate.
+the value None with certainty 1: nothing to escalate. A blank context has no continuation
+to score either.
 """
 
 from __future__ import annotations
@@ -95,12 +96,12 @@ class ContinuationModel(Model):
             raise ModelError(f"{self.name} answers (context, options) pairs, got {row!r}")
         context, options_text = row
         options = split_options(options_text)
-        if not options:
+        if not options or not isinstance(context, str) or not context.strip():
             return None
         encode = self.lm.tokenizer.encode
-        ctx = encode(context, add_special_tokens=False) if isinstance(context, str) else []
         # an over-long context keeps its end (what the options continue)
-        ctx = truncate_ids(ctx, self.max_context_tokens, "left") or [self.lm.pad_id]
+        ctx = truncate_ids(encode(context, add_special_tokens=False), self.max_context_tokens,
+                           "left")
         opts = [truncate_ids(encode(" " + o, add_special_tokens=False),
                              self.max_option_tokens, "right") for o in options]
         return ctx, opts, options

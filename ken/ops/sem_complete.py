@@ -5,7 +5,7 @@ holds one option per line; each is scored as the plain continuation of the conte
 template), ``log P(ending | context)`` divided by the ending's length in bytes (the
 harnesses' ``acc_norm``); the value is the 0-based index of the best ending, the certainty
 its probability among the endings. Contexts over 256 tokens keep their end; a row without
-endings is NULL.
+endings or with a blank context is NULL.
 
 Evaluation sample (for planning): the first 300 items of HellaSwag validation
 (``../shared/data/hellaswag``), accuracy.
@@ -74,6 +74,8 @@ class SemComplete(LLMOperator):
     constants = ()
     output_type = "bigint"
     doc = "index of the ending (one per line of the second text) that best continues the first"
+    #: how many HellaSwag items the evaluation sample holds
+    eval_items = EVAL_ITEMS
 
     def stage_name(self, lm_name: str, constants: tuple[str, ...]) -> str:
         return f"{stage_prefix(self.name, lm_name)}[{short_hash(SCORING)}]"
@@ -90,14 +92,15 @@ class SemComplete(LLMOperator):
     def eval_sample(self, ctx: OpContext) -> EvalSample | None:
         if not self.plannable():
             return None
-        return ctx.resource("sem-complete-eval", hellaswag_sample)
+        items = self.eval_items
+        return ctx.resource(f"sem-complete-eval-{items}", lambda: hellaswag_sample(items))
 
     def plannable(self) -> bool:
         return hellaswag_path().is_file()
 
     def eval_description(self) -> str:
         state = "" if self.plannable() else f" (absent: not found at {hellaswag_path()})"
-        return f"the first {EVAL_ITEMS} HellaSwag validation items{state}, accuracy"
+        return f"the first {self.eval_items} HellaSwag validation items{state}, accuracy"
 
 
 OPERATOR = SemComplete
