@@ -368,8 +368,8 @@ def test_session_plan_on_a_function_without_profiles() -> None:
     s = ken.connect()  # builtins: registering them loads no models
     s.register("other", Cascade(("a",)), models={"a": FakeModel("a")})
     with pytest.raises(KenError, match=r"other\(\) cannot be planned: .*has none .*; "
-                                       r"functions this session can plan: sem_classify, "
-                                       r"sem_filter, .*sentiment"):
+                                       r"functions this session can plan: .*sem_classify, "
+                                       r".*sem_filter, .*sentiment"):
         s.plan("accuracy >= 0.7", functions=("other",))
     with pytest.raises(KenError, match=r"unknown function sentimnet\(\)"):
         s.plan("accuracy >= 0.7", functions=("sentimnet",))
