@@ -216,8 +216,6 @@ class Session:
 
     @bulk_threshold.setter
     def bulk_threshold(self, value: int) -> None:
-        if value < 1:
-            raise KenError("bulk_threshold must be >= 1")
         self.serving.bulk_threshold = value
 
     def use_plan(self, plan: GearPlan) -> None:

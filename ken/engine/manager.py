@@ -36,8 +36,18 @@ class ServingManager:
         self._plans: dict[str, GearPlan] = {}
         self._engine: Engine | None = None
         self._served: set[str] = set()
-        #: chunks with at least this many distinct new inputs enter as bulk rows
-        self.bulk_threshold = 64
+        self._bulk_threshold = 64
+
+    @property
+    def bulk_threshold(self) -> int:
+        """Chunks with at least this many distinct new inputs enter as bulk rows."""
+        return self._bulk_threshold
+
+    @bulk_threshold.setter
+    def bulk_threshold(self, value: int) -> None:
+        if value < 1:
+            raise KenError("bulk_threshold must be >= 1")
+        self._bulk_threshold = value
 
     # -- plans -------------------------------------------------------------------------------
 
@@ -95,8 +105,6 @@ class ServingManager:
         """Serve ``functions`` (every function with a plan by default) on one engine; see
         ``Session.serve``."""
         if bulk_threshold is not None:
-            if bulk_threshold < 1:
-                raise KenError("bulk_threshold must be >= 1")
             self.bulk_threshold = bulk_threshold
         if workers not in ("auto", "process", "thread"):
             raise KenError(f"workers must be 'auto', 'process' or 'thread' (got {workers!r})")
