@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -100,91 +100,218 @@ def _cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
 def generate(lm: CausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32,
              stop: Sequence[str] = (), batch_size: int = 8,
              on_batch: Callable[[int], None] | None = None) -> list[Generation]:
-    """Greedy answers to ``prompts`` (token ids), in input order.
+    """Greedy answers to ``prompts`` (token ids), in input order, in static batches.
 
     Rows are sorted by prompt length so a batch pads little. The text of a row ends before
     its first stop string (the tokens and log-probabilities are those of the tokens kept, up
-    to the one that completed the stop string).
+    to the one that completed the stop string). A batch runs until its last row is done;
+    rows that finish early leave it (continuous batching, where new rows also join between
+    steps, is :class:`DecodeBatch` driven by the engine's decode loop).
     """
     import torch
 
     if batch_size < 1:
         raise ModelError(f"batch size must be at least 1, got {batch_size}")
-    if max_new_tokens < 0:
-        raise ModelError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if any(not len(p) for p in prompts):
-        raise ModelError("every prompt needs at least one token")
+    check_prompts(prompts, max_new_tokens)
     out: list[Generation | None] = [None] * len(prompts)
     ends = end_token_ids(lm)
-    device = lm.device.torch_device
     torch.set_num_threads(lm.device.threads)
     order = np.argsort([len(p) for p in prompts], kind="stable")
-    with torch.inference_mode():
-        for start in range(0, len(order), batch_size):
-            rows = [int(i) for i in order[start:start + batch_size]]
-            batch = [list(prompts[i]) for i in rows]
-            for i, g in zip(rows, _generate_batch(lm, batch, max_new_tokens, stop, ends,
-                                                  device), strict=True):
-                out[i] = g
-            if on_batch:
-                on_batch(len(rows))
+    for start in range(0, len(order), batch_size):
+        rows = [int(i) for i in order[start:start + batch_size]]
+        batch = DecodeBatch.prefill(lm, [prompts[i] for i in rows], rows,
+                                    [max_new_tokens] * len(rows), stop, ends)
+        for key, g in batch.pop_finished():
+            out[key] = g
+        while len(batch):
+            batch.step()
+            for key, g in batch.pop_finished():
+                out[key] = g
+        if on_batch:
+            on_batch(len(rows))
     return [g for g in out if g is not None]
 
 
-def _generate_batch(lm: CausalLM, prompts: list[list[int]], max_new_tokens: int,
-                    stop: Sequence[str], ends: frozenset[int], device: str) -> list[Generation]:
-    import torch
+def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int]) -> None:
+    limits = [max_new_tokens] if isinstance(max_new_tokens, int) else max_new_tokens
+    if any(m < 0 for m in limits):
+        raise ModelError(f"max_new_tokens must be >= 0, got {min(limits)}")
+    if any(not len(p) for p in prompts):
+        raise ModelError("every prompt needs at least one token")
 
-    n = len(prompts)
-    tokens: list[list[int]] = [[] for _ in range(n)]
-    logps: list[list[float]] = [[] for _ in range(n)]
-    finish = ["length"] * n
-    done = [max_new_tokens == 0] * n
-    input_ids, mask = pad_batch(prompts, lm.pad_id, left=True)
-    input_ids, mask = input_ids.to(device), mask.to(device)
-    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-    past = None
-    step = 0
-    while not all(done):
-        result = lm.net(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                        past_key_values=past, use_cache=True, logits_to_keep=1)
-        past = result.past_key_values
+
+class _Row:
+    __slots__ = ("key", "prompt_tokens", "max_new", "tokens", "logps", "finish", "done")
+
+    def __init__(self, key: object, prompt_tokens: int, max_new: int) -> None:
+        self.key = key
+        self.prompt_tokens = prompt_tokens
+        self.max_new = max_new
+        self.tokens: list[int] = []
+        self.logps: list[float] = []
+        self.finish = "length"
+        self.done = max_new == 0
+
+
+class DecodeBatch:
+    """Rows decoding together over one left-padded KV cache, one forward pass per step.
+
+    ``prefill`` runs the prompts of new rows (one pass, which also picks each row's first
+    token); ``step`` is one decode pass over every row; ``join`` merges another batch in
+    between steps (its cache is left-padded to the longer of the two, so both keep their
+    positions); ``pop_finished`` takes out the rows that are done (end token, stop string or
+    their own ``max_new`` tokens) and drops their cache rows. Keys are the caller's ids.
+    A row gets the same tokens here as alone (position ids count from its first real token,
+    padded positions are masked), whatever joins or leaves around it.
+    """
+
+    def __init__(self, lm: CausalLM, stop: Sequence[str], ends: frozenset[int],
+                 ignore_eos: bool = False) -> None:
+        self.lm = lm
+        self.stop = tuple(stop)
+        self.ends = frozenset() if ignore_eos else ends
+        self.rows: list[_Row] = []
+        self._past: Any = None
+        self._mask: Any = None  # (rows, width) 1 for real tokens
+        self._next: Any = None  # (rows, 1) the token each row feeds next
+        self._pos: Any = None  # (rows, 1) the position of that token
+        self.passes = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def width(self) -> int:
+        """Cache length every row is padded to (what a decode pass attends over)."""
+        return 0 if self._mask is None else int(self._mask.shape[1])
+
+    @classmethod
+    def prefill(cls, lm: CausalLM, prompts: Sequence[Sequence[int]], keys: Sequence[object],
+                max_new: Sequence[int], stop: Sequence[str] = (),
+                ends: frozenset[int] | None = None, ignore_eos: bool = False) -> DecodeBatch:
+        """A batch of new rows after their prompt pass (each has its first token, or is done)."""
+        import torch
+
+        check_prompts(prompts, max_new)
+        batch = cls(lm, stop, end_token_ids(lm) if ends is None else ends, ignore_eos)
+        batch.rows = [_Row(k, len(p), m) for k, p, m in zip(keys, prompts, max_new, strict=True)]
+        input_ids, mask = pad_batch([list(p) for p in prompts], lm.pad_id, left=True)
+        device = lm.device.torch_device
+        input_ids, mask = input_ids.to(device), mask.to(device)
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        batch._mask = mask
+        with torch.inference_mode():
+            batch._forward(input_ids, positions)
+        return batch
+
+    def step(self) -> None:
+        """One decode pass: every row not yet done gets its next token."""
+        import torch
+
+        if not self.rows:
+            return
+        ones = torch.ones((len(self.rows), 1), dtype=self._mask.dtype, device=self._mask.device)
+        self._mask = torch.cat([self._mask, ones], dim=1)
+        with torch.inference_mode():
+            self._forward(self._next, self._pos)
+
+    def _forward(self, input_ids: Any, positions: Any) -> None:
+        import torch
+
+        result = self.lm.net(input_ids=input_ids, attention_mask=self._mask,
+                             position_ids=positions, past_key_values=self._past,
+                             use_cache=True, logits_to_keep=1)
+        self.passes += 1
+        self._past = result.past_key_values
         logp = torch.log_softmax(result.logits[:, -1, :].float(), dim=-1)
         best = logp.argmax(dim=-1)
         picked = logp.gather(1, best[:, None])[:, 0].cpu().tolist()
         best_ids = best.cpu().tolist()
-        step += 1
-        for j in range(n):
-            if done[j]:
-                continue
-            token = int(best_ids[j])
-            if token in ends:
-                done[j], finish[j] = True, "eos"
-                continue
-            tokens[j].append(token)
-            logps[j].append(float(picked[j]))
-            if stop:
-                text = lm.tokenizer.decode(tokens[j], skip_special_tokens=True)
-                if _cut_at_stop(text, stop)[1]:
-                    done[j], finish[j] = True, "stop"
-                    continue
-            if step >= max_new_tokens:
-                done[j] = True
-        if all(done):
-            break
-        # the next pass feeds each row's new token (finished rows feed pad, ignored)
-        next_ids = torch.tensor([[best_ids[j] if not done[j] else lm.pad_id] for j in range(n)],
-                                dtype=torch.long, device=device)
-        input_ids = next_ids
-        positions = positions[:, -1:] + 1
-        mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=device)], dim=1)
-    out = []
-    for j in range(n):
-        text = lm.tokenizer.decode(tokens[j], skip_special_tokens=True)
-        text, _ = _cut_at_stop(text, stop)
-        out.append(Generation(text.strip(), tuple(tokens[j]), tuple(logps[j]),
-                              len(prompts[j]), finish[j]))
-    return out
+        for row, token, lp in zip(self.rows, best_ids, picked, strict=True):
+            if not row.done:
+                self._take(row, int(token), float(lp))
+        feed = [[t if not r.done else self.lm.pad_id] for t, r in zip(best_ids, self.rows,
+                                                                      strict=True)]
+        self._next = torch.tensor(feed, dtype=torch.long, device=self._mask.device)
+        self._pos = positions[:, -1:] + 1
+
+    def _take(self, row: _Row, token: int, logp: float) -> None:
+        if token in self.ends:
+            row.done, row.finish = True, "eos"
+            return
+        row.tokens.append(token)
+        row.logps.append(logp)
+        if self.stop:
+            text = self.lm.tokenizer.decode(row.tokens, skip_special_tokens=True)
+            if _cut_at_stop(text, self.stop)[1]:
+                row.done, row.finish = True, "stop"
+                return
+        if len(row.tokens) >= row.max_new:
+            row.done = True
+
+    def join(self, other: DecodeBatch) -> None:
+        """Merge ``other`` (prefilled, not yet stepped past this batch's step) into this batch."""
+        import torch
+
+        if not other.rows:
+            return
+        if not self.rows:
+            passes = self.passes
+            self.__dict__.update(other.__dict__)
+            self.passes += passes
+            return
+        width = max(self.width, other.width)
+        mine, theirs = self._past.layers, other._past.layers
+        for a, b in zip(mine, theirs, strict=True):
+            a.keys = torch.cat([_pad_left(a.keys, width, 2), _pad_left(b.keys, width, 2)])
+            a.values = torch.cat([_pad_left(a.values, width, 2),
+                                  _pad_left(b.values, width, 2)])
+        self._mask = torch.cat([_pad_left(self._mask, width, 1),
+                                _pad_left(other._mask, width, 1)])
+        self._next = torch.cat([self._next, other._next])
+        self._pos = torch.cat([self._pos, other._pos])
+        self.rows.extend(other.rows)
+
+    def pop_finished(self) -> list[tuple[object, Generation]]:
+        """The rows that are done, as ``(key, Generation)``; they leave the batch."""
+        done = [j for j, r in enumerate(self.rows) if r.done]
+        if not done:
+            return []
+        out = []
+        for j in done:
+            r = self.rows[j]
+            text, _ = _cut_at_stop(self.lm.tokenizer.decode(r.tokens, skip_special_tokens=True),
+                                   self.stop)
+            out.append((r.key, Generation(text.strip(), tuple(r.tokens), tuple(r.logps),
+                                          r.prompt_tokens, r.finish)))
+        keep = [j for j, r in enumerate(self.rows) if not r.done]
+        self.rows = [self.rows[j] for j in keep]
+        if not keep:
+            self._past = self._mask = self._next = self._pos = None
+            return out
+        import torch
+
+        idx = torch.tensor(keep, dtype=torch.long, device=self._mask.device)
+        mask = self._mask[idx]
+        # columns that are padding in every remaining row are dropped from the cache
+        first = int((mask.sum(dim=0) > 0).nonzero()[0, 0])
+        self._mask = mask[:, first:]
+        for layer in self._past.layers:
+            layer.keys = layer.keys[idx, :, first:]
+            layer.values = layer.values[idx, :, first:]
+        self._next, self._pos = self._next[idx], self._pos[idx]
+        return out
+
+
+def _pad_left(t: Any, width: int, dim: int) -> Any:
+    import torch
+
+    pad = width - t.shape[dim]
+    if pad == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = pad
+    return torch.cat([torch.zeros(shape, dtype=t.dtype, device=t.device), t], dim=dim)
 
 
 def generate_reference(lm: CausalLM, prompt: Sequence[int], max_new_tokens: int) -> list[int]:

@@ -1,0 +1,221 @@
+"""Online continuous batching of one generating model (``DecodeServer``).
+
+A server thread owns a causal LM and runs forward passes back to back, each decided by
+``ken.policy.decoding.DecodeScheduler`` — the rule the simulator (``ken.optimizer.decode_sim``)
+uses — on a wall clock: a *prefill* pass for requests that may join (their prompts, yielding
+their first token), else a *decode* pass over every running request. New requests join at
+pass boundaries (``DecodeBatch.join``); finished ones leave (``DecodeBatch.pop_finished``).
+
+Every submitted request gets exactly one ``GenOutcome``: ``ok`` with its ``Generation``,
+``rejected`` when it could never fit the KV budget, ``error`` when a pass failed (every
+request in that batch gets the error; the server goes on with the next requests), or
+``cancelled`` when the server shut down before it finished. Times are seconds on the server's
+clock: arrival, first token (TTFT) and completion (TGT).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from ken.errors import EngineError, PolicyError
+from ken.models.generation import DecodeBatch, Generation, end_token_ids
+from ken.models.resources import CausalLM
+from ken.optimizer.decode_sim import DecodeRun
+from ken.policy.decoding import DecodeScheduler, Mode
+from ken.policy.scheduling import WallClock
+
+GenStatus = Literal["ok", "rejected", "error", "cancelled"]
+
+
+@dataclass(frozen=True)
+class GenOutcome:
+    request_id: int
+    status: GenStatus
+    arrival_s: float
+    first_token_s: float | None
+    completion_s: float
+    generation: Generation | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Pending:
+    prompt: list[int]
+    max_new: int
+    arrival_s: float
+    future: Future
+    first_token_s: float | None = None
+
+
+class DecodeServer:
+    """Continuous batching of ``lm`` on its device (see the module docstring)."""
+
+    def __init__(self, lm: CausalLM, max_running: int = 8, kv_budget_tokens: int | None = None,
+                 mode: Mode = "continuous", stop: Sequence[str] = (),
+                 ignore_eos: bool = False) -> None:
+        self.lm = lm
+        self.scheduler = DecodeScheduler(max_running, kv_budget_tokens, mode)
+        self.stop = tuple(stop)
+        self.ignore_eos = ignore_eos
+        self.clock = WallClock()
+        self._ends = end_token_ids(lm)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._ids = itertools.count()
+        self._pending: dict[int, _Pending] = {}
+        self._batch: DecodeBatch | None = None
+        self._thread: threading.Thread | None = None
+        self._closing = threading.Event()
+        self.passes = 0
+        self.prefill_passes = 0
+        self.busy_s = 0.0
+
+    # -- client side ------------------------------------------------------------------------
+
+    def start(self) -> DecodeServer:
+        if self._thread is not None:
+            raise EngineError("the decode server was already started")
+        self._thread = threading.Thread(target=self._loop, name="ken-decode", daemon=True)
+        self._thread.start()
+        return self
+
+    def submit(self, prompt: Sequence[int], max_new_tokens: int) -> Future:
+        """Queue a prompt (token ids); the future resolves to its ``GenOutcome``."""
+        if self._thread is None or self._closing.is_set():
+            raise EngineError("the decode server is not running; call start() first")
+        if not len(prompt) or max_new_tokens < 0:
+            raise EngineError("a request needs at least one prompt token and max_new_tokens "
+                              ">= 0")
+        fut: Future = Future()
+        self._inbox.put((next(self._ids), list(prompt), int(max_new_tokens),
+                         self.clock.now(), fut))
+        return fut
+
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Finish the requests already submitted, then stop the thread."""
+        if self._thread is None:
+            return
+        self._inbox.put(None)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise EngineError(f"the decode server did not stop within {timeout_s:g} s")
+
+    def __enter__(self) -> DecodeServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def _receive(self, block: bool) -> None:
+        while True:
+            try:
+                item = self._inbox.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if item is None:
+                self._closing.set()
+                continue
+            rid, prompt, max_new, arrival, fut = item
+            if not self.scheduler.fits(len(prompt), max_new):
+                fut.set_result(GenOutcome(rid, "rejected", arrival, None, self.clock.now(),
+                                          error=f"{len(prompt)} prompt + {max_new} new tokens "
+                                          f"exceed the KV budget of "
+                                          f"{self.scheduler.kv_budget_tokens} tokens"))
+                continue
+            self._pending[rid] = _Pending(prompt, max_new, arrival, fut)
+            self.scheduler.admit(rid, len(prompt), max_new)
+
+    def _loop(self) -> None:
+        while True:
+            idle = self.scheduler.load == 0
+            if idle and self._closing.is_set():
+                return
+            self._receive(block=idle)
+            step = self.scheduler.next_step()
+            if step is None:
+                continue
+            start = self.clock.now()
+            try:
+                finished = self._run(step)
+            except Exception as exc:  # noqa: BLE001 - a failed pass fails its requests only
+                self._fail_all(f"{type(exc).__name__}: {exc}")
+                continue
+            now = self.clock.now()
+            self.busy_s += now - start
+            self.passes += 1
+            self.prefill_passes += step.kind == "prefill"
+            if step.kind == "prefill":
+                for rid in step.request_ids:
+                    self._pending[rid].first_token_s = now
+            self.scheduler.step_done(step, [rid for rid, _ in finished])
+            for rid, gen in finished:
+                p = self._pending.pop(rid)
+                p.future.set_result(GenOutcome(rid, "ok", p.arrival_s, p.first_token_s, now,
+                                               gen))
+
+    def _run(self, step) -> list[tuple[int, Generation]]:  # noqa: ANN001 - a DecodeStep
+        if step.kind == "prefill":
+            ids = step.request_ids
+            joined = DecodeBatch.prefill(
+                self.lm, [self._pending[r].prompt for r in ids], ids,
+                [self._pending[r].max_new for r in ids], self.stop, self._ends,
+                self.ignore_eos)
+            if self._batch is None:
+                self._batch = joined
+            else:
+                self._batch.join(joined)
+        else:
+            if self._batch is None:
+                raise PolicyError("a decode pass with no running batch; this is a bug")
+            self._batch.step()
+        return [(int(k), g) for k, g in self._batch.pop_finished()]  # type: ignore[call-overload]
+
+    def _fail_all(self, message: str) -> None:
+        now = self.clock.now()
+        self._batch = None
+        for rid in self.scheduler.drop_all():
+            p = self._pending.pop(rid, None)
+            if p is not None:
+                p.future.set_result(GenOutcome(rid, "error", p.arrival_s, p.first_token_s, now,
+                                               error=message))
+
+
+def replay(server: DecodeServer, arrival_s: Sequence[float] | np.ndarray,
+           prompts: Sequence[Sequence[int]], max_new: Sequence[int]) -> list[GenOutcome]:
+    """Submit ``prompts`` at the trace's arrival times (relative to now) and wait for all."""
+    import time
+
+    if not (len(arrival_s) == len(prompts) == len(max_new)):
+        raise EngineError("give one prompt and one max_new per arrival")
+    t0 = time.monotonic()
+    futures = []
+    for t, prompt, m in zip(arrival_s, prompts, max_new, strict=True):
+        delay = float(t) - (time.monotonic() - t0)
+        if delay > 0:
+            time.sleep(delay)
+        futures.append(server.submit(prompt, int(m)))
+    return [f.result() for f in futures]
+
+
+def as_run(outcomes: Sequence[GenOutcome], passes: int = 0, prefill_passes: int = 0,
+           busy_s: float = 0.0) -> DecodeRun:
+    """The measured run in the simulator's terms (only ``ok`` outcomes)."""
+    ok = [o for o in outcomes if o.status == "ok" and o.generation is not None]
+    if not ok:
+        raise EngineError("no request finished; nothing to measure")
+    return DecodeRun(
+        np.array([o.arrival_s for o in ok]), np.array([o.first_token_s for o in ok]),
+        np.array([o.completion_s for o in ok]),
+        np.array([o.generation.prompt_tokens for o in ok]),  # type: ignore[union-attr]
+        np.array([o.generation.num_tokens for o in ok]),  # type: ignore[union-attr]
+        passes, prefill_passes, busy_s)

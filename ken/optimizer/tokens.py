@@ -1,0 +1,210 @@
+"""Token-level cost of a generating model: what the simulator charges for each forward pass.
+
+A generating request costs one *prefill* pass over its prompt (which also yields its first
+token) and one *decode* pass per further token, shared with every request running beside it.
+On this kind of hardware a pass costs about
+
+    prefill(batch, tokens) = a + b * batch + c * batch * tokens     (tokens: the padded prompt)
+    decode(batch, width)   = a + b * batch + c * batch * width      (width: the padded cache)
+
+:func:`measure_token_cost` times real passes of ``ken.models.generation.DecodeBatch`` on a grid
+of batch sizes and lengths; :meth:`TokenCost.fit` fits the coefficients by non-negative least
+squares and keeps the measured points and the fit's worst relative error beside them. Memory is
+the weights plus the KV cache: ``kv_bytes_per_token`` per cache slot (2 x layers x KV heads x
+head size x bytes per value), and the padded cache holds rows x width slots.
+
+Measurements are cached as JSON under ``KEN_HOME/profiles/tokens-<model>-<hash>.json``, keyed by
+the model's fingerprint, the hardware and the grid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ken.errors import ProfileError
+from ken.optimizer.profile import hardware_fingerprint
+from ken.paths import ken_home
+from ken.progress import QUIET, Reporter
+
+if TYPE_CHECKING:
+    from ken.models.resources import CausalLM
+
+SCHEMA_VERSION = 1
+Point = tuple[int, int, float]  # (batch, tokens or width, seconds)
+
+
+def _fit(points: Sequence[Point]) -> tuple[float, float, float]:
+    """Non-negative least squares of ``a + b * batch + c * batch * length`` on the points."""
+    from scipy.optimize import nnls
+
+    if len(points) < 3:
+        raise ProfileError(f"need at least 3 timed passes to fit a cost, got {len(points)}")
+    x = np.array([[1.0, b, b * n] for b, n, _ in points])
+    y = np.array([t for _, _, t in points])
+    # relative error matters (small passes as much as big ones): weight each row by 1 / time
+    w = 1.0 / np.maximum(y, 1e-9)
+    coef, _ = nnls(x * w[:, None], y * w)
+    return float(coef[0]), float(coef[1]), float(coef[2])
+
+
+def _worst_error(points: Sequence[Point], coef: tuple[float, float, float]) -> float:
+    a, b, c = coef
+    return max(abs(a + b * bs + c * bs * n - t) / t for bs, n, t in points)
+
+
+@dataclass(frozen=True)
+class TokenCost:
+    """Seconds per prefill and decode pass of one model on one hardware configuration."""
+
+    model: str
+    hardware: str
+    prefill_points: tuple[Point, ...]
+    decode_points: tuple[Point, ...]
+    prefill_coef: tuple[float, float, float]
+    decode_coef: tuple[float, float, float]
+    weights_bytes: int
+    kv_bytes_per_token: int
+    prefill_error: float = 0.0  # worst relative error of the fit on the measured points
+    decode_error: float = 0.0
+
+    @classmethod
+    def fit(cls, model: str, hardware: str, prefill_points: Sequence[Point],
+            decode_points: Sequence[Point], weights_bytes: int,
+            kv_bytes_per_token: int) -> TokenCost:
+        pre = _fit(prefill_points)
+        dec = _fit(decode_points)
+        return cls(model, hardware, tuple(map(tuple, prefill_points)),
+                   tuple(map(tuple, decode_points)), pre, dec, int(weights_bytes),
+                   int(kv_bytes_per_token), _worst_error(prefill_points, pre),
+                   _worst_error(decode_points, dec))
+
+    def prefill_s(self, batch: int, tokens: int) -> float:
+        """One prefill pass of ``batch`` prompts padded to ``tokens``."""
+        a, b, c = self.prefill_coef
+        return a + b * batch + c * batch * tokens
+
+    def decode_s(self, batch: int, width: int) -> float:
+        """One decode pass of ``batch`` rows over a cache padded to ``width``."""
+        a, b, c = self.decode_coef
+        return a + b * batch + c * batch * width
+
+    def kv_bytes(self, rows: int, width: int) -> int:
+        return rows * width * self.kv_bytes_per_token
+
+    def kv_budget_tokens(self, memory_bytes: int) -> int:
+        """Cache slots that fit in ``memory_bytes`` beside the weights (0: none)."""
+        free = memory_bytes - self.weights_bytes
+        return max(0, free // max(1, self.kv_bytes_per_token))
+
+    def to_json(self) -> str:
+        return json.dumps({"schema_version": SCHEMA_VERSION, **asdict(self)}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> TokenCost:
+        data = json.loads(text)
+        if data.pop("schema_version", None) != SCHEMA_VERSION:
+            raise ProfileError("token cost written by another version of ken; measure again")
+        for key in ("prefill_points", "decode_points"):
+            data[key] = tuple(tuple(p) for p in data[key])
+        for key in ("prefill_coef", "decode_coef"):
+            data[key] = tuple(data[key])
+        return cls(**data)
+
+
+def kv_bytes_per_token(lm: CausalLM) -> int:
+    """Bytes of one token's keys and values in every layer (the cache's dtype is the model's)."""
+    cfg = lm.net.config
+    layers = int(cfg.num_hidden_layers)
+    heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    itemsize = next(lm.net.parameters()).element_size()
+    return 2 * layers * heads * head_dim * itemsize
+
+
+def _random_prompts(lm: CausalLM, batch: int, tokens: int, rng: np.random.Generator
+                    ) -> list[list[int]]:
+    special = set(lm.tokenizer.all_special_ids)
+    vocab = int(lm.tokenizer.vocab_size)
+    out = []
+    for _ in range(batch):
+        ids = [int(t) for t in rng.integers(100, vocab, size=tokens * 2) if int(t) not in special]
+        out.append(ids[:tokens])
+    return out
+
+
+def measure_token_cost(lm: CausalLM, model: str, batches: Sequence[int] = (1, 4, 8),
+                       lengths: Sequence[int] = (32, 128, 256), decode_steps: int = 6,
+                       repeats: int = 2, reporter: Reporter = QUIET) -> TokenCost:
+    """Time prefill passes for every (batch, prompt length) and decode passes for every
+    (batch, cache width) of the grid on ``lm``'s device; the median of ``repeats`` runs."""
+    import torch
+
+    from ken.models.generation import DecodeBatch
+
+    if not batches or not lengths or min(batches) < 1 or min(lengths) < 1:
+        raise ProfileError("batch sizes and lengths must be positive")
+    torch.set_num_threads(lm.device.threads)
+    rng = np.random.default_rng(0)
+    prefill: list[Point] = []
+    decode: list[Point] = []
+    grid = [(b, n) for b in batches for n in lengths]
+    with reporter.task(f"timing passes of {model}", len(grid)) as advance:
+        for b, n in grid:
+            pre_t, dec_t = [], []
+            for r in range(repeats + 1):  # the first run warms up
+                prompts = _random_prompts(lm, b, n, rng)
+                t0 = time.perf_counter()
+                batch = DecodeBatch.prefill(lm, prompts, list(range(b)), [decode_steps + 1] * b,
+                                            ignore_eos=True)
+                t1 = time.perf_counter()
+                steps = []
+                for _ in range(decode_steps):
+                    s0 = time.perf_counter()
+                    batch.step()
+                    steps.append(time.perf_counter() - s0)
+                if r:
+                    pre_t.append(t1 - t0)
+                    dec_t.append(float(np.median(steps)))
+            prefill.append((b, n, float(np.median(pre_t))))
+            # the median decode pass runs at about the prompt width plus half the steps
+            decode.append((b, n + decode_steps // 2, float(np.median(dec_t))))
+            advance(1)
+    from ken.models.transformers_backend import weight_bytes
+
+    return TokenCost.fit(model, hardware_fingerprint(lm.device), prefill, decode,
+                         weight_bytes(lm.net), kv_bytes_per_token(lm))
+
+
+def token_cost_path(lm: CausalLM, model: str, batches: Sequence[int], lengths: Sequence[int],
+                    home: Path | None = None) -> Path:
+    from ken.models.resources import short_hash
+
+    key = short_hash(model, lm.source, hardware_fingerprint(lm.device), tuple(batches),
+                     tuple(lengths), SCHEMA_VERSION)
+    return (home or ken_home()) / "profiles" / f"tokens-{model}-{key}.json"
+
+
+def load_or_measure_token_cost(lm: CausalLM, model: str, batches: Sequence[int] = (1, 4, 8),
+                               lengths: Sequence[int] = (32, 128, 256), home: Path | None = None,
+                               reporter: Reporter = QUIET) -> TokenCost:
+    """The cached token cost of ``model`` on this hardware, measured on first use."""
+    path = token_cost_path(lm, model, batches, lengths, home)
+    if path.is_file():
+        try:
+            return TokenCost.from_json(path.read_text())
+        except (ProfileError, ValueError, KeyError, TypeError):
+            reporter.note(f"re-measuring the unreadable token cost at {path}")
+    cost = measure_token_cost(lm, model, batches, lengths, reporter=reporter)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(cost.to_json())
+    os.replace(tmp, path)
+    return cost
