@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from ken.engine.decode import DecodeServer
 from ken.errors import ModelError
 from ken.models.generation import (
+    DecodeBatch,
     Generation,
     chat_prompt,
     generate,
@@ -114,3 +116,40 @@ def test_generation_rejects_bad_arguments(lm) -> None:  # noqa: ANN001
     with pytest.raises(ModelError, match="batch size"):
         generate(lm, [[1]], batch_size=0)
     assert Generation("", (), (), 3, "eos").certainty() == 1.0
+
+
+def test_rows_joining_between_passes_get_their_own_answers(lm, prompts) -> None:  # noqa: ANN001
+    """Continuous batching: rows join a running batch at different passes and leave when
+    done; each row's tokens equal its answer alone."""
+    alone = [generate(lm, [p], max_new_tokens=8)[0] for p in prompts]
+    batch = DecodeBatch.prefill(lm, prompts[:1], [0], [8])
+    got: dict[object, Generation] = dict(batch.pop_finished())
+    joined, passes = 1, 0
+    while len(batch) or joined < len(prompts):
+        if joined < len(prompts) and passes % 2 == 0:
+            batch.join(DecodeBatch.prefill(lm, [prompts[joined]], [joined], [8 - joined]))
+            joined += 1
+        elif len(batch):
+            batch.step()
+        got.update(batch.pop_finished())
+        passes += 1
+    for k, g in enumerate(alone):
+        assert list(got[k].token_ids) == list(g.token_ids)[:8 - k]
+    assert batch.width == 0
+
+
+def test_decode_server_answers_every_request_once(lm, prompts) -> None:  # noqa: ANN001
+    alone = [generate(lm, [p], max_new_tokens=6)[0] for p in prompts]
+    with DecodeServer(lm, max_running=2, kv_budget_tokens=200) as server:
+        futures = [server.submit(p, 6) for p in prompts]
+        too_long = server.submit(list(prompts[0]) * 20, 6)
+        broken = server.submit([10**9], 2)  # not a token id: its prefill fails alone
+        after = server.submit(prompts[0], 6)
+        outcomes = [f.result(timeout=120) for f in futures]
+        assert too_long.result(timeout=120).status == "rejected"
+        assert broken.result(timeout=120).status == "error"
+        assert after.result(timeout=120).generation.text == alone[0].text
+    for o, g in zip(outcomes, alone, strict=True):
+        assert o.status == "ok" and o.generation.text == g.text
+        assert o.arrival_s <= o.first_token_s <= o.completion_s
+    assert server.passes >= 6 and server.prefill_passes >= 2

@@ -7,9 +7,10 @@ their first token), else a *decode* pass over every running request. New request
 pass boundaries (``DecodeBatch.join``); finished ones leave (``DecodeBatch.pop_finished``).
 
 Every submitted request gets exactly one ``GenOutcome``: ``ok`` with its ``Generation``,
-``rejected`` when it could never fit the KV budget, ``error`` when a pass failed (every
-request in that batch gets the error; the server goes on with the next requests), or
-``cancelled`` when the server shut down before it finished. Times are seconds on the server's
+``rejected`` when it could never fit the KV budget, or ``error`` when its pass failed: a
+failed prefill is retried one joiner at a time, so only the request that breaks it fails; a
+failed decode pass fails the requests running in it; queued requests run next. ``shutdown`` lets the
+submitted requests finish first. Times are seconds on the server's
 clock: arrival, first token (TTFT) and completion (TGT).
 """
 
@@ -32,7 +33,7 @@ from ken.optimizer.decode_sim import DecodeRun
 from ken.policy.decoding import DecodeScheduler, Mode
 from ken.policy.scheduling import WallClock
 
-GenStatus = Literal["ok", "rejected", "error", "cancelled"]
+GenStatus = Literal["ok", "rejected", "error"]
 
 
 @dataclass(frozen=True)
@@ -145,10 +146,16 @@ class DecodeServer:
             if step is None:
                 continue
             start = self.clock.now()
+            failed: dict[int, str] = {}
             try:
-                finished = self._run(step)
-            except Exception as exc:  # noqa: BLE001 - a failed pass fails its requests only
-                self._fail_all(f"{type(exc).__name__}: {exc}")
+                if step.kind == "prefill":
+                    failed = self._prefill(step.request_ids)
+                else:
+                    self._decode()
+                finished = [(int(k), g) for k, g in self._batch.pop_finished()] \
+                    if self._batch is not None else []
+            except Exception as exc:  # noqa: BLE001 - a failed decode fails its batch only
+                self._fail_running(f"{type(exc).__name__}: {exc}")
                 continue
             now = self.clock.now()
             self.busy_s += now - start
@@ -157,33 +164,50 @@ class DecodeServer:
             if step.kind == "prefill":
                 for rid in step.request_ids:
                     self._pending[rid].first_token_s = now
-            self.scheduler.step_done(step, [rid for rid, _ in finished])
+            self.scheduler.step_done(step, [rid for rid, _ in finished] + list(failed))
             for rid, gen in finished:
                 p = self._pending.pop(rid)
                 p.future.set_result(GenOutcome(rid, "ok", p.arrival_s, p.first_token_s, now,
                                                gen))
+            for rid, message in failed.items():
+                p = self._pending.pop(rid)
+                p.future.set_result(GenOutcome(rid, "error", p.arrival_s, None, now,
+                                               error=message))
 
-    def _run(self, step) -> list[tuple[int, Generation]]:  # noqa: ANN001 - a DecodeStep
-        if step.kind == "prefill":
-            ids = step.request_ids
-            joined = DecodeBatch.prefill(
-                self.lm, [self._pending[r].prompt for r in ids], ids,
-                [self._pending[r].max_new for r in ids], self.stop, self._ends,
-                self.ignore_eos)
+    def _prefill(self, ids: tuple[int, ...]) -> dict[int, str]:
+        """Prefill the joiners and merge them into the running batch. If the pass fails,
+        each joiner is tried alone, so one bad request does not fail the others; returns the
+        joiners that failed, with the error."""
+        groups = [ids]
+        failed: dict[int, str] = {}
+        while groups:
+            group = groups.pop()
+            try:
+                joined = DecodeBatch.prefill(
+                    self.lm, [self._pending[r].prompt for r in group], group,
+                    [self._pending[r].max_new for r in group], self.stop, self._ends,
+                    self.ignore_eos)
+            except Exception as exc:  # noqa: BLE001 - reported per request
+                if len(group) > 1:
+                    groups.extend((r,) for r in group)
+                else:
+                    failed[group[0]] = f"{type(exc).__name__}: {exc}"
+                continue
             if self._batch is None:
                 self._batch = joined
             else:
                 self._batch.join(joined)
-        else:
-            if self._batch is None:
-                raise PolicyError("a decode pass with no running batch; this is a bug")
-            self._batch.step()
-        return [(int(k), g) for k, g in self._batch.pop_finished()]  # type: ignore[call-overload]
+        return failed
 
-    def _fail_all(self, message: str) -> None:
+    def _decode(self) -> None:
+        if self._batch is None:
+            raise PolicyError("a decode pass with no running batch; this is a bug")
+        self._batch.step()
+
+    def _fail_running(self, message: str) -> None:
         now = self.clock.now()
         self._batch = None
-        for rid in self.scheduler.drop_all():
+        for rid in self.scheduler.drop_running():
             p = self._pending.pop(rid, None)
             if p is not None:
                 p.future.set_result(GenOutcome(rid, "error", p.arrival_s, p.first_token_s, now,

@@ -149,14 +149,15 @@ class DecodeScheduler:
                 raise PolicyError(f"request {rid} finished but was not running")
             del self._requests[rid]
 
-    def drop_all(self) -> list[int]:
-        """Remove every running and queued request (a failed batch, or shutdown)."""
-        out = [*self._running, *self._joining, *self._waiting]
+    def drop_running(self) -> list[int]:
+        """Remove the running requests and the prefill in flight (their pass failed); queued
+        requests stay queued."""
+        out = list(dict.fromkeys([*self._running, *self._joining]))
+        for rid in out:
+            del self._requests[rid]
         self._running.clear()
-        self._waiting.clear()
         self._joining = ()
-        self._requests.clear()
-        return list(dict.fromkeys(out))
+        return out
 
     # -- internals --------------------------------------------------------------------------
 
