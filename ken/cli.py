@@ -508,6 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
     _family_args(demo)
     demo.add_argument("--quick", action="store_true",
                       help="about 2 minutes: smaller data, fewer batch sizes, shorter traces")
+    demo.add_argument("--with-qwen", action="store_true",
+                      help="LLM step: cascade SmolLM2 -> Qwen2.5-Coder-0.5B (a 478 MB download "
+                      "and ~2 min of conversion on first use)")
     demo.add_argument("--out", type=Path, default=Path("ken-demo"),
                       help="folder for the figures (default: ken-demo)")
     demo.set_defaults(func=cmd_demo)

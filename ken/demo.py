@@ -3,7 +3,9 @@
 Prepare the model family, profile it, show the cascade frontier and the gear-plan frontier
 (PNG), pick a plan for an accuracy target, EXPLAIN and run a semantic SQL query through the
 online engine, then replay a bursty trace through the engine twice, once with ken's gear plan
-and once with the best static cascade at the same accuracy, and compare.
+and once with the best static cascade at the same accuracy, and compare. Last, the LLM
+operators: a ``sem_qa`` and a ``sem_extract`` query, HellaSwag by ``sem_complete``, and one
+generating model served with continuous against static batching, simulated and measured.
 """
 
 from __future__ import annotations
@@ -101,6 +103,9 @@ def run_demo(args: argparse.Namespace, console: Console) -> int:
                      "vs the best static cascade")
         loaders = session.operators["sentiment"].loaders(session.ctx, 1)
     _compare(plan, statics, catalog, trace, replay_s, loaders, sample, out, console, reporter)
+
+    console.rule("7. LLM operators: answers from SQL, a HellaSwag cascade, continuous batching")
+    _llm_step(args, console, reporter)
     console.print(f"demo finished in {time.perf_counter() - started:.0f} s; figures in {out}/")
     return 0
 
@@ -202,3 +207,84 @@ def _compare(plan, statics, catalog, planning, replay_s: float, loaders,  # noqa
                   f"(rows correct: of these {len(trace)} requests). p95: the static cascade's "
                   f"is {s.p95_ms / k.p95_ms:.1f}x ken's, with ken {100 * (k_acc - s_acc):+.1f} "
                   f"points of accuracy from it. Latency plots in {out}/", highlight=False)
+
+
+def _llm_step(args: argparse.Namespace, console: Console, reporter: Reporter) -> None:
+    """SmolLM2-135M (packaged) answers from SQL; with ``--with-qwen`` the LLM operators run
+    the cascade SmolLM2 -> Qwen2.5-Coder-0.5B (fetched on first use, 478 MB)."""
+    import numpy as np
+    import pyarrow as pa
+
+    import ken
+    from ken.engine.decode import DecodeServer, as_run, replay
+    from ken.errors import DataError
+    from ken.models.model import DeviceConfig
+    from ken.ops.base import shared_resources
+    from ken.ops.sem_complete import load_hellaswag
+    from ken.ops.sem_qa import hybridqa_passage_sample
+    from ken.optimizer.decode_sim import simulate_decoding
+    from ken.optimizer.tokens import load_or_measure_token_cost, random_prompts
+
+    llms = ("smollm2-135m", "qwen2.5-coder-0.5b") if args.with_qwen else ("smollm2-135m",)
+    if not args.with_qwen:
+        console.print("LLMs: SmolLM2-135M-Instruct alone (`ken demo --with-qwen` adds "
+                      "Qwen2.5-Coder-0.5B as a second stage: a 478 MB download and ~2 min "
+                      "of conversion on first use)", highlight=False)
+    with ken.connect(device=DeviceConfig(threads=args.threads), reporter=reporter) as session:
+        for name in ("sem_qa", "sem_extract", "sem_complete"):
+            session.operators[name].llms = llms
+        try:
+            qa = hybridqa_passage_sample(limit=3)
+            contexts, endings, gold = load_hellaswag(limit=12)
+        except DataError as exc:
+            console.print(f"skipped the LLM queries: {exc}", highlight=False)
+            return
+        session.register_table("passages", pa.table({
+            "question": [q for q, _ in qa.inputs], "passage": [p[:1200] for _, p in qa.inputs],
+            "gold": [str(a) for a in qa.references]}))
+        session.register_table("hellaswag", pa.table({
+            "ctx": contexts, "endings": ["\n".join(e) for e in endings], "label": gold}))
+        for query in ("SELECT question, sem_qa(question, passage) AS answer, gold "
+                      "FROM passages",
+                      "SELECT sem_extract(passage, 'a year') AS year, left(passage, 60) AS "
+                      "passage FROM passages",
+                      "SELECT count(*) AS items, avg(CASE WHEN sem_complete(ctx, endings) = "
+                      "label THEN 1.0 ELSE 0 END) AS accuracy FROM hellaswag"):
+            console.print(query, markup=False, highlight=False)
+            t0 = time.perf_counter()
+            result = session.sql(query)
+            console.print(str(result), markup=False, highlight=False)
+            console.print(f"({time.perf_counter() - t0:.1f} s)", highlight=False)
+        console.print(session.explain("SELECT sem_qa(question, passage) FROM passages"),
+                      markup=False, highlight=False)
+        lm = shared_resources(session.ctx).causal_lm("smollm2-135m")
+    # continuous batching of one generating model: 16 requests, simulated and measured
+    cost = load_or_measure_token_cost(lm, "smollm2-135m", batches=(1, 4), lengths=(32, 128),
+                                      reporter=reporter)
+    rng = np.random.default_rng(0)
+    n = 16
+    arrivals = np.cumsum(rng.exponential(0.6, n)) - 0.6
+    arrivals[0] = 0.0
+    prompt_len = rng.integers(16, 96, n)
+    out_len = rng.integers(4, 20, n)
+    prompts = [random_prompts(lm, 1, int(k), rng)[0] for k in prompt_len]
+    table = Table(title=f"SmolLM2-135M serving {n} requests (~1.7 req/s), 1 device, "
+                        "up to 8 rows per pass")
+    for col in ("batching", "TTFT p50 ms (sim / engine)", "TTFT p95 ms (sim / engine)",
+                "TGT p95 ms (sim / engine)", "passes (sim / engine)"):
+        table.add_column(col, justify="left" if col == "batching" else "right")
+    for mode in ("continuous", "static"):
+        sim = simulate_decoding(cost, arrivals, prompt_len, out_len, 8, mode=mode).metrics()
+        server = DecodeServer(lm, 8, mode=mode, ignore_eos=True).start()
+        outcomes = replay(server, arrivals, prompts, out_len)
+        server.shutdown()
+        got = as_run(outcomes, server.passes, server.prefill_passes, server.busy_s).metrics()
+        table.add_row(mode, f"{sim.ttft_p50_ms:.0f} / {got.ttft_p50_ms:.0f}",
+                      f"{sim.ttft_p95_ms:.0f} / {got.ttft_p95_ms:.0f}",
+                      f"{sim.tgt_p95_ms:.0f} / {got.tgt_p95_ms:.0f}",
+                      f"{sim.passes} / {got.passes}")
+    console.print(table)
+    console.print("continuous batching lets new requests join between forward passes; static "
+                  "batching makes them wait for the running batch. The simulator charges the "
+                  "fitted cost of each pass (prefill per prompt length, decode per batch); the "
+                  "engine runs them.", highlight=False)

@@ -137,6 +137,9 @@ class DecodeServer:
             self.scheduler.admit(rid, len(prompt), max_new)
 
     def _loop(self) -> None:
+        import torch
+
+        torch.set_num_threads(self.lm.device.threads)
         while True:
             idle = self.scheduler.load == 0
             if idle and self._closing.is_set():

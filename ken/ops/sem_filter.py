@@ -14,6 +14,8 @@ Served by a two-stage cascade, bound per predicate:
      is true of the text; ``P(true)`` compares the next-token probabilities of "yes" and "no".
      At 135M parameters (de-quantised from a 4-bit GGUF) its answers are near chance on every
      predicate tried here, so it is not the default; ``bind_sem_filter(..., llm="yesno")``.
+     ``llm="yesno-qwen"`` (or ``session.operators["sem_filter"].llm = "yesno-qwen"``) asks
+     Qwen2.5-Coder-0.5B-Instruct instead (fetched on first use).
 
 Without labelled data the sigmoid and threshold are documented defaults (the operator is
 *uncalibrated*). :func:`calibrate_filter` fits both on a labelled sample and keeps the LLM stage
@@ -352,9 +354,11 @@ class ChannelLLMModel(Model):
         return Prediction(probs.argmax(axis=1).astype(np.int64), probs, BOOLEAN_LABELS)
 
 
-LLM_MODELS: dict[str, type[YesNoLLMModel] | type[ChannelLLMModel]] = {
-    "channel": ChannelLLMModel,
-    "yesno": YesNoLLMModel,
+#: the LLM stages ``bind_sem_filter(llm=...)`` offers: (how it scores, which language model)
+LLM_STAGES: dict[str, tuple[type[YesNoLLMModel] | type[ChannelLLMModel], str]] = {
+    "channel": (ChannelLLMModel, "smollm2-135m"),
+    "yesno": (YesNoLLMModel, "smollm2-135m"),
+    "yesno-qwen": (YesNoLLMModel, "qwen2.5-coder-0.5b"),
 }
 
 
@@ -501,9 +505,10 @@ def bind_sem_filter(predicate: str, resources: Resources, sample: FilterSample |
                     device: DeviceConfig | None = None) -> BoundSemantic:
     """Bind ``sem_filter(text, predicate)``: the similarity stage, then (maybe) an LLM stage.
 
-    ``llm`` picks the second stage: ``"channel"`` (:class:`ChannelLLMModel`, the default: it
-    measurably works), ``"yesno"`` (:class:`YesNoLLMModel`, near chance at 135M parameters) or
-    ``None`` (similarity alone). ``sample`` calibrates the operator (see
+    ``llm`` picks the second stage: ``"channel"`` (:class:`ChannelLLMModel` on SmolLM2, the
+    default: it measurably works), ``"yesno"`` (:class:`YesNoLLMModel` on SmolLM2, near chance
+    at 135M parameters), ``"yesno-qwen"`` (the yes/no question to Qwen2.5-Coder-0.5B, fetched
+    on first use) or ``None`` (similarity alone). ``sample`` calibrates the operator (see
     :func:`calibrate_filter`); a given ``calibration`` (e.g. cached by the caller) is used as
     is; otherwise the documented defaults apply and the operator reports itself uncalibrated.
     Model names carry a hash of the predicate and parameters (``sim-l6[1a2b3c4d]``), so several
@@ -522,13 +527,14 @@ def bind_sem_filter(predicate: str, resources: Resources, sample: FilterSample |
     if not predicate:
         raise DataError(f"sem_filter's predicate {original!r} has no words; describe the "
                         "condition, e.g. 'is about food'")
-    if llm is not None and llm not in LLM_MODELS:
+    if llm is not None and llm not in LLM_STAGES:
         raise ModelError(f"unknown sem_filter LLM stage {llm!r}; use one of: "
-                         f"{', '.join(LLM_MODELS)}, or None for the similarity stage alone")
+                         f"{', '.join(LLM_STAGES)}, or None for the similarity stage alone")
     body = resources.encoder(encoder, device)
     stage2: LLMModel | None = None
     if llm is not None and (calibration is None or calibration.use_llm):
-        stage2 = LLM_MODELS[llm](resources.causal_lm("smollm2-135m", device), predicate)
+        kind, lm_name = LLM_STAGES[llm]
+        stage2 = kind(resources.causal_lm(lm_name, device), predicate, lm_name=lm_name)
     if calibration is None:
         if sample is not None:
             probe = SimilarityModel(body, predicate, encoder=encoder)
@@ -588,8 +594,12 @@ class SemFilter(Operator):
     doc = "does the text satisfy a natural-language predicate"
     eval_constants = (EVAL_PREDICATE,)
 
+    #: the LLM stage of calls from SQL (a key of ``LLM_STAGES``, or None for similarity alone);
+    #: ``session.operators["sem_filter"].llm = "yesno-qwen"`` asks Qwen2.5-Coder-0.5B
+    llm: str | None = "channel"
+
     def bind(self, ctx: OpContext, constants: tuple[str, ...]) -> Bound:
-        return bind_sem_filter(constants[0], shared_resources(ctx))
+        return bind_sem_filter(constants[0], shared_resources(ctx), llm=self.llm)
 
     def eval_sample(self, ctx: OpContext) -> EvalSample:
         return tweets_filter_sample(ctx)[1]

@@ -129,7 +129,7 @@ def kv_bytes_per_token(lm: CausalLM) -> int:
     return 2 * layers * heads * head_dim * itemsize
 
 
-def _random_prompts(lm: CausalLM, batch: int, tokens: int, rng: np.random.Generator
+def random_prompts(lm: CausalLM, batch: int, tokens: int, rng: np.random.Generator
                     ) -> list[list[int]]:
     special = set(lm.tokenizer.all_special_ids)
     vocab = int(lm.tokenizer.vocab_size)
@@ -160,7 +160,7 @@ def measure_token_cost(lm: CausalLM, model: str, batches: Sequence[int] = (1, 4,
         for b, n in grid:
             pre_t, dec_t = [], []
             for r in range(repeats + 1):  # the first run warms up
-                prompts = _random_prompts(lm, b, n, rng)
+                prompts = random_prompts(lm, b, n, rng)
                 t0 = time.perf_counter()
                 batch = DecodeBatch.prefill(lm, prompts, list(range(b)), [decode_steps + 1] * b,
                                             ignore_eos=True)
