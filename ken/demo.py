@@ -235,7 +235,7 @@ def _llm_step(args: argparse.Namespace, console: Console, reporter: Reporter) ->
             session.operators[name].llms = llms
         try:
             qa = hybridqa_passage_sample(limit=3)
-            contexts, endings, gold = load_hellaswag(limit=12)
+            contexts, endings, gold = load_hellaswag(limit=6 if args.quick else 12)
         except DataError as exc:
             console.print(f"skipped the LLM queries: {exc}", highlight=False)
             return
@@ -262,14 +262,14 @@ def _llm_step(args: argparse.Namespace, console: Console, reporter: Reporter) ->
     cost = load_or_measure_token_cost(lm, "smollm2-135m", batches=(1, 4), lengths=(32, 128),
                                       reporter=reporter)
     rng = np.random.default_rng(0)
-    n = 16
+    n = 8 if args.quick else 16
     arrivals = np.cumsum(rng.exponential(0.6, n)) - 0.6
     arrivals[0] = 0.0
     prompt_len = rng.integers(16, 96, n)
     out_len = rng.integers(4, 20, n)
     prompts = [random_prompts(lm, 1, int(k), rng)[0] for k in prompt_len]
-    table = Table(title=f"SmolLM2-135M serving {n} requests (~1.7 req/s), 1 device, "
-                        "up to 8 rows per pass")
+    table = Table(title=f"SmolLM2-135M serving {n} generating requests (Poisson, ~1.7 req/s), "
+                        "1 device, up to 8 rows per pass")
     for col in ("batching", "TTFT p50 ms (sim / engine)", "TTFT p95 ms (sim / engine)",
                 "TGT p95 ms (sim / engine)", "passes (sim / engine)"):
         table.add_column(col, justify="left" if col == "batching" else "right")

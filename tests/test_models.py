@@ -21,6 +21,7 @@ from ken.models.certainty import certainty_fn
 from ken.models.model import DeviceConfig
 from ken.optimizer.cascades import evaluate
 from ken.optimizer.profile import run_profile
+from ken.paths import shared_data_dir
 
 pytestmark = pytest.mark.models
 
@@ -244,3 +245,7 @@ def test_demo_quick_tours_the_pipeline(home, tmp_path, capsys) -> None:
     assert "negative" in flat and "agree" in flat  # the query's result
     assert "ken gear plan" in flat and "best static cascade" in flat
     assert "the static cascade's is" in flat and "x ken's" in flat
+    if (shared_data_dir() / "hybridqa").is_dir() and (shared_data_dir() / "hellaswag").is_dir():
+        assert "sem_qa(question, passage) AS answer" in flat and "accuracy" in flat
+        assert "sem_qa/v1" in flat  # EXPLAIN of the LLM call names its prompt
+    assert "continuous" in flat and "static" in flat and "TTFT p95" in flat
