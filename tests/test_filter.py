@@ -195,6 +195,28 @@ def test_escalated_rows_null_and_empty_reach_the_llm(resources) -> None:
 
 
 @pytest.mark.models
+def test_llm_stage_names_its_language_model(resources) -> None:
+    """``llm="yesno-qwen"`` asks Qwen2.5-Coder-0.5B; the wiring is checked with SmolLM2 standing
+    in (so the test needs no download), the stage's name and fingerprint carry the model."""
+    asked = []
+
+    class Recording:
+        def encoder(self, name, device=None):  # noqa: ANN001, ANN202
+            return resources.encoder(name, device)
+
+        def causal_lm(self, name, device=None):  # noqa: ANN001, ANN202
+            asked.append(name)
+            return resources.causal_lm("smollm2-135m", device)
+
+    bound = bind_sem_filter(DELAY, Recording(), llm="yesno-qwen")  # type: ignore[arg-type]
+    assert asked == ["qwen2.5-coder-0.5b"]
+    stage = bound.models[bound.cascade.models[1]]
+    assert stage.name.startswith("yesno-qwen2.5[") and "qwen2.5" in stage.spec.fingerprint
+    with pytest.raises(ModelError, match="yesno-qwen"):
+        bind_sem_filter(DELAY, resources, llm="qwen")
+
+
+@pytest.mark.models
 def test_llm_batches_equal_row_by_row_and_truncate(resources) -> None:
     texts = [DELAYED, BEACH, "", "ok", "Flight 123 delayed again, third time this month, "
              "and nobody at the gate can tell us anything useful at all", FOOD[0]]
