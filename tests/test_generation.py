@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ken.engine.decode import DecodeServer
-from ken.errors import ModelError
+from ken.errors import EngineError, ModelError
 from ken.models.generation import (
     DecodeBatch,
     Generation,
@@ -153,3 +153,16 @@ def test_decode_server_answers_every_request_once(lm, prompts) -> None:  # noqa:
         assert o.status == "ok" and o.generation.text == g.text
         assert o.arrival_s <= o.first_token_s <= o.completion_s
     assert server.passes >= 6 and server.prefill_passes >= 2
+
+
+def test_decode_server_sizes_the_kv_cache_from_memory(lm) -> None:  # noqa: ANN001
+    from ken.engine.decode import kv_tokens_in
+    from ken.optimizer.tokens import kv_bytes_per_token
+
+    per_token = kv_bytes_per_token(lm)  # 2 x 30 layers x 3 KV heads x 64 x 4 bytes
+    assert per_token == 2 * 30 * 3 * 64 * 4
+    weights = lm.memory_bytes
+    server = DecodeServer(lm, memory_budget_bytes=weights + 1000 * per_token)
+    assert server.scheduler.kv_budget_tokens == 1000
+    with pytest.raises(EngineError, match="holds no KV cache"):
+        kv_tokens_in(lm, weights // 2)

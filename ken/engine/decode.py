@@ -61,7 +61,12 @@ class DecodeServer:
 
     def __init__(self, lm: CausalLM, max_running: int = 8, kv_budget_tokens: int | None = None,
                  mode: Mode = "continuous", stop: Sequence[str] = (),
-                 ignore_eos: bool = False) -> None:
+                 ignore_eos: bool = False, memory_budget_bytes: int | None = None) -> None:
+        """``memory_budget_bytes``: the device memory for weights plus KV cache; the cache gets
+        what the weights leave (``kv_budget_tokens`` slots, whichever is smaller)."""
+        if memory_budget_bytes is not None:
+            room = kv_tokens_in(lm, memory_budget_bytes)
+            kv_budget_tokens = room if kv_budget_tokens is None else min(kv_budget_tokens, room)
         self.lm = lm
         self.scheduler = DecodeScheduler(max_running, kv_budget_tokens, mode)
         self.stop = tuple(stop)
@@ -215,6 +220,19 @@ class DecodeServer:
             if p is not None:
                 p.future.set_result(GenOutcome(rid, "error", p.arrival_s, p.first_token_s, now,
                                                error=message))
+
+
+def kv_tokens_in(lm: CausalLM, memory_bytes: int) -> int:
+    """KV-cache token slots that fit in ``memory_bytes`` beside ``lm``'s weights."""
+    from ken.models.transformers_backend import weight_bytes
+    from ken.optimizer.tokens import kv_bytes_per_token
+
+    weights = weight_bytes(lm.net)
+    per_token = kv_bytes_per_token(lm)
+    if memory_bytes < weights + per_token:
+        raise EngineError(f"a memory budget of {memory_bytes / 2**20:.0f} MiB holds no KV cache "
+                          f"beside the {weights / 2**20:.0f} MiB of weights; give more memory")
+    return (memory_bytes - weights) // per_token
 
 
 def replay(server: DecodeServer, arrival_s: Sequence[float] | np.ndarray,
