@@ -228,19 +228,22 @@ class Trace:
         return cls.from_dict(json.loads(text))
 
 
-def fit_peak(make: Callable[[float], Trace], start: float, peak_qps: float) -> Trace:
-    """``make(x)`` for the ``x`` whose trace has a 1-s peak closest to ``peak_qps``.
+def fit_peak(make: Callable[[float], Trace], start: float, peak_qps: float,
+             window_s: float = 1.0) -> Trace:
+    """``make(x)`` for the ``x`` whose trace has a peak rate (arrivals in the busiest fixed
+    ``window_s`` bucket, per second) closest to ``peak_qps``.
 
-    Peaks are counts in fixed 1-s buckets, so they move in steps as ``x`` scales the rate;
-    a few multiplicative corrections get within one step.
+    Peaks are counts in fixed buckets, so they move in steps as ``x`` scales the rate; a few
+    multiplicative corrections get within one step. For low rates (a few requests per second)
+    a 1-s bucket holds one or two arrivals whatever the scale: measure over a longer window.
     """
     x, best = start, None
     for _ in range(12):
         trace = make(x)
-        got = trace.qps_max()
-        if best is None or abs(got - peak_qps) < abs(best.qps_max() - peak_qps):
+        got = trace.qps_max(window_s)
+        if best is None or abs(got - peak_qps) < abs(best.qps_max(window_s) - peak_qps):
             best = trace
-        if abs(got - peak_qps) < 1.0:
+        if abs(got - peak_qps) * window_s < 1.0:
             break
         x *= peak_qps / got
     assert best is not None
