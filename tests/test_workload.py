@@ -13,6 +13,7 @@ from ken.optimizer.workload import (
     Trace,
     Workload,
     WorkloadError,
+    fit_peak,
     gamma_trace,
     load_azure_trace,
     poisson_trace,
@@ -126,3 +127,13 @@ def test_azure_loader_on_real_file() -> None:
     assert t.context_tokens[:3].tolist() == [4808, 3180, 110]
     assert t.generated_tokens[-1] == 173
     assert np.all(np.diff(t.arrival_s) >= 0)
+
+
+@pytest.mark.parametrize(("peak", "window_s"), [(40.0, 1.0), (0.8, 60.0)])
+def test_fit_peak_scales_to_the_peak_over_its_window(peak, window_s) -> None:  # noqa: ANN001
+    """Within one arrival per bucket of the target, also at rates where a 1-s bucket would
+    hold one or two arrivals whatever the scale."""
+    base = gamma_trace(20.0, 600.0, 3.0, seed=4)
+    got = fit_peak(base.rate_scaled, peak / base.qps_max(window_s), peak, window_s)
+    assert abs(got.qps_max(window_s) - peak) * window_s <= 1.0
+    assert len(got) == len(base)
