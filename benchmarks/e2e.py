@@ -51,7 +51,8 @@ and e2e.md (the tables: ratios at matched accuracy, ablations).
 
     python benchmarks/e2e.py                 # ~45 minutes (models and profiles cached)
     python benchmarks/e2e.py --quick         # ~10 minutes: azure only, shorter windows
-    python benchmarks/e2e.py --data hellaswag --quick --measure-s 60   # LLMs on HellaSwag
+    python benchmarks/e2e.py --data hellaswag --workloads azure --window-s 300 --measure-s 60 \
+        --points 1 --ablation-points 1 --calibration-s 30     # LLMs on HellaSwag, ~9 min
 """
 
 from __future__ import annotations

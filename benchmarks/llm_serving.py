@@ -73,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
-    for name, v in (("requests", args.requests), ("threads", args.threads),
+    for name, v in (("requests", args.requests - 1), ("threads", args.threads),
                     ("max-running", args.max_running), ("max-new", args.max_new)):
         if v < 1:
-            ap.error(f"--{name} must be >= 1")
+            ap.error(f"--{name} must be >= {2 if name == 'requests' else 1}")
     if not args.load > 0 or not args.context_scale > 0:
         ap.error("--load and --context-scale must be > 0")
 
@@ -103,8 +103,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{args.load:g}x ({args.requests / times[-1]:.2f} req/s)")
         sweep = []
         for load in (0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2.0):
-            t = arrivals / (arrivals[-1] / (args.requests / (load * rate)))
-            row = {"load": load, "qps": args.requests / t[-1]}
+            span = args.requests / (load * rate)
+            t = arrivals * (span / arrivals[-1]) if arrivals[-1] > 0 else arrivals
+            row = {"load": load, "qps": args.requests / span}
             for mode in ("continuous", "static"):
                 m = simulate_decoding(cost, t, prompts, outputs, args.max_running,
                                       mode=mode).metrics()

@@ -213,7 +213,6 @@ def _llm_step(args: argparse.Namespace, console: Console, reporter: Reporter) ->
     """SmolLM2-135M (packaged) answers from SQL; with ``--with-qwen`` the LLM operators run
     the cascade SmolLM2 -> Qwen2.5-Coder-0.5B (fetched on first use, 478 MB)."""
     import numpy as np
-    import pyarrow as pa
 
     import ken
     from ken.engine.decode import DecodeServer, as_run, replay
@@ -238,25 +237,8 @@ def _llm_step(args: argparse.Namespace, console: Console, reporter: Reporter) ->
             contexts, endings, gold = load_hellaswag(limit=6 if args.quick else 12)
         except DataError as exc:
             console.print(f"skipped the LLM queries: {exc}", highlight=False)
-            return
-        session.register_table("passages", pa.table({
-            "question": [q for q, _ in qa.inputs], "passage": [p[:1200] for _, p in qa.inputs],
-            "gold": [str(a) for a in qa.references]}))
-        session.register_table("hellaswag", pa.table({
-            "ctx": contexts, "endings": ["\n".join(e) for e in endings], "label": gold}))
-        for query in ("SELECT question, sem_qa(question, passage) AS answer, gold "
-                      "FROM passages",
-                      "SELECT sem_extract(passage, 'a year') AS year, left(passage, 60) AS "
-                      "passage FROM passages",
-                      "SELECT count(*) AS items, avg(CASE WHEN sem_complete(ctx, endings) = "
-                      "label THEN 1.0 ELSE 0 END) AS accuracy FROM hellaswag"):
-            console.print(query, markup=False, highlight=False)
-            t0 = time.perf_counter()
-            result = session.sql(query)
-            console.print(str(result), markup=False, highlight=False)
-            console.print(f"({time.perf_counter() - t0:.1f} s)", highlight=False)
-        console.print(session.explain("SELECT sem_qa(question, passage) FROM passages"),
-                      markup=False, highlight=False)
+        else:
+            _llm_queries(session, qa, contexts, endings, gold, console)
         lm = shared_resources(session.ctx).causal_lm("smollm2-135m")
     # continuous batching of one generating model: 16 requests, simulated and measured
     cost = load_or_measure_token_cost(lm, "smollm2-135m", batches=(1, 4), lengths=(32, 128),
@@ -288,3 +270,25 @@ def _llm_step(args: argparse.Namespace, console: Console, reporter: Reporter) ->
                   "batching makes them wait for the running batch. The simulator charges the "
                   "fitted cost of each pass (prefill per prompt length, decode per batch); the "
                   "engine runs them.", highlight=False)
+
+
+def _llm_queries(session, qa, contexts, endings, gold, console: Console) -> None:  # noqa: ANN001
+    import pyarrow as pa
+
+    session.register_table("passages", pa.table({
+        "question": [q for q, _ in qa.inputs], "passage": [p[:1200] for _, p in qa.inputs],
+        "gold": [str(a) for a in qa.references]}))
+    session.register_table("hellaswag", pa.table({
+        "ctx": contexts, "endings": ["\n".join(e) for e in endings], "label": gold}))
+    for query in ("SELECT question, sem_qa(question, passage) AS answer, gold FROM passages",
+                  "SELECT sem_extract(passage, 'a year') AS year, left(passage, 60) AS passage "
+                  "FROM passages",
+                  "SELECT count(*) AS items, avg(CASE WHEN sem_complete(ctx, endings) = label "
+                  "THEN 1.0 ELSE 0 END) AS accuracy FROM hellaswag"):
+        console.print(query, markup=False, highlight=False)
+        t0 = time.perf_counter()
+        result = session.sql(query)
+        console.print(str(result), markup=False, highlight=False)
+        console.print(f"({time.perf_counter() - t0:.1f} s)", highlight=False)
+    console.print(session.explain("SELECT sem_qa(question, passage) FROM passages"),
+                  markup=False, highlight=False)

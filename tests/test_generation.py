@@ -142,17 +142,57 @@ def test_decode_server_answers_every_request_once(lm, prompts) -> None:  # noqa:
     alone = [generate(lm, [p], max_new_tokens=6)[0] for p in prompts]
     with DecodeServer(lm, max_running=2, kv_budget_tokens=200) as server:
         futures = [server.submit(p, 6) for p in prompts]
-        too_long = server.submit(list(prompts[0]) * 20, 6)
-        broken = server.submit([10**9], 2)  # not a token id: its prefill fails alone
-        after = server.submit(prompts[0], 6)
+        too_long = server.submit(list(prompts[0]) * 20, 6)  # over the KV budget, in context
+        with pytest.raises(EngineError, match="token ids must be in"):
+            server.submit([10**9], 2)
+        with pytest.raises(EngineError, match="context"):
+            server.submit(prompts[0], 10**6)
         outcomes = [f.result(timeout=120) for f in futures]
         assert too_long.result(timeout=120).status == "rejected"
-        assert broken.result(timeout=120).status == "error"
-        assert after.result(timeout=120).generation.text == alone[0].text
+        assert not futures[0].cancel()  # an outcome always comes
     for o, g in zip(outcomes, alone, strict=True):
         assert o.status == "ok" and o.generation.text == g.text
         assert o.arrival_s <= o.first_token_s <= o.completion_s
     assert server.passes >= 6 and server.prefill_passes >= 2
+    with pytest.raises(EngineError, match="not running"):
+        server.submit(prompts[0], 2)
+
+
+def test_decode_server_isolates_failed_passes(lm, prompts, monkeypatch) -> None:  # noqa: ANN001
+    """A prefill that fails is retried one request at a time (only the bad one fails); a
+    decode pass that fails fails the rows running in it; the server goes on."""
+    import time
+
+    poison = chat_prompt(lm, "This prompt breaks the model.")
+    real_prefill, real_step = DecodeBatch.prefill, DecodeBatch.step
+    steps = {"n": 0}
+
+    def prefill(cls, lm_, rows, keys, *args, **kwargs):  # noqa: ANN001, ANN202
+        if any(list(r) == poison for r in rows):
+            raise RuntimeError("poisoned prompt")
+        if any(list(r) == list(prompts[0]) for r in rows):
+            time.sleep(1.0)  # the next two requests queue and join in one prefill
+        return real_prefill(lm_, rows, keys, *args, **kwargs)
+
+    def step(self) -> None:  # noqa: ANN001
+        steps["n"] += 1
+        if steps["n"] == 1 and any(r.max_new == 5 for r in self.rows):
+            raise RuntimeError("decode failed")
+        real_step(self)
+
+    monkeypatch.setattr(DecodeBatch, "prefill", classmethod(prefill))
+    with DecodeServer(lm, max_running=4) as server:
+        first = server.submit(prompts[0], 1)
+        time.sleep(0.2)
+        bad, good = server.submit(poison, 4), server.submit(prompts[1], 1)
+        assert first.result(timeout=60).status == "ok"
+        assert bad.result(timeout=60).status == "error"
+        assert "poisoned" in bad.result().error
+        assert good.result(timeout=60).status == "ok"
+        monkeypatch.setattr(DecodeBatch, "step", step)
+        failed = server.submit(prompts[2], 5).result(timeout=60)
+        assert failed.status == "error" and "decode failed" in failed.error
+        assert server.submit(prompts[3], 3).result(timeout=60).status == "ok"
 
 
 def test_decode_server_sizes_the_kv_cache_from_memory(lm) -> None:  # noqa: ANN001

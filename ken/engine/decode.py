@@ -78,7 +78,11 @@ class DecodeServer:
         self._pending: dict[int, _Pending] = {}
         self._batch: DecodeBatch | None = None
         self._thread: threading.Thread | None = None
-        self._closing = threading.Event()
+        self._closing = threading.Event()  # set by shutdown (under the lock): no new requests
+        self._stopping = False  # the loop read shutdown's marker: it stops once idle
+        self._lock = threading.Lock()
+        self._crashed = ""
+        self._vocab = int(lm.net.get_input_embeddings().num_embeddings)
         self.passes = 0
         self.prefill_passes = 0
         self.busy_s = 0.0
@@ -88,27 +92,44 @@ class DecodeServer:
     def start(self) -> DecodeServer:
         if self._thread is not None:
             raise EngineError("the decode server was already started")
-        self._thread = threading.Thread(target=self._loop, name="ken-decode", daemon=True)
+        self._thread = threading.Thread(target=self._guarded_loop, name="ken-decode",
+                                        daemon=True)
         self._thread.start()
         return self
 
     def submit(self, prompt: Sequence[int], max_new_tokens: int) -> Future:
-        """Queue a prompt (token ids); the future resolves to its ``GenOutcome``."""
-        if self._thread is None or self._closing.is_set():
-            raise EngineError("the decode server is not running; call start() first")
-        if not len(prompt) or max_new_tokens < 0:
+        """Queue a prompt (token ids); the future resolves to its ``GenOutcome``.
+
+        Raises ``EngineError`` at once for what can never run: no prompt token, a token id
+        outside the model's vocabulary, or more tokens than the model's context."""
+        prompt = [int(t) for t in prompt]
+        if not prompt or max_new_tokens < 0:
             raise EngineError("a request needs at least one prompt token and max_new_tokens "
                               ">= 0")
+        if min(prompt) < 0 or max(prompt) >= self._vocab:
+            raise EngineError(f"prompt token ids must be in [0, {self._vocab}); got "
+                              f"{min(prompt)}..{max(prompt)}")
+        if len(prompt) + max_new_tokens > self.lm.context_tokens:
+            raise EngineError(f"{len(prompt)} prompt + {max_new_tokens} new tokens exceed the "
+                              f"model's context of {self.lm.context_tokens} tokens")
         fut: Future = Future()
-        self._inbox.put((next(self._ids), list(prompt), int(max_new_tokens),
-                         self.clock.now(), fut))
+        fut.set_running_or_notify_cancel()  # an outcome always comes; it cannot be cancelled
+        with self._lock:
+            if self._thread is None or self._closing.is_set() or not self._thread.is_alive():
+                raise EngineError("the decode server is not running; call start() first"
+                                  + (f" (it stopped: {self._crashed})" if self._crashed else ""))
+            self._inbox.put((next(self._ids), prompt, int(max_new_tokens), self.clock.now(),
+                             fut))
         return fut
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Finish the requests already submitted, then stop the thread."""
         if self._thread is None:
             return
-        self._inbox.put(None)
+        with self._lock:
+            if not self._closing.is_set():
+                self._closing.set()
+                self._inbox.put(None)
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             raise EngineError(f"the decode server did not stop within {timeout_s:g} s")
@@ -129,7 +150,7 @@ class DecodeServer:
                 return
             block = False
             if item is None:
-                self._closing.set()
+                self._stopping = True
                 continue
             rid, prompt, max_new, arrival, fut = item
             if not self.scheduler.fits(len(prompt), max_new):
@@ -141,13 +162,44 @@ class DecodeServer:
             self._pending[rid] = _Pending(prompt, max_new, arrival, fut)
             self.scheduler.admit(rid, len(prompt), max_new)
 
+    def _guarded_loop(self) -> None:
+        """The loop; if it fails where no request is to blame (a bug), every request still
+        gets an error outcome and ``submit`` refuses new ones."""
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - reported to every waiting request
+            self._crashed = f"{type(exc).__name__}: {exc}"
+            with self._lock:
+                self._closing.set()
+            now = self.clock.now()
+            for rid, p in list(self._pending.items()):
+                if not p.future.done():
+                    p.future.set_result(GenOutcome(rid, "error", p.arrival_s, p.first_token_s,
+                                                   now, error=f"the decode server stopped: "
+                                                   f"{self._crashed}"))
+            self._pending.clear()
+            self._reject_inbox(f"the decode server stopped: {self._crashed}")
+            return
+        self._reject_inbox("the decode server was shut down")
+
+    def _reject_inbox(self, message: str) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                rid, _prompt, _max_new, arrival, fut = item
+                fut.set_result(GenOutcome(rid, "error", arrival, None, self.clock.now(),
+                                          error=message))
+
     def _loop(self) -> None:
         import torch
 
         torch.set_num_threads(self.lm.device.threads)
         while True:
             idle = self.scheduler.load == 0
-            if idle and self._closing.is_set():
+            if idle and self._stopping:
                 return
             self._receive(block=idle)
             step = self.scheduler.next_step()

@@ -595,7 +595,9 @@ class SemFilter(Operator):
     eval_constants = (EVAL_PREDICATE,)
 
     #: the LLM stage of calls from SQL (a key of ``LLM_STAGES``, or None for similarity alone);
-    #: ``session.operators["sem_filter"].llm = "yesno-qwen"`` asks Qwen2.5-Coder-0.5B
+    #: ``session.operators["sem_filter"].llm = "yesno-qwen"`` asks Qwen2.5-Coder-0.5B. Set it
+    #: before the session binds a predicate (bindings are cached per session); planning and
+    #: served calls use the candidates below (the similarity encoders and the channel stage)
     llm: str | None = "channel"
 
     def bind(self, ctx: OpContext, constants: tuple[str, ...]) -> Bound:

@@ -83,8 +83,10 @@ def simulate_decoding(cost: TokenCost, arrival_s: Sequence[float] | np.ndarray,
     n = arrivals.size
     if prompts.shape != (n,) or outputs.shape != (n,):
         raise SimulationError("give one prompt length and one output length per arrival")
-    if n and (np.any(np.diff(arrivals) < 0) or prompts.min() < 1 or outputs.min() < 0):
-        raise SimulationError("arrivals must be sorted, prompts >= 1 token, outputs >= 0 tokens")
+    if n and (not np.all(np.isfinite(arrivals)) or np.any(np.diff(arrivals) < 0)
+              or prompts.min() < 1 or outputs.min() < 0):
+        raise SimulationError("arrivals must be finite and sorted, prompts >= 1 token, outputs "
+                              ">= 0 tokens")
     sched = DecodeScheduler(max_running, kv_budget_tokens, mode)
     first = np.full(n, np.nan)
     done = np.full(n, np.nan)
