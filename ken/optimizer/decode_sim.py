@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ken.errors import SimulationError
+from ken.optimizer.simulator import latency_percentiles
 from ken.optimizer.tokens import TokenCost
 from ken.policy.decoding import DecodeScheduler, Mode
 
@@ -40,13 +41,12 @@ class DecodeRun:
         per_token = ((self.completion_s[gen] - self.first_token_s[gen])
                      / (self.output_tokens[gen] - 1) * 1000.0)
         span = float(self.completion_s.max() - self.arrival_s.min())
-        p = np.percentile
+        ttft_p50, ttft_p95, ttft_p99 = latency_percentiles(ttft)
+        tgt_p50, tgt_p95, tgt_p99 = latency_percentiles(tgt)
         return DecodeMetrics(
             requests=int(self.arrival_s.size),
-            ttft_p50_ms=float(p(ttft, 50)), ttft_p95_ms=float(p(ttft, 95)),
-            ttft_p99_ms=float(p(ttft, 99)),
-            tgt_p50_ms=float(p(tgt, 50)), tgt_p95_ms=float(p(tgt, 95)),
-            tgt_p99_ms=float(p(tgt, 99)),
+            ttft_p50_ms=ttft_p50, ttft_p95_ms=ttft_p95, ttft_p99_ms=ttft_p99,
+            tgt_p50_ms=tgt_p50, tgt_p95_ms=tgt_p95, tgt_p99_ms=tgt_p99,
             time_per_token_ms=float(np.median(per_token)) if per_token.size else 0.0,
             tokens_per_s=float(self.output_tokens.sum() / span) if span > 0 else 0.0,
             passes=self.passes, prefill_passes=self.prefill_passes,

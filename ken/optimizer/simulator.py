@@ -56,7 +56,7 @@ class SimResult:
         lat_ms = self.latency_s * 1000.0
         duration = float(self.completion_s.max() - self.arrival_s.min()) \
             if self.num_requests else 0.0
-        p50, p95, p99 = _percentiles(lat_ms)
+        p50, p95, p99 = latency_percentiles(lat_ms)
         quality = self.quality[plan_index]
         per_range = []
         if plan is not None:
@@ -66,7 +66,7 @@ class SimResult:
                 n = int(mask.sum())
                 if n == 0:
                     continue
-                r50, r95, r99 = _percentiles(lat_ms[mask])
+                r50, r95, r99 = latency_percentiles(lat_ms[mask])
                 per_range.append(RangeMetrics(plan.qps_edges[k], plan.qps_edges[k + 1], n,
                                               float(quality[mask].mean()), r50, r95, r99))
         util = tuple((d, b / duration if duration > 0 else 0.0) for d, b in self.device_busy_s)
@@ -77,7 +77,7 @@ class SimResult:
             utilisation=util, per_range=tuple(per_range))
 
 
-def _percentiles(lat_ms: np.ndarray) -> tuple[float, float, float]:
+def latency_percentiles(lat_ms: np.ndarray) -> tuple[float, float, float]:
     p = np.percentile(lat_ms, [50, 95, 99])
     return float(p[0]), float(p[1]), float(p[2])
 
