@@ -50,6 +50,27 @@ def test_profile_measures_and_round_trips(tmp_path) -> None:
     assert q.values == p.values and q.metric == p.metric
 
 
+class Counting(FakeModel):
+    """A FakeModel that counts the rows it answers."""
+
+    rows = 0
+
+    def predict(self, texts, batch_size: int = 32):  # noqa: ANN001, ANN201
+        self.rows += len(texts)
+        return super().predict(texts, batch_size)
+
+
+def test_profile_keeps_the_answers_of_timed_rows() -> None:
+    model = Counting("a")
+    s = sample(200)
+    p = run_profile(model, s, (1, 4, 16), repeats=2)  # times 32 + 32 + 32 distinct rows
+    expected = model.predict(list(s.texts))
+    assert p.values == tuple(expected.label_strings())
+    assert np.array_equal(p.scores, expected.probabilities)
+    # warm-up 8 + 96 timed + the 104 rows the timing did not reach (+ the 200 just above)
+    assert model.rows == 8 + 96 + 104 + 200
+
+
 class ShortAnswers(Model):
     """A stand-in extractive model: answers the first word of the text, or None for empty
     texts; its certainty is 1 / (number of words)."""

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from ken.errors import ProfileError
 from ken.models.certainty import certainty_of
 from ken.models.datasets import LabelledSample
-from ken.models.model import DeviceConfig, Model, Prediction
+from ken.models.model import DeviceConfig, Model, ModelOutput, Prediction
 from ken.models.quality import EvalSample
 from ken.paths import ken_home
 
@@ -248,28 +248,41 @@ def _reset_peak_rss() -> None:
 def measure_batch_runtimes(
     model: Model, texts: Sequence[str], batch_sizes: Sequence[int], repeats: int = 3,
     on_step: Callable[[int], None] | None = None,
+    answers: dict[int, tuple] | None = None,
 ) -> tuple[list[float], int]:
-    """Median seconds per batch for each size (distinct slices of ``texts``), and peak RSS.
+    """Median seconds per batch for each size, and peak RSS.
 
     Each size is timed on at least ``repeats`` batches and at least ``MIN_TIMED_ROWS`` rows:
     a text's runtime depends on its length, so the median of three single tweets is a noisy
-    estimate of the typical single-row runtime.
+    estimate of the typical single-row runtime. The timed batches are consecutive slices of
+    ``texts`` (wrapping around), so they cover as many distinct rows as they can; when
+    ``answers`` is given, each row's first answer goes there as ``row -> (value, scores,
+    label names)`` (the profile keeps them instead of running those rows again).
     """
     if not texts:
         raise ProfileError("cannot time a model on an empty sample")
     model.predict(list(texts[: min(8, len(texts))]), batch_size=8)  # warm-up
     runtimes: list[float] = []
     peak = 0
+    offset = 0
     for size in batch_sizes:
         if size == batch_sizes[-1]:
             _reset_peak_rss()
         times = []
-        for r in range(max(repeats, -(-MIN_TIMED_ROWS // size))):
-            start = (r * size) % max(1, len(texts))
-            chunk = [texts[(start + i) % len(texts)] for i in range(size)]
+        for _ in range(max(repeats, -(-MIN_TIMED_ROWS // size))):
+            rows = [(offset + i) % len(texts) for i in range(size)]
+            offset += size
+            chunk = [texts[i] for i in rows]
             t0 = time.perf_counter()
-            model.predict(chunk, batch_size=size)
+            out = model.predict(chunk, batch_size=size)
             times.append(time.perf_counter() - t0)
+            if len(out.values) != size:
+                raise ProfileError(f"{model.name} returned {len(out.values)} values for a "
+                                   f"batch of {size}")
+            if answers is not None:
+                names = _label_names(out)
+                for row, value, score in zip(rows, out.values, _row_scores(out), strict=True):
+                    answers.setdefault(row, (value, score, names))
         runtimes.append(float(np.median(times)))
         if size == batch_sizes[-1]:
             peak = _read_status_kb("VmHWM") * 1024
@@ -278,12 +291,24 @@ def measure_batch_runtimes(
     return runtimes, peak
 
 
+def _label_names(out: ModelOutput) -> tuple[str, ...]:
+    return tuple(out.label_names) if isinstance(out, Prediction) else ()
+
+
+def _row_scores(out: ModelOutput) -> np.ndarray:
+    """What a profile keeps per row: class probabilities, or the model's own certainty."""
+    if isinstance(out, Prediction):
+        return out.probabilities.astype(np.float32)
+    return out.certainty().astype(np.float64)
+
+
 def run_profile(
     model: Model, sample: Sample, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
     repeats: int = 3, on_step: Callable[[int], None] | None = None,
 ) -> Profile:
     """Measure ``model`` on ``sample``: batch runtimes, memory, values, certainty, quality.
 
+    Rows the timing already ran keep those answers; the rest run once more at batch 32.
     ``on_step`` is called after each batch size and once more (with 0) after the predictions.
     """
     if isinstance(sample, LabelledSample):
@@ -295,23 +320,27 @@ def run_profile(
     recorded_hash = sample_hash(sample)
     if isinstance(sample, LabelledSample):
         sample = sample.as_eval()
-    runtimes, peak = measure_batch_runtimes(model, list(sample.inputs), batch_sizes, repeats,
-                                            on_step)
-    out = model.predict(list(sample.inputs), batch_size=32)
+    inputs = list(sample.inputs)
+    answers: dict[int, tuple] = {}
+    runtimes, peak = measure_batch_runtimes(model, inputs, batch_sizes, repeats, on_step,
+                                            answers)
+    rest = [i for i in range(len(inputs)) if i not in answers]
+    if rest:
+        out = model.predict([inputs[i] for i in rest], batch_size=32)
+        names = _label_names(out)
+        answers.update((i, (value, score, names)) for i, value, score in
+                       zip(rest, out.values, _row_scores(out), strict=True))
     if on_step:
         on_step(0)  # 0 marks the per-sample predictions, the step after the batch sizes
-    values = tuple(_plain(v) for v in out.values)
-    if isinstance(out, Prediction):
-        scores = out.probabilities.astype(np.float32)
-        label_names = tuple(out.label_names)
+    values = tuple(_plain(answers[i][0]) for i in range(len(inputs)))
+    scores = np.stack([answers[i][1] for i in range(len(inputs))])
+    label_names = answers[0][2]
+    if label_names:
         unknown = sorted({str(r) for r in sample.references} - set(label_names))
         if sample.metric in ("accuracy", "balanced_accuracy") and unknown and all(
                 isinstance(r, str) for r in sample.references):
             raise ProfileError(f"model {model.name} predicts {label_names}, but sample "
                                f"{sample.name} has references {unknown[:5]}")
-    else:
-        scores = out.certainty().astype(np.float64)
-        label_names = ()
     return Profile(
         model=model.name,
         hardware=model.device.label,
