@@ -40,7 +40,7 @@ def run_demo(args: argparse.Namespace, console: Console) -> int:
     else:
         data = family.FamilyData(args.data, args.train_rows, args.test_rows)
         batch_sizes = (1, 2, 4, 8, 16, 32, 64, 128)  # the sizes the session reuses
-        query_rows, plan_s, replay_s = 1000, 60.0, 30.0
+        query_rows, plan_s, replay_s = 1000, 60.0, 20.0
     device = DeviceConfig(threads=args.threads)
     worker = DeviceConfig(threads=1)  # each of the engine's 2 CPU devices runs 1 thread
     out = Path(args.out)
