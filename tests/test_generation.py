@@ -206,3 +206,23 @@ def test_decode_server_sizes_the_kv_cache_from_memory(lm) -> None:  # noqa: ANN0
     assert server.scheduler.kv_budget_tokens == 1000
     with pytest.raises(EngineError, match="holds no KV cache"):
         kv_tokens_in(lm, weights // 2)
+
+
+def test_continuous_rows_equal_static_predict(home) -> None:  # noqa: ANN001
+    from conftest import FAMILY_DEVICE
+
+    from ken.engine.decode import generate_rows, predict_rows
+    from ken.ops.sem_map import SemMap
+
+    model = SemMap().stage(Resources(FAMILY_DEVICE, home=home), "smollm2-135m",
+                           ("Answer in at most three words",))
+    rows = [*QUESTIONS, "", "Name a colour.", None, "Count to three."]
+    static = model.predict(rows, batch_size=3)
+    # 2 slots for 7 live rows: rows join as others finish
+    continuous = generate_rows(model, rows, max_running=2)
+    assert continuous.values == static.values
+    assert continuous.values[4] is None and continuous.values[6] is None
+    assert continuous.token_counts.tolist() == static.token_counts.tolist()
+    assert np.allclose(continuous.scores, static.scores, atol=1e-4)
+    assert predict_rows(model, rows, 2).values == static.values
+    assert generate_rows(model, [None, ""]).values == [None, None]

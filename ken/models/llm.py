@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ken.errors import ModelError
-from ken.models.generation import generate, option_probabilities, score_options
+from ken.models.generation import Generation, generate, option_probabilities, score_options
 from ken.models.model import Model, ModelSpec, Output
 from ken.models.resources import CausalLM, short_hash
 
@@ -175,19 +175,28 @@ class GenerativeModel(Model):
         self.spec = _spec(name, family, lm, lm.context_tokens, (), num_inputs,
                           prompt_version, max_new_tokens, self.stop, certainty)
 
+    def requests(self, texts: Sequence) -> list[list[int] | None]:
+        """Each row's prompt (token ids), or None for a row with no answer."""
+        return [self.prompter(self.lm, t) or None for t in texts]
+
     def predict(self, texts: Sequence, batch_size: int = 8) -> Output:
-        prompts = [self.prompter(self.lm, t) for t in texts]
+        """Static batching: ``batch_size`` rows at a time, each batch until its longest
+        answer ends (the engine decodes continuously instead: ``ken.engine.decode``)."""
+        prompts = self.requests(texts)
         live = [i for i, p in enumerate(prompts) if p]
-        values: list[Any] = [None] * len(texts)
-        certainty = np.ones(len(texts))
-        tokens = np.zeros(len(texts), dtype=np.int64)
-        logprobs: list[np.ndarray] = [np.zeros(0)] * len(texts)
-        if live:
-            answers = generate(self.lm, [prompts[i] for i in live], self.max_new_tokens,
-                               self.stop, batch_size=batch_size)
-            for i, g in zip(live, answers, strict=True):
-                values[i] = self.finish(g.text) if self.finish else g.text
-                certainty[i] = g.certainty(self.certainty_kind)
-                tokens[i] = g.num_tokens
-                logprobs[i] = np.asarray(g.logprobs)
+        answers = generate(self.lm, [prompts[i] for i in live], self.max_new_tokens,
+                           self.stop, batch_size=batch_size) if live else []
+        return self.output(len(texts), live, answers)
+
+    def output(self, rows: int, live: Sequence[int], answers: Sequence[Generation]) -> Output:
+        """The output for ``rows`` rows, of which ``live`` got the ``answers``."""
+        values: list[Any] = [None] * rows
+        certainty = np.ones(rows)
+        tokens = np.zeros(rows, dtype=np.int64)
+        logprobs: list[np.ndarray] = [np.zeros(0)] * rows
+        for i, g in zip(live, answers, strict=True):
+            values[i] = self.finish(g.text) if self.finish else g.text
+            certainty[i] = g.certainty(self.certainty_kind)
+            tokens[i] = g.num_tokens
+            logprobs[i] = np.asarray(g.logprobs)
         return Output(values, certainty, token_counts=tokens, logprobs=tuple(logprobs))
