@@ -367,6 +367,49 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_qa(args: argparse.Namespace) -> int:
+    """``ken mmqa`` / ``ken hybridqa``: answer, score, write the per-question JSON."""
+    import numpy as np
+
+    import ken
+    from ken.models.model import DeviceConfig
+    from ken.models.qa_data import read_hybridqa, read_mmqa
+    from ken.multihop import run_pipeline, write_report
+    from ken.paths import shared_data_dir
+
+    if args.limit is not None and args.limit < 1:
+        raise KenError(f"--limit must be at least 1, got {args.limit}")
+    if args.threads < 1:
+        raise KenError(f"--threads must be at least 1, got {args.threads}")
+    folder = args.data_dir or shared_data_dir() / args.command
+    data = read_mmqa(folder) if args.command == "mmqa" else read_hybridqa(folder)
+    reporter = Reporter(args.quiet)
+    with ken.connect(device=DeviceConfig(threads=args.threads), reporter=reporter) as session:
+        session.operators["sem_qa"].llms = tuple(args.llms.split(","))
+        report = run_pipeline(session, data, args.limit, reporter)
+    path = write_report(report, args.out)
+    s = report.summary
+    table = Table(title=f"{data.dataset} ({data.variant}, {', '.join(data.files)}): "
+                        f"{s.scored} questions answered")
+    for col in ("question type", "questions", "EM %", "F1 %"):
+        table.add_column(col, justify="left" if col == "question type" else "right")
+    for qtype, t in sorted(s.by_type.items(), key=lambda kv: -kv[1].count):
+        table.add_row(qtype, str(t.count), f"{t.em:.1f}", f"{t.f1:.1f}")
+    table.add_row("all", str(s.scored), f"{s.em:.1f}", f"{s.f1:.1f}", style="bold")
+    console.print(table)
+    latency = [a.latency_s for a in report.answers if a.latency_s > 0]
+    skipped = {k: v for k, v in s.statuses.items() if k != "ok" and v}
+    console.print(
+        f"models: {', '.join(report.models)}; "
+        + (f"question-type accuracy {report.type_accuracy:.1%}; "
+           if report.type_accuracy is not None else "")
+        + (f"latency per question p50 {np.percentile(latency, 50):.2f} s, p95 "
+           f"{np.percentile(latency, 95):.2f} s; " if latency else "")
+        + (f"not answered: {skipped}; " if skipped else "")
+        + f"per-question JSON: {path}", highlight=False, markup=False)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from ken.demo import run_demo
 
@@ -503,6 +546,23 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--seed", type=int, default=0)
     rp.add_argument("--out", type=Path, default=Path("ken-replay"))
     rp.set_defaults(func=cmd_replay)
+
+    for name, what in (("mmqa", "MultiModalQA text and table questions (official files or the "
+                                "n100 slice)"),
+                       ("hybridqa", "HybridQA questions over table rows and linked passages")):
+        qa = sub.add_parser(name, help=f"answer {what} with semantic SQL; EM/F1")
+        qa.add_argument("--data-dir", type=Path, default=None,
+                        help=f"folder with the data set files (default: ../shared/data/{name})")
+        qa.add_argument("--limit", type=int, default=None,
+                        help="answer only the first N questions")
+        qa.add_argument("--llms", default="smollm2-135m",
+                        help="LMs of sem_qa, smallest first (default smollm2-135m; "
+                        "smollm2-135m,qwen2.5-coder-0.5b for the cascade, a 478 MB download)")
+        qa.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
+        qa.add_argument("--out", type=Path, default=Path("ken-qa"),
+                        help="folder for the per-question JSON (default: ken-qa)")
+        qa.add_argument("--quiet", action="store_true", help="no progress output")
+        qa.set_defaults(func=cmd_qa)
 
     demo = sub.add_parser("demo", help="the whole pipeline on the packaged models and data")
     _family_args(demo)

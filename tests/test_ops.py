@@ -41,12 +41,13 @@ class Scorer(Model):
 def test_registry_has_every_builtin_with_a_signature() -> None:
     ops = builtin_operators()
     assert set(ops) == {"sentiment", "sem_filter", "sem_match", "sem_classify", "sem_choice",
-                        "sem_complete", "sem_qa", "sem_extract", "sem_map"}
+                        "sem_complete", "sem_qa", "sem_extract", "sem_map", "sem_similarity"}
     assert len(BUILTIN_MODULES) == len(ops)
     assert ops["sem_classify"].signature() == "sem_classify(text, 'labels') -> VARCHAR"
     assert ops["sem_match"].signature() == "sem_match(text1, text2) -> BOOLEAN"
     assert ops["sem_complete"].signature() == "sem_complete(text1, text2) -> BIGINT"
     assert ops["sem_extract"].signature() == "sem_extract(text, 'what') -> VARCHAR"
+    assert ops["sem_similarity"].signature() == "sem_similarity(text1, text2) -> DOUBLE"
     for op in ops.values():
         assert op.eval_description()
     # each call gives fresh instances: one session's choices never leak into another's

@@ -1,0 +1,320 @@
+"""Multi-hop question answering over passages and tables: ``ken mmqa`` and ``ken hybridqa``.
+
+The questions, passages and table rows of MultiModalQA or HybridQA (``ken.models.qa_data``)
+are loaded into the session's DuckDB tables (``questions``, ``passages``, ``table_rows``,
+``row_links``), and each question is answered by semantic SQL over them, one question at a
+time (so each has its own latency):
+
+- **question type** (MultiModalQA): ``question_type(question)``, a MiniLM-L6 + logistic head
+  trained on MultiModalQA questions that are not evaluated (``MMQA_train.jsonl.gz`` when the
+  folder has it, else the other dev questions), picks the route: ``TextQ`` (a passage),
+  ``TableQ`` (the table), ``Compose(TextQ,TableQ)`` (the table, then a passage about its
+  answer), ``Compose(TableQ,TextQ)`` (a passage, then the table), or ``other`` (comparisons and
+  intersections: not answered here, the answer is NULL and scores 0);
+- **retrieval**: ``sem_similarity(question, candidate)`` ranks the question's candidate
+  passages (its ``text_doc_ids``) or its table's rows;
+- **reading**: ``sem_qa(question, context)`` answers from the best passage, or from the table
+  title and its three best rows;
+- **the hop**: the second hop's question is the question followed by the first hop's answer
+  (ImplicitDecomp, Talmor et al. 2021, feeds the first answer into the second question).
+
+HybridQA questions have no type: the best row of the question's table by ``sem_similarity``,
+then ``sem_qa`` over that row and the passages its cells link to.
+
+Scoring follows the official evaluations (``ken.models.qa_metric``). Image questions and
+questions whose context is missing are counted and not answered (their status says why).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from ken.errors import DataError
+from ken.models.head import LinearHead, fit_logistic_cv
+from ken.models.model import Model, ModelSpec
+from ken.models.qa_data import OK, QAData, QAQuestion, read_mmqa_questions, to_duckdb
+from ken.models.qa_metric import ScoreRow, Summary, score, summarise
+from ken.models.resources import ENCODER_MAX_TOKENS
+from ken.models.transformers_backend import TransformersClassifier
+from ken.ops.base import shared_resources
+from ken.paths import ken_home
+from ken.progress import Reporter
+from ken.session import Session
+
+#: the hops of each route, in the order they run
+ROUTES: dict[str, tuple[str, ...]] = {
+    "TextQ": ("text",),
+    "TableQ": ("table",),
+    "Compose(TextQ,TableQ)": ("table", "text"),
+    "Compose(TableQ,TextQ)": ("text", "table"),
+}
+OTHER = "other"
+ROUTE_LABELS = (*ROUTES, OTHER)
+TABLE_ROWS = 3  # rows of the table the table hop reads
+LINKED_CHARS = 400  # characters of each linked passage the HybridQA hop reads
+
+_TEXT_CANDIDATES = """
+SELECT p.doc_id, p.title, p.text,
+       sem_similarity(h.q, p.title || '. ' || p.text) AS score
+FROM hop h JOIN questions q ON q.qid = h.qid
+     JOIN passages p ON list_contains(q.text_doc_ids, p.doc_id)
+ORDER BY score DESC, p.doc_id LIMIT 1
+"""
+_TABLE_CANDIDATES = f"""
+SELECT r.table_title, r.row_index, r.row_text,
+       sem_similarity(h.q, r.table_title || '. ' || r.row_text) AS score
+FROM hop h JOIN questions q ON q.qid = h.qid
+     JOIN table_rows r ON r.table_id = q.table_id
+ORDER BY score DESC, r.row_index LIMIT {TABLE_ROWS}
+"""
+_HYBRID_ROW = """
+SELECT r.table_id, r.row_index, r.table_title, r.row_text,
+       sem_similarity(h.q, r.row_text) AS score
+FROM hop h JOIN questions q ON q.qid = h.qid
+     JOIN table_rows r ON r.table_id = q.table_id
+ORDER BY score DESC, r.row_index LIMIT 1
+"""
+_LINKED = f"""
+SELECT string_agg(left(p.text, {LINKED_CHARS}), ' ' ORDER BY l.column_index)
+FROM row_links l JOIN passages p ON p.doc_id = l.doc_id
+WHERE l.table_id = $table_id AND l.row_index = $row_index
+"""
+_READ = "SELECT sem_qa(q, context) AS answer FROM hop"
+
+
+def route_of(qtype: str) -> str:
+    """The route of a gold question type (what the classifier learns to predict)."""
+    return qtype if qtype in ROUTES else OTHER
+
+
+@dataclass(frozen=True)
+class Answered:
+    """One question's run: what the pipeline did and how it scored."""
+
+    qid: str
+    question: str
+    qtype: str  # gold type (HybridQA: where the answer is)
+    route: str  # the route the pipeline took
+    status: str  # ok | image | missing context | unanswered (route "other")
+    predicted: str | None
+    gold: tuple[str, ...]
+    em: float
+    f1: float
+    latency_s: float
+    hops: tuple[str, ...] = ()  # each hop's answer, in order
+    context: str = ""  # the last hop's retrieved context (shortened)
+
+
+@dataclass(frozen=True)
+class RunReport:
+    dataset: str
+    variant: str
+    files: tuple[str, ...]
+    models: tuple[str, ...]
+    answers: tuple[Answered, ...]
+    summary: Summary
+    type_accuracy: float | None  # MultiModalQA: the question-type classifier on these
+    seconds: float
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "dataset": self.dataset, "variant": self.variant, "files": list(self.files),
+            "models": list(self.models), "seconds": self.seconds,
+            "type_accuracy": self.type_accuracy, "summary": _summary_dict(self.summary),
+            "questions": [asdict(a) for a in self.answers]}, indent=1)
+
+
+def _summary_dict(summary: Summary) -> dict:
+    return {"em": summary.em, "f1": summary.f1, "scored": summary.scored,
+            "statuses": dict(summary.statuses),
+            "by_type": {t: asdict(s) for t, s in summary.by_type.items()}}
+
+
+# -- the question-type operator ----------------------------------------------------------------
+
+
+def training_questions(data: QAData) -> tuple[QAQuestion, ...]:
+    """Questions to train the question-type classifier on: ``MMQA_train.jsonl.gz`` when the
+    folder has it, else the dev questions that are not in ``data``."""
+    train = data.directory / "MMQA_train.jsonl.gz"
+    if train.is_file():
+        return read_mmqa_questions(train)
+    dev = data.directory / "MMQA_dev.jsonl.gz"
+    evaluated = {q.qid for q in data.questions}
+    if data.variant != "official" and dev.is_file():
+        rest = tuple(q for q in read_mmqa_questions(dev) if q.qid not in evaluated)
+        if rest:
+            return rest
+    raise DataError(f"the question-type classifier needs questions it is not evaluated on: "
+                    f"put MMQA_train.jsonl.gz in {data.directory}")
+
+
+def question_type_model(session: Session, train: Sequence[QAQuestion],
+                        reporter: Reporter) -> TransformersClassifier:
+    """MiniLM-L6 features + a logistic head over :data:`ROUTE_LABELS`, trained on ``train``
+    (cached in ``KEN_HOME/heads`` by the training questions' ids)."""
+    body = shared_resources(session.ctx).encoder("minilm-l6")
+    key = hashlib.sha256("\n".join(sorted(q.qid for q in train)).encode()).hexdigest()[:12]
+    path = (session.ctx.home or ken_home()) / "heads" / f"question-type-{key}.npz"
+    if path.is_file():
+        head = LinearHead.load(path)
+    else:
+        texts = [q.question for q in train]
+        labels = np.array([ROUTE_LABELS.index(route_of(q.qtype)) for q in train])
+        with reporter.task(f"question types: features of {len(texts)} training questions",
+                           len(texts)) as advance:
+            features = body.features(texts, 32, advance)
+        head = fit_logistic_cv(features, labels, ROUTE_LABELS)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        head.save(path)
+    spec = ModelSpec(name=f"question-type-{key}", family="question-type",
+                     backend="transformers", source=body.config.source,
+                     num_params=body.num_params + head.num_params,
+                     memory_bytes=body.memory_bytes, max_tokens=ENCODER_MAX_TOKENS,
+                     labels=ROUTE_LABELS, fingerprint=f"question-type-{key}")
+    return TransformersClassifier(spec, body, head)
+
+
+# -- the pipeline ------------------------------------------------------------------------------
+
+
+class Pipeline:
+    """Answers questions of one data set with the session's operators (see the module)."""
+
+    def __init__(self, session: Session, data: QAData, reporter: Reporter,
+                 type_model: Model | None = None) -> None:
+        self.session = session
+        self.data = data
+        self.reporter = reporter
+        counts = to_duckdb(data, session.con)
+        reporter.note(f"loaded {data.dataset} ({data.variant}): "
+                      + ", ".join(f"{n:,} {t}" for t, n in counts.items()))
+        if data.dataset == "mmqa":
+            model = type_model or question_type_model(session, training_questions(data),
+                                                      reporter)
+            if tuple(model.spec.labels) != ROUTE_LABELS:
+                raise DataError(f"a question-type model predicts {ROUTE_LABELS}, not "
+                                f"{model.spec.labels}")
+            session.register("question_type", model)
+            self.type_model = model.name
+        else:
+            self.type_model = ""
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        names = [self.type_model] if self.type_model else []
+        for function, constants in (("sem_similarity", ()), ("sem_qa", ())):
+            names.extend(self.session.bind(function, constants).cascade.models)
+        return tuple(names)
+
+    def _hop_table(self, qid: str, q: str, context: str = "") -> None:
+        self.session.register_table("hop", pa.table({"qid": [qid], "q": [q],
+                                                     "context": [context]}))
+
+    def _read(self, qid: str, q: str, context: str) -> str | None:
+        if not context.strip():
+            return None
+        self._hop_table(qid, q, context)
+        return self.session.sql(_READ).fetchall()[0][0]
+
+    def text_hop(self, qid: str, q: str) -> tuple[str | None, str]:
+        self._hop_table(qid, q)
+        rows = self.session.sql(_TEXT_CANDIDATES).fetchall()
+        if not rows:
+            return None, ""
+        _doc, title, text, _score = rows[0]
+        context = f"{title}. {text}"
+        return self._read(qid, q, context), context
+
+    def table_hop(self, qid: str, q: str) -> tuple[str | None, str]:
+        self._hop_table(qid, q)
+        rows = self.session.sql(_TABLE_CANDIDATES).fetchall()
+        if not rows:
+            return None, ""
+        context = f"{rows[0][0]}.\n" + "\n".join(r[2] for r in rows)
+        return self._read(qid, q, context), context
+
+    def hybrid_hop(self, qid: str, q: str) -> tuple[str | None, str]:
+        self._hop_table(qid, q)
+        rows = self.session.sql(_HYBRID_ROW).fetchall()
+        if not rows:
+            return None, ""
+        table_id, row_index, title, row_text, _score = rows[0]
+        linked = self.session.sql(_LINKED, params={"table_id": table_id,
+                                                   "row_index": row_index}).fetchall()
+        context = f"{title}. {row_text}. {linked[0][0] or ''}".strip()
+        return self._read(qid, q, context), context
+
+    def route(self, q: QAQuestion) -> str:
+        if self.data.dataset != "mmqa":
+            return "row+passages"
+        self._hop_table(q.qid, q.question)
+        return self.session.sql("SELECT question_type(q) FROM hop").fetchall()[0][0]
+
+    def answer(self, q: QAQuestion) -> Answered:
+        style = "mmqa" if self.data.dataset == "mmqa" else "hybridqa"
+        if q.status != OK:
+            return Answered(q.qid, q.question, q.qtype, "", q.status, None, q.answers, 0.0,
+                            0.0, 0.0)
+        started = time.perf_counter()
+        route = self.route(q)
+        hops: list[str] = []
+        context = ""
+        answer: str | None = None
+        if self.data.dataset != "mmqa":
+            answer, context = self.hybrid_hop(q.qid, q.question)
+            hops.append(answer or "")
+        elif route in ROUTES:
+            for i, kind in enumerate(ROUTES[route]):
+                hop_q = q.question if i == 0 or not answer else f"{q.question} {answer}"
+                run: Callable[[str, str], tuple[str | None, str]] = (
+                    self.text_hop if kind == "text" else self.table_hop)
+                answer, context = run(q.qid, hop_q)
+                hops.append(answer or "")
+        latency = time.perf_counter() - started
+        status = OK if route != OTHER else "unanswered"
+        em, f1 = score(answer, q.answers, style=style)
+        return Answered(q.qid, q.question, q.qtype, route, status, answer, q.answers, em, f1,
+                        latency, tuple(hops), context[:300])
+
+
+def run_pipeline(session: Session, data: QAData, limit: int | None = None,
+                 reporter: Reporter | None = None, type_model: Model | None = None
+                 ) -> RunReport:
+    """Answer the first ``limit`` questions of ``data`` (all by default) and score them.
+
+    ``type_model`` replaces the trained question-type classifier (MultiModalQA)."""
+    reporter = reporter or Reporter(quiet=True)
+    started = time.perf_counter()
+    pipeline = Pipeline(session, data, reporter, type_model)
+    questions = data.questions[:limit] if limit else data.questions
+    answered: list[Answered] = []
+    with reporter.task(f"answer {len(questions)} {data.dataset} questions",
+                       len(questions)) as advance:
+        for q in questions:
+            answered.append(pipeline.answer(q))
+            advance(1)
+    style = "mmqa" if data.dataset == "mmqa" else "hybridqa"
+    rows = [ScoreRow(a.qid, a.qtype, a.status if a.status != "unanswered" else OK, a.gold,
+                     a.predicted) for a in answered]
+    typed = [a for a in answered if a.route in ROUTE_LABELS]
+    type_accuracy = (float(np.mean([a.route == route_of(a.qtype) for a in typed]))
+                     if typed else None)
+    return RunReport(data.dataset, data.variant, data.files, pipeline.models, tuple(answered),
+                     summarise(rows, style=style), type_accuracy,
+                     time.perf_counter() - started)
+
+
+def write_report(report: RunReport, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{report.dataset}-{report.variant}.json"
+    path.write_text(report.to_json())
+    return path
