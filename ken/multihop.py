@@ -6,11 +6,12 @@ are loaded into the session's DuckDB tables (``questions``, ``passages``, ``tabl
 time (so each has its own latency):
 
 - **question type** (MultiModalQA): ``question_type(question)``, a MiniLM-L6 + logistic head
-  trained on MultiModalQA questions that are not evaluated (``MMQA_train.jsonl.gz`` when the
-  folder has it, else the other dev questions), picks the route: ``TextQ`` (a passage),
-  ``TableQ`` (the table), ``Compose(TextQ,TableQ)`` (the table, then a passage about its
-  answer), ``Compose(TableQ,TextQ)`` (a passage, then the table), or ``other`` (comparisons and
-  intersections: not answered here, the answer is NULL and scores 0);
+  trained on the text and table questions of MultiModalQA that are not evaluated
+  (``MMQA_train.jsonl.gz`` when the folder has it, else the other dev questions), picks the
+  route: ``TextQ`` (a passage), ``TableQ`` (the table), ``Compose(TextQ,TableQ)`` (the table,
+  then a passage about its answer), ``Compose(TableQ,TextQ)`` (a passage, then the table).
+  Comparisons and intersections are learnt as the single hop of their first part
+  (:func:`route_of`); questions that need images are not answered;
 - **retrieval**: ``sem_similarity(question, candidate)`` ranks the question's candidate
   passages (its ``text_doc_ids``) or its table's rows;
 - **reading**: ``sem_qa(question, context)`` answers from the best passage, or from the table
@@ -57,7 +58,7 @@ ROUTES: dict[str, tuple[str, ...]] = {
     "Compose(TableQ,TextQ)": ("text", "table"),
 }
 OTHER = "other"
-ROUTE_LABELS = (*ROUTES, OTHER)
+ROUTE_LABELS = tuple(ROUTES)  # what the question-type classifier predicts
 TABLE_ROWS = 3  # rows of the table the table hop reads
 LINKED_CHARS = 400  # characters of each linked passage the HybridQA hop reads
 
@@ -91,8 +92,17 @@ _READ = "SELECT sem_qa(q, context) AS answer FROM hop"
 
 
 def route_of(qtype: str) -> str:
-    """The route of a gold question type (what the classifier learns to predict)."""
-    return qtype if qtype in ROUTES else OTHER
+    """The route that answers a gold question type (what the classifier learns to predict).
+
+    Comparisons and intersections (``Compare(TableQ,...)``, ``Intersect(TableQ,TextQ)``) take
+    the single hop of their first text or table part: one of the compared items is often
+    the answer. Types that need an image are ``other``: they are not answered."""
+    if qtype in ROUTES:
+        return qtype
+    if "Image" in qtype:
+        return OTHER
+    parts = [p for p in ("TableQ", "TextQ") if p in qtype]
+    return min(parts, key=qtype.index) if parts else OTHER
 
 
 @dataclass(frozen=True)
@@ -142,17 +152,20 @@ def _summary_dict(summary: Summary) -> dict:
 
 
 def training_questions(data: QAData) -> tuple[QAQuestion, ...]:
-    """Questions to train the question-type classifier on: ``MMQA_train.jsonl.gz`` when the
-    folder has it, else the dev questions that are not in ``data``."""
+    """Questions to train the question-type classifier on: the text and table questions of
+    ``MMQA_train.jsonl.gz`` when the folder has it, else of the dev questions that are not in
+    ``data``."""
     train = data.directory / "MMQA_train.jsonl.gz"
+    questions: tuple[QAQuestion, ...] = ()
     if train.is_file():
-        return read_mmqa_questions(train)
-    dev = data.directory / "MMQA_dev.jsonl.gz"
-    evaluated = {q.qid for q in data.questions}
-    if data.variant != "official" and dev.is_file():
-        rest = tuple(q for q in read_mmqa_questions(dev) if q.qid not in evaluated)
-        if rest:
-            return rest
+        questions = read_mmqa_questions(train)
+    elif data.variant != "official" and (data.directory / "MMQA_dev.jsonl.gz").is_file():
+        evaluated = {q.qid for q in data.questions}
+        questions = tuple(q for q in read_mmqa_questions(data.directory / "MMQA_dev.jsonl.gz")
+                          if q.qid not in evaluated)
+    questions = tuple(q for q in questions if route_of(q.qtype) != OTHER)
+    if questions:
+        return questions
     raise DataError(f"the question-type classifier needs questions it is not evaluated on: "
                     f"put MMQA_train.jsonl.gz in {data.directory}")
 
@@ -220,7 +233,7 @@ class Pipeline:
                                                      "context": [context]}))
 
     def _read(self, qid: str, q: str, context: str) -> str | None:
-        if not context.strip():
+        if not context.strip():  # nothing retrieved: no answer
             return None
         self._hop_table(qid, q, context)
         return self.session.sql(_READ).fetchall()[0][0]
@@ -280,7 +293,7 @@ class Pipeline:
                 answer, context = run(q.qid, hop_q)
                 hops.append(answer or "")
         latency = time.perf_counter() - started
-        status = OK if route != OTHER else "unanswered"
+        status = OK if self.data.dataset != "mmqa" or route in ROUTES else "unanswered"
         em, f1 = score(answer, q.answers, style=style)
         return Answered(q.qid, q.question, q.qtype, route, status, answer, q.answers, em, f1,
                         latency, tuple(hops), context[:300])

@@ -109,9 +109,10 @@ def test_mmqa_fixture_routes_retrieves_and_hops(session, tmp_path) -> None:  # n
     assert any(q.endswith("Tomas Berg? The Quiet Harbour") for q, _ in session.reader.seen)
     hop = by["q_compose_text_table"]
     assert hop.hops == ("The Quiet Harbour", "Genoa") and hop.em == 1.0
-    # comparisons and intersections are not answered; images and missing context not run
-    assert by["q_compare"].status == "unanswered" and by["q_compare"].predicted is None
-    assert by["q_intersect"].route == "other"
+    # comparisons and intersections take the single hop of their first part (here the
+    # reader has no rule for them); images and missing context are not run
+    assert by["q_compare"].route == "TableQ" and by["q_compare"].predicted is None
+    assert by["q_intersect"].route == "TableQ" and by["q_intersect"].status == "ok"
     assert by["q_image"].status == "image" and by["q_image"].latency_s == 0.0
     assert by["q_missing"].status == "missing context"
     s = report.summary
@@ -147,6 +148,13 @@ def test_mmqa_needs_questions_to_train_the_type_classifier(session) -> None:  # 
     data = read_mmqa(FIXTURES / "mmqa")  # the official files, without a train split
     with pytest.raises(DataError, match="MMQA_train.jsonl.gz"):
         run_pipeline(session, data)
+
+
+def test_routes_of_question_types() -> None:
+    assert route_of("Compose(TextQ,TableQ)") == "Compose(TextQ,TableQ)"
+    assert route_of("Compare(TableQ,Compose(TableQ,TextQ))") == "TableQ"
+    assert route_of("Intersect(TextQ,TableQ)") == "TextQ"
+    assert route_of("Compose(ImageQ,TableQ)") == "other" and route_of("ImageListQ") == "other"
 
 
 def test_cli_rejects_bad_arguments(capsys) -> None:  # noqa: ANN001
