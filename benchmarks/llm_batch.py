@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="smollm2-135m")
     ap.add_argument("--rows", type=int, default=48)
     ap.add_argument("--batch-sizes", default="4,8")
+    ap.add_argument("--operators", default="sem_qa,sem_map")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"rows": len(sample), "threads": args.threads, "runs": []}
     started = time.perf_counter()
     for lm in args.models.split(","):
-        for name, (op, constants, rows) in workloads.items():
+        for name in args.operators.split(","):
+            op, constants, rows = workloads[name]
             model = op.stage(resources, lm, constants)
             model.predict(rows[:2], batch_size=2)  # warm-up
             for b in sizes:

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from ken.engine.decode import predict_rows
 from ken.errors import CascadeError, DataError
 from ken.models.cascade import Cascade
 from ken.models.model import Model
@@ -120,8 +119,7 @@ def run_cascade(cascade: Cascade, models: Mapping[str, Model],
             stats.append(StageStats(model_name, 0, 0, 0, 0.0))
             continue
         started = time.perf_counter()
-        prediction = predict_rows(models[model_name], [values[j] for j in pending],
-                                  batch_size)
+        prediction = models[model_name].predict([values[j] for j in pending], batch_size)
         seconds = time.perf_counter() - started
         sure = prediction.certainty(cascade.certainty)
         answers = prediction.values

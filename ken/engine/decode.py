@@ -29,7 +29,7 @@ import numpy as np
 from ken.errors import EngineError, ModelError, PolicyError
 from ken.models.generation import DecodeBatch, Generation, end_token_ids
 from ken.models.llm import GenerativeModel
-from ken.models.model import Model, ModelOutput, Output
+from ken.models.model import Output
 from ken.models.resources import CausalLM
 from ken.optimizer.decode_sim import DecodeRun
 from ken.policy.decoding import DecodeScheduler, Mode
@@ -280,7 +280,9 @@ def generate_rows(model: GenerativeModel, rows: Sequence, max_running: int = 8) 
     """``model``'s answers for ``rows`` by continuous batching: at most ``max_running`` rows
     decode together, and a row that finishes gives its place to the next row at the next
     pass (a ``DecodeServer`` for the call), where ``model.predict`` runs ``max_running`` rows
-    at a time, each group until its longest answer ends. Same answers, fewer idle slots.
+    at a time, each group until its longest answer ends. Same answers, fewer idle slots, but
+    on this CPU not faster for a table's rows known at once (each join copies the running
+    rows' KV cache; ``benchmarks/llm_batch.py``), so SQL queries use ``model.predict``.
 
     A row whose pass fails fails the call (``ModelError`` naming how many rows failed)."""
     prompts = model.requests(rows)
@@ -295,14 +297,6 @@ def generate_rows(model: GenerativeModel, rows: Sequence, max_running: int = 8) 
         raise ModelError(f"{model.name}: {len(bad)} of {len(live)} rows failed to generate: "
                          f"{bad[0].error}")
     return model.output(len(rows), live, [o.generation for o in outcomes])
-
-
-def predict_rows(model: Model, rows: Sequence, batch_size: int) -> ModelOutput:
-    """How the engine runs a model on rows: generating models decode continuously
-    (:func:`generate_rows`, ``batch_size`` rows at once), every other model predicts."""
-    if isinstance(model, GenerativeModel):
-        return generate_rows(model, list(rows), batch_size)
-    return model.predict(list(rows), batch_size=batch_size)
 
 
 def kv_tokens_in(lm: CausalLM, memory_bytes: int) -> int:

@@ -27,7 +27,6 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from ken.engine.decode import predict_rows
 from ken.errors import WorkerDied, WorkerError
 from ken.models.model import Model, ModelOutput
 
@@ -79,7 +78,7 @@ class ThreadRunner:
 
     def run(self, model: str, texts: Sequence[str]) -> Answers:
         try:
-            out = predict_rows(self.models[model], texts, max(len(texts), 1))
+            out = self.models[model].predict(list(texts), batch_size=max(len(texts), 1))
             return answers(out, len(texts))
         except Exception as exc:  # noqa: BLE001 - any model failure is reported, re-run
             raise WorkerError(f"{type(exc).__name__}: {exc}") from exc
@@ -127,7 +126,7 @@ def _serve(inp: Connection, out: Connection, threads: int) -> None:
             continue
         _, model, texts = msg
         try:
-            values, scores = answers(predict_rows(models[model], texts, max(len(texts), 1)),
+            values, scores = answers(models[model].predict(texts, batch_size=max(len(texts), 1)),
                                      len(texts))
             out.send(("ok", values, scores))
         except Exception as exc:  # noqa: BLE001 - the engine decides whether to re-run
