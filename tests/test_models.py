@@ -123,7 +123,9 @@ def test_profile_and_cascade_metrics_on_real_models(models) -> None:
     for name, p in profiles.items():
         pred = models[name].predict(list(sample.texts))
         assert p.values == tuple(pred.label_strings())
-        assert np.array_equal(p.scores, pred.probabilities)
+        # the profile keeps the answers of its timed batches: the same rows, padded in other
+        # batches, so equal up to float rounding
+        np.testing.assert_allclose(p.scores, pred.probabilities, atol=1e-5)
         assert p.quality.tolist() == (pred.labels == sample.labels).astype(float).tolist()
         assert p.peak_memory_bytes > p.memory_bytes
     cascade = Cascade(("minilm-l3", "smollm2-135m"), (0.6,))
