@@ -1,10 +1,11 @@
 """Generating operators over a table: static vs continuous batching (issue 15).
 
 A semantic query over a table runs a generating operator on many rows at once. With static
-batching (``GenerativeModel.predict``, what ken did before) ``B`` rows decode together until
-the longest answer of the group ends, while rows that finished early leave their slots idle.
-With continuous batching (``ken.engine.decode.generate_rows``, what ``session.sql`` and the
-engine's workers run now) a finished row's slot goes to the next row at the next pass.
+batching (``GenerativeModel.predict``, what ``session.sql`` runs) ``B`` rows decode together
+until the longest answer of the group ends, while rows that finished early leave their slots
+idle. With continuous batching (``ken.engine.decode.generate_rows``) a finished row's slot goes
+to the next row at the next pass. On this CPU continuous batching measured slower for these
+rows (docs/results.md), which is why ``session.sql`` keeps static batches.
 
 Workloads (HybridQA passages from ``../shared/data/hybridqa``, the first ``--rows`` questions
 whose answer is in one passage):
@@ -16,7 +17,7 @@ For each workload, model and batch size ``B`` it times both modes on the same ro
 call first), checks that the answers are the same, and reports rows/s, generated tokens/s and
 the speed-up. Writes benchmarks/results/llm_batch/llm_batch.json and llm_batch.png.
 
-    python benchmarks/llm_batch.py                 # ~6 minutes on 2 cores (SmolLM2, 48 rows)
+    python benchmarks/llm_batch.py                 # ~9 minutes on 2 cores (SmolLM2, 48 rows)
 """
 
 from __future__ import annotations
