@@ -113,7 +113,7 @@ class Answered:
     question: str
     qtype: str  # gold type (HybridQA: where the answer is)
     route: str  # the route the pipeline took
-    status: str  # ok | image | missing context | unanswered (route "other")
+    status: str  # ok | image | missing context
     predicted: str | None
     gold: tuple[str, ...]
     em: float
@@ -238,9 +238,13 @@ class Pipeline:
         self._hop_table(qid, q, context)
         return self.session.sql(_READ).fetchall()[0][0]
 
-    def text_hop(self, qid: str, q: str) -> tuple[str | None, str]:
+    def _ranked(self, query: str, qid: str, q: str) -> list[tuple]:
+        """The candidates ``query`` ranks for the hop question ``q`` (best first)."""
         self._hop_table(qid, q)
-        rows = self.session.sql(_TEXT_CANDIDATES).fetchall()
+        return self.session.sql(query).fetchall()
+
+    def text_hop(self, qid: str, q: str) -> tuple[str | None, str]:
+        rows = self._ranked(_TEXT_CANDIDATES, qid, q)
         if not rows:
             return None, ""
         _doc, title, text, _score = rows[0]
@@ -248,16 +252,14 @@ class Pipeline:
         return self._read(qid, q, context), context
 
     def table_hop(self, qid: str, q: str) -> tuple[str | None, str]:
-        self._hop_table(qid, q)
-        rows = self.session.sql(_TABLE_CANDIDATES).fetchall()
+        rows = self._ranked(_TABLE_CANDIDATES, qid, q)
         if not rows:
             return None, ""
         context = f"{rows[0][0]}.\n" + "\n".join(r[2] for r in rows)
         return self._read(qid, q, context), context
 
     def hybrid_hop(self, qid: str, q: str) -> tuple[str | None, str]:
-        self._hop_table(qid, q)
-        rows = self.session.sql(_HYBRID_ROW).fetchall()
+        rows = self._ranked(_HYBRID_ROW, qid, q)
         if not rows:
             return None, ""
         table_id, row_index, title, row_text, _score = rows[0]
@@ -269,11 +271,9 @@ class Pipeline:
     def route(self, q: QAQuestion) -> str:
         if self.data.dataset != "mmqa":
             return "row+passages"
-        self._hop_table(q.qid, q.question)
-        return self.session.sql("SELECT question_type(q) FROM hop").fetchall()[0][0]
+        return self._ranked("SELECT question_type(q) FROM hop", q.qid, q.question)[0][0]
 
     def answer(self, q: QAQuestion) -> Answered:
-        style = "mmqa" if self.data.dataset == "mmqa" else "hybridqa"
         if q.status != OK:
             return Answered(q.qid, q.question, q.qtype, "", q.status, None, q.answers, 0.0,
                             0.0, 0.0)
@@ -285,7 +285,7 @@ class Pipeline:
         if self.data.dataset != "mmqa":
             answer, context = self.hybrid_hop(q.qid, q.question)
             hops.append(answer or "")
-        elif route in ROUTES:
+        else:  # the type model predicts one of ROUTES (checked when it is registered)
             for i, kind in enumerate(ROUTES[route]):
                 hop_q = q.question if i == 0 or not answer else f"{q.question} {answer}"
                 run: Callable[[str, str], tuple[str | None, str]] = (
@@ -293,9 +293,8 @@ class Pipeline:
                 answer, context = run(q.qid, hop_q)
                 hops.append(answer or "")
         latency = time.perf_counter() - started
-        status = OK if self.data.dataset != "mmqa" or route in ROUTES else "unanswered"
-        em, f1 = score(answer, q.answers, style=style)
-        return Answered(q.qid, q.question, q.qtype, route, status, answer, q.answers, em, f1,
+        em, f1 = score(answer, q.answers, style=self.data.dataset)  # the styles are named so
+        return Answered(q.qid, q.question, q.qtype, route, OK, answer, q.answers, em, f1,
                         latency, tuple(hops), context[:300])
 
 
@@ -315,14 +314,12 @@ def run_pipeline(session: Session, data: QAData, limit: int | None = None,
         for q in questions:
             answered.append(pipeline.answer(q))
             advance(1)
-    style = "mmqa" if data.dataset == "mmqa" else "hybridqa"
-    rows = [ScoreRow(a.qid, a.qtype, a.status if a.status != "unanswered" else OK, a.gold,
-                     a.predicted) for a in answered]
+    rows = [ScoreRow(a.qid, a.qtype, a.status, a.gold, a.predicted) for a in answered]
     typed = [a for a in answered if a.route in ROUTE_LABELS]
     type_accuracy = (float(np.mean([a.route == route_of(a.qtype) for a in typed]))
                      if typed else None)
     return RunReport(data.dataset, data.variant, data.files, pipeline.models, tuple(answered),
-                     summarise(rows, style=style), type_accuracy,
+                     summarise(rows, style=data.dataset), type_accuracy,
                      time.perf_counter() - started)
 
 

@@ -181,7 +181,7 @@ class GenerativeModel(Model):
 
     def predict(self, texts: Sequence, batch_size: int = 8) -> Output:
         """Static batching: ``batch_size`` rows at a time, each batch until its longest
-        answer ends (the engine decodes continuously instead: ``ken.engine.decode``)."""
+        answer ends (``ken.engine.decode.generate_rows`` is the continuous alternative)."""
         prompts = self.requests(texts)
         live = [i for i, p in enumerate(prompts) if p]
         answers = generate(self.lm, [prompts[i] for i in live], self.max_new_tokens,
