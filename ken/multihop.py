@@ -14,8 +14,10 @@ time (so each has its own latency):
   (:func:`route_of`); questions that need images are not answered;
 - **retrieval**: ``sem_similarity(question, candidate)`` ranks the question's candidate
   passages (its ``text_doc_ids``) or its table's rows;
-- **reading**: ``sem_qa(question, context)`` answers from the best passage, or from the table
-  title and its three best rows;
+- **reading**: ``text_qa(question, passage)`` answers from the best passage,
+  ``table_qa(question, rows)`` from the table title and its three best rows (both are
+  ``sem_qa`` under their own names unless the session registers them, so the query optimizer
+  can give each its own gear plan: ``ken.multihop_plan``);
 - **the hop**: the second hop's question is the question followed by the first hop's answer
   (ImplicitDecomp, Talmor et al. 2021, feeds the first answer into the second question).
 
@@ -88,7 +90,10 @@ SELECT string_agg(left(p.text, {LINKED_CHARS}), ' ' ORDER BY l.column_index)
 FROM row_links l JOIN passages p ON p.doc_id = l.doc_id
 WHERE l.table_id = $table_id AND l.row_index = $row_index
 """
-_READ = "SELECT sem_qa(q, context) AS answer FROM hop"
+#: the function that reads each kind of hop: MultiModalQA's text and table hops are two
+#: operators (copies of ``sem_qa`` unless the session registers its own), so that each can be
+#: planned and served on its own; HybridQA reads a row and its passages with ``sem_qa``
+READERS = {"text": "text_qa", "table": "table_qa", "hybrid": "sem_qa"}
 
 
 def route_of(qtype: str) -> str:
@@ -218,25 +223,31 @@ class Pipeline:
                                 f"{model.spec.labels}")
             session.register("question_type", model)
             self.type_model = model.name
+            for function in (READERS["text"], READERS["table"]):
+                if function not in session.operators:
+                    session.register(function, session.operators["sem_qa"])
         else:
             self.type_model = ""
 
     @property
     def models(self) -> tuple[str, ...]:
         names = [self.type_model] if self.type_model else []
-        for function, constants in (("sem_similarity", ()), ("sem_qa", ())):
-            names.extend(self.session.bind(function, constants).cascade.models)
-        return tuple(names)
+        readers = ((READERS["text"], READERS["table"]) if self.data.dataset == "mmqa"
+                   else (READERS["hybrid"],))
+        for function in ("sem_similarity", *readers):
+            names.extend(self.session.bind(function, ()).cascade.models)
+        return tuple(dict.fromkeys(names))
 
     def _hop_table(self, qid: str, q: str, context: str = "") -> None:
         self.session.register_table("hop", pa.table({"qid": [qid], "q": [q],
                                                      "context": [context]}))
 
-    def _read(self, qid: str, q: str, context: str) -> str | None:
+    def _read(self, kind: str, qid: str, q: str, context: str) -> str | None:
         if not context.strip():  # nothing retrieved: no answer
             return None
         self._hop_table(qid, q, context)
-        return self.session.sql(_READ).fetchall()[0][0]
+        return self.session.sql(f"SELECT {READERS[kind]}(q, context) AS answer FROM hop"
+                                ).fetchall()[0][0]
 
     def _ranked(self, query: str, qid: str, q: str) -> list[tuple]:
         """The candidates ``query`` ranks for the hop question ``q`` (best first)."""
@@ -249,14 +260,14 @@ class Pipeline:
             return None, ""
         _doc, title, text, _score = rows[0]
         context = f"{title}. {text}"
-        return self._read(qid, q, context), context
+        return self._read("text", qid, q, context), context
 
     def table_hop(self, qid: str, q: str) -> tuple[str | None, str]:
         rows = self._ranked(_TABLE_CANDIDATES, qid, q)
         if not rows:
             return None, ""
         context = f"{rows[0][0]}.\n" + "\n".join(r[2] for r in rows)
-        return self._read(qid, q, context), context
+        return self._read("table", qid, q, context), context
 
     def hybrid_hop(self, qid: str, q: str) -> tuple[str | None, str]:
         rows = self._ranked(_HYBRID_ROW, qid, q)
@@ -266,7 +277,7 @@ class Pipeline:
         linked = self.session.sql(_LINKED, params={"table_id": table_id,
                                                    "row_index": row_index}).fetchall()
         context = f"{title}. {row_text}. {linked[0][0] or ''}".strip()
-        return self._read(qid, q, context), context
+        return self._read("hybrid", qid, q, context), context
 
     def route(self, q: QAQuestion) -> str:
         if self.data.dataset != "mmqa":

@@ -508,3 +508,47 @@ def test_calibration_files_round_trip_and_bad_files_are_clear(tmp_path) -> None:
     save_spreads({"a": (0.0,)}, tmp_path / "zero.json")
     with pytest.raises(KenError, match="positive"):
         load_spreads(tmp_path / "zero.json")
+
+
+# -- requests with their own route through the operators (multi-hop pipelines) ----------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(random_plans(), random_plans(), random_plans(), random_traces(),
+       st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=3, unique=True),
+                min_size=1, max_size=6))
+def test_simulate_many_routes_conserve_requests(p1: GearPlan, p2: GearPlan, p3: GearPlan,
+                                                trace: Trace, routes: list[list[int]]) -> None:
+    plans = [p1, p2, p3]
+    rows = simulator.sample_rows(len(trace), len(routes), 3)
+    res = simulate_many(plans, [CATALOG] * 3, trace, routes=routes, rows=rows)
+    n = len(trace)
+    assert np.all(np.isfinite(res.completion_s)) and np.all(res.completion_s >= res.arrival_s)
+    for i, r in enumerate(rows):
+        route = routes[r]
+        done = res.resolved_s[:, i]
+        # every operator on the route resolved the request once, in route order, and the
+        # last one completed it; the others never saw it
+        assert np.all(np.diff(done[route]) >= 0) and done[route[0]] >= res.arrival_s[i]
+        assert done[route[-1]] == res.completion_s[i]
+        for k in range(3):
+            on_route = k in route
+            assert np.isfinite(done[k]) == on_route
+            assert (res.stage[k, i] >= 0) == on_route
+            assert np.isnan(res.quality[k, i]) != on_route
+    visits = [sum(k in routes[r] for r in rows) for k in range(3)]
+    assert [s[0] if s else 0 for s in res.stage_rows] == visits
+    assert sum(visits) == sum(len(routes[r]) for r in rows) and len(rows) == n
+
+
+def test_simulate_many_routes_reject_bad_input() -> None:
+    trace = Trace(np.arange(4) * 0.1)
+    plans, cats = [single("a"), single("b")], [CATALOG, CATALOG]
+    with pytest.raises(SimulationError, match="together"):
+        simulate_many(plans, cats, trace, routes=[(0,)])
+    with pytest.raises(SimulationError, match="distinct plans"):
+        simulate_many(plans, cats, trace, routes=[(0, 0)], rows=[0, 0, 0, 0])
+    with pytest.raises(SimulationError, match="sample rows for 4"):
+        simulate_many(plans, cats, trace, routes=[(0,)], rows=[0])
+    with pytest.raises(SimulationError, match="beyond"):
+        simulate_many(plans, cats, trace, routes=[(0,)] * 50, rows=[45] * 4)

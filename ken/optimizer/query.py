@@ -11,16 +11,26 @@ frontier, so that the whole query meets the user's target:
 
 Operators are simulated together (``simulate_many``: each request passes through them in
 order, and plans that use the same device share it), so contention between operators counts.
+
+A *pipeline* whose quality is only known end to end (multi-hop question answering: F1 of the
+final answer, which depends on the models that answered every hop) is planned with
+:func:`choose_pipeline`: each request of the stream is a labelled question with its own route
+through the operators, its quality is looked up for the models that resolved its hops
+(:class:`PipelineSample`), and the combinations of the operators' frontier plans are simulated
+together to find the fastest that meets ``quality >= x`` or the best within ``p95 <= t``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import itertools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from ken.errors import KenError, QueryPlanError
 from ken.optimizer.perf import Catalog
-from ken.optimizer.simulator import simulate_many
+from ken.optimizer.simulator import SimResult, latency_percentiles, sample_rows, simulate_many
 from ken.optimizer.workload import Trace
 from ken.policy.plan import Frontier, GearPlan, PlanMetrics
 
@@ -44,17 +54,17 @@ class Target:
     def parse(cls, text: str) -> Target:
         """``"accuracy >= 0.7"`` or ``"p95 <= 50"`` (milliseconds)."""
         parts = text.replace(" ", "").lower()
-        for key, op in (("accuracy", ">="), ("p95", "<=")):
+        for key, op in (("accuracy", ">="), ("f1", ">="), ("p95", "<=")):
             if parts.startswith(key + op):
                 try:
                     value = float(parts[len(key) + len(op):].rstrip("ms%"))
                 except ValueError:
                     break
-                if key == "accuracy":
+                if key != "p95":  # an F1 floor is a quality floor like accuracy
                     return cls(min_accuracy=value / 100 if value > 1 else value)
                 return cls(max_p95_ms=value)
-        raise QueryPlanError(f"cannot read target {text!r}; write 'accuracy >= 0.7' or "
-                             "'p95 <= 50' (milliseconds)")
+        raise QueryPlanError(f"cannot read target {text!r}; write 'accuracy >= 0.7', "
+                             "'f1 >= 0.25' or 'p95 <= 50' (milliseconds)")
 
     def describe(self) -> str:
         if self.min_accuracy is not None:
@@ -130,3 +140,142 @@ def choose_plans(frontiers: Mapping[str, Frontier], catalogs: Mapping[str, Catal
                                  f"the fastest plans give a simulated p95 of "
                                  f"{joint.p95_ms:.1f} ms")
         index[best] -= 1
+
+
+# -- pipelines scored end to end ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class PipelineSample:
+    """Labelled requests of a pipeline of operators (e.g. questions of a multi-hop QA run).
+
+    ``routes[q]``: the operators (indices into ``operators``) request row ``q`` passes
+    through, in order. ``quality[(q, models)]``: its end-to-end quality (e.g. F1) when
+    ``models[j]`` resolved it at operator ``routes[q][j]``; every combination the plans can
+    produce must be measured.
+    """
+
+    operators: tuple[str, ...]
+    routes: tuple[tuple[int, ...], ...]
+    quality: Mapping[tuple[int, tuple[str, ...]], float]
+
+    def __post_init__(self) -> None:
+        if not self.routes:
+            raise QueryPlanError("a pipeline sample needs at least one request row")
+        for r in self.routes:
+            if not r or not all(0 <= k < len(self.operators) for k in r):
+                raise QueryPlanError(f"route {r} names operators outside 0.."
+                                     f"{len(self.operators) - 1}")
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.routes)
+
+    def request_quality(self, result: SimResult, plans: Sequence[GearPlan],
+                        rows: Sequence[int]) -> np.ndarray:
+        """The end-to-end quality of each simulated request (request ``i`` is row
+        ``rows[i]``), from the models that resolved its hops."""
+        out = np.empty(len(rows))
+        for i, q in enumerate(rows):
+            models = []
+            for k in self.routes[q]:
+                plan = plans[k]
+                cascade = plan.cascades[plan.ranges[int(result.range_index[k, i])].cascade]
+                models.append(cascade.models[int(result.stage[k, i])])
+            key = (int(q), tuple(models))
+            if key not in self.quality:
+                raise QueryPlanError(f"no measured outcome of request row {q} with models "
+                                     f"{key[1]}")
+            out[i] = self.quality[key]
+        return out
+
+
+@dataclass(frozen=True)
+class PipelinePoint:
+    """One combination of plans, simulated: end-to-end quality and latency, and the p95 of
+    the time each operator held a request (queueing and running; its route's requests)."""
+
+    plans: tuple[GearPlan, ...]
+    quality: float
+    metrics: PlanMetrics  # end-to-end latency (its accuracy is the end-to-end quality)
+    operator_p95_ms: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    target: Target
+    chosen: PipelinePoint
+    points: tuple[PipelinePoint, ...]  # every combination simulated
+
+    @property
+    def plans(self) -> tuple[GearPlan, ...]:
+        return self.chosen.plans
+
+
+def evaluate_pipeline(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace: Trace,
+                      sample: PipelineSample, seed: int = 0) -> PipelinePoint:
+    """Simulate ``plans`` (one per operator of ``sample``) together on ``trace``."""
+    if len(plans) != len(sample.operators):
+        raise QueryPlanError(f"give one plan per operator {sample.operators}")
+    rows = sample_rows(len(trace), sample.num_rows, seed)
+    result = simulate_many(plans, catalogs, trace, seed, routes=sample.routes, rows=rows)
+    quality = sample.request_quality(result, plans, rows)
+    metrics = result.metrics(0)
+    p50, p95, p99 = latency_percentiles(result.latency_s * 1000.0)
+    per_op = []
+    for k in range(len(plans)):
+        held = []
+        for i, q in enumerate(rows):
+            route = sample.routes[q]
+            if k in route:
+                j = route.index(k)
+                entered = result.arrival_s[i] if j == 0 else result.resolved_s[route[j - 1], i]
+                held.append(result.resolved_s[k, i] - entered)
+        per_op.append(float(np.percentile(held, 95)) * 1000.0 if held else 0.0)
+    joint = PlanMetrics(accuracy=float(quality.mean()), p50_ms=p50, p95_ms=p95, p99_ms=p99,
+                        mean_ms=metrics.mean_ms, num_requests=metrics.num_requests,
+                        gear_switches=sum(len(g) for g in result.gear_switches),
+                        duration_s=metrics.duration_s, utilisation=metrics.utilisation)
+    return PipelinePoint(tuple(plans), float(quality.mean()), joint, tuple(per_op))
+
+
+def _thin(plans: Sequence[GearPlan], keep: int) -> list[GearPlan]:
+    if len(plans) <= keep:
+        return list(plans)
+    idx = sorted({round(i * (len(plans) - 1) / (keep - 1)) for i in range(keep)})
+    return [plans[i] for i in idx]
+
+
+def choose_pipeline(frontiers: Mapping[str, Frontier | Sequence[GearPlan]],
+                    catalogs: Mapping[str, Catalog], trace: Trace, sample: PipelineSample,
+                    target: Target, seed: int = 0, max_plans: int = 8) -> PipelinePlan:
+    """Simulate every combination of the operators' frontier plans (at most ``max_plans``
+    each, spread over the frontier) and pick the fastest (p95) that meets
+    ``target.min_accuracy`` end to end, or the most accurate within ``target.max_p95_ms``."""
+    missing = [n for n in sample.operators if n not in frontiers or n not in catalogs]
+    if missing:
+        raise QueryPlanError(f"no frontier or catalog for operators {missing}")
+    options = [_thin(list(getattr(frontiers[n], "plans", frontiers[n])), max_plans)
+               for n in sample.operators]
+    if any(not o for o in options):
+        raise QueryPlanError("an operator's frontier has no plans")
+    cats = [catalogs[n] for n in sample.operators]
+    points = tuple(evaluate_pipeline(combo, cats, trace, sample, seed)
+                   for combo in itertools.product(*options))
+    if target.min_accuracy is not None:
+        ok = [p for p in points if p.quality >= target.min_accuracy - 1e-12]
+        if not ok:
+            best = max(p.quality for p in points)
+            raise QueryPlanError(f"no combination of gear plans reaches quality "
+                                 f"{target.min_accuracy:.1%}; the best reaches {best:.1%}")
+        chosen = min(ok, key=lambda p: (p.metrics.p95_ms, -p.quality))
+    else:
+        assert target.max_p95_ms is not None
+        ok = [p for p in points if p.metrics.p95_ms <= target.max_p95_ms]
+        if not ok:
+            fastest = min(p.metrics.p95_ms for p in points)
+            raise QueryPlanError(f"no combination of gear plans meets p95 <= "
+                                 f"{target.max_p95_ms:g} ms; the fastest gives "
+                                 f"{fastest:.1f} ms")
+        chosen = max(ok, key=lambda p: (p.quality, -p.metrics.p95_ms))
+    return PipelinePlan(target, chosen, points)

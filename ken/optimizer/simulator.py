@@ -8,7 +8,8 @@ of the trace is sample row ``order[i % rows]`` of a seeded permutation, so accur
 on the labelled sample.
 
 Several operators (plans) can be simulated together: each request passes through them in
-order, and plans that place replicas on the same device share that device.
+order (or along its own route of operators, e.g. a question that needs a text hop, a table hop
+or both), and plans that place replicas on the same device share that device.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class SimResult:
     device_busy_s: tuple[tuple[str, float], ...]
     batches: int
     stage_rows: tuple[tuple[int, ...], ...]  # per operator: rows processed at each stage
+    # (operators, requests): when the operator resolved the request (NaN: not on its route)
+    resolved_s: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)), repr=False)
 
     @property
     def latency_s(self) -> np.ndarray:
@@ -68,13 +71,19 @@ class SimResult:
                     continue
                 r50, r95, r99 = latency_percentiles(lat_ms[mask])
                 per_range.append(RangeMetrics(plan.qps_edges[k], plan.qps_edges[k + 1], n,
-                                              float(quality[mask].mean()), r50, r95, r99))
+                                              _mean(quality[mask]), r50, r95, r99))
         util = tuple((d, b / duration if duration > 0 else 0.0) for d, b in self.device_busy_s)
         return PlanMetrics(
-            accuracy=float(quality.mean()), p50_ms=p50, p95_ms=p95, p99_ms=p99,
+            accuracy=_mean(quality), p50_ms=p50, p95_ms=p95, p99_ms=p99,
             mean_ms=float(lat_ms.mean()), num_requests=self.num_requests,
             gear_switches=len(self.gear_switches[plan_index]), duration_s=duration,
             utilisation=util, per_range=tuple(per_range))
+
+
+def _mean(quality: np.ndarray) -> float:
+    """Mean quality over the requests that passed through the operator (0 if none did)."""
+    seen = quality[~np.isnan(quality)]
+    return float(seen.mean()) if seen.size else 0.0
 
 
 def latency_percentiles(lat_ms: np.ndarray) -> tuple[float, float, float]:
@@ -93,19 +102,37 @@ def simulate(plan: GearPlan, catalog: Catalog, trace: Trace, seed: int = 0) -> S
 
 
 def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace: Trace,
-                  seed: int = 0) -> SimResult:
+                  seed: int = 0, routes: Sequence[Sequence[int]] | None = None,
+                  rows: Sequence[int] | None = None) -> SimResult:
     """Replay ``trace`` through ``plans`` in order (request ``i`` enters plan ``k + 1`` when
-    plan ``k`` resolved it); plans share devices with the same id."""
+    plan ``k`` resolved it); plans share devices with the same id.
+
+    ``routes`` (optional, with ``rows``): request ``i`` is sample row ``rows[i]`` in every
+    plan's catalog and passes through the plans ``routes[rows[i]]`` in that order (indices
+    into ``plans``; each at most once). Plans a request's route leaves out never see it: its
+    quality there is NaN and its stage -1."""
     if not plans or len(plans) != len(catalogs):
         raise SimulationError("give one catalog per plan (and at least one plan)")
+    n = len(trace)
+    if (routes is None) != (rows is None):
+        raise SimulationError("give routes and rows together")
+    if routes is not None and rows is not None:
+        if len(rows) != n:
+            raise SimulationError(f"rows gives {len(rows)} sample rows for {n} requests")
+        path = [tuple(routes[r]) for r in rows]
+        for r in routes:
+            if not r or len(set(r)) != len(r) or not all(0 <= k < len(plans) for k in r):
+                raise SimulationError(f"a route must name distinct plans 0..{len(plans) - 1}"
+                                      f" (at least one), got {tuple(r)}")
+    else:
+        path = [tuple(range(len(plans)))] * n
     clock = VirtualClock()
     busy: set[str] = set()
-    ops = [_Operator(p, c, clock, busy, len(trace), seed + k)
+    ops = [_Operator(p, c, clock, busy, n, seed + k, rows)
            for k, (p, c) in enumerate(zip(plans, catalogs, strict=True))]
-    last = len(ops) - 1
     arrivals = trace.arrival_s.tolist()
-    n = len(arrivals)
     completion = [math.nan] * n
+    resolved_s = np.full((len(ops), n), np.nan)
     events: list[tuple[float, int, int, Batch]] = []  # (end time, seq, operator, batch)
     seq = 0
     device_busy: dict[str, float] = {}
@@ -145,19 +172,21 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
             launch(k, done.started, now)
             if done.resolved:
                 op.record(done.resolved, batch.model, done.resolved_stages)
-                if k == last:
-                    for rid in done.resolved:
+                for rid in done.resolved:
+                    resolved_s[k, rid] = now
+                    route = path[rid]
+                    step = route.index(k) + 1
+                    if step == len(route):
                         completion[rid] = now
-                else:
-                    nxt = ops[k + 1]
-                    for rid in done.resolved:
-                        launch(k + 1, nxt.admit(rid), now)
+                    else:
+                        launch(route[step], ops[route[step]].admit(rid), now)
             for j, other in enumerate(ops):
                 if j != k and len(ops) > 1:
                     launch(j, other.dispatcher.poll(batch.devices), now)
         elif t_arrival <= t_deadline:
             clock.t = t_arrival
-            launch(0, ops[0].admit(i), t_arrival)
+            first = path[i][0]
+            launch(first, ops[first].admit(i), t_arrival)
             i += 1
         else:  # a deadline already past (queue left behind by a full batch) fires now
             clock.t = max(clock.t, t_deadline)
@@ -167,8 +196,8 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
     unfinished = int(np.isnan(completion_s).sum()) if n else 0
     if unfinished:  # cannot happen: every queue eventually triggers by its max wait
         raise SimulationError(f"{unfinished} requests never completed; this is a bug")
-    for op in ops:
-        op.check_complete()
+    for k, op in enumerate(ops):
+        op.check_complete([k in p for p in path])
     return SimResult(
         arrival_s=trace.arrival_s.copy(), completion_s=completion_s,
         quality=np.array([op.quality for op in ops], dtype=np.float64),
@@ -178,6 +207,7 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
         device_busy_s=tuple(sorted(device_busy.items())),
         batches=seq,
         stage_rows=tuple(op.stage_rows() for op in ops),
+        resolved_s=resolved_s,
     )
 
 
@@ -185,14 +215,19 @@ class _Operator:
     """One plan inside a simulation: its dispatcher plus the per-request bookkeeping."""
 
     def __init__(self, plan: GearPlan, catalog: Catalog, clock: VirtualClock, busy: set[str],
-                 num_requests: int, seed: int) -> None:
+                 num_requests: int, seed: int, rows: Sequence[int] | None = None) -> None:
         missing = sorted({r.model for r in plan.placement} - set(catalog.perf))
         if missing:
             raise SimulationError(f"plan {plan.operator!r} places {missing}, which have no "
                                   f"profile in the catalog ({list(catalog.models)})")
         self.dispatcher = Dispatcher(plan, clock, busy)
         kind = plan.certainty
-        rows = sample_rows(num_requests, catalog.num_rows, seed)
+        if rows is None:
+            rows = sample_rows(num_requests, catalog.num_rows, seed)
+        elif max(rows, default=0) >= catalog.num_rows:
+            raise SimulationError(f"plan {plan.operator!r}: sample row {max(rows)} is beyond "
+                                  f"its catalog's {catalog.num_rows} rows")
+        rows = np.asarray(rows, dtype=np.int64)
         used = {r.model for r in plan.placement}
         # per model, per request: the certainty and quality of that request's sample row
         self._cert = {m: catalog.certainty(m, kind)[rows].tolist() for m in used}
@@ -201,7 +236,7 @@ class _Operator:
                         for i, r in enumerate(plan.placement)]
         self.spread = [catalog.perf[r.model].spread for r in plan.placement]
         self.rng = random.Random(seed)  # draws runtime spread factors (if any)
-        self.quality = [0.0] * num_requests
+        self.quality = [math.nan] * num_requests
         self.stage = [-1] * num_requests
         self.range_index = [-1] * num_requests
         self.resolved = [0] * num_requests
@@ -230,7 +265,7 @@ class _Operator:
         resolved_at = np.bincount(st[st >= 0], minlength=self._depth)
         return tuple(int(c) for c in np.cumsum(resolved_at[::-1])[::-1])
 
-    def check_complete(self) -> None:
-        bad = sum(1 for r in self.resolved if r != 1)
+    def check_complete(self, visited: Sequence[bool]) -> None:
+        bad = sum(1 for r, v in zip(self.resolved, visited, strict=True) if r != int(v))
         if bad:
             raise SimulationError(f"{bad} requests were not resolved exactly once; this is a bug")

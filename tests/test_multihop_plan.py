@@ -1,0 +1,109 @@
+"""Planning the MultiModalQA pipeline as a whole (``ken.multihop_plan``) on the hand-made
+fixture with stand-in models: every LM assignment is answered, the catalogs and the
+end-to-end quality table agree with those answers, and a simulated stream scores each
+question by the LMs that resolved its hops."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_multihop import GoldType, Overlap, Reader
+
+import ken
+from ken.models.cascade import Cascade
+from ken.models.model import Output
+from ken.models.qa_data import read_mmqa
+from ken.multihop import READERS, route_of, run_pipeline
+from ken.multihop_plan import OPERATORS, Outcomes, load_or_measure, model_name, pipeline_inputs
+from ken.optimizer.planner import PlannerSettings, plan_frontier
+from ken.optimizer.query import evaluate_pipeline
+from ken.optimizer.simulator import sample_rows
+from ken.optimizer.workload import Hardware, poisson_trace
+
+FIXTURES = Path(__file__).parent / "fixtures"
+LMS = ("weak", "strong")
+
+
+class Weak(Reader):
+    """Answers only questions about where someone was born, and is unsure of everything."""
+
+    def predict(self, texts: Sequence, batch_size: int = 32) -> Output:
+        out = super().predict(texts, batch_size)
+        values = [v if v == "Turin" else "no idea" for v in out.values]
+        return Output(values, np.full(len(values), 0.2))
+
+
+@pytest.fixture
+def measured(tmp_path):  # noqa: ANN001
+    data = read_mmqa(FIXTURES / "mmqa")
+    routes = {q.question: route_of(q.qtype) for q in data.questions}
+    stages = {"weak": Weak(), "strong": Reader()}
+    with ken.connect(home=tmp_path / "home") as s:
+        s.register("sem_similarity", Overlap(), output_type="double")
+        outcomes = load_or_measure(
+            s, data, tmp_path / "cache", LMS,
+            measure_options={"stage": lambda lm, _resources: stages[lm],
+                             "type_model": GoldType(routes)})
+    with ken.connect(home=tmp_path / "home") as s:  # the same questions, one plain run
+        s.register("sem_similarity", Overlap(), output_type="double")
+        s.register("sem_qa", Reader())
+        plain = run_pipeline(s, data, type_model=GoldType(routes))
+    return data, outcomes, plain, tmp_path
+
+
+def test_every_assignment_is_answered_and_cached(measured) -> None:  # noqa: ANN001
+    data, outcomes, plain, tmp_path = measured
+    ok = [a for a in plain.answers if a.status == "ok"]
+    assert outcomes.qids == tuple(a.qid for a in ok)
+    assert outcomes.routes == tuple(a.route for a in ok)
+    assert set(outcomes.runs) == {f"{a},{b}" for a in LMS for b in LMS}
+    strong = outcomes.runs["strong,strong"]
+    assert [r[0] for r in strong] == [a.f1 for a in ok]
+    assert [r[2] for r in strong] == [a.predicted for a in ok]
+    weak = outcomes.runs["weak,weak"]
+    assert [r[0] for r in weak] == [1.0 if a.predicted == "Turin" else 0.0 for a in ok]
+    # a table-only question does not care which LM reads text, and the reverse
+    for i, route in enumerate(outcomes.routes):
+        if route == "TableQ":
+            assert outcomes.runs["weak,strong"][i][0] == strong[i][0]
+        if route == "TextQ":
+            assert outcomes.runs["strong,weak"][i][0] == strong[i][0]
+            assert set(strong[i][3]) == {READERS["text"]}
+    assert outcomes.perf[model_name("text_qa", "weak")]["runtime_s"][0][0] > 0
+    # cached: a second call reads the file (the stand-ins are not needed)
+    again = load_or_measure(None, data, tmp_path / "cache", LMS)  # type: ignore[arg-type]
+    assert again == Outcomes.from_json(outcomes.to_json())
+
+
+def test_a_simulated_stream_scores_questions_by_the_lms_that_answered(measured) -> None:  # noqa: ANN001
+    _data, outcomes, _plain, _tmp = measured
+    catalogs, sample = pipeline_inputs(outcomes)
+    assert sample.operators == OPERATORS
+    n = len(outcomes.qids)
+    for op in OPERATORS[1:]:
+        strong = catalogs[op].quality[model_name(op, "strong")]
+        assert strong.tolist() == [r[0] for r in outcomes.runs["strong,strong"]]
+    hardware = Hardware.cpu_workers(2, 2**30)
+    trace = poisson_trace(20.0, 2.0, seed=1)
+    settings = PlannerSettings(num_ranges=1, max_rounds=1)
+
+    def plans(lm_text: str, lm_table: str) -> list:
+        out = []
+        for op, lm in zip(OPERATORS, ("", lm_text, lm_table), strict=True):
+            name = "question_type" if op == "question_type" else model_name(op, lm)
+            out.append(plan_frontier(op, [Cascade((name,))], catalogs[op], hardware, trace,
+                                     settings=settings)[0].plans[-1])
+        return out
+
+    rows = sample_rows(len(trace), n, 7)
+    cats = [catalogs[op] for op in OPERATORS]
+    for text_lm, table_lm in (("strong", "strong"), ("weak", "strong"), ("weak", "weak")):
+        point = evaluate_pipeline(plans(text_lm, table_lm), cats, trace, sample, seed=7)
+        f1 = [r[0] for r in outcomes.runs[f"{text_lm},{table_lm}"]]
+        assert point.quality == pytest.approx(np.mean([f1[q] for q in rows]))
+        visits = [sum(k in sample.routes[q] for q in rows) for k in range(3)]
+        assert visits[0] == len(trace)  # every question is typed
+        assert [p > 0 for p in point.operator_p95_ms] == [v > 0 for v in visits]
