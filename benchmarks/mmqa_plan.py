@@ -38,8 +38,6 @@ from pathlib import Path
 import numpy as np
 
 RESULTS = Path(__file__).parent / "results" / "mmqa_plan"
-THRESHOLDS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
-RATE_WINDOW_S = 20.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,15 +62,12 @@ def main(argv: list[str] | None = None) -> int:
         OPERATORS,
         READING,
         SHORT,
-        first_stage_cascades,
+        THRESHOLDS,
+        PipelinePlanner,
         load_or_measure,
         model_name,
-        pipeline_inputs,
     )
-    from ken.optimizer.planner import PlannerSettings, plan_frontier
-    from ken.optimizer.query import Target, choose_pipeline, evaluate_pipeline
-    from ken.optimizer.simulator import sample_rows
-    from ken.optimizer.workload import Hardware, Trace, fit_peak, load_azure_trace
+    from ken.optimizer.query import Target
     from ken.paths import shared_data_dir
     from ken.progress import Reporter
 
@@ -82,69 +77,35 @@ def main(argv: list[str] | None = None) -> int:
     with ken.connect(device=DeviceConfig(threads=2), reporter=reporter) as session:
         outcomes = load_or_measure(session, data, args.out / "cache", LLMS, reporter,
                                    args.force)
-    catalogs, sample = pipeline_inputs(outcomes)
+    planner = PipelinePlanner(outcomes, args.devices, args.memory_gb, args.duration,
+                              args.load)
     llms = outcomes.llms
     small, large = llms[0], llms[-1]
-    hardware = Hardware.cpu_workers(args.devices, int(args.memory_gb * 2**30))
-
-    # the load: the peak is --load x the questions/s that LLM-only sustains on the devices
-    visits = np.array([[k in r for k in range(len(OPERATORS))] for r in sample.routes])
-    seconds = sum(visits[:, k].mean() * min(catalogs[op].perf[model_name(op, large)]
-                                            .per_row_s(b) for b in (1, 2, 4))
-                  for k, op in enumerate(OPERATORS) if op in READING)
-    peak = args.load * args.devices / seconds
-    # questions arrive at LLM rates (< 1/s): peaks are measured over a minute, and the gear
-    # plans meter the rate over RATE_WINDOW_S (a 0.1-s window would read 0 or 10/s)
-    full = load_azure_trace()
-    trace = fit_peak(lambda f: full.rate_scaled(f).around_peak(args.duration),
-                     peak / full.qps_max(60.0), peak, window_s=60.0)
-    rows = sample_rows(len(trace), sample.num_rows, 0)
+    trace = planner.trace
     reporter.note(f"{len(trace)} questions in {args.duration:g} s of the Azure trace, busiest "
                   f"minute {trace.qps_max(60.0) * 60:.0f} questions ({args.load:g}x what "
-                  f"LLM-only sustains: {60 * args.devices / seconds:.1f}/min)")
-
-    def op_trace(k: int) -> Trace:  # the arrivals of the questions that visit operator k
-        mask = np.array([k in sample.routes[r] for r in rows])
-        if not mask.any():  # no question takes this hop: plan it for the whole stream
-            return trace
-        return Trace(trace.arrival_s[mask], f"{trace.name}-{OPERATORS[k]}")
-
-    def frontier(op: str, cascades: list, ranges: int):  # noqa: ANN202
-        k = OPERATORS.index(op)
-        settings = PlannerSettings(num_ranges=ranges, max_rounds=4,
-                                   rate_window_s=RATE_WINDOW_S)
-        return plan_frontier(op, cascades, catalogs[op], hardware, op_trace(k),
-                             qps_max=peak, settings=settings)[0]
-
-    typing = frontier("question_type", [Cascade(("question_type",))], 1)
-    fixed_type = [min(typing.plans, key=lambda p: p.predicted.p95_ms)]
-
-    def static(op: str, cascade: Cascade):  # noqa: ANN202 - the fastest plan of one cascade
-        return min(frontier(op, [cascade], 1).plans, key=lambda p: p.predicted.p95_ms)
+                  f"LLM-only sustains: {60 * planner.llm_only_qps:.1f}/min)")
+    fixed_type = planner.type_plan()
 
     def point_json(system: str, point, label: str = "") -> dict:  # noqa: ANN001
         return {"system": system, "label": label, "f1": 100 * point.quality,
                 "p95_ms": point.metrics.p95_ms, "p50_ms": point.metrics.p50_ms,
                 "operator_p95_ms": dict(zip(OPERATORS, point.operator_p95_ms, strict=True)),
-                "plans": {p.operator: p.describe() for p in point.plans}}
+                "plans": {p.operator: p.describe() for p in point.plans},
+                # cascades a plan switches between by load (1: a static plan)
+                "gears": {p.operator: len({r.cascade for r in p.ranges}) for p in point.plans}}
 
     points: list[dict] = []
     with reporter.task("plan and simulate the systems", 5) as advance:
-        cands = {op: first_stage_cascades(catalogs[op], op, llms, THRESHOLDS) for op in READING}
-        fronts = {"question_type": fixed_type}
-        for op in READING:
-            fronts[op] = frontier(op, cands[op], 4).plans
-        ken_plan = choose_pipeline(fronts, catalogs, trace, sample, Target(max_p95_ms=1e12),
-                                   max_plans=6)
+        ken_plan = planner.choose(Target(max_p95_ms=1e12))
         points += [point_json("ken", p) for p in ken_plan.points]
         advance(1)
-        cats = [catalogs[op] for op in OPERATORS]
         for text_lm in llms:
             for table_lm in llms:
-                plans = [fixed_type[0],
-                         static(READING[0], Cascade((model_name(READING[0], text_lm),))),
-                         static(READING[1], Cascade((model_name(READING[1], table_lm),)))]
-                point = evaluate_pipeline(plans, cats, trace, sample)
+                plans = [fixed_type,
+                         planner.static(READING[0], Cascade((model_name(READING[0], text_lm),))),
+                         planner.static(READING[1], Cascade((model_name(READING[1], table_lm),)))]
+                point = planner.evaluate(plans)
                 label = f"{SHORT[text_lm]}/{SHORT[table_lm]}"
                 points.append(point_json("small models + LLMs", point, label))
                 if text_lm == table_lm == large:
@@ -153,23 +114,24 @@ def main(argv: list[str] | None = None) -> int:
                     points.append(point_json("small-only", point, label))
         advance(3)
         for t in THRESHOLDS:
-            plans = [fixed_type[0]] + [
-                static(op, Cascade((model_name(op, small), model_name(op, large)), (t,)))
+            plans = [fixed_type] + [
+                planner.static(op, Cascade((model_name(op, small), model_name(op, large)), (t,)))
                 for op in READING]
-            points.append(point_json("simple cascade", evaluate_pipeline(
-                plans, cats, trace, sample), f"threshold {t:g}"))
+            points.append(point_json("simple cascade", planner.evaluate(plans),
+                                     f"threshold {t:g}"))
         advance(1)
 
     ratios = matched_ratios(points)
     result = {
-        "setup": {"questions": sample.num_rows, "stream": len(trace), "peak_qps": peak,
+        "setup": {"questions": planner.sample.num_rows, "stream": len(trace),
                   "duration_s": args.duration, "devices": args.devices,
                   "memory_gb": args.memory_gb, "llms": list(llms),
                   "type_model": outcomes.type_model,
                   "type_accuracy": outcomes.type_accuracy,
                   "f1_by_assignment": {k: 100 * float(np.mean([r[0] for r in v]))
                                        for k, v in outcomes.runs.items()},
-                  "perf": outcomes.perf, "measure_seconds": outcomes.seconds},
+                  "perf": outcomes.perf, "measure_seconds": outcomes.seconds,
+                  "llm_only_qps": planner.llm_only_qps, "peak_qps": planner.peak_qps},
         "points": points, "ratios": ratios,
         "seconds": time.perf_counter() - started}
     args.out.mkdir(parents=True, exist_ok=True)

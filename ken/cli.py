@@ -367,6 +367,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+DEFAULT_QA_LLMS = "smollm2-135m"
+
+
 def cmd_qa(args: argparse.Namespace) -> int:
     """``ken mmqa`` / ``ken hybridqa``: answer, score, write the per-question JSON."""
     import numpy as np
@@ -381,12 +384,30 @@ def cmd_qa(args: argparse.Namespace) -> int:
         raise KenError(f"--limit must be at least 1, got {args.limit}")
     if args.threads < 1:
         raise KenError(f"--threads must be at least 1, got {args.threads}")
+    target = getattr(args, "target", None)
+    if target is not None:
+        from ken.optimizer.query import Target
+
+        target = Target.parse(target)
+        if args.limit is not None or args.llms != DEFAULT_QA_LLMS:
+            raise KenError("--target plans the pipeline over both LMs for a stream of "
+                           "--stream questions; leave out --limit and --llms")
+        if args.stream < 1 or args.devices < 1 or args.load <= 0:
+            raise KenError("--stream and --devices must be at least 1, --load above 0")
     folder = args.data_dir or shared_data_dir() / args.command
     data = read_mmqa(folder) if args.command == "mmqa" else read_hybridqa(folder)
     reporter = Reporter(args.quiet)
     with ken.connect(device=DeviceConfig(threads=args.threads), reporter=reporter) as session:
-        session.operators["sem_qa"].llms = tuple(args.llms.split(","))
-        report = run_pipeline(session, data, args.limit, reporter)
+        if target is None:
+            session.operators["sem_qa"].llms = tuple(args.llms.split(","))
+            report = run_pipeline(session, data, args.limit, reporter)
+        else:
+            from ken.multihop_plan import run_planned
+
+            run = run_planned(session, data, target, args.stream, args.devices,
+                              load=args.load, reporter=reporter)
+            report = run.report
+            _print_planned(run)
     path = write_report(report, args.out)
     s = report.summary
     table = Table(title=f"{data.dataset} ({data.variant}, {', '.join(data.files)}): "
@@ -408,6 +429,29 @@ def cmd_qa(args: argparse.Namespace) -> int:
         + (f"not answered: {skipped}; " if skipped else "")
         + f"per-question JSON: {path}", highlight=False, markup=False)
     return 0
+
+
+def _print_planned(run) -> None:  # noqa: ANN001 - ken.multihop_plan.PlannedRun
+    """The query optimizer's choice per operator, EXPLAIN, and predicted against served."""
+    import numpy as np
+
+    chosen = run.plan.chosen
+    console.print(f"[bold]query optimizer[/]: target {run.plan.target.describe()} (F1 of the "
+                  f"final answer); {len(run.plan.points)} combinations of gear plans "
+                  f"simulated together")
+    for p in chosen.plans:
+        console.print("\n".join([f"{p.operator}:"] + [f"  {line}" for line in p.describe()]),
+                      highlight=False, markup=False)
+    console.print(run.explain, highlight=False, markup=False)
+    served = [a.latency_s for a in run.report.answers if a.status == "ok"]
+    p = chosen.metrics
+    console.print(
+        f"predicted for the planning stream: F1 {100 * chosen.quality:.1f}, p95 "
+        f"{p.p95_ms / 1000:.1f} s; for the served stream of {len(served)} questions: F1 "
+        f"{100 * run.predicted.quality:.1f}, p50 {run.predicted.metrics.p50_ms / 1000:.1f} s, "
+        f"p95 {run.predicted.metrics.p95_ms / 1000:.1f} s; measured: F1 "
+        f"{run.report.summary.f1:.1f}, p50 {np.percentile(served, 50):.1f} s, p95 "
+        f"{np.percentile(served, 95):.1f} s", highlight=False, markup=False)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -555,13 +599,25 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"folder with the data set files (default: ../shared/data/{name})")
         qa.add_argument("--limit", type=int, default=None,
                         help="answer only the first N questions")
-        qa.add_argument("--llms", default="smollm2-135m",
+        qa.add_argument("--llms", default=DEFAULT_QA_LLMS,
                         help="LMs of sem_qa, smallest first (default smollm2-135m; "
                         "smollm2-135m,qwen2.5-coder-0.5b for the cascade, a 478 MB download)")
         qa.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
         qa.add_argument("--out", type=Path, default=Path("ken-qa"),
                         help="folder for the per-question JSON (default: ken-qa)")
         qa.add_argument("--quiet", action="store_true", help="no progress output")
+        if name == "mmqa":
+            qa.add_argument("--target", default=None,
+                            help="plan text_qa and table_qa together for 'f1 >= 0.25' or "
+                            "'p95 <= 60000' (ms per question) and answer a stream of questions "
+                            "on the online engine (first run: ~25 min to measure both LMs)")
+            qa.add_argument("--stream", type=int, default=40,
+                            help="with --target: questions in the served stream (default 40)")
+            qa.add_argument("--devices", type=int, default=2,
+                            help="with --target: one-thread CPU workers (default 2)")
+            qa.add_argument("--load", type=float, default=1.5,
+                            help="with --target: the trace's busiest minute as a multiple of "
+                            "what Qwen alone sustains (default 1.5)")
         qa.set_defaults(func=cmd_qa)
 
     demo = sub.add_parser("demo", help="the whole pipeline on the packaged models and data")

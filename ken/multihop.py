@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -67,21 +68,21 @@ LINKED_CHARS = 400  # characters of each linked passage the HybridQA hop reads
 _TEXT_CANDIDATES = """
 SELECT p.doc_id, p.title, p.text,
        sem_similarity(h.q, p.title || '. ' || p.text) AS score
-FROM hop h JOIN questions q ON q.qid = h.qid
+FROM {hop} h JOIN questions q ON q.qid = h.qid
      JOIN passages p ON list_contains(q.text_doc_ids, p.doc_id)
 ORDER BY score DESC, p.doc_id LIMIT 1
 """
 _TABLE_CANDIDATES = f"""
 SELECT r.table_title, r.row_index, r.row_text,
        sem_similarity(h.q, r.table_title || '. ' || r.row_text) AS score
-FROM hop h JOIN questions q ON q.qid = h.qid
+FROM {{hop}} h JOIN questions q ON q.qid = h.qid
      JOIN table_rows r ON r.table_id = q.table_id
 ORDER BY score DESC, r.row_index LIMIT {TABLE_ROWS}
 """
 _HYBRID_ROW = """
 SELECT r.table_id, r.row_index, r.table_title, r.row_text,
        sem_similarity(h.q, r.row_text) AS score
-FROM hop h JOIN questions q ON q.qid = h.qid
+FROM {hop} h JOIN questions q ON q.qid = h.qid
      JOIN table_rows r ON r.table_id = q.table_id
 ORDER BY score DESC, r.row_index LIMIT 1
 """
@@ -238,21 +239,29 @@ class Pipeline:
             names.extend(self.session.bind(function, ()).cascade.models)
         return tuple(dict.fromkeys(names))
 
-    def _hop_table(self, qid: str, q: str, context: str = "") -> None:
-        self.session.register_table("hop", pa.table({"qid": [qid], "q": [q],
-                                                     "context": [context]}))
+    @staticmethod
+    def _hop_name() -> str:
+        """The one-row table of the hop being answered: one per thread, so that questions
+        can be answered from several threads at once (``answer_stream``)."""
+        return f"hop_{threading.get_ident()}"
+
+    def _hop_table(self, qid: str, q: str, context: str = "") -> str:
+        name = self._hop_name()
+        self.session.register_table(name, pa.table({"qid": [qid], "q": [q],
+                                                    "context": [context]}))
+        return name
 
     def _read(self, kind: str, qid: str, q: str, context: str) -> str | None:
         if not context.strip():  # nothing retrieved: no answer
             return None
-        self._hop_table(qid, q, context)
-        return self.session.sql(f"SELECT {READERS[kind]}(q, context) AS answer FROM hop"
+        hop = self._hop_table(qid, q, context)
+        return self.session.sql(f"SELECT {READERS[kind]}(q, context) AS answer FROM {hop}"
                                 ).fetchall()[0][0]
 
     def _ranked(self, query: str, qid: str, q: str) -> list[tuple]:
         """The candidates ``query`` ranks for the hop question ``q`` (best first)."""
-        self._hop_table(qid, q)
-        return self.session.sql(query).fetchall()
+        hop = self._hop_table(qid, q)
+        return self.session.sql(query.replace("{hop}", hop)).fetchall()
 
     def text_hop(self, qid: str, q: str) -> tuple[str | None, str]:
         rows = self._ranked(_TEXT_CANDIDATES, qid, q)
@@ -282,7 +291,7 @@ class Pipeline:
     def route(self, q: QAQuestion) -> str:
         if self.data.dataset != "mmqa":
             return "row+passages"
-        return self._ranked("SELECT question_type(q) FROM hop", q.qid, q.question)[0][0]
+        return self._ranked("SELECT question_type(q) FROM {hop}", q.qid, q.question)[0][0]
 
     def answer(self, q: QAQuestion) -> Answered:
         if q.status != OK:
@@ -310,21 +319,29 @@ class Pipeline:
 
 
 def run_pipeline(session: Session, data: QAData, limit: int | None = None,
-                 reporter: Reporter | None = None, type_model: Model | None = None
+                 reporter: Reporter | None = None, type_model: Model | None = None,
+                 pipeline: Pipeline | None = None,
+                 stream: tuple[Sequence[QAQuestion], Sequence[float]] | None = None
                  ) -> RunReport:
-    """Answer the first ``limit`` questions of ``data`` (all by default) and score them.
+    """Answer the first ``limit`` questions of ``data`` (all by default), one at a time, and
+    score them; or, with ``stream=(questions, arrival_s)``, answer those questions as they
+    arrive (:func:`answer_stream`).
 
-    ``type_model`` replaces the trained question-type classifier (MultiModalQA)."""
+    ``type_model`` replaces the trained question-type classifier (MultiModalQA);
+    ``pipeline`` is one already set up on ``session``."""
     reporter = reporter or Reporter(quiet=True)
     started = time.perf_counter()
-    pipeline = Pipeline(session, data, reporter, type_model)
-    questions = data.questions[:limit] if limit else data.questions
-    answered: list[Answered] = []
-    with reporter.task(f"answer {len(questions)} {data.dataset} questions",
-                       len(questions)) as advance:
-        for q in questions:
-            answered.append(pipeline.answer(q))
-            advance(1)
+    pipeline = pipeline or Pipeline(session, data, reporter, type_model)
+    if stream is not None:
+        answered = answer_stream(pipeline, stream[0], stream[1], reporter)
+    else:
+        questions = data.questions[:limit] if limit else data.questions
+        answered = []
+        with reporter.task(f"answer {len(questions)} {data.dataset} questions",
+                           len(questions)) as advance:
+            for q in questions:
+                answered.append(pipeline.answer(q))
+                advance(1)
     rows = [ScoreRow(a.qid, a.qtype, a.status, a.gold, a.predicted) for a in answered]
     typed = [a for a in answered if a.route in ROUTE_LABELS]
     type_accuracy = (float(np.mean([a.route == route_of(a.qtype) for a in typed]))
@@ -332,6 +349,43 @@ def run_pipeline(session: Session, data: QAData, limit: int | None = None,
     return RunReport(data.dataset, data.variant, data.files, pipeline.models, tuple(answered),
                      summarise(rows, style=data.dataset), type_accuracy,
                      time.perf_counter() - started)
+
+
+def answer_stream(pipeline: Pipeline, questions: Sequence[QAQuestion],
+                  arrival_s: Sequence[float], reporter: Reporter | None = None,
+                  max_threads: int = 64) -> list[Answered]:
+    """Answer ``questions[i]`` when it arrives at ``arrival_s[i]`` seconds from now, each in
+    its own thread (so the served operators batch the calls of questions in flight); a
+    question's latency runs from its arrival to its answer."""
+    import dataclasses
+    from concurrent.futures import ThreadPoolExecutor
+
+    if len(questions) != len(arrival_s):
+        raise DataError(f"{len(questions)} questions for {len(arrival_s)} arrival times")
+    reporter = reporter or Reporter(quiet=True)
+    start = time.perf_counter()
+
+    def run(i: int) -> Answered:
+        a = pipeline.answer(questions[i])
+        if a.status != OK:
+            return a
+        return dataclasses.replace(a, latency_s=time.perf_counter() - start - arrival_s[i])
+
+    out: list[Answered | None] = [None] * len(questions)
+    with ThreadPoolExecutor(max_threads) as pool, \
+            reporter.task(f"answer a stream of {len(questions)} questions",
+                          len(questions)) as advance:
+        futures = []
+        for i, t in enumerate(arrival_s):
+            wait = start + t - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            future = pool.submit(run, i)
+            future.add_done_callback(lambda _f: advance(1))
+            futures.append(future)
+        for i, f in enumerate(futures):
+            out[i] = f.result()
+    return [a for a in out if a is not None]
 
 
 def write_report(report: RunReport, out: Path) -> Path:

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from ken.errors import DataError
+from ken.errors import DataError, KenError
 from ken.models.cascade import Cascade
 from ken.models.model import DeviceConfig, Model, ModelOutput, Output
 from ken.models.qa_data import OK, QAData
@@ -45,15 +45,29 @@ from ken.multihop import (
     ROUTE_LABELS,
     ROUTES,
     Pipeline,
+    RunReport,
     question_type_model,
     route_of,
+    run_pipeline,
     training_questions,
 )
 from ken.ops.llm_operator import DEFAULT_LLMS, SHORT
 from ken.ops.sem_qa import SemQA
 from ken.optimizer.perf import Catalog, ModelPerf
+from ken.optimizer.planner import PlannerSettings, plan_frontier
 from ken.optimizer.profile import measure_batch_runtimes
-from ken.optimizer.query import PipelineSample
+from ken.optimizer.query import (
+    PipelinePlan,
+    PipelinePoint,
+    PipelineSample,
+    Target,
+    choose_pipeline,
+    evaluate_pipeline,
+)
+from ken.optimizer.simulator import sample_rows
+from ken.optimizer.workload import Trace
+from ken.paths import ken_home
+from ken.policy.plan import Frontier, GearPlan
 from ken.progress import Reporter
 from ken.session import Session
 
@@ -288,5 +302,161 @@ def first_stage_cascades(catalog: Catalog, operator: str, llms: Sequence[str],
     return [c for c in cascades if all(m in catalog.perf for m in c.models)]
 
 
-__all__ = ["LLMS", "OPERATORS", "Outcomes", "ROUTE_LABELS", "SHORT", "load_or_measure",
-           "measure", "pipeline_inputs", "first_stage_cascades"]
+#: thresholds of the two-stage reading cascades the planner chooses from
+THRESHOLDS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+#: questions arrive at LLM rates (< 1/s): gear plans meter the rate over this window (a
+#: 0.1-s window would read 0 or 10/s), and the trace's peak is its busiest minute
+RATE_WINDOW_S = 20.0
+
+
+class PipelinePlanner:
+    """Frontiers of gear plans for the pipeline's operators and the query optimizer's
+    choice, on ``devices`` one-thread CPU workers for a stream of the labelled questions
+    arriving on the Azure LLM trace (``duration_s`` around its busiest minute, whose rate is
+    ``load`` x the questions/s that LLM-only sustains)."""
+
+    def __init__(self, outcomes: Outcomes, devices: int = 2, memory_gb: float = 8.0,
+                 duration_s: float = 600.0, load: float = 1.5, seed: int = 0,
+                 trace: Trace | None = None) -> None:
+        from ken.optimizer.workload import Hardware, fit_peak, load_azure_trace
+
+        if devices < 1 or memory_gb <= 0 or duration_s <= 0 or load <= 0:
+            raise KenError("devices >= 1, and memory_gb, duration_s and load > 0, please")
+        self.outcomes = outcomes
+        self.catalogs, self.sample = pipeline_inputs(outcomes)
+        self.llms = outcomes.llms
+        self.hardware = Hardware.cpu_workers(devices, int(memory_gb * 2**30))
+        self.seed = seed
+        large = self.llms[-1]
+        visits = np.array([[k in r for k in range(len(OPERATORS))]
+                           for r in self.sample.routes])
+        seconds = sum(visits[:, k].mean() * min(
+            self.catalogs[op].perf[model_name(op, large)].per_row_s(b) for b in BATCH_SIZES)
+            for k, op in enumerate(OPERATORS) if op in READING)
+        self.llm_only_qps = devices / seconds
+        self.peak_qps = load * self.llm_only_qps
+        if trace is None:
+            full = load_azure_trace()
+            trace = fit_peak(lambda f: full.rate_scaled(f).around_peak(duration_s),
+                             self.peak_qps / full.qps_max(60.0), self.peak_qps, window_s=60.0)
+        self.trace = trace
+        self.rows = sample_rows(len(trace), self.sample.num_rows, seed)
+
+    def operator_trace(self, op: str) -> Trace:
+        """The arrivals of the questions whose route reaches ``op``."""
+        k = OPERATORS.index(op)
+        mask = np.array([k in self.sample.routes[r] for r in self.rows])
+        if not mask.any():  # no question takes this hop: plan it for the whole stream
+            return self.trace
+        return Trace(self.trace.arrival_s[mask], f"{self.trace.name}-{op}")
+
+    def frontier(self, op: str, cascades: Sequence[Cascade], num_ranges: int) -> Frontier:
+        settings = PlannerSettings(num_ranges=num_ranges, max_rounds=4,
+                                   rate_window_s=RATE_WINDOW_S, seed=self.seed)
+        return plan_frontier(op, cascades, self.catalogs[op], self.hardware,
+                             self.operator_trace(op), qps_max=self.peak_qps,
+                             settings=settings)[0]
+
+    def static(self, op: str, cascade: Cascade) -> GearPlan:
+        """The fastest plan (placement, batching) of one cascade at every load."""
+        return min(self.frontier(op, [cascade], 1).plans, key=lambda p: p.predicted.p95_ms)
+
+    def type_plan(self) -> GearPlan:
+        return self.static("question_type", Cascade(("question_type",)))
+
+    def evaluate(self, plans: Sequence[GearPlan]) -> PipelinePoint:
+        return evaluate_pipeline(plans, [self.catalogs[op] for op in OPERATORS], self.trace,
+                                 self.sample, self.seed)
+
+    def candidates(self, op: str, num_ranges: int = 4, max_plans: int = 6
+                   ) -> list[GearPlan]:
+        """A reading operator's candidate plans: its frontier of gear plans (single LMs and
+        two-stage cascades at :data:`THRESHOLDS`, switched by load over ``num_ranges``
+        ranges; at most ``max_plans``, spread over the frontier) and the static plan of each
+        of those cascades (the frontier is planned for this operator alone; sharing the
+        devices with the other operator can favour a static plan)."""
+        cascades = first_stage_cascades(self.catalogs[op], op, self.llms, THRESHOLDS)
+        adaptive = self.frontier(op, cascades, num_ranges).plans
+        keep = sorted({round(i * (len(adaptive) - 1) / max(1, max_plans - 1))
+                       for i in range(min(max_plans, len(adaptive)))})
+        return [adaptive[i] for i in keep] + [self.static(op, c) for c in cascades]
+
+    def choose(self, target: Target, num_ranges: int = 4, max_plans: int = 6
+               ) -> PipelinePlan:
+        """The combination of the reading operators' :meth:`candidates` that meets
+        ``target`` (``choose_pipeline``: every combination simulated together)."""
+        fronts: dict[str, Sequence[GearPlan]] = {"question_type": [self.type_plan()]}
+        for op in READING:
+            fronts[op] = self.candidates(op, num_ranges, max_plans)
+        size = max(len(f) for f in fronts.values())
+        return choose_pipeline(fronts, self.catalogs, self.trace, self.sample, target,
+                               self.seed, max_plans=size)
+
+
+def densest(arrival_s: np.ndarray, count: int) -> tuple[int, np.ndarray]:
+    """The ``count`` consecutive arrivals that span the least time: their first index and
+    their times from the first of them."""
+    count = min(count, len(arrival_s))
+    spans = arrival_s[count - 1:] - arrival_s[:len(arrival_s) - count + 1]
+    start = int(np.argmin(spans))
+    part = arrival_s[start:start + count]
+    return start, part - part[0]
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    plan: PipelinePlan
+    predicted: PipelinePoint  # the simulator's prediction for the stream that was served
+    report: RunReport
+    explain: str
+    arrival_s: tuple[float, ...]
+
+
+def run_planned(session: Session, data: QAData, target: Target, stream: int = 40,
+                devices: int = 2, memory_gb: float = 8.0, load: float = 1.5,
+                duration_s: float = 600.0, reporter: Reporter | None = None,
+                folder: Path | None = None, workers: str = "auto",
+                type_model: Model | None = None, trace: Trace | None = None) -> PlannedRun:
+    """Plan the pipeline for ``target`` (:class:`PipelinePlanner`, from the cached
+    :func:`measure` of ``data``), set the chosen gear plans on ``text_qa`` and
+    ``table_qa``, serve them on the online engine and answer the ``stream`` questions of the
+    planned trace that arrive closest together, as they arrive.
+
+    ``type_model`` replaces the question-type classifier and ``trace`` the Azure trace
+    (tests)."""
+    reporter = reporter or Reporter(quiet=True)
+    if stream < 1:
+        raise KenError(f"the stream needs at least one question, got {stream}")
+    session.operators["sem_qa"].llms = LLMS  # type: ignore[attr-defined]
+    outcomes = load_or_measure(session, data, folder or (session.home or ken_home())
+                               / "qa-plans", LLMS, reporter)
+    planner = PipelinePlanner(outcomes, devices, memory_gb, duration_s, load, trace=trace)
+    with reporter.task("plan the pipeline's operators together", 1) as advance:
+        plan = planner.choose(target)
+        advance(1)
+    # registers the operators the plans are for (unless the session has its own)
+    pipeline = Pipeline(session, data, reporter, type_model)
+    for p in plan.plans:
+        if p.operator in READING:
+            session.use_plan(p)
+    hop = pipeline._hop_table("", "", "")  # an empty hop, for EXPLAIN
+    explain = session.explain(f"SELECT {READERS['text']}(q, context) AS text_answer, "
+                              f"{READERS['table']}(q, context) AS table_answer FROM {hop}")
+    start, arrivals = densest(planner.trace.arrival_s, stream)
+    rows = planner.rows[start:start + len(arrivals)]
+    by_qid = {q.qid: q for q in data.questions}
+    questions = [by_qid[outcomes.qids[r]] for r in rows]
+    predicted = evaluate_pipeline(plan.plans, [planner.catalogs[op] for op in OPERATORS],
+                                  Trace(arrivals, "stream"), planner.sample, rows=rows)
+    session.serve(list(READING), workers=workers, threads_per_device=1, memory_gb=memory_gb)
+    try:
+        report = run_pipeline(session, data, reporter=reporter, pipeline=pipeline,
+                              stream=(questions, arrivals))
+    finally:
+        session.stop_serving()
+    return PlannedRun(plan, predicted, report, explain, tuple(float(t) for t in arrivals))
+
+
+__all__ = ["LLMS", "OPERATORS", "Outcomes", "PipelinePlanner", "PlannedRun", "ROUTE_LABELS",
+           "SHORT", "load_or_measure", "measure", "pipeline_inputs", "first_stage_cascades",
+           "run_planned"]

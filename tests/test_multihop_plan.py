@@ -6,6 +6,7 @@ question by the LMs that resolved its hops."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -17,14 +18,24 @@ from ken.models.cascade import Cascade
 from ken.models.model import Output
 from ken.models.qa_data import read_mmqa
 from ken.multihop import READERS, route_of, run_pipeline
-from ken.multihop_plan import OPERATORS, Outcomes, load_or_measure, model_name, pipeline_inputs
+from ken.multihop_plan import (
+    LLMS,
+    OPERATORS,
+    Outcomes,
+    load_or_measure,
+    model_name,
+    pipeline_inputs,
+    run_planned,
+)
 from ken.optimizer.planner import PlannerSettings, plan_frontier
-from ken.optimizer.query import evaluate_pipeline
+from ken.optimizer.query import Target, evaluate_pipeline
 from ken.optimizer.simulator import sample_rows
 from ken.optimizer.workload import Hardware, poisson_trace
 
 FIXTURES = Path(__file__).parent / "fixtures"
-LMS = ("weak", "strong")
+LMS = LLMS  # the stand-ins: the first is weak, the last strong
+WEAK, STRONG = LMS[0], LMS[-1]
+WW, WS, SW, SS = (f"{a},{b}" for a in (WEAK, STRONG) for b in (WEAK, STRONG))
 
 
 class Weak(Reader):
@@ -40,7 +51,7 @@ class Weak(Reader):
 def measured(tmp_path):  # noqa: ANN001
     data = read_mmqa(FIXTURES / "mmqa")
     routes = {q.question: route_of(q.qtype) for q in data.questions}
-    stages = {"weak": Weak(), "strong": Reader()}
+    stages = {LMS[0]: Weak(), LMS[-1]: Reader()}
     with ken.connect(home=tmp_path / "home") as s:
         s.register("sem_similarity", Overlap(), output_type="double")
         outcomes = load_or_measure(
@@ -60,19 +71,19 @@ def test_every_assignment_is_answered_and_cached(measured) -> None:  # noqa: ANN
     assert outcomes.qids == tuple(a.qid for a in ok)
     assert outcomes.routes == tuple(a.route for a in ok)
     assert set(outcomes.runs) == {f"{a},{b}" for a in LMS for b in LMS}
-    strong = outcomes.runs["strong,strong"]
+    strong = outcomes.runs[SS]
     assert [r[0] for r in strong] == [a.f1 for a in ok]
     assert [r[2] for r in strong] == [a.predicted for a in ok]
-    weak = outcomes.runs["weak,weak"]
+    weak = outcomes.runs[WW]
     assert [r[0] for r in weak] == [1.0 if a.predicted == "Turin" else 0.0 for a in ok]
     # a table-only question does not care which LM reads text, and the reverse
     for i, route in enumerate(outcomes.routes):
         if route == "TableQ":
-            assert outcomes.runs["weak,strong"][i][0] == strong[i][0]
+            assert outcomes.runs[WS][i][0] == strong[i][0]
         if route == "TextQ":
-            assert outcomes.runs["strong,weak"][i][0] == strong[i][0]
+            assert outcomes.runs[SW][i][0] == strong[i][0]
             assert set(strong[i][3]) == {READERS["text"]}
-    assert outcomes.perf[model_name("text_qa", "weak")]["runtime_s"][0][0] > 0
+    assert outcomes.perf[model_name("text_qa", WEAK)]["runtime_s"][0][0] > 0
     # cached: a second call reads the file (the stand-ins are not needed)
     again = load_or_measure(None, data, tmp_path / "cache", LMS)  # type: ignore[arg-type]
     assert again == Outcomes.from_json(outcomes.to_json())
@@ -84,8 +95,8 @@ def test_a_simulated_stream_scores_questions_by_the_lms_that_answered(measured) 
     assert sample.operators == OPERATORS
     n = len(outcomes.qids)
     for op in OPERATORS[1:]:
-        strong = catalogs[op].quality[model_name(op, "strong")]
-        assert strong.tolist() == [r[0] for r in outcomes.runs["strong,strong"]]
+        strong = catalogs[op].quality[model_name(op, STRONG)]
+        assert strong.tolist() == [r[0] for r in outcomes.runs[SS]]
     hardware = Hardware.cpu_workers(2, 2**30)
     trace = poisson_trace(20.0, 2.0, seed=1)
     settings = PlannerSettings(num_ranges=1, max_rounds=1)
@@ -100,10 +111,47 @@ def test_a_simulated_stream_scores_questions_by_the_lms_that_answered(measured) 
 
     rows = sample_rows(len(trace), n, 7)
     cats = [catalogs[op] for op in OPERATORS]
-    for text_lm, table_lm in (("strong", "strong"), ("weak", "strong"), ("weak", "weak")):
+    for text_lm, table_lm in ((STRONG, STRONG), (WEAK, STRONG), (WEAK, WEAK)):
         point = evaluate_pipeline(plans(text_lm, table_lm), cats, trace, sample, seed=7)
         f1 = [r[0] for r in outcomes.runs[f"{text_lm},{table_lm}"]]
         assert point.quality == pytest.approx(np.mean([f1[q] for q in rows]))
         visits = [sum(k in sample.routes[q] for q in rows) for k in range(3)]
         assert visits[0] == len(trace)  # every question is typed
         assert [p > 0 for p in point.operator_p95_ms] == [v > 0 for v in visits]
+
+
+class Named(Reader):
+    def __init__(self, name: str, weak: bool) -> None:
+        super().__init__()
+        self.spec = replace(self.spec, name=name, fingerprint=name)
+        self.weak = weak
+
+    def predict(self, texts: Sequence, batch_size: int = 32) -> Output:
+        return Weak.predict(self, texts, batch_size) if self.weak else \
+            Reader.predict(self, texts, batch_size)
+
+
+def test_planned_stream_is_served_with_the_chosen_gear_plans(measured) -> None:  # noqa: ANN001
+    data, outcomes, _plain, tmp_path = measured
+    routes = {q.question: route_of(q.qtype) for q in data.questions}
+    with ken.connect(home=tmp_path / "home") as s:
+        s.register("sem_similarity", Overlap(), output_type="double")
+        for op in (READERS["text"], READERS["table"]):
+            names = [model_name(op, lm) for lm in LLMS]
+            s.register(op, Cascade(tuple(names), (0.5,)),
+                       models={n: Named(n, weak=i == 0) for i, n in enumerate(names)})
+        run = run_planned(s, data, Target(min_accuracy=0.0), stream=5,
+                          folder=tmp_path / "cache", workers="thread",
+                          type_model=GoldType(routes), trace=poisson_trace(4.0, 3.0, seed=2))
+        assert not s.engines  # stopped after the stream
+    assert run.explain.count("gear plan") >= 2  # EXPLAIN shows each reading operator's plan
+    chosen = {p.operator: p for p in run.plan.plans}
+    assert set(chosen) == set(OPERATORS)
+    assert len(run.report.answers) == len(run.arrival_s) == 5
+    by_qid = dict(zip(outcomes.qids, range(len(outcomes.qids)), strict=True))
+    for a in run.report.answers:
+        # each served answer is one the LMs gave for that question when measured
+        i = by_qid[a.qid]
+        assert a.predicted in {rows[i][2] for rows in outcomes.runs.values()}
+        assert a.latency_s >= 0
+    assert 0.0 <= run.predicted.quality <= 1.0

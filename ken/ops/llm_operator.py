@@ -75,11 +75,15 @@ class LLMOperator(Operator):
 
     def loaders(self, ctx: OpContext, threads: int) -> Mapping[str, Callable[[], Model]]:
         return {self.stage_name(lm, self.eval_constants): functools.partial(
-                    load_stage, type(self), lm, self.eval_constants, ctx.home, threads)
+                    load_stage, type(self), lm, self.eval_constants, ctx.home, threads,
+                    self.name)
                 for lm in self.llms}
 
 
 def load_stage(kind: type[LLMOperator], lm_name: str, constants: tuple[str, ...],
-               home: Path | None, threads: int) -> Model:
-    """One LLM stage for a worker process (picklable via ``functools.partial``)."""
-    return kind().stage(Resources(DeviceConfig(threads=threads), home), lm_name, constants)
+               home: Path | None, threads: int, name: str | None = None) -> Model:
+    """One LLM stage for a worker process (picklable via ``functools.partial``), of the
+    operator registered as ``name`` (its stages are named after it)."""
+    op = kind() if name is None else kind().renamed(name)
+    assert isinstance(op, LLMOperator)
+    return op.stage(Resources(DeviceConfig(threads=threads), home), lm_name, constants)

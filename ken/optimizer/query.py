@@ -213,11 +213,16 @@ class PipelinePlan:
 
 
 def evaluate_pipeline(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace: Trace,
-                      sample: PipelineSample, seed: int = 0) -> PipelinePoint:
-    """Simulate ``plans`` (one per operator of ``sample``) together on ``trace``."""
+                      sample: PipelineSample, seed: int = 0,
+                      rows: Sequence[int] | None = None) -> PipelinePoint:
+    """Simulate ``plans`` (one per operator of ``sample``) together on ``trace``; request
+    ``i`` is sample row ``rows[i]`` (default: a permutation of the rows drawn by ``seed``)."""
     if len(plans) != len(sample.operators):
         raise QueryPlanError(f"give one plan per operator {sample.operators}")
-    rows = sample_rows(len(trace), sample.num_rows, seed)
+    if rows is None:
+        rows = sample_rows(len(trace), sample.num_rows, seed)
+    elif len(rows) != len(trace):
+        raise QueryPlanError(f"{len(rows)} sample rows for {len(trace)} requests")
     result = simulate_many(plans, catalogs, trace, seed, routes=sample.routes, rows=rows)
     quality = sample.request_quality(result, plans, rows)
     metrics = result.metrics(0)
