@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load", type=float, default=1.5,
                     help="peak rate as a multiple of what LLM-only sustains")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--cache", type=Path, default=RESULTS / "cache",
+                    help="folder of the measured answers and timings (reused across runs)")
     ap.add_argument("--force", action="store_true", help="measure the answers again")
     args = ap.parse_args(argv)
 
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     data = read_mmqa(args.data_dir or shared_data_dir() / "mmqa")
     with ken.connect(device=DeviceConfig(threads=2), reporter=reporter) as session:
-        outcomes = load_or_measure(session, data, args.out / "cache", LLMS, reporter,
+        outcomes = load_or_measure(session, data, args.cache, LLMS, reporter,
                                    args.force)
     planner = PipelinePlanner(outcomes, args.devices, args.memory_gb, args.duration,
                               args.load)
@@ -148,7 +150,8 @@ def pareto(points: list[dict]) -> list[dict]:
     out = [p for p in points if not any(
         q["f1"] >= p["f1"] and q["p95_ms"] <= p["p95_ms"]
         and (q["f1"], q["p95_ms"]) != (p["f1"], p["p95_ms"]) for q in points)]
-    return sorted(out, key=lambda p: p["f1"])
+    unique = {(p["f1"], p["p95_ms"]): p for p in out}  # one of equal points
+    return sorted(unique.values(), key=lambda p: p["f1"])
 
 
 def matched_ratios(points: list[dict]) -> list[dict]:
