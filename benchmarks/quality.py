@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     skip = set(filter(None, args.skip.split(",")))
 
     import ken
-    from ken.models.family import FamilyData, load_models
+    from ken.models.family import FamilyData, load_models, prepare
     from ken.models.model import DeviceConfig
     from ken.ops.sem_match import has_data, load_pairs
     from ken.progress import Reporter
@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     device = DeviceConfig(threads=args.threads)
     with ken.connect(device=device, reporter=reporter) as session:
         if "sentiment" not in skip:
+            prepare(FamilyData(), device, reporter=reporter)  # reuses what is prepared
             models = load_models(FamilyData(), device)
             for set_name, (texts, gold, names) in sentiment_sets(args.rows).items():
                 gold_arr = np.array(gold)
