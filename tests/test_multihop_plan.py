@@ -22,6 +22,7 @@ from ken.multihop_plan import (
     LLMS,
     OPERATORS,
     Outcomes,
+    densest,
     load_or_measure,
     model_name,
     pipeline_inputs,
@@ -155,3 +156,14 @@ def test_planned_stream_is_served_with_the_chosen_gear_plans(measured) -> None: 
         assert a.predicted in {rows[i][2] for rows in outcomes.runs.values()}
         assert a.latency_s >= 0
     assert 0.0 <= run.predicted.quality <= 1.0
+
+
+def test_densest_arrivals_match_brute_force() -> None:
+    rng = np.random.default_rng(3)
+    arrivals = np.sort(rng.exponential(1.0, 40).cumsum())
+    for count in (1, 5, 17, 40, 60):
+        start, part = densest(arrivals, count)
+        k = min(count, len(arrivals))
+        spans = [arrivals[i + k - 1] - arrivals[i] for i in range(len(arrivals) - k + 1)]
+        assert start == int(np.argmin(spans)) and len(part) == k
+        assert part[0] == 0.0 and part[-1] == pytest.approx(min(spans))
