@@ -245,7 +245,8 @@ class Pipeline:
         can be answered from several threads at once (``answer_stream``)."""
         return f"hop_{threading.get_ident()}"
 
-    def _hop_table(self, qid: str, q: str, context: str = "") -> str:
+    def hop_table(self, qid: str, q: str, context: str = "") -> str:
+        """Register this thread's one-row hop table; returns its name."""
         name = self._hop_name()
         self.session.register_table(name, pa.table({"qid": [qid], "q": [q],
                                                     "context": [context]}))
@@ -254,13 +255,13 @@ class Pipeline:
     def _read(self, kind: str, qid: str, q: str, context: str) -> str | None:
         if not context.strip():  # nothing retrieved: no answer
             return None
-        hop = self._hop_table(qid, q, context)
+        hop = self.hop_table(qid, q, context)
         return self.session.sql(f"SELECT {READERS[kind]}(q, context) AS answer FROM {hop}"
                                 ).fetchall()[0][0]
 
     def _ranked(self, query: str, qid: str, q: str) -> list[tuple]:
         """The candidates ``query`` ranks for the hop question ``q`` (best first)."""
-        hop = self._hop_table(qid, q)
+        hop = self.hop_table(qid, q)
         return self.session.sql(query.replace("{hop}", hop)).fetchall()
 
     def text_hop(self, qid: str, q: str) -> tuple[str | None, str]:
@@ -371,7 +372,6 @@ def answer_stream(pipeline: Pipeline, questions: Sequence[QAQuestion],
             return a
         return dataclasses.replace(a, latency_s=time.perf_counter() - start - arrival_s[i])
 
-    out: list[Answered | None] = [None] * len(questions)
     with ThreadPoolExecutor(max_threads) as pool, \
             reporter.task(f"answer a stream of {len(questions)} questions",
                           len(questions)) as advance:
@@ -383,9 +383,7 @@ def answer_stream(pipeline: Pipeline, questions: Sequence[QAQuestion],
             future = pool.submit(run, i)
             future.add_done_callback(lambda _f: advance(1))
             futures.append(future)
-        for i, f in enumerate(futures):
-            out[i] = f.result()
-    return [a for a in out if a is not None]
+        return [f.result() for f in futures]
 
 
 def write_report(report: RunReport, out: Path) -> Path:

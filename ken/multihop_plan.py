@@ -175,15 +175,15 @@ def measure(session: Session, data: QAData, llms: Sequence[str] = LLMS,
     log: list = []
     runs: dict[str, list] = {}
     routes: list[str] = []
-    type_name = ""
     combos = assignments(llms)
+    pipeline: Pipeline | None = None
     with reporter.task(f"answer {len(questions)} questions x {len(combos)} LM assignments",
                        len(questions) * len(combos)) as advance:
         for text_lm, table_lm in combos:
             for op, lm in ((READERS["text"], text_lm), (READERS["table"], table_lm)):
                 session.register(op, _Memo(lms[lm], op, caches[lm], log))
-            pipeline = Pipeline(session, data, Reporter(quiet=True), type_model)
-            type_name = pipeline.type_model
+            # set up once (tables, question types); it calls the reading operators by name
+            pipeline = pipeline or Pipeline(session, data, Reporter(quiet=True), type_model)
             rows = []
             for i, q in enumerate(questions):
                 log.clear()
@@ -221,7 +221,8 @@ def measure(session: Session, data: QAData, llms: Sequence[str] = LLMS,
                              "memory_bytes": [type_model.spec.memory_bytes]}
     accuracy = float(np.mean([r == route_of(q.qtype) for r, q in
                               zip(routes, questions, strict=True)]))
-    return Outcomes(data.dataset, data.files, tuple(llms), type_name,
+    assert pipeline is not None  # at least one assignment ran
+    return Outcomes(data.dataset, data.files, tuple(llms), pipeline.type_model,
                     tuple(q.qid for q in questions), tuple(q.qtype for q in questions),
                     tuple(routes), {k: tuple(v) for k, v in runs.items()}, perf, accuracy,
                     time.perf_counter() - started)
@@ -439,7 +440,7 @@ def run_planned(session: Session, data: QAData, target: Target, stream: int = 40
     for p in plan.plans:
         if p.operator in READING:
             session.use_plan(p)
-    hop = pipeline._hop_table("", "", "")  # an empty hop, for EXPLAIN
+    hop = pipeline.hop_table("", "", "")  # an empty hop, for EXPLAIN
     explain = session.explain(f"SELECT {READERS['text']}(q, context) AS text_answer, "
                               f"{READERS['table']}(q, context) AS table_answer FROM {hop}")
     start, arrivals = densest(planner.trace.arrival_s, stream)
