@@ -63,6 +63,7 @@ from ken.optimizer.query import (
     Target,
     choose_pipeline,
     evaluate_pipeline,
+    spread_plans,
 )
 from ken.optimizer.simulator import sample_rows
 from ken.optimizer.workload import Trace
@@ -377,10 +378,8 @@ class PipelinePlanner:
         of those cascades (the frontier is planned for this operator alone; sharing the
         devices with the other operator can favour a static plan)."""
         cascades = first_stage_cascades(self.catalogs[op], op, self.llms, THRESHOLDS)
-        adaptive = self.frontier(op, cascades, num_ranges).plans
-        keep = sorted({round(i * (len(adaptive) - 1) / max(1, max_plans - 1))
-                       for i in range(min(max_plans, len(adaptive)))})
-        return [adaptive[i] for i in keep] + [self.static(op, c) for c in cascades]
+        adaptive = spread_plans(self.frontier(op, cascades, num_ranges).plans, max_plans)
+        return adaptive + [self.static(op, c) for c in cascades]
 
     def choose(self, target: Target, num_ranges: int = 4, max_plans: int = 6
                ) -> PipelinePlan:

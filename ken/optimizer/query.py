@@ -244,7 +244,8 @@ def evaluate_pipeline(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], tr
     return PipelinePoint(tuple(plans), float(quality.mean()), joint, tuple(per_op))
 
 
-def _thin(plans: Sequence[GearPlan], keep: int) -> list[GearPlan]:
+def spread_plans(plans: Sequence[GearPlan], keep: int) -> list[GearPlan]:
+    """At most ``keep`` of ``plans``, spread evenly over them (the first and last kept)."""
     if len(plans) <= keep:
         return list(plans)
     idx = sorted({round(i * (len(plans) - 1) / (keep - 1)) for i in range(keep)})
@@ -260,7 +261,7 @@ def choose_pipeline(frontiers: Mapping[str, Frontier | Sequence[GearPlan]],
     missing = [n for n in sample.operators if n not in frontiers or n not in catalogs]
     if missing:
         raise QueryPlanError(f"no frontier or catalog for operators {missing}")
-    options = [_thin(list(getattr(frontiers[n], "plans", frontiers[n])), max_plans)
+    options = [spread_plans(list(getattr(frontiers[n], "plans", frontiers[n])), max_plans)
                for n in sample.operators]
     if any(not o for o in options):
         raise QueryPlanError("an operator's frontier has no plans")
