@@ -141,11 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     result: dict = {"sentiment": [], "match": [], "filter": []}
     device = DeviceConfig(threads=args.threads)
+    sets = {} if {"sentiment", "filter"} <= skip else sentiment_sets(args.rows)
     with ken.connect(device=device, reporter=reporter) as session:
         if "sentiment" not in skip:
             prepare(FamilyData(), device, reporter=reporter)  # reuses what is prepared
             models = load_models(FamilyData(), device)
-            for set_name, (texts, gold, names) in sentiment_sets(args.rows).items():
+            for set_name, (texts, gold, names) in sets.items():
                 gold_arr = np.array(gold)
                 binary = len(names) == 2
                 reporter.note(f"sentiment: {set_name}, {len(texts)} rows")
@@ -189,7 +190,6 @@ def main(argv: list[str] | None = None) -> int:
                     row[label] = f1_score(np.array([bool(v) for v in values]), truth)
                 result["match"].append(row)
         if "filter" not in skip:
-            sets = sentiment_sets(args.rows)
             sst = next((v for k, v in sets.items() if k.startswith("SST-2")), None)
             if sst is None:
                 print("sem_filter/sem_classify left out: SST-2 not found", file=sys.stderr)
