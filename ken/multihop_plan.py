@@ -343,6 +343,7 @@ class PipelinePlanner:
                              self.peak_qps / full.qps_max(60.0), self.peak_qps, window_s=60.0)
         self.trace = trace
         self.rows = sample_rows(len(trace), self.sample.num_rows, seed)
+        self._static: dict[tuple[str, str], GearPlan] = {}
 
     def operator_trace(self, op: str) -> Trace:
         """The arrivals of the questions whose route reaches ``op``."""
@@ -360,8 +361,13 @@ class PipelinePlanner:
                              settings=settings)[0]
 
     def static(self, op: str, cascade: Cascade) -> GearPlan:
-        """The fastest plan (placement, batching) of one cascade at every load."""
-        return min(self.frontier(op, [cascade], 1).plans, key=lambda p: p.predicted.p95_ms)
+        """The fastest plan (placement, batching) of one cascade at every load (planned once
+        per operator and cascade)."""
+        key = (op, cascade.to_json())
+        if key not in self._static:
+            self._static[key] = min(self.frontier(op, [cascade], 1).plans,
+                                    key=lambda p: p.predicted.p95_ms)
+        return self._static[key]
 
     def type_plan(self) -> GearPlan:
         return self.static("question_type", Cascade(("question_type",)))
