@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
 
-    data = family.FamilyData()
+    data = family.default_data()
     device = DeviceConfig(threads=args.threads)
     reporter = Reporter()
     cards = family.prepare(data, device, reporter=reporter)

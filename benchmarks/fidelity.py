@@ -83,7 +83,7 @@ def main() -> int:
     reporter = Reporter(args.quiet)
     RESULTS.mkdir(parents=True, exist_ok=True)
 
-    data = family.FamilyData()
+    data = family.default_data()
     device = DeviceConfig(threads=1)
     cards = family.prepare(data, device, reporter=reporter)
     sample = family.heldout_sample(data)

@@ -33,7 +33,7 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=60, help="timed calls per gap")
     args = ap.parse_args()
     reporter = Reporter(False)
-    data = family.FamilyData()
+    data = family.default_data()
     device = DeviceConfig(threads=1)
     cards = {c.name: c for c in family.prepare(data, device, reporter=reporter)}
     texts = list(family.heldout_sample(data).texts[: args.calls])

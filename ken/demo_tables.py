@@ -19,7 +19,7 @@ def load_demo_tables(session: Session, num_rows: int = 1000) -> list[str]:
     from ken.models import family
     from ken.paths import shared_data_dir
 
-    data = session.ctx.data or family.FamilyData()
+    data = session.ctx.data or family.default_data()
     rows = data.unseen(num_rows)
     labels = [rows.label_names[i] for i in rows.labels]
     session.register_table("tweets", pa.table({

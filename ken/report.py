@@ -12,14 +12,15 @@ def _mb(num_bytes: float) -> str:
 def models_table(cards, profiles=None) -> Table:  # noqa: ANN001
     """Model cards as a table, with profiled ms/row per thread count when profiles are given."""
     table = Table(title="minilm-sentiment models")
-    for col in ("model", "params", "memory", "held-out acc.", "ms/row (b32, prepare)"):
-        table.add_column(col, justify="right" if col != "model" else "left")
+    for col in ("model", "training", "params", "memory", "held-out acc.",
+                "ms/row (b32, prepare)"):
+        table.add_column(col, justify="right" if col not in ("model", "training") else "left")
     profiled = sorted({p.hardware for p in (profiles or [])})
     for hw in profiled:
         table.add_column(f"ms/row b1 {hw}", justify="right")
         table.add_column(f"ms/row b32 {hw}", justify="right")
     for card in cards:
-        row = [card.name, f"{card.num_params / 1e6:.1f}M", _mb(card.memory_bytes),
+        row = [card.name, card.training, f"{card.num_params / 1e6:.1f}M", _mb(card.memory_bytes),
                f"{card.heldout_accuracy:.1%}", f"{card.ms_per_row:.1f} ({card.threads}t)"]
         for hw in profiled:
             match = [p for p in profiles if p.model == card.name and p.hardware == hw]

@@ -26,12 +26,14 @@ from ken.models.cascade import Cascade
 from ken.models.model import DeviceConfig, Model
 from ken.models.quality import EvalSample
 from ken.ops import builtin_operators
-from ken.ops.base import Bound, ModelOperator, OpContext, Operator
+from ken.ops.base import Bound, ModelOperator, OpContext, Operator, suggest
+from ken.ops.training import Trained, TrainingData
 from ken.paths import ken_home
 from ken.progress import QUIET, Reporter
 from ken.sql.execute import SiteRunner, query_error, register_sites, unregister_sites
 from ken.sql.explain import actual_lines, build, estimate, gear_plan_lines, render, site_lines
 from ken.sql.rewrite import Rewritten, SqlError, parse, rewrite
+from ken.sql.train import is_train, parse_train
 
 if TYPE_CHECKING:
     from ken.engine.serving import Engine, LoadReport
@@ -338,6 +340,59 @@ class Session:
         self._connection()
         return self._local.namespace
 
+    # -- training on the user's labels -------------------------------------------------------
+
+    def train(self, function: str, table: str | Path | pa.Table | Any, label: str,
+              columns: Sequence[str] | None = None, **options: Any) -> Trained:
+        """Train (or calibrate) ``function`` on labelled rows; its SQL calls then use it.
+
+        ``table`` is a table or view of this session (its name), a file DuckDB reads (a
+        ``Path``: CSV, Parquet, JSON), an Arrow table or a pandas frame. ``label`` names the
+        label column; ``columns`` the inputs (default: every text column but the label). The
+        same rows train once (cached by their content hash). Options: ``predicate=`` for
+        ``sem_filter``; ``models=`` (member names) for ``sentiment``.
+
+        >>> # session.train("sem_match", "my_pairs", label="is_match")
+        >>> # session.train("sem_filter", "reviews", "liked", predicate="is positive")
+        """
+        name = function.lower()
+        if name not in self.operators:
+            raise KenError(f"no semantic function {function}() to train."
+                           f"{suggest(name, self.operators)}")
+        arrow, source = self._training_table(table)
+        data = TrainingData.from_arrow(arrow, label, columns, source)
+        trained = self.operators[name].train(self.ctx, data, **options)
+        with self.ctx.lock:
+            self._bound = {k: v for k, v in self._bound.items() if k[0] != name}
+        self.frontiers.pop(name, None)
+        self.serving.forget(name)
+        return trained
+
+    def _training_table(self, table: Any) -> tuple[pa.Table, str]:
+        if isinstance(table, pa.Table):
+            return table, "an Arrow table"
+        if isinstance(table, Path):
+            if not table.exists():
+                raise KenError(f"no file {table} to train on")
+            quoted = str(table).replace("'", "''")
+            try:
+                return self._connection().sql(f"SELECT * FROM '{quoted}'"
+                                              ).to_arrow_table(), str(table)
+            except duckdb.Error as error:
+                raise KenError(f"cannot read {table}: {error}") from None
+        if isinstance(table, str):
+            try:
+                return self._connection().sql(f"SELECT * FROM {table}").to_arrow_table(), table
+            except duckdb.Error as error:
+                raise KenError(f"cannot read table {table}: {error}") from None
+        if hasattr(table, "to_arrow") or type(table).__name__ == "DataFrame":
+            try:
+                return pa.Table.from_pandas(table, preserve_index=False), "a DataFrame"
+            except (TypeError, ValueError, pa.ArrowException) as error:
+                raise KenError(f"cannot read the DataFrame to train on: {error}") from None
+        raise KenError(f"cannot train on a {type(table).__name__}; pass a table name, a Path "
+                       "to a file, an Arrow table or a pandas DataFrame")
+
     # -- tables ------------------------------------------------------------------------------
 
     def register_table(self, name: str, data: Any) -> None:
@@ -373,7 +428,20 @@ class Session:
         return out
 
     def sql(self, query: str, params: Any = None) -> Result:
-        """Run DuckDB SQL with semantic functions. ``EXPLAIN [ANALYZE]`` prefixes explain it."""
+        """Run DuckDB SQL with semantic functions. ``EXPLAIN [ANALYZE]`` prefixes explain it;
+        ``TRAIN ...`` trains a semantic function (``ken.sql.train``)."""
+        if is_train(query):
+            statement, rest = parse_train(query)
+            options = {"predicate": statement.predicate} if statement.predicate else {}
+            trained = self.train(statement.function,
+                                 Path(statement.source) if statement.is_file
+                                 else statement.source,
+                                 statement.label, statement.columns, **options)
+            if rest.strip().strip(";").strip():
+                return self.sql(rest, params)
+            return Result(self._connection, pa.table({
+                "function": [trained.function], "trained_on": [trained.data],
+                "quality": [trained.quality], "cache": [trained.where]}))
         match = _EXPLAIN.match(query)
         if match:
             text = self.explain(query[match.end():], analyze=bool(match.group(1)), params=params)

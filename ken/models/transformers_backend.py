@@ -153,13 +153,14 @@ class TransformersBody:
                 input_ids, mask = pad_batch([ids[i] for i in rows], self.pad_id)
                 input_ids = input_ids.to(self.device.torch_device)
                 mask = mask.to(self.device.torch_device)
-                pooled = self._pool(input_ids, mask)
+                pooled = self.pool(input_ids, mask)
                 out[rows] = pooled.float().cpu().numpy()
                 if on_batch:
                     on_batch(len(rows))
         return out
 
-    def _pool(self, input_ids, mask):  # noqa: ANN001, ANN202 - torch tensors
+    def pool(self, input_ids, mask):  # noqa: ANN001, ANN202 - torch tensors
+        """Mean of the chosen layer's hidden states over the unmasked tokens."""
         if self.config.layer is None:
             states = self.net(input_ids=input_ids, attention_mask=mask).last_hidden_state
         else:

@@ -104,12 +104,13 @@ class ClassifierBinding:
     calibrated: bool = True
     stage_fractions: tuple[float, ...] | None = None  # expected, from the profile
     expected_accuracy: float | None = None
+    trained: str = ""  # Trained.describe() when the user trained the operator
 
     def describe(self) -> str:
         text = f"cascade {self.cascade.describe()} [{self.cascade.certainty}]"
         if self.expected_accuracy is not None:
             text += f", profiled accuracy {self.expected_accuracy:.1%}"
-        return text
+        return f"{text}; {self.trained}" if self.trained else text
 
     def to_sql_values(self, values: Sequence[Any]) -> list[Any]:
         return [to_sql_value(v, self.output_type) for v in values]
@@ -270,6 +271,13 @@ class Operator:
         """Picklable loaders of the candidate models on a CPU device of ``threads`` threads
         (None: the engine serves the operator with thread workers)."""
         return None
+
+    def train(self, ctx: OpContext, data: Any, **options: Any) -> Any:
+        """Train or calibrate the operator on a user's labelled rows (a
+        ``ken.ops.training.TrainingData``); returns a ``Trained`` record. Operators that learn
+        nothing from labels say so."""
+        raise KenError(f"{self.name}() cannot be trained on labels; the trainable built-ins "
+                       "are sentiment, sem_filter and sem_match")
 
     @property
     def arity(self) -> int:

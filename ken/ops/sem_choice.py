@@ -62,7 +62,7 @@ class SemChoice(LLMOperator):
     def eval_sample(self, ctx: OpContext) -> EvalSample:
         from ken.models import family
 
-        return family.heldout_sample(ctx.data or family.FamilyData()).as_eval()
+        return family.heldout_sample(ctx.data or family.default_data()).as_eval()
 
     def plannable(self) -> bool:
         return True

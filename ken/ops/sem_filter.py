@@ -29,6 +29,7 @@ only if it beats stage 1 on the sample rows that would reach it.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ken.errors import DataError, ModelError
+from ken.errors import DataError, KenError, ModelError
 from ken.models.cascade import Cascade
 from ken.models.model import BOOLEAN_LABELS, DeviceConfig, Model, ModelSpec, Prediction
 from ken.models.quality import EvalSample
@@ -51,6 +52,8 @@ from ken.models.resources import (
 )
 from ken.models.transformers_backend import TransformersBody
 from ken.ops.base import Bound, BoundSemantic, OpContext, Operator, shared_resources
+from ken.ops.training import Trained, TrainingData, balanced_accuracy, cascade_values
+from ken.paths import ken_home
 
 __all__ = [
     "BoundSemantic", "FilterCalibration", "FilterSample", "Resources", "SimilarityModel",
@@ -498,6 +501,10 @@ def calibrate_filter(similarity_model: SimilarityModel, sample: FilterSample,
                    llm_accuracy=llm_acc, stage1_escalated_accuracy=stage1_acc)
 
 
+def _normal_predicate(predicate: str) -> str:
+    return " ".join(str(predicate).split()).rstrip("?.! ")
+
+
 def bind_sem_filter(predicate: str, resources: Resources, sample: FilterSample | None = None,
                     *, encoder: str = "minilm-l6", llm: str | None = "channel",
                     calibration: FilterCalibration | None = None,
@@ -566,7 +573,7 @@ def tweets_filter_sample(ctx: OpContext) -> tuple[FilterSample, EvalSample]:
     evaluation sample is the held-out split)."""
     from ken.models import family
 
-    train, test = (ctx.data or family.FamilyData()).splits()
+    train, test = (ctx.data or family.default_data()).splits()
     negative = train.label_names.index("negative")
     rows = min(EVAL_CALIBRATION_ROWS, len(train))
     calibration = FilterSample(train.texts[:rows],
@@ -600,8 +607,68 @@ class SemFilter(Operator):
     #: served calls use the candidates below (the similarity encoders and the channel stage)
     llm: str | None = "channel"
 
+    def __init__(self) -> None:
+        #: predicate -> (calibration, what trained it), set by train()
+        self.trained: dict[str, tuple[FilterCalibration, Trained]] = {}
+
     def bind(self, ctx: OpContext, constants: tuple[str, ...]) -> Bound:
+        predicate = _normal_predicate(constants[0])
+        if predicate in self.trained:
+            calibration, trained = self.trained[predicate]
+            bound = bind_sem_filter(constants[0], shared_resources(ctx), llm=self.llm,
+                                    calibration=calibration)
+            return replace(bound, detail=f"{bound.detail}; {trained.describe()}")
         return bind_sem_filter(constants[0], shared_resources(ctx), llm=self.llm)
+
+    def train(self, ctx: OpContext, data: TrainingData, *, predicate: str = "",
+              **options: object) -> Trained:
+        """Calibrate ``sem_filter(text, predicate)`` on the user's rows labelled true/false:
+        the similarity sigmoid and the LLM threshold on four fifths, balanced accuracy
+        measured on the held-out fifth. Cached by the rows' hash, the predicate and the LLM
+        stage; SQL calls with this predicate then use it."""
+        if options:
+            raise KenError(f"sem_filter training takes predicate=... only, not "
+                           f"{', '.join(options)}")
+        if not predicate or not predicate.strip():
+            raise KenError("training sem_filter needs the predicate the labels answer, e.g. "
+                           "session.train('sem_filter', 'reviews', label='is_positive', "
+                           "predicate='expresses a positive opinion')")
+        if len(data.columns) != 1:
+            raise KenError(f"sem_filter reads one text column; {data.source} gives "
+                           f"{len(data.columns)} ({', '.join(data.columns)})")
+        truth = data.booleans()
+        normal = _normal_predicate(predicate)
+        key = hashlib.sha256(f"{data.content_hash}|{normal}|{self.llm}".encode()).hexdigest()
+        path = (ctx.home or ken_home()) / "trained" / "sem_filter" / f"{key[:16]}.json"
+        if path.exists():
+            saved = json.loads(path.read_text())
+            calibration = FilterCalibration.from_dict(saved["calibration"])
+            quality = saved["quality"]
+        else:
+            fit, held = data.split((0.8, 0.2))
+            if len(held) == 0 or len(fit) < 4:
+                raise DataError(f"{data.source}: {len(data)} rows are too few to calibrate "
+                                "and validate sem_filter (at least 10 with both labels)")
+            texts = data.texts[0]
+            sample = FilterSample(tuple(texts[i] for i in fit), tuple(truth[fit].tolist()))
+            resources = shared_resources(ctx)
+            stage2 = None
+            if self.llm is not None:
+                kind, lm_name = LLM_STAGES[self.llm]
+                stage2 = kind(resources.causal_lm(lm_name), normal, lm_name=lm_name)
+            probe = SimilarityModel(resources.encoder("minilm-l6"), normal, encoder="minilm-l6")
+            calibration = calibrate_filter(probe, sample, stage2)
+            bound = bind_sem_filter(predicate, resources, llm=self.llm, calibration=calibration)
+            kept = np.array(cascade_values(bound.cascade, bound.models,
+                                           [texts[i] for i in held])) == "true"
+            quality = (f"validation balanced accuracy {balanced_accuracy(kept, truth[held]):.1%}"
+                       f" on {len(held)} held-out rows")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"calibration": calibration.to_dict(),
+                                        "quality": quality, "data": data.describe()}))
+        trained = Trained(self.name, data.describe(), data.content_hash, quality, str(path))
+        self.trained[normal] = (calibration, trained)
+        return trained
 
     def eval_sample(self, ctx: OpContext) -> EvalSample:
         return tweets_filter_sample(ctx)[1]

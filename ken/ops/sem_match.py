@@ -26,12 +26,12 @@ import math
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from ken.errors import DataError, ModelError
+from ken.errors import DataError, KenError, ModelError
 from ken.models.cascade import Cascade
 from ken.models.head import LinearHead, fit_logistic_cv
 from ken.models.model import BOOLEAN_LABELS, DeviceConfig, Model, ModelSpec, Prediction
@@ -44,6 +44,7 @@ from ken.models.resources import (
 )
 from ken.models.transformers_backend import TransformersBody
 from ken.ops.base import Bound, BoundSemantic, OpContext, Operator, shared_resources
+from ken.ops.training import Trained, TrainingData
 from ken.paths import shared_data_dir
 from ken.progress import Reporter
 
@@ -482,6 +483,24 @@ def prepare_sem_match(resources: Resources, dataset: str = DEFAULT_DATASET,
     if num_train is not None and num_train < len(splits["train"]):
         keep = np.sort(np.random.default_rng(0).permutation(len(splits["train"]))[:num_train])
         splits["train"] = splits["train"].subset(keep, f"{dataset}-train{num_train}")
+    return train_pair_heads(resources, dataset, resolved, splits, data_hash(dataset, data_dir),
+                            folder, feature_set=feature_set, num_train=num_train,
+                            tolerance=tolerance, batch_size=batch_size, reporter=reporter)
+
+
+def train_pair_heads(resources: Resources, dataset: str, attribute: str,
+                     splits: Mapping[str, EntityPairs], content_hash: str, folder: Path, *,
+                     feature_set: str = DEFAULT_FEATURES, num_train: int | None = None,
+                     tolerance: float = DEFAULT_TOLERANCE, batch_size: int = 32,
+                     reporter: Reporter | None = None) -> MatchCard:
+    """Train the L3 and L6 pair heads on ``splits["train"]``, choose the cascade threshold on
+    ``splits["valid"]``, score ``splits["test"]``; write the heads and the card to ``folder``."""
+    if feature_set not in FEATURE_SETS:
+        raise ModelError(f"unknown sem_match feature set {feature_set!r}; use one of: "
+                         f"{', '.join(FEATURE_SETS)}")
+    reporter = reporter or resources.reporter
+    resolved = attribute
+    card_path = folder / "card.json"
     reporter.note(f"sem_match: training pair heads on {len(splits['train'])} {dataset} pairs "
                   f"({resolved}, {feature_set} features), {len(splits['valid'])} for "
                   f"calibration, {len(splits['test'])} held out")
@@ -521,7 +540,7 @@ def prepare_sem_match(resources: Resources, dataset: str = DEFAULT_DATASET,
         labels = cascade_labels(probs[cheap][s], probs[strong][s], threshold)
         cascade_scores[s] = MatchScores.of(labels, splits[s].labels)
         escalation[s] = float((probs[cheap][s].max(axis=1) < threshold).mean())
-    card = MatchCard(dataset, resolved, feature_set, data_hash(dataset, data_dir),
+    card = MatchCard(dataset, resolved, feature_set, content_hash,
                      len(splits["train"]), num_train, tuple(members), threshold, tolerance,
                      cascade_scores["valid"], cascade_scores["test"], escalation["valid"],
                      escalation["test"])
@@ -601,9 +620,10 @@ def bind_sem_match(resources: Resources, dataset: str = DEFAULT_DATASET,
 # -- the operator --------------------------------------------------------------------------------
 
 
-def load_member(member: str, home: Path | None, threads: int) -> PairModel:
+def load_member(member: str, home: Path | None, threads: int,
+                dataset: str = DEFAULT_DATASET) -> PairModel:
     """A trained pair model for a worker process (picklable via ``functools.partial``)."""
-    return load_pair_model(Resources(DeviceConfig(threads=threads), home), member)
+    return load_pair_model(Resources(DeviceConfig(threads=threads), home), member, dataset)
 
 
 class SemMatch(Operator):
@@ -613,36 +633,91 @@ class SemMatch(Operator):
     output_type = "boolean"
     doc = "do two texts name the same entity"
 
+    def __init__(self) -> None:
+        self.dataset = DEFAULT_DATASET  # user-<hash> once train() ran
+        self.trained: Trained | None = None
+        self._held_out: EntityPairs | None = None
+
     def bind(self, ctx: OpContext, constants: tuple[str, ...]) -> Bound:
-        return ctx.resource("sem-match-binding",
-                            lambda: bind_sem_match(shared_resources(ctx)))
+        def make() -> BoundSemantic:
+            bound = bind_sem_match(shared_resources(ctx), self.dataset)
+            if self.trained is None:
+                return bound
+            return replace(bound, detail=f"{bound.detail}; {self.trained.describe()}")
+
+        return ctx.resource(f"sem-match-binding-{self.dataset}", make)
+
+    def train(self, ctx: OpContext, data: TrainingData, **options: object) -> Trained:
+        """Train the pair heads on the user's labelled pairs (two text columns, a true/false
+        label): 70% train, 15% to choose the cascade threshold, 15% held out to score it.
+        Cached by the rows' hash (``KEN_HOME/families/sem-match/user-<hash>``)."""
+        if options:
+            raise KenError(f"sem_match training takes no option {', '.join(options)}")
+        if len(data.columns) != 2:
+            raise KenError(f"sem_match compares two text columns; {data.source} gives "
+                           f"{len(data.columns)} ({', '.join(data.columns)}): name them, e.g. "
+                           "columns=('left_title', 'right_title')")
+        truth = data.booleans().astype(np.int64)
+        pairs = EntityPairs(data.source, data.texts[0], data.texts[1], truth)
+        parts = data.split((0.7, 0.15, 0.15))
+        if any(len(part) == 0 or not truth[part].any() for part in parts):
+            raise DataError(f"{data.source}: {len(data)} pairs with {int(truth.sum())} "
+                            "matches are too few to train, calibrate and validate sem_match "
+                            "(each of 70/15/15% needs a match)")
+        dataset = f"user-{data.content_hash}"
+        resources = shared_resources(ctx)
+        folder = match_dir(dataset, None, resources.home)
+        if (folder / "card.json").exists():
+            card = MatchCard.from_json((folder / "card.json").read_text())
+        else:
+            splits = {name: pairs.subset(part, f"{dataset}-{name}")
+                      for name, part in zip(SPLITS, parts, strict=True)}
+            card = train_pair_heads(resources, dataset, data.columns[0], splits,
+                                    data.content_hash, folder)
+        self.dataset = dataset
+        self._held_out = pairs.subset(parts[2], f"{dataset}-test")
+        self.trained = Trained(
+            self.name, data.describe(), data.content_hash,
+            f"F1 {card.cascade_valid.f1:.1%} on {len(parts[1])} validation pairs (threshold "
+            f"chosen there), {card.cascade_test.f1:.1%} on {len(parts[2])} held-out pairs",
+            str(folder))
+        return self.trained
+
+    def _eval_pairs(self) -> EntityPairs | None:
+        if self._held_out is not None:
+            return self._held_out
+        return load_pairs(DEFAULT_DATASET, "test") if has_data(DEFAULT_DATASET) else None
 
     def eval_sample(self, ctx: OpContext) -> EvalSample | None:
-        """The Abt-Buy test pairs (first attribute), or None without the shared data."""
-        if not has_data(DEFAULT_DATASET):
+        """The Abt-Buy test pairs (first attribute), or the held-out pairs of the user's
+        training; None without either."""
+        pairs = self._eval_pairs()
+        if pairs is None:
             return None
-        pairs = load_pairs(DEFAULT_DATASET, "test")
         return EvalSample(pairs.name, tuple(pairs.pairs),
                           tuple(bool(v) for v in pairs.labels.tolist()), "balanced_accuracy")
 
     def plannable(self) -> bool:
-        return has_data(DEFAULT_DATASET)
+        return self._held_out is not None or has_data(DEFAULT_DATASET)
 
     def eval_description(self) -> str:
+        if self.trained is not None:
+            return f"the held-out 15% of {self.trained.data}, balanced accuracy"
         where = dataset_dir(DEFAULT_DATASET)
         state = "" if has_data(DEFAULT_DATASET) else f" (absent: not found at {where})"
         return f"{DEFAULT_DATASET} test pairs{state}, balanced accuracy"
 
     def candidates(self, ctx: OpContext, device: DeviceConfig) -> Mapping[str, Model]:
         resources = shared_resources(ctx)
-        prepare_sem_match(resources)
-        return {m.name: m for m in (load_pair_model(resources, member, device=device)
+        prepare_sem_match(resources, self.dataset)
+        return {m.name: m for m in (load_pair_model(resources, member, self.dataset,
+                                                    device=device)
                                     for member in MEMBERS)}
 
     def loaders(self, ctx: OpContext, threads: int) -> Mapping[str, Callable[[], Model]]:
-        card = prepare_sem_match(shared_resources(ctx))  # names from the card: loads no model
+        card = prepare_sem_match(shared_resources(ctx), self.dataset)  # loads no model
         return {card.member(member).name: functools.partial(load_member, member, ctx.home,
-                                                             threads)
+                                                             threads, self.dataset)
                 for member in MEMBERS}
 
 

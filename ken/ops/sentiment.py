@@ -11,28 +11,36 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
+from typing import Any
 
+import numpy as np
+
+from ken.errors import KenError
 from ken.models import family
 from ken.models.cascade import Cascade
+from ken.models.datasets import LabelledSample
 from ken.models.model import DeviceConfig, Model
 from ken.models.quality import EvalSample
 from ken.ops.base import Bound, ClassifierBinding, OpContext, Operator
+from ken.ops.training import Trained, TrainingData
 
 
-def family_data(ctx: OpContext) -> family.FamilyData:
-    return ctx.data or family.FamilyData()
+def family_data(ctx: OpContext, op: Any = None) -> family.FamilyData:
+    """The data ``op``'s family trains on: the user's (``session.train``), the session's, or
+    the default (``family.default_data``)."""
+    return getattr(op, "data", None) or ctx.data or family.default_data()
 
 
-def family_models(ctx: OpContext) -> dict[str, Model]:
+def family_models(ctx: OpContext, data: family.FamilyData | None = None) -> dict[str, Model]:
     """The minilm-sentiment models on the session's device, prepared on first use and loaded
-    once per session."""
+    once per session (per training data)."""
+    data = data or family_data(ctx)
 
     def load() -> dict[str, Model]:
-        data = family_data(ctx)
         family.prepare(data, ctx.device, home=ctx.home, reporter=ctx.reporter)
         return dict(family.load_models(data, ctx.device, home=ctx.home))
 
-    return ctx.resource("family-models", load)
+    return ctx.resource(f"family-models-{data.tag}", load)
 
 
 class Sentiment(Operator):
@@ -44,32 +52,62 @@ class Sentiment(Operator):
 
     def __init__(self) -> None:
         self.cascade: Cascade | None = None  # the user's choice; None: chosen from profiles
+        self.data: family.FamilyData | None = None  # set by train(): the user's labels
+        self.trained: Trained | None = None
 
     def bind(self, ctx: OpContext, constants: tuple[str, ...]) -> Bound:
-        models = family_models(ctx)
+        models = family_models(ctx, family_data(ctx, self))
         chosen = ctx.choose_cascade(self, self.cascade)
-        return ClassifierBinding("sentiment", chosen.cascade, models,
+        return ClassifierBinding(self.name, chosen.cascade, models,
                                  stage_fractions=chosen.stage_fractions,
-                                 expected_accuracy=chosen.accuracy)
+                                 expected_accuracy=chosen.accuracy,
+                                 trained=self.trained.describe() if self.trained else "")
 
     def eval_sample(self, ctx: OpContext) -> EvalSample:
-        return family.heldout_sample(family_data(ctx)).as_eval()
+        return family.heldout_sample(family_data(ctx, self)).as_eval()
 
     def plannable(self) -> bool:
         return True
 
     def eval_description(self) -> str:
-        return "the family's held-out tweets (3 classes), accuracy"
+        if self.trained is not None:
+            return f"the held-out fifth of {self.trained.data}, accuracy"
+        return "the family's held-out rows (3 classes), accuracy"
+
+    def train(self, ctx: OpContext, data: TrainingData, *,
+              models: tuple[str, ...] = family.MEMBER_NAMES, **options: Any) -> Trained:
+        """Fine-tune the family's members on the user's labelled texts (one text column, two
+        or more classes; a fifth held out to measure them). Cached by the rows' content hash:
+        the same rows train once."""
+        if options:
+            raise KenError(f"sentiment training takes no option {', '.join(options)}")
+        if len(data.columns) != 1:
+            raise KenError(f"sentiment() reads one text column; {data.source} gives "
+                           f"{len(data.columns)} ({', '.join(data.columns)})")
+        data.need_classes(2)
+        classes = data.classes
+        index = {c: i for i, c in enumerate(classes)}
+        rows = LabelledSample(data.source, data.texts[0],
+                              np.array([index[v] for v in data.labels], dtype=np.int64),
+                              classes)
+        fam = family.FamilyData.from_rows(rows, members=tuple(models))
+        cards = family.prepare(fam, ctx.device, home=ctx.home, reporter=ctx.reporter)
+        scores = ", ".join(f"{c.name} {c.heldout_accuracy:.1%}" for c in cards)
+        self.data = fam
+        self.trained = Trained(self.name, data.describe(), data.content_hash,
+                               f"validation accuracy on {fam.num_test} held-out rows: {scores}",
+                               str(family.family_dir(fam, ctx.home)))
+        return self.trained
 
     def candidates(self, ctx: OpContext, device: DeviceConfig) -> Mapping[str, Model]:
+        data = family_data(ctx, self)
         if device == ctx.device:
-            return family_models(ctx)
-        data = family_data(ctx)
+            return family_models(ctx, data)
         family.prepare(data, ctx.device, home=ctx.home, reporter=ctx.reporter)
         return dict(family.load_models(data, device, home=ctx.home))
 
     def loaders(self, ctx: OpContext, threads: int) -> Mapping[str, Callable[[], Model]]:
-        data = family_data(ctx)
+        data = family_data(ctx, self)
         family.prepare(data, ctx.device, home=ctx.home, reporter=ctx.reporter)
         device = DeviceConfig(threads=threads)
         return {c.name: functools.partial(family.load_model, c, device, ctx.home, data)
