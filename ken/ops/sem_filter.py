@@ -40,6 +40,7 @@ import numpy as np
 
 from ken.errors import DataError, KenError, ModelError
 from ken.models.cascade import Cascade
+from ken.models.head import LinearHead, fit_logistic_cv
 from ken.models.model import BOOLEAN_LABELS, DeviceConfig, Model, ModelSpec, Prediction
 from ken.models.quality import EvalSample
 from ken.models.resources import (
@@ -50,7 +51,7 @@ from ken.models.resources import (
     short_hash,
     sigmoid,
 )
-from ken.models.transformers_backend import TransformersBody
+from ken.models.transformers_backend import TransformersBody, TransformersClassifier
 from ken.ops.base import Bound, BoundSemantic, OpContext, Operator, shared_resources
 from ken.ops.training import Trained, TrainingData, balanced_accuracy, cascade_values
 from ken.paths import ken_home
@@ -608,13 +609,17 @@ class SemFilter(Operator):
     llm: str | None = "channel"
 
     def __init__(self) -> None:
-        #: predicate -> (calibration, what trained it), set by train()
-        self.trained: dict[str, tuple[FilterCalibration, Trained]] = {}
+        #: predicate -> (calibration, what trained it, the head model or None), set by train()
+        self.trained: dict[str, tuple[FilterCalibration, Trained, Model | None]] = {}
 
     def bind(self, ctx: OpContext, constants: tuple[str, ...]) -> Bound:
         predicate = _normal_predicate(constants[0])
         if predicate in self.trained:
-            calibration, trained = self.trained[predicate]
+            calibration, trained, head_model = self.trained[predicate]
+            if head_model is not None:
+                return BoundSemantic("sem_filter", Cascade((head_model.name,)),
+                                     {head_model.name: head_model}, "boolean", True,
+                                     (predicate,), trained.describe())
             bound = bind_sem_filter(constants[0], shared_resources(ctx), llm=self.llm,
                                     calibration=calibration)
             return replace(bound, detail=f"{bound.detail}; {trained.describe()}")
@@ -622,10 +627,14 @@ class SemFilter(Operator):
 
     def train(self, ctx: OpContext, data: TrainingData, *, predicate: str = "",
               **options: object) -> Trained:
-        """Calibrate ``sem_filter(text, predicate)`` on the user's rows labelled true/false:
-        the similarity sigmoid and the LLM threshold on four fifths, balanced accuracy
-        measured on the held-out fifth. Cached by the rows' hash, the predicate and the LLM
-        stage; SQL calls with this predicate then use it."""
+        """Learn ``sem_filter(text, predicate)`` from the user's rows labelled true/false.
+
+        Two candidates are fitted on four fifths of the rows and scored (balanced accuracy) on
+        the held-out fifth: the calibrated cascade (similarity sigmoid + LLM threshold) and a
+        logistic-regression head on the rows' MiniLM-L6 embeddings, which learns what the
+        labels mean rather than only how far to trust the predicate's wording. The better one
+        serves SQL calls with this predicate. Cached by the rows' hash, the predicate and the
+        LLM stage."""
         if options:
             raise KenError(f"sem_filter training takes predicate=... only, not "
                            f"{', '.join(options)}")
@@ -640,10 +649,12 @@ class SemFilter(Operator):
         normal = _normal_predicate(predicate)
         key = hashlib.sha256(f"{data.content_hash}|{normal}|{self.llm}".encode()).hexdigest()
         path = (ctx.home or ken_home()) / "trained" / "sem_filter" / f"{key[:16]}.json"
+        head_path = path.with_suffix(".head.safetensors")
+        resources = shared_resources(ctx)
         if path.exists():
             saved = json.loads(path.read_text())
             calibration = FilterCalibration.from_dict(saved["calibration"])
-            quality = saved["quality"]
+            quality, use_head = saved["quality"], saved["use_head"]
         else:
             fit, held = data.split((0.8, 0.2))
             if len(held) == 0 or len(fit) < 4:
@@ -651,7 +662,6 @@ class SemFilter(Operator):
                                 "and validate sem_filter (at least 10 with both labels)")
             texts = data.texts[0]
             sample = FilterSample(tuple(texts[i] for i in fit), tuple(truth[fit].tolist()))
-            resources = shared_resources(ctx)
             stage2 = None
             if self.llm is not None:
                 kind, lm_name = LLM_STAGES[self.llm]
@@ -659,15 +669,33 @@ class SemFilter(Operator):
             probe = SimilarityModel(resources.encoder("minilm-l6"), normal, encoder="minilm-l6")
             calibration = calibrate_filter(probe, sample, stage2)
             bound = bind_sem_filter(predicate, resources, llm=self.llm, calibration=calibration)
-            kept = np.array(cascade_values(bound.cascade, bound.models,
-                                           [texts[i] for i in held])) == "true"
-            quality = (f"validation balanced accuracy {balanced_accuracy(kept, truth[held]):.1%}"
-                       f" on {len(held)} held-out rows")
+            held_texts = [texts[i] for i in held]
+            kept = np.array(cascade_values(bound.cascade, bound.models, held_texts)) == "true"
+            calibrated = balanced_accuracy(kept, truth[held])
+            body = resources.encoder("minilm-l6")
+            head = fit_logistic_cv(body.features(list(sample.texts)), truth[fit].astype(np.int64),
+                                   BOOLEAN_LABELS)
+            picked = head.predict_proba(body.features(held_texts)).argmax(axis=1) == 1
+            learned = balanced_accuracy(picked, truth[held])
+            use_head = learned > calibrated
+            quality = (f"validation balanced accuracy on {len(held)} held-out rows: head on "
+                       f"MiniLM-L6 embeddings {learned:.1%}, calibrated similarity cascade "
+                       f"{calibrated:.1%}; serving the "
+                       f"{'head' if use_head else 'calibrated cascade'}")
             path.parent.mkdir(parents=True, exist_ok=True)
+            head.save(head_path)
             path.write_text(json.dumps({"calibration": calibration.to_dict(),
-                                        "quality": quality, "data": data.describe()}))
+                                        "quality": quality, "use_head": bool(use_head),
+                                        "data": data.describe()}))
         trained = Trained(self.name, data.describe(), data.content_hash, quality, str(path))
-        self.trained[normal] = (calibration, trained)
+        head_model = None
+        if use_head:
+            body = resources.encoder("minilm-l6")
+            spec = ModelSpec(f"head-l6[{key[:8]}]", "sem-filter", "transformers",
+                             body.config.source, body.num_params, body.memory_bytes,
+                             body.max_tokens, BOOLEAN_LABELS, key[:16])
+            head_model = TransformersClassifier(spec, body, LinearHead.load(head_path))
+        self.trained[normal] = (calibration, trained, head_model)
         return trained
 
     def eval_sample(self, ctx: OpContext) -> EvalSample:
