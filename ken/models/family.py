@@ -60,7 +60,7 @@ class Member:
         return f"fine-tuned ({layers}, {self.tuning.epochs:g} epoch)"
 
 
-# Ordered from cheapest to most expensive. The MiniLMs are fine-tuned in full (2-4 min each on 2
+# Ordered from cheapest to most expensive. The MiniLMs are fine-tuned in full (2.5 and 5 min on 2
 # cores for 6,000 rows). SmolLM2 pools its layer-15 hidden state: middle-layer features classify
 # tweets better than its last layer (DESIGN.md section 7), and the 15 layers above are dropped,
 # halving its cost. It keeps a head on frozen features: fine-tuning its top 3 layers after a
