@@ -42,7 +42,7 @@ from ken.errors import DataError, KenError, ModelError
 from ken.models.cascade import Cascade
 from ken.models.head import LinearHead, fit_logistic_cv
 from ken.models.model import BOOLEAN_LABELS, DeviceConfig, Model, ModelSpec, Prediction
-from ken.models.quality import EvalSample
+from ken.models.quality import EvalSample, balanced_accuracy
 from ken.models.resources import (
     CausalLM,
     Resources,
@@ -53,7 +53,7 @@ from ken.models.resources import (
 )
 from ken.models.transformers_backend import TransformersBody, TransformersClassifier
 from ken.ops.base import Bound, BoundSemantic, OpContext, Operator, shared_resources
-from ken.ops.training import Trained, TrainingData, balanced_accuracy, cascade_values
+from ken.ops.training import Trained, TrainingData, cascade_values
 from ken.paths import ken_home
 
 __all__ = [
@@ -531,7 +531,7 @@ def bind_sem_filter(predicate: str, resources: Resources, sample: FilterSample |
     if not isinstance(predicate, str) or not predicate.strip():
         raise DataError("sem_filter needs a non-empty predicate, e.g. "
                         "sem_filter(text, 'complains about a flight delay')")
-    original, predicate = predicate, " ".join(predicate.split()).rstrip("?.! ")
+    original, predicate = predicate, _normal_predicate(predicate)
     if not predicate:
         raise DataError(f"sem_filter's predicate {original!r} has no words; describe the "
                         "condition, e.g. 'is about food'")
@@ -671,12 +671,13 @@ class SemFilter(Operator):
             bound = bind_sem_filter(predicate, resources, llm=self.llm, calibration=calibration)
             held_texts = [texts[i] for i in held]
             kept = np.array(cascade_values(bound.cascade, bound.models, held_texts)) == "true"
-            calibrated = balanced_accuracy(kept, truth[held])
+            reference = truth[held].tolist()
+            calibrated = float(np.mean(balanced_accuracy(kept.tolist(), reference)))
             body = resources.encoder("minilm-l6")
             head = fit_logistic_cv(body.features(list(sample.texts)), truth[fit].astype(np.int64),
                                    BOOLEAN_LABELS)
             picked = head.predict_proba(body.features(held_texts)).argmax(axis=1) == 1
-            learned = balanced_accuracy(picked, truth[held])
+            learned = float(np.mean(balanced_accuracy(picked.tolist(), reference)))
             use_head = learned > calibrated
             quality = (f"validation balanced accuracy on {len(held)} held-out rows: head on "
                        f"MiniLM-L6 embeddings {learned:.1%}, calibrated similarity cascade "

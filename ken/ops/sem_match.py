@@ -499,10 +499,9 @@ def train_pair_heads(resources: Resources, dataset: str, attribute: str,
         raise ModelError(f"unknown sem_match feature set {feature_set!r}; use one of: "
                          f"{', '.join(FEATURE_SETS)}")
     reporter = reporter or resources.reporter
-    resolved = attribute
     card_path = folder / "card.json"
     reporter.note(f"sem_match: training pair heads on {len(splits['train'])} {dataset} pairs "
-                  f"({resolved}, {feature_set} features), {len(splits['valid'])} for "
+                  f"({attribute}, {feature_set} features), {len(splits['valid'])} for "
                   f"calibration, {len(splits['test'])} held out")
     distinct = list(dict.fromkeys(t for p in splits.values() for t in (*p.left, *p.right)))
     where = {t: i for i, t in enumerate(distinct)}
@@ -511,7 +510,7 @@ def train_pair_heads(resources: Resources, dataset: str, attribute: str,
     probs: dict[str, dict[str, np.ndarray]] = {}
     for member in MEMBERS:
         body = resources.encoder(member)
-        name = model_name(member, dataset, resolved)
+        name = model_name(member, dataset, attribute)
         with reporter.task(f"{name}: {len(distinct)} distinct texts", len(distinct)) as adv:
             started = time.perf_counter()
             emb = normalise_rows(body.features(distinct, batch_size, adv).astype(np.float64))
@@ -540,7 +539,7 @@ def train_pair_heads(resources: Resources, dataset: str, attribute: str,
         labels = cascade_labels(probs[cheap][s], probs[strong][s], threshold)
         cascade_scores[s] = MatchScores.of(labels, splits[s].labels)
         escalation[s] = float((probs[cheap][s].max(axis=1) < threshold).mean())
-    card = MatchCard(dataset, resolved, feature_set, content_hash,
+    card = MatchCard(dataset, attribute, feature_set, content_hash,
                      len(splits["train"]), num_train, tuple(members), threshold, tolerance,
                      cascade_scores["valid"], cascade_scores["test"], escalation["valid"],
                      escalation["test"])

@@ -182,9 +182,3 @@ def cascade_values(cascade: Any, models: Mapping[str, Any], inputs: Sequence) ->
         pending = pending[escalate]
     return values
 
-
-def balanced_accuracy(predicted: np.ndarray, truth: np.ndarray) -> float:
-    """Mean of the recall on true and on false rows (a class without rows is left out)."""
-    parts = [float(np.mean(predicted[truth == c] == c)) for c in (True, False)
-             if np.any(truth == c)]
-    return float(np.mean(parts))
