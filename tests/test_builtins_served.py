@@ -4,7 +4,8 @@ Each built-in gets a one-gear plan over the cascade its binding runs in-process 
 does not profile or plan: that takes minutes per operator, see ``ken plan``); one engine on
 one pool of devices then serves ``sentiment``, ``sem_filter`` and ``sem_match`` in one query
 from 8 threads at once, and every thread gets the in-process answers. ``sem_match`` trains
-its pair models on Abt-Buy from the shared data folder, so the test skips without it.
+its record matchers on Beer (the smallest entity-matching data set) from the shared data
+folder, so the test skips without it.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from conftest import FAMILY_DEVICE, SMALL_FAMILY
 
 import ken
 from ken.ops.sem_filter import EVAL_PREDICATE
-from ken.ops.sem_match import DEFAULT_DATASET, has_data
+from ken.ops.sem_match import SemMatch, has_data
 from ken.paths import shared_data_dir
 from ken.policy.plan import GearPlan, RangeSchedule, Replica
 
 pytestmark = pytest.mark.models
+MATCH_DATASET = "Beer"  # the smallest entity-matching data set
 
 TEXTS = [
     "I loved the new phone, the battery lasts for days",
@@ -53,10 +55,11 @@ def one_gear_plan(function: str, bound) -> GearPlan:  # noqa: ANN001 - a Bound
 
 @pytest.fixture(scope="module")
 def session(home):  # noqa: ANN001 - conftest's KEN_HOME with the small sentiment family
-    if not has_data(DEFAULT_DATASET):
+    if not has_data(MATCH_DATASET):
         pytest.skip(f"sem_match needs the entity-matching data, not found at "
                     f"{shared_data_dir()}")
     s = ken.connect(device=FAMILY_DEVICE, data=SMALL_FAMILY, home=home)
+    s.register("sem_match", SemMatch(MATCH_DATASET))  # trains in seconds; the default in minutes
     b = TEXTS[3:] + TEXTS[:3]
     s.register_table("t", pa.table({"id": list(range(len(TEXTS))), "a": TEXTS, "b": b}))
     yield s

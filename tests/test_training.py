@@ -12,7 +12,7 @@ import pytest
 import ken
 from ken.errors import DataError, KenError
 from ken.models.model import DeviceConfig
-from ken.ops.sem_match import load_pairs
+from ken.ops.sem_match import load_pairs, parse_record
 from ken.ops.training import TrainingData, cascade_values
 from ken.paths import shared_data_dir
 from ken.sql.rewrite import SqlError
@@ -168,14 +168,19 @@ needs_pairs = pytest.mark.skipif(
 def test_sem_match_trained_on_user_pairs(home) -> None:
     pairs = load_pairs("Abt-Buy", "train")
     keep = np.r_[np.flatnonzero(pairs.labels == 1)[:40], np.flatnonzero(pairs.labels == 0)[:120]]
-    table = pa.table({"a": [pairs.left[i] for i in keep], "b": [pairs.right[i] for i in keep],
+    # records as struct columns (name, description, price), as a user's table holds them
+    table = pa.table({"a": [parse_record(pairs.left[i]) for i in keep],
+                      "b": [parse_record(pairs.right[i]) for i in keep],
                       "same": [bool(pairs.labels[i]) for i in keep]})
     with ken.connect(home=home, device=DeviceConfig(threads=2)) as session:
         session.register_table("pairs", table)
-        with pytest.raises(KenError, match="two text columns"):
+        with pytest.raises(KenError, match="compares two columns"):
             session.train("sem_match", "pairs", "same", columns=("a",))
         trained = session.train("sem_match", "pairs", "same")
         assert "held-out pairs" in trained.quality and "user-" in trained.where
+        assert "name, description, price" in session.explain("SELECT sem_match(a, b) FROM pairs")
+        same = session.sql("SELECT sem_match(a, b) AS m FROM pairs LIMIT 20").to_arrow()
+        assert same.column("m").null_count == 0
         op = session.operators["sem_match"]
         sample = op.eval_sample(session.ctx)
         assert sample is not None and len(sample.inputs) == 24  # the held-out 15%

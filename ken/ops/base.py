@@ -240,6 +240,9 @@ class Operator:
     #: constants the evaluation sample is for (profiles of an operator with constants are
     #: measured on these, e.g. sem_filter's evaluation predicate)
     eval_constants: tuple[str, ...] = ()
+    #: SQL passes the column arguments as JSON text (``to_json``), so that a struct or a whole
+    #: row arrives as an object and a text as a JSON string (``ken.models.records.as_record``)
+    record_columns: bool = False
 
     def bind(self, ctx: OpContext, constants: tuple[str, ...]) -> Bound:
         raise NotImplementedError

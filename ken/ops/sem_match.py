@@ -1,19 +1,28 @@
-"""``sem_match(a, b) -> boolean``: do two texts name the same entity (product, paper, ...)?
+"""``sem_match(a, b) -> boolean``: do two records (or texts) name the same entity?
 
-Served by a cascade of two pair classifiers, :class:`PairModel` on MiniLM-L3 then on MiniLM-L6:
-each embeds both sides, builds the symmetric features ``[|u - v|, u * v, cos(u, v)]`` (plus, by
-default, two lexical ones: word overlap and a shared model-number token) and applies a
-logistic-regression head trained on labelled entity-matching pairs (the Magellan/DeepMatcher
-benchmarks in ``../shared/data/entity-matching``). Users write ``sem_match(l.title, r.title)``,
-so the heads train on one attribute per record (the first: a product's name, a paper's title).
+Arguments are whole records: in SQL a struct or a row (``sem_match(l, r)``,
+``sem_match({'title': l.title, 'price': l.price}, ...)``) or a text column (a record of one
+attribute); in Python a JSON object, a ``COL name VAL ... COL price VAL ...`` serialization
+(the DeepMatcher/Ditto format) or plain text (:func:`ken.models.records.as_record`).
 
-Trained heads are cached under ``KEN_HOME/families/sem-match/<dataset>/<attribute>/`` with a
-JSON card of validation and test F1 / accuracy and the cascade threshold, which is calibrated on
-the validation split. On a machine without the data and without cached heads, ``sem_match``
-falls back to :class:`SimilarityPairModel`, an *uncalibrated* cosine-similarity rule.
+Served by a cascade of two :class:`~ken.models.records.RecordMatcher` s: similarity features of
+every attribute and of the whole record (word/trigram Jaccard, edit-distance ratios, IDF
+cosine, shared model numbers, numeric difference, ...) into gradient-boosted trees, then the
+same features plus MiniLM-L6 cosine similarities (first value, whole record) into a second
+set of trees. Each member's
+decision threshold is chosen for F1 on the validation split; the cascade escalates the pairs
+the first member is least sure of, with the escalation threshold calibrated there too.
+
+The default matcher (``DATASET_ALL``) is trained on the train splits of every entity-matching
+data set in ``../shared/data/entity-matching`` with schema-free features (first value and whole
+record), so it applies to any records; per-dataset matchers (``prepare_sem_match(resources,
+"Abt-Buy")``) and matchers trained on a user's pairs (``session.train("sem_match", ...)``) use
+every attribute. Trained matchers are cached under ``KEN_HOME/families/sem-match/<dataset>/``
+with a JSON card of validation and test F1. Without data and without a cached matcher,
+``sem_match`` falls back to :class:`SimilarityPairModel`, an *uncalibrated* cosine rule.
 
 >>> # bound = bind_sem_match(Resources())
->>> # result = run_cascade(bound.cascade, bound.models, [left_titles, right_titles])
+>>> # result = run_cascade(bound.cascade, bound.models, [left_records, right_records])
 >>> # bound.to_sql_values(result.labels)  # [True, False, None, ...]
 """
 
@@ -23,7 +32,6 @@ import functools
 import hashlib
 import json
 import math
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -33,9 +41,20 @@ import numpy as np
 
 from ken.errors import DataError, KenError, ModelError
 from ken.models.cascade import Cascade
-from ken.models.head import LinearHead, fit_logistic_cv
 from ken.models.model import BOOLEAN_LABELS, DeviceConfig, Model, ModelSpec, Prediction
 from ken.models.quality import EvalSample
+from ken.models.records import (
+    EMBEDDED_SLOTS,
+    PLAIN,
+    BoostedTrees,
+    RecordFeaturizer,
+    RecordMatcher,
+    as_record,
+    best_f1_threshold,
+    embedding_similarities,
+    parse_record,
+    whole_text,
+)
 from ken.models.resources import (
     Resources,
     boolean_probabilities,
@@ -49,46 +68,33 @@ from ken.paths import shared_data_dir
 from ken.progress import Reporter
 
 FAMILY = "sem-match"
-DEFAULT_DATASET = "Abt-Buy"
+DATASETS = ("Abt-Buy", "Amazon-Google", "Beer", "DBLP-ACM", "Fodors-Zagats")
+DATASET_ALL = "all"  # the default: every data set above that is present, schema-free features
+DEFAULT_DATASET = DATASET_ALL
+DEFAULT_PER_DATASET = 2000  # training pairs per data set for the default matcher
+EVAL_PAIRS = 2000  # test pairs the planner profiles the default matcher on
 SPLITS = ("train", "valid", "test")
-MEMBERS = ("minilm-l3", "minilm-l6")  # cheapest first: the cascade's stage order
-SHORT_NAMES = {"minilm-l3": "l3", "minilm-l6": "l6"}
-CARD_SCHEMA_VERSION = 1
-DEFAULT_TOLERANCE = 0.005  # the cascade may lose at most 0.5 accuracy points against L6 alone
-DEFAULT_FEATURES = "embedding+lexical"
+MEMBERS = ("lexical", "minilm-l6")  # cheapest first: the cascade's stage order
+SHORT_NAMES = {"lexical": "lex", "minilm-l6": "l6"}
+CARD_SCHEMA_VERSION = 2
+DEFAULT_TOLERANCE = 0.005  # the cascade may lose at most 0.5 F1 points against L6 alone
 
-# Uncalibrated fallback (no data, no cached heads): cosine similarity of all-MiniLM-L6-v2
+# Uncalibrated fallback (no data, no cached matcher): cosine similarity of all-MiniLM-L6-v2
 # embeddings above 0.85 means a match. Measured on the first attribute of the test splits, the
 # best fixed cut-off is 0.85 on Abt-Buy (F1 0.47), 0.9 on DBLP-ACM (0.90) and 0.8 on
 # Amazon-Google (0.47); 0.85 costs at most 0.06 F1 on any of them. A rough rule, not a model.
 FALLBACK_SCALE = 20.0
 FALLBACK_OFFSET = 0.85
 
-_FIELD = re.compile(r"(?:^|\s)COL\s+(\S+)\s+VAL(?=\s|$)")
+__all__ = ["parse_record"]  # re-exported: data loaders and benchmarks parse records with it
 
 
 # ------------------------------------------------------------------------------- data
 
 
-def parse_record(serialized: str) -> dict[str, str]:
-    """``COL name VAL sony tv COL price VAL 10`` -> ``{"name": "sony tv", "price": "10"}``.
-
-    Attribute order is kept (dicts are ordered): the first attribute is the record's name.
-    """
-    matches = list(_FIELD.finditer(serialized))
-    if not matches:
-        raise DataError(f"not a serialized entity (expected 'COL <attr> VAL <value> ...'): "
-                        f"{serialized[:80]!r}")
-    record: dict[str, str] = {}
-    for i, m in enumerate(matches):
-        end = matches[i + 1].start() if i + 1 < len(matches) else len(serialized)
-        record[m.group(1)] = serialized[m.end():end].strip()
-    return record
-
-
 @dataclass(frozen=True, eq=False)
 class EntityPairs:
-    """Labelled pairs of entity texts (one attribute per side); label 1 means a match."""
+    """Labelled pairs of entity records as text (see :func:`as_record`); 1 means a match."""
 
     name: str
     left: tuple[str, ...]
@@ -112,25 +118,54 @@ class EntityPairs:
         return EntityPairs(name, tuple(self.left[i] for i in idx),
                            tuple(self.right[i] for i in idx), self.labels[idx])
 
+    def sample(self, limit: int | None, seed: int = 0) -> EntityPairs:
+        """At most ``limit`` pairs, drawn at random (in file order), every match kept in
+        proportion."""
+        if limit is None or limit >= len(self):
+            return self
+        if limit < 1:
+            raise DataError(f"cannot sample {limit} pairs")
+        keep = np.sort(np.random.default_rng(seed).permutation(len(self))[:limit])
+        return self.subset(keep, f"{self.name}[{limit}]")
+
+    @staticmethod
+    def concat(parts: Sequence[EntityPairs], name: str) -> EntityPairs:
+        return EntityPairs(name, tuple(t for p in parts for t in p.left),
+                           tuple(t for p in parts for t in p.right),
+                           np.concatenate([p.labels for p in parts]).astype(np.int64))
+
 
 def dataset_dir(dataset: str, data_dir: Path | None = None) -> Path:
     return (data_dir or shared_data_dir()) / "entity-matching" / dataset
 
 
-def has_data(dataset: str, data_dir: Path | None = None) -> bool:
+def present_datasets(data_dir: Path | None = None) -> tuple[str, ...]:
+    return tuple(d for d in DATASETS if _has_files(d, data_dir))
+
+
+def _has_files(dataset: str, data_dir: Path | None) -> bool:
     folder = dataset_dir(dataset, data_dir)
     return all((folder / f"{s}.txt").is_file() for s in SPLITS)
 
 
+def has_data(dataset: str, data_dir: Path | None = None) -> bool:
+    if dataset == DATASET_ALL:
+        return bool(present_datasets(data_dir))
+    return _has_files(dataset, data_dir)
+
+
 def load_pairs(dataset: str, split: str, data_dir: Path | None = None,
                attribute: str | None = None) -> EntityPairs:
-    """One split of an entity-matching dataset, one attribute per side (default: the first).
+    """One split of an entity-matching dataset: whole records (``COL ... VAL ...`` text), or
+    one attribute's values with ``attribute`` (``"first"``: each record's first attribute).
 
-    Lines are ``<left record> TAB <right record> TAB <label>``, records serialized as in
-    :func:`parse_record`.
+    Lines are ``<left record> TAB <right record> TAB <label>``.
     """
     if split not in SPLITS:
         raise DataError(f"unknown split {split!r}; use one of: {', '.join(SPLITS)}")
+    if dataset == DATASET_ALL:
+        return EntityPairs.concat([load_pairs(d, split, data_dir, attribute)
+                                   for d in _need(data_dir)], f"{DATASET_ALL}-{split}")
     path = dataset_dir(dataset, data_dir) / f"{split}.txt"
     if not path.is_file():
         raise DataError(f"entity-matching data not found at {path}; put the DeepMatcher/Ditto "
@@ -146,8 +181,12 @@ def load_pairs(dataset: str, split: str, data_dir: Path | None = None,
             if len(parts) != 3 or parts[2].strip() not in ("0", "1"):
                 raise DataError(f"{path}:{number}: expected '<left> TAB <right> TAB 0|1'")
             for side, out in ((parts[0], left), (parts[1], right)):
+                if attribute is None:
+                    parse_record(side)  # fail here, with the line, on a malformed record
+                    out.append(side.strip())
+                    continue
                 record = parse_record(side)
-                key = attribute or next(iter(record))
+                key = next(iter(record)) if attribute == "first" else attribute
                 if key not in record:
                     raise DataError(f"{path}:{number}: no attribute {key!r}; this dataset has "
                                     f"{', '.join(record)}")
@@ -157,129 +196,56 @@ def load_pairs(dataset: str, split: str, data_dir: Path | None = None,
                        np.asarray(labels, dtype=np.int64))
 
 
-def first_attribute(dataset: str, data_dir: Path | None = None) -> str:
-    """Name of the first attribute of the dataset's records (``name``, ``title``)."""
-    path = dataset_dir(dataset, data_dir) / "train.txt"
-    with path.open(encoding="utf-8", errors="replace") as f:
-        return next(iter(parse_record(f.readline().split("\t")[0])))
+def _need(data_dir: Path | None) -> tuple[str, ...]:
+    present = present_datasets(data_dir)
+    if not present:
+        raise DataError(f"no entity-matching data sets at {dataset_dir('', data_dir)} "
+                        f"(expected folders {', '.join(DATASETS)})")
+    return present
 
 
 def data_hash(dataset: str, data_dir: Path | None = None) -> str:
     h = hashlib.sha256()
-    for split in SPLITS:
-        h.update((dataset_dir(dataset, data_dir) / f"{split}.txt").read_bytes())
+    names = _need(data_dir) if dataset == DATASET_ALL else (dataset,)
+    for name in names:
+        h.update(name.encode())
+        for split in SPLITS:
+            h.update((dataset_dir(name, data_dir) / f"{split}.txt").read_bytes())
     return h.hexdigest()[:16]
+
+
+def training_splits(dataset: str, data_dir: Path | None = None,
+                    per_dataset: int | None = None) -> dict[str, EntityPairs]:
+    """Train / valid / test pairs; ``per_dataset`` caps the training pairs of each data set.
+    For :data:`DATASET_ALL` it also caps validation and test pairs at half as many per data
+    set (a single data set keeps them whole)."""
+    names = _need(data_dir) if dataset == DATASET_ALL else (dataset,)
+    half = None if per_dataset is None or dataset != DATASET_ALL else max(1, per_dataset // 2)
+    caps = {"train": per_dataset, "valid": half, "test": half}
+    splits = {}
+    for split in SPLITS:
+        parts = [load_pairs(name, split, data_dir).sample(caps[split]) for name in names]
+        splits[split] = EntityPairs.concat(parts, f"{dataset}-{split}")
+    return splits
+
+
+def schema(records: Sequence[Mapping[str, str]]) -> tuple[str, ...]:
+    """The attributes to compare one by one: those of the records if they all share them,
+    else none (schema-free features)."""
+    if not records:
+        return ()
+    keys = tuple(records[0])
+    if keys == (PLAIN,) or any(tuple(r) != keys for r in records):
+        return ()
+    return keys
 
 
 # ------------------------------------------------------------------------------- models
 
 
-def pair_embeddings(body: TransformersBody, pairs: Sequence[tuple[str, str]],
-                    batch_size: int = 32, on_batch: Callable[[int], None] | None = None,
-                    ) -> tuple[np.ndarray, np.ndarray]:
-    """Unit-norm embeddings ``(u, v)`` of both sides; each distinct text is embedded once.
-
-    A join compares every left value with many right values, so distinct texts are far fewer
-    than pairs; embedding them once is where most of the time goes.
-    """
-    if not pairs:
-        dim = int(body.net.config.hidden_size)
-        return np.zeros((0, dim)), np.zeros((0, dim))
-    distinct = list(dict.fromkeys(t for pair in pairs for t in pair))
-    where = {t: i for i, t in enumerate(distinct)}
-    emb = normalise_rows(body.features(distinct, batch_size, on_batch).astype(np.float64))
-    u = emb[[where[a] for a, _ in pairs]]
-    v = emb[[where[b] for _, b in pairs]]
-    return u, v
-
-
-FEATURE_SETS = ("embedding", "embedding+lexical")
-_WORD = re.compile(r"\w+")
-
-
-def _code_tokens(words: set[str]) -> set[str]:
-    """Tokens that look like model or part numbers (letters and digits, 4+ characters)."""
-    return {w for w in words if len(w) >= 4 and not w.isdigit() and not w.isalpha()}
-
-
-def lexical_features(left: Sequence[str], right: Sequence[str]) -> np.ndarray:
-    """Per pair: word-set Jaccard overlap, and 1 if both share a model-number-like token.
-
-    Sentence embeddings blur exactly what identifies a product ("lds4821ww" vs "lds4820ww");
-    on Abt-Buy names these two features lift the pair heads' test F1 from ~0.5 to ~0.63.
-    """
-    out = np.zeros((len(left), 2))
-    for i, (a, b) in enumerate(zip(left, right, strict=True)):
-        wa, wb = set(_WORD.findall(a.lower())), set(_WORD.findall(b.lower()))
-        out[i, 0] = len(wa & wb) / len(wa | wb) if wa | wb else 0.0
-        out[i, 1] = float(bool(_code_tokens(wa) & _code_tokens(wb)))
-    return out
-
-
-def pair_features(u: np.ndarray, v: np.ndarray, pairs: Sequence[tuple[str, str]] | None = None,
-                  feature_set: str = "embedding") -> np.ndarray:
-    """``[|u - v|, u * v, cos(u, v)]`` (+ :func:`lexical_features` of ``pairs``).
-
-    Every feature is symmetric in the two sides, so the pair models are too.
-    """
-    if feature_set not in FEATURE_SETS:
-        raise ModelError(f"unknown sem_match feature set {feature_set!r}; use one of: "
-                         f"{', '.join(FEATURE_SETS)}")
-    parts = [np.abs(u - v), u * v, (u * v).sum(axis=1, keepdims=True)]
-    if feature_set == "embedding+lexical":
-        if pairs is None:
-            raise ModelError("lexical features need the texts of the pairs")
-        parts.append(lexical_features([a for a, _ in pairs], [b for _, b in pairs]))
-    return np.hstack(parts)
-
-
-def _check_pairs(name: str, pairs: Sequence) -> list[tuple[str, str]]:
-    out = []
-    for pair in pairs:
-        if not isinstance(pair, tuple | list) or len(pair) != 2:
-            raise DataError(f"{name} takes pairs of texts (two columns), got {pair!r}")
-        out.append((pair[0], pair[1]))
-    return out
-
-
-class PairModel(Model):
-    """Entity match from a MiniLM pair embedding and a logistic-regression head."""
-
-    def __init__(self, body: TransformersBody, head: LinearHead, name: str,
-                 fingerprint: str = "", feature_set: str = "embedding") -> None:
-        if tuple(head.label_names) != BOOLEAN_LABELS:
-            raise ModelError(f"{name}: head labels {head.label_names} != {BOOLEAN_LABELS}")
-        hidden = int(body.net.config.hidden_size)
-        expected = 2 * hidden + 1 + (2 if feature_set == "embedding+lexical" else 0)
-        if head.weight.shape[0] != expected:
-            raise ModelError(f"{name}: the head takes {head.weight.shape[0]} features but "
-                             f"{feature_set} features of a {hidden}-wide body are {expected}; "
-                             "prepare sem_match again (prepare_sem_match(..., force=True))")
-        self.body = body
-        self.head = head
-        self.feature_set = feature_set
-        self.device = body.device
-        self.spec = ModelSpec(
-            name=name, family=FAMILY, backend="transformers", source=body.config.source,
-            num_params=body.num_params + head.num_params, memory_bytes=body.memory_bytes,
-            max_tokens=body.max_tokens, labels=BOOLEAN_LABELS, fingerprint=fingerprint,
-            num_inputs=2,
-        )
-
-    def features(self, pairs: Sequence[tuple[str, str]], batch_size: int = 32,
-                 on_batch: Callable[[int], None] | None = None) -> np.ndarray:
-        pairs = _check_pairs(self.name, pairs)
-        u, v = pair_embeddings(self.body, pairs, batch_size, on_batch)
-        return pair_features(u, v, pairs, self.feature_set)
-
-    def predict(self, texts: Sequence, batch_size: int = 32) -> Prediction:
-        probs = self.head.predict_proba(self.features(texts, batch_size))
-        probs = probs.reshape(len(texts), len(BOOLEAN_LABELS))
-        return Prediction(probs.argmax(axis=1).astype(np.int64), probs, BOOLEAN_LABELS)
-
-
 class SimilarityPairModel(Model):
-    """Uncalibrated fallback: ``P(match) = sigmoid(scale * (cos(u, v) - offset))``."""
+    """Uncalibrated fallback: ``P(match) = sigmoid(scale * (cos(u, v) - offset))`` of the two
+    records' whole texts."""
 
     def __init__(self, body: TransformersBody, scale: float = FALLBACK_SCALE,
                  offset: float = FALLBACK_OFFSET, name: str = "simpair-l6") -> None:
@@ -295,10 +261,18 @@ class SimilarityPairModel(Model):
         )
 
     def cosine(self, pairs: Sequence, batch_size: int = 32) -> np.ndarray:
-        u, v = pair_embeddings(self.body, _check_pairs(self.name, pairs), batch_size)
-        return (u * v).sum(axis=1)
+        texts = [(whole_text(as_record(a)), whole_text(as_record(b))) for a, b in pairs]
+        distinct = list(dict.fromkeys(t for pair in texts for t in pair))
+        if not distinct:
+            return np.zeros(0)
+        emb = normalise_rows(self.body.features(distinct, batch_size).astype(np.float64))
+        where = {t: i for i, t in enumerate(distinct)}
+        return np.array([float(emb[where[a]] @ emb[where[b]]) for a, b in texts])
 
     def predict(self, texts: Sequence, batch_size: int = 32) -> Prediction:
+        for pair in texts:
+            if not isinstance(pair, tuple | list) or len(pair) != 2:
+                raise DataError(f"{self.name} takes pairs of records, got {pair!r}")
         probs = boolean_probabilities(sigmoid(self.scale * (self.cosine(texts, batch_size)
                                                             - self.offset)))
         return Prediction(probs.argmax(axis=1).astype(np.int64), probs, BOOLEAN_LABELS)
@@ -335,10 +309,14 @@ def cascade_labels(cheap: np.ndarray, strong: np.ndarray, threshold: float) -> n
     return np.where(sure < threshold, strong.argmax(axis=1), cheap.argmax(axis=1))
 
 
+def _f1(labels: np.ndarray, truth: np.ndarray) -> float:
+    return MatchScores.of(labels, truth).f1
+
+
 def choose_threshold(cheap: np.ndarray, strong: np.ndarray, truth: np.ndarray,
                      tolerance: float = DEFAULT_TOLERANCE) -> float:
-    """The threshold escalating the fewest rows while staying within ``tolerance`` accuracy of
-    the strong model alone.
+    """The threshold escalating the fewest rows while staying within ``tolerance`` F1 of the
+    strong model alone.
 
     Candidates lie midway between neighbouring certainties of the cheap model (so float
     rounding at run time does not move rows across), plus "escalate nothing" (0) and
@@ -346,28 +324,25 @@ def choose_threshold(cheap: np.ndarray, strong: np.ndarray, truth: np.ndarray,
     """
     sure = np.asarray(cheap, dtype=np.float64).max(axis=1)
     truth = np.asarray(truth)
-    right_cheap = cheap.argmax(axis=1) == truth
-    right_strong = strong.argmax(axis=1) == truth
     n = len(truth)
     if n == 0:
         raise DataError("cannot calibrate a cascade threshold on no rows")
-    goal = right_strong.mean() - tolerance
+    cheap_labels, strong_labels = cheap.argmax(axis=1), strong.argmax(axis=1)
+    goal = _f1(strong_labels, truth) - tolerance
     order = np.argsort(sure, kind="stable")  # least certain first: escalated first
     s = sure[order]
-    # accuracy when the k least certain rows escalate
-    gain = np.concatenate([[0], np.cumsum(right_strong[order].astype(int)
-                                          - right_cheap[order].astype(int))])
-    accuracy = (right_cheap.sum() + gain) / n
     for k in range(n + 1):
         if 0 < k < n and not s[k - 1] < s[k]:
             continue  # ties cannot be split by a threshold
-        if accuracy[k] >= goal - 1e-12:
+        labels = cheap_labels.copy()
+        labels[order[:k]] = strong_labels[order[:k]]
+        if _f1(labels, truth) >= goal - 1e-12:
             if k == 0:
                 return 0.0
             if k == n:
                 return float(np.nextafter(s[-1], np.inf))
             return float((s[k - 1] + s[k]) / 2)
-    return float(np.nextafter(s[-1], np.inf))  # unreachable: k == n meets the goal
+    return float(np.nextafter(s[-1], np.inf))  # unreachable: k == n reaches the strong F1
 
 
 # ------------------------------------------------------------------------------- cards
@@ -375,28 +350,27 @@ def choose_threshold(cheap: np.ndarray, strong: np.ndarray, truth: np.ndarray,
 
 @dataclass(frozen=True)
 class MemberCard:
-    """One trained pair model: where its head is and how it scored."""
+    """One trained record matcher: where its trees are and how it scored."""
 
-    name: str  # model name in cascades, e.g. "pair-l3[abt-buy.name]"
-    member: str  # body: minilm-l3 / minilm-l6
-    head_file: str  # relative to the card's folder
+    name: str  # model name in cascades, e.g. "match-lex[abt-buy]"
+    member: str  # lexical / minilm-l6
+    trees_file: str  # relative to the card's folder
     fingerprint: str
-    l2: float
+    threshold: float  # P(match) of the trees at which it says "match" (best F1 on valid)
     valid: MatchScores
     test: MatchScores
-    ms_per_text: float  # embedding one distinct text (a pair costs up to two)
+    ms_per_pair: float  # features and trees, measured on the test pairs
 
 
 @dataclass(frozen=True)
 class MatchCard:
-    """What ``prepare_sem_match`` trained and measured for one dataset and attribute."""
+    """What ``prepare_sem_match`` trained and measured for one dataset."""
 
     dataset: str
-    attribute: str
-    feature_set: str
+    attributes: tuple[str, ...]  # compared one by one; () = schema-free features
     data_hash: str
     num_train: int  # training pairs used
-    num_train_requested: int | None  # None: the whole train split
+    per_dataset: int | None  # cap on training pairs per data set (None: whole train splits)
     members: tuple[MemberCard, ...]
     threshold: float
     tolerance: float
@@ -404,6 +378,7 @@ class MatchCard:
     cascade_test: MatchScores
     escalation_valid: float
     escalation_test: float
+    featurizer_file: str = "features.json"
     schema_version: int = CARD_SCHEMA_VERSION
 
     def member(self, name: str) -> MemberCard:
@@ -423,19 +398,20 @@ class MatchCard:
                              "(prepare_sem_match(..., force=True))")
         for key in ("cascade_valid", "cascade_test"):
             data[key] = MatchScores(**data[key])
+        data["attributes"] = tuple(data["attributes"])
         data["members"] = tuple(
             MemberCard(**{**m, "valid": MatchScores(**m["valid"]),
                           "test": MatchScores(**m["test"])}) for m in data["members"])
         return cls(**data)
 
 
-def match_dir(dataset: str, attribute: str | None, home: Path) -> Path:
-    """``KEN_HOME/families/sem-match/<dataset>/<attribute or 'first'>``."""
-    return home / "families" / FAMILY / dataset / (attribute or "first")
+def match_dir(dataset: str, home: Path) -> Path:
+    """``KEN_HOME/families/sem-match/<dataset>``."""
+    return home / "families" / FAMILY / dataset
 
 
-def model_name(member: str, dataset: str, attribute: str) -> str:
-    return f"pair-{SHORT_NAMES[member]}[{dataset.lower()}.{attribute}]"
+def model_name(member: str, dataset: str) -> str:
+    return f"match-{SHORT_NAMES[member]}[{dataset.lower()}]"
 
 
 def _file_digest(path: Path) -> str:
@@ -443,93 +419,97 @@ def _file_digest(path: Path) -> str:
 
 
 def _reusable(card: MatchCard, present: bool, dataset: str, data_dir: Path | None,
-              feature_set: str, num_train: int | None, tolerance: float) -> bool:
+              per_dataset: int | None, tolerance: float) -> bool:
     if not present:
-        return True  # cannot retrain: trained heads beat the uncalibrated fallback
-    same = (card.feature_set == feature_set and card.num_train_requested == num_train
-            and card.tolerance == tolerance)
+        return True  # cannot retrain: a trained matcher beats the uncalibrated fallback
+    same = card.per_dataset == per_dataset and card.tolerance == tolerance
     return same and card.data_hash == data_hash(dataset, data_dir)
 
 
 def prepare_sem_match(resources: Resources, dataset: str = DEFAULT_DATASET,
-                      data_dir: Path | None = None, attribute: str | None = None, *,
-                      feature_set: str = DEFAULT_FEATURES, num_train: int | None = None,
+                      data_dir: Path | None = None, *, per_dataset: int | None = None,
                       tolerance: float = DEFAULT_TOLERANCE, force: bool = False,
                       batch_size: int = 32, reporter: Reporter | None = None) -> MatchCard:
-    """Train (or reuse) the L3 and L6 pair heads and calibrate the cascade threshold.
+    """Train (or reuse) the two record matchers of ``dataset`` and calibrate the cascade.
 
-    Heads train on the ``train`` split (or ``num_train`` pairs of it; L2 strength chosen on a
-    held-out fifth), the threshold is chosen on ``valid`` (:func:`choose_threshold`), and
-    ``test`` is only scored. A cached card is reused when it was made with the same settings
-    from the same files, or when the files are absent. Each member embeds every distinct text
-    of all three splits once (a product appears in many pairs).
+    ``dataset`` is one of :data:`DATASETS` (every attribute compared) or :data:`DATASET_ALL`
+    (every present data set, schema-free features, ``per_dataset`` defaulting to
+    :data:`DEFAULT_PER_DATASET` training pairs each). Matchers train on ``train``, thresholds
+    are chosen on ``valid`` and ``test`` is only scored. A cached card is reused when it was
+    made with the same settings from the same files, or when the files are absent.
     """
-    if feature_set not in FEATURE_SETS:
-        raise ModelError(f"unknown sem_match feature set {feature_set!r}; use one of: "
-                         f"{', '.join(FEATURE_SETS)}")
+    if dataset == DATASET_ALL and per_dataset is None:
+        per_dataset = DEFAULT_PER_DATASET
     reporter = reporter or resources.reporter
-    folder = match_dir(dataset, attribute, resources.home)
+    folder = match_dir(dataset, resources.home)
     card_path = folder / "card.json"
     present = has_data(dataset, data_dir)
     if card_path.exists() and not force:
         card = MatchCard.from_json(card_path.read_text())
-        if _reusable(card, present, dataset, data_dir, feature_set, num_train, tolerance):
+        if _reusable(card, present, dataset, data_dir, per_dataset, tolerance):
             return card
     if not present:
         raise DataError(f"no entity-matching data for {dataset} at "
-                        f"{dataset_dir(dataset, data_dir)} and no trained heads in {folder}")
-    resolved = attribute or first_attribute(dataset, data_dir)
-    splits = {s: load_pairs(dataset, s, data_dir, attribute) for s in SPLITS}
-    if num_train is not None and num_train < len(splits["train"]):
-        keep = np.sort(np.random.default_rng(0).permutation(len(splits["train"]))[:num_train])
-        splits["train"] = splits["train"].subset(keep, f"{dataset}-train{num_train}")
-    return train_pair_heads(resources, dataset, resolved, splits, data_hash(dataset, data_dir),
-                            folder, feature_set=feature_set, num_train=num_train,
-                            tolerance=tolerance, batch_size=batch_size, reporter=reporter)
+                        f"{dataset_dir(dataset, data_dir)} and no trained matcher in {folder}")
+    splits = training_splits(dataset, data_dir, per_dataset)
+    return train_matchers(resources, dataset, splits, data_hash(dataset, data_dir), folder,
+                          schema_free=dataset == DATASET_ALL, per_dataset=per_dataset,
+                          tolerance=tolerance, batch_size=batch_size, reporter=reporter)
 
 
-def train_pair_heads(resources: Resources, dataset: str, attribute: str,
-                     splits: Mapping[str, EntityPairs], content_hash: str, folder: Path, *,
-                     feature_set: str = DEFAULT_FEATURES, num_train: int | None = None,
-                     tolerance: float = DEFAULT_TOLERANCE, batch_size: int = 32,
-                     reporter: Reporter | None = None) -> MatchCard:
-    """Train the L3 and L6 pair heads on ``splits["train"]``, choose the cascade threshold on
-    ``splits["valid"]``, score ``splits["test"]``; write the heads and the card to ``folder``."""
-    if feature_set not in FEATURE_SETS:
-        raise ModelError(f"unknown sem_match feature set {feature_set!r}; use one of: "
-                         f"{', '.join(FEATURE_SETS)}")
+def train_matchers(resources: Resources, dataset: str, splits: Mapping[str, EntityPairs],
+                   content_hash: str, folder: Path, *, schema_free: bool = False,
+                   per_dataset: int | None = None, tolerance: float = DEFAULT_TOLERANCE,
+                   batch_size: int = 32, reporter: Reporter | None = None) -> MatchCard:
+    """Fit the record features and both members' trees on ``splits["train"]``, choose their
+    thresholds and the cascade's on ``splits["valid"]``, score ``splits["test"]``; write the
+    featurizer, the trees and the card to ``folder``."""
     reporter = reporter or resources.reporter
-    card_path = folder / "card.json"
-    reporter.note(f"sem_match: training pair heads on {len(splits['train'])} {dataset} pairs "
-                  f"({attribute}, {feature_set} features), {len(splits['valid'])} for "
-                  f"calibration, {len(splits['test'])} held out")
-    distinct = list(dict.fromkeys(t for p in splits.values() for t in (*p.left, *p.right)))
-    where = {t: i for i, t in enumerate(distinct)}
+    records = {s: [(as_record(a), as_record(b)) for a, b in p.pairs] for s, p in splits.items()}
+    train_records = [r for pair in records["train"] for r in pair]
+    attributes = () if schema_free else schema(train_records)
+    featurizer = RecordFeaturizer.fit(train_records, attributes)
     folder.mkdir(parents=True, exist_ok=True)
+    (folder / "features.json").write_text(featurizer.to_json())
+    what = f"{', '.join(attributes)}" if attributes else "schema-free"
+    reporter.note(f"sem_match: training record matchers on {len(splits['train'])} {dataset} "
+                  f"pairs ({what}), {len(splits['valid'])} for thresholds, "
+                  f"{len(splits['test'])} held out")
+    lexical = {}
+    with reporter.task("record features", len(SPLITS)) as advance:
+        for s in SPLITS:
+            lexical[s] = featurizer.features(records[s])
+            advance(1)
     members: list[MemberCard] = []
     probs: dict[str, dict[str, np.ndarray]] = {}
     for member in MEMBERS:
-        body = resources.encoder(member)
-        name = model_name(member, dataset, attribute)
-        with reporter.task(f"{name}: {len(distinct)} distinct texts", len(distinct)) as adv:
-            started = time.perf_counter()
-            emb = normalise_rows(body.features(distinct, batch_size, adv).astype(np.float64))
-            ms_per_text = (time.perf_counter() - started) / max(1, len(distinct)) * 1000
-        feats = {}
-        for split, pairs in splits.items():
-            u = emb[[where[t] for t in pairs.left]]
-            v = emb[[where[t] for t in pairs.right]]
-            feats[split] = pair_features(u, v, pairs.pairs, feature_set)
-        head = fit_logistic_cv(feats["train"], splits["train"].labels, BOOLEAN_LABELS)
-        head_file = f"{member}.head.safetensors"
-        head.save(folder / head_file)
-        probs[member] = {s: head.predict_proba(feats[s]) for s in ("valid", "test")}
+        name = model_name(member, dataset)
+        body = None if member == "lexical" else resources.encoder(member)
+        feats = lexical
+        if body is not None:
+            with reporter.task(f"{name}: embedding the records", len(SPLITS)) as advance:
+                feats = {}
+                for s in SPLITS:
+                    feats[s] = np.hstack([lexical[s], embedding_similarities(
+                        body, records[s], EMBEDDED_SLOTS, batch_size)])
+                    advance(1)
+        trees = BoostedTrees.fit(feats["train"], splits["train"].labels)
+        trees_file = f"{member}.trees.npz"
+        trees.save(folder / trees_file)
+        p = {s: 1.0 / (1.0 + np.exp(-trees.raw(feats[s]))) for s in ("valid", "test")}
+        threshold, _ = best_f1_threshold(p["valid"], splits["valid"].labels)
+        model = RecordMatcher(name, featurizer, trees, threshold, body)
+        started = time.perf_counter()
+        test_pairs = splits["test"].pairs
+        probs[member] = {"test": model.predict(test_pairs, batch_size).probabilities}
+        ms_per_pair = (time.perf_counter() - started) / max(1, len(test_pairs)) * 1000
+        probs[member]["valid"] = _shifted(p["valid"], threshold)
         scores = {s: MatchScores.of(probs[member][s].argmax(axis=1), splits[s].labels)
                   for s in ("valid", "test")}
-        members.append(MemberCard(name, member, head_file, _file_digest(folder / head_file),
-                                  head.l2, scores["valid"], scores["test"], ms_per_text))
+        members.append(MemberCard(name, member, trees_file, _file_digest(folder / trees_file),
+                                  threshold, scores["valid"], scores["test"], ms_per_pair))
         reporter.note(f"  {name}: test F1 {scores['test'].f1:.3f}, "
-                      f"accuracy {scores['test'].accuracy:.3f}")
+                      f"accuracy {scores['test'].accuracy:.3f}, {ms_per_pair:.2f} ms/pair")
     cheap, strong = MEMBERS
     threshold = choose_threshold(probs[cheap]["valid"], probs[strong]["valid"],
                                  splits["valid"].labels, tolerance)
@@ -539,78 +519,90 @@ def train_pair_heads(resources: Resources, dataset: str, attribute: str,
         labels = cascade_labels(probs[cheap][s], probs[strong][s], threshold)
         cascade_scores[s] = MatchScores.of(labels, splits[s].labels)
         escalation[s] = float((probs[cheap][s].max(axis=1) < threshold).mean())
-    card = MatchCard(dataset, attribute, feature_set, content_hash,
-                     len(splits["train"]), num_train, tuple(members), threshold, tolerance,
-                     cascade_scores["valid"], cascade_scores["test"], escalation["valid"],
-                     escalation["test"])
-    card_path.write_text(card.to_json())
+    card = MatchCard(dataset, attributes, content_hash, len(splits["train"]), per_dataset,
+                     tuple(members), threshold, tolerance, cascade_scores["valid"],
+                     cascade_scores["test"], escalation["valid"], escalation["test"])
+    (folder / "card.json").write_text(card.to_json())
     reporter.note(f"  cascade {cheap} -({threshold:.3f})-> {strong}: test F1 "
                   f"{cascade_scores['test'].f1:.3f}, escalates {escalation['test']:.0%}")
     return card
 
 
-def load_card(resources: Resources, dataset: str = DEFAULT_DATASET,
-              attribute: str | None = None) -> MatchCard:
+def _shifted(p: np.ndarray, threshold: float) -> np.ndarray:
+    """Probabilities as the matcher reports them: shifted so that ``threshold`` is 0.5."""
+    z = np.log(np.clip(p, 1e-12, 1)) - np.log(np.clip(1 - p, 1e-12, 1))
+    t = min(max(threshold, 1e-6), 1 - 1e-6)
+    q = 1.0 / (1.0 + np.exp(-np.clip(z - math.log(t / (1 - t)), -40, 40)))
+    return np.stack([1.0 - q, q], axis=1)
+
+
+def load_card(resources: Resources, dataset: str = DEFAULT_DATASET) -> MatchCard:
     """The cached card of a prepared dataset (see :func:`prepare_sem_match`)."""
-    path = match_dir(dataset, attribute, resources.home) / "card.json"
+    path = match_dir(dataset, resources.home) / "card.json"
     if not path.exists():
         raise ModelError(f"sem_match is not prepared for {dataset} in {path.parent}; "
                          "run prepare_sem_match (or bind_sem_match) with the data present")
     return MatchCard.from_json(path.read_text())
 
 
-def load_pair_model(resources: Resources, member: str, dataset: str = DEFAULT_DATASET,
-                    attribute: str | None = None, device: DeviceConfig | None = None
-                    ) -> PairModel:
-    """The trained pair model of ``member`` (``minilm-l3`` / ``minilm-l6``) from the cache."""
-    card = load_card(resources, dataset, attribute)
+def load_matcher(resources: Resources, member: str, dataset: str = DEFAULT_DATASET,
+                 device: DeviceConfig | None = None) -> RecordMatcher:
+    """The trained record matcher of ``member`` (``lexical`` / ``minilm-l6``) from the cache."""
+    card = load_card(resources, dataset)
     m = card.member(member)
-    head = LinearHead.load(match_dir(dataset, attribute, resources.home) / m.head_file)
-    return PairModel(resources.encoder(member, device), head, m.name, m.fingerprint,
-                     card.feature_set)
+    folder = match_dir(dataset, resources.home)
+    trees_path = folder / m.trees_file
+    if not trees_path.is_file() or _file_digest(trees_path) != m.fingerprint:
+        raise ModelError(f"{trees_path} is missing or differs from what its card recorded; "
+                         f"prepare sem_match again (prepare_sem_match(resources, {dataset!r}, "
+                         "force=True))")
+    try:
+        featurizer = RecordFeaturizer.from_json((folder / card.featurizer_file).read_text())
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelError(f"cannot read {folder / card.featurizer_file} ({exc}); prepare "
+                         "sem_match again (force=True)") from exc
+    body = None if member == "lexical" else resources.encoder(member, device)
+    return RecordMatcher(m.name, featurizer, BoostedTrees.load(trees_path), m.threshold, body,
+                         fingerprint=f"{m.fingerprint}-{card.data_hash}")
 
 
 def bind_sem_match(resources: Resources, dataset: str = DEFAULT_DATASET,
-                   data_dir: Path | None = None, attribute: str | None = None, *,
-                   feature_set: str = DEFAULT_FEATURES, num_train: int | None = None,
+                   data_dir: Path | None = None, *, per_dataset: int | None = None,
                    tolerance: float = DEFAULT_TOLERANCE, single: str | None = None,
                    device: DeviceConfig | None = None) -> BoundSemantic:
-    """Bind ``sem_match(a, b)``: the calibrated L3 -> L6 pair cascade, or the fallback.
+    """Bind ``sem_match(a, b)``: the calibrated two-matcher cascade, or the fallback.
 
-    Trains the heads on first use (~30 s on one thread, cached in ``KEN_HOME``; see
-    :func:`prepare_sem_match` for ``feature_set`` and ``num_train``). ``single`` binds
-    one member alone (``"minilm-l3"`` or ``"minilm-l6"``). Without data and without cached
-    heads it binds :class:`SimilarityPairModel` and reports itself uncalibrated; it never fails
-    for lack of data.
-
-    >>> # bound = bind_sem_match(Resources())
-    >>> # run_cascade(bound.cascade, bound.models, [pa.array(["sony tv"]), pa.array(["tv sony"])])
+    Trains the matchers on first use (cached in ``KEN_HOME``; see :func:`prepare_sem_match`).
+    ``single`` binds one member alone (``"lexical"`` or ``"minilm-l6"``). Without data and
+    without a cached matcher it binds :class:`SimilarityPairModel` and reports itself
+    uncalibrated; it never fails for lack of data.
     """
     if single is not None and single not in MEMBERS:
         raise ModelError(f"unknown sem_match model {single!r}; use one of: {', '.join(MEMBERS)}")
-    folder = match_dir(dataset, attribute, resources.home)
+    folder = match_dir(dataset, resources.home)
     if not has_data(dataset, data_dir) and not (folder / "card.json").exists():
         body = resources.encoder("minilm-l6", device)
         fallback = SimilarityPairModel(body)
         return BoundSemantic(
             "sem_match", Cascade((fallback.name,)), {fallback.name: fallback}, "boolean",
             calibrated=False,
-            detail=(f"no {dataset} entity-matching data at {dataset_dir(dataset, data_dir)}: "
-                    f"fixed rule cos > {FALLBACK_OFFSET:g}"))
-    card = prepare_sem_match(resources, dataset, data_dir, attribute, feature_set=feature_set,
-                             num_train=num_train, tolerance=tolerance)
+            detail=(f"no entity-matching data at {dataset_dir(dataset, data_dir)}: fixed rule "
+                    f"cos > {FALLBACK_OFFSET:g}"))
+    card = prepare_sem_match(resources, dataset, data_dir, per_dataset=per_dataset,
+                             tolerance=tolerance)
     names = (single,) if single else MEMBERS
     models = {}
     for member in names:
-        model = load_pair_model(resources, member, dataset, attribute, device)
+        model = load_matcher(resources, member, dataset, device)
         models[model.name] = model
+    what = f"{dataset} ({', '.join(card.attributes) or 'schema-free'})"
     if single:
         m = card.member(single)
         cascade = Cascade((m.name,))
-        detail = f"{dataset}.{card.attribute}: test F1 {m.test.f1:.3f}"
+        detail = f"{what}: test F1 {m.test.f1:.3f}"
     else:
         cascade = Cascade(tuple(models), (card.threshold,))
-        detail = (f"{dataset}.{card.attribute}: threshold from validation, test F1 "
+        detail = (f"{what}: thresholds from validation, test F1 "
                   f"{card.cascade_test.f1:.3f}, escalates {card.escalation_test:.0%}")
     return BoundSemantic("sem_match", cascade, models, "boolean", calibrated=True,
                          detail=detail)
@@ -620,9 +612,9 @@ def bind_sem_match(resources: Resources, dataset: str = DEFAULT_DATASET,
 
 
 def load_member(member: str, home: Path | None, threads: int,
-                dataset: str = DEFAULT_DATASET) -> PairModel:
-    """A trained pair model for a worker process (picklable via ``functools.partial``)."""
-    return load_pair_model(Resources(DeviceConfig(threads=threads), home), member, dataset)
+                dataset: str = DEFAULT_DATASET) -> RecordMatcher:
+    """A trained record matcher for a worker process (picklable via ``functools.partial``)."""
+    return load_matcher(Resources(DeviceConfig(threads=threads), home), member, dataset)
 
 
 class SemMatch(Operator):
@@ -630,10 +622,14 @@ class SemMatch(Operator):
     num_columns = 2
     constants = ()
     output_type = "boolean"
-    doc = "do two texts name the same entity"
+    doc = "do two records (structs, rows or texts) name the same entity"
+    record_columns = True
 
-    def __init__(self) -> None:
-        self.dataset = DEFAULT_DATASET  # user-<hash> once train() ran
+    def __init__(self, dataset: str = DEFAULT_DATASET) -> None:
+        """``dataset``: the matcher to serve until ``train`` runs (:data:`DATASET_ALL`, or one
+        of :data:`DATASETS` to compare that data set's attributes)."""
+        self.dataset = dataset  # user-<hash> once train() ran
+        self._default = dataset
         self.trained: Trained | None = None
         self._held_out: EntityPairs | None = None
 
@@ -647,15 +643,16 @@ class SemMatch(Operator):
         return ctx.resource(f"sem-match-binding-{self.dataset}", make)
 
     def train(self, ctx: OpContext, data: TrainingData, **options: object) -> Trained:
-        """Train the pair heads on the user's labelled pairs (two text columns, a true/false
-        label): 70% train, 15% to choose the cascade threshold, 15% held out to score it.
-        Cached by the rows' hash (``KEN_HOME/families/sem-match/user-<hash>``)."""
+        """Train the record matchers on the user's labelled pairs (two columns of records or
+        texts, a true/false label): 70% train, 15% to choose the thresholds, 15% held out to
+        score them. Records sharing one schema are compared attribute by attribute. Cached by
+        the rows' hash (``KEN_HOME/families/sem-match/user-<hash>``)."""
         if options:
             raise KenError(f"sem_match training takes no option {', '.join(options)}")
         if len(data.columns) != 2:
-            raise KenError(f"sem_match compares two text columns; {data.source} gives "
-                           f"{len(data.columns)} ({', '.join(data.columns)}): name them, e.g. "
-                           "columns=('left_title', 'right_title')")
+            raise KenError(f"sem_match compares two columns (records or texts); {data.source} "
+                           f"gives {len(data.columns)} ({', '.join(data.columns)}): name them, "
+                           "e.g. columns=('left', 'right')")
         truth = data.booleans().astype(np.int64)
         pairs = EntityPairs(data.source, data.texts[0], data.texts[1], truth)
         parts = data.split((0.7, 0.15, 0.15))
@@ -665,14 +662,13 @@ class SemMatch(Operator):
                             "(each of 70/15/15% needs a match)")
         dataset = f"user-{data.content_hash}"
         resources = shared_resources(ctx)
-        folder = match_dir(dataset, None, resources.home)
+        folder = match_dir(dataset, resources.home)
         if (folder / "card.json").exists():
             card = MatchCard.from_json((folder / "card.json").read_text())
         else:
             splits = {name: pairs.subset(part, f"{dataset}-{name}")
                       for name, part in zip(SPLITS, parts, strict=True)}
-            card = train_pair_heads(resources, dataset, data.columns[0], splits,
-                                    data.content_hash, folder)
+            card = train_matchers(resources, dataset, splits, data.content_hash, folder)
         self.dataset = dataset
         self._held_out = pairs.subset(parts[2], f"{dataset}-test")
         self.trained = Trained(
@@ -685,11 +681,13 @@ class SemMatch(Operator):
     def _eval_pairs(self) -> EntityPairs | None:
         if self._held_out is not None:
             return self._held_out
-        return load_pairs(DEFAULT_DATASET, "test") if has_data(DEFAULT_DATASET) else None
+        if not has_data(self._default):
+            return None
+        return load_pairs(self._default, "test").sample(EVAL_PAIRS)
 
     def eval_sample(self, ctx: OpContext) -> EvalSample | None:
-        """The Abt-Buy test pairs (first attribute), or the held-out pairs of the user's
-        training; None without either."""
+        """2,000 test pairs of the data sets the default matcher learnt from (whole records),
+        or the held-out pairs of the user's training; None without either."""
         pairs = self._eval_pairs()
         if pairs is None:
             return None
@@ -697,20 +695,19 @@ class SemMatch(Operator):
                           tuple(bool(v) for v in pairs.labels.tolist()), "balanced_accuracy")
 
     def plannable(self) -> bool:
-        return self._held_out is not None or has_data(DEFAULT_DATASET)
+        return self._held_out is not None or has_data(self._default)
 
     def eval_description(self) -> str:
         if self.trained is not None:
             return f"the held-out 15% of {self.trained.data}, balanced accuracy"
-        where = dataset_dir(DEFAULT_DATASET)
-        state = "" if has_data(DEFAULT_DATASET) else f" (absent: not found at {where})"
-        return f"{DEFAULT_DATASET} test pairs{state}, balanced accuracy"
+        where = dataset_dir("", None)
+        state = "" if has_data(self._default) else f" (absent: not found at {where})"
+        return (f"up to {EVAL_PAIRS} test pairs of {self._default}{state}, balanced accuracy")
 
     def candidates(self, ctx: OpContext, device: DeviceConfig) -> Mapping[str, Model]:
         resources = shared_resources(ctx)
         prepare_sem_match(resources, self.dataset)
-        return {m.name: m for m in (load_pair_model(resources, member, self.dataset,
-                                                    device=device)
+        return {m.name: m for m in (load_matcher(resources, member, self.dataset, device)
                                     for member in MEMBERS)}
 
     def loaders(self, ctx: OpContext, threads: int) -> Mapping[str, Callable[[], Model]]:

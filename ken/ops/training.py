@@ -10,6 +10,7 @@ same models and hit the same cache, and any changed text or label gives a new ha
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,12 +108,11 @@ class TrainingData:
             raise DataError(f"{source} has no label column {label!r} (columns: "
                             f"{', '.join(names)}).{suggest(label, names)}")
         if columns is None:
-            columns = [n for n in names if n != label
-                       and (pa.types.is_string(table.schema.field(n).type)
-                            or pa.types.is_large_string(table.schema.field(n).type))]
+            columns = [n for n in names if n != label and _is_text_or_record(
+                table.schema.field(n).type)]
             if not columns:
-                raise DataError(f"{source} has no text column besides {label!r}; name the "
-                                "columns to train on")
+                raise DataError(f"{source} has no text or struct column besides {label!r}; "
+                                "name the columns to train on")
         for c in columns:
             if c not in names:
                 raise DataError(f"{source} has no column {c!r} (columns: {', '.join(names)})."
@@ -134,9 +134,20 @@ class TrainingData:
             if missing:
                 raise DataError(f"{source}: {len(missing)} rows have a NULL {c!r} (first: row "
                                 f"{missing[0]}); drop or fill them")
-            texts.append(tuple(str(v) for v in values))
+            texts.append(tuple(_cell_text(v) for v in values))
         labels = tuple(_label_text(v) for v in raw_labels)
         return cls(source, tuple(columns), label, tuple(texts), labels)
+
+
+def _is_text_or_record(kind: pa.DataType) -> bool:
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_struct(kind)
+
+
+def _cell_text(value: object) -> str:
+    """A cell as text: structs and lists (a record, a row) as JSON objects."""
+    if isinstance(value, dict | list):
+        return json.dumps(value, ensure_ascii=False, default=str)
+    return str(value)
 
 
 def _label_text(value: object) -> str:

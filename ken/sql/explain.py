@@ -37,9 +37,14 @@ def has_site(node: exp.Expression) -> bool:
     return any(str(a.this).lower().startswith("__ken_s") for a in node.find_all(exp.Anonymous))
 
 
+# how the rewrite passes a record argument (Operator.record_columns); simple arguments only
+_JSON_ARG = re.compile(r"CAST\(TO_JSON\(([\w.\"]+)\) AS TEXT\)")
+
+
 def show(node: exp.Expression) -> str:
     """SQL of an expression with site functions shown as ``s0:sentiment(...)``."""
-    return _SITE.sub(lambda m: f"s{m.group(1)}:{m.group(2).lower()}(", node.sql(dialect="duckdb"))
+    text = _JSON_ARG.sub(r"\1", node.sql(dialect="duckdb"))  # record arguments as written
+    return _SITE.sub(lambda m: f"s{m.group(1)}:{m.group(2).lower()}(", text)
 
 
 def conjuncts(node: exp.Expression | None) -> list[exp.Expression]:

@@ -136,6 +136,9 @@ def rewrite(statement: exp.Expression, functions: Mapping[str, Operator],
         clause = _clause(node)
         if clause not in clauses[key]:
             clauses[key].append(clause)
+        if getattr(fn, "record_columns", False):  # structs and rows travel as JSON objects
+            columns = [exp.cast(exp.Anonymous(this="to_json", expressions=[c.copy()]), "VARCHAR")
+                       for c in columns]
         node.replace(exp.Anonymous(this=sites[key].udf_name, expressions=columns))
     final = tuple(
         CallSite(s.id, s.function, s.args, s.constants, tuple(clauses[k]), namespace)
