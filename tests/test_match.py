@@ -29,10 +29,10 @@ from ken.ops.sem_match import (
     load_card,
     load_matcher,
     load_pairs,
+    match_dir,
     parse_record,
     prepare_sem_match,
     schema,
-    match_dir,
     train_matchers,
     training_splits,
 )
