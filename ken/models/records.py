@@ -39,6 +39,7 @@ _FIELD = re.compile(r"(?:^|\s)COL\s+(\S+)\s+VAL(?=\s|$)")
 _WORD = re.compile(r"\w+")
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
 _DIGIT = re.compile(r"\d")
+_ROW_KEY = re.compile(r"(?:^|_)id$", re.IGNORECASE)
 MISSING = -1.0  # a similarity that cannot be computed (an empty or non-numeric value)
 # texts the MiniLM stage compares: the first value and the whole record (embedding every
 # attribute as well costs 2-3x the time on long descriptions)
@@ -72,8 +73,17 @@ def _value_text(value: object) -> str:
     return str(value)
 
 
+def _without_keys(record: dict[str, str]) -> dict[str, str]:
+    """The record without row identifiers (``id``, ``*_id``): keys of two tables differ for
+    the same entity, and a whole row passed from SQL usually starts with one."""
+    kept = {k: v for k, v in record.items() if not _ROW_KEY.search(k)}
+    return kept or record
+
+
 def as_record(value: object) -> dict[str, str]:
     """A record from a serialized entity, a JSON object or JSON string, a dict, or plain text.
+
+    Attributes named ``id`` or ending in ``_id`` are left out (see :func:`_without_keys`).
 
     >>> as_record('{"name": "sony tv", "price": 10}')
     {'name': 'sony tv', 'price': '10'}
@@ -81,7 +91,7 @@ def as_record(value: object) -> dict[str, str]:
     {'text': 'sony tv'}
     """
     if isinstance(value, dict):
-        return {str(k): _value_text(v) for k, v in value.items()}
+        return _without_keys({str(k): _value_text(v) for k, v in value.items()})
     if value is None:
         return {PLAIN: ""}
     text = str(value)
@@ -92,11 +102,11 @@ def as_record(value: object) -> dict[str, str]:
         except ValueError:
             decoded = None
         if isinstance(decoded, dict):
-            return {str(k): _value_text(v) for k, v in decoded.items()}
+            return _without_keys({str(k): _value_text(v) for k, v in decoded.items()})
         if isinstance(decoded, str):
             return {PLAIN: decoded}
     if "COL " in text and _FIELD.search(text):
-        return parse_record(text)
+        return _without_keys(parse_record(text))
     return {PLAIN: text}
 
 
