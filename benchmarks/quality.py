@@ -24,8 +24,8 @@ install instead. In one run:
 - **sem_filter** and **sem_classify** on SST-2's test split: ``sem_filter(sentence, 'expresses
   a positive opinion')`` against the positive label (accuracy and balanced accuracy), and
   ``sem_classify(sentence, 'negative|positive')`` against the label (accuracy); then
-  ``sem_filter`` again after ``TRAIN sem_filter`` on ``--filter-train`` labelled SST-2 train
-  sentences (the SQL form of ``session.train``).
+  ``sem_filter`` and ``sem_classify`` again after ``TRAIN`` on ``--filter-train`` labelled
+  SST-2 train sentences (the SQL form of ``session.train``).
 
 Every number carries its sample size and standard error. Writes
 ``benchmarks/results/quality/quality.json`` and prints the tables (markdown).
@@ -210,9 +210,10 @@ def main(argv: list[str] | None = None) -> int:
                 pick = np.random.default_rng(0).permutation(len(train))[:args.filter_train]
                 session.register_table("sst2_train", pa.table({
                     "sentence": [train.texts[i] for i in pick],
-                    "positive": [bool(train.labels[i] == 1) for i in pick]}))
-                trained = session.sql(f"TRAIN sem_filter ON sst2_train LABEL positive "
-                                      f"FOR '{FILTER_PREDICATE}'").fetchall()[0]
+                    "positive": [bool(train.labels[i] == 1) for i in pick],
+                    "label": [train.label_names[train.labels[i]] for i in pick]}))
+                trained = session.sql(f"TRAIN sem_filter ON sst2_train LABEL positive USING "
+                                      f"sentence FOR '{FILTER_PREDICATE}'").fetchall()[0]
                 kept = np.array([bool(v) for v in sql_column(
                     session, "sem_filter", {"t": texts}, f"t, '{FILTER_PREDICATE}'")])
                 balanced = 0.5 * (np.mean(kept[truth]) + np.mean(~kept[~truth]))
@@ -225,6 +226,15 @@ def main(argv: list[str] | None = None) -> int:
                                      f"t, '{CLASSIFY_LABELS}'")
                 result["filter"].append({
                     "operator": f"sem_classify(sentence, '{CLASSIFY_LABELS}')",
+                    "data": "SST-2 test labels", "accuracy":
+                    rate(np.array(classes, dtype=object) == np.array(gold, dtype=object))})
+                trained = session.sql("TRAIN sem_classify ON sst2_train LABEL label USING "
+                                      "sentence").fetchall()[0]
+                classes = sql_column(session, "sem_classify", {"t": texts},
+                                     f"t, '{CLASSIFY_LABELS}'")
+                result["filter"].append({
+                    "operator": f"sem_classify(sentence, '{CLASSIFY_LABELS}') after TRAIN on "
+                                f"{args.filter_train} SST-2 train rows ({trained[2]})",
                     "data": "SST-2 test labels", "accuracy":
                     rate(np.array(classes, dtype=object) == np.array(gold, dtype=object))})
     result["seconds"] = time.perf_counter() - started

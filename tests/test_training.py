@@ -197,3 +197,42 @@ def test_sem_match_trained_on_user_pairs(home) -> None:
 def test_training_file_must_exist(tmp_path) -> None:
     with ken.connect(home=tmp_path) as session, pytest.raises(KenError, match="no file"):
         session.train("sentiment", Path(tmp_path / "missing.csv"), "y")
+
+
+TOPICS = {
+    "sports": ["the striker scored twice in the second half", "a late goal won the cup final",
+               "the coach praised the defence after the match", "she ran the marathon in record "
+               "time", "the team lost on penalties", "he hit a home run in the ninth inning",
+               "the tennis final went to five sets", "fans cheered as the race began"],
+    "cooking": ["simmer the onions until golden", "bake the bread at 220 degrees for 30 minutes",
+                "add a pinch of salt to the sauce", "whisk the eggs with sugar and butter",
+                "roast the vegetables with olive oil", "the soup needs more garlic",
+                "knead the dough for ten minutes", "season the steak and sear it quickly"],
+    "weather": ["heavy rain is expected tomorrow", "a cold front brings snow to the hills",
+                "sunny skies and light winds all week", "the storm knocked out power lines",
+                "temperatures will drop below freezing tonight", "fog delayed the morning "
+                "flights", "a heatwave is forecast for the weekend", "thunder and hail in the "
+                "afternoon"],
+}
+
+
+@pytest.mark.models
+def test_sem_classify_trained_on_user_labels(home) -> None:
+    texts = [t for ts in TOPICS.values() for t in ts]
+    topics = [k for k, ts in TOPICS.items() for _ in ts]
+    table = pa.table({"text": texts, "topic": topics})
+    with ken.connect(home=home, device=DeviceConfig(threads=2)) as session:
+        session.register_table("posts", table)
+        with pytest.raises(DataError, match="no row is labelled politics"):
+            session.train("sem_classify", "posts", "topic", labels="sports|cooking|weather|"
+                          "politics")
+        with pytest.raises(DataError, match="rows labelled weather are not among the labels"):
+            session.sql("TRAIN sem_classify ON posts LABEL topic FOR 'sports|cooking'")
+        trained = session.train("sem_classify", "posts", "topic")
+        assert "held-out accuracy on" in trained.quality and "zero-shot cascade" in trained.quality
+        query = "SELECT sem_classify(text, 'weather|sports|cooking') AS t FROM posts"
+        assert "trained on posts (24 rows" in session.explain(query)
+        answers = [v for (v,) in session.sql(query).fetchall()]
+        assert set(answers) <= set(TOPICS) and np.mean(np.array(answers) == topics) > 0.6
+        other = "SELECT sem_classify(text, 'happy|sad') FROM posts"
+        assert "trained on" not in session.explain(other)  # other labels stay zero-shot
