@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ken.errors import KenError
@@ -281,7 +282,7 @@ def _session(args: argparse.Namespace):  # noqa: ANN202
 def cmd_sql(args: argparse.Namespace) -> int:
     with _session(args) as session:
         result = session.sql(args.query)
-        console.print(str(result))
+        console.print(str(result), markup=False, highlight=False)  # values are data, not markup
     return 0
 
 
@@ -642,7 +643,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except KenError as exc:
-        Console(stderr=True).print(f"[bold red]error:[/] {exc}")
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}")
         return 2
     except KeyboardInterrupt:
         return 130
