@@ -86,9 +86,6 @@ DEFAULT_TOLERANCE = 0.005  # the cascade may lose at most 0.5 F1 points against 
 FALLBACK_SCALE = 20.0
 FALLBACK_OFFSET = 0.85
 
-__all__ = ["parse_record"]  # re-exported: data loaders and benchmarks parse records with it
-
-
 # ------------------------------------------------------------------------------- data
 
 
@@ -119,8 +116,7 @@ class EntityPairs:
                            tuple(self.right[i] for i in idx), self.labels[idx])
 
     def sample(self, limit: int | None, seed: int = 0) -> EntityPairs:
-        """At most ``limit`` pairs, drawn at random (in file order), every match kept in
-        proportion."""
+        """At most ``limit`` pairs, drawn at random (seeded) and kept in file order."""
         if limit is None or limit >= len(self):
             return self
         if limit < 1:
