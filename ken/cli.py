@@ -6,7 +6,7 @@ import argparse
 import functools
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +23,26 @@ if TYPE_CHECKING:
     from ken.optimizer.perf import Catalog
 
 # a fixed width when not a terminal keeps wide tables readable in logs and CI
+
+def _number(kind: type, check: Callable[[float], bool], what: str) -> Callable[[str], float]:
+    """An argparse type: the value parsed as ``kind`` and checked up front, so that a bad
+    number is a usage error now rather than a failure minutes into a run."""
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            noun = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        if not check(value):
+            raise argparse.ArgumentTypeError(f"{text} is not {what}")
+        return value
+
+    parse.__name__ = f"{what.replace(' ', '_')}_{kind.__name__}"
+    return parse
+
+
+positive_int = _number(int, lambda v: v >= 1, "at least 1")
+
 console = Console(width=None if sys.stdout.isatty() else 160)
 
 
@@ -34,10 +54,12 @@ def _family_args(p: argparse.ArgumentParser) -> None:
                         "sentiment140")
     p.add_argument("--data-dir", type=Path, default=None,
                    help="folder holding sentiment140/ and sst2/ (default: ../shared/data)")
-    p.add_argument("--train-rows", type=int, default=6000, help="training rows (default 6000)")
-    p.add_argument("--test-rows", type=int, default=1500,
+    p.add_argument("--train-rows", type=positive_int, default=6000,
+                   help="training rows (default 6000)")
+    p.add_argument("--test-rows", type=positive_int, default=1500,
                    help="held-out tweets, also the profiling sample (default 1500)")
-    p.add_argument("--threads", type=int, default=2, help="CPU threads per model (default 2)")
+    p.add_argument("--threads", type=positive_int, default=2,
+                   help="CPU threads per model (default 2)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -488,17 +510,17 @@ def build_parser() -> argparse.ArgumentParser:
     prof = sub.add_parser("profile", help="profile every model: runtime per batch size, "
                                           "memory, per-sample predictions (cached)")
     _family_args(prof)
-    prof.add_argument("--profile-threads", type=int, nargs="+", default=[1, 2],
+    prof.add_argument("--profile-threads", type=positive_int, nargs="+", default=[1, 2],
                       help="thread counts to profile (default: 1 2)")
-    prof.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+    prof.add_argument("--batch-sizes", type=positive_int, nargs="+", default=None,
                       help="batch sizes (default: 1 2 4 8 16 32 64 128)")
     prof.set_defaults(func=cmd_profile)
 
     casc = sub.add_parser("cascades", help="Pareto-optimal cascades from the profiles")
     _family_args(casc)
-    casc.add_argument("--max-stages", type=int, default=3)
-    casc.add_argument("--grid", type=int, default=16, help="thresholds per stage")
-    casc.add_argument("--batch-size", type=int, default=None,
+    casc.add_argument("--max-stages", type=positive_int, default=3)
+    casc.add_argument("--grid", type=positive_int, default=16, help="thresholds per stage")
+    casc.add_argument("--batch-size", type=positive_int, default=None,
                       help="batch size for cost per row (default: each model's best)")
     casc.add_argument("--json", type=Path, default=None, help="write the frontier as JSON")
     casc.set_defaults(func=cmd_cascades)
