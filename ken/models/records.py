@@ -28,10 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from rapidfuzz import fuzz
 
 from ken.errors import DataError, ModelError
 from ken.models.model import BOOLEAN_LABELS, Model, ModelSpec, Prediction
-from ken.models.resources import normalise_rows
+from ken.models.resources import boolean_probabilities, normalise_rows, sigmoid
 from ken.models.transformers_backend import TransformersBody
 
 PLAIN = "text"  # the attribute name of a plain-text record
@@ -171,8 +172,6 @@ class Idf:
 
 def similarities(a: str, b: str, idf: Idf) -> list[float]:
     """The :data:`SIMILARITIES` of two values (symmetric in ``a`` and ``b``)."""
-    from rapidfuzz import fuzz
-
     wa_list, wb_list = _words(a), _words(b)
     na, nb = " ".join(wa_list), " ".join(wb_list)
     if not na or not nb:
@@ -372,13 +371,15 @@ class BoostedTrees:
 # ------------------------------------------------------------------------------ the model
 
 
-def _sigmoid(z: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-np.clip(z, -40, 40)))
-
-
 def _logit(p: float) -> float:
     p = min(max(p, 1e-6), 1 - 1e-6)
     return math.log(p / (1 - p))
+
+
+def match_probabilities(raw: np.ndarray, threshold: float) -> np.ndarray:
+    """``[[P(no match), P(match)], ...]`` from the trees' log-odds, shifted so that the
+    decision ``threshold`` (a probability of the trees) sits at 0.5."""
+    return boolean_probabilities(sigmoid(np.asarray(raw) - _logit(threshold)))
 
 
 def embedding_similarities(body: TransformersBody, pairs: Sequence[tuple[Mapping, Mapping]],
@@ -434,20 +435,15 @@ class RecordMatcher(Model):
         return np.hstack([lexical, embedding_similarities(self.body, pairs, EMBEDDED_SLOTS,
                                                           batch_size)])
 
-    def match_probability(self, pairs: Sequence[tuple[Mapping, Mapping]],
-                          batch_size: int = 32) -> np.ndarray:
-        """The trees' P(match) (before the threshold shift)."""
-        return _sigmoid(self.trees.raw(self.features(pairs, batch_size)))
-
     def predict(self, texts: Sequence, batch_size: int = 32) -> Prediction:
-        pairs = [(as_record(a), as_record(b)) for a, b in _pairs(self.name, texts)]
-        raw = self.trees.raw(self.features(pairs, batch_size)) - _logit(self.threshold)
-        p = _sigmoid(raw)
-        probs = np.stack([1.0 - p, p], axis=1)
+        pairs = [(as_record(a), as_record(b)) for a, b in check_pairs(self.name, texts)]
+        probs = match_probabilities(self.trees.raw(self.features(pairs, batch_size)),
+                                    self.threshold)
         return Prediction(probs.argmax(axis=1).astype(np.int64), probs, BOOLEAN_LABELS)
 
 
-def _pairs(name: str, texts: Sequence) -> list[tuple[object, object]]:
+def check_pairs(name: str, texts: Sequence) -> list[tuple[object, object]]:
+    """The rows of a two-column model as pairs; anything else is a clear error."""
     out = []
     for pair in texts:
         if not isinstance(pair, tuple | list) or len(pair) != 2:

@@ -51,7 +51,10 @@ from ken.models.records import (
     RecordMatcher,
     as_record,
     best_f1_threshold,
+    check_pairs,
     embedding_similarities,
+    f1_score,
+    match_probabilities,
     parse_record,
     whole_text,
 )
@@ -266,10 +269,8 @@ class SimilarityPairModel(Model):
         return np.array([float(emb[where[a]] @ emb[where[b]]) for a, b in texts])
 
     def predict(self, texts: Sequence, batch_size: int = 32) -> Prediction:
-        for pair in texts:
-            if not isinstance(pair, tuple | list) or len(pair) != 2:
-                raise DataError(f"{self.name} takes pairs of records, got {pair!r}")
-        probs = boolean_probabilities(sigmoid(self.scale * (self.cosine(texts, batch_size)
+        pairs = check_pairs(self.name, texts)
+        probs = boolean_probabilities(sigmoid(self.scale * (self.cosine(pairs, batch_size)
                                                             - self.offset)))
         return Prediction(probs.argmax(axis=1).astype(np.int64), probs, BOOLEAN_LABELS)
 
@@ -305,10 +306,6 @@ def cascade_labels(cheap: np.ndarray, strong: np.ndarray, threshold: float) -> n
     return np.where(sure < threshold, strong.argmax(axis=1), cheap.argmax(axis=1))
 
 
-def _f1(labels: np.ndarray, truth: np.ndarray) -> float:
-    return MatchScores.of(labels, truth).f1
-
-
 def choose_threshold(cheap: np.ndarray, strong: np.ndarray, truth: np.ndarray,
                      tolerance: float = DEFAULT_TOLERANCE) -> float:
     """The threshold escalating the fewest rows while staying within ``tolerance`` F1 of the
@@ -324,7 +321,7 @@ def choose_threshold(cheap: np.ndarray, strong: np.ndarray, truth: np.ndarray,
     if n == 0:
         raise DataError("cannot calibrate a cascade threshold on no rows")
     cheap_labels, strong_labels = cheap.argmax(axis=1), strong.argmax(axis=1)
-    goal = _f1(strong_labels, truth) - tolerance
+    goal = f1_score(strong_labels, truth) - tolerance
     order = np.argsort(sure, kind="stable")  # least certain first: escalated first
     s = sure[order]
     for k in range(n + 1):
@@ -332,7 +329,7 @@ def choose_threshold(cheap: np.ndarray, strong: np.ndarray, truth: np.ndarray,
             continue  # ties cannot be split by a threshold
         labels = cheap_labels.copy()
         labels[order[:k]] = strong_labels[order[:k]]
-        if _f1(labels, truth) >= goal - 1e-12:
+        if f1_score(labels, truth) >= goal - 1e-12:
             if k == 0:
                 return 0.0
             if k == n:
@@ -472,9 +469,12 @@ def train_matchers(resources: Resources, dataset: str, splits: Mapping[str, Enti
                   f"pairs ({what}), {len(splits['valid'])} for thresholds, "
                   f"{len(splits['test'])} held out")
     lexical = {}
+    test_seconds = 0.0  # computing the test pairs' features: a member's cost per pair
     with reporter.task("record features", len(SPLITS)) as advance:
         for s in SPLITS:
+            started = time.perf_counter()
             lexical[s] = featurizer.features(records[s])
+            test_seconds += time.perf_counter() - started if s == "test" else 0.0
             advance(1)
     members: list[MemberCard] = []
     probs: dict[str, dict[str, np.ndarray]] = {}
@@ -482,24 +482,26 @@ def train_matchers(resources: Resources, dataset: str, splits: Mapping[str, Enti
         name = model_name(member, dataset)
         body = None if member == "lexical" else resources.encoder(member)
         feats = lexical
+        cost = test_seconds
         if body is not None:
             with reporter.task(f"{name}: embedding the records", len(SPLITS)) as advance:
                 feats = {}
                 for s in SPLITS:
+                    started = time.perf_counter()
                     feats[s] = np.hstack([lexical[s], embedding_similarities(
                         body, records[s], EMBEDDED_SLOTS, batch_size)])
+                    cost += time.perf_counter() - started if s == "test" else 0.0
                     advance(1)
         trees = BoostedTrees.fit(feats["train"], splits["train"].labels)
         trees_file = f"{member}.trees.npz"
         trees.save(folder / trees_file)
-        p = {s: 1.0 / (1.0 + np.exp(-trees.raw(feats[s]))) for s in ("valid", "test")}
-        threshold, _ = best_f1_threshold(p["valid"], splits["valid"].labels)
-        model = RecordMatcher(name, featurizer, trees, threshold, body)
+        threshold, _ = best_f1_threshold(sigmoid(trees.raw(feats["valid"])),
+                                         splits["valid"].labels)
         started = time.perf_counter()
-        test_pairs = splits["test"].pairs
-        probs[member] = {"test": model.predict(test_pairs, batch_size).probabilities}
-        ms_per_pair = (time.perf_counter() - started) / max(1, len(test_pairs)) * 1000
-        probs[member]["valid"] = _shifted(p["valid"], threshold)
+        probs[member] = {"test": match_probabilities(trees.raw(feats["test"]), threshold)}
+        cost += time.perf_counter() - started
+        probs[member]["valid"] = match_probabilities(trees.raw(feats["valid"]), threshold)
+        ms_per_pair = cost / max(1, len(splits["test"])) * 1000
         scores = {s: MatchScores.of(probs[member][s].argmax(axis=1), splits[s].labels)
                   for s in ("valid", "test")}
         members.append(MemberCard(name, member, trees_file, _file_digest(folder / trees_file),
@@ -522,14 +524,6 @@ def train_matchers(resources: Resources, dataset: str, splits: Mapping[str, Enti
     reporter.note(f"  cascade {cheap} -({threshold:.3f})-> {strong}: test F1 "
                   f"{cascade_scores['test'].f1:.3f}, escalates {escalation['test']:.0%}")
     return card
-
-
-def _shifted(p: np.ndarray, threshold: float) -> np.ndarray:
-    """Probabilities as the matcher reports them: shifted so that ``threshold`` is 0.5."""
-    z = np.log(np.clip(p, 1e-12, 1)) - np.log(np.clip(1 - p, 1e-12, 1))
-    t = min(max(threshold, 1e-6), 1 - 1e-6)
-    q = 1.0 / (1.0 + np.exp(-np.clip(z - math.log(t / (1 - t)), -40, 40)))
-    return np.stack([1.0 - q, q], axis=1)
 
 
 def load_card(resources: Resources, dataset: str = DEFAULT_DATASET) -> MatchCard:
