@@ -37,14 +37,23 @@ def has_site(node: exp.Expression) -> bool:
     return any(str(a.this).lower().startswith("__ken_s") for a in node.find_all(exp.Anonymous))
 
 
-# how the rewrite passes a record argument (Operator.record_columns); simple arguments only
-_JSON_ARG = re.compile(r"CAST\(TO_JSON\(([\w.\"]+)\) AS TEXT\)")
+def _as_written(arg: exp.Expression) -> exp.Expression:
+    """A site argument without the ``CAST(to_json(x) AS VARCHAR)`` the rewrite wraps record
+    arguments in (``Operator.record_columns``)."""
+    inner = arg.this if isinstance(arg, exp.Cast) else None
+    if isinstance(inner, exp.Anonymous) and str(inner.this).lower() == "to_json":
+        return inner.expressions[0]
+    return arg
 
 
 def show(node: exp.Expression) -> str:
-    """SQL of an expression with site functions shown as ``s0:sentiment(...)``."""
-    text = _JSON_ARG.sub(r"\1", node.sql(dialect="duckdb"))  # record arguments as written
-    return _SITE.sub(lambda m: f"s{m.group(1)}:{m.group(2).lower()}(", text)
+    """SQL of an expression with site functions shown as ``s0:sentiment(...)``, their
+    arguments as the user wrote them."""
+    node = node.copy()
+    for call in list(node.find_all(exp.Anonymous)):
+        if str(call.this).lower().startswith("__ken_s"):
+            call.set("expressions", [_as_written(a) for a in call.expressions])
+    return _SITE.sub(lambda m: f"s{m.group(1)}:{m.group(2).lower()}(", node.sql(dialect="duckdb"))
 
 
 def conjuncts(node: exp.Expression | None) -> list[exp.Expression]:
