@@ -6,7 +6,7 @@ import argparse
 import functools
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,27 +22,19 @@ from ken.report import frontier_table, gear_plan_table, models_table
 if TYPE_CHECKING:
     from ken.optimizer.perf import Catalog
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1, checked up front, so that a bad number is a
+    usage error now rather than a failure minutes into a run."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not at least 1")
+    return value
+
+
 # a fixed width when not a terminal keeps wide tables readable in logs and CI
-
-def _number(kind: type, check: Callable[[float], bool], what: str) -> Callable[[str], float]:
-    """An argparse type: the value parsed as ``kind`` and checked up front, so that a bad
-    number is a usage error now rather than a failure minutes into a run."""
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            noun = "an integer" if kind is int else "a number"
-            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
-        if not check(value):
-            raise argparse.ArgumentTypeError(f"{text} is not {what}")
-        return value
-
-    parse.__name__ = f"{what.replace(' ', '_')}_{kind.__name__}"
-    return parse
-
-
-positive_int = _number(int, lambda v: v >= 1, "at least 1")
-
 console = Console(width=None if sys.stdout.isatty() else 160)
 
 

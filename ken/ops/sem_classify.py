@@ -276,14 +276,15 @@ class SemClassify(Operator):
             wanted = parse_labels(asked)
             unlabelled = [c for c in wanted if c not in classes]
             unknown = [c for c in classes if c not in wanted]
-            if unlabelled or unknown:
-                raise DataError(
-                    f"{data.source}: the labels {asked!r} and the values of {data.label!r} "
-                    f"({', '.join(classes)}) differ: "
-                    + "; ".join([*(["no row is labelled " + ", ".join(unlabelled)]
-                                   if unlabelled else []),
-                                 *(["rows labelled " + ", ".join(unknown) + " are not among "
-                                    "the labels"] if unknown else [])]))
+            problems = []
+            if unlabelled:
+                problems.append(f"no row is labelled {', '.join(unlabelled)}")
+            if unknown:
+                problems.append(f"rows labelled {', '.join(unknown)} are not among the labels")
+            if problems:
+                raise DataError(f"{data.source}: the labels {asked!r} and the values of "
+                                f"{data.label!r} ({', '.join(classes)}) differ: "
+                                + "; ".join(problems))
         spec = "|".join(classes)
         fit, held = data.split((0.8, 0.2))
         if len(held) < len(classes) or len(fit) < 2 * len(classes):
