@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
-from ken.errors import KenError
+from ken.errors import KenError, UsageError
 from ken.ops import BUILTIN_MODULES
 from ken.progress import Reporter
 from ken.report import frontier_table, gear_plan_table, models_table
@@ -304,7 +303,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from ken.policy.plan import Frontier
 
     if args.target is not None and not args.frontier:
-        raise KenError("--target picks a gear plan from --frontier FILE (written by `ken plan`)")
+        raise UsageError("--target picks a gear plan from --frontier FILE (written by `ken plan`)")
     frontiers = [Frontier.load(path) for path in args.frontier or ()]
     with _session(args) as session:
         for frontier in frontiers:
@@ -330,7 +329,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     else:
         plan = _pick(Frontier.load(args.frontier), args.target)
     if args.rate_scale <= 0 or args.duration <= 0:
-        raise KenError("--rate-scale and --duration must be > 0")
+        raise UsageError("--rate-scale and --duration must be > 0")
     reporter = Reporter(args.quiet)
     data = _family(args)
     device = DeviceConfig(threads=args.device_threads)
@@ -400,19 +399,19 @@ def cmd_qa(args: argparse.Namespace) -> int:
     from ken.paths import shared_data_dir
 
     if args.limit is not None and args.limit < 1:
-        raise KenError(f"--limit must be at least 1, got {args.limit}")
+        raise UsageError(f"--limit must be at least 1, got {args.limit}")
     if args.threads < 1:
-        raise KenError(f"--threads must be at least 1, got {args.threads}")
+        raise UsageError(f"--threads must be at least 1, got {args.threads}")
     target = getattr(args, "target", None)
     if target is not None:
         from ken.optimizer.query import Target
 
         target = Target.parse(target)
         if args.limit is not None or args.llms != DEFAULT_QA_LLMS:
-            raise KenError("--target plans the pipeline over both LMs for a stream of "
+            raise UsageError("--target plans the pipeline over both LMs for a stream of "
                            "--stream questions; leave out --limit and --llms")
         if args.stream < 1 or args.devices < 1 or args.load <= 0:
-            raise KenError("--stream and --devices must be at least 1, --load above 0")
+            raise UsageError("--stream and --devices must be at least 1, --load above 0")
     folder = args.data_dir or shared_data_dir() / args.command
     data = read_mmqa(folder) if args.command == "mmqa" else read_hybridqa(folder)
     reporter = Reporter(args.quiet)
@@ -481,6 +480,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ken", description=__doc__)
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error (for bug reports)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     models = sub.add_parser("models", help="prepare and list the packaged model family")
@@ -652,15 +653,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: exit codes: a malformed command line (argparse's own code too), a failure KEN reports, an
+#: unexpected failure (a bug in KEN: the message asks for --debug and a report)
+EXIT_USAGE, EXIT_FAILURE, EXIT_INTERNAL = 2, 1, 70
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    err = Console(stderr=True)
     try:
         return int(args.func(args) or 0)
     except KenError as exc:
-        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}")
-        return 2
+        if args.debug:
+            err.print_exception()
+        err.print("[bold red]error:[/] ", end="")
+        err.print(str(exc), markup=False, highlight=False)  # messages quote data
+        return EXIT_USAGE if isinstance(exc, UsageError) else EXIT_FAILURE
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # noqa: BLE001 - the CLI's error boundary: no raw traceback
+        if args.debug:
+            err.print_exception()
+        err.print("[bold red]internal error:[/] ", end="")
+        err.print(f"{type(exc).__name__}: {exc}", markup=False, highlight=False)
+        err.print("this is a bug in ken; run the command again with --debug for the traceback "
+                  "and report it", markup=False, highlight=False)
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

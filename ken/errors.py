@@ -65,3 +65,16 @@ class PlanningError(KenError):
 
 class WorkloadError(KenError):
     """A hardware description, trace or workload is malformed or missing."""
+
+
+class UsageError(KenError):
+    """The command line or a call's arguments are malformed (the CLI exits with code 2)."""
+
+
+class StoreError(ModelError):
+    """A file of the model store (``KEN_HOME``) is missing, unreadable or differs from what
+    was written; the message names the file and the command that repairs it."""
+
+
+class BatchTimeout(WorkerError):
+    """A batch ran past its deadline; its worker was stopped and replaced."""

@@ -14,7 +14,7 @@ def test_markup_in_values_and_errors_is_printed_as_text(tmp_path, monkeypatch, c
     assert main(["sql", "--db", str(tmp_path / "t.duckdb"), query]) == 0
     out = capsys.readouterr().out
     assert "[/x]" in out and "[link=http://x]y[/link]" in out and "[bold]z" in out
-    assert main(["sql", "--db", str(tmp_path / "t.duckdb"), "SELECT * FROM [/nope]"]) == 2
+    assert main(["sql", "--db", str(tmp_path / "t.duckdb"), "SELECT * FROM [/nope]"]) == 1
     assert "[/nope]" in capsys.readouterr().err
 
 
@@ -30,3 +30,33 @@ def test_bad_numbers_are_usage_errors_before_anything_runs(argv, capsys) -> None
     assert stop.value.code == 2  # argparse's usage error
     err = capsys.readouterr().err
     assert "error: argument" in err and argv[-1] in err
+
+
+def test_exit_codes_tell_usage_errors_from_failures_and_bugs(tmp_path, monkeypatch,
+                                                             capsys) -> None:
+    monkeypatch.setenv("KEN_HOME", str(tmp_path))
+    assert main(["hybridqa", "--limit", "0"]) == 2  # a malformed command line
+    assert "--limit must be at least 1" in capsys.readouterr().err
+    assert main(["sql", "--db", str(tmp_path / "t.duckdb"), "SELECT nope()"]) == 1  # a failure
+
+    def broken(args) -> int:  # a bug inside a command: one line, no traceback
+        raise ZeroDivisionError("division by zero [x]")
+
+    import ken.cli
+
+    parser = ken.cli.build_parser
+    monkeypatch.setattr(ken.cli, "build_parser", lambda: _with_func(parser(), broken))
+    assert main(["sql", "SELECT 1"]) == 70
+    err = capsys.readouterr().err
+    assert "internal error: ZeroDivisionError: division by zero [x]" in err
+    assert "Traceback" not in err and "--debug" in err
+    assert main(["--debug", "sql", "SELECT 1"]) == 70
+    assert "Traceback" in capsys.readouterr().err
+
+
+def _with_func(parser, func):
+    parser.set_defaults(func=func)
+    for action in parser._subparsers._group_actions:  # every subcommand runs ``func``
+        for sub in action.choices.values():
+            sub.set_defaults(func=func)
+    return parser

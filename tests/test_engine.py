@@ -185,7 +185,7 @@ def test_replay_accuracy_equals_the_simulated_accuracy_of_the_same_plan(tmp_path
 def test_ken_replay_needs_a_frontier_file(tmp_path, capsys) -> None:  # noqa: ANN001
     from ken.cli import main
 
-    assert main(["replay", "--quiet", "--frontier", str(tmp_path / "none.json")]) == 2
+    assert main(["replay", "--quiet", "--frontier", str(tmp_path / "none.json")]) == 1
     assert "ken plan" in capsys.readouterr().err
 
 
