@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ken.errors import ModelError
+from ken.models.data_text import encode_rows
 from ken.models.datasets import LabelledSample
 from ken.models.head import LinearHead
 from ken.models.model import DeviceConfig
@@ -102,8 +103,8 @@ def fine_tune(config: BodyConfig, train: LabelledSample, out_dir: Path,
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimiser, lambda s: min(1.0, (s + 1) / warm) * max(0.0, 1.0 - s / steps))
     room = min(settings.max_tokens, body.max_tokens) - len(body.prefix)
-    ids = [body.prefix + row for row in body.tokenizer(
-        list(train.texts), truncation=True, max_length=room)["input_ids"]]
+    ids = [body.prefix + row for row in encode_rows(
+        body.tokenizer, train.texts, truncation=True, max_length=room)]
     labels = torch.as_tensor(train.labels, dtype=torch.long)
     rng = np.random.default_rng(settings.seed)
     size = min(settings.batch_size, len(train))

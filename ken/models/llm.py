@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ken.errors import ModelError
+from ken.models.data_text import encode_row
 from ken.models.generation import Generation, generate, option_probabilities, score_options
 from ken.models.model import Model, ModelSpec, Output
 from ken.models.resources import CausalLM, short_hash
@@ -98,11 +99,10 @@ class ContinuationModel(Model):
         options = split_options(options_text)
         if not options or not isinstance(context, str) or not context.strip():
             return None
-        encode = self.lm.tokenizer.encode
+        tok = self.lm.tokenizer
         # an over-long context keeps its end (what the options continue)
-        ctx = truncate_ids(encode(context, add_special_tokens=False), self.max_context_tokens,
-                           "left")
-        opts = [truncate_ids(encode(" " + o, add_special_tokens=False),
+        ctx = truncate_ids(encode_row(tok, context), self.max_context_tokens, "left")
+        opts = [truncate_ids(encode_row(tok, " " + o),
                              self.max_option_tokens, "right") for o in options]
         return ctx, opts, options
 

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ken.errors import ModelError
+from ken.models.data_text import encode_rows
 from ken.models.head import LinearHead
 from ken.models.model import DeviceConfig, Model, ModelSpec, Prediction
 
@@ -126,7 +127,7 @@ class TransformersBody:
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids per text, truncated to the model's limit (special tokens included)."""
         room = self.max_tokens - len(self.prefix)
-        ids = self.tokenizer(list(texts), truncation=True, max_length=room)["input_ids"]
+        ids = encode_rows(self.tokenizer, texts, truncation=True, max_length=room)
         return [self.prefix + row for row in ids]
 
     def features(self, texts: Sequence[str], batch_size: int = 32,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ken.errors import DataError
+from ken.models.data_text import defuse
 from ken.models.generation import chat_prompt
 from ken.models.llm import truncate_ids
 from ken.models.resources import CausalLM
@@ -57,16 +58,17 @@ class ChatPrompt:
         if len(texts) != len(self.columns):
             raise DataError(f"{self.name} takes {len(self.columns)} texts per row, got "
                             f"{len(texts)}")
-        fields = dict(self.constants)
         tok = lm.tokenizer
+        fields = {name: defuse(value, tok) for name, value in self.constants}
         for column, text, side, limit in zip(self.columns, texts, self.truncate,
                                              self.max_tokens, strict=True):
             if not isinstance(text, str) or not text.strip():
                 return None
-            ids = tok.encode(text.strip(), add_special_tokens=False)
+            text = defuse(text.strip(), tok)  # row text cannot open a turn of the chat
+            ids = tok.encode(text, add_special_tokens=False)
             if len(ids) > limit:
-                text = tok.decode(truncate_ids(ids, limit, side))
-            fields[column] = text.strip()
+                text = tok.decode(truncate_ids(ids, limit, side)).strip()
+            fields[column] = text
         return chat_prompt(lm, self.template.format(**fields), self.system)
 
 

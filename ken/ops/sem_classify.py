@@ -36,6 +36,7 @@ import numpy as np
 
 from ken.errors import DataError, KenError, ModelError
 from ken.models.cascade import Cascade
+from ken.models.data_text import encode_row
 from ken.models.head import LinearHead, fit_logistic_cv
 from ken.models.model import DeviceConfig, Model, ModelSpec, Prediction
 from ken.models.quality import EvalSample
@@ -154,7 +155,7 @@ class LabelLLMModel(Model):
 
     def prompt_ids(self, text: str) -> list[int]:
         tok = self.lm.tokenizer
-        ids = tok.encode(text, add_special_tokens=False)[:MAX_TEXT_TOKENS]
+        ids = encode_row(tok, text)[:MAX_TEXT_TOKENS]
         head, tail = PROMPT.split("{text}")
         return (tok.encode(head, add_special_tokens=False) + ids
                 + tok.encode(tail, add_special_tokens=False))

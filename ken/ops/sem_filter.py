@@ -40,6 +40,7 @@ import numpy as np
 
 from ken.errors import DataError, KenError, ModelError
 from ken.models.cascade import Cascade
+from ken.models.data_text import defuse, encode_rows
 from ken.models.head import LinearHead, fit_logistic_cv
 from ken.models.model import BOOLEAN_LABELS, DeviceConfig, Model, ModelSpec, Prediction
 from ken.models.quality import EvalSample, balanced_accuracy
@@ -265,7 +266,7 @@ class YesNoLLMModel(Model):
         # The text goes on its own line after "Text:\n", so the prefix ends in a newline token
         # and the text's first word is tokenized as it would be at a line start.
         question = (f"Text:\n{TEXT_MARKER}\n\nQuestion: is the following true of the text: "
-                    f"{predicate}? Answer yes or no.")
+                    f"{defuse(predicate, lm.tokenizer)}? Answer yes or no.")
         messages = [{"role": "system", "content": SYSTEM_PROMPT},
                     {"role": "user", "content": question}]
         try:
@@ -283,8 +284,8 @@ class YesNoLLMModel(Model):
         """The full prompt of every text, its text truncated to ``max_text_tokens`` tokens."""
         if not texts:
             return []
-        ids = self.lm.tokenizer(list(texts), add_special_tokens=False, truncation=True,
-                                max_length=self.max_text_tokens)["input_ids"]
+        ids = encode_rows(self.lm.tokenizer, texts, add_special_tokens=False, truncation=True,
+                          max_length=self.max_text_tokens)
         return [self.prefix_ids + list(row) + self.suffix_ids for row in ids]
 
     def log_odds(self, texts: Sequence[str], batch_size: int = 8) -> np.ndarray:
@@ -345,8 +346,8 @@ class ChannelLLMModel(Model):
         """``log P(text | predicate context) - log P(text | neutral context)`` per text."""
         if not texts:
             return np.zeros(0)
-        ids = self.lm.tokenizer(list(texts), add_special_tokens=False, truncation=True,
-                                max_length=self.max_text_tokens)["input_ids"]
+        ids = encode_rows(self.lm.tokenizer, texts, add_special_tokens=False, truncation=True,
+                          max_length=self.max_text_tokens)
         n = len(ids)
         scores = self.lm.continuation_logprobs([self.context_ids] * n + [self.neutral_ids] * n,
                                                list(ids) * 2, batch_size)
