@@ -294,7 +294,7 @@ def _session(args: argparse.Namespace):  # noqa: ANN202
 
 def cmd_sql(args: argparse.Namespace) -> int:
     with _session(args) as session:
-        result = session.sql(args.query)
+        result = session.sql_script(args.query)  # the user typed the whole script
         console.print(str(result), markup=False, highlight=False)  # values are data, not markup
     return 0
 
@@ -522,7 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
                              ("explain", cmd_explain, "show the plan of a semantic SQL query")):
         p = sub.add_parser(name, help=text)
         _family_args(p)
-        p.add_argument("query", help="SQL, e.g. \"SELECT sentiment(text) FROM tweets\"")
+        p.add_argument("query", help="SQL, e.g. \"SELECT sentiment(text) FROM tweets\"" + (
+            "; statements separated by ';' run in order, the last one's result is printed"
+            if name == "sql" else ""))
         p.add_argument("--db", default=None, help="DuckDB database file (default: in memory "
                        "with the demo tables: tweets, and abt/buy when ../shared/data is there)")
         p.add_argument("--demo-tables", action="store_true", help="add the demo tables to --db")

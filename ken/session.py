@@ -32,7 +32,7 @@ from ken.paths import ken_home
 from ken.progress import QUIET, Reporter
 from ken.sql.execute import SiteRunner, query_error, register_sites, unregister_sites
 from ken.sql.explain import actual_lines, build, estimate, gear_plan_lines, render, site_lines
-from ken.sql.rewrite import Rewritten, SqlError, parse, rewrite
+from ken.sql.rewrite import Rewritten, SqlError, parse, rewrite, split_statements
 from ken.sql.train import is_train, parse_train
 
 if TYPE_CHECKING:
@@ -428,17 +428,28 @@ class Session:
         return out
 
     def sql(self, query: str, params: Any = None) -> Result:
-        """Run DuckDB SQL with semantic functions. ``EXPLAIN [ANALYZE]`` prefixes explain it;
-        ``TRAIN ...`` trains a semantic function (``ken.sql.train``)."""
+        """Run one statement of DuckDB SQL with semantic functions. ``EXPLAIN [ANALYZE]``
+        prefixes explain it; ``TRAIN ...`` trains a semantic function (``ken.sql.train``).
+
+        Text with more than one statement is an error and nothing runs (so a value formatted
+        into a query cannot append a statement); ``sql_script`` runs several in order."""
+        statements = split_statements(query)
+        if len(statements) > 1:
+            raise SqlError(
+                f"session.sql runs one statement per call; this text holds {len(statements)} "
+                f"(the second: {statements[1][:80]!r}), and none of them ran. Pass values as "
+                "parameters (params=[...] with ? placeholders), or run a script of several "
+                "statements with session.sql_script(...) or `ken sql`")
+        if not statements:
+            raise SqlError("empty query: no SQL statement to run")
+        query = statements[0]
         if is_train(query):
-            statement, rest = parse_train(query)
+            statement, _ = parse_train(query)
             options = {"predicate": statement.predicate} if statement.predicate else {}
             trained = self.train(statement.function,
                                  Path(statement.source) if statement.is_file
                                  else statement.source,
                                  statement.label, statement.columns, **options)
-            if rest.strip().strip(";").strip():
-                return self.sql(rest, params)
             return Result(self._connection, pa.table({
                 "function": [trained.function], "trained_on": [trained.data],
                 "quality": [trained.quality], "cache": [trained.where]}))
@@ -456,9 +467,26 @@ class Session:
                 return Result(self._connection, relation=relation)
             except duckdb.Error as error:
                 raise KenError(str(error)) from None
-        result = Result(self._connection)
-        for rw in statements:
-            result = self._run(rw, params if rw is statements[-1] else None)
+        return self._run(statements[0], params)
+
+    def sql_script(self, script: str) -> Result:
+        """Run the statements of ``script`` one after another (``TRAIN ...; SELECT ...``),
+        each as ``sql`` would; the result of the last one. A failing statement stops the
+        script: the error names it, and the statements before it have run."""
+        statements = split_statements(script)
+        if not statements:
+            raise SqlError("empty script: no SQL statement to run")
+        result = None
+        for number, statement in enumerate(statements, 1):
+            try:
+                result = self.sql(statement)
+            except KenError as error:
+                if len(statements) == 1:
+                    raise
+                raise type(error)(f"statement {number} of {len(statements)} failed "
+                                  f"({statement[:60]!r}; the {number - 1} before it ran): "
+                                  f"{error}") from None
+        assert result is not None
         return result
 
     def _runners(self, rw: Rewritten) -> list[SiteRunner]:

@@ -257,6 +257,41 @@ def test_create_table_as_with_semantic_call() -> None:
         (brute_mood(t),) for t in TEXTS]
 
 
+@pytest.mark.parametrize("query", [
+    "SELECT 1; DROP TABLE tweets",
+    "SELECT mood(text) FROM tweets; DROP TABLE tweets",
+    "SELECT 1 /* ; */; DROP TABLE tweets -- and a comment",
+    "TRAIN mood ON tweets LABEL lang; DROP TABLE tweets",
+])
+def test_one_statement_per_call_nothing_runs(query: str) -> None:
+    s, models = make_session()
+    setup_tables(s)
+    with pytest.raises(SqlError, match="one statement per call; this text holds 2"):
+        s.sql(query)
+    assert s.sql("SELECT count(*) FROM tweets").fetchall() == [(len(TEXTS),)]
+    assert all(not m.calls for m in models.values())  # not even the first statement ran
+
+
+def test_semicolons_inside_values_and_a_trailing_one_are_one_statement() -> None:
+    s, _ = make_session()
+    assert s.sql("SELECT ';' AS a, 'x; DROP TABLE t' AS b;").fetchall() == [
+        (";", "x; DROP TABLE t")]
+    assert s.sql('SELECT 1 AS "a;b" -- ; trailing\n').fetchall() == [(1,)]
+    with pytest.raises(SqlError, match="empty query"):
+        s.sql(" ; -- nothing\n")
+
+
+def test_scripts_run_in_order_and_name_the_failing_statement() -> None:
+    s, _ = make_session()
+    setup_tables(s)
+    out = s.sql_script("CREATE TABLE u AS SELECT 1 AS x; INSERT INTO u VALUES (2);\n"
+                       "SELECT sum(x) AS total, count(mood(text)) AS n FROM u, tweets")
+    assert out.fetchall() == [(3 * len(TEXTS), 2 * sum(t is not None for t in TEXTS))]
+    with pytest.raises(SqlError, match=r"statement 2 of 3 failed .*the 1 before it ran"):
+        s.sql_script("INSERT INTO u VALUES (3); SELECT nope(x) FROM u; DROP TABLE u")
+    assert s.sql("SELECT sum(x) FROM u").fetchall() == [(6,)]  # the first ran, not the third
+
+
 # -- relational queries: ken equals DuckDB ------------------------------------------------
 
 COLS = ["id", "grp", "lang", "text"]

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import sqlglot
 from sqlglot import exp
-from sqlglot.errors import ParseError
+from sqlglot.errors import ParseError, TokenError
+from sqlglot.tokens import TokenType
 
 from ken.errors import SqlError
 from ken.ops.base import Operator, suggest
@@ -59,6 +60,27 @@ class Rewritten:
     @property
     def is_semantic(self) -> bool:
         return bool(self.sites)
+
+
+def split_statements(text: str) -> list[str]:
+    """The statements of ``text`` (``TRAIN`` statements too), split at semicolons outside
+    strings, quoted names and comments; each runs from its first token to its last, so
+    comments between statements and blank statements are dropped."""
+    try:
+        tokens = sqlglot.Dialect.get_or_raise("duckdb").tokenize(text)
+    except TokenError as error:
+        raise SqlError(f"cannot read the SQL text: {error}") from None
+    out: list[str] = []
+    first = last = None
+    for token in [*tokens, None]:
+        if token is None or token.token_type == TokenType.SEMICOLON:
+            if first is not None:
+                out.append(text[first:last + 1])
+            first = last = None
+        else:
+            first = token.start if first is None else first
+            last = token.end
+    return out
 
 
 def parse(query: str) -> list[exp.Expression]:

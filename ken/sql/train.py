@@ -5,8 +5,9 @@
     TRAIN sem_filter ON reviews LABEL positive FOR 'expresses a positive opinion'
     TRAIN sentiment ON 'labelled.parquet' LABEL mood USING text
 
-Statements may follow it (``TRAIN ...; SELECT ...``) and then use what it trained: a session
-keeps what it trained, and a new session re-running the same ``TRAIN`` finds it cached on disk.
+In a script (``Session.sql_script`` or ``ken sql "TRAIN ...; SELECT ..."``) statements may
+follow it and use what it trained: a session keeps what it trained, and a new session
+re-running the same ``TRAIN`` finds it cached on disk.
 ``ON`` names a table or view, or a quoted file DuckDB can read (CSV, Parquet, JSON); ``USING``
 names the input columns (default: every text column but the label); ``FOR`` gives sem_filter's
 predicate. The session runs it (``Session.train``) and returns one row describing what was
