@@ -7,7 +7,7 @@
 """
 
 from ken.errors import KenError
-from ken.frame import Frame, call
+from ken.frame import Frame, call, col
 from ken.models.cascade import Cascade
 from ken.models.model import DeviceConfig, Output
 from ken.models.quality import EvalSample
@@ -19,5 +19,5 @@ from ken.session import Result, Session, connect
 
 __all__ = ["Cascade", "DeviceConfig", "EvalSample", "Frame", "Frontier", "GearPlan", "Hardware",
            "KenError", "Operator", "Output", "QueryPlan", "Result", "SemanticFunction", "Session",
-           "Target", "Workload", "call", "connect"]
+           "Target", "Workload", "call", "col", "connect"]
 __version__ = "0.1.0"

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import pyarrow as pa
 import pytest
-from test_sql import brute_connection, make_session, setup_tables
+from test_sql import brute_bool, brute_connection, brute_mood, make_session, setup_tables
 
 import ken
 
@@ -60,3 +61,31 @@ def test_frame_errors(session) -> None:
         session.table("tweets").sem_map("text", "moood").to_arrow()
     arrow = session.table("tweets").to_arrow()
     assert session.from_arrow(arrow).filter("id < 2").to_arrow().num_rows == 2
+
+
+ODD = ["my text", "select", 'we"ird', "x'); DROP TABLE tweets; --"]
+
+
+def test_any_name_is_an_identifier_never_sql(session) -> None:
+    texts = ["great flight", None, "meh", "lost my bag"]
+    session.register_table("my tweets", pa.table({
+        "id": [0, 1, 2, 3], **{name: texts for name in ODD}}))
+    base = session.table("my tweets")
+    for name in ODD:
+        frame = (base.sem_filter(name, "it's a delay", function="fsem")
+                 .sem_map(name, "mood", name=f"{name} mood")
+                 .with_column(f"{name}!", ken.call("mood", name))
+                 .select("id", f"{name} mood", f"{name}!").order_by("id"))
+        expected = [(i, brute_mood(t), brute_mood(t)) for i, t in enumerate(texts)
+                    if brute_bool("f[it's a delay]", t)]
+        assert frame.collect().fetchall() == expected, frame.sql()
+        pairs = base.sem_join(base, name, name, function="fmatch").select(
+            ken.col("id", "l"), ken.col("id", "r")).order_by("1", "2")
+        assert pairs.collect().fetchall() == [
+            (i, j) for i, a in enumerate(texts) for j, b in enumerate(texts)
+            if brute_bool("pair", a, b)]
+    assert session.sql("SELECT count(*) FROM tweets").fetchall() == [(12,)]
+    with pytest.raises(ken.KenError, match="not a function name"):
+        base.sem_map(ODD[0], "mood(x); --")
+    with pytest.raises(ken.KenError, match="ken.col"):
+        base.select("no such column + ")
