@@ -373,3 +373,11 @@ def test_explain_quotes_constants_as_sql() -> None:
     assert "s0: fsem(text, 'it''s late')" in text
     assert [r[0] for r in s.sql("SELECT fsem('x', 'it''s late')").fetchall()] in ([True],
                                                                                   [False])
+
+
+@pytest.mark.parametrize("text", [None, 123, b"SELECT 1"])
+def test_sql_that_is_not_text_is_an_error(text) -> None:  # noqa: ANN001
+    s, _ = make_session()
+    for run in (s.sql, s.sql_script, s.explain):
+        with pytest.raises(SqlError, match="SQL must be given as a str"):
+            run(text)

@@ -62,10 +62,16 @@ class Rewritten:
         return bool(self.sites)
 
 
+def check_text(text: object) -> None:
+    if not isinstance(text, str):
+        raise SqlError(f"SQL must be given as a str, not {type(text).__name__}")
+
+
 def split_statements(text: str) -> list[str]:
     """The statements of ``text`` (``TRAIN`` statements too), split at semicolons outside
     strings, quoted names and comments; each runs from its first token to its last, so
     comments between statements and blank statements are dropped."""
+    check_text(text)
     try:
         tokens = sqlglot.Dialect.get_or_raise("duckdb").tokenize(text)
     except TokenError as error:
@@ -85,6 +91,7 @@ def split_statements(text: str) -> list[str]:
 
 def parse(query: str) -> list[exp.Expression]:
     """Parse one or more statements; syntax errors name the line and column."""
+    check_text(query)
     try:
         statements = [s for s in sqlglot.parse(query, read="duckdb") if s is not None]
     except ParseError as error:
