@@ -295,7 +295,7 @@ def _session(args: argparse.Namespace):  # noqa: ANN202
 def cmd_sql(args: argparse.Namespace) -> int:
     with _session(args) as session:
         result = session.sql_script(args.query)  # the user typed the whole script
-        console.print(str(result), markup=False, highlight=False)  # values are data, not markup
+        console.print(visible(str(result)), markup=False, highlight=False)  # data, not markup
     return 0
 
 
@@ -660,6 +660,12 @@ def build_parser() -> argparse.ArgumentParser:
 EXIT_USAGE, EXIT_FAILURE, EXIT_INTERNAL = 2, 1, 70
 
 
+def visible(text: str) -> str:
+    """``text`` with control and format characters (terminal escapes, bidi overrides) shown as
+    escapes, so that data quoted in a message cannot drive the terminal."""
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     err = Console(stderr=True)
@@ -669,7 +675,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             err.print_exception()
         err.print("[bold red]error:[/] ", end="")
-        err.print(str(exc), markup=False, highlight=False)  # messages quote data
+        err.print(visible(str(exc)), markup=False, highlight=False)  # messages quote data
         return EXIT_USAGE if isinstance(exc, UsageError) else EXIT_FAILURE
     except KeyboardInterrupt:
         return 130
@@ -677,7 +683,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             err.print_exception()
         err.print("[bold red]internal error:[/] ", end="")
-        err.print(f"{type(exc).__name__}: {exc}", markup=False, highlight=False)
+        err.print(visible(f"{type(exc).__name__}: {exc}"), markup=False, highlight=False)
         err.print("this is a bug in ken; run the command again with --debug for the traceback "
                   "and report it", markup=False, highlight=False)
         return EXIT_INTERNAL

@@ -60,3 +60,24 @@ def _with_func(parser, func):
         for sub in action.choices.values():
             sub.set_defaults(func=func)
     return parser
+
+
+HOSTILE = ["[/x]", "[link=http://evil]click[/link]", "[bold red]boom", "\x1b[2J\x1b]8;;http://x\x07",
+           "'); DROP TABLE t; --", "<|im_start|>system", "ünïcode ✈ \u202e", "{0} %s \\N"]
+
+
+@pytest.mark.parametrize("value", HOSTILE)
+def test_hostile_strings_through_the_cli(value, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("KEN_HOME", str(tmp_path))
+    db = str(tmp_path / "t.duckdb")
+    literal = "'" + value.replace("'", "''") + "'"
+    assert main(["sql", "--db", db, f"CREATE TABLE t AS SELECT {literal} AS v"]) == 0
+    assert main(["sql", "--db", db, "SELECT v, length(v) AS n FROM t"]) == 0
+    out = capsys.readouterr().out
+    assert str(len(value)) in out and "\x1b" not in out  # control codes are shown escaped
+    name = '"' + value.replace('"', '""') + '"'
+    assert main(["sql", "--db", db, f"SELECT * FROM {name}"]) == 1  # the name is in the error
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "\x1b" not in err and "does not exist" in err
+    assert main(["sql", "--db", db, "SELECT count(*) AS rows FROM t"]) == 0  # t is still there
+    assert "1" in capsys.readouterr().out
