@@ -18,7 +18,7 @@ class Reporter:
 
     def note(self, message: str) -> None:
         if not self.quiet:
-            self.console.print(message)
+            self.console.print(message, markup=False, highlight=False)  # names hold brackets
 
     @contextmanager
     def task(self, description: str, total: int) -> Iterator[Callable[[int], None]]:
@@ -26,8 +26,8 @@ class Reporter:
         if self.quiet:
             yield lambda n: None
             return
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TimeElapsedColumn())
+        columns = (TextColumn("{task.description}", markup=False), BarColumn(),
+                   MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=self.console, transient=False) as bar:
             task_id = bar.add_task(description, total=total)
             yield lambda n: bar.advance(task_id, n)

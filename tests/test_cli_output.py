@@ -81,3 +81,19 @@ def test_hostile_strings_through_the_cli(value, tmp_path, monkeypatch, capsys) -
     assert "Traceback" not in err and "\x1b" not in err and "does not exist" in err
     assert main(["sql", "--db", db, "SELECT count(*) AS rows FROM t"]) == 0  # t is still there
     assert "1" in capsys.readouterr().out
+
+
+def test_progress_lines_print_names_as_text() -> None:
+    import io
+
+    from rich.console import Console
+
+    from ken.progress import Reporter
+
+    out = io.StringIO()
+    reporter = Reporter(console=Console(file=out, width=200))
+    reporter.note("trained on [/x] (table '[bold]t')")
+    with reporter.task("pair-l3[abt-buy.name]: features", 2) as advance:
+        advance(2)
+    text = out.getvalue()
+    assert "trained on [/x] (table '[bold]t')" in text and "pair-l3[abt-buy.name]" in text
