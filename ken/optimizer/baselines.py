@@ -26,7 +26,7 @@ import numpy as np
 
 from ken.models.cascade import Cascade
 from ken.optimizer.perf import Catalog
-from ken.optimizer.planner import PlanningContext, search_placement
+from ken.optimizer.planner import PlanningContext, batch_runtimes, search_placement
 from ken.optimizer.scheduler import PlanningError
 from ken.optimizer.simulator import simulate
 from ken.optimizer.workload import Hardware, Trace
@@ -49,14 +49,16 @@ def dynamic_batching_plan(operator: str, model: str, catalog: Catalog, hardware:
     if not devices:
         raise PlanningError(f"{model} ({need / 1e6:.0f} MB) fits on no device")
     n = len(devices)
+    placement = tuple(Replica(model, (d,)) for d in devices)
     return GearPlan(
         operator=operator, qps_edges=(0.0, float(qps_max)),
         cascades=(Cascade((model,), (), certainty),),
-        placement=tuple(Replica(model, (d,)) for d in devices),
+        placement=placement,
         ranges=(RangeSchedule(0, (1.0 / n,) * n, (max_batch,) * n),),
         max_batch=(max_batch,) * n, max_wait_s=max(max_wait_s, NO_WAIT_S),
         provenance=(("baseline", "dynamic batching"), ("catalog.sample_hash",
-                                                       catalog.sample_hash)))
+                                                       catalog.sample_hash)),
+        batch_runtime_s=batch_runtimes(catalog, placement, (max_batch,) * n))
 
 
 @dataclass(frozen=True)

@@ -260,14 +260,24 @@ def build_plan(ctx: PlanningContext, assignment: Sequence[int], placement: Place
     ranges = schedule_ranges(ctx, assignment, placement)
     ranges = tuple(RangeSchedule(remap[r.cascade], r.shares, r.min_queue, r.feasible)
                    for r in ranges)
+    max_batch = tuple(ctx.max_batch(r.model) for r in placement)
     return GearPlan(
         operator=ctx.operator, qps_edges=ctx.edges,
         cascades=tuple(ctx.cascades[c] for c in used), placement=placement, ranges=ranges,
-        max_batch=tuple(ctx.max_batch(r.model) for r in placement),
+        max_batch=max_batch,
         max_wait_s=ctx.settings.max_wait_s, alpha=ctx.settings.alpha,
         rate_window_s=ctx.settings.rate_window_s,
         provenance=(("catalog.sample_hash", ctx.catalog.sample_hash),
-                    *ctx.settings.provenance()))
+                    *ctx.settings.provenance()),
+        batch_runtime_s=batch_runtimes(ctx.catalog, placement, max_batch))
+
+
+def batch_runtimes(catalog: Catalog, placement: Sequence[Replica], max_batch: Sequence[int]
+                   ) -> tuple[tuple[float, ...], ...]:
+    """Per replica, the profiled seconds of batches of 1..max batch rows: the runtimes the
+    simulator charges, recorded in the plan for the engine's deadlines and admission."""
+    return tuple(tuple(catalog.perf[r.model].runtime_table(r.degree, b)[1:])
+                 for r, b in zip(placement, max_batch, strict=True))
 
 
 def evaluate_plan(ctx: PlanningContext, assignment: Sequence[int],

@@ -4,7 +4,9 @@ A ``GearPlan`` says, for one semantic operator: which cascade to run in each QPS
 each model's replicas live (``placement``), and per range how each model's rows are split over
 its replicas (``shares``) and how many rows a replica's queue must hold before it runs a batch
 (``min_queue``), plus the maximum time a row may wait for that. ``predicted`` holds what the
-simulator measured for the plan. A ``Frontier`` is a list of Pareto-optimal plans sorted by
+simulator measured for the plan, and ``batch_runtime_s`` the profiled runtimes the simulator
+charged for each replica's batches (the online engine derives batch deadlines and its
+admission limit from them). A ``Frontier`` is a list of Pareto-optimal plans sorted by
 latency. All are frozen and round-trip through versioned JSON.
 """
 
@@ -137,10 +139,16 @@ class GearPlan:
     rate_window_s: float = 0.1
     predicted: PlanMetrics | None = None
     provenance: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    # per replica: profiled seconds of a batch of 1, 2, ..., max_batch rows (the table the
+    # simulator charges, ``ModelPerf.runtime_table``); empty when the plan was made without
+    # profiles (by hand, or written before plans carried runtimes)
+    batch_runtime_s: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("qps_edges", "cascades", "placement", "ranges", "max_batch", "provenance"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "batch_runtime_s",
+                           tuple(tuple(float(t) for t in row) for row in self.batch_runtime_s))
         object.__setattr__(self, "qps_edges", tuple(float(e) for e in self.qps_edges))
         where = f"gear plan of {self.operator!r}"
         edges = self.qps_edges
@@ -166,6 +174,14 @@ class GearPlan:
             missing = set(self.cascades[rs.cascade].models) - placed
             if missing:
                 raise PlanError(f"{where}: range {i} uses {sorted(missing)} with no replica")
+        if self.batch_runtime_s and (
+                len(self.batch_runtime_s) != n_rep
+                or any(len(row) != b for row, b in zip(self.batch_runtime_s, self.max_batch,
+                                                       strict=True))
+                or not all(math.isfinite(t) and t > 0 for row in self.batch_runtime_s
+                           for t in row)):
+            raise PlanError(f"{where}: batch runtimes need one row per replica with a positive "
+                            "runtime for every batch size up to its max batch")
         kinds = {c.certainty for c in self.cascades}
         if len(kinds) > 1:
             raise PlanError(f"{where}: all cascades of a plan must use one certainty function, "
@@ -203,10 +219,25 @@ class GearPlan:
     def feasible(self) -> bool:
         return all(r.feasible for r in self.ranges)
 
+    def batch_seconds(self, replica: int, rows: int) -> float | None:
+        """Profiled seconds of a batch of ``rows`` rows on ``replica`` (beyond its max batch:
+        the per-row cost of the largest batch); None when the plan carries no runtimes."""
+        if not self.batch_runtime_s:
+            return None
+        table = self.batch_runtime_s[replica]
+        if rows <= len(table):
+            return table[max(rows, 1) - 1]
+        return table[-1] / len(table) * rows
+
+    def latency_target_s(self) -> float | None:
+        """The latency the plan promises: the p99 its simulation predicted (None when the plan
+        was not simulated)."""
+        return None if self.predicted is None else self.predicted.p99_ms / 1000.0
+
     def with_predicted(self, metrics: PlanMetrics) -> GearPlan:
         return GearPlan(self.operator, self.qps_edges, self.cascades, self.placement,
                         self.ranges, self.max_batch, self.max_wait_s, self.alpha,
-                        self.rate_window_s, metrics, self.provenance)
+                        self.rate_window_s, metrics, self.provenance, self.batch_runtime_s)
 
     def gears(self) -> list[tuple[float, float, int]]:
         """Consecutive ranges with the same cascade merged: ``(lo_qps, hi_qps, cascade)``."""
@@ -265,6 +296,7 @@ class GearPlan:
             "rate_window_s": self.rate_window_s,
             "predicted": None if self.predicted is None else self.predicted.to_dict(),
             "provenance": dict(self.provenance),
+            "batch_runtime_s": [list(row) for row in self.batch_runtime_s],
         }
 
     @classmethod
@@ -288,6 +320,7 @@ class GearPlan:
                 else PlanMetrics.from_dict(data["predicted"]),
                 provenance=tuple(sorted((str(k), str(v))
                                         for k, v in data.get("provenance", {}).items())),
+                batch_runtime_s=tuple(tuple(row) for row in data.get("batch_runtime_s", ())),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"malformed gear plan JSON: {exc!r}") from exc

@@ -310,10 +310,8 @@ class Dispatcher:
         if request_id in self._req_stage:
             raise PolicyError(f"request {request_id} was already admitted")
         now = self.clock.now()
-        if metered and self.meter.record(now):
-            first = self._first_model[self.gears.current]
-            backlog = sum(len(self._queue[r]) for r in self._replicas_of[first])
-            self.gears.update(now, self.meter.rate(now), backlog)
+        if metered:
+            self.arrival(now)
         rng = self.gears.current
         cascade = self._range_cascade[rng]
         rep = self.router.pick(rng, self._first_model[rng])
@@ -322,6 +320,50 @@ class Dispatcher:
         self._req_stage[request_id] = 0
         self._enqueue(rep, request_id, now)
         return self._start_ready((rep,), now)
+
+    def arrival(self, now: float | None = None) -> int:
+        """Meter one arrival and maybe switch gear (what ``admit`` does before queueing);
+        returns the current range. An engine meters the requests its admission rejects this
+        way too: the gear follows the offered load, not only the admitted part."""
+        if now is None:
+            now = self.clock.now()
+        if self.meter.record(now):
+            first = self._first_model[self.gears.current]
+            backlog = sum(len(self._queue[r]) for r in self._replicas_of[first])
+            self.gears.update(now, self.meter.rate(now), backlog)
+        return self.gears.current
+
+    def queued_work_s(self) -> dict[str, float] | None:
+        """Profiled seconds each device needs to run the rows queued on it now (running
+        batches not included), in batches of each replica's max batch: the plan's
+        ``batch_runtime_s``, the runtimes the simulator charges. None when the plan carries
+        no runtimes."""
+        plan = self.plan
+        if not plan.batch_runtime_s:
+            return None
+        work: dict[str, float] = {}
+        for rep, q in enumerate(self._queue):
+            n = len(q)
+            if not n:
+                continue
+            top = self._max_batch[rep]
+            full, rest = divmod(n, top)
+            table = plan.batch_runtime_s[rep]
+            seconds = full * table[top - 1] + (table[rest - 1] if rest else 0.0)
+            for d in self._devices[rep]:
+                work[d] = work.get(d, 0.0) + seconds
+        return work
+
+    def gear_devices(self, range_index: int | None = None) -> tuple[str, ...]:
+        """Devices of the replicas a range (the current one by default) routes rows to."""
+        k = self.gears.current if range_index is None else range_index
+        shares = self.plan.ranges[k].shares
+        devices: list[str] = []
+        for model in self.plan.cascade_of(k).models:
+            reps = self._replicas_of[model]
+            routed = [r for r in reps if shares[r] > 0] or reps  # the router's rule
+            devices.extend(d for r in routed for d in self._devices[r])
+        return tuple(dict.fromkeys(devices))
 
     def finish(self, batch: Batch, certainties: np.ndarray | Sequence[float]) -> Finished:
         """A batch's model call returned ``certainties`` (one per row, in batch order)."""
