@@ -279,7 +279,8 @@ class Session:
     def serve(self, functions: Sequence[str] | None = None,
               workers: str = "auto", threads_per_device: int = 1,
               max_in_flight: int = 10_000, bulk_threshold: int | None = None,
-              memory_gb: float | None = None) -> dict[str, LoadReport]:
+              memory_gb: float | None = None, admission: str = "plan",
+              latency_target_s: float | None = None) -> dict[str, LoadReport]:
         """Serve the functions with a gear plan (all of them by default) on one online engine.
 
         From then on every query's calls of a served function go through its engine, from any
@@ -290,15 +291,18 @@ class Session:
         same devices, as the query optimizer planned them together; serving more functions
         later adds them to it. ``workers="auto"`` runs each device in its own process when
         every function's models can be loaded there (the packaged ones can), else as threads;
-        ``memory_gb`` is a budget per process worker. Returns the model load times (and
-        worker memory) per function.
+        ``memory_gb`` is a budget per process worker. ``admission="plan"`` (the default)
+        admits an online request only while the gear plan can answer it within
+        ``latency_target_s`` (default: the p99 the plan's simulation predicted) and rejects the
+        rest at once with a retry hint; ``"max_in_flight"`` bounds only the number of requests
+        in flight. Returns the model load times (and worker memory) per function.
 
         >>> session.plan("p95 <= 50")                   # doctest: +SKIP
         >>> session.serve()                             # doctest: +SKIP
         >>> session.sql("SELECT sentiment(?)", ["great game!"]).fetchall()   # doctest: +SKIP
         """
         return self.serving.serve(functions, workers, threads_per_device, max_in_flight,
-                                  bulk_threshold, memory_gb)
+                                  bulk_threshold, memory_gb, admission, latency_target_s)
 
     def stop_serving(self, drain: bool = True) -> int:
         """Shut the engine down (draining admitted requests first, by default); returns how

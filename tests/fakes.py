@@ -67,3 +67,36 @@ def load_once(name: str, flag: str, seconds: float = 0.0) -> Model:
         raise RuntimeError(f"{name}: weights gone")
     Path(flag).write_text("loaded")
     return SlowModel(name, seconds)
+
+
+class HangingModel(FakeModel):
+    """A model call that does not return for ``seconds`` (a day by default: for ever, for a
+    test), the warm-up excepted; with ``flag``, only the first call hangs (it leaves the flag
+    file), so a fresh worker answers."""
+
+    def __init__(self, name: str, seconds: float = 86_400.0, flag: str | None = None) -> None:
+        super().__init__(name)
+        self.seconds = seconds
+        self.flag = flag
+
+    def predict(self, texts: Sequence[str], batch_size: int = 32) -> Prediction:
+        if WARM_UP_TEXT not in texts:
+            from pathlib import Path
+
+            if self.flag is None or not Path(self.flag).exists():
+                if self.flag is not None:
+                    Path(self.flag).write_text("hung once")
+                time.sleep(self.seconds)
+        return super().predict(texts, batch_size)
+
+
+class CrashingModel(FakeModel):
+    """A model whose every call (the warm-up excepted) ends its process at once, the way a
+    crash in native code does."""
+
+    def predict(self, texts: Sequence[str], batch_size: int = 32) -> Prediction:
+        if WARM_UP_TEXT not in texts:
+            import os
+
+            os._exit(70)
+        return super().predict(texts, batch_size)

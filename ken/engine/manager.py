@@ -101,6 +101,7 @@ class ServingManager:
     def serve(self, functions: Sequence[str] | None = None, workers: str = "auto",
               threads_per_device: int = 1, max_in_flight: int = 10_000,
               bulk_threshold: int | None = None, memory_gb: float | None = None,
+              admission: str = "plan", latency_target_s: float | None = None,
               ) -> dict[str, LoadReport]:
         """Serve ``functions`` (every function with a plan by default) on one engine; see
         ``Session.serve``."""
@@ -108,6 +109,8 @@ class ServingManager:
             self.bulk_threshold = bulk_threshold
         if workers not in ("auto", "process", "thread"):
             raise KenError(f"workers must be 'auto', 'process' or 'thread' (got {workers!r})")
+        if admission not in ("plan", "max_in_flight"):
+            raise KenError(f"admission must be 'plan' or 'max_in_flight' (got {admission!r})")
         names = list(self._plans) if functions is None else [f.lower() for f in functions]
         if not names:
             raise KenError("nothing to serve: no function has a gear plan yet; run "
@@ -143,7 +146,9 @@ class ServingManager:
                         max_in_flight=max_in_flight, workers=kind,  # type: ignore[arg-type]
                         threads_per_device=threads_per_device,
                         memory_budget_bytes=None if memory_gb is None
-                        else int(memory_gb * 2**30))
+                        else int(memory_gb * 2**30),
+                        admission=admission,  # type: ignore[arg-type]
+                        latency_target_s=latency_target_s)
         devices = sorted({d for n in names for d in self._plans[n].devices})
         with self.ctx.reporter.task(f"start the engine for {', '.join(f'{n}()' for n in names)}"
                                     f": {kind} workers on {', '.join(devices)}", 1) as advance:

@@ -14,9 +14,25 @@ whichever operator it is for:
   already loaded.
 
 Every submitted request gets exactly one ``Outcome``: a result, ``null`` for a NULL input,
-``rejected`` when the bounded admission queue is full, ``error`` when its batch failed
-``max_retries + 1`` times, or ``cancelled`` when the engine shut down before it ran. A worker
-process that dies mid-batch is restarted and the batch runs again.
+``rejected`` when admission turned it away (with the reason and a retry hint), ``error`` when
+its batch failed ``max_retries + 1`` times or its model is marked failed, or ``cancelled`` when
+the engine shut down before it ran. Failure behaviour (DESIGN.md section 14):
+
+- *admission*: an online request is admitted only while the gear plan can serve it within its
+  latency target (by default the p99 the plan's simulation predicted): the scheduler estimates
+  its queue delay as the profiled time the busiest device of the current gear needs for the
+  rows queued on it (``Dispatcher.queued_work_s``, the runtimes the simulator charges) plus
+  what is left of the batch it runs, and rejects the request at once when that delay plus one
+  first-stage batch exceeds the target. ``max_in_flight`` stays as a hard cap on memory.
+- *deadlines*: every batch has one, ``BatchDeadline.seconds`` of its profiled runtime. A
+  process worker that misses it is killed and replaced; a thread worker's call is abandoned
+  (threads cannot be killed) and the device gets a fresh thread. The batch runs once more
+  (``max_retries``), then its rows end in ``error``.
+- *crashes*: a model whose calls crash or hang their worker ``max_crashes`` times in a row is
+  marked failed: its queued rows and later requests end in ``error`` at once, with the reason.
+- *shutdown*: admission stops, nothing is restarted, admitted requests drain (up to a
+  timeout), the rest end ``cancelled``. SIGTERM does the same when the engine was started in
+  the main thread (``drain_on_sigterm``), then the process exits with status 143.
 
 Two kinds of work share the devices:
 
@@ -34,19 +50,22 @@ old plan, nothing is lost.
 from __future__ import annotations
 
 import itertools
+import math
 import queue
+import signal
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from types import FrameType, MappingProxyType
 from typing import Any, Literal
 
 import numpy as np
 
 from ken.engine.workers import ProcessRunner, ThreadRunner, WorkerDied, WorkerError, warm_up
-from ken.errors import EngineError
+from ken.errors import BatchTimeout, EngineError
 from ken.models.certainty import certainty_of
 from ken.models.model import Model
 from ken.policy.plan import GearPlan
@@ -76,6 +95,7 @@ class Outcome:
     model: str | None = None
     gear: int | None = None  # QPS range active when the request was admitted (None: bulk)
     error: str | None = None
+    retry_after_s: float | None = None  # rejected: when a retry may be admitted
 
     @property
     def latency_s(self) -> float:
@@ -110,6 +130,33 @@ class BatchRecord:
         return self.end_s - self.start_s
 
 
+@dataclass(frozen=True)
+class BatchDeadline:
+    """How long a batch may run: ``factor`` times its profiled runtime, at least ``floor_s``;
+    ``unprofiled_s`` when the plan carries no runtimes.
+
+    10x leaves room for what serving adds to a profile (the worker round trip, a device that
+    idled, a long row; benchmarks/e2e measured serving calls at 1.0-1.2x their profile at the
+    median); the 2 s floor keeps a busy machine's stalls (page faults, another process on the
+    core) from killing a healthy worker, whose restart costs more than the wait.
+    """
+
+    factor: float = 10.0
+    floor_s: float = 2.0
+    unprofiled_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not all(math.isfinite(v) and v > 0
+                   for v in (self.factor, self.floor_s, self.unprofiled_s)):
+            raise EngineError("a batch deadline needs a factor, a floor and an unprofiled "
+                              "deadline that are finite and > 0")
+
+    def seconds(self, profiled_s: float | None) -> float:
+        if profiled_s is None:
+            return self.unprofiled_s
+        return max(self.factor * profiled_s, self.floor_s)
+
+
 @dataclass
 class _Request:
     text: str
@@ -137,14 +184,27 @@ class Engine:
     loader. ``workers="process"`` needs picklable loaders (each device process loads its own
     copy); ``"thread"`` loads each model once in this process and shares it; ``"auto"`` picks
     processes when every source is a loader.
+
+    Failure behaviour (see the module docstring): ``admission="plan"`` admits an online
+    request while its estimated latency is within ``latency_target_s`` (default: each plan's
+    predicted p99; a plan without predicted latency or profiled runtimes is bounded by
+    ``max_in_flight`` alone, as is every plan with ``admission="max_in_flight"``);
+    ``deadline`` bounds each batch; ``max_retries`` re-runs a failed batch; ``max_crashes``
+    crashes or hangs in a row mark a model failed; ``drain_on_sigterm`` drains for up to
+    ``drain_timeout_s`` on SIGTERM, then exits.
     """
 
     def __init__(self, plan: GearPlan | Sequence[GearPlan], models: Mapping[str, Source],
-                 max_in_flight: int = 10_000, max_retries: int = 2,
+                 max_in_flight: int = 10_000, max_retries: int = 1,
                  clock: WallClock | None = None, *,
                  workers: Literal["auto", "process", "thread"] = "auto",
                  threads_per_device: int = 1, bulk_batch_size: int | None = None,
-                 memory_budget_bytes: int | None = None) -> None:
+                 memory_budget_bytes: int | None = None,
+                 admission: Literal["plan", "max_in_flight"] = "plan",
+                 latency_target_s: float | None = None,
+                 deadline: BatchDeadline | None = None,
+                 max_crashes: int = 3, drain_on_sigterm: bool = True,
+                 drain_timeout_s: float = 30.0) -> None:
         plans = [plan] if isinstance(plan, GearPlan) else list(plan)
         if not plans:
             raise EngineError("an engine needs at least one gear plan")
@@ -153,8 +213,15 @@ class Engine:
                               f"{[p.operator for p in plans]}")
         for p in plans:
             self._check_plan(p, models)
-        if max_in_flight < 1 or max_retries < 0:
-            raise EngineError("max_in_flight must be >= 1 and max_retries >= 0")
+        if max_in_flight < 1 or max_retries < 0 or max_crashes < 1:
+            raise EngineError("max_in_flight and max_crashes must be >= 1 and max_retries >= 0")
+        if admission not in ("plan", "max_in_flight"):
+            raise EngineError(f"admission must be 'plan' or 'max_in_flight', not {admission!r}")
+        if latency_target_s is not None and not (math.isfinite(latency_target_s)
+                                                 and latency_target_s > 0):
+            raise EngineError("latency_target_s must be finite and > 0 seconds")
+        if not (math.isfinite(drain_timeout_s) and drain_timeout_s >= 0):
+            raise EngineError("drain_timeout_s must be finite and >= 0 seconds")
         if workers == "auto":
             workers = "thread" if any(isinstance(s, Model) for s in models.values()) \
                 else "process"
@@ -171,6 +238,12 @@ class Engine:
         self.clock = clock or WallClock()
         self.max_in_flight = max_in_flight
         self.max_retries = max_retries
+        self.admission = admission
+        self.latency_target = latency_target_s
+        self.deadline = deadline or BatchDeadline()
+        self.max_crashes = max_crashes
+        self.drain_on_sigterm = drain_on_sigterm
+        self.drain_timeout_s = drain_timeout_s
         self.bulk_batch_size = bulk_batch_size or max(b for p in plans for b in p.max_batch)
         if memory_budget_bytes is not None and memory_budget_bytes <= 0:
             raise EngineError("the memory budget per device must be > 0 bytes")
@@ -196,13 +269,20 @@ class Engine:
         self._requests: dict[int, _Request] = {}
         self._ids = itertools.count()
         self._attempts: dict[int, int] = {}  # id(batch) -> failed attempts
+        self._crashes: dict[str, int] = {}  # model -> crashes or hangs in a row
+        self._failed_models: dict[str, str] = {}  # model -> why it is not run any more
+        self._running_until: dict[str, float] = {}  # device -> profiled end of its batch
         self._accepting = False
+        self._closing = False
         self._lock = threading.Lock()
+        self._shutdown_lock = threading.Lock()
+        self._sigterm: _SigtermDrain | None = None
         # the latest model calls (bounded: the oldest half is dropped at the limit)
         self.batch_log: list[BatchRecord] = []
         self.batch_log_limit = 200_000
-        self.failed_attempts = 0  # model calls that raised or whose worker died
-        self.worker_restarts = 0  # worker processes restarted after dying
+        self.failed_attempts = 0  # model calls that raised, hung or whose worker died
+        self.timeouts = 0  # batches that ran past their deadline
+        self.rejected = 0  # online requests admission turned away
         self.load_report: LoadReport | None = None
 
     @staticmethod
@@ -264,6 +344,8 @@ class Engine:
                                            daemon=True)
         self._accepting = True
         self._scheduler.start()
+        if self.drain_on_sigterm:
+            self._sigterm = _SigtermDrain.install(self)
         return self.load_report
 
     def _add_devices(self, placed: Mapping[str, list[str]]) -> dict[str, float]:
@@ -330,30 +412,45 @@ class Engine:
                               f"{detail}; give the devices more memory or plan with less")
         return rss
 
-    def shutdown(self, drain: bool = True, timeout_s: float = 60.0) -> int:
-        """Stop accepting requests. With ``drain``, wait (up to ``timeout_s``) for admitted
-        requests to finish; whatever is still queued then ends ``cancelled``. Returns how many
-        were cancelled."""
-        with self._lock:
-            self._accepting = False
-        if self._scheduler is None:
-            return 0
-        deadline = time.monotonic() + timeout_s
-        if drain:
-            while self._requests and time.monotonic() < deadline:
+    def shutdown(self, drain: bool = True, timeout_s: float | None = None) -> int:
+        """Stop accepting requests and restarting workers. With ``drain``, wait (up to
+        ``timeout_s``, default ``drain_timeout_s``) for admitted requests to finish; whatever
+        is still queued or running then ends ``cancelled``. Returns how many were cancelled.
+        Safe to call twice and from any thread."""
+        with self._shutdown_lock:
+            with self._lock:
+                self._accepting = False
+            if self._scheduler is None:
+                self._forget_sigterm()
+                return 0
+            self._closing = True
+            for r in self._runners.values():
+                r.closing = True  # a worker that dies now is not restarted
+            wait_s = self.drain_timeout_s if timeout_s is None else timeout_s
+            deadline = time.monotonic() + wait_s
+            if drain:
+                while self._requests and time.monotonic() < deadline:
+                    time.sleep(0.005)
+            done: Future = Future()
+            self._events.put(("stop", done))
+            while not done.done() and self._scheduler.is_alive():
                 time.sleep(0.005)
-        done: Future = Future()
-        self._events.put(("stop", done))
-        cancelled = done.result(timeout=max(deadline - time.monotonic(), 1.0))
-        self._scheduler.join(timeout=5.0)
-        for q in self._device_queues.values():
-            q.put(_STOP)
-        for t in self._threads.values():
-            t.join(timeout=5.0)
-        for r in self._runners.values():
-            r.close()
-        self._scheduler = None
-        return cancelled
+            # (a scheduler that died of a bug cannot cancel: do it here, nothing is lost)
+            cancelled = done.result() if done.done() else self._cancel_queued()
+            self._scheduler.join(timeout=5.0)
+            for q in self._device_queues.values():
+                q.put(_STOP)
+            for t in self._threads.values():
+                t.join(timeout=2.0)
+            for r in self._runners.values():
+                r.close()
+            self._scheduler = None
+            self._forget_sigterm()
+            return cancelled
+
+    def _forget_sigterm(self) -> None:
+        if self._sigterm is not None and self._sigterm.restore():
+            self._sigterm = None
 
     def __enter__(self) -> Engine:
         self.start()
@@ -411,16 +508,19 @@ class Engine:
                 futures.append(future)
                 rid = next(self._ids)
                 if not self._accepting:
-                    future.set_result(Outcome(rid, "cancelled", now, now,
-                                              error="the engine is not running"))
+                    future.set_result(Outcome(rid, "cancelled", now, now, error=(
+                        "the engine is not accepting requests (not started, or shutting "
+                        "down); nothing was run")))
                 elif text is None:
                     future.set_result(Outcome(rid, "null", now, now))
                 elif not _is_row(text):
                     future.set_result(Outcome(rid, "error", now, now, error=(
                         f"the engine answers text rows; got {type(text).__name__}")))
                 elif not bulk and len(self._requests) >= self.max_in_flight:
-                    future.set_result(Outcome(rid, "rejected", now, now,
-                                              error=f"{self.max_in_flight} requests in flight"))
+                    self.rejected += 1
+                    future.set_result(Outcome(rid, "rejected", now, now, error=(
+                        f"{self.max_in_flight} requests in flight (the engine's max_in_flight); "
+                        "retry later"), retry_after_s=self.plans[operator].rate_window_s))
                 else:
                     self._requests[rid] = _Request(text, future, now)
                     admitted.append(rid)
@@ -431,6 +531,27 @@ class Engine:
     @property
     def in_flight(self) -> int:
         return len(self._requests)
+
+    @property
+    def worker_restarts(self) -> int:
+        """Workers replaced so far: processes restarted after dying or being killed at a
+        deadline, threads abandoned at a deadline."""
+        return sum(r.restarts for r in self._runners.values())
+
+    @property
+    def failed_models(self) -> Mapping[str, str]:
+        """Models marked failed (they crashed or hung ``max_crashes`` times in a row), with
+        the reason their rows get."""
+        return MappingProxyType(dict(self._failed_models))
+
+    def admission_target_s(self, operator: str | None = None) -> float | None:
+        """The latency target admission holds ``operator``'s online requests to; None when
+        only ``max_in_flight`` bounds them (``admission="max_in_flight"``, or a plan without
+        predicted latency or profiled runtimes)."""
+        plan = self.plans[self._operator(operator)]
+        if self.admission != "plan" or not plan.batch_runtime_s:
+            return None
+        return self.latency_target or plan.latency_target_s()
 
     @property
     def gear_switches(self) -> list[tuple[float, int, int]]:
@@ -469,9 +590,7 @@ class Engine:
                 continue
             kind = event[0]
             if kind == "arrive":
-                disp = self._active[event[1]]
-                for rid in event[2]:
-                    self._launch(disp, disp.admit(rid))
+                self._arrive(self._active[event[1]], event[2])
             elif kind == "bulk":
                 disp = self._active[event[1]]
                 gear = disp.plan.ranges[0].cascade
@@ -494,10 +613,73 @@ class Engine:
         for disp in self._dispatchers():
             self._launch(disp, disp.expire())
 
+    def _resolve(self, rid: int, status: Status, **fields: Any) -> None:
+        req = self._requests.pop(rid)
+        req.future.set_result(Outcome(rid, status, req.arrival_s, self.clock.now(), **fields))
+
+    def _arrive(self, disp: Dispatcher, rids: Sequence[int]) -> None:
+        """Admission (see the module docstring), then the dispatcher queues the rows. Every
+        arrival is metered, rejected ones too: the gear follows the offered load."""
+        for rid in rids:
+            rng = disp.arrival()
+            first = disp.plan.cascade_of(rng).models[0]
+            reason = self._failed_models.get(first)
+            if reason is not None:
+                self._resolve(rid, "error", model=first, gear=rng, error=reason)
+                continue
+            over = self._over_target(disp, rng)
+            if over is not None:
+                with self._lock:
+                    self.rejected += 1
+                self._resolve(rid, "rejected", gear=rng, error=over[0], retry_after_s=over[1])
+                continue
+            self._launch(disp, disp.admit(rid, metered=False))
+
+    def _over_target(self, disp: Dispatcher, rng: int) -> tuple[str, float] | None:
+        """Why a request arriving now at range ``rng`` of ``disp``'s plan cannot be served
+        within the latency target, and when to retry; None when it can (or admission does not
+        follow the plan)."""
+        plan = disp.plan
+        if self.admission != "plan" or not plan.batch_runtime_s:
+            return None
+        target = self.latency_target or plan.latency_target_s()
+        if target is None:
+            return None
+        work = self._device_work()
+        device, wait = max(((d, work.get(d, 0.0)) for d in disp.gear_devices(rng)),
+                           key=lambda dw: dw[1])
+        if wait <= 0.0:
+            return None  # an idle gear admits whatever the target says
+        first = plan.cascade_of(rng).models[0]
+        batch = max(plan.batch_seconds(r, plan.max_batch[r]) or 0.0
+                    for r in plan.replicas_of(first))
+        late = wait + batch - target
+        if late <= 0.0:
+            return None
+        retry = max(late, batch)
+        return (f"{plan.operator}() is over capacity: about {wait * 1000:.0f} ms of work is "
+                f"queued on {device} ahead of this request, and with its own batch it would "
+                f"miss the latency target of {target * 1000:.0f} ms; retry in "
+                f"{retry * 1000:.0f} ms", retry)
+
+    def _device_work(self) -> dict[str, float]:
+        """Profiled seconds of work each device has ahead of a new row: the rows queued on it
+        (every plan's) and what is left of the batch it runs."""
+        work: dict[str, float] = {}
+        for disp in self._dispatchers():
+            for d, seconds in (disp.queued_work_s() or {}).items():
+                work[d] = work.get(d, 0.0) + seconds
+        now = self.clock.now()
+        for d, until in list(self._running_until.items()):
+            if until > now:
+                work[d] = work.get(d, 0.0) + until - now
+        return work
+
     def _launch(self, disp: Dispatcher, batches: Iterable[Batch]) -> None:
         for b in batches:
             self._owner[id(b)] = disp
-            self._device_queues[b.devices[0]].put(("run", b))
+            self._device_queues[b.devices[0]].put(
+                ("run", b, disp.plan.batch_seconds(b.replica, len(b.request_ids))))
 
     def _freed(self, devices: tuple[str, ...]) -> None:
         """Devices came free: online queues first, then bulk rows."""
@@ -508,6 +690,7 @@ class Engine:
 
     def _finished(self, batch: Batch | _BulkBatch, values: list, scores: np.ndarray) -> None:
         self._attempts.pop(id(batch), None)
+        self._crashes.pop(batch.model, None)  # it ran: crashes are no longer "in a row"
         if isinstance(batch, _BulkBatch):
             self._bulk_finished(batch, values, scores)
             return
@@ -525,15 +708,28 @@ class Engine:
         self._launch(disp, fin.started)
         self._freed(batch.devices)
 
-    def _failed(self, batch: Batch | _BulkBatch, message: str) -> None:
+    def _failed(self, batch: Batch | _BulkBatch, message: str, crashed: bool,
+                expected_s: float | None) -> None:
+        """A model call raised (``crashed``: or its worker died or hung): run the batch once
+        more on the replaced worker, else end its rows in error."""
+        model = batch.model
+        if crashed and model not in self._failed_models:
+            crashes = self._crashes[model] = self._crashes.get(model, 0) + 1
+            if crashes >= self.max_crashes:
+                self._failed_models[model] = (
+                    f"{model} is marked failed: it crashed or hung its worker {crashes} times "
+                    f"in a row (last: {message}); the engine does not run it again: fix the "
+                    "model and serve again")
+        failed = self._failed_models.get(model)
         attempts = self._attempts.get(id(batch), 0) + 1
         self._attempts[id(batch)] = attempts
-        if attempts <= self.max_retries:  # run the same batch again (the device stays busy)
-            self._device_queues[batch.devices[0]].put(("run", batch))
+        if attempts <= self.max_retries and failed is None:
+            # run the same batch again (the device stays busy)
+            self._device_queues[batch.devices[0]].put(("run", batch, expected_s))
             return
         del self._attempts[id(batch)]
         now = self.clock.now()
-        error = f"{batch.model} failed {attempts} times: {message}"
+        error = failed or f"{model} failed {attempts} times: {message}"
         if isinstance(batch, _BulkBatch):
             for d in batch.devices:
                 self._busy.discard(d)
@@ -595,7 +791,19 @@ class Engine:
                     continue
                 ids = tuple(q.popleft() for _ in range(min(len(q), self.bulk_batch_size)))
                 self._busy.add(device)
-                self._device_queues[device].put(("run", _BulkBatch(model, (device,), ids)))
+                self._device_queues[device].put(("run", _BulkBatch(model, (device,), ids),
+                                                 self._bulk_seconds(model, device, len(ids))))
+
+    def _bulk_seconds(self, model: str, device: str, rows: int) -> float | None:
+        """Profiled seconds of a bulk batch: a replica of ``model`` on ``device`` if a plan
+        has one, else any replica of it."""
+        found = [(device not in p.placement[r].devices, p, r) for p in self.plans.values()
+                 for r in p.replicas_of(model)]
+        for _, plan, r in sorted(found, key=lambda f: f[0]):
+            seconds = plan.batch_seconds(r, rows)
+            if seconds is not None:
+                return seconds
+        return None
 
     def _bulk_finished(self, batch: _BulkBatch, values: list, scores: np.ndarray) -> None:
         for d in batch.devices:
@@ -650,22 +858,30 @@ class Engine:
                 except Exception as exc:  # noqa: BLE001 - handed to swap_plan's caller
                     done.set_exception(exc)
                 continue
-            batch = item[1]
+            _, batch, expected_s = item
+            failed = self._failed_models.get(batch.model)
+            if failed is not None:  # not run again: its rows end in error at once
+                self._events.put(("failed", batch, failed, False, expected_s))
+                continue
             try:
                 texts = [self._requests[rid].text for rid in batch.request_ids]
             except KeyError:  # cancelled by shutdown while queued here
                 continue
             started = self.clock.now()
+            if expected_s is not None:
+                self._running_until[device] = started + expected_s
             try:
-                values, scores = runner.run(batch.model, texts)
+                values, scores = runner.run(batch.model, texts, self.deadline.seconds(expected_s))
             except Exception as exc:  # noqa: BLE001 - this thread must never die with a batch
+                self._running_until.pop(device, None)
                 self.failed_attempts += 1
-                if isinstance(exc, WorkerDied):
-                    self.worker_restarts += 1
+                self.timeouts += isinstance(exc, BatchTimeout)
                 message = str(exc) if isinstance(exc, WorkerError) else \
                     f"{type(exc).__name__}: {exc}"
-                self._events.put(("failed", batch, message))
+                self._events.put(("failed", batch, message,
+                                  isinstance(exc, WorkerDied | BatchTimeout), expected_s))
                 continue
+            self._running_until.pop(device, None)
             idle_since, idle_s = self.clock.now(), started - idle_since
             self.batch_log.append(BatchRecord(device, batch.model, len(texts), started,
                                               idle_since, idle_s,
@@ -673,3 +889,59 @@ class Engine:
             if len(self.batch_log) > self.batch_log_limit:
                 del self.batch_log[: len(self.batch_log) // 2]
             self._events.put(("done", batch, values, scores))
+
+
+class _SigtermDrain:
+    """The SIGTERM handler of an engine started in the main thread: the first SIGTERM drains
+    the engine in a thread (a signal handler must not wait: the main thread may hold the
+    engine's lock); when the drain is done that thread signals the main thread again, and the
+    handler puts the previous handler back and calls it, or exits with status 128 + SIGTERM."""
+
+    def __init__(self, engine: Engine, previous: Any) -> None:
+        self.engine = engine
+        self.previous = previous
+        self.drained = False
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def install(cls, engine: Engine) -> _SigtermDrain | None:
+        """Install it (None: not in the main thread, or SIGTERM is ignored or handled
+        outside Python, which is left alone)."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous is None or previous is signal.SIG_IGN:
+            return None
+        handler = cls(engine, previous)
+        signal.signal(signal.SIGTERM, handler)
+        return handler
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if not self.drained:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._drain, name="ken-sigterm-drain",
+                                                daemon=True)
+                self._thread.start()
+            return
+        self.restore()
+        if callable(self.previous):
+            self.previous(signum, frame)
+            return
+        raise SystemExit(128 + signum)
+
+    def _drain(self) -> None:
+        try:
+            self.engine.shutdown(drain=True)
+        finally:
+            self.drained = True
+            main = threading.main_thread()
+            if main.is_alive() and main.ident is not None:
+                signal.pthread_kill(main.ident, signal.SIGTERM)
+
+    def restore(self) -> bool:
+        """Put the previous handler back (in the main thread; False elsewhere)."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        if signal.getsignal(signal.SIGTERM) is self:
+            signal.signal(signal.SIGTERM, self.previous)
+        return True

@@ -1,37 +1,55 @@
-"""Device workers: where an engine's batches run (DESIGN.md section 6; issue 5).
+"""Device workers: where an engine's batches run (DESIGN.md sections 6 and 14; issue 5).
 
 A *runner* owns the models placed on one device and runs one batch at a time:
 
 - ``ProcessRunner``: the device is its own process (a fresh Python process), with its own
   torch thread count and its own copy of the models, loaded from picklable zero-argument
-  loaders before serving starts. Nothing is shared with other devices, not even the GIL. If
-  the process dies (killed, out of memory, a crash in native code) the runner starts a fresh
-  one, reloads the models, and reports ``WorkerDied``; the engine then runs the batch again.
+  loaders before serving starts. Nothing is shared with other devices, not even the GIL. A
+  batch that runs past its deadline gets its process killed (``BatchTimeout``); a process that
+  dies (killed, out of memory, a crash in native code) is reported as ``WorkerDied``. Either
+  way the next batch on the device starts a fresh process first (reloading the models), except
+  once the engine is shutting down (``closing``): then nothing is restarted.
 - ``ThreadRunner``: the device is a thread of the engine's process calling already-loaded
   ``Model`` objects (shared by every device). Used for models that cannot be pickled (tests,
   models built in a notebook); torch releases the GIL inside model calls, but tokenisation and
-  Python code of two devices still take turns.
+  Python code of two devices still take turns. A thread cannot be killed: a call past its
+  deadline is abandoned (it may go on running, and using a core, until it returns; its answer
+  is dropped) and the device goes on with a fresh thread.
 
 Both return ``(values, scores)`` from ``run`` (one value per row, and the class probabilities
 of a classifier or the model's own certainty per row) or raise ``WorkerError``.
+
+A worker process lives only as long as its engine wants it: it ignores SIGINT and SIGTERM
+(Ctrl-C in a terminal or a SIGTERM to the process group reaches every process; the engine
+drains and then stops its workers), and it exits quietly, without a traceback, when the engine
+process is gone: at the end of its pipe, on a broken pipe, or, while a model call is stuck,
+when a watchdog thread sees that its parent process changed.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
+import queue
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 
 import numpy as np
 
-from ken.errors import WorkerDied, WorkerError
+from ken.errors import BatchTimeout, WorkerDied, WorkerError
 from ken.models.model import Model, ModelOutput
 
 Loader = Callable[[], Model]
 Answers = tuple[list, np.ndarray]  # (values, scores), see the module docstring
+
+#: how often a worker process checks that its parent is still there (while a call is stuck)
+PARENT_CHECK_S = 0.2
 
 
 WARM_UP_TEXT = ("a warm-up row: the first calls of a freshly loaded model page in its weights "
@@ -57,6 +75,32 @@ def answers(out: ModelOutput, rows: int) -> Answers:
     return values, scores
 
 
+class _CallThread:
+    """A daemon thread running the calls handed to it, in order. Daemon: a call stuck for ever
+    must not keep the process alive at exit."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def submit(self, fn: Callable, *args: object) -> Future:
+        future: Future = Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def abandon(self) -> None:
+        """Let the thread end once its current call returns (if it ever does)."""
+        self._calls.put(None)
+
+    def _loop(self) -> None:
+        while (item := self._calls.get()) is not None:
+            future, fn, args = item
+            try:
+                future.set_result(fn(*args))
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+
+
 class ThreadRunner:
     """A device served by a thread of this process, calling shared loaded models."""
 
@@ -66,6 +110,9 @@ class ThreadRunner:
         self.device = device
         self.models = models  # shared dict: models added later are seen here too
         self.pid: int | None = None
+        self.restarts = 0  # call threads abandoned at a deadline and replaced
+        self.closing = False  # nothing to restart for threads; kept for the engine's sake
+        self._caller: _CallThread | None = None
 
     def start(self) -> dict[str, float]:
         return {}
@@ -76,61 +123,107 @@ class ThreadRunner:
     def load(self, name: str, source: Model | Loader) -> float:
         return 0.0  # the engine loads shared models once, for every thread runner
 
-    def run(self, model: str, texts: Sequence[str]) -> Answers:
+    def _predict(self, model: str, texts: list) -> Answers:
         try:
-            out = self.models[model].predict(list(texts), batch_size=max(len(texts), 1))
+            out = self.models[model].predict(texts, batch_size=max(len(texts), 1))
             return answers(out, len(texts))
         except Exception as exc:  # noqa: BLE001 - any model failure is reported, re-run
             raise WorkerError(f"{type(exc).__name__}: {exc}") from exc
 
+    def run(self, model: str, texts: Sequence[str], timeout_s: float | None = None) -> Answers:
+        """Answer ``texts`` with ``model``; past ``timeout_s`` the call is abandoned and
+        ``BatchTimeout`` raised (see the module docstring)."""
+        if self._caller is None:
+            self._caller = _CallThread(f"ken-model-{self.device}")
+        call = self._caller.submit(self._predict, model, list(texts))
+        try:
+            return call.result(timeout=timeout_s)
+        except TimeoutError:
+            self._caller.abandon()
+            self._caller = None
+            self.restarts += 1
+            raise BatchTimeout(
+                f"{model} on {len(texts)} rows ran past its deadline of {timeout_s:.1f} s on "
+                f"{self.device}; a thread worker cannot be stopped: the call was abandoned (it "
+                "may still be running) and the device goes on with a fresh thread") from None
+
     def close(self) -> None:
-        pass
+        self.closing = True
+        if self._caller is not None:
+            self._caller.abandon()
+            self._caller = None
+
+
+def _ignore_stop_signals() -> None:
+    """The engine decides when a worker stops (see the module docstring)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _exit_with(parent: int) -> None:
+    """Exit at once, quietly, when ``parent`` is no longer this process's parent: a model call
+    that never returns would otherwise keep an orphaned worker alive."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="ken-parent-watch", daemon=True).start()
 
 
 def _serve(inp: Connection, out: Connection, threads: int) -> None:
-    """Body of a worker process: load every model, then answer batches until told to stop."""
+    """Body of a worker process: load every model, then answer batches until told to stop.
+    Model and loader errors are sent to the engine; a pipe error (the engine is gone) ends
+    the worker through its caller, quietly."""
     sys.path[:0] = [p for p in inp.recv() if p not in sys.path]  # the engine's import path
-    try:
-        import torch
-
-        torch.set_num_threads(threads)
-    except ImportError:  # fake models in tests need no torch
-        pass
     models: dict[str, Model] = {}
 
-    def load(name: str, loader: Loader) -> None:
-        started = time.perf_counter()
-        models[name] = loader()
-        warm_up(models[name])
-        out.send(("loaded", name, time.perf_counter() - started))
+    def limit_threads() -> None:
+        """torch is imported by the models that use it (importing it takes a second, and a
+        restart waits for it): their thread count is set here, once they are loaded; the
+        process started with OMP_NUM_THREADS set, for what they ran while loading."""
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            torch.set_num_threads(threads)
 
-    try:
-        for name, loader in inp.recv().items():
-            load(name, loader)
-    except Exception as exc:  # noqa: BLE001 - reported to the engine, which raises it
-        out.send(("load_error", f"{type(exc).__name__}: {exc}"))
+    def load(raw: bytes) -> dict[str, float] | str:
+        """Unpickle loaders and load their models: seconds per model, or the error."""
+        seconds = {}
+        try:
+            for name, loader in pickle.loads(raw).items():
+                started = time.perf_counter()
+                models[name] = loader()
+                limit_threads()
+                warm_up(models[name])
+                seconds[name] = time.perf_counter() - started
+        except Exception as exc:  # noqa: BLE001 - reported to the engine, which raises it
+            return f"{type(exc).__name__}: {exc}"
+        return seconds
+
+    loaded = load(inp.recv_bytes())
+    if isinstance(loaded, str):
+        out.send(("load_error", loaded))
         return
+    for name, seconds in loaded.items():
+        out.send(("loaded", name, seconds))
     out.send(("ready",))
     while True:
-        try:
-            msg = inp.recv()
-        except EOFError:  # the engine is gone
-            return
+        msg = inp.recv()
         if msg is None:
             return
         if msg[0] == "load":
-            try:
-                load(msg[1], msg[2])
-            except Exception as exc:  # noqa: BLE001
-                out.send(("load_error", f"{type(exc).__name__}: {exc}"))
+            loaded = load(msg[1])
+            out.send(("load_error", loaded) if isinstance(loaded, str)
+                     else ("loaded", *next(iter(loaded.items()))))
             continue
         _, model, texts = msg
         try:
             values, scores = answers(models[model].predict(texts, batch_size=max(len(texts), 1)),
                                      len(texts))
-            out.send(("ok", values, scores))
         except Exception as exc:  # noqa: BLE001 - the engine decides whether to re-run
             out.send(("error", f"{type(exc).__name__}: {exc}"))
+            continue
+        out.send(("ok", values, scores))
 
 
 class ProcessRunner:
@@ -147,18 +240,21 @@ class ProcessRunner:
         self._proc: subprocess.Popen | None = None
         self._send: Connection | None = None
         self._recv: Connection | None = None
-        self.restarts = 0
+        self.restarts = 0  # fresh processes started after the first
+        self.closing = False  # set when the engine shuts down: nothing is restarted then
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        proc = self._proc
+        return proc.pid if proc is not None else None
 
     def rss_bytes(self) -> int | None:
         """Resident memory of the worker process (None if it is not running)."""
-        if self._proc is None:
+        pid = self.pid
+        if pid is None:
             return None
         try:
-            with open(f"/proc/{self._proc.pid}/status") as f:
+            with open(f"/proc/{pid}/status") as f:
                 for line in f:
                     if line.startswith("VmRSS:"):
                         return int(line.split()[1]) * 1024
@@ -171,19 +267,25 @@ class ProcessRunner:
 
         The worker is a fresh ``python`` running ``main`` below, talking over two pipes, so it never
         imports the caller's ``__main__`` (no ``if __name__ == "__main__"`` guard needed)."""
+        if self.closing:
+            raise WorkerDied(f"worker {self.device} is not started: the engine is shutting down")
         to_child_r, to_child_w = os.pipe()
         to_parent_r, to_parent_w = os.pipe()
         self._proc = subprocess.Popen(
             [sys.executable, "-c", "import sys; from ken.engine.workers import main; "
              "sys.exit(main(sys.argv[1:]))", str(to_child_r), str(to_parent_w),
-             str(self.threads), self.device],
-            pass_fds=(to_child_r, to_parent_w), stdin=subprocess.DEVNULL)
+             str(self.threads), self.device, str(os.getpid())],
+            pass_fds=(to_child_r, to_parent_w), stdin=subprocess.DEVNULL,
+            env={**os.environ, "OMP_NUM_THREADS": str(self.threads)})
         os.close(to_child_r)
         os.close(to_parent_w)
         self._send = Connection(to_child_w, readable=False)
         self._recv = Connection(to_parent_r, writable=False)
-        self._send.send(list(sys.path))
-        self._send.send(self.sources)
+        try:
+            self._send.send(list(sys.path))
+            self._send.send(self.sources)
+        except OSError:
+            pass  # the worker died at once: _receive reports it
         seconds: dict[str, float] = {}
         while True:
             msg = self._receive(self.start_timeout_s, "while loading its models")
@@ -192,88 +294,127 @@ class ProcessRunner:
             elif msg[0] == "ready":
                 return seconds
             else:
-                self.close()
+                self._stop()
                 raise WorkerError(f"worker {self.device} could not load its models: {msg[1]}")
 
     def load(self, name: str, source: Model | Loader) -> float:
         """Load one more model in the running process (e.g. for a swapped-in plan)."""
         if isinstance(source, Model):
             raise WorkerError(f"{name}: a process worker needs a loader, not a loaded model")
-        assert self._send is not None
         self.sources[name] = source
-        self._send.send(("load", name, source))
+        send = self._send
+        if send is None:  # not running: the next start loads it with the others
+            return 0.0
+        try:
+            send.send(("load", pickle.dumps({name: source})))
+        except OSError:
+            return 0.0  # died: the next batch restarts it, with this model
         msg = self._receive(self.start_timeout_s, f"while loading {name}")
         if msg[0] != "loaded":
             raise WorkerError(f"worker {self.device} could not load {name}: {msg[1]}")
         return msg[2]
 
-    def run(self, model: str, texts: Sequence[str]) -> Answers:
-        if self._proc is None:  # an earlier restart failed: try again (WorkerError if not)
-            self.start()
-        assert self._send is not None and self._recv is not None
-        try:
-            self._send.send(("run", model, list(texts)))
-            msg = self._recv.recv()
-        except (EOFError, OSError):
-            code = self._proc.wait(timeout=5.0) if self._proc is not None else None
-            died = (f"worker process of {self.device} died (exit code {code}) while running "
-                    f"{model} on {len(texts)} rows")
+    def run(self, model: str, texts: Sequence[str], timeout_s: float | None = None) -> Answers:
+        """Answer ``texts`` with ``model``. A process found dead is replaced first; past
+        ``timeout_s`` the process is killed (``BatchTimeout``); one that dies during the call
+        raises ``WorkerDied``. Either way the next call starts a fresh process."""
+        proc = self._proc
+        if proc is not None and proc.poll() is not None:  # died between batches
+            self._reap(proc)
+            proc = None
+        if proc is None:
+            if self.closing:
+                raise WorkerDied(f"the worker process of {self.device} is gone and the engine "
+                                 "is shutting down: it is not restarted")
+            self.restarts += 1
             try:
-                self._restart()
+                self.start()
             except WorkerError as exc:
-                raise WorkerDied(f"{died}; restarting it failed: {exc}") from None
-            raise WorkerDied(died) from None
+                raise WorkerDied(f"the worker process of {self.device} had died; restarting "
+                                 f"it failed: {exc}") from None
+            proc = self._proc
+        send, recv = self._send, self._recv
+        assert proc is not None and send is not None and recv is not None
+        try:
+            send.send(("run", model, list(texts)))
+            if timeout_s is not None and not recv.poll(timeout_s):
+                proc.kill()
+                self._reap(proc)
+                raise BatchTimeout(
+                    f"{model} on {len(texts)} rows ran past its deadline of {timeout_s:.1f} s on "
+                    f"{self.device}: its worker process (pid {proc.pid}) was killed"
+                    + ("" if self.closing else " and is replaced"))
+            msg = recv.recv()
+        except (EOFError, OSError):
+            code = self._reap(proc)
+            raise WorkerDied(
+                f"the worker process of {self.device} (pid {proc.pid}) died (exit code {code}) "
+                f"while running {model} on {len(texts)} rows"
+                + ("; it is not restarted: the engine is shutting down" if self.closing
+                   else "")) from None
         if msg[0] == "ok":
             return msg[1], msg[2]
         raise WorkerError(msg[1])
 
     def close(self) -> None:
-        if self._proc is None:
+        """Stop the process for good (no restart after this)."""
+        self.closing = True
+        self._stop()
+
+    def _stop(self) -> None:
+        proc, send = self._proc, self._send
+        if proc is None:
             return
         try:
-            if self._send is not None:
-                self._send.send(None)
+            if send is not None:
+                send.send(None)
         except OSError:
             pass
         try:
-            self._proc.wait(timeout=5.0)
+            proc.wait(timeout=2.0)  # a busy worker reads the stop after its call: kill it
         except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait(timeout=5.0)
-        self._close_pipes()
+            proc.kill()
+        self._reap(proc)
 
-    def _close_pipes(self) -> None:
-        for c in (self._send, self._recv):
-            if c is not None:
-                c.close()
-        self._proc = self._send = self._recv = None
-
-    def _restart(self) -> None:
-        self.restarts += 1
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait(timeout=5.0)
-        self._close_pipes()
-        self.start()
+    def _reap(self, proc: subprocess.Popen) -> int | None:
+        """Wait for a dead (or killed) process and forget it; its exit code."""
+        try:
+            code = proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait(timeout=5.0)
+        if self._proc is proc:
+            for c in (self._send, self._recv):
+                if c is not None:
+                    c.close()
+            self._proc = self._send = self._recv = None
+        return code
 
     def _receive(self, timeout_s: float, doing: str) -> tuple:
-        assert self._recv is not None
+        recv, proc = self._recv, self._proc
+        assert recv is not None and proc is not None
         try:
-            if not self._recv.poll(timeout_s):
-                self.close()
+            if not recv.poll(timeout_s):
+                proc.kill()
+                self._reap(proc)
                 raise WorkerError(f"worker {self.device} did not answer within "
                                   f"{timeout_s:.0f} s {doing}")
-            return self._recv.recv()
+            return recv.recv()
         except (EOFError, OSError):
-            code = self._proc.wait(timeout=5.0) if self._proc is not None else None
-            self._close_pipes()
+            code = self._reap(proc)
             raise WorkerError(f"worker process of {self.device} ended (exit code {code}) "
                               f"{doing}") from None
 
 
 def main(argv: Sequence[str]) -> int:
-    """Entry point of a worker process; arguments: IN OUT pipe fds, THREADS, DEVICE."""
+    """Entry point of a worker process; arguments: IN OUT pipe fds, THREADS, DEVICE, and the
+    engine's process id."""
+    _ignore_stop_signals()
+    _exit_with(int(argv[4]))
     inp = Connection(int(argv[0]), writable=False)
     out = Connection(int(argv[1]), readable=False)
-    _serve(inp, out, int(argv[2]))
+    try:
+        _serve(inp, out, int(argv[2]))
+    except (EOFError, OSError):  # the engine closed its end or is gone: nothing to report to
+        pass
     return 0
