@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -10,20 +11,48 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class Reporter:
-    """Shows progress bars and status lines on stderr, or nothing when ``quiet``."""
+    """Shows progress bars and status lines on stderr, or nothing when ``quiet``.
 
-    def __init__(self, quiet: bool = False, console: Console | None = None) -> None:
+    With ``long_work_only`` (what a ``Session`` shows by default) it stays silent except
+    inside :meth:`long_work`: work that takes minutes (preparing the model family the first
+    time, profiling) says what it is about to do and how long it takes, then shows its
+    progress; everything else stays quiet.
+    """
+
+    def __init__(self, quiet: bool = False, console: Console | None = None,
+                 long_work_only: bool = False) -> None:
         self.quiet = quiet
+        self.long_work_only = long_work_only
         self.console = console or Console(stderr=True)
+        self._local = threading.local()
+
+    @property
+    def showing(self) -> bool:
+        """Whether notes and bars are shown now."""
+        if self.quiet:
+            return False
+        return not self.long_work_only or getattr(self._local, "depth", 0) > 0
 
     def note(self, message: str) -> None:
-        if not self.quiet:
+        if self.showing:
             self.console.print(message, markup=False, highlight=False)  # names hold brackets
+
+    @contextmanager
+    def long_work(self, message: str) -> Iterator[None]:
+        """Say ``message`` (what is about to happen and roughly how long it takes) unless
+        quiet, and show the progress of the work inside the block."""
+        if not self.quiet:
+            self.console.print(message, markup=False, highlight=False)
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.depth -= 1
 
     @contextmanager
     def task(self, description: str, total: int) -> Iterator[Callable[[int], None]]:
         """Context yielding ``advance(n)``; draws a bar with rows done, total and elapsed time."""
-        if self.quiet:
+        if not self.showing:
             yield lambda n: None
             return
         columns = (TextColumn("{task.description}", markup=False), BarColumn(),
