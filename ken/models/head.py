@@ -11,6 +11,7 @@ from safetensors.numpy import load_file, save_file
 from scipy.optimize import minimize
 from scipy.special import log_softmax, softmax
 
+from ken import store
 from ken.errors import ModelError
 
 
@@ -34,23 +35,33 @@ class LinearHead:
         return softmax(x @ self.weight + self.bias, axis=1).astype(np.float32)
 
     def save(self, path: Path) -> None:
-        save_file(
-            {"weight": self.weight, "bias": self.bias, "mean": self.mean, "scale": self.scale},
-            str(path),
-            metadata={"label_names": json.dumps(list(self.label_names)), "l2": str(self.l2)},
-        )
+        """Write the head to ``path`` (safetensors) atomically."""
+        with store.atomic_path(path) as tmp:
+            save_file(
+                {"weight": self.weight, "bias": self.bias, "mean": self.mean,
+                 "scale": self.scale},
+                str(tmp),
+                metadata={"label_names": json.dumps(list(self.label_names)),
+                          "l2": str(self.l2)},
+            )
 
     @classmethod
     def load(cls, path: Path) -> LinearHead:
+        """The head saved at ``path``; a file that is not a complete head is a ModelError
+        naming it (callers verify store files first, see ``ken.store``)."""
         from safetensors import safe_open
 
         if not path.exists():
             raise ModelError(f"no classification head at {path}; run `ken models prepare`")
-        tensors = load_file(str(path))
-        with safe_open(str(path), framework="numpy") as f:
-            meta = f.metadata() or {}
-        return cls(tensors["weight"], tensors["bias"], tensors["mean"], tensors["scale"],
-                   tuple(json.loads(meta["label_names"])), float(meta.get("l2", 1.0)))
+        try:
+            tensors = load_file(str(path))
+            with safe_open(str(path), framework="numpy") as f:
+                meta = f.metadata() or {}
+            return cls(tensors["weight"], tensors["bias"], tensors["mean"], tensors["scale"],
+                       tuple(json.loads(meta["label_names"])), float(meta.get("l2", 1.0)))
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise ModelError(f"cannot read the classification head {path}: "
+                             f"{type(exc).__name__}: {exc}") from None
 
 
 def fit_logistic(features: np.ndarray, labels: np.ndarray, label_names: tuple[str, ...],

