@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from fakes import LABELS, FakeModel
 
-from ken.errors import ProfileError
+from ken import store
+from ken.errors import ProfileError, StoreError
 from ken.models.datasets import LabelledSample, split
 from ken.models.model import DeviceConfig, Model, ModelSpec, Output
 from ken.models.quality import EvalSample
@@ -18,6 +19,7 @@ from ken.optimizer.profile import (
     Profile,
     load_or_run_profile,
     profile_dir,
+    profile_entry,
     run_profile,
 )
 
@@ -128,6 +130,9 @@ def test_profile_checks_lengths_and_schema(tmp_path) -> None:
     header = json.loads((folder / "header.json").read_text())
     header["schema_version"] = SCHEMA_VERSION - 1
     (folder / "header.json").write_text(json.dumps(header))
+    with pytest.raises(StoreError, match="header.json has .* bytes, ken wrote"):
+        Profile.load(folder)  # an edited file no longer matches its manifest
+    store.seal(profile_entry(folder))  # as if another version of ken had written it
     with pytest.raises(ProfileError, match="schema version"):
         Profile.load(folder)
 

@@ -8,18 +8,28 @@ from __future__ import annotations
 import hashlib
 import inspect
 import math
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ken.errors import KenError
+from ken import store
+from ken.errors import KenError, PlanError, StoreError
 from ken.models.cascade import Cascade
-from ken.models.model import DeviceConfig
+from ken.models.model import DeviceConfig, Model
+from ken.models.quality import EvalSample
 from ken.ops.base import ChosenCascade, OpContext, Operator
 from ken.optimizer.cascades import evaluate, pareto_cascades
 from ken.optimizer.perf import Catalog
 from ken.optimizer.planner import PlannerSettings, PlannerStats, plan_frontier
-from ken.optimizer.profile import DEFAULT_BATCH_SIZES, Profile, load_or_run_profile, profile_dir
+from ken.optimizer.profile import (
+    DEFAULT_BATCH_SIZES,
+    MIN_TIMED_ROWS,
+    Profile,
+    cached_profile,
+    is_cached,
+    load_or_run_profile,
+)
 from ken.optimizer.workload import (
     Hardware,
     Trace,
@@ -29,6 +39,7 @@ from ken.optimizer.workload import (
     load_azure_trace,
     poisson_trace,
 )
+from ken.paths import ken_home
 from ken.policy.plan import Frontier
 from ken.progress import QUIET, Reporter
 
@@ -45,7 +56,8 @@ def operator_profiles(op: Operator, ctx: OpContext, threads: int | None = None,
 
     On the session's device by default, or on a CPU device of ``threads`` threads (what the
     planner's CPU workers run on). Every batch size when `ken profile` already measured them
-    here, else a short profile (or exactly ``batch_sizes``).
+    here, else a short profile (or exactly ``batch_sizes``). Before measuring anything the
+    reporter says which models it profiles and roughly how long that takes.
     """
     given = op.profiles(ctx, ctx.device.threads if threads is None else threads)
     if given is not None:
@@ -60,16 +72,62 @@ def operator_profiles(op: Operator, ctx: OpContext, threads: int | None = None,
     if threads is not None and (device.kind != "cpu" or device.threads != threads):
         device = DeviceConfig(threads=threads)
     models = op.candidates(ctx, device)
-    profiles = {}
+    sizes: dict[str, tuple[int, ...]] = {}
+    profiles: dict[str, Profile] = {}
     for name, model in models.items():
-        sizes = tuple(batch_sizes or DEFAULT_BATCH_SIZES)
-        if batch_sizes is None and not (
-                profile_dir(model, sample, sizes, ctx.home) / "header.json").exists():
-            sizes = SHORT_BATCH_SIZES
-        with ctx.reporter.task(f"profile {name} on {device.label}", len(sizes) + 1) as advance:
-            profiles[name] = load_or_run_profile(model, sample, sizes, ctx.home,
-                                                 on_step=lambda _s: advance(1))
-    return profiles
+        sizes[name] = tuple(batch_sizes or DEFAULT_BATCH_SIZES)
+        if batch_sizes is None and not is_cached(model, sample, sizes[name], ctx.home):
+            sizes[name] = SHORT_BATCH_SIZES
+        cached = cached_profile(model, sample, sizes[name], ctx.home)
+        if cached is not None:
+            profiles[name] = cached
+    todo = [name for name in models if name not in profiles]
+    if not todo:
+        return profiles
+    notice = profiling_notice(f"{op.name}()", {n: models[n] for n in todo}, sample,
+                              {n: sizes[n] for n in todo}, device.label, ctx.home)
+    with ctx.reporter.long_work(notice):
+        for name in todo:
+            with ctx.reporter.task(f"profile {name} on {device.label}",
+                                   len(sizes[name]) + 1) as advance:
+                profiles[name] = load_or_run_profile(models[name], sample, sizes[name],
+                                                     ctx.home, on_step=lambda _s: advance(1),
+                                                     reporter=ctx.reporter)
+    return {name: profiles[name] for name in models}
+
+
+def profiling_notice(what: str, models: Mapping[str, Model], sample: EvalSample,
+                     sizes: Mapping[str, Sequence[int]], device: str,
+                     home: Path | None = None) -> str:
+    """What profiling ``models`` does and roughly how long it takes: each model is timed on a
+    few rows first and its cost per row extrapolated to the rows profiling runs."""
+    inputs = list(sample.inputs)
+    seconds = 0.0
+    for name, model in models.items():
+        probe = inputs[:8]
+        started = time.perf_counter()
+        model.predict(probe, batch_size=len(probe))
+        per_row = (time.perf_counter() - started) / max(1, len(probe))
+        seconds += per_row * profiled_rows(len(inputs), sizes[name]) * 1.3  # small batches
+    where = home or ken_home()
+    return (f"profiling {len(models)} model(s) of {what} for the first time "
+            f"({', '.join(models)}) on {len(inputs):,} rows of its evaluation sample, batch "
+            f"sizes {', '.join(map(str, sorted({b for s in sizes.values() for b in s})))} on "
+            f"{device}: {_duration(seconds)}, once: the profiles are kept in "
+            f"{where / 'profiles'}. Progress below.")
+
+
+def profiled_rows(sample_rows: int, batch_sizes: Sequence[int], repeats: int = 3) -> int:
+    """Rows a profile runs: the timed batches (see ``measure_batch_runtimes``) and the
+    sample rows they did not cover."""
+    timed = sum(max(repeats, -(-MIN_TIMED_ROWS // b)) * b for b in batch_sizes)
+    return timed + max(0, sample_rows - timed) + 8  # + the warm-up batch
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"about {max(10, round(seconds, -1)):.0f} seconds"
+    return f"about {round(seconds / 60):.0f} minutes"
 
 
 def choose_cascade(op: Operator, ctx: OpContext, cascade: Cascade | None = None
@@ -219,21 +277,60 @@ def plan_operator(operator: str, profiles: Mapping[str, Profile], catalog: Catal
                        f"device ({needs}), but the largest device has "
                        f"{largest / 2**20:,.0f} MB; give the devices more memory "
                        "(--memory-gb, memory_gb=...)")
-    path = None
-    if cache_dir is not None:
-        key = frontier_cache_key(operator, profiles, cascades, hardware, trace, qps_max,
-                                 settings, calibration)
-        path = cache_dir / f"{operator}-{key}.json"
-        if path.is_file() and not force:
-            reporter.note(f"{operator}: frontier from cache {path}")
-            return Frontier.load(path), None
-    frontier, stats = plan_frontier(operator, cascades, catalog, hardware, trace,
-                                    qps_max=qps_max, settings=settings, reporter=reporter)
-    if path is not None:
-        frontier.save(path)
+    if cache_dir is None:
+        return plan_frontier(operator, cascades, catalog, hardware, trace, qps_max=qps_max,
+                             settings=settings, reporter=reporter)
+    key = frontier_cache_key(operator, profiles, cascades, hardware, trace, qps_max,
+                             settings, calibration)
+    entry = plan_entry(cache_dir / f"{operator}-{key}.json")
+    if not force:
+        cached = _cached_frontier(entry, reporter)
+        if cached is not None:
+            return cached, None
+    with store.store_lock(cache_dir.parent, f"planning {operator}", reporter.note):
+        if not force:  # planned by another process while this one waited?
+            cached = _cached_frontier(entry, QUIET)
+            if cached is not None:
+                return cached, None
+        frontier, stats = plan_frontier(operator, cascades, catalog, hardware, trace,
+                                        qps_max=qps_max, settings=settings, reporter=reporter)
+        store.write_text(entry.main, frontier.to_json())
+        store.seal(entry)
     return frontier, stats
 
 
+def plan_entry(path: Path) -> store.Entry:
+    """The store entry of a cached frontier (one JSON file in ``KEN_HOME/plans``)."""
+    return store.Entry(path.parent, f"the cached frontier {path.name}",
+                       "it is planned again on next use", files=(path.name,),
+                       legacy=_adopt_frontier)
+
+
+def _adopt_frontier(entry: store.Entry) -> None:
+    try:
+        Frontier.load(entry.main)
+    except (PlanError, OSError, ValueError) as exc:
+        raise StoreError(f"model store: {entry.main} is not a frontier of this ken ({exc}). To "
+                         f"fix it: {entry.fix}.") from None
+
+
+def _cached_frontier(entry: store.Entry, reporter: Reporter) -> Frontier | None:
+    if not entry.main.is_file():
+        return None
+    try:
+        store.ensure(entry)
+        frontier = Frontier.load(entry.main)
+    except (StoreError, PlanError, OSError) as exc:
+        reporter.note(f"{exc}\n  -> planning it again")
+        return None
+    reporter.note(f"{frontier.operator}: frontier from cache {entry.main}")
+    return frontier
+
+
+def store_entries(home: Path) -> list[store.Entry]:
+    """Every cached frontier in ``home``."""
+    return [plan_entry(path) for path in sorted((home / "plans").glob("*.json"))
+            if not path.name.startswith(".")]
 
 
 #: the default peak load is capped here: models of a few microseconds per row would

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 import time
 from collections.abc import Callable, Sequence
@@ -22,12 +21,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ken.errors import ProfileError
+from ken import store
+from ken.errors import ProfileError, StoreError
 from ken.models.certainty import certainty_of
 from ken.models.datasets import LabelledSample
 from ken.models.model import DeviceConfig, Model, ModelOutput, Prediction
 from ken.models.quality import EvalSample
 from ken.paths import ken_home
+from ken.progress import QUIET, Reporter
 
 SCHEMA_VERSION = 2
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -127,7 +128,8 @@ class Profile:
         }
 
     def save(self, folder: Path) -> Path:
-        folder.mkdir(parents=True, exist_ok=True)
+        """Write the profile to ``folder`` as a store entry: built in a staging folder with its
+        manifest and renamed into place whole."""
         columns = {
             "row": pa.array(np.arange(self.num_rows), pa.int64()),
             "quality": pa.array(self.quality, pa.float64()),
@@ -139,27 +141,35 @@ class Profile:
                                                 pa.list_(pa.float32()))
         else:
             columns["certainty"] = pa.array(self.scores, pa.float64())
-        tmp = folder / "samples.parquet.tmp"
-        pq.write_table(pa.table(columns), tmp)
-        os.replace(tmp, folder / "samples.parquet")
-        # the header is written last: its presence marks a complete profile
-        tmp = folder / "header.json.tmp"
-        tmp.write_text(json.dumps(self.header(), indent=2))
-        os.replace(tmp, folder / "header.json")
+        with store.staging_dir(folder) as staging:
+            pq.write_table(pa.table(columns), staging / "samples.parquet")
+            (staging / "header.json").write_text(json.dumps(self.header(), indent=2))
+            store.seal(store.Entry(staging, "", ""))
         return folder
 
     @classmethod
     def load(cls, folder: Path) -> Profile:
-        header_path = folder / "header.json"
-        if not header_path.exists():
+        """The profile in ``folder``, its files verified first (StoreError names a damaged
+        file; ProfileError when there is none)."""
+        folder = Path(folder)
+        if not (folder / "header.json").exists():
             raise ProfileError(f"no profile at {folder}; run `ken profile` to create it")
-        header = json.loads(header_path.read_text())
+        store.ensure(profile_entry(folder))
+        try:
+            header = json.loads((folder / "header.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise StoreError(f"model store: {folder / 'header.json'} cannot be read ({exc}); "
+                             f"{_PROFILE_FIX}") from None
         if header.get("schema_version") != SCHEMA_VERSION:
             raise ProfileError(
                 f"profile at {folder} has schema version {header.get('schema_version')}, "
                 f"this KEN reads version {SCHEMA_VERSION}; delete it and run `ken profile` again"
             )
-        table = pq.read_table(folder / "samples.parquet")
+        try:
+            table = pq.read_table(folder / "samples.parquet")
+        except (OSError, pa.ArrowException) as exc:
+            raise StoreError(f"model store: {folder / 'samples.parquet'} cannot be read "
+                             f"({exc}); {_PROFILE_FIX}") from None
         if "probabilities" in table.column_names:
             scores = np.asarray(table.column("probabilities").to_pylist(), dtype=np.float32)
             scores = scores.reshape(table.num_rows, len(header["label_names"]))
@@ -184,6 +194,44 @@ class Profile:
             scores=scores,
             values=values,
         )
+
+
+_PROFILE_FIX = "it is measured again on next use (`ken profile`, or the query that needs it)"
+
+
+def profile_entry(folder: Path) -> store.Entry:
+    """The store entry of the profile in ``folder`` (header and per-sample Parquet table)."""
+    folder = Path(folder)
+    return store.Entry(folder, f"the profile {folder.name}", _PROFILE_FIX,
+                       legacy=_adopt_profile)
+
+
+def _adopt_profile(entry: store.Entry) -> tuple[str, ...]:
+    """Check a profile written before ken kept manifests: its header parses with this schema
+    and its Parquet table is complete with as many rows as the header says."""
+    header = store.check_json(entry.root / "header.json", entry)
+    table_path = entry.root / "samples.parquet"
+    problem = ""
+    if not isinstance(header, dict) or header.get("schema_version") != SCHEMA_VERSION:
+        problem = f"{entry.root / 'header.json'} is not a profile header of this ken"
+    else:
+        try:
+            rows = pq.read_metadata(table_path).num_rows
+            if rows != header.get("num_rows"):
+                problem = (f"{table_path} has {rows} rows, its header says "
+                           f"{header.get('num_rows')}")
+        except (OSError, pa.ArrowException) as exc:
+            problem = f"{table_path} is not a complete Parquet file ({exc})"
+    if problem:
+        raise StoreError(f"model store: {problem}. It belongs to {entry.what}. To fix it: "
+                         f"{entry.fix}.")
+    return ("header.json", "samples.parquet")
+
+
+def store_entries(home: Path) -> list[store.Entry]:
+    """Every profile folder in ``home``."""
+    return [profile_entry(folder) for folder in sorted((home / "profiles").glob("*"))
+            if folder.is_dir() and not store.is_leftover(folder)]
 
 
 # -- measuring ---------------------------------------------------------------------------------
@@ -368,14 +416,47 @@ def _plain(value: object) -> object:
 def load_or_run_profile(
     model: Model, sample: Sample, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
     home: Path | None = None, repeats: int = 3, on_step: Callable[[int], None] | None = None,
+    reporter: Reporter = QUIET,
 ) -> Profile:
-    """The cached profile for (model, hardware, sample), measuring it on the first call."""
+    """The cached profile for (model, hardware, sample), measuring it on the first call and
+    again when the cached one is damaged (under the store lock, so that two processes never
+    measure the same model at once: the second waits, then reads the first one's profile)."""
+    home = home or ken_home()
     folder = profile_dir(model, sample, batch_sizes, home)
-    if (folder / "header.json").exists():
-        if on_step:  # report every step as done, so progress bars show a cache hit as complete
-            for size in (*batch_sizes, 0):
-                on_step(size)
+    cached = _cached_profile(folder, reporter)
+    if cached is None:
+        with store.store_lock(home, f"profiling {model.name}", reporter.note):
+            cached = _cached_profile(folder, QUIET)  # measured by another process meanwhile?
+            if cached is None:
+                profile = run_profile(model, sample, batch_sizes, repeats, on_step)
+                profile.save(folder)
+                return profile
+    if on_step:  # report every step as done, so progress bars show a cache hit as complete
+        for size in (*batch_sizes, 0):
+            on_step(size)
+    return cached
+
+
+def _cached_profile(folder: Path, reporter: Reporter) -> Profile | None:
+    """The verified profile in ``folder``, or None when there is none or it is damaged (the
+    reporter says what is wrong; it is measured again)."""
+    if not (folder / "header.json").exists():
+        return None
+    try:
         return Profile.load(folder)
-    profile = run_profile(model, sample, batch_sizes, repeats, on_step)
-    profile.save(folder)
-    return profile
+    except (StoreError, ProfileError) as exc:
+        reporter.note(f"{exc}\n  -> measuring it again")
+        return None
+
+
+def cached_profile(model: Model, sample: Sample, batch_sizes: Sequence[int],
+                   home: Path | None = None) -> Profile | None:
+    """The stored profile of ``model`` on ``sample`` if there is one and it verifies (None
+    otherwise: ``load_or_run_profile`` measures it)."""
+    return _cached_profile(profile_dir(model, sample, batch_sizes, home), QUIET)
+
+
+def is_cached(model: Model, sample: Sample, batch_sizes: Sequence[int],
+              home: Path | None = None) -> bool:
+    """Whether a profile of ``model`` on ``sample`` is stored (not whether it verifies)."""
+    return (profile_dir(model, sample, batch_sizes, home) / "header.json").exists()

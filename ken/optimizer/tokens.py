@@ -20,7 +20,6 @@ the model's fingerprint, the hardware and the grid.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -29,7 +28,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ken.errors import ProfileError
+from ken import store
+from ken.errors import ProfileError, StoreError
 from ken.optimizer.profile import hardware_fingerprint
 from ken.paths import ken_home
 from ken.progress import QUIET, Reporter
@@ -187,24 +187,58 @@ def token_cost_path(lm: CausalLM, model: str, batches: Sequence[int], lengths: S
                     home: Path | None = None) -> Path:
     from ken.models.resources import short_hash
 
-    key = short_hash(model, lm.source, hardware_fingerprint(lm.device), tuple(batches),
-                     tuple(lengths), SCHEMA_VERSION)
+    key = short_hash(model, store.content_id(lm.source), hardware_fingerprint(lm.device),
+                     tuple(batches), tuple(lengths), SCHEMA_VERSION)
     return (home or ken_home()) / "profiles" / f"tokens-{model}-{key}.json"
+
+
+def token_cost_entry(path: Path) -> store.Entry:
+    """The store entry of a token-cost file (one JSON file in ``KEN_HOME/profiles``)."""
+    return store.Entry(path.parent, f"the token cost {path.name}",
+                       "it is measured again on next use", files=(path.name,),
+                       legacy=_adopt_token_cost)
+
+
+def _adopt_token_cost(entry: store.Entry) -> None:
+    path = entry.main
+    try:
+        TokenCost.from_json(path.read_text())
+    except (OSError, ProfileError, ValueError, KeyError, TypeError) as exc:
+        raise StoreError(f"model store: {path} is not a token cost of this ken ({exc}). To fix "
+                         f"it: {entry.fix}.") from None
 
 
 def load_or_measure_token_cost(lm: CausalLM, model: str, batches: Sequence[int] = (1, 4, 8),
                                lengths: Sequence[int] = (32, 128, 256), home: Path | None = None,
                                reporter: Reporter = QUIET) -> TokenCost:
-    """The cached token cost of ``model`` on this hardware, measured on first use."""
+    """The cached token cost of ``model`` on this hardware, measured on first use and again
+    when the cached file is damaged (under the store lock)."""
+    home = home or ken_home()
     path = token_cost_path(lm, model, batches, lengths, home)
-    if path.is_file():
-        try:
-            return TokenCost.from_json(path.read_text())
-        except (ProfileError, ValueError, KeyError, TypeError):
-            reporter.note(f"re-measuring the unreadable token cost at {path}")
-    cost = measure_token_cost(lm, model, batches, lengths, reporter=reporter)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(cost.to_json())
-    os.replace(tmp, path)
+    entry = token_cost_entry(path)
+    cost = _cached(entry, reporter)
+    if cost is not None:
+        return cost
+    with store.store_lock(home, f"measuring the token cost of {model}", reporter.note):
+        cost = _cached(entry, QUIET)  # measured by another process while this one waited?
+        if cost is None:
+            cost = measure_token_cost(lm, model, batches, lengths, reporter=reporter)
+            store.write_text(path, cost.to_json())
+            store.seal(entry)
     return cost
+
+
+def _cached(entry: store.Entry, reporter: Reporter) -> TokenCost | None:
+    if not entry.main.is_file():
+        return None
+    try:
+        store.ensure(entry)
+        return TokenCost.from_json(entry.main.read_text())
+    except (StoreError, ProfileError, ValueError, KeyError, TypeError) as exc:
+        reporter.note(f"{exc}\n  -> measuring it again")
+        return None
+
+
+def store_entries(home: Path) -> list[store.Entry]:
+    """Every token-cost file in ``home``."""
+    return [token_cost_entry(path) for path in sorted((home / "profiles").glob("tokens-*.json"))]
