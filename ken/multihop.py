@@ -41,7 +41,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from ken.errors import DataError
+from ken import store
+from ken.errors import DataError, ModelError, StoreError
 from ken.models.head import LinearHead, fit_logistic_cv
 from ken.models.model import Model, ModelSpec
 from ken.models.qa_data import OK, QAData, QAQuestion, read_mmqa_questions, to_duckdb
@@ -182,18 +183,25 @@ def question_type_model(session: Session, train: Sequence[QAQuestion],
     (cached in ``KEN_HOME/heads`` by the training questions' ids)."""
     body = shared_resources(session.ctx).encoder("minilm-l6")
     key = hashlib.sha256("\n".join(sorted(q.qid for q in train)).encode()).hexdigest()[:12]
-    path = (session.ctx.home or ken_home()) / "heads" / f"question-type-{key}.npz"
-    if path.is_file():
-        head = LinearHead.load(path)
-    else:
+    home = session.ctx.home or ken_home()
+    entry = head_entry(home / "heads" / f"question-type-{key}.npz")
+    head = None
+    if entry.main.is_file():
+        try:  # a damaged head is fitted again (a minute at most)
+            store.ensure(entry)
+            head = LinearHead.load(entry.main)
+        except (StoreError, ModelError) as exc:
+            reporter.note(f"{exc}\n  -> fitting the question-type head again")
+    if head is None:
         texts = [q.question for q in train]
         labels = np.array([ROUTE_LABELS.index(route_of(q.qtype)) for q in train])
         with reporter.task(f"question types: features of {len(texts)} training questions",
                            len(texts)) as advance:
             features = body.features(texts, 32, advance)
         head = fit_logistic_cv(features, labels, ROUTE_LABELS)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        head.save(path)
+        with store.store_lock(home, "fitting the question-type head", reporter.note):
+            head.save(entry.main)
+            store.seal(entry)
     spec = ModelSpec(name=f"question-type-{key}", family="question-type",
                      backend="transformers", source=body.config.source,
                      num_params=body.num_params + head.num_params,
@@ -203,6 +211,21 @@ def question_type_model(session: Session, train: Sequence[QAQuestion],
 
 
 # -- the pipeline ------------------------------------------------------------------------------
+
+
+def head_entry(path: Path) -> store.Entry:
+    """The store entry of a question-type head (one file in ``KEN_HOME/heads``)."""
+    def adopt(entry: store.Entry) -> None:
+        store.check_safetensors(entry.main, entry)
+
+    return store.Entry(path.parent, f"the question-type head {path.name}",
+                       "it is fitted again on next use", files=(path.name,), legacy=adopt)
+
+
+def store_entries(home: Path) -> list[store.Entry]:
+    """Every question-type head in ``home``."""
+    return [head_entry(path) for path in sorted((home / "heads").glob("question-type-*"))
+            if not path.name.startswith(".")]
 
 
 class Pipeline:
@@ -387,7 +410,5 @@ def answer_stream(pipeline: Pipeline, questions: Sequence[QAQuestion],
 
 
 def write_report(report: RunReport, out: Path) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{report.dataset}-{report.variant}.json"
-    path.write_text(report.to_json())
-    return path
+    """Write the per-question JSON to ``out`` (atomically)."""
+    return store.write_text(out / f"{report.dataset}-{report.variant}.json", report.to_json())

@@ -35,7 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from ken.errors import DataError, KenError
+from ken import store
+from ken.errors import DataError, KenError, StoreError
 from ken.models.cascade import Cascade
 from ken.models.model import DeviceConfig, Model, ModelOutput, Output
 from ken.models.qa_data import OK, QAData
@@ -247,15 +248,29 @@ def load_or_measure(session: Session, data: QAData, folder: Path,
     """:func:`measure` (with ``measure_options``), cached as JSON in ``folder`` (keyed by
     the data files and LMs)."""
     path = outcomes_path(folder, data, llms)
+    entry = store.Entry(folder, f"the measured outcomes {path.name}",
+                        "they are measured again on next use (tens of minutes)",
+                        files=(path.name,), legacy=_adopt_outcomes)
     with _lock:
         if path.is_file() and not force:
-            return Outcomes.from_json(path.read_text())
+            try:  # damaged outcomes are measured again
+                store.ensure(entry)
+                return Outcomes.from_json(path.read_text())
+            except (StoreError, KenError, ValueError, KeyError, TypeError) as exc:
+                if reporter is not None:
+                    reporter.note(f"{exc}\n  -> measuring them again")
         outcomes = measure(session, data, llms, reporter, **(measure_options or {}))
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{time.monotonic_ns()}.tmp")
-        tmp.write_text(outcomes.to_json())
-        tmp.replace(path)
+        store.write_text(path, outcomes.to_json())
+        store.seal(entry)
         return outcomes
+
+
+def _adopt_outcomes(entry: store.Entry) -> None:
+    try:
+        Outcomes.from_json(entry.main.read_text())
+    except (OSError, KenError, ValueError, KeyError, TypeError) as exc:
+        raise StoreError(f"model store: {entry.main} is not a file of measured outcomes of this "
+                         f"ken ({exc}). To fix it: {entry.fix}.") from None
 
 
 # -- what the query optimizer needs -----------------------------------------------------------

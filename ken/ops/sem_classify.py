@@ -34,7 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ken.errors import DataError, KenError, ModelError
+from ken import store
+from ken.errors import DataError, KenError, ModelError, StoreError
 from ken.models.cascade import Cascade
 from ken.models.data_text import encode_row
 from ken.models.head import LinearHead, fit_logistic_cv
@@ -124,7 +125,7 @@ class LabelSimilarityModel(Model):
             name=name, family=FAMILY, backend="transformers",
             source=body.config.source, num_params=body.num_params,
             memory_bytes=body.memory_bytes, max_tokens=body.max_tokens, labels=labels,
-            fingerprint=f"{name}-{short_hash(body.config.source)}")
+            fingerprint=f"{name}-{short_hash(store.content_id(body.config.source))}")
 
     def predict(self, texts: Sequence[str], batch_size: int = 32) -> Prediction:
         if not len(texts):
@@ -151,7 +152,7 @@ class LabelLLMModel(Model):
             name=name, family=FAMILY, backend="transformers",
             source=lm.source, num_params=lm.num_params, memory_bytes=lm.memory_bytes,
             max_tokens=MAX_TEXT_TOKENS, labels=labels,
-            fingerprint=f"{name}-{short_hash(lm.source)}")
+            fingerprint=f"{name}-{short_hash(store.content_id(lm.source))}")
 
     def prompt_ids(self, text: str) -> list[int]:
         tok = self.lm.tokenizer
@@ -211,14 +212,46 @@ def trained_name(member: str, key: str) -> str:
     return f"classify-{member.removeprefix('minilm-')}[{key[:8]}]"
 
 
+_RETRAIN = "run the same session.train('sem_classify', ...) / TRAIN sem_classify again"
+
+
+def trained_entry(home: Path | None, key: str) -> store.Entry:
+    """The store entry of heads trained on a user's labels: the card and one head per
+    member."""
+    return store.Entry(trained_dir(home, key), f"the sem_classify heads trained on {key}",
+                       _RETRAIN, legacy=_adopt_trained)
+
+
+def _adopt_trained(entry: store.Entry) -> tuple[str, ...]:
+    """Check heads trained before ken kept manifests: the card parses and every head is a
+    complete safetensors file."""
+    card = store.check_json(entry.root / "card.json", entry)
+    members = card.get("members") if isinstance(card, dict) else None
+    if not isinstance(members, dict) or not members:
+        raise StoreError(f"model store: {entry.root / 'card.json'} is not a sem_classify card. "
+                         f"It belongs to {entry.what}. To fix it: {entry.fix}.")
+    heads = tuple(f"{m}.head.safetensors" for m in members)
+    for name in heads:
+        store.check_safetensors(entry.root / name, entry)
+    return ("card.json", *heads)
+
+
+def store_entries(home: Path) -> list[store.Entry]:
+    """Every folder of trained sem_classify heads in ``home``."""
+    return [trained_entry(home, folder.name)
+            for folder in sorted((home / "trained" / "sem_classify").glob("*"))
+            if folder.is_dir() and not store.is_leftover(folder)]
+
+
 def load_trained(member: str, key: str, home: Path | None, device: DeviceConfig,
                  resources: Resources | None = None) -> TransformersClassifier:
-    """A head trained on a user's labels (:meth:`SemClassify.train`) on its encoder;
-    picklable via ``functools.partial`` for worker processes."""
-    path = trained_dir(home, key) / f"{member}.head.safetensors"
+    """A head trained on a user's labels (:meth:`SemClassify.train`) on its encoder, its
+    files verified first; picklable via ``functools.partial`` for worker processes."""
+    entry = trained_entry(home, key)
+    path = entry.root / f"{member}.head.safetensors"
     if not path.is_file():
-        raise ModelError(f"the trained sem_classify head {path} is missing; run the same "
-                         "session.train / TRAIN again")
+        raise ModelError(f"the trained sem_classify head {path} is missing; {_RETRAIN}")
+    store.ensure(entry)
     head = LinearHead.load(path)
     body = (resources or Resources(device, home)).encoder(member, device)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
@@ -292,30 +325,38 @@ class SemClassify(Operator):
             raise DataError(f"{data.source}: {len(data)} rows are too few to train and "
                             f"validate {len(classes)} classes (at least {5 * len(classes)})")
         key = hashlib.sha256(f"{data.content_hash}|{TRAIN_VERSION}".encode()).hexdigest()[:16]
-        folder = trained_dir(ctx.home, key)
-        card_path = folder / "card.json"
+        entry = trained_entry(ctx.home, key)
+        folder = entry.root
         texts = data.texts[0]
         index = {c: i for i, c in enumerate(classes)}
         truth = np.array([index[v] for v in data.labels], dtype=np.int64)
         held_texts = [texts[i] for i in held]
         resources = shared_resources(ctx)
-        if card_path.is_file():
-            card = json.loads(card_path.read_text())
-        else:
+        card = None
+        if (folder / "card.json").is_file():
+            try:  # a damaged entry is trained again from the rows at hand
+                store.ensure(entry)
+                card = json.loads((folder / "card.json").read_text())
+            except (StoreError, OSError, ValueError) as exc:
+                ctx.reporter.note(f"{exc}\n  -> training sem_classify again")
+        if card is None:
             card = {"classes": list(classes), "members": {}}
-            folder.mkdir(parents=True, exist_ok=True)
-            for member in TRAIN_MEMBERS:
-                body = resources.encoder(member)
-                head = fit_logistic_cv(body.features([texts[i] for i in fit]), truth[fit],
-                                       classes)
-                head.save(folder / f"{member}.head.safetensors")
-                picked = head.predict_proba(body.features(held_texts)).argmax(axis=1)
-                card["members"][member] = float(np.mean(picked == truth[held]))
-            zero_shot = bind_sem_classify(spec, resources)
-            answers = cascade_values(zero_shot.cascade, zero_shot.models, held_texts)
-            card["zero_shot"] = float(np.mean([a == data.labels[i]
-                                               for a, i in zip(answers, held, strict=True)]))
-            card_path.write_text(json.dumps(card, indent=1))
+            with store.store_lock(ctx.home or ken_home(), f"training sem_classify on "
+                                  f"{data.source}", ctx.reporter.note), \
+                    store.staging_dir(folder) as staging:
+                for member in TRAIN_MEMBERS:
+                    body = resources.encoder(member)
+                    head = fit_logistic_cv(body.features([texts[i] for i in fit]),
+                                           truth[fit], classes)
+                    head.save(staging / f"{member}.head.safetensors")
+                    picked = head.predict_proba(body.features(held_texts)).argmax(axis=1)
+                    card["members"][member] = float(np.mean(picked == truth[held]))
+                zero_shot = bind_sem_classify(spec, resources)
+                answers = cascade_values(zero_shot.cascade, zero_shot.models, held_texts)
+                card["zero_shot"] = float(np.mean([a == data.labels[i] for a, i in
+                                                   zip(answers, held, strict=True)]))
+                (staging / "card.json").write_text(json.dumps(card, indent=1))
+                store.seal(store.Entry(staging, "", ""))
         self._key = key
         self.eval_constants = (spec,)
         self._held_out = EvalSample(f"{data.source}-heldout", tuple(held_texts),

@@ -38,7 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ken.errors import DataError, KenError, ModelError
+from ken import store
+from ken.errors import DataError, KenError, ModelError, StoreError
 from ken.models.cascade import Cascade
 from ken.models.data_text import defuse, encode_rows
 from ken.models.head import LinearHead, fit_logistic_cv
@@ -199,7 +200,7 @@ class SimilarityModel(Model):
             name=name or f"sim-{short}[{key}]", family=FAMILY, backend="transformers",
             source=body.config.source, num_params=body.num_params,
             memory_bytes=body.memory_bytes, max_tokens=body.max_tokens, labels=BOOLEAN_LABELS,
-            fingerprint=f"sim-{short}-{short_hash(key, body.config.source)}",
+            fingerprint=f"sim-{short}-{short_hash(key, store.content_id(body.config.source))}",
         )
 
     def similarity(self, texts: Sequence[str], batch_size: int = 32,
@@ -258,7 +259,8 @@ class YesNoLLMModel(Model):
             name=name or f"yesno-{short}[{key}]", family=FAMILY, backend="transformers",
             source=lm.source, num_params=lm.num_params, memory_bytes=lm.memory_bytes,
             max_tokens=len(self.prefix_ids) + self.max_text_tokens + len(self.suffix_ids),
-            labels=BOOLEAN_LABELS, fingerprint=f"yesno-{short}-{short_hash(key, lm.source)}",
+            labels=BOOLEAN_LABELS,
+            fingerprint=f"yesno-{short}-{short_hash(key, store.content_id(lm.source))}",
         )
 
     @staticmethod
@@ -339,7 +341,7 @@ class ChannelLLMModel(Model):
             name=name or f"channel-{short}[{key}]", family=FAMILY, backend="transformers",
             source=lm.source, num_params=lm.num_params, memory_bytes=lm.memory_bytes,
             max_tokens=len(self.context_ids) + self.max_text_tokens, labels=BOOLEAN_LABELS,
-            fingerprint=f"channel-{short}-{short_hash(key, lm.source)}",
+            fingerprint=f"channel-{short}-{short_hash(key, store.content_id(lm.source))}",
         )
 
     def pmi(self, texts: Sequence[str], batch_size: int = 8) -> np.ndarray:
@@ -595,6 +597,39 @@ def load_filter_stage(kind: str, predicate: str, scale: float, offset: float,
     return SimilarityModel(resources.encoder(kind), predicate, scale, offset, encoder=kind)
 
 
+_RETRAIN = "run the same session.train('sem_filter', ...) / TRAIN sem_filter again"
+
+
+def trained_entry(home: Path | None, key: str) -> store.Entry:
+    """The store entry of a sem_filter trained on a user's rows: its calibration JSON and its
+    head, two files in ``KEN_HOME/trained/sem_filter``."""
+    return store.Entry((home or ken_home()) / "trained" / "sem_filter",
+                       f"the sem_filter trained on {key[:16]}", _RETRAIN,
+                       files=(f"{key[:16]}.json", f"{key[:16]}.head.safetensors"),
+                       legacy=_adopt_trained)
+
+
+def _adopt_trained(entry: store.Entry) -> None:
+    """Check a sem_filter trained before ken kept manifests: its JSON holds a calibration of
+    this ken and its head is a complete safetensors file."""
+    saved = store.check_json(entry.main, entry)
+    try:
+        FilterCalibration.from_dict(saved["calibration"])  # type: ignore[index]
+        _ = saved["quality"], saved["use_head"]  # type: ignore[index]
+    except (ModelError, KeyError, TypeError) as exc:
+        raise StoreError(f"model store: {entry.main} is not a sem_filter calibration of this "
+                         f"ken ({exc}). It belongs to {entry.what}. To fix it: "
+                         f"{entry.fix}.") from None
+    store.check_safetensors(entry.root / entry.files[1], entry)  # type: ignore[index]
+
+
+def store_entries(home: Path) -> list[store.Entry]:
+    """Every trained sem_filter in ``home``."""
+    return [trained_entry(home, path.stem)
+            for path in sorted((home / "trained" / "sem_filter").glob("*.json"))
+            if not path.name.startswith(".")]
+
+
 class SemFilter(Operator):
     name = "sem_filter"
     num_columns = 1
@@ -649,14 +684,21 @@ class SemFilter(Operator):
         truth = data.booleans()
         normal = _normal_predicate(predicate)
         key = hashlib.sha256(f"{data.content_hash}|{normal}|{self.llm}".encode()).hexdigest()
-        path = (ctx.home or ken_home()) / "trained" / "sem_filter" / f"{key[:16]}.json"
+        entry = trained_entry(ctx.home, key)
+        path = entry.main
         head_path = path.with_suffix(".head.safetensors")
         resources = shared_resources(ctx)
+        saved = None
         if path.exists():
-            saved = json.loads(path.read_text())
-            calibration = FilterCalibration.from_dict(saved["calibration"])
-            quality, use_head = saved["quality"], saved["use_head"]
-        else:
+            try:  # a damaged entry is trained again from the rows at hand
+                store.ensure(entry)
+                saved = json.loads(path.read_text())
+                calibration = FilterCalibration.from_dict(saved["calibration"])
+                quality, use_head = saved["quality"], saved["use_head"]
+            except (StoreError, ModelError, OSError, ValueError, KeyError, TypeError) as exc:
+                ctx.reporter.note(f"{exc}\n  -> training sem_filter again")
+                saved = None
+        if saved is None:
             fit, held = data.split((0.8, 0.2))
             if len(held) == 0 or len(fit) < 4:
                 raise DataError(f"{data.source}: {len(data)} rows are too few to calibrate "
@@ -684,11 +726,14 @@ class SemFilter(Operator):
                        f"MiniLM-L6 embeddings {learned:.1%}, calibrated similarity cascade "
                        f"{calibrated:.1%}; serving the "
                        f"{'head' if use_head else 'calibrated cascade'}")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            head.save(head_path)
-            path.write_text(json.dumps({"calibration": calibration.to_dict(),
-                                        "quality": quality, "use_head": bool(use_head),
-                                        "data": data.describe()}))
+            with store.store_lock(ctx.home or ken_home(), f"training sem_filter on "
+                                  f"{data.source}", ctx.reporter.note):
+                head.save(head_path)
+                store.write_text(path, json.dumps({"calibration": calibration.to_dict(),
+                                                   "quality": quality,
+                                                   "use_head": bool(use_head),
+                                                   "data": data.describe()}))
+                store.seal(entry)
         trained = Trained(self.name, data.describe(), data.content_hash, quality, str(path))
         head_model = None
         if use_head:

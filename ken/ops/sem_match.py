@@ -39,7 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ken.errors import DataError, KenError, ModelError
+from ken import store
+from ken.errors import DataError, KenError, ModelError, StoreError
 from ken.models.cascade import Cascade
 from ken.models.model import BOOLEAN_LABELS, DeviceConfig, Model, ModelSpec, Prediction
 from ken.models.quality import EvalSample
@@ -435,34 +436,81 @@ def prepare_sem_match(resources: Resources, dataset: str = DEFAULT_DATASET,
         per_dataset = DEFAULT_PER_DATASET
     reporter = reporter or resources.reporter
     folder = match_dir(dataset, resources.home)
-    card_path = folder / "card.json"
     present = has_data(dataset, data_dir)
-    if card_path.exists() and not force:
-        card = MatchCard.from_json(card_path.read_text())
-        if _reusable(card, present, dataset, data_dir, per_dataset, tolerance):
-            return card
+    damage = ""
+    if (folder / "card.json").exists() and not force:
+        try:
+            card = load_card(resources, dataset)
+            if _reusable(card, present, dataset, data_dir, per_dataset, tolerance):
+                return card
+        except StoreError as exc:
+            if not present:
+                raise
+            damage = str(exc)
     if not present:
         raise DataError(f"no entity-matching data for {dataset} at "
                         f"{dataset_dir(dataset, data_dir)} and no trained matcher in {folder}")
-    splits = training_splits(dataset, data_dir, per_dataset)
-    return train_matchers(resources, dataset, splits, data_hash(dataset, data_dir), folder,
-                          schema_free=dataset == DATASET_ALL, per_dataset=per_dataset,
-                          tolerance=tolerance, batch_size=batch_size, reporter=reporter)
+    with store.store_lock(resources.home, f"training the sem_match matchers of {dataset}",
+                          reporter.note):
+        if (folder / "card.json").exists() and not force:  # trained by another process?
+            try:
+                card = load_card(resources, dataset)
+                if _reusable(card, present, dataset, data_dir, per_dataset, tolerance):
+                    return card
+            except StoreError:
+                pass
+        splits = training_splits(dataset, data_dir, per_dataset)
+        return train_matchers(resources, dataset, splits, data_hash(dataset, data_dir), folder,
+                              schema_free=dataset == DATASET_ALL, per_dataset=per_dataset,
+                              tolerance=tolerance, batch_size=batch_size, reporter=reporter,
+                              damage=damage)
+
+
+#: training cost per pair (record features, two MiniLM-L6 embeddings, trees) on 2 threads
+_TRAIN_MS_PER_PAIR = 12.0
+
+
+def training_notice(dataset: str, splits: Mapping[str, EntityPairs], threads: int,
+                    damage: str = "") -> str:
+    """What training the matchers does and roughly how long it takes, said before it starts."""
+    pairs = sum(len(p) for p in splits.values())
+    seconds = pairs * _TRAIN_MS_PER_PAIR / 1000 * (2.0 / max(1, threads)) ** 0.75 + 10
+    took = (f"about {max(10, round(seconds, -1)):.0f} seconds" if seconds < 90
+            else f"about {round(seconds / 60):.0f} minutes")
+    head = f"{damage}\n  -> training it again\n" if damage else ""
+    return (f"{head}training the sem_match record matchers of {dataset} "
+            f"({'again' if damage else 'first use'}): {len(splits['train']):,} training pairs, "
+            f"{pairs:,} in all, {took} on {threads} CPU thread(s), once (kept in KEN_HOME). "
+            "Progress below.")
 
 
 def train_matchers(resources: Resources, dataset: str, splits: Mapping[str, EntityPairs],
                    content_hash: str, folder: Path, *, schema_free: bool = False,
                    per_dataset: int | None = None, tolerance: float = DEFAULT_TOLERANCE,
-                   batch_size: int = 32, reporter: Reporter | None = None) -> MatchCard:
+                   batch_size: int = 32, reporter: Reporter | None = None,
+                   damage: str = "") -> MatchCard:
     """Fit the record features and both members' trees on ``splits["train"]``, choose their
     thresholds and the cascade's on ``splits["valid"]``, score ``splits["test"]``; write the
-    featurizer, the trees and the card to ``folder``."""
+    featurizer, the trees and the card to ``folder`` (a store entry, renamed into place
+    whole). The reporter says first what it does and how long it takes (``damage``: what was
+    wrong with the matchers it replaces)."""
     reporter = reporter or resources.reporter
+    with reporter.long_work(training_notice(dataset, splits, resources.device.threads,
+                                            damage)), store.staging_dir(folder) as staging:
+        card = _train_matchers(resources, dataset, splits, content_hash, staging,
+                               schema_free, per_dataset, tolerance, batch_size, reporter)
+        store.seal(store.Entry(staging, "", ""), _card_files(card))
+    return card
+
+
+def _train_matchers(resources: Resources, dataset: str, splits: Mapping[str, EntityPairs],
+                    content_hash: str, folder: Path, schema_free: bool,
+                    per_dataset: int | None, tolerance: float, batch_size: int,
+                    reporter: Reporter) -> MatchCard:
     records = {s: [(as_record(a), as_record(b)) for a, b in p.pairs] for s, p in splits.items()}
     train_records = [r for pair in records["train"] for r in pair]
     attributes = () if schema_free else schema(train_records)
     featurizer = RecordFeaturizer.fit(train_records, attributes)
-    folder.mkdir(parents=True, exist_ok=True)
     (folder / "features.json").write_text(featurizer.to_json())
     what = f"{', '.join(attributes)}" if attributes else "schema-free"
     reporter.note(f"sem_match: training record matchers on {len(splits['train'])} {dataset} "
@@ -520,40 +568,89 @@ def train_matchers(resources: Resources, dataset: str, splits: Mapping[str, Enti
     card = MatchCard(dataset, attributes, content_hash, len(splits["train"]), per_dataset,
                      tuple(members), threshold, tolerance, cascade_scores["valid"],
                      cascade_scores["test"], escalation["valid"], escalation["test"])
-    (folder / "card.json").write_text(card.to_json())
+    (folder / "card.json").write_text(card.to_json())  # in the staging folder
     reporter.note(f"  cascade {cheap} -({threshold:.3f})-> {strong}: test F1 "
                   f"{cascade_scores['test'].f1:.3f}, escalates {escalation['test']:.0%}")
     return card
 
 
 def load_card(resources: Resources, dataset: str = DEFAULT_DATASET) -> MatchCard:
-    """The cached card of a prepared dataset (see :func:`prepare_sem_match`)."""
-    path = match_dir(dataset, resources.home) / "card.json"
-    if not path.exists():
-        raise ModelError(f"sem_match is not prepared for {dataset} in {path.parent}; "
+    """The verified card of a prepared dataset (see :func:`prepare_sem_match`)."""
+    entry = match_entry(dataset, resources.home)
+    if not (entry.root / "card.json").exists():
+        raise ModelError(f"sem_match is not prepared for {dataset} in {entry.root}; "
                          "run prepare_sem_match (or bind_sem_match) with the data present")
-    return MatchCard.from_json(path.read_text())
+    store.ensure(entry)
+    return _read_card(entry)
+
+
+def _read_card(entry: store.Entry) -> MatchCard:
+    path = entry.root / "card.json"
+    try:
+        return MatchCard.from_json(path.read_text())
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise StoreError(f"model store: {path} cannot be read as a sem_match card ({exc}). It "
+                         f"belongs to {entry.what}. To fix it: {entry.fix}.") from None
+
+
+def _card_files(card: MatchCard) -> tuple[str, ...]:
+    return ("card.json", card.featurizer_file, *(m.trees_file for m in card.members))
+
+
+def match_entry(dataset: str, home: Path) -> store.Entry:
+    """The store entry of the matchers trained on ``dataset``: card, featurizer, trees."""
+    if dataset.startswith("user-"):
+        fix = ("train sem_match again on the same pairs (session.train('sem_match', ...) or "
+               "TRAIN sem_match ...)")
+    else:
+        fix = ("run the query again with the entity-matching data present (it trains them "
+               f"again), or prepare_sem_match(resources, {dataset!r}, force=True)")
+    return store.Entry(match_dir(dataset, home), f"the sem_match matchers of {dataset}", fix,
+                       legacy=_adopt_matchers)
+
+
+def _adopt_matchers(entry: store.Entry) -> tuple[str, ...]:
+    """Check matchers trained before ken kept manifests: the card reads, every trees file has
+    the fingerprint its card recorded and the featurizer parses."""
+    store.check_json(entry.root / "card.json", entry)
+    card = _read_card(entry)
+    for m in card.members:
+        path = entry.root / m.trees_file
+        try:
+            digest = _file_digest(path)
+        except OSError as exc:
+            raise StoreError(f"model store: {path} cannot be read ({exc.strerror or exc}). It "
+                             f"belongs to {entry.what}. To fix it: {entry.fix}.") from None
+        if digest != m.fingerprint:
+            raise StoreError(f"model store: {path} differs from what its card recorded "
+                             f"(fingerprint {digest}, recorded {m.fingerprint}). It belongs to "
+                             f"{entry.what}. To fix it: {entry.fix}.")
+    store.check_json(entry.root / card.featurizer_file, entry)
+    return _card_files(card)
+
+
+def store_entries(home: Path) -> list[store.Entry]:
+    """Every trained matcher folder in ``home``."""
+    return [match_entry(folder.name, home)
+            for folder in sorted((home / "families" / FAMILY).glob("*"))
+            if (folder / "card.json").exists() and not store.is_leftover(folder)]
 
 
 def load_matcher(resources: Resources, member: str, dataset: str = DEFAULT_DATASET,
                  device: DeviceConfig | None = None) -> RecordMatcher:
-    """The trained record matcher of ``member`` (``lexical`` / ``minilm-l6``) from the cache."""
+    """The trained record matcher of ``member`` (``lexical`` / ``minilm-l6``) from the cache,
+    its files verified first (StoreError names a damaged one and the fix)."""
     card = load_card(resources, dataset)
     m = card.member(member)
     folder = match_dir(dataset, resources.home)
-    trees_path = folder / m.trees_file
-    if not trees_path.is_file() or _file_digest(trees_path) != m.fingerprint:
-        raise ModelError(f"{trees_path} is missing or differs from what its card recorded; "
-                         f"prepare sem_match again (prepare_sem_match(resources, {dataset!r}, "
-                         "force=True))")
     try:
         featurizer = RecordFeaturizer.from_json((folder / card.featurizer_file).read_text())
     except (OSError, ValueError, KeyError) as exc:
         raise ModelError(f"cannot read {folder / card.featurizer_file} ({exc}); prepare "
                          "sem_match again (force=True)") from exc
     body = None if member == "lexical" else resources.encoder(member, device)
-    return RecordMatcher(m.name, featurizer, BoostedTrees.load(trees_path), m.threshold, body,
-                         fingerprint=f"{m.fingerprint}-{card.data_hash}")
+    return RecordMatcher(m.name, featurizer, BoostedTrees.load(folder / m.trees_file),
+                         m.threshold, body, fingerprint=f"{m.fingerprint}-{card.data_hash}")
 
 
 def bind_sem_match(resources: Resources, dataset: str = DEFAULT_DATASET,
@@ -653,12 +750,19 @@ class SemMatch(Operator):
         dataset = f"user-{data.content_hash}"
         resources = shared_resources(ctx)
         folder = match_dir(dataset, resources.home)
+        card, damage = None, ""
         if (folder / "card.json").exists():
-            card = MatchCard.from_json((folder / "card.json").read_text())
-        else:
+            try:
+                card = load_card(resources, dataset)
+            except StoreError as exc:
+                damage = str(exc)  # trained again from the rows at hand
+        if card is None:
             splits = {name: pairs.subset(part, f"{dataset}-{name}")
                       for name, part in zip(SPLITS, parts, strict=True)}
-            card = train_matchers(resources, dataset, splits, data.content_hash, folder)
+            with store.store_lock(resources.home, f"training sem_match on {data.source}",
+                                  ctx.reporter.note):
+                card = train_matchers(resources, dataset, splits, data.content_hash, folder,
+                                      damage=damage)
         self.dataset = dataset
         self._held_out = pairs.subset(parts[2], f"{dataset}-test")
         self.trained = Trained(
