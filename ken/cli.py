@@ -102,9 +102,118 @@ def _load_profiles(args: argparse.Namespace, threads: Sequence[int], reporter: R
             sizes = tuple(batch_sizes or DEFAULT_BATCH_SIZES)
             with reporter.task(f"profile {card.name} on cpu-{t}t", len(sizes) + 1) as advance:
                 profiles.append(load_or_run_profile(model, sample, sizes,
-                                                    on_step=lambda _s: advance(1)))
+                                                    on_step=lambda _s: advance(1),
+                                                    reporter=reporter))
             del model
     return cards, profiles
+
+
+def _store_entries(home: Path) -> list[tuple[str, object, object]]:
+    """``(kind, entry, rebuild or None)`` for every entry of the store at ``home``."""
+    from ken import multihop, multihop_plan
+    from ken.models import convert, family
+    from ken.models.fetch import CHUNKED_MODELS, gguf_entry
+    from ken.models.resources import CAUSAL_LMS, causal_lm_dir
+    from ken.ops import sem_classify, sem_filter, sem_match
+    from ken.optimizer import planning, profile, tokens
+
+    reporter = Reporter()
+    out: list[tuple[str, object, object]] = []
+    for entry in convert.store_entries(home):
+        name = entry.root.name
+        if name in CAUSAL_LMS:
+            rebuild = functools.partial(causal_lm_dir, name, home, reporter)
+        elif name in family.MEMBER_NAMES:
+            rebuild = functools.partial(family.body_dir, family.member(name), home, reporter)
+        else:
+            rebuild = None
+        out.append(("converted model", entry, rebuild))
+    for spec in CHUNKED_MODELS.values():
+        entry = gguf_entry(spec, home / "models" / "gguf")
+        if entry.exists():
+            out.append(("download", entry, None))
+    for entry in family.store_entries(home):
+        data = family.data_from_tag(entry.root.parent.name)
+        rebuild = None
+        if not data.source.startswith("user-"):
+            rebuild = functools.partial(family.prepare, data, home=home, reporter=reporter,
+                                        names=(entry.root.name,))
+        out.append(("model family", entry, rebuild))
+    out += [("sem_match", e, None) for e in sem_match.store_entries(home)]
+    out += [("trained sem_classify", e, None) for e in sem_classify.store_entries(home)]
+    out += [("trained sem_filter", e, None) for e in sem_filter.store_entries(home)]
+    out += [("question-type head", e, None) for e in multihop.store_entries(home)]
+    out += [("QA outcomes", e, None) for e in multihop_plan.store_entries(home)]
+    out += [("profile", e, None) for e in profile.store_entries(home)]
+    out += [("token cost", e, None) for e in tokens.store_entries(home)]
+    out += [("frontier", e, None) for e in planning.store_entries(home)]
+    return out
+
+
+def _store_leftovers(home: Path) -> list[Path]:
+    """Temporaries of interrupted writes anywhere in the store."""
+    from ken import store
+
+    return sorted(p for p in home.rglob(".*") if store.is_leftover(p))
+
+
+def cmd_models_verify(args: argparse.Namespace) -> int:
+    """Check every file of the model store against the hashes recorded when it was written."""
+    import shutil
+
+    from ken import store
+    from ken.paths import ken_home
+
+    home = ken_home()
+    if not home.is_dir():
+        console.print(f"no model store at {home} yet (ken makes it on first use)",
+                      markup=False, highlight=False)
+        return 0
+    counts = {"ok": 0, "adopted": 0, "damaged": 0, "repaired": 0}
+    for kind, entry, rebuild in _store_entries(home):
+        state, problems = store.check(entry)  # type: ignore[arg-type]
+        where = entry.main.relative_to(home)  # type: ignore[attr-defined]
+        if state == "damaged" and args.repair:
+            store.remove(entry)  # type: ignore[arg-type]
+            if rebuild is not None:
+                rebuild()  # type: ignore[operator]
+                state, problems = store.check(entry)  # type: ignore[arg-type]
+                state = "repaired" if state != "damaged" else state
+            else:
+                state = "removed"
+        counts[state] = counts.get(state, 0) + 1
+        line = f"{state:<9} {kind:<20} {where}"
+        if state == "adopted":
+            line += "  (written before ken recorded hashes: checked, manifest written)"
+        elif state == "removed":
+            line += f"  (damaged; removed: {entry.fix})"  # type: ignore[attr-defined]
+        console.print(line, markup=False, highlight=False)
+        for problem in problems:
+            console.print(f"          {problem}", markup=False, highlight=False)
+    from ken.models import family
+
+    for folder in sorted((home / "families" / family.FAMILY).glob("*")):
+        if folder.is_dir() and folder.name != family.RECIPE and not store.is_leftover(folder):
+            console.print(f"{'unused':<9} {'model family':<20} {folder.relative_to(home)}  "
+                          "(an older layout this ken does not read; it can be deleted)",
+                          markup=False, highlight=False)
+    for path in _store_leftovers(home):
+        if args.repair:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        what = "removed" if args.repair else "leftover"
+        console.print(f"{what:<9} {'temporary':<20} {path.relative_to(home)}  (of an "
+                      "interrupted write; `ken models verify --repair` deletes it)",
+                      markup=False, highlight=False)
+    summary = ", ".join(f"{n} {state}" for state, n in counts.items() if n)
+    console.print(f"model store {home}: {summary or 'empty'}", markup=False, highlight=False)
+    if counts["damaged"]:
+        console.print("damaged entries are rebuilt by `ken models verify --repair` (or by the "
+                      "command shown with each)", markup=False, highlight=False)
+        return 1
+    return 0
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:
@@ -119,13 +228,19 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 
 
 def _cached_profiles(args: argparse.Namespace, cards):  # noqa: ANN001, ANN202
+    from ken.errors import ProfileError, StoreError
     from ken.optimizer.profile import Profile
     from ken.paths import ken_home
 
     found = []
     fingerprints = {c.fingerprint for c in cards}
     for header in sorted((ken_home() / "profiles").glob("*/header.json")):
-        p = Profile.load(header.parent)
+        try:
+            p = Profile.load(header.parent)
+        except (StoreError, ProfileError) as exc:  # measured again when next needed
+            Console(stderr=True).print(f"skipping a damaged profile: {exc}", markup=False,
+                                       highlight=False)
+            continue
         if p.model_fingerprint in fingerprints:
             found.append(p)
     return found
@@ -157,7 +272,9 @@ def cmd_cascades(args: argparse.Namespace) -> int:
                   f"{best.cost_ms_per_row:.2f} ms/row; {largest.cascade.models[0]} alone: "
                   f"{largest.accuracy:.1%} at {largest.cost_ms_per_row:.2f} ms/row")
     if args.json:
-        args.json.write_text(json.dumps([m.to_dict() for m in front], indent=2))
+        from ken import store
+
+        store.write_text(args.json, json.dumps([m.to_dict() for m in front], indent=2))
         console.print(f"wrote {args.json}")
     return 0
 
@@ -228,7 +345,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                     settings, cache_dir=ken_home() / "plans", reporter=reporter,
                                     force=args.force, calibration=spreads)
     out = Path(args.out)
-    json_path = frontier.save(out / f"frontier-{operator}.json")
+    from ken import store
+
+    json_path = store.write_text(out / f"frontier-{operator}.json", frontier.to_json())
     png_path = plot_frontier(
         frontier, out / f"frontier-{operator}.png",
         title=f"{operator} gear plans: {args.devices} x cpu-{args.device_threads}t, "
@@ -375,8 +494,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
     console.print(f"outcomes: {rep.status_counts()}; worst send lag {rep.max_send_lag_s:.3f} s")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "replay.json").write_text(rep.to_json(plan))
-    plan.save(out / "plan.json")
+    from ken import store
+
+    store.write_text(out / "replay.json", rep.to_json(plan))
+    store.write_text(out / "plan.json", plan.to_json())
     save_spreads(runtime_spread(engine.batch_log, profiled), out / "calibration.json",
                  source=f"ken replay of {trace.name}, {len(trace)} requests")
     plot_replay(rep, plan, out / "replay.png")
@@ -499,6 +620,19 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("name", choices=CAUSAL_LMS, help="the language model")
     fetch.add_argument("--quiet", action="store_true", help="no progress output")
     fetch.set_defaults(func=cmd_models_fetch)
+    ver = msub.add_parser("verify", help="check every file of the model store (KEN_HOME) "
+                          "against the hashes recorded when it was written",
+                          description="Check every entry of the model store: converted "
+                          "models, the model family, trained matchers and heads, profiles, "
+                          "plans. Prints per entry ok, adopted (written before ken recorded "
+                          "hashes, checked and now recorded) or damaged with the file, what is "
+                          "wrong and the command that fixes it; exits 1 when anything is "
+                          "damaged.")
+    ver.add_argument("--repair", action="store_true",
+                     help="rebuild damaged converted models and family members, remove other "
+                          "damaged entries (ken rebuilds them when next needed) and leftovers "
+                          "of interrupted writes")
+    ver.set_defaults(func=cmd_models_verify)
 
     prof = sub.add_parser("profile", help="profile every model: runtime per batch size, "
                                           "memory, per-sample predictions (cached)")

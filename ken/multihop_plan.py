@@ -248,9 +248,7 @@ def load_or_measure(session: Session, data: QAData, folder: Path,
     """:func:`measure` (with ``measure_options``), cached as JSON in ``folder`` (keyed by
     the data files and LMs)."""
     path = outcomes_path(folder, data, llms)
-    entry = store.Entry(folder, f"the measured outcomes {path.name}",
-                        "they are measured again on next use (tens of minutes)",
-                        files=(path.name,), legacy=_adopt_outcomes)
+    entry = outcomes_entry(path)
     with _lock:
         if path.is_file() and not force:
             try:  # damaged outcomes are measured again
@@ -263,6 +261,18 @@ def load_or_measure(session: Session, data: QAData, folder: Path,
         store.write_text(path, outcomes.to_json())
         store.seal(entry)
         return outcomes
+
+
+def outcomes_entry(path: Path) -> store.Entry:
+    """The store entry of measured QA outcomes (one JSON file, ``KEN_HOME/qa-plans``)."""
+    return store.Entry(path.parent, f"the measured outcomes {path.name}",
+                       "they are measured again on next use (tens of minutes)",
+                       files=(path.name,), legacy=_adopt_outcomes)
+
+
+def store_entries(home: Path) -> list[store.Entry]:
+    """Every file of measured QA outcomes in ``home``."""
+    return [outcomes_entry(path) for path in sorted((home / "qa-plans").glob("outcomes-*"))]
 
 
 def _adopt_outcomes(entry: store.Entry) -> None:

@@ -29,7 +29,7 @@ from ken.ops import builtin_operators
 from ken.ops.base import Bound, ModelOperator, OpContext, Operator, suggest
 from ken.ops.training import Trained, TrainingData
 from ken.paths import ken_home
-from ken.progress import QUIET, Reporter
+from ken.progress import Reporter
 from ken.sql.execute import SiteRunner, query_error, register_sites, unregister_sites
 from ken.sql.explain import actual_lines, build, estimate, gear_plan_lines, render, site_lines
 from ken.sql.rewrite import Rewritten, SqlError, parse, rewrite, split_statements
@@ -98,13 +98,19 @@ class Session:
 
     def __init__(self, path: str | Path | None = None, device: DeviceConfig | None = None,
                  data: Any = None, home: Path | None = None, batch_size: int = 32,
-                 reporter: Reporter = QUIET, builtins: bool = True) -> None:
+                 reporter: Reporter | None = None, builtins: bool = True) -> None:
+        """``reporter``: where progress goes. By default the session is silent except for
+        long work (preparing the model family on first use, profiling): that says what it
+        is about to do and roughly how long it takes, then shows its progress on stderr;
+        ``reporter=ken.progress.QUIET`` silences that too."""
         try:
             self.con = duckdb.connect(str(path) if path else ":memory:")
         except duckdb.Error as error:
             raise KenError(f"cannot open database {path}: {error}") from None
         from ken.optimizer.planning import choose_cascade
 
+        if reporter is None:
+            reporter = Reporter(long_work_only=True)
         self.ctx = OpContext(device, home, data, reporter, batch_size, chooser=choose_cascade)
         # the operator registry: SQL name -> Operator (see ken.ops)
         self.operators: dict[str, Operator] = builtin_operators() if builtins else {}
