@@ -564,3 +564,33 @@ def test_ken_models_verify_reports_and_repairs(store_copy: Path,
     out = one_line(capsys.readouterr().out)
     assert "repaired converted model models/minilm-l3" in out and not leftover.exists()
     assert main(["models", "verify"]) == 0
+
+
+@pytest.mark.parametrize("fault,target", [("garbage", ".json"), ("flip", ".head.safetensors"),
+                                          ("delete", ".head.safetensors")])
+def test_a_damaged_sem_filter_calibration_is_trained_again(tmp_path: Path, fault: str,
+                                                           target: str) -> None:
+    from test_training import reviews
+
+    import ken
+    from ken.models.model import DeviceConfig
+
+    predicate = "expresses a positive opinion"
+    out = io.StringIO()
+
+    def train() -> str:
+        with ken.connect(home=tmp_path, device=DeviceConfig(threads=2),
+                         reporter=reporter_to(out)) as session:
+            session.operators["sem_filter"].llm = None  # the similarity stage alone: fast
+            session.register_table("r", reviews())
+            return session.train("sem_filter", "r", "liked", predicate=predicate).where
+
+    where = Path(train())
+    inject(where.with_suffix(target), fault)
+    out.seek(0)
+    out.truncate(0)
+    assert Path(train()) == where
+    said = one_line(out.getvalue())
+    assert str(where.with_suffix(target)) in said and "-> training sem_filter again" in said
+    entry = store.Entry(where.parent, "", "", files=(where.name, where.stem + ".head.safetensors"))
+    assert store.check(entry) == ("ok", [])  # trained again and recorded
