@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ken import store
 from ken.errors import PlanError
 from ken.models.cascade import Cascade
 
@@ -423,10 +424,8 @@ class Frontier:
 
 
 def _write(path: str | Path, text: str) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return path
+    """Write a plan file atomically: a reader sees the old file or the new one, never half."""
+    return store.write_text(path, text)
 
 
 def _read(path: str | Path, missing: str) -> str:
