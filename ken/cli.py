@@ -309,7 +309,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     check_planning_args(args.devices, args.memory_gb, args.device_threads, args.peak_qps,
                         args.duration, args.ranges)
     if args.target is not None:
-        Target.parse(args.target)  # a typo fails now, not after planning
+        try:
+            Target.parse(args.target)  # a typo fails now, not after planning
+        except KenError as exc:
+            raise UsageError(str(exc)) from None
     if args.trace == "azure":
         from ken.optimizer.workload import AZURE_CODE_TRACE
         from ken.paths import shared_data_dir

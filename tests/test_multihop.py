@@ -160,7 +160,7 @@ def test_routes_of_question_types() -> None:
 def test_cli_rejects_bad_arguments(capsys) -> None:  # noqa: ANN001
     assert main(["hybridqa", "--limit", "0"]) == 2
     assert "--limit must be at least 1" in capsys.readouterr().err
-    assert main(["mmqa", "--data-dir", "/nonexistent/mmqa"]) == 2
+    assert main(["mmqa", "--data-dir", "/nonexistent/mmqa"]) == 1  # missing data: a failure
     assert "does not exist" in capsys.readouterr().err
 
 

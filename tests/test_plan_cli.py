@@ -233,7 +233,7 @@ def test_ken_plan_argument_errors(args: list[str], message: str, fake_profiles,
 
 def test_ken_plan_without_azure_data(tmp_path, monkeypatch, fake_profiles, capsys) -> None:
     monkeypatch.setenv("KEN_DATA_DIR", str(tmp_path))
-    assert main(["plan"]) == 2
+    assert main(["plan"]) == 1  # a failure ken reports (data missing), not a usage error
     err = " ".join(capsys.readouterr().err.split())
     assert "Azure trace is not at" in err and "--trace poisson" in err
     assert fake_profiles == []
@@ -256,7 +256,7 @@ def test_ken_explain_with_a_frontier_file(frontier: Frontier, tmp_path, capsys) 
                  "accuracy >= 0.6", "SELECT 42 AS answer"]) == 0
     assert "[duckdb] Project 42 AS answer" in capsys.readouterr().out
     assert main(["explain", "--quiet", "--db", db, "--frontier",
-                 str(tmp_path / "missing.json"), "SELECT 1"]) == 2
+                 str(tmp_path / "missing.json"), "SELECT 1"]) == 1  # a missing file: failure
     assert "create one with `ken plan`" in " ".join(capsys.readouterr().err.split())
     assert main(["explain", "--quiet", "--db", db, "--target", "p95 <= 5", "SELECT 1"]) == 2
     assert "--target picks a gear plan from --frontier" in capsys.readouterr().err

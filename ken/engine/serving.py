@@ -19,11 +19,14 @@ its batch failed ``max_retries + 1`` times or its model is marked failed, or ``c
 the engine shut down before it ran. Failure behaviour (DESIGN.md section 14):
 
 - *admission*: an online request is admitted only while the gear plan can serve it within its
-  latency target (by default the p99 the plan's simulation predicted): the scheduler estimates
-  its queue delay as the profiled time the busiest device of the current gear needs for the
-  rows queued on it (``Dispatcher.queued_work_s``, the runtimes the simulator charges) plus
-  what is left of the batch it runs, and rejects the request at once when that delay plus one
-  first-stage batch exceeds the target. ``max_in_flight`` stays as a hard cap on memory.
+  latency target (by default the p99 the plan's simulation predicted, at least
+  ``MIN_PLAN_TARGET_S``). The scheduler routes
+  it to a first-stage replica and estimates its latency as the profiled work queued on that
+  replica's devices (``Dispatcher.queued_work_s``: the runtimes the simulator charges), plus
+  what is left of the batch running there and its own row, times the slowdown it measures
+  while serving (answered latency over estimate, for requests admitted near the limit). Over
+  the target it is rejected at once, with the reason and a retry hint (a SQL query sends
+  such rows again after the hint). ``max_in_flight`` stays as a hard cap on memory.
 - *deadlines*: every batch has one, ``BatchDeadline.seconds`` of its profiled runtime. A
   process worker that misses it is killed and replaced; a thread worker's call is abandoned
   (threads cannot be killed) and the device gets a fresh thread. The batch runs once more
@@ -174,6 +177,11 @@ class _BulkBatch:
 
 
 _STOP = object()
+SLOWDOWN_WEIGHT = 0.02  # of each new sample in the measured slowdown (see Engine._admission)
+#: the least latency target a plan's predicted p99 sets: models faster than the engine's own
+#: hand-offs between threads (about a millisecond each) are simulated with p99s no wall-clock
+#: engine can meet, and would have every request turned away
+MIN_PLAN_TARGET_S = 0.02
 
 
 class Engine:
@@ -187,8 +195,9 @@ class Engine:
 
     Failure behaviour (see the module docstring): ``admission="plan"`` admits an online
     request while its estimated latency is within ``latency_target_s`` (default: each plan's
-    predicted p99; a plan without predicted latency or profiled runtimes is bounded by
-    ``max_in_flight`` alone, as is every plan with ``admission="max_in_flight"``);
+    predicted p99, at least ``MIN_PLAN_TARGET_S``; a plan without predicted latency or
+    profiled runtimes is bounded by ``max_in_flight`` alone, as is every plan with
+    ``admission="max_in_flight"``);
     ``deadline`` bounds each batch; ``max_retries`` re-runs a failed batch; ``max_crashes``
     crashes or hangs in a row mark a model failed; ``drain_on_sigterm`` drains for up to
     ``drain_timeout_s`` on SIGTERM, then exits.
@@ -272,6 +281,8 @@ class Engine:
         self._crashes: dict[str, int] = {}  # model -> crashes or hangs in a row
         self._failed_models: dict[str, str] = {}  # model -> why it is not run any more
         self._running_until: dict[str, float] = {}  # device -> profiled end of its batch
+        self._slowdown: dict[str, float] = {}  # operator -> measured latency / estimate
+        self._estimated: dict[int, tuple[str, float]] = {}  # rid -> (operator, estimate s)
         self._accepting = False
         self._closing = False
         self._lock = threading.Lock()
@@ -551,7 +562,7 @@ class Engine:
         plan = self.plans[self._operator(operator)]
         if self.admission != "plan" or not plan.batch_runtime_s:
             return None
-        return self.latency_target or plan.latency_target_s()
+        return self._target_s(plan)
 
     @property
     def gear_switches(self) -> list[tuple[float, int, int]]:
@@ -619,7 +630,8 @@ class Engine:
 
     def _arrive(self, disp: Dispatcher, rids: Sequence[int]) -> None:
         """Admission (see the module docstring), then the dispatcher queues the rows. Every
-        arrival is metered, rejected ones too: the gear follows the offered load."""
+        arrival is metered and routed, rejected ones too: the gear follows the offered load
+        and the replicas keep their shares of it."""
         for rid in rids:
             rng = disp.arrival()
             first = disp.plan.cascade_of(rng).models[0]
@@ -627,40 +639,67 @@ class Engine:
             if reason is not None:
                 self._resolve(rid, "error", model=first, gear=rng, error=reason)
                 continue
-            over = self._over_target(disp, rng)
+            replica = disp.route()
+            over = self._admission(disp, rid, replica)
             if over is not None:
                 with self._lock:
                     self.rejected += 1
                 self._resolve(rid, "rejected", gear=rng, error=over[0], retry_after_s=over[1])
                 continue
-            self._launch(disp, disp.admit(rid, metered=False))
+            self._launch(disp, disp.admit(rid, metered=False, replica=replica))
 
-    def _over_target(self, disp: Dispatcher, rng: int) -> tuple[str, float] | None:
-        """Why a request arriving now at range ``rng`` of ``disp``'s plan cannot be served
-        within the latency target, and when to retry; None when it can (or admission does not
-        follow the plan)."""
+    def _admission(self, disp: Dispatcher, rid: int, replica: int) -> tuple[str, float] | None:
+        """Why request ``rid``, routed to first-stage ``replica`` of ``disp``'s plan, cannot
+        be answered within the latency target, and when to retry; None when it can (or when
+        admission does not follow the plan).
+
+        Its latency is estimated as the profiled work queued on (and running on) the
+        replica's devices plus its own row, times the slowdown measured while serving
+        (``_learn_slowdown``): profiles time each model alone, serving runs the same batches
+        slower on a busy machine, and rows that escalate add work on later stages."""
         plan = disp.plan
         if self.admission != "plan" or not plan.batch_runtime_s:
             return None
-        target = self.latency_target or plan.latency_target_s()
+        target = self._target_s(plan)
         if target is None:
             return None
         work = self._device_work()
-        device, wait = max(((d, work.get(d, 0.0)) for d in disp.gear_devices(rng)),
-                           key=lambda dw: dw[1])
+        device = max(plan.placement[replica].devices, key=lambda d: work.get(d, 0.0))
+        wait = work.get(device, 0.0)
         if wait <= 0.0:
-            return None  # an idle gear admits whatever the target says
-        first = plan.cascade_of(rng).models[0]
-        batch = max(plan.batch_seconds(r, plan.max_batch[r]) or 0.0
-                    for r in plan.replicas_of(first))
-        late = wait + batch - target
-        if late <= 0.0:
+            return None  # an idle replica admits whatever the target says
+        row = plan.batch_seconds(replica, 1) or 0.0  # one more row costs at most a batch of 1
+        slowdown = self._slowdown.get(plan.operator, 1.0)
+        expected = (wait + row) * slowdown
+        if expected <= target:
+            if expected >= target / 2:  # near the limit: learn how far off the estimate is
+                self._estimated[rid] = (plan.operator, wait + row)
             return None
-        retry = max(late, batch)
-        return (f"{plan.operator}() is over capacity: about {wait * 1000:.0f} ms of work is "
-                f"queued on {device} ahead of this request, and with its own batch it would "
-                f"miss the latency target of {target * 1000:.0f} ms; retry in "
-                f"{retry * 1000:.0f} ms", retry)
+        retry = max(expected - target, row * slowdown)
+        return (f"{plan.operator}() is over capacity: its queue on {device} holds about "
+                f"{wait * 1000:.0f} ms of profiled work (x{slowdown:.1f} as measured while "
+                f"serving), so this request would miss the latency target of "
+                f"{target * 1000:.0f} ms; retry in {retry * 1000:.0f} ms", retry)
+
+    def _target_s(self, plan: GearPlan) -> float | None:
+        """The latency target of ``plan``'s requests: the engine's ``latency_target_s`` if
+        given, else the plan's predicted p99, at least ``MIN_PLAN_TARGET_S``."""
+        if self.latency_target is not None:
+            return self.latency_target
+        target = plan.latency_target_s()
+        return None if target is None else max(target, MIN_PLAN_TARGET_S)
+
+    def _learn_slowdown(self, rid: int, latency_s: float) -> None:
+        """Fold an answered request's latency over its estimate into the operator's slowdown
+        (a moving average over the last few hundred requests admitted near the limit)."""
+        estimated = self._estimated.pop(rid, None)
+        if estimated is None:
+            return
+        operator, seconds = estimated
+        # never below 1: profiles time each model alone, serving is not faster than that
+        ratio = min(max(latency_s / seconds, 1.0), 50.0)
+        old = self._slowdown.get(operator, 1.0)
+        self._slowdown[operator] = old + SLOWDOWN_WEIGHT * (ratio - old)
 
     def _device_work(self) -> dict[str, float]:
         """Profiled seconds of work each device has ahead of a new row: the rows queued on it
@@ -705,6 +744,7 @@ class Engine:
             j = row[rid]
             req.future.set_result(Outcome(rid, "ok", req.arrival_s, now, values[j],
                                           float(certs[j]), stage, batch.model, gears[rid]))
+            self._learn_slowdown(rid, now - req.arrival_s)
         self._launch(disp, fin.started)
         self._freed(batch.devices)
 
@@ -745,6 +785,7 @@ class Engine:
         # resolve every row (certainty +inf never escalates) to free the devices
         fin = disp.finish(batch, [np.inf] * len(batch.request_ids))
         for rid in fin.resolved:
+            self._estimated.pop(rid, None)
             req = self._requests.pop(rid)
             req.future.set_result(Outcome(rid, "error", req.arrival_s, now, model=batch.model,
                                           gear=gears[rid], error=error))
@@ -833,6 +874,7 @@ class Engine:
             disp.drain()
         self._bulk_queue.clear()
         self._bulk_rows.clear()
+        self._estimated.clear()
         with self._lock:
             left = list(self._requests.items())
             self._requests.clear()

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ken import store
-from ken.errors import KenError, PlanError, StoreError
+from ken.errors import KenError, PlanError, StoreError, UsageError
 from ken.models.cascade import Cascade
 from ken.models.model import DeviceConfig, Model
 from ken.models.quality import EvalSample
@@ -166,7 +166,7 @@ def check_planning_args(devices: int, memory_gb: float, threads_per_device: int,
     if num_ranges < 1:
         problems.append(f"the number of QPS ranges must be >= 1 (got {num_ranges})")
     if problems:
-        raise KenError("cannot plan: " + "; ".join(problems))
+        raise UsageError("cannot plan: " + "; ".join(problems))
 
 
 def planning_inputs(profiles: Mapping[str, Profile], max_stages: int = 3,

@@ -302,11 +302,13 @@ class Dispatcher:
 
     # -- events -----------------------------------------------------------------------------
 
-    def admit(self, request_id: int, metered: bool = True) -> list[Batch]:
+    def admit(self, request_id: int, metered: bool = True, replica: int | None = None
+              ) -> list[Batch]:
         """A new request: meter it, maybe switch gear, queue it at a first-stage replica.
 
         ``metered=False`` queues without counting it as an arrival (a request moved here from
-        another plan's queues when a plan is swapped in)."""
+        another plan's queues when a plan is swapped in, or one an engine metered and routed
+        before admitting it); ``replica``: the first-stage replica ``route`` picked for it."""
         if request_id in self._req_stage:
             raise PolicyError(f"request {request_id} was already admitted")
         now = self.clock.now()
@@ -314,7 +316,7 @@ class Dispatcher:
             self.arrival(now)
         rng = self.gears.current
         cascade = self._range_cascade[rng]
-        rep = self.router.pick(rng, self._first_model[rng])
+        rep = self.route() if replica is None else replica
         self._req_cascade[request_id] = cascade
         self._req_range[request_id] = rng
         self._req_stage[request_id] = 0
@@ -332,6 +334,13 @@ class Dispatcher:
             backlog = sum(len(self._queue[r]) for r in self._replicas_of[first])
             self.gears.update(now, self.meter.rate(now), backlog)
         return self.gears.current
+
+    def route(self) -> int:
+        """The first-stage replica of the current range that the next request goes to (the
+        router's turn is taken: an engine that rejects the request after looking at that
+        replica's queue keeps the plan's shares over the requests offered)."""
+        rng = self.gears.current
+        return self.router.pick(rng, self._first_model[rng])
 
     def queued_work_s(self) -> dict[str, float] | None:
         """Profiled seconds each device needs to run the rows queued on it now (running
@@ -353,17 +362,6 @@ class Dispatcher:
             for d in self._devices[rep]:
                 work[d] = work.get(d, 0.0) + seconds
         return work
-
-    def gear_devices(self, range_index: int | None = None) -> tuple[str, ...]:
-        """Devices of the replicas a range (the current one by default) routes rows to."""
-        k = self.gears.current if range_index is None else range_index
-        shares = self.plan.ranges[k].shares
-        devices: list[str] = []
-        for model in self.plan.cascade_of(k).models:
-            reps = self._replicas_of[model]
-            routed = [r for r in reps if shares[r] > 0] or reps  # the router's rule
-            devices.extend(d for r in routed for d in self._devices[r])
-        return tuple(dict.fromkeys(devices))
 
     def finish(self, batch: Batch, certainties: np.ndarray | Sequence[float]) -> Finished:
         """A batch's model call returned ``certainties`` (one per row, in batch order)."""

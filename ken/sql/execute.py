@@ -24,6 +24,9 @@ from ken.errors import EngineBusy, KenError
 from ken.ops.base import Bound
 from ken.sql.rewrite import CallSite
 
+#: how long a query keeps sending rows that the engine's admission turns away (seconds)
+REJECTED_RETRY_S = 60.0
+
 ARROW_TYPES = {"varchar": pa.string(), "boolean": pa.bool_(), "double": pa.float64(),
                "bigint": pa.int64()}
 
@@ -50,6 +53,7 @@ class SiteStats:
     online_rows: int = 0  # rows sent to an online engine as requests
     bulk_rows: int = 0  # ... and as bulk rows
     resolved_by: dict[str, int] = field(default_factory=dict)  # engine rows per answering stage
+    rejected_retries: int = 0  # online rows sent again after admission turned them away
 
     @property
     def model_calls(self) -> int:
@@ -118,18 +122,36 @@ class SiteRunner:
 
     def _evaluate_online(self, inputs: list) -> None:
         """Send the inputs to the engine and wait: fewer than ``bulk_threshold`` as online
-        requests, more as bulk rows. A row the engine could not answer fails the query."""
+        requests, more as bulk rows. Rows that admission turns away are sent again after the
+        engine's retry hint (a query under load gets slower, it does not fail), for up to
+        ``REJECTED_RETRY_S``; a row that ends in error, or is still turned away then, fails
+        the query."""
         assert self.engine is not None
         bulk = len(inputs) >= self.bulk_threshold
-        outcomes = [f.result() for f in self.engine.submit_many(
-            inputs, bulk=bulk, operator=self.site.function)]
-        failed = [o for o in outcomes if o.status != "ok"]
-        if failed:
-            first = failed[0]
-            raise EngineBusy(
-                f"{self.site.call_sql()}: {len(failed)} of {len(inputs)} rows were not answered "
-                f"by the online engine ({first.status}: {first.error}); retry later, or serve "
-                "with a larger max_in_flight")
+        answered: dict[int, Any] = {}  # index in inputs -> ok outcome
+        pending = list(range(len(inputs)))
+        give_up = time.monotonic() + REJECTED_RETRY_S
+        while pending:
+            futures = self.engine.submit_many([inputs[i] for i in pending], bulk=bulk,
+                                              operator=self.site.function)
+            outcomes = [f.result() for f in futures]
+            failed = [o for o in outcomes if o.status not in ("ok", "rejected")]
+            rejected = [o for o in outcomes if o.status == "rejected"]
+            if failed or (rejected and time.monotonic() >= give_up):
+                first = (failed or rejected)[0]
+                raise EngineBusy(
+                    f"{self.site.call_sql()}: {len(failed) + len(rejected)} of {len(inputs)} "
+                    f"rows were not answered by the online engine ({first.status}: "
+                    f"{first.error}); retry later, or serve with a larger latency_target_s "
+                    "or a lower bulk_threshold (bulk rows are not turned away)")
+            answered.update((i, o) for i, o in zip(pending, outcomes, strict=True)
+                            if o.status == "ok")
+            pending = [i for i, o in zip(pending, outcomes, strict=True)
+                       if o.status == "rejected"]
+            self.stats.rejected_retries += len(pending)
+            if pending:
+                time.sleep(min(max(o.retry_after_s or 0.01 for o in rejected), 1.0))
+        outcomes = [answered[i] for i in range(len(inputs))]
         values = self.bound.to_sql_values([o.value for o in outcomes])
         self.memo.update(zip(inputs, values, strict=True))
         self.stats.distinct_evaluated += len(inputs)
