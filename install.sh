@@ -12,7 +12,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # torch first, pinned: a range that admits a newer release would pull a multi-GB CUDA build.
 pip install -q --no-compile "torch==2.13.0"
 if [ "${1:-}" = "--dev" ]; then
-  pip install -q --no-compile -e ".[dev]"
+  pip install -q --no-compile -e ".[dev,ray]"  # the tests run the Ray workers too
 else
   pip install -q --no-compile -e .
 fi

@@ -67,6 +67,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ken.engine.ray_runner import RayCluster, RayRunner
 from ken.engine.workers import ProcessRunner, ThreadRunner, WorkerDied, WorkerError, warm_up
 from ken.errors import BatchTimeout, EngineError
 from ken.models.certainty import certainty_of
@@ -190,8 +191,10 @@ class Engine:
 
     ``models`` maps each model the plans place to a loaded ``Model`` or to a zero-argument
     loader. ``workers="process"`` needs picklable loaders (each device process loads its own
-    copy); ``"thread"`` loads each model once in this process and shares it; ``"auto"`` picks
-    processes when every source is a loader.
+    copy); ``"thread"`` loads each model once in this process and shares it; ``"ray"`` runs
+    each device as a Ray actor (``ray_runner.py``) on ``ray_cluster`` (default: a local Ray
+    started for this process), loaders again; ``"auto"`` picks processes when every source is
+    a loader.
 
     Failure behaviour (see the module docstring): ``admission="plan"`` admits an online
     request while its estimated latency is within ``latency_target_s`` (default: each plan's
@@ -206,14 +209,15 @@ class Engine:
     def __init__(self, plan: GearPlan | Sequence[GearPlan], models: Mapping[str, Source],
                  max_in_flight: int = 10_000, max_retries: int = 1,
                  clock: WallClock | None = None, *,
-                 workers: Literal["auto", "process", "thread"] = "auto",
+                 workers: Literal["auto", "process", "thread", "ray"] = "auto",
                  threads_per_device: int = 1, bulk_batch_size: int | None = None,
                  memory_budget_bytes: int | None = None,
                  admission: Literal["plan", "max_in_flight"] = "plan",
                  latency_target_s: float | None = None,
                  deadline: BatchDeadline | None = None,
                  max_crashes: int = 3, drain_on_sigterm: bool = True,
-                 drain_timeout_s: float = 30.0) -> None:
+                 drain_timeout_s: float = 30.0, ray_cluster: RayCluster | None = None
+                 ) -> None:
         plans = [plan] if isinstance(plan, GearPlan) else list(plan)
         if not plans:
             raise EngineError("an engine needs at least one gear plan")
@@ -234,9 +238,13 @@ class Engine:
         if workers == "auto":
             workers = "thread" if any(isinstance(s, Model) for s in models.values()) \
                 else "process"
-        if workers not in ("process", "thread"):
-            raise EngineError(f"workers must be 'auto', 'process' or 'thread', not {workers!r}")
+        if workers not in ("process", "thread", "ray"):
+            raise EngineError(f"workers must be 'auto', 'process', 'thread' or 'ray', not "
+                              f"{workers!r}")
+        if ray_cluster is not None and workers != "ray":
+            raise EngineError("a Ray cluster serves with workers='ray'")
         self.workers = workers
+        self.ray_cluster = ray_cluster
         self._check_sources(models)
         if threads_per_device < 1:
             raise EngineError("a device needs at least one thread")
@@ -271,7 +279,7 @@ class Engine:
         self._bulk_queue: dict[str, deque[int]] = {}  # model -> waiting bulk rows
         self._events: queue.Queue = queue.Queue()
         self._device_queues: dict[str, queue.Queue] = {}
-        self._runners: dict[str, ThreadRunner | ProcessRunner] = {}
+        self._runners: dict[str, ThreadRunner | ProcessRunner | RayRunner] = {}
         self._loaded_on: dict[str, set[str]] = {}  # device -> models loaded there
         self._threads: dict[str, threading.Thread] = {}
         self._scheduler: threading.Thread | None = None
@@ -306,8 +314,9 @@ class Engine:
                               "one replica per CPU worker")
 
     def _check_sources(self, models: Mapping[str, Source]) -> None:
-        if self.workers == "process" and any(isinstance(s, Model) for s in models.values()):
-            raise EngineError("process workers load their own models: pass loaders "
+        if self.workers in ("process", "ray") and any(isinstance(s, Model)
+                                                      for s in models.values()):
+            raise EngineError(f"{self.workers} workers load their own models: pass loaders "
                               "(zero-argument functions), not loaded models, or use "
                               "workers='thread'")
 
@@ -372,6 +381,14 @@ class Engine:
                 warm_up(self._models[name])
                 seconds[f"shared/{name}"] = time.perf_counter() - t
             runners = {d: ThreadRunner(d, self._models) for d in new}
+        elif self.workers == "ray":
+            if new and self.ray_cluster is None:
+                self.ray_cluster = RayCluster.connect()  # a local Ray for this process
+            cluster = self.ray_cluster
+            runners = {d: RayRunner(d, {m: self._sources[m] for m in ms},  # type: ignore[misc]
+                                    self.threads_per_device,
+                                    cluster.placement(d, self.threads_per_device))
+                       for d, ms in new.items()}
         else:
             runners = {d: ProcessRunner(d, {m: self._sources[m] for m in ms},  # type: ignore[misc]
                                         self.threads_per_device) for d, ms in new.items()}
@@ -579,6 +596,10 @@ class Engine:
     def gear_switches_of(self, operator: str) -> list[tuple[float, int, int]]:
         return (self._past_switches.get(operator, [])
                 + list(self._active[self._operator(operator)].gears.switches))
+
+    def nodes(self) -> dict[str, str | None]:
+        """Ray node id per device (None for local workers, or where Ray did not say)."""
+        return {d: getattr(r, "node_id", None) for d, r in self._runners.items()}
 
     def pids(self) -> dict[str, int | None]:
         """Worker process id per device (None for thread workers)."""

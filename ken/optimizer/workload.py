@@ -8,7 +8,7 @@ per-sample predictions give accuracy. All are frozen dataclasses with versioned 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -84,9 +84,47 @@ class Hardware:
             raise WorkloadError(f"cpu_workers needs n >= 1, got {n}")
         return cls(tuple(Device(f"cpu{i}", "cpu", memory_bytes, 0) for i in range(n)))
 
+    @classmethod
+    def from_nodes(cls, nodes: Sequence[Mapping[str, Any]], threads_per_device: int = 1,
+                   memory_bytes: int | None = None, gpu_memory_bytes: int | None = None
+                   ) -> Hardware:
+        """The devices of a cluster whose nodes are described as Ray describes them
+        (``ray.nodes()``: dicts with ``Alive`` and ``Resources`` holding ``CPU``, ``GPU`` and
+        ``memory``), in the given order: node ``k`` gets CPU devices ``n{k}.cpu{i}`` of
+        ``threads_per_device`` cores each and one device ``n{k}.cuda{j}`` per GPU. A CPU
+        device's memory budget is ``memory_bytes``, or the node's memory shared among its
+        CPU devices; a GPU's is ``gpu_memory_bytes`` (Ray does not report it: required when
+        a node has GPUs). Nodes that are not alive are left out."""
+        if threads_per_device < 1:
+            raise WorkloadError(f"threads_per_device must be >= 1, got {threads_per_device}")
+        devices: list[Device] = []
+        alive = [n for n in nodes if n.get("Alive", True)]
+        for k, node in enumerate(alive):
+            res = node.get("Resources", {})
+            cpus = int(res.get("CPU", 0)) // threads_per_device
+            gpus = int(res.get("GPU", 0))
+            memory = memory_bytes
+            if memory is None and cpus:
+                memory = int(res.get("memory", 0)) // cpus
+            devices += [Device(f"n{k}.cpu{i}", "cpu", memory or 0, k) for i in range(cpus)]
+            if gpus and gpu_memory_bytes is None:
+                raise WorkloadError(
+                    f"node {k} has {gpus} GPU(s) but Ray does not report their memory: give "
+                    "gpu_memory_bytes (e.g. 80 * 2**30 for an 80 GB GPU)")
+            devices += [Device(f"n{k}.cuda{j}", "cuda", gpu_memory_bytes or 0, k)
+                        for j in range(gpus)]
+        if not devices:
+            raise WorkloadError(f"the cluster's {len(alive)} live node(s) have no CPU with "
+                                f"{threads_per_device} thread(s) to spare and no GPU")
+        return cls(tuple(devices))
+
     @property
     def ids(self) -> tuple[str, ...]:
         return tuple(d.id for d in self.devices)
+
+    @property
+    def nodes(self) -> tuple[int, ...]:
+        return tuple(sorted({d.node for d in self.devices}))
 
     def device(self, device_id: str) -> Device:
         for d in self.devices:

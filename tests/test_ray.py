@@ -1,0 +1,191 @@
+"""The engine's workers as Ray actors (issue 20; DESIGN.md section 13).
+
+Stand-in models from ``fakes`` (picklable loaders: each actor loads its own copy). One local
+Ray serves the module; the two-node test starts its own local cluster
+(``ray.cluster_utils.Cluster``) after it. Skipped with the reason when Ray is not installed
+(``pip install 'ken[ray]'``; ``install.sh --dev`` installs it, so CI runs them).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+
+import fakes
+import numpy as np
+import pytest
+from fakes import SlowModel
+
+from ken.engine.ray_runner import RayCluster
+from ken.engine.serving import BatchDeadline, Engine
+from ken.errors import KenError, WorkloadError
+from ken.models.cascade import Cascade
+from ken.optimizer.perf import Catalog, ModelPerf
+from ken.optimizer.workload import Hardware
+from ken.policy.plan import GearPlan, PlanMetrics, RangeSchedule, Replica
+
+ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'ken[ray]'")
+
+FAST = BatchDeadline(factor=10.0, floor_s=1.0)
+
+
+def cascade_plan(devices: tuple[str, str] = ("cpu0", "cpu1"), threshold: float = 0.5,
+                 max_batch: int = 4) -> GearPlan:
+    """Model a on the first device escalating to b on the second."""
+    return GearPlan("op", (0.0, 1e6), (Cascade(("a", "b"), (threshold,)),),
+                    (Replica("a", (devices[0],)), Replica("b", (devices[1],))),
+                    (RangeSchedule(0, (1.0, 1.0), (1, 1)),), (max_batch, max_batch),
+                    max_wait_s=0.005,
+                    predicted=PlanMetrics(1.0, 25.0, 45.0, 50.0, 25.0, 1000, 0, 10.0),
+                    batch_runtime_s=((0.01,) * max_batch, (0.01,) * max_batch))
+
+
+def loaders(seconds: float = 0.0) -> dict:
+    return {m: functools.partial(SlowModel, m, seconds) for m in ("a", "b")}
+
+
+def two_models(rows: int = 200) -> Catalog:
+    """A catalog of a (cheap) and b (costly), each needing 0.6 GiB."""
+    rng = np.random.default_rng(0)
+    perf, quality, probs = {}, {}, {}
+    for name, ms in (("a", 1.0), ("b", 4.0)):
+        p = rng.uniform(0.0, 1.0, rows)
+        quality[name] = (p > 0.3).astype(np.float64)
+        probs[name] = np.column_stack([p, 1 - p])
+        perf[name] = ModelPerf(name, (1, 4), ((ms / 1000, 2 * ms / 1000),),
+                               (int(0.6 * 2**30),))
+    return Catalog(perf, quality, probs, "ray-test")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def outcomes_of(engine: Engine, rows: list[str]) -> list[tuple]:
+    futures = []
+    for i, row in enumerate(rows):  # a few at a time, so batches of several sizes form
+        futures.append(engine.submit(row))
+        if i % 5 == 4:
+            time.sleep(0.02)
+    return [(o.status, o.value, o.stage, o.model) for o in (f.result(timeout=60)
+                                                            for f in futures)]
+
+
+def test_ray_workers_give_the_process_workers_outcomes(local_ray) -> None:
+    rows = [f"row {i}" for i in range(60)] + ["row 3", "row 3", None]
+    with Engine(cascade_plan(), loaders(), workers="process") as engine:
+        expected = outcomes_of(engine, rows)
+    with Engine(cascade_plan(), loaders(), workers="ray") as engine:
+        assert engine.load_report is not None and engine.load_report.workers == "ray"
+        assert set(engine.load_report.seconds) == {"cpu0/a", "cpu1/b"}
+        got = outcomes_of(engine, rows)
+        pids = engine.pids()
+    assert got == expected
+    assert {s for s, *_ in got} == {"ok", "null"}
+    assert {stage for _, _, stage, _ in got if stage is not None} == {0, 1}  # both stages ran
+    assert all(p is not None and p != os.getpid() for p in pids.values())
+
+
+def test_killing_an_actor_with_a_batch_in_flight_loses_no_request(local_ray) -> None:
+    # a takes 0.4 s a batch: SIGKILL its actor while one runs; Ray restarts it, the engine
+    # runs the batch again, every request gets exactly one outcome
+    plan = cascade_plan(threshold=0.0)  # no escalation: every row is a's
+    with Engine(plan, loaders(0.4), workers="ray", deadline=FAST) as engine:
+        futures = [engine.submit(f"row {i}") for i in range(12)]
+        time.sleep(0.2)
+        pid = engine.pids()["cpu0"]
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        outcomes = [f.result(timeout=120) for f in futures]
+        restarts = engine.worker_restarts
+        later = engine.submit("after the kill").result(timeout=60)
+        new_pid = engine.pids()["cpu0"]
+    assert [o.status for o in outcomes] == ["ok"] * 12
+    assert len({o.request_id for o in outcomes}) == 12
+    assert restarts >= 1 and later.status == "ok" and new_pid != pid
+
+
+def test_a_stuck_actor_is_killed_at_its_deadline_and_the_batch_retried(local_ray, tmp_path
+                                                                       ) -> None:
+    flag = tmp_path / "hung-once"
+    sources = {"a": functools.partial(fakes.HangingModel, "a", flag=str(flag)),
+               "b": functools.partial(SlowModel, "b", 0.0)}
+    with Engine(cascade_plan(threshold=0.0), sources, workers="ray", deadline=FAST) as engine:
+        started = time.monotonic()
+        outcome = engine.submit("a row that hangs once").result(timeout=120)
+        took = time.monotonic() - started
+        timeouts = engine.timeouts
+    assert outcome.status == "ok" and timeouts == 1
+    assert took >= FAST.floor_s  # it waited for the deadline, then the retry answered
+
+
+def test_ray_workers_need_loaders_and_fail_to_load_with_a_clear_error(local_ray) -> None:
+    with pytest.raises(KenError, match="ray workers load their own models"):
+        Engine(cascade_plan(), {"a": SlowModel("a", 0), "b": SlowModel("b", 0)},
+               workers="ray")
+    sources = {"a": functools.partial(fakes.broken_loader, "a"), "b": loaders()["b"]}
+    engine = Engine(cascade_plan(), sources, workers="ray")
+    with pytest.raises(KenError, match="could not load its models: .*no weights for a"):
+        engine.start()
+
+
+def test_hardware_from_the_nodes_ray_reports() -> None:
+    nodes = [{"NodeID": "h", "Alive": True,
+              "Resources": {"CPU": 4.0, "memory": 8 * 2**30, "node:__internal_head__": 1.0}},
+             {"NodeID": "w", "Alive": True, "Resources": {"CPU": 2.0, "GPU": 1.0,
+                                                         "memory": 4 * 2**30}},
+             {"NodeID": "dead", "Alive": False, "Resources": {"CPU": 64.0}}]
+    hw = Hardware.from_nodes(nodes, threads_per_device=2, gpu_memory_bytes=80 * 2**30)
+    assert hw.ids == ("n0.cpu0", "n0.cpu1", "n1.cpu0", "n1.cuda0")
+    assert [d.node for d in hw.devices] == [0, 0, 1, 1]
+    assert hw.device("n0.cpu1").memory_bytes == 4 * 2**30  # the node's memory, shared
+    assert hw.device("n1.cuda0").kind == "cuda"
+    with pytest.raises(WorkloadError, match="gpu_memory_bytes"):
+        Hardware.from_nodes(nodes)
+    with pytest.raises(WorkloadError, match="no CPU"):
+        Hardware.from_nodes(nodes[:1], threads_per_device=8)
+    cluster = RayCluster(list(reversed(nodes)))  # the head comes first whatever the order
+    assert cluster.node_ids == ("h", "w")
+    assert cluster.placement("n1.cuda0", 2).num_gpus == 1.0
+    assert cluster.placement("n1.cpu0", 2).node_id == "w"
+    assert cluster.placement("cpu0", 2).node_id is None  # a plan for Hardware.cpu_workers
+
+
+def test_a_two_node_cluster_places_replicas_on_both_nodes(local_ray) -> None:
+    from ray.cluster_utils import Cluster
+
+    from ken.optimizer.planner import PlannerSettings, plan_frontier
+    from ken.optimizer.workload import poisson_trace
+
+    ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    try:
+        ray.init(address=cluster.address, include_dashboard=False, logging_level="ERROR",
+                 log_to_driver=False)
+        cluster.wait_for_nodes()
+        rc = RayCluster.connect()
+        hw = rc.hardware(memory_bytes=2**30)
+        assert len(rc.node_ids) == 2 and hw.ids == ("n0.cpu0", "n1.cpu0")
+        # a and b do not fit on one device together: the planner puts one on each node
+        frontier, _ = plan_frontier("op", [Cascade(("a", "b"), (0.5,))], two_models(), hw,
+                                    poisson_trace(50.0, 4.0, seed=0),
+                                    settings=PlannerSettings(num_ranges=1, seed=0))
+        plan = frontier.plans[0]
+        placed = {d for r in plan.placement for d in r.devices}
+        assert placed == {"n0.cpu0", "n1.cpu0"}, plan.placement
+        with Engine(plan, loaders(), workers="ray", ray_cluster=rc) as engine:
+            outcome = engine.submit("row 1").result(timeout=60)
+            nodes = engine.nodes()
+        assert outcome.status == "ok"
+        assert nodes == {"n0.cpu0": rc.node_ids[0], "n1.cpu0": rc.node_ids[1]}
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
