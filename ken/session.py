@@ -245,7 +245,8 @@ class Session:
              trace: Trace | str | None = None, devices: int = 2, memory_gb: float = 4.0,
              threads_per_device: int = 1, peak_qps: float | None = None,
              duration_s: float = 120.0, num_ranges: int = 8,
-             settings: PlannerSettings | None = None, force: bool = False) -> QueryPlan:
+             settings: PlannerSettings | None = None, force: bool = False,
+             cluster: str | None = None) -> QueryPlan:
         """Plan ``functions`` offline and pick one gear plan each for ``target``.
 
         Profiles the functions' models (cached), searches their Pareto cascades, builds each
@@ -255,7 +256,10 @@ class Session:
         optimizer. Without ``peak_qps`` the load planned for is 1.5x what the slowest
         function's most accurate cascade sustains (at most 2000 qps). Frontiers are cached
         under ``KEN_HOME/plans``; the chosen plans are kept on the session
-        (``session.gear_plans``, shown by EXPLAIN).
+        (``session.gear_plans``, shown by EXPLAIN). ``cluster`` plans for the devices of a
+        Ray cluster instead ("auto": the running cluster, "ray://host:port", or "local": a
+        Ray started here): each node's CPUs in devices of ``threads_per_device`` threads with
+        ``memory_gb`` each (``pip install 'ken[ray]'``).
 
         >>> qp = session.plan("accuracy >= 0.7")              # doctest: +SKIP
         >>> qp.plan_for("sentiment").describe()               # doctest: +SKIP
@@ -265,10 +269,16 @@ class Session:
 
         if isinstance(target, str):
             target = Target.parse(target)
+        hardware = None
+        if cluster is not None:
+            from ken.engine.ray_runner import RayCluster
+
+            hardware = RayCluster.connect(cluster).hardware(
+                threads_per_device, memory_bytes=int(memory_gb * 2**30))
         chosen, frontiers = plan_functions(
             self.operators, self.ctx, [f.lower() for f in functions], target, trace, devices,
             memory_gb, threads_per_device, peak_qps, duration_s, num_ranges, settings, force,
-            cache_dir=(self.home or ken_home()) / "plans")
+            cache_dir=(self.home or ken_home()) / "plans", hardware=hardware)
         self.frontiers.update(frontiers)
         for p in chosen.plans:
             self.serving.set_plan(p.operator, p)
@@ -286,7 +296,8 @@ class Session:
               workers: str = "auto", threads_per_device: int = 1,
               max_in_flight: int = 10_000, bulk_threshold: int | None = None,
               memory_gb: float | None = None, admission: str = "plan",
-              latency_target_s: float | None = None) -> dict[str, LoadReport]:
+              latency_target_s: float | None = None, cluster: str | None = None
+              ) -> dict[str, LoadReport]:
         """Serve the functions with a gear plan (all of them by default) on one online engine.
 
         From then on every query's calls of a served function go through its engine, from any
@@ -301,14 +312,18 @@ class Session:
         admits an online request only while the gear plan can answer it within
         ``latency_target_s`` (default: the p99 the plan's simulation predicted) and rejects the
         rest at once with a retry hint; ``"max_in_flight"`` bounds only the number of requests
-        in flight. Returns the model load times (and worker memory) per function.
+        in flight. ``workers="ray"`` or a ``cluster`` ("auto", "ray://host:port", "local")
+        runs each device as a Ray actor, on the node the plan placed it when the plan was
+        made for that cluster (``plan(..., cluster=...)``). Returns the model load times (and
+        worker memory) per function.
 
         >>> session.plan("p95 <= 50")                   # doctest: +SKIP
         >>> session.serve()                             # doctest: +SKIP
         >>> session.sql("SELECT sentiment(?)", ["great game!"]).fetchall()   # doctest: +SKIP
         """
         return self.serving.serve(functions, workers, threads_per_device, max_in_flight,
-                                  bulk_threshold, memory_gb, admission, latency_target_s)
+                                  bulk_threshold, memory_gb, admission, latency_target_s,
+                                  cluster)
 
     def stop_serving(self, drain: bool = True) -> int:
         """Shut the engine down (draining admitted requests first, by default); returns how

@@ -16,12 +16,13 @@ import time
 import fakes
 import numpy as np
 import pytest
-from fakes import SlowModel
+from fakes import FakeModel, SlowModel
 
 from ken.engine.ray_runner import RayCluster
 from ken.engine.serving import BatchDeadline, Engine
 from ken.errors import KenError, WorkloadError
 from ken.models.cascade import Cascade
+from ken.ops.base import ModelOperator
 from ken.optimizer.perf import Catalog, ModelPerf
 from ken.optimizer.workload import Hardware
 from ken.policy.plan import GearPlan, PlanMetrics, RangeSchedule, Replica
@@ -32,9 +33,9 @@ FAST = BatchDeadline(factor=10.0, floor_s=1.0)
 
 
 def cascade_plan(devices: tuple[str, str] = ("cpu0", "cpu1"), threshold: float = 0.5,
-                 max_batch: int = 4) -> GearPlan:
+                 max_batch: int = 4, operator: str = "op") -> GearPlan:
     """Model a on the first device escalating to b on the second."""
-    return GearPlan("op", (0.0, 1e6), (Cascade(("a", "b"), (threshold,)),),
+    return GearPlan(operator, (0.0, 1e6), (Cascade(("a", "b"), (threshold,)),),
                     (Replica("a", (devices[0],)), Replica("b", (devices[1],))),
                     (RangeSchedule(0, (1.0, 1.0), (1, 1)),), (max_batch, max_batch),
                     max_wait_s=0.005,
@@ -134,6 +135,33 @@ def test_ray_workers_need_loaders_and_fail_to_load_with_a_clear_error(local_ray)
     engine = Engine(cascade_plan(), sources, workers="ray")
     with pytest.raises(KenError, match="could not load its models: .*no weights for a"):
         engine.start()
+
+
+class _Mood(ModelOperator):
+    """A registered cascade of stand-in models with picklable loaders (as the built-ins
+    have), so that the session can serve it on Ray actors."""
+
+    def loaders(self, ctx: object, threads: int) -> dict:
+        return loaders()
+
+
+def test_session_serves_on_ray_and_answers_as_in_process(local_ray) -> None:
+    import ken
+
+    query = ("SELECT x, mood(x) AS m FROM (SELECT 'row ' || i AS x FROM range(40) r(i)) "
+             "ORDER BY x")
+    with ken.connect(builtins=False) as s:
+        s.register("mood", _Mood("mood", Cascade(("a", "b"), (0.5,)),
+                                 {"a": FakeModel("a"), "b": FakeModel("b")}))
+        expected = s.sql(query).fetchall()
+        s.use_plan(cascade_plan(operator="mood"))
+        with pytest.raises(KenError, match="workers='ray'"):
+            s.serve(workers="thread", cluster="local")
+        s.serve(cluster="local", bulk_threshold=10)  # 40 rows: bulk; one row: online
+        assert s.engines["mood"].workers == "ray"
+        assert s.sql(query).fetchall() == expected
+        assert s.sql("SELECT mood('row 7')").fetchall()[0][0] == dict(expected)["row 7"]
+        assert "online engine" in str(s.sql("EXPLAIN ANALYZE " + query))
 
 
 def test_hardware_from_the_nodes_ray_reports() -> None:

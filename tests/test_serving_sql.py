@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 import pytest
-from fakes import FakeModel, SlowModel
+from fakes import LABELS, FakeModel, SlowModel
 
 import ken
 from ken.errors import KenError
@@ -129,16 +129,30 @@ def test_use_plan_while_serving_swaps_the_engine_plan() -> None:
         "a loud morning").argmax())]
 
 
-def test_overloaded_engine_fails_the_query_with_an_explicit_error() -> None:
+def test_a_query_sends_rejected_rows_again_then_fails_with_an_explicit_error(monkeypatch
+                                                                               ) -> None:
+    import ken.sql.execute
+
     models = {"a": SlowModel("a", 0.5), "b": FakeModel("b")}
     with session_with(models) as s:
         s.use_plan(mood_plan())
         s.serve(workers="thread", max_in_flight=1)
+        # the first row holds the only in-flight slot for 0.5 s: the second query's row is
+        # turned away, sent again after the retry hint, and answered once the slot is free
         busy = threading.Thread(target=lambda: s.sql("SELECT mood('first in')"))
         busy.start()
-        time.sleep(0.15)  # the first row holds the only in-flight slot for 0.5 s
+        time.sleep(0.15)
+        started = time.monotonic()
+        assert s.sql("SELECT mood('second')").fetchall()[0][0] in LABELS
+        assert time.monotonic() - started > 0.2
+        busy.join()
+        # past REJECTED_RETRY_S of being turned away, the query fails and says why
+        monkeypatch.setattr(ken.sql.execute, "REJECTED_RETRY_S", 0.1)
+        busy = threading.Thread(target=lambda: s.sql("SELECT mood('first again')"))
+        busy.start()
+        time.sleep(0.15)
         with pytest.raises(EngineBusy, match="rejected.*retry later"):
-            s.sql("SELECT mood('second')")
+            s.sql("SELECT mood('third')")
         busy.join()
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
+from ken.engine.ray_runner import RayCluster
 from ken.engine.serving import Engine, LoadReport
 from ken.errors import KenError
 from ken.models.model import Model
@@ -102,13 +103,18 @@ class ServingManager:
               threads_per_device: int = 1, max_in_flight: int = 10_000,
               bulk_threshold: int | None = None, memory_gb: float | None = None,
               admission: str = "plan", latency_target_s: float | None = None,
-              ) -> dict[str, LoadReport]:
+              cluster: str | None = None) -> dict[str, LoadReport]:
         """Serve ``functions`` (every function with a plan by default) on one engine; see
         ``Session.serve``."""
         if bulk_threshold is not None:
             self.bulk_threshold = bulk_threshold
-        if workers not in ("auto", "process", "thread"):
-            raise KenError(f"workers must be 'auto', 'process' or 'thread' (got {workers!r})")
+        if cluster is not None and workers == "auto":
+            workers = "ray"
+        if workers not in ("auto", "process", "thread", "ray"):
+            raise KenError(f"workers must be 'auto', 'process', 'thread' or 'ray' (got "
+                           f"{workers!r})")
+        if cluster is not None and workers != "ray":
+            raise KenError(f"a Ray cluster serves with workers='ray', not {workers!r}")
         if admission not in ("plan", "max_in_flight"):
             raise KenError(f"admission must be 'plan' or 'max_in_flight' (got {admission!r})")
         names = list(self._plans) if functions is None else [f.lower() for f in functions]
@@ -126,11 +132,11 @@ class ServingManager:
             return self._add(names)
         kind = workers
         per_function: dict[str, Mapping[str, Any]] = {}
-        if kind in ("auto", "process"):
+        if kind in ("auto", "process", "ray"):
             loaders = {n: self.operators[n].loaders(self.ctx, threads_per_device)
                        for n in names}
-            if kind == "process" or all(loaders.values()):
-                kind = "process"
+            if kind != "auto" or all(loaders.values()):
+                kind = "process" if kind == "auto" else kind
                 per_function = {n: _check_loaders(n, loaders[n]) for n in names}
             else:
                 kind = "thread"
@@ -148,7 +154,8 @@ class ServingManager:
                         memory_budget_bytes=None if memory_gb is None
                         else int(memory_gb * 2**30),
                         admission=admission,  # type: ignore[arg-type]
-                        latency_target_s=latency_target_s)
+                        latency_target_s=latency_target_s,
+                        ray_cluster=None if cluster is None else RayCluster.connect(cluster))
         devices = sorted({d for n in names for d in self._plans[n].devices})
         with self.ctx.reporter.task(f"start the engine for {', '.join(f'{n}()' for n in names)}"
                                     f": {kind} workers on {', '.join(devices)}", 1) as advance:
@@ -175,7 +182,7 @@ class ServingManager:
         """What an engine of ``name`` loads: picklable loaders for process workers, the
         session's loaded models for thread workers."""
         op = self.operators[name]
-        if workers == "process":
+        if workers in ("process", "ray"):
             return _check_loaders(name, op.loaders(self.ctx, threads))
         models = dict(self._bind(name, op.eval_constants).models)
         placed = {r.model for r in self._plans[name].placement}

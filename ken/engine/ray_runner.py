@@ -329,9 +329,10 @@ class RayCluster:
 
     @classmethod
     def connect(cls, address: str | None = None) -> RayCluster:
-        """``address``: "auto", "ray://host:port", or None for a local Ray (see
-        ``ensure_ray``)."""
-        ray = ensure_ray(address)
+        """``address``: "auto" (the running cluster), "ray://host:port", "host:port", or
+        "local" / None (a Ray started for this process; see ``ensure_ray``). A process
+        already connected to Ray keeps that connection."""
+        ray = ensure_ray(None if address in (None, "local") else address)
         return cls(ray.nodes())
 
     def hardware(self, threads_per_device: int = 1, memory_bytes: int | None = None,

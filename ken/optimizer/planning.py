@@ -344,10 +344,12 @@ def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Seq
                    peak_qps: float | None = None, duration_s: float = 120.0,
                    num_ranges: int = 8, settings: PlannerSettings | None = None,
                    force: bool = False, cache_dir: Path | None = None,
+                   hardware: Hardware | None = None,
                    ) -> tuple[QueryPlan, dict[str, Frontier]]:
     """Plan the operators ``names`` together for ``target``: profiles, Pareto cascades, one
     frontier each on a shared planning trace, and the query optimizer's choice (see
-    ``Session.plan``). Returns the chosen plans and every frontier."""
+    ``Session.plan``). ``hardware`` (e.g. a Ray cluster's) replaces ``devices`` CPU workers of
+    ``memory_gb``. Returns the chosen plans and every frontier."""
     from ken.optimizer.query import choose_plans
 
     if not names:
@@ -366,9 +368,11 @@ def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Seq
                 f"({operators[name].eval_description()}); functions this session "
                 f"can plan: {plannable}. Register it with sample=ken.EvalSample(...), or "
                 "set a plan made elsewhere with session.use_plan(...)")
+    if hardware is not None:
+        devices = len(hardware.devices)
     check_planning_args(devices, memory_gb, threads_per_device, peak_qps, duration_s,
                         num_ranges)
-    hardware = Hardware.cpu_workers(devices, int(memory_gb * 2**30))
+    hardware = hardware or Hardware.cpu_workers(devices, int(memory_gb * 2**30))
     settings = settings or PlannerSettings(num_ranges=num_ranges)
     profiles = {n: operator_profiles(operators[n], ctx, threads_per_device) for n in names}
     prepared = {n: planning_inputs(profiles[n]) for n in names}
