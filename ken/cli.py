@@ -308,6 +308,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     check_planning_args(args.devices, args.memory_gb, args.device_threads, args.peak_qps,
                         args.duration, args.ranges)
+    cluster_hw = None
+    if args.ray is not None:  # the cluster's devices replace --devices
+        from ken.engine.ray_runner import RayCluster
+
+        cluster_hw = RayCluster.connect(args.ray).hardware(
+            args.device_threads, memory_bytes=int(args.memory_gb * 2**30))
+        args.devices = len(cluster_hw.devices)
     if args.target is not None:
         try:
             Target.parse(args.target)  # a typo fails now, not after planning
@@ -341,7 +348,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     trace = planning_trace(args.trace, peak, args.duration, seed=args.seed, cv=args.cv)
     reporter.note(f"trace {trace.name}: {len(trace):,} requests over {trace.duration_s:.0f} s, "
                   f"mean {trace.mean_qps:.1f} qps, 1-s peak {trace.qps_max():g} qps")
-    hardware = Hardware.cpu_workers(args.devices, int(args.memory_gb * 2**30))
+    hardware = cluster_hw or Hardware.cpu_workers(args.devices, int(args.memory_gb * 2**30))
+    if cluster_hw is not None:
+        reporter.note(f"Ray cluster {args.ray}: {len(hardware.nodes)} node(s), devices "
+                      f"{', '.join(hardware.ids)}")
     settings = PlannerSettings(num_ranges=args.ranges, placement_scoring=args.placement_scoring,
                                seed=args.seed)
     frontier, stats = plan_operator(operator, by_name, catalog, cascades, hardware, trace, peak,
@@ -472,12 +482,21 @@ def cmd_replay(args: argparse.Namespace) -> int:
     reporter.note(f"plan: {len(plan.gears())} gears on {', '.join(plan.devices)}; trace "
                   f"{trace.name}: {len(trace):,} requests over {trace.duration_s:.0f} s, "
                   f"1-s peak {trace.qps_max():g} qps")
+    workers, cluster = args.workers, None
+    if args.ray is not None:
+        from ken.engine.ray_runner import RayCluster
+
+        workers, cluster = "ray", RayCluster.connect(args.ray)
+    elif workers == "ray":
+        from ken.engine.ray_runner import RayCluster
+
+        cluster = RayCluster.connect("local")
     engine = Engine(plan, {m: functools.partial(family.load_model, cards[m], device, None, data)
-                           for m in needed}, workers=args.workers,
+                           for m in needed}, workers=workers,
                     threads_per_device=args.device_threads,
-                    memory_budget_bytes=int(args.memory_gb * 2**30))
+                    memory_budget_bytes=int(args.memory_gb * 2**30), ray_cluster=cluster)
     load = engine.start()
-    reporter.note(f"{len(plan.devices)} {args.workers} workers loaded {len(needed)} models in "
+    reporter.note(f"{len(plan.devices)} {workers} workers loaded {len(needed)} models in "
                   f"{load.total_s:.1f} s")
     try:
         rep = replay(engine, trace, sample, seed=args.seed,
@@ -718,6 +737,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--calibration", type=Path, default=None,
                       help="runtime calibration written by `ken replay` "
                       "(ken-replay/calibration.json): simulate with serving runtimes")
+    plan.add_argument("--ray", metavar="ADDRESS", default=None,
+                      help="plan for the devices of the Ray cluster at ADDRESS (auto, "
+                      "ray://host:port, host:port or local) instead of --devices: each node's "
+                      "CPUs in devices of --device-threads threads (pip install 'ken[ray]')")
     plan.add_argument("--force", action="store_true",
                       help="re-plan even if KEN_HOME/plans holds this frontier")
     plan.set_defaults(func=cmd_plan)
@@ -744,8 +767,13 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--memory-gb", type=float, default=4.0,
                     help="memory budget per device (process workers); over it the engine "
                     "refuses to start")
-    rp.add_argument("--workers", choices=("process", "thread"), default="process",
-                    help="a process per device (default) or threads of one process")
+    rp.add_argument("--workers", choices=("process", "thread", "ray"), default="process",
+                    help="a process per device (default), threads of one process, or Ray "
+                    "actors on a Ray started here")
+    rp.add_argument("--ray", metavar="ADDRESS", default=None,
+                    help="serve on the Ray cluster at ADDRESS (auto, ray://host:port or "
+                    "host:port), one actor per device on the node the plan placed it "
+                    "(pip install 'ken[ray]')")
     rp.add_argument("--seed", type=int, default=0)
     rp.add_argument("--out", type=Path, default=Path("ken-replay"))
     rp.set_defaults(func=cmd_replay)

@@ -378,3 +378,22 @@ def test_session_plan_on_a_function_without_profiles() -> None:
     with pytest.raises(KenError, match="devices must be >= 1"):
         s.plan("p95 <= 50", devices=0)
     assert dict(s.gear_plans) == {}
+
+
+def test_ken_plan_for_a_ray_cluster_places_on_its_devices(home, fake_profiles, tmp_path,
+                                                          capsys) -> None:
+    ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'ken[ray]'")
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        out = tmp_path / "out"
+        assert main(["plan", "--ray", "local", "--trace", "poisson", "--duration", "10",
+                     "--peak-qps", "30", "--ranges", "2", "--grid", "4", "--placement-scoring",
+                     "estimate", "--out", str(out)]) == 0
+    finally:
+        ray.shutdown()
+    assert "devices n0.cpu0, n0.cpu1" in " ".join(capsys.readouterr().err.split())
+    front = Frontier.load(out / "frontier-sentiment.json")
+    placed = {d for p in front.plans for r in p.placement for d in r.devices}
+    assert placed <= {"n0.cpu0", "n0.cpu1"} and placed

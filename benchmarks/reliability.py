@@ -1,0 +1,400 @@
+"""Reliability of the online engine (issue 19, items 4 and 5; DESIGN.md section 14).
+
+Measures what docs/reliability.md reports, in one run:
+
+- *overload*: the packaged sentiment family (MiniLM-L3, MiniLM-L6, SmolLM2-135M), profiled on
+  one thread, planned for 2 CPU workers x 1 thread on Poisson arrivals (the peak `ken plan`
+  uses by default: 1.5x what the most accurate cascade sustains); the middle plan of the
+  frontier is served in worker processes to Poisson arrivals at ``--overload`` (10) times the
+  plan's peak rate for ``--overload-s`` seconds, twice: with the default admission (sized to
+  the plan: its predicted p99 is the latency target) and with the old default
+  (``admission="max_in_flight"``, ``max_in_flight=10000``). Per run: admitted p50/p99 beside
+  the target, rejected share, how fast a rejection comes back.
+- *worker SIGKILL*: the same plan at its peak rate for ``--kill-s`` seconds while a worker is
+  SIGKILLed every ``--kill-every-s`` seconds (the devices in turn): requests without exactly
+  one outcome (lost), outcomes per status.
+- *stuck batch* and *crashing model*: stand-in models (``tests/fakes.py``) in worker processes
+  with the engine's defaults (deadline max(10x profiled, 2 s); one retry; 3 crashes in a
+  row mark a model failed): a batch stuck once (time until the retry on a fresh worker
+  answers it), a model stuck for ever (time until its rows get the error), and a model whose
+  every call kills its worker (time to the first error, restarts, time until later requests
+  fail at once).
+- *SIGTERM*: a process serving stand-in requests at 100/s (from one thread; outcomes printed
+  by the futures' callbacks) is sent SIGTERM: requests sent, outcomes, lost, exit status.
+
+Writes benchmarks/results/reliability/reliability.json and reliability.png (admitted latency
+over time in both overload runs; the fault timings against their goals).
+
+    python benchmarks/reliability.py          # ~6 minutes with cached models and profiles
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+
+from ken.engine.replay import Replay, replay
+from ken.engine.serving import Engine, Outcome
+from ken.models import family
+from ken.models.cascade import Cascade
+from ken.models.model import DeviceConfig
+from ken.optimizer.planner import PlannerSettings, plan_frontier
+from ken.optimizer.planning import default_peak_qps, planning_inputs, planning_trace
+from ken.optimizer.profile import DEFAULT_BATCH_SIZES, load_or_run_profile
+from ken.optimizer.workload import Hardware, poisson_trace
+from ken.policy.plan import GearPlan, PlanMetrics, RangeSchedule, Replica
+from ken.progress import Reporter
+
+RESULTS = Path(__file__).parent / "results" / "reliability"
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+sys.path.insert(0, str(TESTS))  # the stand-in models; worker processes get this path too
+import fakes  # noqa: E402
+
+GOALS = {"admitted_p99_over_target": 2.0, "crash_error_s": 5.0, "lost": 0}
+
+
+# -- overload and SIGKILL on the packaged models ------------------------------------------------
+
+
+def latency_ms(outcomes: list[Outcome], status: str) -> np.ndarray:
+    return np.array([1000 * o.latency_s for o in outcomes if o.status == status])
+
+
+def summary(rep: Replay, target_s: float, wall_s: float) -> dict:
+    outcomes = list(rep.outcomes)
+    ok = latency_ms(outcomes, "ok")
+    rejected = latency_ms(outcomes, "rejected")
+    def pct(a: np.ndarray, q: float) -> float | None:
+        return float(np.percentile(a, q)) if a.size else None
+
+    return {
+        "requests": len(outcomes), "status": rep.status_counts(),
+        "rejected_share": rejected.size / len(outcomes),
+        "admitted_p50_ms": pct(ok, 50), "admitted_p99_ms": pct(ok, 99),
+        "admitted_max_ms": pct(ok, 100),
+        "admitted_p99_over_target": pct(ok, 99) / (1000 * target_s) if ok.size else None,
+        "rejection_p50_ms": pct(rejected, 50), "rejection_p99_ms": pct(rejected, 99),
+        "served_per_s": ok.size / wall_s, "wall_s": wall_s,
+        "max_send_lag_s": rep.max_send_lag_s,
+    }
+
+
+def overload_run(plan: GearPlan, loaders: dict, sample: object, qps: float, seconds: float,
+                 seed: int, reporter: Reporter, **options: object) -> tuple[Replay, float]:
+    trace = poisson_trace(qps, seconds, seed=seed)
+    with Engine(plan, loaders, workers="process", **options) as engine:
+        t0 = time.perf_counter()
+        rep = replay(engine, trace, sample, seed=seed, reporter=reporter)
+        wall = time.perf_counter() - t0
+    return rep, wall
+
+
+def sigkill_run(plan: GearPlan, loaders: dict, sample: object, qps: float, seconds: float,
+                every_s: float, seed: int) -> dict:
+    """Arrivals at ``qps`` while a worker is SIGKILLed every ``every_s`` seconds."""
+    texts = list(sample.texts)
+    rng = np.random.default_rng(seed)
+    futures: list[Future] = []
+    kills = []
+    with Engine(plan, loaders, workers="process") as engine:
+        devices = sorted(engine.pids())
+        t0 = time.monotonic()
+        next_kill = every_s
+        i = 0
+        while (now := time.monotonic() - t0) < seconds:
+            if now >= next_kill:
+                device = devices[len(kills) % len(devices)]
+                pid = engine.pids()[device]
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    kills.append((round(now, 2), device))
+                next_kill += every_s
+            futures.append(engine.submit(texts[int(rng.integers(len(texts)))]))
+            i += 1
+            time.sleep(max(0.0, t0 + i / qps - time.monotonic()))
+        done_by = time.monotonic() + 120.0
+        while not all(f.done() for f in futures) and time.monotonic() < done_by:
+            time.sleep(0.05)
+        lost = sum(not f.done() for f in futures)
+        restarts, attempts = engine.worker_restarts, engine.failed_attempts
+    outcomes = [f.result() for f in futures if f.done()]
+    status: dict[str, int] = {}
+    for o in outcomes:
+        status[o.status] = status.get(o.status, 0) + 1
+    return {"requests": len(futures), "kills": kills, "lost": lost,
+            "distinct_outcomes": len({o.request_id for o in outcomes}), "status": status,
+            "worker_restarts": restarts, "failed_attempts": attempts,
+            "errors": sorted({o.error for o in outcomes if o.error})[:3]}
+
+
+# -- stand-in faults ---------------------------------------------------------------------------
+
+
+def stand_in_plan(model: str, min_queue: int = 1) -> GearPlan:
+    """``model`` alone on cpu0, profiled at 10 ms a batch of up to 4 rows (deadline: the
+    2 s floor)."""
+    return GearPlan("op", (0.0, 1e6), (Cascade((model,)),), (Replica(model, ("cpu0",)),),
+                    (RangeSchedule(0, (1.0,), (min_queue,)),), (4,), max_wait_s=0.005,
+                    predicted=PlanMetrics(1.0, 25.0, 45.0, 50.0, 25.0, 1000, 0, 10.0),
+                    batch_runtime_s=((0.01,) * 4,))
+
+
+def stuck_runs(tmp: Path) -> dict:
+    flag = tmp / "hung-once"
+    flag.unlink(missing_ok=True)
+    once = {"a": functools.partial(fakes.HangingModel, "a", flag=str(flag))}
+    with Engine(stand_in_plan("a", min_queue=4), once) as engine:
+        deadline_s = engine.deadline.seconds(0.01)
+        t0 = time.monotonic()
+        outcomes = [f.result(timeout=120) for f in [engine.submit(f"row {i}")
+                                                    for i in range(4)]]
+        retried_s = time.monotonic() - t0
+        assert {o.status for o in outcomes} == {"ok"}, outcomes
+    always = {"a": functools.partial(fakes.HangingModel, "a")}
+    with Engine(stand_in_plan("a", min_queue=4), always) as engine:
+        t0 = time.monotonic()
+        outcomes = [f.result(timeout=120) for f in [engine.submit(f"row {i}")
+                                                    for i in range(4)]]
+        error_s = time.monotonic() - t0
+        error = outcomes[0].error
+        assert {o.status for o in outcomes} == {"error"}, outcomes
+    return {"deadline_s": deadline_s, "stuck_once_answered_by_retry_s": retried_s,
+            "stuck_for_ever_error_s": error_s, "error": error}
+
+
+def crash_run() -> dict:
+    sources = {"a": functools.partial(fakes.CrashingModel, "a")}
+    with Engine(stand_in_plan("a"), sources) as engine:
+        t0 = time.monotonic()
+        futures = [engine.submit(f"row {i}") for i in range(12)]
+        first = futures[0].result(timeout=120)
+        first_s = time.monotonic() - t0
+        outcomes = [f.result(timeout=120) for f in futures]
+        all_s = time.monotonic() - t0
+        t1 = time.monotonic()
+        late = engine.submit("after it was marked failed").result(timeout=120)
+        late_s = time.monotonic() - t1
+        restarts = engine.worker_restarts
+    return {"first_error_s": first_s, "all_errors_s": all_s, "rows": len(outcomes),
+            "status": sorted({o.status for o in outcomes}), "worker_restarts": restarts,
+            "later_request_error_ms": 1000 * late_s, "late_status": late.status,
+            "first_error": first.error, "marked_failed": late.error}
+
+
+SERVER = """
+import functools, sys, threading, time
+sys.path.insert(0, {tests!r})
+import fakes
+from ken.engine.serving import Engine
+from ken.models.cascade import Cascade
+from ken.policy.plan import GearPlan, RangeSchedule, Replica
+
+plan = GearPlan("op", (0.0, 1e6), (Cascade(("a",)),), (Replica("a", ("cpu0",)),),
+                (RangeSchedule(0, (1.0,), (1,)),), (4,), max_wait_s=0.005)
+lock = threading.Lock()
+
+def report(i, future):
+    with lock:
+        print(f"outcome {{i}} {{future.result().status}}", flush=True)
+
+engine = Engine(plan, {{"a": functools.partial(fakes.SlowModel, "a", 0.05)}})
+engine.start()
+print("ready", flush=True)
+i = 0
+while True:
+    future = engine.submit(f"row {{i}}")
+    future.add_done_callback(functools.partial(report, i))
+    with lock:
+        print(f"sent {{i}}", flush=True)
+    i += 1
+    time.sleep(0.01)
+"""
+
+
+def sigterm_run(after_s: float) -> dict:
+    proc = subprocess.Popen([sys.executable, "-c", SERVER.format(tests=str(TESTS))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    lines = [proc.stdout.readline()]
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < after_s:
+        lines.append(proc.stdout.readline())
+    sent_before = sum(line.startswith("sent") for line in lines)
+    proc.send_signal(signal.SIGTERM)
+    t1 = time.monotonic()
+    out, err = proc.communicate(timeout=120)
+    exit_s = time.monotonic() - t1
+    lines += out.splitlines()
+    sent = [int(w[1]) for line in lines if len(w := line.split()) == 2 and w[0] == "sent"]
+    outcomes: dict[int, list[str]] = {}
+    for line in lines:
+        w = line.split()
+        if len(w) == 3 and w[0] == "outcome":
+            outcomes.setdefault(int(w[1]), []).append(w[2])
+    status: dict[str, int] = {}
+    for s in outcomes.values():
+        status[s[0]] = status.get(s[0], 0) + 1
+    return {"sent": len(sent), "sent_before_sigterm": sent_before,
+            "lost": sum(i not in outcomes for i in sent),
+            "duplicated": sum(len(s) > 1 for s in outcomes.values()),
+            "sent_before_and_answered_ok": sum(outcomes.get(i) == ["ok"]
+                                               for i in sent[:sent_before]),
+            "status": status, "exit_status": proc.returncode, "sigterm_to_exit_s": exit_s,
+            "tracebacks": err.count("Traceback")}
+
+
+# -- plot --------------------------------------------------------------------------------------
+
+
+def plot(runs: dict[str, Replay], target_ms: float, faults: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for (name, rep), color in zip(runs.items(), ("tab:blue", "tab:red"), strict=False):
+        ok = [o for o in rep.outcomes if o.status == "ok"]
+        t0 = min(o.arrival_s for o in rep.outcomes)
+        ax.scatter([o.arrival_s - t0 for o in ok], [1000 * o.latency_s for o in ok], s=2,
+                   alpha=0.4, color=color, label=name)
+    ax.axhline(target_ms, color="black", lw=1, ls="--", label=f"target {target_ms:.0f} ms")
+    ax.axhline(2 * target_ms, color="gray", lw=1, ls=":", label="2x target")
+    ax.set_yscale("log")
+    ax.set_xlabel("arrival (s)")
+    ax.set_ylabel("admitted latency (ms)")
+    ax.set_title("10x the plan's peak rate", fontsize=10)
+    ax.legend(fontsize=7, markerscale=4)
+    names = list(faults)
+    ax2.barh(names, [faults[n][0] for n in names], color="tab:green")
+    for i, n in enumerate(names):
+        goal = faults[n][1]
+        if goal is not None:
+            ax2.plot([goal, goal], [i - 0.4, i + 0.4], color="black", lw=1.5)
+        ax2.annotate(f"{faults[n][0]:.2f} s", (faults[n][0], i), fontsize=7,
+                     xytext=(3, -3), textcoords="offset points")
+    ax2.set_xlabel("seconds (black: goal)")
+    ax2.set_title("time to retry or error", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# -- main --------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--overload", type=float, default=10.0,
+                    help="offered rate over the plan's peak rate (default 10)")
+    ap.add_argument("--overload-s", type=float, default=15.0)
+    ap.add_argument("--kill-s", type=float, default=20.0)
+    ap.add_argument("--kill-every-s", type=float, default=4.0)
+    ap.add_argument("--plan-s", type=float, default=60.0, help="planning trace (s)")
+    ap.add_argument("--ranges", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args()
+    reporter = Reporter(args.quiet)
+    started = time.perf_counter()
+    out: dict = {"args": {k: str(v) for k, v in vars(args).items()}}
+
+    # the faults on stand-in models first: they need no models and take a minute
+    reporter.note("stuck batches (stand-in model, default deadline)")
+    with tempfile.TemporaryDirectory() as tmp:
+        out["stuck"] = stuck_runs(Path(tmp))
+    reporter.note(f"  stuck once: answered by the retry after "
+                  f"{out['stuck']['stuck_once_answered_by_retry_s']:.2f} s; stuck for ever: "
+                  f"error after {out['stuck']['stuck_for_ever_error_s']:.2f} s (deadline "
+                  f"{out['stuck']['deadline_s']:.1f} s)")
+    out["crash"] = crash_run()
+    reporter.note(f"always crashing model: first error after {out['crash']['first_error_s']:.2f}"
+                  f" s, all 12 rows after {out['crash']['all_errors_s']:.2f} s, "
+                  f"{out['crash']['worker_restarts']} restarts; later requests fail in "
+                  f"{out['crash']['later_request_error_ms']:.1f} ms")
+    out["sigterm"] = sigterm_run(3.0)
+    reporter.note(f"SIGTERM: {out['sigterm']['sent']} sent, {out['sigterm']['lost']} lost, "
+                  f"status {out['sigterm']['status']}, exit {out['sigterm']['exit_status']}")
+
+    data = family.default_data()
+    device = DeviceConfig(threads=1)
+    cards = family.prepare(data, device, reporter=reporter)
+    sample = family.heldout_sample(data)
+    profiles = {c.name: load_or_run_profile(family.load_model(c, device, data=data), sample,
+                                            DEFAULT_BATCH_SIZES) for c in cards}
+    catalog, cascades = planning_inputs(profiles)
+    peak = default_peak_qps(catalog, cascades, 2)
+    trace = planning_trace("poisson", peak, args.plan_s, seed=args.seed)
+    frontier, _ = plan_frontier("sentiment", cascades, catalog,
+                                Hardware.cpu_workers(2, 4 * 2**30), trace,
+                                settings=PlannerSettings(num_ranges=args.ranges,
+                                                         seed=args.seed), reporter=reporter)
+    usable = [p for p in frontier.plans if p.predicted.p95_ms < 1000.0]
+    plan = usable[len(usable) // 2]
+    target_s = plan.latency_target_s()
+    assert plan.batch_runtime_s and target_s is not None
+    loaders = {c.name: functools.partial(family.load_model, c, device, None, data)
+               for c in cards if c.name in {r.model for r in plan.placement}}
+    out["plan"] = {"gears": [f"{lo:g}-{hi:g} qps: {plan.cascades[c].describe()}"
+                             for lo, hi, c in plan.gears()],
+                   "placement": [r.label() for r in plan.placement],
+                   "peak_qps": plan.qps_max, "predicted": plan.predicted.to_dict(),
+                   "latency_target_ms": 1000 * target_s}
+    reporter.note(f"plan: {'; '.join(out['plan']['gears'])} on "
+                  f"{', '.join(out['plan']['placement'])}; predicted p99 (the target) "
+                  f"{1000 * target_s:.0f} ms at up to {plan.qps_max:g} qps")
+
+    qps = args.overload * plan.qps_max
+    runs: dict[str, Replay] = {}
+    out["overload"] = {"offered_qps": qps}
+    for name, options in (("admission sized to the plan (default)", {}),
+                          ("max_in_flight=10000 (old default)",
+                           {"admission": "max_in_flight", "max_in_flight": 10_000})):
+        reporter.note(f"overload, {name}: {qps:.0f} qps for {args.overload_s:g} s")
+        rep, wall = overload_run(plan, loaders, sample, qps, args.overload_s, args.seed,
+                                 reporter, **options)
+        runs[name] = rep
+        row = out["overload"][name] = summary(rep, target_s, wall)
+        reporter.note(f"  admitted p50 {row['admitted_p50_ms']:.0f} ms, p99 "
+                      f"{row['admitted_p99_ms']:.0f} ms ({row['admitted_p99_over_target']:.2f}x"
+                      f" the target), rejected {row['rejected_share']:.1%}")
+
+    reporter.note(f"worker SIGKILL every {args.kill_every_s:g} s at {plan.qps_max:g} qps")
+    out["sigkill"] = sigkill_run(plan, loaders, sample, plan.qps_max, args.kill_s,
+                                 args.kill_every_s, args.seed)
+    reporter.note(f"  {out['sigkill']['requests']} requests, {len(out['sigkill']['kills'])} "
+                  f"kills, {out['sigkill']['lost']} lost, status {out['sigkill']['status']}")
+
+    out["goals"] = GOALS
+    out["wall_s"] = time.perf_counter() - started
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "reliability.json").write_text(json.dumps(out, indent=1, default=float))
+    faults = {"stuck once -> answered by retry": (
+                  out["stuck"]["stuck_once_answered_by_retry_s"], None),
+              "stuck for ever -> error": (out["stuck"]["stuck_for_ever_error_s"], None),
+              "always crashes -> first error": (out["crash"]["first_error_s"],
+                                                GOALS["crash_error_s"]),
+              "always crashes -> all 12 rows failed": (out["crash"]["all_errors_s"],
+                                                       GOALS["crash_error_s"])}
+    plot(runs, 1000 * target_s, faults, args.out / "reliability.png")
+    reporter.note(f"wrote {args.out / 'reliability.json'} and reliability.png "
+                  f"({out['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
