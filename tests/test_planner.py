@@ -237,3 +237,20 @@ def test_target_parsing() -> None:
         Target.parse("fast please")
     with pytest.raises(QueryPlanError, match="exactly one"):
         Target()
+
+
+def test_a_hop_to_the_devices_is_charged_on_every_batch() -> None:
+    cat, tr = catalog(), trace(rate=100.0, seconds=3.0)
+    settings = PlannerSettings(num_ranges=1, max_rounds=1)
+    hop = Hardware(tuple(Device(f"d{i}", "cpu", 700, 0, dispatch_s=0.004) for i in range(2)))
+    assert hop.dispatch_s == 0.004
+    assert Hardware.from_json(hop.to_json()) == hop
+    assert "dispatch_s" not in hardware().to_json()  # local devices: files as before
+    near = plan_frontier("op", CASCADES[:1], cat, hardware(), tr, settings=settings)[0].plans[0]
+    far = plan_frontier("op", CASCADES[:1], cat, hop, tr, settings=settings)[0].plans[0]
+    assert near.placement == far.placement
+    for a, b in zip(near.batch_runtime_s, far.batch_runtime_s, strict=True):
+        assert np.allclose(np.array(b) - np.array(a), 0.004)
+    assert far.predicted.p50_ms > near.predicted.p50_ms + 3.0  # every request waits a hop
+    with pytest.raises(Exception, match="dispatch_s must be >= 0"):
+        Device("d", "cpu", 1, 0, dispatch_s=-1.0)

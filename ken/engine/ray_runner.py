@@ -27,6 +27,7 @@ So every request still ends with exactly one outcome. Ray is an optional extra
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import re
@@ -336,12 +337,16 @@ class RayCluster:
         return cls(ray.nodes())
 
     def hardware(self, threads_per_device: int = 1, memory_bytes: int | None = None,
-                 gpu_memory_bytes: int | None = None) -> Any:
-        """The cluster's devices (``Hardware.from_nodes``) for ``ken plan`` / ``session.plan``."""
+                 gpu_memory_bytes: int | None = None, dispatch_s: float | None = None) -> Any:
+        """The cluster's devices (``Hardware.from_nodes``) for ``ken plan`` / ``session.plan``;
+        each pays ``dispatch_s`` per batch, by default the hop measured now
+        (``measure_hop_s``), rounded up to 0.5 ms so that plans stay cached across runs."""
         from ken.optimizer.workload import Hardware
 
+        if dispatch_s is None:
+            dispatch_s = math.ceil(measure_hop_s() / 5e-4) * 5e-4
         return Hardware.from_nodes(self.nodes, threads_per_device, memory_bytes,
-                                   gpu_memory_bytes)
+                                   gpu_memory_bytes, dispatch_s)
 
     def placement(self, device: str, threads: int) -> ActorPlacement:
         """What Ray is asked for ``device``'s actor: a device named by ``hardware``

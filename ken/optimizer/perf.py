@@ -69,6 +69,12 @@ class ModelPerf:
             if any(not np.isfinite(t) or t <= 0 for t in row):
                 raise ProfileError(f"{where}: runtimes must be positive seconds")
 
+    def with_overhead(self, seconds: float) -> ModelPerf:
+        """The same model with ``seconds`` added to every batch (a hop to a remote worker)."""
+        return ModelPerf(self.name, self.batch_sizes,
+                         tuple(tuple(t + seconds for t in row) for row in self.runtime_s),
+                         self.memory_bytes, self.degrees, self.spread)
+
     @classmethod
     def from_profile(cls, profile: Profile) -> ModelPerf:
         return cls(profile.model, profile.batch_sizes, (profile.batch_runtime_s,),
@@ -139,6 +145,13 @@ class Catalog:
         if len(sizes) != 1 or 0 in sizes:
             raise ProfileError(f"per-sample outcomes must cover the same non-empty sample; "
                                f"row counts: {sorted(sizes)}")
+
+    def with_overhead(self, seconds: float) -> Catalog:
+        """Every model's batches ``seconds`` longer (``ModelPerf.with_overhead``)."""
+        if not seconds:
+            return self
+        return Catalog({m: p.with_overhead(seconds) for m, p in self.perf.items()},
+                       dict(self.quality), dict(self.scores), self.sample_hash)
 
     def __reduce__(self) -> tuple:
         # mapping proxies do not pickle; rebuild from plain dicts (e.g. in planner workers)

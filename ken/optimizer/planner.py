@@ -647,11 +647,15 @@ def plan_frontier(operator: str, cascades: Sequence[Cascade], catalog: Catalog,
     compute per row, and thinned to steps of at least ``settings.min_accuracy_step`` accuracy
     (the most accurate and the cheapest candidate are always kept).
     ``trace`` is the sample workload the simulator replays; ``qps_max``
-    defaults to its peak rate in 1 s buckets.
+    defaults to its peak rate in 1 s buckets. Every batch costs its profiled runtime plus
+    ``hardware.dispatch_s`` (the hop to a Ray actor; 0 for local workers).
     """
     settings = settings or PlannerSettings()
     if not cascades:
         raise PlanningError("no candidate cascades; run the cascade search first")
+    # devices reached over a hop (Ray actors) pay it on every batch: in the simulated
+    # runtimes and in those the plan records for the engine
+    catalog = catalog.with_overhead(hardware.dispatch_s)
     t0 = time.perf_counter()
     ctx = planning_context(operator, cascades, catalog, hardware, trace, qps_max, settings)
     if settings.workers > 1:

@@ -41,10 +41,16 @@ class Device:
     kind: DeviceKind
     memory_bytes: int
     node: int = 0
+    # seconds every batch on this device pays to reach it and come back beyond a local
+    # worker's pipe: the router-to-actor hop of a Ray actor (measured by
+    # ken.engine.ray_runner.measure_hop_s); the planner charges it per batch
+    dispatch_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.id:
             raise WorkloadError("a device needs a non-empty id")
+        if not (self.dispatch_s >= 0 and np.isfinite(self.dispatch_s)):
+            raise WorkloadError(f"device {self.id}: dispatch_s must be >= 0 seconds")
         if self.kind not in _DEVICE_KINDS:
             raise WorkloadError(f"device {self.id}: kind must be one of {_DEVICE_KINDS}, "
                                 f"not {self.kind!r}")
@@ -52,13 +58,16 @@ class Device:
             raise WorkloadError(f"device {self.id}: memory_bytes must be >= 0")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "kind": self.kind, "memory_bytes": int(self.memory_bytes),
-                "node": int(self.node)}
+        out = {"id": self.id, "kind": self.kind, "memory_bytes": int(self.memory_bytes),
+               "node": int(self.node)}
+        if self.dispatch_s:  # written only when set: older files and keys stay as they were
+            out["dispatch_s"] = float(self.dispatch_s)
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Device:
         return cls(id=str(data["id"]), kind=data["kind"], memory_bytes=int(data["memory_bytes"]),
-                   node=int(data["node"]))
+                   node=int(data["node"]), dispatch_s=float(data.get("dispatch_s", 0.0)))
 
 
 @dataclass(frozen=True)
@@ -86,15 +95,16 @@ class Hardware:
 
     @classmethod
     def from_nodes(cls, nodes: Sequence[Mapping[str, Any]], threads_per_device: int = 1,
-                   memory_bytes: int | None = None, gpu_memory_bytes: int | None = None
-                   ) -> Hardware:
+                   memory_bytes: int | None = None, gpu_memory_bytes: int | None = None,
+                   dispatch_s: float = 0.0) -> Hardware:
         """The devices of a cluster whose nodes are described as Ray describes them
         (``ray.nodes()``: dicts with ``Alive`` and ``Resources`` holding ``CPU``, ``GPU`` and
         ``memory``), in the given order: node ``k`` gets CPU devices ``n{k}.cpu{i}`` of
         ``threads_per_device`` cores each and one device ``n{k}.cuda{j}`` per GPU. A CPU
         device's memory budget is ``memory_bytes``, or the node's memory shared among its
         CPU devices; a GPU's is ``gpu_memory_bytes`` (Ray does not report it: required when
-        a node has GPUs). Nodes that are not alive are left out."""
+        a node has GPUs). Every device pays ``dispatch_s`` per batch (the hop to an actor).
+        Nodes that are not alive are left out."""
         if threads_per_device < 1:
             raise WorkloadError(f"threads_per_device must be >= 1, got {threads_per_device}")
         devices: list[Device] = []
@@ -106,12 +116,13 @@ class Hardware:
             memory = memory_bytes
             if memory is None and cpus:
                 memory = int(res.get("memory", 0)) // cpus
-            devices += [Device(f"n{k}.cpu{i}", "cpu", memory or 0, k) for i in range(cpus)]
+            devices += [Device(f"n{k}.cpu{i}", "cpu", memory or 0, k, dispatch_s)
+                        for i in range(cpus)]
             if gpus and gpu_memory_bytes is None:
                 raise WorkloadError(
                     f"node {k} has {gpus} GPU(s) but Ray does not report their memory: give "
                     "gpu_memory_bytes (e.g. 80 * 2**30 for an 80 GB GPU)")
-            devices += [Device(f"n{k}.cuda{j}", "cuda", gpu_memory_bytes or 0, k)
+            devices += [Device(f"n{k}.cuda{j}", "cuda", gpu_memory_bytes or 0, k, dispatch_s)
                         for j in range(gpus)]
         if not devices:
             raise WorkloadError(f"the cluster's {len(alive)} live node(s) have no CPU with "
@@ -125,6 +136,11 @@ class Hardware:
     @property
     def nodes(self) -> tuple[int, ...]:
         return tuple(sorted({d.node for d in self.devices}))
+
+    @property
+    def dispatch_s(self) -> float:
+        """The largest per-batch hop of any device: what the planner charges every batch."""
+        return max(d.dispatch_s for d in self.devices)
 
     def device(self, device_id: str) -> Device:
         for d in self.devices:
