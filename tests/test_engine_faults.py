@@ -378,3 +378,25 @@ def test_the_queue_delay_estimate_is_what_the_simulator_charges() -> None:
     result = simulate(p, catalog, Trace(np.zeros(40), "burst"))
     assert estimate == pytest.approx(float(result.completion_s.max()))
     assert estimate == pytest.approx(0.012 + 4 * 0.03 + perf.batch_runtime(7))
+
+
+def test_the_measured_slowdown_is_a_recent_high_quantile_of_latency_over_estimate() -> None:
+    from ken.engine.serving import Slowdown
+
+    s = Slowdown(quantile=0.95, window=100, horizon_s=5.0, every=10)
+    assert s.value(0.0) == 1.0  # nothing measured: the profile's estimate
+    for _ in range(9):
+        s.add(0.5, 0.0)  # faster than the profile: counted as 1
+    assert s.value(0.0) == 1.0
+    rng = np.random.default_rng(0)
+    ratios = rng.uniform(1.0, 3.0, 200)
+    for i, r in enumerate(ratios):
+        s.add(float(r), 1.0 + i / 100)
+    # the 95th percentile of the last 100 (a window), not their mean
+    assert s.value(3.0) == pytest.approx(np.quantile(ratios[-100:], 0.95), rel=0.05)
+    assert s.value(3.0) > np.mean(ratios[-100:]) + 0.5
+    # a restart's burst of slow answers is forgotten after horizon_s
+    for _ in range(30):
+        s.add(40.0, 4.0)
+    assert s.value(4.0) > 10.0
+    assert s.value(9.5) == 1.0  # nothing left within the last 5 s

@@ -20,11 +20,11 @@ the engine shut down before it ran. Failure behaviour (DESIGN.md section 14):
 
 - *admission*: an online request is admitted only while the gear plan can serve it within its
   latency target (by default the p99 the plan's simulation predicted, at least
-  ``MIN_PLAN_TARGET_S``). The scheduler routes
-  it to a first-stage replica and estimates its latency as the profiled work queued on that
-  replica's devices (``Dispatcher.queued_work_s``: the runtimes the simulator charges), plus
-  what is left of the batch running there and its own row, times the slowdown it measures
-  while serving (answered latency over estimate, for requests admitted near the limit). Over
+  ``MIN_PLAN_TARGET_S``). The scheduler routes it to a first-stage replica and estimates its
+  latency as the profiled work queued on that replica's devices (``Dispatcher.queued_work_s``:
+  the runtimes the simulator charges), plus what is left of the batch running there and its
+  own row, times the slowdown it measures while serving (``Slowdown``: the 95th percentile of
+  answered latency over estimate in the last 5 s, for requests admitted near the limit). Over
   the target it is rejected at once, with the reason and a retry hint (a SQL query sends
   such rows again after the hint). ``max_in_flight`` stays as a hard cap on memory.
 - *deadlines*: every batch has one, ``BatchDeadline.seconds`` of its profiled runtime. A
@@ -178,11 +178,49 @@ class _BulkBatch:
 
 
 _STOP = object()
-SLOWDOWN_WEIGHT = 0.02  # of each new sample in the measured slowdown (see Engine._admission)
 #: the least latency target a plan's predicted p99 sets: models faster than the engine's own
 #: hand-offs between threads (about a millisecond each) are simulated with p99s no wall-clock
 #: engine can meet, and would have every request turned away
 MIN_PLAN_TARGET_S = 0.02
+
+
+class Slowdown:
+    """How much longer than its admission estimate a request admitted near the latency target
+    takes to be answered (``Engine._admission``): the ``quantile`` of the ratios of answered
+    latency over estimate seen in the last ``horizon_s`` seconds (at most ``window`` of
+    them), at least 1; 1 when there are none. A high quantile, not the mean: requests whose
+    rows escalate wait in later stages' queues too, and admission holds the tail to the
+    target. A recent window, not all history: a worker restart delays the requests behind it
+    by seconds, and that must not keep admission shut once the worker is back."""
+
+    def __init__(self, quantile: float = 0.95, window: int = 400, horizon_s: float = 5.0,
+                 every: int = 20) -> None:
+        self.quantile, self.horizon_s, self.every = quantile, horizon_s, every
+        self.samples: deque[tuple[float, float]] = deque(maxlen=window)  # (time, ratio)
+        self._value = 1.0
+        self._new = 0
+
+    def add(self, ratio: float, now: float) -> None:
+        # never below 1: profiles time each model alone, serving is not faster than that
+        self.samples.append((now, min(max(ratio, 1.0), 50.0)))
+        self._new += 1
+        if self._new >= self.every:
+            self._refresh()
+
+    def value(self, now: float) -> float:
+        """The slowdown to apply now (samples older than ``horizon_s`` are forgotten)."""
+        stale = False
+        while self.samples and self.samples[0][0] < now - self.horizon_s:
+            self.samples.popleft()
+            stale = True
+        if stale:
+            self._refresh()
+        return self._value
+
+    def _refresh(self) -> None:
+        self._new = 0
+        self._value = (float(np.quantile([r for _, r in self.samples], self.quantile))
+                       if self.samples else 1.0)
 
 
 class Engine:
@@ -289,7 +327,7 @@ class Engine:
         self._crashes: dict[str, int] = {}  # model -> crashes or hangs in a row
         self._failed_models: dict[str, str] = {}  # model -> why it is not run any more
         self._running_until: dict[str, float] = {}  # device -> profiled end of its batch
-        self._slowdown: dict[str, float] = {}  # operator -> measured latency / estimate
+        self._slowdown: dict[str, Slowdown] = {}  # operator -> latency over estimate
         self._estimated: dict[int, tuple[str, float]] = {}  # rid -> (operator, estimate s)
         self._accepting = False
         self._closing = False
@@ -690,7 +728,7 @@ class Engine:
         if wait <= 0.0:
             return None  # an idle replica admits whatever the target says
         row = plan.batch_seconds(replica, 1) or 0.0  # one more row costs at most a batch of 1
-        slowdown = self._slowdown.get(plan.operator, 1.0)
+        slowdown = self._slowdown.setdefault(plan.operator, Slowdown()).value(self.clock.now())
         expected = (wait + row) * slowdown
         if expected <= target:
             if expected >= target / 2:  # near the limit: learn how far off the estimate is
@@ -711,16 +749,13 @@ class Engine:
         return None if target is None else max(target, MIN_PLAN_TARGET_S)
 
     def _learn_slowdown(self, rid: int, latency_s: float) -> None:
-        """Fold an answered request's latency over its estimate into the operator's slowdown
-        (a moving average over the last few hundred requests admitted near the limit)."""
+        """Add an answered request's latency over its estimate to its operator's slowdown
+        (requests admitted near the limit only; ``Slowdown``)."""
         estimated = self._estimated.pop(rid, None)
-        if estimated is None:
-            return
-        operator, seconds = estimated
-        # never below 1: profiles time each model alone, serving is not faster than that
-        ratio = min(max(latency_s / seconds, 1.0), 50.0)
-        old = self._slowdown.get(operator, 1.0)
-        self._slowdown[operator] = old + SLOWDOWN_WEIGHT * (ratio - old)
+        if estimated is not None:
+            operator, seconds = estimated
+            self._slowdown.setdefault(operator, Slowdown()).add(latency_s / seconds,
+                                                                self.clock.now())
 
     def _device_work(self) -> dict[str, float]:
         """Profiled seconds of work each device has ahead of a new row: the rows queued on it
@@ -784,6 +819,8 @@ class Engine:
         failed = self._failed_models.get(model)
         attempts = self._attempts.get(id(batch), 0) + 1
         self._attempts[id(batch)] = attempts
+        for rid in batch.request_ids:  # a failed attempt says nothing about queueing
+            self._estimated.pop(rid, None)
         if attempts <= self.max_retries and failed is None:
             # run the same batch again (the device stays busy)
             self._device_queues[batch.devices[0]].put(("run", batch, expected_s))
