@@ -400,3 +400,19 @@ def test_the_measured_slowdown_is_a_recent_high_quantile_of_latency_over_estimat
         s.add(40.0, 4.0)
     assert s.value(4.0) > 10.0
     assert s.value(9.5) == 1.0  # nothing left within the last 5 s
+
+
+def test_admission_counts_the_later_stages_work_at_the_measured_escalation_rate() -> None:
+    # a -> b, each 40 ms a batch of <= 4 rows (10 ms a row of a full batch)
+    two = GearPlan("op", (0.0, 1e6), (Cascade(("a", "b"), (0.5,)),),
+                   (Replica("a", ("cpu0",)), Replica("b", ("cpu1",))),
+                   (RangeSchedule(0, (1.0, 1.0), (1, 1)),), (4, 4), max_wait_s=0.005,
+                   predicted=PlanMetrics(1.0, 25.0, 45.0, 50.0, 25.0, 1000, 0, 10.0),
+                   batch_runtime_s=((0.04,) * 4, (0.04,) * 4))
+    engine = Engine(two, {"a": FakeModel("a"), "b": FakeModel("b")}, workers="thread")
+    disp = engine.dispatcher()
+    assert engine._downstream_row_s(disp) == pytest.approx(0.01)  # cold: every row escalates
+    engine._escalations["a"] = (19, 1)
+    assert engine._downstream_row_s(disp) == pytest.approx(0.01)  # too few rows to trust
+    engine._escalations["a"] = (100, 25)
+    assert engine._downstream_row_s(disp) == pytest.approx(0.0025)

@@ -22,11 +22,13 @@ the engine shut down before it ran. Failure behaviour (DESIGN.md section 14):
   latency target (by default the p99 the plan's simulation predicted, at least
   ``MIN_PLAN_TARGET_S``). The scheduler routes it to a first-stage replica and estimates its
   latency as the profiled work queued on that replica's devices (``Dispatcher.queued_work_s``:
-  the runtimes the simulator charges), plus what is left of the batch running there and its
-  own row, times the slowdown it measures while serving (``Slowdown``: the 95th percentile of
-  answered latency over estimate in the last 5 s, for requests admitted near the limit). Over
-  the target it is rejected at once, with the reason and a retry hint (a SQL query sends
-  such rows again after the hint). ``max_in_flight`` stays as a hard cap on memory.
+  the runtimes the simulator charges), plus what is left of the batch running there, its own
+  row and the later-stage work it and the rows ahead will bring (escalation rates measured
+  while serving; every row escalates until 20 have been answered), times the slowdown it
+  measures while serving (``Slowdown``: the 95th percentile of answered latency over
+  estimate in the last 5 s, for requests admitted near the limit). Over the target it is
+  rejected at once, with the reason and a retry hint (a SQL query sends such rows again
+  after the hint). ``max_in_flight`` stays as a hard cap on memory.
 - *deadlines*: every batch has one, ``BatchDeadline.seconds`` of its profiled runtime. A
   process worker that misses it is killed and replaced; a thread worker's call is abandoned
   (threads cannot be killed) and the device gets a fresh thread. The batch runs once more
@@ -178,6 +180,8 @@ class _BulkBatch:
 
 
 _STOP = object()
+#: answered rows of a model before admission trusts its measured escalation rate
+MIN_ESCALATION_ROWS = 20
 #: the least latency target a plan's predicted p99 sets: models faster than the engine's own
 #: hand-offs between threads (about a millisecond each) are simulated with p99s no wall-clock
 #: engine can meet, and would have every request turned away
@@ -328,6 +332,7 @@ class Engine:
         self._failed_models: dict[str, str] = {}  # model -> why it is not run any more
         self._running_until: dict[str, float] = {}  # device -> profiled end of its batch
         self._slowdown: dict[str, Slowdown] = {}  # operator -> latency over estimate
+        self._escalations: dict[str, tuple[int, int]] = {}  # model -> (rows, escalated)
         self._estimated: dict[int, tuple[str, float]] = {}  # rid -> (operator, estimate s)
         self._accepting = False
         self._closing = False
@@ -713,9 +718,10 @@ class Engine:
         admission does not follow the plan).
 
         Its latency is estimated as the profiled work queued on (and running on) the
-        replica's devices plus its own row, times the slowdown measured while serving
-        (``_learn_slowdown``): profiles time each model alone, serving runs the same batches
-        slower on a busy machine, and rows that escalate add work on later stages."""
+        replica's devices plus its own row, plus the later stages' work that it and the rows
+        queued ahead of it will bring (``_downstream_row_s``), times the slowdown measured
+        while serving (``_learn_slowdown``): profiles time each model alone, and serving runs
+        the same batches slower on a busy machine."""
         plan = disp.plan
         if self.admission != "plan" or not plan.batch_runtime_s:
             return None
@@ -728,17 +734,34 @@ class Engine:
         if wait <= 0.0:
             return None  # an idle replica admits whatever the target says
         row = plan.batch_seconds(replica, 1) or 0.0  # one more row costs at most a batch of 1
+        raw = wait + row + (disp.queue_length(replica) + 1) * self._downstream_row_s(disp)
         slowdown = self._slowdown.setdefault(plan.operator, Slowdown()).value(self.clock.now())
-        expected = (wait + row) * slowdown
+        expected = raw * slowdown
         if expected <= target:
             if expected >= target / 2:  # near the limit: learn how far off the estimate is
-                self._estimated[rid] = (plan.operator, wait + row)
+                self._estimated[rid] = (plan.operator, raw)
             return None
         retry = max(expected - target, row * slowdown)
         return (f"{plan.operator}() is over capacity: its queue on {device} holds about "
                 f"{wait * 1000:.0f} ms of profiled work (x{slowdown:.1f} as measured while "
                 f"serving), so this request would miss the latency target of "
                 f"{target * 1000:.0f} ms; retry in {retry * 1000:.0f} ms", retry)
+
+    def _downstream_row_s(self, disp: Dispatcher) -> float:
+        """Expected profiled work a row admitted now brings to the later stages of the
+        current gear's cascade: per stage, the share of rows that reach it (the escalation
+        rates measured while serving; every row until ``MIN_ESCALATION_ROWS`` rows of the
+        stage before were answered, so a cold engine does not over-admit) times a row's
+        share of a full batch of its cheapest replica."""
+        plan = disp.plan
+        models = plan.cascade_of(disp.gears.current).models
+        reach, total = 1.0, 0.0
+        for before, model in itertools.pairwise(models):
+            rows, escalated = self._escalations.get(before, (0, 0))
+            reach *= escalated / rows if rows >= MIN_ESCALATION_ROWS else 1.0
+            total += reach * min((plan.batch_seconds(r, plan.max_batch[r]) or 0.0)
+                                 / plan.max_batch[r] for r in plan.replicas_of(model))
+        return total
 
     def _target_s(self, plan: GearPlan) -> float | None:
         """The latency target of ``plan``'s requests: the engine's ``latency_target_s`` if
@@ -793,6 +816,9 @@ class Engine:
         certs = certainty_of(scores, disp.plan.certainty)
         gears = {rid: disp.range_of(rid) for rid in batch.request_ids}
         fin = disp.finish(batch, certs)
+        rows, escalated = self._escalations.get(batch.model, (0, 0))
+        self._escalations[batch.model] = (rows + len(batch.request_ids),
+                                          escalated + len(fin.escalated))
         now = self.clock.now()
         row = {rid: j for j, rid in enumerate(batch.request_ids)}
         for rid, stage in zip(fin.resolved, fin.resolved_stages, strict=True):
