@@ -128,6 +128,7 @@ class Session:
         self._tables_version = 0
         self._thread_ids = itertools.count(1)
         self._pool: ThreadPoolExecutor | None = None
+        self.ray_actors = 2  # actors of sql(..., engine="ray"), each of device.threads CPUs
 
     @property
     def device(self) -> DeviceConfig:
@@ -452,12 +453,23 @@ class Session:
             out.append(rw)
         return out
 
-    def sql(self, query: str, params: Any = None) -> Result:
+    def sql(self, query: str, params: Any = None, engine: str = "duckdb") -> Result:
         """Run one statement of DuckDB SQL with semantic functions. ``EXPLAIN [ANALYZE]``
         prefixes explain it; ``TRAIN ...`` trains a semantic function (``ken.sql.train``).
 
         Text with more than one statement is an error and nothing runs (so a value formatted
-        into a query cannot append a statement); ``sql_script`` runs several in order."""
+        into a query cannot append a statement); ``sql_script`` runs several in order.
+
+        ``engine="ray"`` runs the semantic calls of a query over one big Parquet dataset on
+        Ray Data (``ken.sql.ray_query``: streamed through ``ray_actors`` actors of
+        ``threads`` CPUs, models loaded once per actor), then the rest of the query on
+        DuckDB; the rows equal those of the default engine.
+
+        >>> session.sql("SELECT sentiment(text) AS mood, count(*) FROM 'tweets/*.parquet' "
+        ...             "GROUP BY mood", engine="ray")          # doctest: +SKIP
+        """
+        if engine not in ("duckdb", "ray"):
+            raise KenError(f"engine must be 'duckdb' or 'ray' (got {engine!r})")
         statements = split_statements(query)
         if len(statements) > 1:
             raise SqlError(
@@ -492,7 +504,27 @@ class Session:
                 return Result(self._connection, relation=relation)
             except duckdb.Error as error:
                 raise KenError(str(error)) from None
+        if engine == "ray":
+            return self._run_on_ray(statements[0], params)
         return self._run(statements[0], params)
+
+    def _run_on_ray(self, rw: Rewritten, params: Any) -> Result:
+        from ken.sql.ray_query import run_on_ray
+
+        threads = self.ctx.device.threads
+
+        def duckdb_sql(text: str) -> pa.Table:
+            try:
+                relation = self._connection().sql(text, params=params)
+            except duckdb.Error as error:
+                raise KenError(str(error)) from None
+            return relation.to_arrow_table() if relation is not None else pa.table({})
+
+        table, _run = run_on_ray(
+            rw, self.bind, lambda f: self.operators[f].loaders(self.ctx, threads),
+            lambda f: bool(getattr(self.operators[f], "record_columns", False)), duckdb_sql,
+            actors=self.ray_actors, threads=threads)
+        return Result(self._connection, table=table)
 
     def sql_script(self, script: str) -> Result:
         """Run the statements of ``script`` one after another (``TRAIN ...; SELECT ...``),

@@ -301,34 +301,51 @@ def test_sigterm_drains_every_admitted_request_then_exits(tmp_path: Path) -> Non
 # -- admission ---------------------------------------------------------------------------------
 
 
+FLOOD = """
+import json, sys, time
+sys.path.insert(0, {tests!r})
+from fakes import SlowModel
+from test_engine_faults import plan
+from ken.engine.serving import Engine
+
+with Engine(plan(p99_ms=50.0), {{"a": SlowModel("a", 0.01)}}, workers="thread") as engine:
+    target_s = engine.admission_target_s()
+    futures = []
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 2.0:
+        futures += [engine.submit(f"flood {{len(futures) + i}}") for i in range(40)]
+        time.sleep(0.01)
+    outcomes = [f.result(timeout=30) for f in futures]
+    left = engine.in_flight
+print(json.dumps({{"target_s": target_s, "left": left, "outcomes": [
+    [o.status, o.latency_s, o.error, o.retry_after_s] for o in outcomes]}}))
+"""
+
+
 def test_ten_times_overload_is_rejected_at_once_and_admitted_latency_stays_bounded() -> None:
-    # a: 10 ms per batch of <= 4 rows -> 400 rows/s; offered ~4,000 rows/s for 2 s
+    # a: 10 ms per batch of <= 4 rows -> 400 rows/s; offered ~4,000 rows/s for 2 s. In a
+    # fresh process, as a server runs: the test process's own threads and heap (models and
+    # engines of earlier tests) stalled it for hundreds of ms in a full run
+    run = subprocess.run([sys.executable, "-c", FLOOD.format(tests=str(TESTS))],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
     target_s = 0.05
-    models = {"a": SlowModel("a", 0.01)}
-    with Engine(plan(p99_ms=target_s * 1000), models, workers="thread") as engine:
-        assert engine.admission_target_s() == pytest.approx(target_s)
-        futures = []
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 2.0:
-            futures += [engine.submit(f"flood {len(futures) + i}") for i in range(40)]
-            time.sleep(0.01)
-        outcomes = [f.result(timeout=30) for f in futures]
-        assert engine.in_flight == 0
-    ok = [o for o in outcomes if o.status == "ok"]
-    rejected = [o for o in outcomes if o.status == "rejected"]
+    assert result["target_s"] == pytest.approx(target_s) and result["left"] == 0
+    outcomes = result["outcomes"]
+    ok = [o for o in outcomes if o[0] == "ok"]
+    rejected = [o for o in outcomes if o[0] == "rejected"]
     assert len(ok) + len(rejected) == len(outcomes) > 4000
     assert len(rejected) > len(outcomes) / 2 and len(ok) > 100
-    for o in rejected:
-        assert "over capacity" in o.error and "latency target of 50 ms" in o.error
-        assert o.retry_after_s is not None and o.retry_after_s > 0
-        assert f"retry in {o.retry_after_s * 1000:.0f} ms" in o.error
+    for _status, _latency, error, retry_after_s in rejected:
+        assert "over capacity" in error and "latency target of 50 ms" in error
+        assert retry_after_s is not None and retry_after_s > 0
+        assert f"retry in {retry_after_s * 1000:.0f} ms" in error
     # rejected at once: no model call in between (a batch takes 10 ms)
-    assert np.median([o.latency_s for o in rejected]) < 0.01
+    assert np.median([o[1] for o in rejected]) < 0.01
     # admitted latency bounded by the target (guard at 4x; the old default admitted
-    # thousands of requests and they waited seconds). p95, not p99: one stall of the 2-core
-    # machine (another process's burst) delays every request queued at that moment, a few
-    # percent of them; the benchmark measures p99 on a quiet machine
-    assert np.percentile([o.latency_s for o in ok], 95) < 4 * target_s
+    # thousands of requests and they waited seconds)
+    assert np.percentile([o[1] for o in ok], 99) < 4 * target_s
 
 
 def test_admission_limit_is_configurable() -> None:

@@ -98,7 +98,10 @@ def test_killing_an_actor_with_a_batch_in_flight_loses_no_request(local_ray) -> 
     # a takes 0.4 s a batch: SIGKILL its actor while one runs; Ray restarts it, the engine
     # runs the batch again, every request gets exactly one outcome
     plan = cascade_plan(threshold=0.0)  # no escalation: every row is a's
-    with Engine(plan, loaders(0.4), workers="ray", deadline=FAST) as engine:
+    # admission="max_in_flight": the plan's runtimes are not a's 0.4 s, and turning requests
+    # away is not what this test is about
+    with Engine(plan, loaders(0.4), workers="ray", deadline=FAST,
+                admission="max_in_flight") as engine:
         futures = [engine.submit(f"row {i}") for i in range(12)]
         time.sleep(0.2)
         pid = engine.pids()["cpu0"]
@@ -217,3 +220,57 @@ def test_a_two_node_cluster_places_replicas_on_both_nodes(local_ray) -> None:
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def parquet_dataset(folder, rows: int, files: int = 4) -> None:  # noqa: ANN001
+    """``rows`` rows over ``files`` files: id, x (text with repeats and NULLs), g (a group)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir()
+    per = rows // files
+    for f in range(files):
+        ids = list(range(f * per, (f + 1) * per))
+        pq.write_table(pa.table({
+            "id": ids,
+            "x": [None if i % 97 == 0 else f"row {i % 5000}" for i in ids],
+            "g": [i % 7 for i in ids]}), folder / f"part-{f}.parquet")
+
+
+def test_a_query_over_a_parquet_dataset_on_ray_data_equals_duckdb(local_ray, tmp_path,
+                                                                   capsys) -> None:
+    import resource
+
+    import ken
+
+    data = tmp_path / "big"
+    parquet_dataset(data, 100_000)
+    queries = [
+        f"SELECT id, x, mood(x) AS m FROM '{data}/*.parquet' WHERE g < 3 ORDER BY id",
+        f"SELECT g, mood(x) AS m, count(*) AS n FROM read_parquet('{data}/*.parquet') "
+        "GROUP BY ALL ORDER BY ALL",
+        f"SELECT count(*) FROM '{data}/*.parquet' AS t WHERE mood(t.x) = 'positive' "
+        "AND t.id % 2 = 0",
+    ]
+    with ken.connect(builtins=False) as s:
+        s.register("mood", _Mood("mood", Cascade(("a", "b"), (0.5,)),
+                                 {"a": FakeModel("a"), "b": FakeModel("b")}))
+        for query in queries:
+            expected = s.sql(query).fetchall()
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            started = time.perf_counter()
+            got = s.sql(query, engine="ray").fetchall()
+            seconds = time.perf_counter() - started
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            with capsys.disabled():
+                print(f"\n  ray data, 100k rows: {seconds:.1f} s, driver peak RSS "
+                      f"{peak / 1024:.0f} MB (+{(peak - before) / 1024:.0f} MB): {query[:50]}")
+            assert got == expected and got
+            assert peak - before < 512 * 1024  # KiB: the driver never holds the table
+        with pytest.raises(KenError, match="one Parquet dataset"):
+            s.sql(f"SELECT mood(a.x) FROM '{data}/*.parquet' a, '{data}/*.parquet' b "
+                  "WHERE a.id = b.id", engine="ray")
+        with pytest.raises(KenError, match="not one of its columns"):
+            s.sql(f"SELECT mood(x || 'y') FROM '{data}/*.parquet'", engine="ray")
+        with pytest.raises(KenError, match="engine must be"):
+            s.sql("SELECT 1", engine="spark")

@@ -1,0 +1,145 @@
+"""Semantic columns of a big table through Ray Data (DESIGN.md section 13; issue 20, item 4).
+
+``semantic_columns`` streams a Parquet dataset through Ray Data: ``read_parquet`` -> one
+``map_batches`` whose callable (``CascadeColumns``, a class: Ray keeps one instance per actor,
+so each actor loads its models once) appends one column per semantic call site, computed by
+the site's cascade on the block's rows -> ``write_parquet`` into a folder. Blocks stream
+through a bounded number of actors, so memory stays bounded whatever the table's size; the
+relational part of the query then runs on DuckDB over that folder (``ken.sql.ray_query``).
+
+A site's values are those of the in-process path: the same bound cascade (``run_cascade``),
+the same conversion to SQL values, NULL for a row with a NULL argument, each distinct input of
+a block answered once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ken.engine.batch import run_cascade
+from ken.engine.ray_runner import ensure_ray
+from ken.errors import EngineError
+from ken.models.model import Model
+
+
+@dataclass(frozen=True)
+class SiteColumn:
+    """One call site computed as a column: ``column`` = function(``inputs`` columns).
+
+    ``bound`` is the operator bound to the site's constants (pickled without its models when
+    ``loaders`` can load them in the actor, with them otherwise)."""
+
+    column: str
+    inputs: tuple[str, ...]
+    bound: Any
+    arrow_type: pa.DataType
+    loaders: Mapping[str, Callable[[], Model]] | None = None
+
+    @classmethod
+    def of(cls, column: str, inputs: Sequence[str], bound: Any, arrow_type: pa.DataType,
+           loaders: Mapping[str, Callable[[], Model]] | None) -> SiteColumn:
+        """Ship loaders instead of loaded models where they cover the cascade's models."""
+        needed = set(bound.cascade.models)
+        if loaders and needed <= set(loaders) and dataclasses.is_dataclass(bound):
+            return cls(column, tuple(inputs), dataclasses.replace(bound, models={}),
+                       arrow_type, {m: loaders[m] for m in needed})
+        return cls(column, tuple(inputs), bound, arrow_type, None)
+
+
+class CascadeColumns:
+    """The Ray Data callable: one instance per actor (models loaded once), called per block."""
+
+    def __init__(self, raw_sites: bytes, batch_size: int, threads: int,
+                 sys_path: Sequence[str] = ()) -> None:
+        import sys
+
+        sys.path[:0] = [p for p in sys_path if p not in sys.path]  # the driver's imports
+        self.sites: list[SiteColumn] = pickle.loads(raw_sites)
+        self.batch_size = batch_size
+        self.models: list[Mapping[str, Model]] = []
+        for site in self.sites:
+            if site.loaders is None:
+                self.models.append(site.bound.models)
+            else:
+                self.models.append({m: load() for m, load in site.loaders.items()})
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            torch.set_num_threads(threads)
+
+    def __call__(self, block: pa.Table) -> pa.Table:
+        for site, models in zip(self.sites, self.models, strict=True):
+            columns = [block.column(c).to_pylist() for c in site.inputs]
+            keys: list[Any] = (columns[0] if len(columns) == 1
+                               else [None if any(v is None for v in row) else row
+                                     for row in zip(*columns, strict=True)])
+            distinct = list(dict.fromkeys(k for k in keys if k is not None))
+            answers: dict[Any, Any] = {}
+            if distinct:
+                column: Any = (pa.array(distinct, pa.string()) if len(columns) == 1 else
+                               [pa.array([k[i] for k in distinct], pa.string())
+                                for i in range(len(columns))])
+                result = run_cascade(site.bound.cascade, models, column, self.batch_size,
+                                     name=site.column)
+                answers = dict(zip(distinct, site.bound.to_sql_values(result.values),
+                                   strict=True))
+            values = [None if k is None else answers[k] for k in keys]
+            block = block.append_column(site.column, pa.array(values, site.arrow_type))
+        return block
+
+
+@dataclass(frozen=True)
+class RayDataRun:
+    """What one run of ``semantic_columns`` did."""
+
+    rows: int
+    out_dir: str
+    actors: int
+    seconds: float
+
+
+def semantic_columns(source: str | Sequence[str], sites: Sequence[SiteColumn], out_dir: str,
+                     actors: int = 2, threads: int = 1, block_rows: int = 4096,
+                     batch_size: int = 32, columns: Sequence[str] | None = None,
+                     show_progress: bool = True) -> RayDataRun:
+    """Stream the Parquet ``source`` (paths or a glob) through ``actors`` Ray actors of
+    ``threads`` torch threads each (asking Ray for at most that many CPUs, leaving one of
+    the cluster's CPUs to Ray Data's own tasks), appending one column per site in blocks of
+    ``block_rows`` rows, and write the result as Parquet files into ``out_dir`` (in the
+    source's row order). ``columns``: the source columns to keep (default all)."""
+    import time
+
+    if actors < 1 or threads < 1 or block_rows < 1:
+        raise EngineError("semantic_columns needs actors, threads and block_rows >= 1")
+    ray = ensure_ray()
+    # the actors share the cluster's CPUs but one: Ray Data's own tasks (listing files,
+    # reading, writing) need a CPU too, and a stream whose reads wait behind its actors stalls
+    cpus = float(ray.cluster_resources().get("CPU", 0))
+    per_actor = max(min(float(threads), (cpus - 1) / actors), 0.0)
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True  # results in the table's order
+    ctx.enable_progress_bars = show_progress
+    started = time.perf_counter()
+    paths = [source] if isinstance(source, str) else list(source)
+    ds = ray.data.read_parquet(paths, columns=None if columns is None else list(columns))
+    import sys
+
+    ds = ds.map_batches(CascadeColumns, fn_constructor_args=(pickle.dumps(list(sites)),
+                                                              batch_size, threads, sys.path),
+                        batch_format="pyarrow", batch_size=block_rows,
+                        compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=per_actor)
+    ds.write_parquet(out_dir)
+    rows = sum(pq.ParquetFile(f).metadata.num_rows for f in _parquet_files(out_dir))
+    return RayDataRun(rows, out_dir, actors, time.perf_counter() - started)
+
+
+def _parquet_files(folder: str) -> list[str]:
+    from pathlib import Path
+
+    return sorted(str(p) for p in Path(folder).glob("*.parquet"))

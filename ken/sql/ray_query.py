@@ -1,0 +1,111 @@
+"""A semantic query over a big Parquet dataset, its semantic step on Ray Data (issue 20).
+
+``session.sql(query, engine="ray")``: the query must read one Parquet dataset (``FROM
+'path/*.parquet'`` or ``read_parquet(...)``), and its semantic calls must take
+columns of it. Then:
+
+1. every call site becomes a column computed by Ray Data over the dataset's blocks
+   (``ken.engine.ray_data.semantic_columns``: streaming, models loaded once per actor,
+   progress shown), written as Parquet into a temporary folder;
+2. the query is rewritten to read that folder instead of the source and each call to read its
+   column, and DuckDB runs it (filters, joins, aggregates, order) as it would have.
+
+The values equal those of the single-machine run row for row: the same bound cascade answers
+each row. Every row goes through the semantic step (filters that DuckDB would evaluate before
+a semantic call do not prune it here): the price of streaming the table once.
+"""
+
+from __future__ import annotations
+
+import glob
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import sqlglot
+from sqlglot import exp
+
+from ken.engine.ray_data import RayDataRun, SiteColumn, semantic_columns
+from ken.errors import SqlError
+from ken.sql.execute import ARROW_TYPES
+from ken.sql.rewrite import Rewritten
+
+
+def parquet_source(statement: exp.Expression) -> tuple[exp.Table, list[str]]:
+    """The one table of ``statement`` that reads Parquet files, and those files."""
+    found = []
+    for table in statement.find_all(exp.Table):
+        node = table.this
+        if isinstance(node, exp.ReadParquet):
+            paths = [e.this for e in node.expressions if isinstance(e, exp.Literal)]
+        elif isinstance(node, exp.Identifier) and node.quoted and node.this.endswith(
+                ".parquet"):
+            paths = [node.this]
+        else:
+            continue
+        found.append((table, paths))
+    if len(found) != 1:
+        raise SqlError("engine='ray' runs a query over one Parquet dataset (FROM "
+                       "'data/*.parquet' or FROM read_parquet(...)); this query reads "
+                       f"{len(found)}")
+    table, patterns = found[0]
+    files: list[str] = []
+    for pattern in patterns:
+        p = Path(pattern).expanduser()
+        if p.is_dir():
+            files += sorted(str(f) for f in p.rglob("*.parquet"))
+        else:
+            files += sorted(glob.glob(str(p))) or ([str(p)] if p.is_file() else [])
+    if not files:
+        raise SqlError(f"no Parquet files at {', '.join(patterns)}")
+    return table, files
+
+
+def run_on_ray(rw: Rewritten, bind: Callable[[str, tuple[str, ...]], Any],
+               loaders: Callable[[str], Mapping[str, Callable[[], Any]] | None],
+               record_columns: Callable[[str], bool], sql: Callable[[str], pa.Table],
+               actors: int = 2, threads: int = 1, block_rows: int = 4096,
+               show_progress: bool = True) -> tuple[pa.Table, RayDataRun]:
+    """Run the rewritten statement ``rw`` with its semantic step on Ray Data (see the module
+    docstring). ``bind``: a site's bound operator; ``loaders``: a function's picklable
+    model loaders (or None); ``record_columns``: whether it takes whole records; ``sql``:
+    runs plain DuckDB SQL and returns its Arrow table."""
+    statement = rw.statement.copy()
+    source, files = parquet_source(statement)
+    schema = pq.read_schema(files[0])
+    calls = {s.udf_name: s for s in rw.sites}
+    sites = []
+    for site in rw.sites:
+        inputs = []
+        for arg in site.args:
+            col = sqlglot.parse_one(arg, read="duckdb")
+            if not isinstance(col, exp.Column) or col.name not in schema.names:
+                raise SqlError(f"engine='ray' computes semantic calls over columns of the "
+                               f"Parquet dataset; {site.call_sql()} takes {arg}, which is not "
+                               f"one of its columns ({', '.join(schema.names)})")
+            if record_columns(site.function) and not pa.types.is_string(
+                    schema.field(col.name).type):
+                raise SqlError(f"engine='ray' passes text columns to {site.function}(); "
+                               f"{col.name} is {schema.field(col.name).type}")
+            inputs.append(col.name)
+        bound = bind(site.function, site.constants)
+        sites.append(SiteColumn.of(f"__ken_{site.label}", inputs, bound,
+                                   ARROW_TYPES[bound.output_type], loaders(site.function)))
+    out = tempfile.mkdtemp(prefix="ken-ray-")
+    try:
+        run = semantic_columns(files, sites, out, actors=actors, threads=threads,
+                               block_rows=block_rows, show_progress=show_progress)
+        alias = source.args.get("alias")
+        source.replace(exp.Table(this=exp.ReadParquet(expressions=[
+            exp.Literal.string(str(Path(out) / "*.parquet"))]), alias=alias))
+        for node in list(statement.find_all(exp.Anonymous)):
+            site = calls.get(str(node.this))
+            if site is not None:
+                node.replace(exp.column(f"__ken_{site.label}", quoted=True))
+        return sql(statement.sql(dialect="duckdb")), run
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
