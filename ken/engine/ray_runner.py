@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from ken.engine.workers import Answers, Loader, answers, warm_up
+from ken.engine.workers import Answers, Loader, answers, process_rss_bytes, warm_up
 from ken.errors import BatchTimeout, KenError, WorkerDied, WorkerError
 from ken.models.model import Model
 
@@ -177,17 +177,10 @@ class RayRunner:
 
     def rss_bytes(self) -> int | None:
         """Resident memory of the actor's process when it runs on this machine, else None."""
-        pid = self._pid
-        if pid is None:
+        if self.node_id is None or self.node_id != import_ray().get_runtime_context(
+                ).get_node_id():
             return None
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            return None
-        return None
+        return process_rss_bytes(self._pid)
 
     def start(self) -> dict[str, float]:
         """Create the actor and wait until it has loaded every model; seconds per model."""

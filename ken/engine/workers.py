@@ -75,6 +75,20 @@ def answers(out: ModelOutput, rows: int) -> Answers:
     return values, scores
 
 
+def process_rss_bytes(pid: int | None) -> int | None:
+    """Resident memory of process ``pid`` of this machine (None if unknown or gone)."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 class _CallThread:
     """A daemon thread running the calls handed to it, in order. Daemon: a call stuck for ever
     must not keep the process alive at exit."""
@@ -250,17 +264,7 @@ class ProcessRunner:
 
     def rss_bytes(self) -> int | None:
         """Resident memory of the worker process (None if it is not running)."""
-        pid = self.pid
-        if pid is None:
-            return None
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            return None
-        return None
+        return process_rss_bytes(self.pid)
 
     def start(self) -> dict[str, float]:
         """Start the process and wait until it has loaded every model; seconds per model.
