@@ -522,7 +522,7 @@ class Session:
 
         table, _run = run_on_ray(
             rw, self.bind, lambda f: self.operators[f].loaders(self.ctx, threads),
-            lambda f: bool(getattr(self.operators[f], "record_columns", False)), duckdb_sql,
+            duckdb_sql,
             actors=self.ray_actors, threads=threads)
         return Result(self._connection, table=table)
 

@@ -134,8 +134,25 @@ def semantic_columns(source: str | Sequence[str], sites: Sequence[SiteColumn], o
                                                               batch_size, threads, sys.path),
                         batch_format="pyarrow", batch_size=block_rows,
                         compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=per_actor)
-    ds.write_parquet(out_dir)
-    rows = sum(pq.ParquetFile(f).metadata.num_rows for f in _parquet_files(out_dir))
+    try:
+        ds.write_parquet(out_dir)
+    except ray.exceptions.RayError as exc:
+        from ken.engine.ray_runner import _cause
+
+        raise EngineError(f"the semantic step on Ray Data failed: {_cause(exc)}") from None
+    expected = sum(pq.ParquetFile(f).metadata.num_rows for f in paths)
+    files = _parquet_files(out_dir)
+    rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    if rows != expected:  # e.g. files written on another node, out of this folder's reach
+        raise EngineError(
+            f"the semantic step on Ray Data wrote {rows} of {expected} rows into {out_dir}; "
+            "on a cluster of several nodes the folder must be shared storage that every "
+            "node writes to")
+    if not files:  # an empty dataset: an empty file with the right columns
+        schema = pq.read_schema(paths[0])
+        for site in sites:
+            schema = schema.append(pa.field(site.column, site.arrow_type))
+        pq.write_table(schema.empty_table(), f"{out_dir}/empty.parquet")
     return RayDataRun(rows, out_dir, actors, time.perf_counter() - started)
 
 

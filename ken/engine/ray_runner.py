@@ -63,6 +63,9 @@ def ensure_ray(address: str | None = None) -> Any:
     started by ``ray start --head``), ``"ray://host:port"`` (Ray Client) or None (a local
     Ray started for this process, with the machine's CPUs)."""
     ray = import_ray()
+    if ray.is_initialized() and address not in (None, "auto", "local"):
+        raise KenError(f"this process is already connected to a Ray cluster; it cannot "
+                       f"also join {address!r} (one Ray connection per process)")
     if not ray.is_initialized():
         options: dict[str, Any] = {"include_dashboard": False, "logging_level": "ERROR",
                                    "log_to_driver": False}
@@ -367,11 +370,15 @@ def measure_hop_s(calls: int = 200, rows: int = 8) -> float:
 
     echo = Echo.remote()
     texts = [f"row {i}" for i in range(rows)]
-    ray.get(echo.echo.remote(texts))
     seconds = []
-    for _ in range(calls):
-        started = time.perf_counter()
+    try:
         ray.get(echo.echo.remote(texts))
-        seconds.append(time.perf_counter() - started)
-    ray.kill(echo)
+        for _ in range(calls):
+            started = time.perf_counter()
+            ray.get(echo.echo.remote(texts))
+            seconds.append(time.perf_counter() - started)
+    except ray.exceptions.RayError as exc:
+        raise KenError(f"cannot measure the hop to a Ray actor: {_cause(exc)}") from None
+    finally:
+        ray.kill(echo)
     return float(np.median(seconds))

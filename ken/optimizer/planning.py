@@ -391,4 +391,6 @@ def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Seq
         frontiers[n], _stats = plan_operator(
             n, profiles[n], catalog, cascades, hardware, plan_trace, peak_qps, settings,
             cache_dir=cache_dir, reporter=ctx.reporter, force=force)
-    return choose_plans(frontiers, catalogs, plan_trace, target), frontiers
+    # the query optimizer simulates with the runtimes the frontiers were planned with
+    charged = {n: c.with_overhead(hardware.dispatch_s) for n, c in catalogs.items()}
+    return choose_plans(frontiers, charged, plan_trace, target), frontiers

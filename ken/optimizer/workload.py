@@ -102,9 +102,9 @@ class Hardware:
         ``memory``), in the given order: node ``k`` gets CPU devices ``n{k}.cpu{i}`` of
         ``threads_per_device`` cores each and one device ``n{k}.cuda{j}`` per GPU. A CPU
         device's memory budget is ``memory_bytes``, or the node's memory shared among its
-        CPU devices; a GPU's is ``gpu_memory_bytes`` (Ray does not report it: required when
-        a node has GPUs). Every device pays ``dispatch_s`` per batch (the hop to an actor).
-        Nodes that are not alive are left out."""
+        CPU devices; a GPU's is ``gpu_memory_bytes`` (Ray does not report it: without it
+        the GPUs are left out). Every device pays ``dispatch_s`` per batch (the hop to an
+        actor). Nodes that are not alive are left out."""
         if threads_per_device < 1:
             raise WorkloadError(f"threads_per_device must be >= 1, got {threads_per_device}")
         devices: list[Device] = []
@@ -118,12 +118,9 @@ class Hardware:
                 memory = int(res.get("memory", 0)) // cpus
             devices += [Device(f"n{k}.cpu{i}", "cpu", memory or 0, k, dispatch_s)
                         for i in range(cpus)]
-            if gpus and gpu_memory_bytes is None:
-                raise WorkloadError(
-                    f"node {k} has {gpus} GPU(s) but Ray does not report their memory: give "
-                    "gpu_memory_bytes (e.g. 80 * 2**30 for an 80 GB GPU)")
-            devices += [Device(f"n{k}.cuda{j}", "cuda", gpu_memory_bytes or 0, k, dispatch_s)
-                        for j in range(gpus)]
+            if gpu_memory_bytes is not None:  # Ray does not report GPU memory
+                devices += [Device(f"n{k}.cuda{j}", "cuda", gpu_memory_bytes, k, dispatch_s)
+                            for j in range(gpus)]
         if not devices:
             raise WorkloadError(f"the cluster's {len(alive)} live node(s) have no CPU with "
                                 f"{threads_per_device} thread(s) to spare and no GPU")

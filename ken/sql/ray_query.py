@@ -67,12 +67,12 @@ def parquet_source(statement: exp.Expression) -> tuple[exp.Table, list[str]]:
 
 def run_on_ray(rw: Rewritten, bind: Callable[[str, tuple[str, ...]], Any],
                loaders: Callable[[str], Mapping[str, Callable[[], Any]] | None],
-               record_columns: Callable[[str], bool], sql: Callable[[str], pa.Table],
+               sql: Callable[[str], pa.Table],
                actors: int = 2, threads: int = 1, block_rows: int = 4096,
                show_progress: bool = True) -> tuple[pa.Table, RayDataRun]:
     """Run the rewritten statement ``rw`` with its semantic step on Ray Data (see the module
     docstring). ``bind``: a site's bound operator; ``loaders``: a function's picklable
-    model loaders (or None); ``record_columns``: whether it takes whole records; ``sql``:
+    model loaders (or None); ``sql``:
     runs plain DuckDB SQL and returns its Arrow table."""
     statement = rw.statement.copy()
     source, files = parquet_source(statement)
@@ -83,14 +83,17 @@ def run_on_ray(rw: Rewritten, bind: Callable[[str, tuple[str, ...]], Any],
         inputs = []
         for arg in site.args:
             col = sqlglot.parse_one(arg, read="duckdb")
-            if not isinstance(col, exp.Column) or col.name not in schema.names:
+            names = {source.alias_or_name, source.name}
+            if not isinstance(col, exp.Column) or col.name not in schema.names or (
+                    col.table and col.table not in names):
                 raise SqlError(f"engine='ray' computes semantic calls over columns of the "
                                f"Parquet dataset; {site.call_sql()} takes {arg}, which is not "
                                f"one of its columns ({', '.join(schema.names)})")
-            if record_columns(site.function) and not pa.types.is_string(
-                    schema.field(col.name).type):
-                raise SqlError(f"engine='ray' passes text columns to {site.function}(); "
-                               f"{col.name} is {schema.field(col.name).type}")
+            kind = schema.field(col.name).type
+            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+                raise SqlError(f"{site.function}() needs text arguments, but "
+                               f"{site.call_sql()} passes {col.name} of type {kind}; with "
+                               "engine='ray' the arguments are text columns of the dataset")
             inputs.append(col.name)
         bound = bind(site.function, site.constants)
         sites.append(SiteColumn.of(f"__ken_{site.label}", inputs, bound,
