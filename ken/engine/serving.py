@@ -734,7 +734,7 @@ class Engine:
         if wait <= 0.0:
             return None  # an idle replica admits whatever the target says
         row = plan.batch_seconds(replica, 1) or 0.0  # one more row costs at most a batch of 1
-        raw = wait + row + (disp.queue_length(replica) + 1) * self._downstream_row_s(disp)
+        raw = wait + row + (disp.queued(replica) + 1) * self._downstream_row_s(disp)
         slowdown = self._slowdown.setdefault(plan.operator, Slowdown()).value(self.clock.now())
         expected = raw * slowdown
         if expected <= target:

@@ -342,10 +342,6 @@ class Dispatcher:
         rng = self.gears.current
         return self.router.pick(rng, self._first_model[rng])
 
-    def queue_length(self, replica: int) -> int:
-        """Rows queued at ``replica`` now (a running batch not included)."""
-        return len(self._queue[replica])
-
     def queued_work_s(self) -> dict[str, float] | None:
         """Profiled seconds each device needs to run the rows queued on it now (running
         batches not included), in batches of each replica's max batch: the plan's
