@@ -228,8 +228,10 @@ def actual_lines(runner: SiteRunner) -> list[str]:
              f"{st.seconds:.3f} s"]
     if st.online_rows or st.bulk_rows:
         answered = ", ".join(f"{k} {v:,}" for k, v in st.resolved_by.items())
+        retried = (f"; {st.rejected_retries:,} sent again after admission turned them away"
+                   if st.rejected_retries else "")
         return lines + [f"online engine: {st.online_rows:,} rows as requests, {st.bulk_rows:,} "
-                        f"as bulk rows; answered by {answered}"]
+                        f"as bulk rows; answered by {answered}{retried}"]
     for stage in st.stages:
         lines.append(f"stage {stage.model}: {stage.input_rows:,} in, {stage.resolved_rows:,} "
                      f"resolved, {stage.num_batches} batches, {stage.seconds:.3f} s")
