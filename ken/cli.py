@@ -483,14 +483,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
                   f"{trace.name}: {len(trace):,} requests over {trace.duration_s:.0f} s, "
                   f"1-s peak {trace.qps_max():g} qps")
     workers, cluster = args.workers, None
-    if args.ray is not None:
+    if args.ray is not None or workers == "ray":  # --ray ADDRESS, or a Ray started here
         from ken.engine.ray_runner import RayCluster
 
-        workers, cluster = "ray", RayCluster.connect(args.ray)
-    elif workers == "ray":
-        from ken.engine.ray_runner import RayCluster
-
-        cluster = RayCluster.connect("local")
+        workers, cluster = "ray", RayCluster.connect(args.ray or "local")
     engine = Engine(plan, {m: functools.partial(family.load_model, cards[m], device, None, data)
                            for m in needed}, workers=workers,
                     threads_per_device=args.device_threads,

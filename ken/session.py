@@ -520,10 +520,9 @@ class Session:
                 raise KenError(str(error)) from None
             return relation.to_arrow_table() if relation is not None else pa.table({})
 
-        table, _run = run_on_ray(
-            rw, self.bind, lambda f: self.operators[f].loaders(self.ctx, threads),
-            duckdb_sql,
-            actors=self.ray_actors, threads=threads)
+        table = run_on_ray(rw, self.bind,
+                           lambda f: self.operators[f].loaders(self.ctx, threads), duckdb_sql,
+                           actors=self.ray_actors, threads=threads)
         return Result(self._connection, table=table)
 
     def sql_script(self, script: str) -> Result:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ import pyarrow.parquet as pq
 
 from ken.engine.batch import run_cascade
 from ken.engine.ray_runner import ensure_ray
+from ken.engine.workers import load_models
 from ken.errors import EngineError
 from ken.models.model import Model
 
@@ -58,8 +60,6 @@ class CascadeColumns:
 
     def __init__(self, raw_sites: bytes, batch_size: int, threads: int,
                  sys_path: Sequence[str] = ()) -> None:
-        import sys
-
         sys.path[:0] = [p for p in sys_path if p not in sys.path]  # the driver's imports
         self.sites: list[SiteColumn] = pickle.loads(raw_sites)
         self.batch_size = batch_size
@@ -68,10 +68,9 @@ class CascadeColumns:
             if site.loaders is None:
                 self.models.append(site.bound.models)
             else:
-                self.models.append({m: load() for m, load in site.loaders.items()})
-        torch = sys.modules.get("torch")
-        if torch is not None:
-            torch.set_num_threads(threads)
+                loaded: dict[str, Model] = {}
+                load_models(site.loaders, loaded, threads)
+                self.models.append(loaded)
 
     def __call__(self, block: pa.Table) -> pa.Table:
         for site, models in zip(self.sites, self.models, strict=True):
@@ -94,27 +93,15 @@ class CascadeColumns:
         return block
 
 
-@dataclass(frozen=True)
-class RayDataRun:
-    """What one run of ``semantic_columns`` did."""
-
-    rows: int
-    out_dir: str
-    actors: int
-    seconds: float
-
-
 def semantic_columns(source: str | Sequence[str], sites: Sequence[SiteColumn], out_dir: str,
                      actors: int = 2, threads: int = 1, block_rows: int = 4096,
                      batch_size: int = 32, columns: Sequence[str] | None = None,
-                     show_progress: bool = True) -> RayDataRun:
+                     show_progress: bool = True) -> int:
     """Stream the Parquet ``source`` (paths or a glob) through ``actors`` Ray actors of
     ``threads`` torch threads each (asking Ray for at most that many CPUs, leaving one of
     the cluster's CPUs to Ray Data's own tasks), appending one column per site in blocks of
     ``block_rows`` rows, and write the result as Parquet files into ``out_dir`` (in the
     source's row order). ``columns``: the source columns to keep (default all)."""
-    import time
-
     if actors < 1 or threads < 1 or block_rows < 1:
         raise EngineError("semantic_columns needs actors, threads and block_rows >= 1")
     ray = ensure_ray()
@@ -125,11 +112,8 @@ def semantic_columns(source: str | Sequence[str], sites: Sequence[SiteColumn], o
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # results in the table's order
     ctx.enable_progress_bars = show_progress
-    started = time.perf_counter()
     paths = [source] if isinstance(source, str) else list(source)
     ds = ray.data.read_parquet(paths, columns=None if columns is None else list(columns))
-    import sys
-
     ds = ds.map_batches(CascadeColumns, fn_constructor_args=(pickle.dumps(list(sites)),
                                                               batch_size, threads, sys.path),
                         batch_format="pyarrow", batch_size=block_rows,
@@ -153,7 +137,7 @@ def semantic_columns(source: str | Sequence[str], sites: Sequence[SiteColumn], o
         for site in sites:
             schema = schema.append(pa.field(site.column, site.arrow_type))
         pq.write_table(schema.empty_table(), f"{out_dir}/empty.parquet")
-    return RayDataRun(rows, out_dir, actors, time.perf_counter() - started)
+    return rows
 
 
 def _parquet_files(folder: str) -> list[str]:

@@ -34,12 +34,12 @@ import re
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ken.engine.workers import Answers, Loader, answers, process_rss_bytes, warm_up
+from ken.engine.workers import Answers, Loader, answers, load_models, process_rss_bytes
 from ken.errors import BatchTimeout, KenError, WorkerDied, WorkerError
 from ken.models.model import Model
 
@@ -89,19 +89,7 @@ class _DeviceActor:
     def ensure_loaded(self, raw: bytes) -> dict[str, float]:
         """Load (and warm up) the models of ``raw`` (pickled name -> loader) not loaded yet;
         seconds per model loaded now."""
-        seconds = {}
-        for name, loader in pickle.loads(raw).items():
-            if name in self.models:
-                continue
-            started = time.perf_counter()
-            model = loader()
-            torch = sys.modules.get("torch")
-            if torch is not None:
-                torch.set_num_threads(self.threads)
-            warm_up(model)
-            self.models[name] = model
-            seconds[name] = time.perf_counter() - started
-        return seconds
+        return load_models(pickle.loads(raw), self.models, self.threads)
 
     def where(self) -> tuple[int, str]:
         """This actor's process id and Ray node id."""
@@ -135,11 +123,9 @@ class ActorPlacement:
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     node_id: str | None = None  # Ray node id the actor must run on (None: anywhere)
-    options: Mapping[str, Any] = field(default_factory=dict)  # further .options(...)
 
     def ray_options(self) -> dict[str, Any]:
-        opts: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
-                                **self.options}
+        opts: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
         if self.node_id is not None:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -172,11 +158,6 @@ class RayRunner:
     def pid(self) -> int | None:
         """The actor's process id (on its node) as of its latest start or call."""
         return self._pid
-
-    @property
-    def actor(self) -> Any:
-        """The Ray actor handle (None before start or after close)."""
-        return self._actor
 
     def rss_bytes(self) -> int | None:
         """Resident memory of the actor's process when it runs on this machine, else None."""

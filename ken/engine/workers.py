@@ -75,6 +75,28 @@ def answers(out: ModelOutput, rows: int) -> Answers:
     return values, scores
 
 
+def load_models(loaders: Mapping[str, Loader], into: dict[str, Model], threads: int
+                ) -> dict[str, float]:
+    """In a worker (process or Ray actor): load and warm up the models of ``loaders`` that
+    ``into`` does not hold yet, into it; seconds per model loaded. torch is imported by the
+    models that use it (importing it takes a second, and a restart waits for it): its thread
+    count is set once they are loaded; the worker started with OMP_NUM_THREADS set, for
+    what they ran while loading."""
+    seconds = {}
+    for name, loader in loaders.items():
+        if name in into:
+            continue
+        started = time.perf_counter()
+        model = loader()
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            torch.set_num_threads(threads)
+        warm_up(model)
+        into[name] = model
+        seconds[name] = time.perf_counter() - started
+    return seconds
+
+
 def process_rss_bytes(pid: int | None) -> int | None:
     """Resident memory of process ``pid`` of this machine (None if unknown or gone)."""
     if pid is None:
@@ -192,27 +214,12 @@ def _serve(inp: Connection, out: Connection, threads: int) -> None:
     sys.path[:0] = [p for p in inp.recv() if p not in sys.path]  # the engine's import path
     models: dict[str, Model] = {}
 
-    def limit_threads() -> None:
-        """torch is imported by the models that use it (importing it takes a second, and a
-        restart waits for it): their thread count is set here, once they are loaded; the
-        process started with OMP_NUM_THREADS set, for what they ran while loading."""
-        torch = sys.modules.get("torch")
-        if torch is not None:
-            torch.set_num_threads(threads)
-
     def load(raw: bytes) -> dict[str, float] | str:
         """Unpickle loaders and load their models: seconds per model, or the error."""
-        seconds = {}
         try:
-            for name, loader in pickle.loads(raw).items():
-                started = time.perf_counter()
-                models[name] = loader()
-                limit_threads()
-                warm_up(models[name])
-                seconds[name] = time.perf_counter() - started
+            return load_models(pickle.loads(raw), models, threads)
         except Exception as exc:  # noqa: BLE001 - reported to the engine, which raises it
             return f"{type(exc).__name__}: {exc}"
-        return seconds
 
     loaded = load(inp.recv_bytes())
     if isinstance(loaded, str):

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 import sqlglot
 from sqlglot import exp
 
-from ken.engine.ray_data import RayDataRun, SiteColumn, semantic_columns
+from ken.engine.ray_data import SiteColumn, semantic_columns
 from ken.errors import SqlError
 from ken.sql.execute import ARROW_TYPES
 from ken.sql.rewrite import Rewritten
@@ -69,7 +69,7 @@ def run_on_ray(rw: Rewritten, bind: Callable[[str, tuple[str, ...]], Any],
                loaders: Callable[[str], Mapping[str, Callable[[], Any]] | None],
                sql: Callable[[str], pa.Table],
                actors: int = 2, threads: int = 1, block_rows: int = 4096,
-               show_progress: bool = True) -> tuple[pa.Table, RayDataRun]:
+               show_progress: bool = True) -> pa.Table:
     """Run the rewritten statement ``rw`` with its semantic step on Ray Data (see the module
     docstring). ``bind``: a site's bound operator; ``loaders``: a function's picklable
     model loaders (or None); ``sql``:
@@ -100,7 +100,7 @@ def run_on_ray(rw: Rewritten, bind: Callable[[str, tuple[str, ...]], Any],
                                    ARROW_TYPES[bound.output_type], loaders(site.function)))
     out = tempfile.mkdtemp(prefix="ken-ray-")
     try:
-        run = semantic_columns(files, sites, out, actors=actors, threads=threads,
+        semantic_columns(files, sites, out, actors=actors, threads=threads,
                                block_rows=block_rows, show_progress=show_progress)
         alias = source.args.get("alias")
         source.replace(exp.Table(this=exp.ReadParquet(expressions=[
@@ -109,6 +109,6 @@ def run_on_ray(rw: Rewritten, bind: Callable[[str, tuple[str, ...]], Any],
             site = calls.get(str(node.this))
             if site is not None:
                 node.replace(exp.column(f"__ken_{site.label}", quoted=True))
-        return sql(statement.sql(dialect="duckdb")), run
+        return sql(statement.sql(dialect="duckdb"))
     finally:
         shutil.rmtree(out, ignore_errors=True)
