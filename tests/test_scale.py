@@ -10,7 +10,7 @@ from test_simulator import CATALOG, make_plan, random_plans, random_traces
 
 from ken.errors import PlanError
 from ken.models.cascade import Cascade
-from ken.optimizer.scale import replicate_hardware, replicate_plan
+from ken.optimizer.scale import cluster_trace, replicate_hardware, replicate_plan
 from ken.optimizer.simulator import simulate
 from ken.optimizer.workload import Device, Hardware, Trace, poisson_trace
 from ken.policy.plan import GearPlan
@@ -84,3 +84,24 @@ def test_cluster_hardware_names_devices_as_the_copied_plan_does() -> None:
         replicate_plan(plan, 0)
     with pytest.raises(PlanError, match="at least one"):
         replicate_hardware(node, 0)
+
+
+def test_cluster_traffic_is_the_nodes_arrivals_n_times_with_bursts_together_or_apart() -> None:
+    node = poisson_trace(100.0, 20.0, seed=3)
+    same = cluster_trace(node, 8, "same")
+    apart = cluster_trace(node, 8, "independent", seed=1)
+    for t in (same, apart):
+        assert len(t) == 8 * len(node)
+        assert np.all(np.diff(t.arrival_s) >= 0)
+        assert t.arrival_s[-1] <= node.duration_s + 1e-5
+    assert same.qps_max() == pytest.approx(8 * node.qps_max(), rel=0.02)
+    # a burst confined to one node's second stays one second long when all burst together,
+    # and is spread over the trace when they do not
+    bursty = Trace(np.sort(np.concatenate([np.linspace(5.0, 5.9, 500),
+                                           np.linspace(0.0, 19.9, 200)])), "burst")
+    assert cluster_trace(bursty, 8, "same").qps_max() > 2 * cluster_trace(
+        bursty, 8, "independent", seed=2).qps_max()
+    with pytest.raises(PlanError, match="same"):
+        cluster_trace(node, 2, "sometimes")  # type: ignore[arg-type]
+    assert cluster_trace(node, 1, "independent").arrival_s.tolist() == pytest.approx(
+        node.arrival_s.tolist())

@@ -12,8 +12,12 @@ cluster gives (``benchmarks/ray_scaling.py``).
 
 from __future__ import annotations
 
+from typing import Literal
+
+import numpy as np
+
 from ken.errors import PlanError
-from ken.optimizer.workload import Device, Hardware
+from ken.optimizer.workload import Device, Hardware, Trace
 from ken.policy.plan import GearPlan, RangeSchedule, Replica
 
 
@@ -46,3 +50,27 @@ def replicate_hardware(hardware: Hardware, copies: int) -> Hardware:
         raise PlanError(f"a cluster needs at least one node, got {copies}")
     return Hardware(tuple(Device(node_device(k, d.id), d.kind, d.memory_bytes, k, d.dispatch_s)
                           for k in range(copies) for d in hardware.devices))
+
+
+def cluster_trace(node: Trace, nodes: int, bursts: Literal["same", "independent"] = "same",
+                  seed: int = 0) -> Trace:
+    """The traffic of ``nodes`` nodes, each offered ``node``'s arrivals over its duration.
+
+    ``"same"``: every arrival ``nodes`` times, each within a microsecond (the whole cluster
+    bursts at once: ``nodes`` times the node's load with its peaks where they were).
+    ``"independent"``: copy ``k`` of the node's arrivals shifted by a random offset, wrapping
+    around the trace's end (users whose bursts do not coincide; the sum is smoother)."""
+    if nodes < 1:
+        raise PlanError(f"a cluster needs at least one node, got {nodes}")
+    rng = np.random.default_rng(seed)
+    arrivals = node.arrival_s
+    if bursts == "same":
+        out = np.repeat(arrivals, nodes) + rng.uniform(0.0, 1e-6, len(arrivals) * nodes)
+    elif bursts == "independent":
+        span = max(node.duration_s, 1e-9)
+        shifts = np.concatenate([[0.0], rng.uniform(0.0, span, nodes - 1)])
+        moved = [arrivals + s for s in shifts]
+        out = np.concatenate([np.where(m > span, m - span, m) for m in moved])
+    else:
+        raise PlanError(f"bursts must be 'same' or 'independent', not {bursts!r}")
+    return Trace(np.sort(out), f"{node.name}x{nodes}-nodes-{bursts}")
