@@ -474,6 +474,16 @@ def cmd_replay(args: argparse.Namespace) -> int:
                        f"({', '.join(cards)})")
     _cards, profiles = _load_profiles(args, [args.device_threads], reporter)
     catalog, _ = planning_inputs({p.model: p for p in profiles})
+    workers, cluster = args.workers, None
+    if args.ray is not None or workers == "ray":  # --ray ADDRESS, or a Ray started here
+        from ken.engine.ray_runner import RayCluster
+
+        workers, cluster = "ray", RayCluster.connect(args.ray or "local")
+        # every call pays the hop to its actor: simulate it, and measure the calibration
+        # against profile + hop (as `ken plan --ray --calibration` applies it), not twice
+        hop = cluster.hop_s()
+        catalog = catalog.with_overhead(hop)
+        reporter.note(f"Ray: the hop to an actor, {1000 * hop:.1f} ms, counted in every batch")
     profiled = catalog
     catalog, _ = _calibrate(args.calibration, catalog, reporter)  # simulate with serving times
     sample = family.heldout_sample(data, args.data_dir)
@@ -482,11 +492,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
     reporter.note(f"plan: {len(plan.gears())} gears on {', '.join(plan.devices)}; trace "
                   f"{trace.name}: {len(trace):,} requests over {trace.duration_s:.0f} s, "
                   f"1-s peak {trace.qps_max():g} qps")
-    workers, cluster = args.workers, None
-    if args.ray is not None or workers == "ray":  # --ray ADDRESS, or a Ray started here
-        from ken.engine.ray_runner import RayCluster
-
-        workers, cluster = "ray", RayCluster.connect(args.ray or "local")
     engine = Engine(plan, {m: functools.partial(family.load_model, cards[m], device, None, data)
                            for m in needed}, workers=workers,
                     threads_per_device=args.device_threads,

@@ -129,6 +129,9 @@ class Session:
         self._thread_ids = itertools.count(1)
         self._pool: ThreadPoolExecutor | None = None
         self.ray_actors = 2  # actors of sql(..., engine="ray"), each of device.threads CPUs
+        # sql(..., engine="auto") runs a query's semantic step on Ray Data when it reads one
+        # Parquet dataset of at least this many rows (None: never; ken.sql.ray_query)
+        self.ray_min_rows: int | None = 10_000_000
 
     @property
     def device(self) -> DeviceConfig:
@@ -453,7 +456,7 @@ class Session:
             out.append(rw)
         return out
 
-    def sql(self, query: str, params: Any = None, engine: str = "duckdb") -> Result:
+    def sql(self, query: str, params: Any = None, engine: str = "auto") -> Result:
         """Run one statement of DuckDB SQL with semantic functions. ``EXPLAIN [ANALYZE]``
         prefixes explain it; ``TRAIN ...`` trains a semantic function (``ken.sql.train``).
 
@@ -463,13 +466,16 @@ class Session:
         ``engine="ray"`` runs the semantic calls of a query over one big Parquet dataset on
         Ray Data (``ken.sql.ray_query``: streamed through ``ray_actors`` actors of
         ``threads`` CPUs, models loaded once per actor), then the rest of the query on
-        DuckDB; the rows equal those of the default engine.
+        DuckDB; the rows equal those of DuckDB's run. ``engine="auto"`` (the default) does so
+        when the dataset holds at least ``session.ray_min_rows`` rows (10 million; None:
+        never), Ray is installed, and no WHERE test outside the semantic calls would let
+        DuckDB skip rows first; it says which engine it chose. ``engine="duckdb"``: never.
 
         >>> session.sql("SELECT sentiment(text) AS mood, count(*) FROM 'tweets/*.parquet' "
         ...             "GROUP BY mood", engine="ray")          # doctest: +SKIP
         """
-        if engine not in ("duckdb", "ray"):
-            raise KenError(f"engine must be 'duckdb' or 'ray' (got {engine!r})")
+        if engine not in ("auto", "duckdb", "ray"):
+            raise KenError(f"engine must be 'auto', 'duckdb' or 'ray' (got {engine!r})")
         statements = split_statements(query)
         if len(statements) > 1:
             raise SqlError(
@@ -504,6 +510,16 @@ class Session:
                 return Result(self._connection, relation=relation)
             except duckdb.Error as error:
                 raise KenError(str(error)) from None
+        if engine == "auto":
+            from ken.sql.ray_query import ray_choice
+
+            on_ray, why = ray_choice(statements[0], self.ray_min_rows)
+            if why:  # a big dataset: long work; say where its semantic step runs
+                with self.reporter.long_work(f"engine='auto': {why}"):
+                    if on_ray:
+                        return self._run_on_ray(statements[0], params)
+                    return self._run(statements[0], params)
+            engine = "duckdb"
         if engine == "ray":
             return self._run_on_ray(statements[0], params)
         return self._run(statements[0], params)

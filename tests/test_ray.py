@@ -282,3 +282,45 @@ def test_a_query_over_a_parquet_dataset_on_ray_data_equals_duckdb(local_ray, tmp
                   engine="ray")
         with pytest.raises(KenError, match="engine must be"):
             s.sql("SELECT 1", engine="spark")
+
+
+def test_engine_auto_sends_only_big_unpruned_datasets_to_ray_data(local_ray, tmp_path, capsys,
+                                                                  monkeypatch) -> None:
+    import ken
+
+    data = tmp_path / "mid"
+    parquet_dataset(data, 3_000, files=2)
+    src = f"'{data}/*.parquet'"
+
+    def said() -> str:  # what the session printed, lines unwrapped
+        return " ".join(capsys.readouterr().err.split())
+
+    with ken.connect(builtins=False) as s:
+        s.register("mood", _Mood("mood", Cascade(("a", "b"), (0.5,)),
+                                 {"a": FakeModel("a"), "b": FakeModel("b")}))
+        query = f"SELECT g, mood(x) AS m, count(*) AS n FROM {src} GROUP BY ALL ORDER BY ALL"
+        expected = s.sql(query, engine="duckdb").fetchall()
+        assert s.sql(query).fetchall() == expected  # 3,000 rows < 10 million: DuckDB, silent
+        assert "engine='auto'" not in said()
+        s.ray_min_rows = 2_000
+        assert s.sql(query).fetchall() == expected
+        assert "3,000 rows >= session.ray_min_rows (2,000): semantic step on Ray Data" in \
+            said()
+        # a WHERE test DuckDB runs before the semantic call: DuckDB, and it says why
+        pruned = f"SELECT id, mood(x) FROM {src} WHERE id < 10 ORDER BY id"
+        assert s.sql(pruned).fetchall() == s.sql(pruned, engine="duckdb").fetchall()
+        assert "DuckDB skip rows" in said()
+        # a WHERE made of semantic calls only prunes nothing: Ray Data
+        on_mood = f"SELECT count(*) FROM {src} WHERE mood(x) = 'positive'"
+        assert s.sql(on_mood).fetchall() == s.sql(on_mood, engine="duckdb").fetchall()
+        assert "on Ray Data" in said()
+        # shapes the Ray path does not run stay on DuckDB whatever the size
+        two = f"SELECT count(*) FROM {src} a, {src} b WHERE a.id = b.id AND mood(a.x) = 'x'"
+        assert s.sql(two).fetchall() == [(0,)]
+        assert "engine='auto'" not in said()
+        monkeypatch.setitem(__import__("sys").modules, "ray", None)  # Ray not installed
+        assert s.sql(query).fetchall() == expected
+        assert "Ray is not installed" in said()
+        s.ray_min_rows = None
+        assert s.sql(query).fetchall() == expected
+        assert "engine='auto'" not in said()

@@ -321,9 +321,15 @@ class RayCluster:
         from ken.optimizer.workload import Hardware
 
         if dispatch_s is None:
-            dispatch_s = math.ceil(measure_hop_s() / 5e-4) * 5e-4
+            dispatch_s = self.hop_s()
         return Hardware.from_nodes(self.nodes, threads_per_device, memory_bytes,
                                    gpu_memory_bytes, dispatch_s)
+
+    @staticmethod
+    def hop_s() -> float:
+        """The hop to an actor measured now (``measure_hop_s``), rounded up to 0.5 ms: what
+        plans for this cluster charge per batch."""
+        return math.ceil(measure_hop_s() / 5e-4) * 5e-4
 
     def placement(self, device: str, threads: int) -> ActorPlacement:
         """What Ray is asked for ``device``'s actor: a device named by ``hardware``

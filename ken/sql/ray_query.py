@@ -1,7 +1,8 @@
 """A semantic query over a big Parquet dataset, its semantic step on Ray Data (issue 20).
 
-``session.sql(query, engine="ray")``: the query must read one Parquet dataset (``FROM
-'path/*.parquet'`` or ``read_parquet(...)``), and its semantic calls must take
+``session.sql(query, engine="ray")``, or the default ``engine="auto"`` when the dataset holds at
+least ``session.ray_min_rows`` rows (``ray_choice``): the query must read one Parquet dataset
+(``FROM 'path/*.parquet'`` or ``read_parquet(...)``), and its semantic calls must take text
 columns of it. Then:
 
 1. every call site becomes a column computed by Ray Data over the dataset's blocks
@@ -21,6 +22,7 @@ import glob
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,20 +67,27 @@ def parquet_source(statement: exp.Expression) -> tuple[exp.Table, list[str]]:
     return table, files
 
 
-def run_on_ray(rw: Rewritten, bind: Callable[[str, tuple[str, ...]], Any],
-               loaders: Callable[[str], Mapping[str, Callable[[], Any]] | None],
-               sql: Callable[[str], pa.Table],
-               actors: int = 2, threads: int = 1, block_rows: int = 4096,
-               show_progress: bool = True) -> pa.Table:
-    """Run the rewritten statement ``rw`` with its semantic step on Ray Data (see the module
-    docstring). ``bind``: a site's bound operator; ``loaders``: a function's picklable
-    model loaders (or None); ``sql``:
-    runs plain DuckDB SQL and returns its Arrow table."""
-    statement = rw.statement.copy()
-    source, files = parquet_source(statement)
+@dataclass(frozen=True)
+class RayInputs:
+    """What the Ray Data path needs of a query: its Parquet source and files, and per call
+    site the columns of the dataset it takes."""
+
+    source: exp.Table
+    files: tuple[str, ...]
+    columns: tuple[tuple[str, ...], ...]  # per site of the rewritten statement
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the dataset, from the files' footers (no data is read)."""
+        return sum(pq.ParquetFile(f).metadata.num_rows for f in self.files)
+
+
+def ray_inputs(rw: Rewritten, statement: exp.Expression | None = None) -> RayInputs:
+    """The source and the columns each call site of ``rw`` takes; a ``SqlError`` saying why
+    when the query does not have the shape the Ray Data path runs (module docstring)."""
+    source, files = parquet_source(rw.statement if statement is None else statement)
     schema = pq.read_schema(files[0])
-    calls = {s.udf_name: s for s in rw.sites}
-    sites = []
+    columns = []
     for site in rw.sites:
         inputs = []
         for arg in site.args:
@@ -95,13 +104,74 @@ def run_on_ray(rw: Rewritten, bind: Callable[[str, tuple[str, ...]], Any],
                                f"{site.call_sql()} passes {col.name} of type {kind}; with "
                                "engine='ray' the arguments are text columns of the dataset")
             inputs.append(col.name)
+        columns.append(tuple(inputs))
+    return RayInputs(source, tuple(files), tuple(columns))
+
+
+def ray_choice(rw: Rewritten, min_rows: int | None) -> tuple[bool, str]:
+    """Whether ``engine="auto"`` runs ``rw`` on Ray Data, and why (or why not) when its
+    dataset is big: it does when the query has the shape the Ray path runs, its dataset holds
+    at least ``min_rows`` rows (None: never), Ray is installed and DuckDB could not skip rows
+    before the semantic calls. The reason is "" when the dataset is not big (or the query
+    reads no single Parquet dataset): nothing worth saying."""
+    if min_rows is None or not rw.is_semantic:
+        return False, ""
+    try:
+        found = ray_inputs(rw)
+        rows = found.num_rows
+    except (SqlError, OSError, pa.ArrowException):
+        return False, ""
+    if rows < min_rows:
+        return False, ""
+    if _prunes_first(rw):
+        return False, (f"{rows:,} rows, but its WHERE clause lets DuckDB skip rows before the "
+                       "semantic calls, which the Ray Data path would run on every row: "
+                       "DuckDB (engine='ray' to force it)")
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return False, (f"{rows:,} rows: big enough for Ray Data, but Ray is not installed "
+                       f"(pip install 'ken[ray]'); running it here")
+    return True, f"{rows:,} rows >= session.ray_min_rows ({min_rows:,}): semantic step on Ray Data"
+
+
+def _prunes_first(rw: Rewritten) -> bool:
+    """Whether the statement's WHERE clause tests a column outside any semantic call."""
+    where = rw.statement.args.get("where")
+    if where is None:
+        return False
+    udfs = {site.udf_name for site in rw.sites}
+    for column in where.find_all(exp.Column):
+        call = column.find_ancestor(exp.Anonymous)
+        while call is not None and str(call.this) not in udfs:
+            call = call.find_ancestor(exp.Anonymous)
+        if call is None:
+            return True
+    return False
+
+
+def run_on_ray(rw: Rewritten, bind: Callable[[str, tuple[str, ...]], Any],
+               loaders: Callable[[str], Mapping[str, Callable[[], Any]] | None],
+               sql: Callable[[str], pa.Table],
+               actors: int = 2, threads: int = 1, block_rows: int = 4096,
+               show_progress: bool = True) -> pa.Table:
+    """Run the rewritten statement ``rw`` with its semantic step on Ray Data (see the module
+    docstring). ``bind``: a site's bound operator; ``loaders``: a function's picklable
+    model loaders (or None); ``sql``:
+    runs plain DuckDB SQL and returns its Arrow table."""
+    statement = rw.statement.copy()
+    found = ray_inputs(rw, statement)
+    calls = {s.udf_name: s for s in rw.sites}
+    sites = []
+    for site, inputs in zip(rw.sites, found.columns, strict=True):
         bound = bind(site.function, site.constants)
-        sites.append(SiteColumn.of(f"__ken_{site.label}", inputs, bound,
+        sites.append(SiteColumn.of(f"__ken_{site.label}", list(inputs), bound,
                                    ARROW_TYPES[bound.output_type], loaders(site.function)))
     out = tempfile.mkdtemp(prefix="ken-ray-")
     try:
-        semantic_columns(files, sites, out, actors=actors, threads=threads,
-                               block_rows=block_rows, show_progress=show_progress)
+        semantic_columns(list(found.files), sites, out, actors=actors, threads=threads,
+                         block_rows=block_rows, show_progress=show_progress)
+        source = found.source
         alias = source.args.get("alias")
         source.replace(exp.Table(this=exp.ReadParquet(expressions=[
             exp.Literal.string(str(Path(out) / "*.parquet"))]), alias=alias))
