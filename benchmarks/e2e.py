@@ -496,6 +496,8 @@ def main() -> int:
                     "sem_complete's LLM cascade (SmolLM2-135M -> Qwen2.5-Coder-0.5B) on the "
                     "first --test-rows HellaSwag validation items")
     ap.add_argument("--data-dir", type=Path, default=None)
+    ap.add_argument("--with", dest="with_members", default=None, metavar="MEMBERS",
+                    help="opt-in family members to add (mpnet-base: all-mpnet-base-v2)")
     ap.add_argument("--train-rows", type=int, default=6000)
     ap.add_argument("--test-rows", type=int, default=None,
                     help="held-out rows (default 1500; hellaswag: 200 items)")
@@ -551,6 +553,8 @@ def main() -> int:
     else:
         args.operator = "sentiment"
         data = family.FamilyData(args.data, args.train_rows, args.test_rows)
+        if args.with_members:
+            data = data.with_members(*args.with_members.split(","))
         tag = data.tag
         cards = family.prepare(data, device, reporter=reporter, data_dir=args.data_dir)
         sample = family.heldout_sample(data, args.data_dir)
