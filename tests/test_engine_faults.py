@@ -428,8 +428,20 @@ def test_admission_counts_the_later_stages_work_at_the_measured_escalation_rate(
                    batch_runtime_s=((0.04,) * 4, (0.04,) * 4))
     engine = Engine(two, {"a": FakeModel("a"), "b": FakeModel("b")}, workers="thread")
     disp = engine.dispatcher()
+    first = (two.cascades[0], 0)  # the stage a rate belongs to: a at threshold 0.5
     assert engine._downstream_row_s(disp) == pytest.approx(0.01)  # cold: every row escalates
-    engine._escalations["a"] = (19, 1)
+    engine._escalations[first] = (19, 1)
     assert engine._downstream_row_s(disp) == pytest.approx(0.01)  # too few rows to trust
-    engine._escalations["a"] = (100, 25)
+    engine._escalations[first] = (100, 25)
+    assert engine._downstream_row_s(disp) == pytest.approx(0.0025)
+    # what a served batch counts goes to its rows' cascade and stage
+    engine._escalations.clear()
+    engine._count_escalations(two, "a", {1: 0, 2: 0, 3: 0, 4: 0}, [2, 4])
+    engine._count_escalations(two, "b", {2: 0, 4: 0}, [])
+    assert engine._escalations == {first: (4, 2), (two.cascades[0], 1): (2, 0)}
+    # another threshold is another rate: a plan swapped in (or another gear) starts cold
+    stricter = Cascade(("a", "b"), (0.9,))
+    engine._escalations[(stricter, 0)] = (100, 90)
+    assert engine._downstream_row_s(disp) == pytest.approx(0.01)  # 4 rows: still cold
+    engine._escalations[first] = (100, 25)
     assert engine._downstream_row_s(disp) == pytest.approx(0.0025)

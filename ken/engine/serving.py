@@ -24,7 +24,8 @@ the engine shut down before it ran. Failure behaviour (DESIGN.md section 14):
   latency as the profiled work queued on that replica's devices (``Dispatcher.queued_work_s``:
   the runtimes the simulator charges), plus what is left of the batch running there, its own
   row and the later-stage work it and the rows ahead will bring (escalation rates measured
-  while serving; every row escalates until 20 have been answered), times the slowdown it
+  while serving, per cascade and stage; every row escalates until 20 have been answered),
+  times the slowdown it
   measures while serving (``Slowdown``: the 95th percentile of answered latency over
   estimate in the last 5 s, for requests admitted near the limit). Over the target it is
   rejected at once, with the reason and a retry hint (a SQL query sends such rows again
@@ -72,6 +73,7 @@ import numpy as np
 from ken.engine.ray_runner import RayCluster, RayRunner
 from ken.engine.workers import ProcessRunner, ThreadRunner, WorkerDied, WorkerError, warm_up
 from ken.errors import BatchTimeout, EngineError
+from ken.models.cascade import Cascade
 from ken.models.certainty import certainty_of
 from ken.models.model import Model
 from ken.policy.plan import GearPlan
@@ -180,7 +182,7 @@ class _BulkBatch:
 
 
 _STOP = object()
-#: answered rows of a model before admission trusts its measured escalation rate
+#: answered rows of a cascade's stage before admission trusts its measured escalation rate
 MIN_ESCALATION_ROWS = 20
 #: the least latency target a plan's predicted p99 sets: models faster than the engine's own
 #: hand-offs between threads (about a millisecond each) are simulated with p99s no wall-clock
@@ -332,7 +334,9 @@ class Engine:
         self._failed_models: dict[str, str] = {}  # model -> why it is not run any more
         self._running_until: dict[str, float] = {}  # device -> profiled end of its batch
         self._slowdown: dict[str, Slowdown] = {}  # operator -> latency over estimate
-        self._escalations: dict[str, tuple[int, int]] = {}  # model -> (rows, escalated)
+        # (cascade, stage) -> (rows answered at that stage, rows escalated from it): a rate
+        # belongs to a stage's threshold, so other gears and swapped-in plans start cold
+        self._escalations: dict[tuple[Cascade, int], tuple[int, int]] = {}
         self._estimated: dict[int, tuple[str, float]] = {}  # rid -> (operator, estimate s)
         self._accepting = False
         self._closing = False
@@ -756,12 +760,27 @@ class Engine:
         plan = disp.plan
         models = plan.cascade_of(disp.gears.current).models
         reach, total = 1.0, 0.0
-        for before, model in itertools.pairwise(models):
-            rows, escalated = self._escalations.get(before, (0, 0))
+        cascade = plan.cascade_of(disp.gears.current)
+        for stage, (_, model) in enumerate(itertools.pairwise(models)):
+            rows, escalated = self._escalations.get((cascade, stage), (0, 0))
             reach *= escalated / rows if rows >= MIN_ESCALATION_ROWS else 1.0
             total += reach * min((plan.batch_seconds(r, plan.max_batch[r]) or 0.0)
                                  / plan.max_batch[r] for r in plan.replicas_of(model))
         return total
+
+    def _count_escalations(self, plan: GearPlan, model: str, gears: Mapping[int, int],
+                           escalated: Sequence[int]) -> None:
+        """Count a batch's rows and escalations per (cascade, stage) of their gears."""
+        up = set(escalated)
+        counts: dict[tuple[Cascade, int], list[int]] = {}
+        for rid, gear in gears.items():
+            cascade = plan.cascade_of(gear)
+            c = counts.setdefault((cascade, cascade.models.index(model)), [0, 0])
+            c[0] += 1
+            c[1] += rid in up
+        for key, (rows, ups) in counts.items():
+            before = self._escalations.get(key, (0, 0))
+            self._escalations[key] = (before[0] + rows, before[1] + ups)
 
     def _target_s(self, plan: GearPlan) -> float | None:
         """The latency target of ``plan``'s requests: the engine's ``latency_target_s`` if
@@ -816,9 +835,7 @@ class Engine:
         certs = certainty_of(scores, disp.plan.certainty)
         gears = {rid: disp.range_of(rid) for rid in batch.request_ids}
         fin = disp.finish(batch, certs)
-        rows, escalated = self._escalations.get(batch.model, (0, 0))
-        self._escalations[batch.model] = (rows + len(batch.request_ids),
-                                          escalated + len(fin.escalated))
+        self._count_escalations(disp.plan, batch.model, gears, fin.escalated)
         now = self.clock.now()
         row = {rid: j for j, rid in enumerate(batch.request_ids)}
         for rid, stage in zip(fin.resolved, fin.resolved_stages, strict=True):
