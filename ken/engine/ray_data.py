@@ -124,9 +124,9 @@ def semantic_columns(source: str | Sequence[str], sites: Sequence[SiteColumn], o
         from ken.engine.ray_runner import _cause
 
         raise EngineError(f"the semantic step on Ray Data failed: {_cause(exc)}") from None
-    expected = sum(pq.ParquetFile(f).metadata.num_rows for f in paths)
+    expected = parquet_rows(paths)
     files = _parquet_files(out_dir)
-    rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    rows = parquet_rows(files)
     if rows != expected:  # e.g. files written on another node, out of this folder's reach
         raise EngineError(
             f"the semantic step on Ray Data wrote {rows} of {expected} rows into {out_dir}; "
@@ -138,6 +138,11 @@ def semantic_columns(source: str | Sequence[str], sites: Sequence[SiteColumn], o
             schema = schema.append(pa.field(site.column, site.arrow_type))
         pq.write_table(schema.empty_table(), f"{out_dir}/empty.parquet")
     return rows
+
+
+def parquet_rows(files: Sequence[str]) -> int:
+    """Rows of the Parquet ``files``, from their footers (no data is read)."""
+    return sum(pq.ParquetFile(f).metadata.num_rows for f in files)
 
 
 def _parquet_files(folder: str) -> list[str]:

@@ -758,10 +758,9 @@ class Engine:
         stage before were answered, so a cold engine does not over-admit) times a row's
         share of a full batch of its cheapest replica."""
         plan = disp.plan
-        models = plan.cascade_of(disp.gears.current).models
-        reach, total = 1.0, 0.0
         cascade = plan.cascade_of(disp.gears.current)
-        for stage, (_, model) in enumerate(itertools.pairwise(models)):
+        reach, total = 1.0, 0.0
+        for stage, model in enumerate(cascade.models[1:]):
             rows, escalated = self._escalations.get((cascade, stage), (0, 0))
             reach *= escalated / rows if rows >= MIN_ESCALATION_ROWS else 1.0
             total += reach * min((plan.batch_seconds(r, plan.max_batch[r]) or 0.0)

@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 import sqlglot
 from sqlglot import exp
 
-from ken.engine.ray_data import SiteColumn, semantic_columns
+from ken.engine.ray_data import SiteColumn, parquet_rows, semantic_columns
 from ken.errors import SqlError
 from ken.sql.execute import ARROW_TYPES
 from ken.sql.rewrite import Rewritten
@@ -76,11 +76,6 @@ class RayInputs:
     files: tuple[str, ...]
     columns: tuple[tuple[str, ...], ...]  # per site of the rewritten statement
 
-    @property
-    def num_rows(self) -> int:
-        """Rows of the dataset, from the files' footers (no data is read)."""
-        return sum(pq.ParquetFile(f).metadata.num_rows for f in self.files)
-
 
 def ray_inputs(rw: Rewritten, statement: exp.Expression | None = None) -> RayInputs:
     """The source and the columns each call site of ``rw`` takes; a ``SqlError`` saying why
@@ -116,12 +111,12 @@ def ray_choice(rw: Rewritten, min_rows: int | None) -> tuple[bool, str]:
     reads no single Parquet dataset): nothing worth saying."""
     if min_rows is None or not rw.is_semantic:
         return False, ""
-    try:
-        found = ray_inputs(rw)
-        rows = found.num_rows
+    try:  # the row count first: most datasets are small, and that ends it
+        rows = parquet_rows(parquet_source(rw.statement)[1])
+        if rows < min_rows:
+            return False, ""
+        ray_inputs(rw)
     except (SqlError, OSError, pa.ArrowException):
-        return False, ""
-    if rows < min_rows:
         return False, ""
     if _prunes_first(rw):
         return False, (f"{rows:,} rows, but its WHERE clause lets DuckDB skip rows before the "
