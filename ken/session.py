@@ -510,19 +510,16 @@ class Session:
                 return Result(self._connection, relation=relation)
             except duckdb.Error as error:
                 raise KenError(str(error)) from None
+        run = self._run_on_ray if engine == "ray" else self._run
         if engine == "auto":
             from ken.sql.ray_query import ray_choice
 
             on_ray, why = ray_choice(statements[0], self.ray_min_rows)
+            run = self._run_on_ray if on_ray else self._run
             if why:  # a big dataset: long work; say where its semantic step runs
                 with self.reporter.long_work(f"engine='auto': {why}"):
-                    if on_ray:
-                        return self._run_on_ray(statements[0], params)
-                    return self._run(statements[0], params)
-            engine = "duckdb"
-        if engine == "ray":
-            return self._run_on_ray(statements[0], params)
-        return self._run(statements[0], params)
+                    return run(statements[0], params)
+        return run(statements[0], params)
 
     def _run_on_ray(self, rw: Rewritten, params: Any) -> Result:
         from ken.sql.ray_query import run_on_ray
