@@ -20,7 +20,8 @@ Three parts, one run:
   measured hop; a spread of the frontier's plans copied onto 1 to 64 nodes
   (``replicate_plan``) and simulated on n nodes' traffic (``cluster_trace``): all nodes
   bursting at once (with the measured hop, without it, and with 4x it: a slower network
-  between nodes) and nodes whose bursts are independent (random shifts).
+  between nodes) and nodes whose bursts are independent (random shifts; also with every
+  batch trigger of the plan at 1 row, to see what the node plan's triggers cost there).
 
 Writes benchmarks/results/ray_scaling/ray_scaling.json and ray_scaling.png.
 
@@ -217,17 +218,22 @@ def simulated_part(reporter: Reporter, hop_s: float, node_peak: float, plans_kep
             big = replicate_plan(plan, n)
             cell: dict = {}
             row["by_nodes"][n] = cell
-            for bursts in BURSTS:
+            # every batch trigger at 1 row: what the node plan's triggers cost on smoother
+            # cluster traffic (independent bursts)
+            eager = dataclasses.replace(big, ranges=tuple(
+                dataclasses.replace(rs, min_queue=(1,) * len(rs.min_queue))
+                for rs in big.ranges))
+            runs = [(f"{b} bursts, hop {name}", big, b, hop) for b in BURSTS
+                    for name, hop in hops.items() if b == "same" or name == "measured"]
+            runs.append((f"{INDEPENDENT}, batch triggers at 1 row", eager, "independent",
+                         hop_s))
+            for key, served, bursts, hop in runs:
                 trace = traces[n, bursts]
-                for name, hop in hops.items():
-                    if bursts != "same" and name != "measured":
-                        continue
-                    t1 = time.perf_counter()
-                    m = simulate(big, catalog.with_overhead(hop), trace, seed).metrics(0, big)
-                    cell[f"{bursts} bursts, hop {name}"] = {
-                        "p95_ms": m.p95_ms, "p99_ms": m.p99_ms, "accuracy": m.accuracy,
-                        "requests": len(trace), "offered_peak_qps": trace.qps_max(),
-                        "simulate_s": time.perf_counter() - t1}
+                t1 = time.perf_counter()
+                m = simulate(served, catalog.with_overhead(hop), trace, seed).metrics(0, served)
+                cell[key] = {"p95_ms": m.p95_ms, "p99_ms": m.p99_ms, "accuracy": m.accuracy,
+                             "requests": len(trace), "offered_peak_qps": trace.qps_max(),
+                             "simulate_s": time.perf_counter() - t1}
         out["plans"].append(row)
         one, last = row["by_nodes"][1][MAIN], row["by_nodes"][NODES[-1]]
         reporter.note(f"  plan at {one['accuracy']:.1%}: p95 {one['p95_ms']:.1f} ms on 1 node;"
