@@ -481,7 +481,8 @@ def hellaswag_setup(args: argparse.Namespace, device: DeviceConfig, reporter: Re
         raise SystemExit("HellaSwag not found: it should be in ../shared/data/hellaswag "
                          "(or set KEN_DATA_DIR)")
     models = dict(op.candidates(ctx, device))
-    loaders = dict(op.loaders(ctx, 1)) if args.workers == "process" else models
+    worker = DeviceConfig(threads=1)
+    loaders = dict(op.loaders(ctx, worker)) if args.workers == "process" else models
     profiles = operator_profiles(op, ctx, threads=1)
     return f"hellaswag first {len(sample)} items", sample, models, loaders, profiles
 

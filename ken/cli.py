@@ -19,6 +19,7 @@ from ken.progress import Reporter
 from ken.report import frontier_table, gear_plan_table, models_table
 
 if TYPE_CHECKING:
+    from ken.models.model import DeviceConfig
     from ken.optimizer.perf import Catalog
 
 def positive_int(text: str) -> int:
@@ -95,7 +96,10 @@ def cmd_models_fetch(args: argparse.Namespace) -> int:
 
 
 def _load_profiles(args: argparse.Namespace, threads: Sequence[int], reporter: Reporter,
-                   batch_sizes: Sequence[int] | None = None):  # noqa: ANN202
+                   batch_sizes: Sequence[int] | None = None,
+                   gpu: DeviceConfig | None = None):  # noqa: ANN202
+    """The family's cards and their profiles on CPU devices of each of ``threads``, or on
+    ``gpu`` alone."""
     from ken.models import family
     from ken.models.model import DeviceConfig
     from ken.optimizer.profile import DEFAULT_BATCH_SIZES, load_or_run_profile
@@ -106,11 +110,12 @@ def _load_profiles(args: argparse.Namespace, threads: Sequence[int], reporter: R
     sample = family.heldout_sample(data, args.data_dir)
     family.check_sample(cards, sample)
     profiles = []
-    for t in threads:
+    for device in [gpu] if gpu is not None else [DeviceConfig(threads=t) for t in threads]:
         for card in cards:
-            model = family.load_model(card, DeviceConfig(threads=t), data=data)
+            model = family.load_model(card, device, data=data)
             sizes = tuple(batch_sizes or DEFAULT_BATCH_SIZES)
-            with reporter.task(f"profile {card.name} on cpu-{t}t", len(sizes) + 1) as advance:
+            with reporter.task(f"profile {card.name} on {device.label}",
+                               len(sizes) + 1) as advance:
                 profiles.append(load_or_run_profile(model, sample, sizes,
                                                     on_step=lambda _s: advance(1),
                                                     reporter=reporter))
@@ -302,10 +307,12 @@ def _pick(frontier, target: str | None):  # noqa: ANN001, ANN202
 def cmd_plan(args: argparse.Namespace) -> int:
     import time
 
+    from ken.models.model import DeviceConfig
     from ken.optimizer.planner import PlannerSettings
     from ken.optimizer.planning import (
         check_planning_args,
         default_peak_qps,
+        local_hardware,
         plan_operator,
         planning_inputs,
         planning_trace,
@@ -313,18 +320,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     from ken.optimizer.plotting import plot_frontier
     from ken.optimizer.query import Target
-    from ken.optimizer.workload import Hardware
     from ken.paths import ken_home
 
-    check_planning_args(args.devices, args.memory_gb, args.device_threads, args.peak_qps,
-                        args.duration, args.ranges)
-    cluster_hw = None
+    check_planning_args(1 if args.devices is None else args.devices, args.memory_gb,
+                        args.device_threads, args.peak_qps, args.duration, args.ranges)
     if args.ray is not None:  # the cluster's devices replace --devices
         from ken.engine.ray_runner import RayCluster
 
-        cluster_hw = RayCluster.connect(args.ray).hardware(
+        hardware = RayCluster.connect(args.ray).hardware(
             args.device_threads, memory_bytes=int(args.memory_gb * 2**30))
-        args.devices = len(cluster_hw.devices)
+    else:
+        hardware = local_hardware(args.devices, args.memory_gb, args.gpus, args.gpu_memory_gb)
+    args.devices = len(hardware.devices)
+    gpu = None
+    on = f"{args.devices} x cpu-{args.device_threads}t"
+    if hardware.kinds == ("cuda",) and args.ray is None:
+        gpu = DeviceConfig("cuda", 0, args.device_threads)
+        on = f"{args.devices} GPU(s), {', '.join(hardware.ids)}"
     if args.target is not None:
         try:
             Target.parse(args.target)  # a typo fails now, not after planning
@@ -342,10 +354,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     operator = args.function
     if operator == "sentiment":
-        _cards, profiles = _load_profiles(args, [args.device_threads], reporter)
+        _cards, profiles = _load_profiles(args, [args.device_threads], reporter, gpu=gpu)
         by_name = {p.model: p for p in profiles}
     else:
-        by_name = _operator_profiles(args, operator, reporter)
+        by_name = _operator_profiles(args, operator, reporter, gpu)
     catalog, cascades = planning_inputs(by_name, args.max_stages, args.grid)
     catalog, spreads = _calibrate(args.calibration, catalog, reporter)
     best = max(cascades, key=catalog.accuracy)
@@ -353,13 +365,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     peak = args.peak_qps or default_peak_qps(catalog, cascades, args.devices)
     reporter.note(f"{len(cascades)} Pareto cascades; the most accurate, {best.describe()} "
                   f"({catalog.accuracy(best):.1%}), sustains {sustained:.1f} rows/s on "
-                  f"{args.devices} x cpu-{args.device_threads}t"
-                  + ("" if args.peak_qps else f"; peak load 1.5x that = {peak:g} qps"))
+                  f"{on}" + ("" if args.peak_qps else f"; peak load 1.5x that = {peak:g} qps"))
     trace = planning_trace(args.trace, peak, args.duration, seed=args.seed, cv=args.cv)
     reporter.note(f"trace {trace.name}: {len(trace):,} requests over {trace.duration_s:.0f} s, "
                   f"mean {trace.mean_qps:.1f} qps, 1-s peak {trace.qps_max():g} qps")
-    hardware = cluster_hw or Hardware.cpu_workers(args.devices, int(args.memory_gb * 2**30))
-    if cluster_hw is not None:
+    if args.ray is not None:
         reporter.note(f"Ray cluster {args.ray}: {len(hardware.nodes)} node(s), devices "
                       f"{', '.join(hardware.ids)}")
     settings = PlannerSettings(num_ranges=args.ranges, placement_scoring=args.placement_scoring,
@@ -373,7 +383,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     json_path = store.write_text(out / f"frontier-{operator}.json", frontier.to_json())
     png_path = plot_frontier(
         frontier, out / f"frontier-{operator}.png",
-        title=f"{operator} gear plans: {args.devices} x cpu-{args.device_threads}t, "
+        title=f"{operator} gear plans: {on}, "
               f"{args.trace} trace, {args.duration:g} s, peak {peak:g} qps")
     chosen = _pick(frontier, args.target)
     table, legend = gear_plan_table(frontier, chosen, catalog)
@@ -392,9 +402,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _operator_profiles(args: argparse.Namespace, name: str, reporter: Reporter):  # noqa: ANN202
+def _operator_profiles(args: argparse.Namespace, name: str, reporter: Reporter,
+                       gpu: DeviceConfig | None = None):  # noqa: ANN202
     """Profiles of a built-in operator's candidates on its evaluation sample, every batch
-    size, on a CPU device of ``--device-threads`` threads."""
+    size, on a CPU device of ``--device-threads`` threads (or on ``gpu``)."""
     from ken.models.model import DeviceConfig
     from ken.ops import builtin_operators
     from ken.ops.base import OpContext
@@ -404,7 +415,7 @@ def _operator_profiles(args: argparse.Namespace, name: str, reporter: Reporter):
     op = builtin_operators()[name]
     ctx = OpContext(DeviceConfig(threads=args.threads), data=_family(args), reporter=reporter)
     reporter.note(f"{name}: profiling its candidates on {op.eval_description()}")
-    return operator_profiles(op, ctx, args.device_threads, DEFAULT_BATCH_SIZES)
+    return operator_profiles(op, ctx, args.device_threads, DEFAULT_BATCH_SIZES, device=gpu)
 
 
 def _calibrate(path: Path | None, catalog: Catalog, reporter: Reporter
@@ -717,8 +728,16 @@ def build_parser() -> argparse.ArgumentParser:
                       choices=tuple(m for m in BUILTIN_MODULES),
                       help="the semantic operator to plan (default sentiment); each is profiled "
                            "on its evaluation sample")
-    plan.add_argument("--devices", type=int, default=2,
-                      help="CPU workers to place model replicas on (default 2)")
+    plan.add_argument("--devices", type=int, default=None,
+                      help="CPU workers to place model replicas on (default 2 when no GPU is "
+                           "used; asking for them plans without GPUs)")
+    plan.add_argument("--gpus", type=int, default=None,
+                      help="GPUs to place model replicas on, one worker process each (default: "
+                           "every GPU torch sees, unless --devices is given; 0: none); models "
+                           "are profiled on the first")
+    plan.add_argument("--gpu-memory-gb", type=float, default=None,
+                      help="memory budget per GPU in GB for weights, activations and KV cache "
+                           "(default 90%% of each GPU's memory)")
     plan.add_argument("--device-threads", type=int, default=1,
                       help="threads per worker; profiles are measured at this count (default 1)")
     plan.add_argument("--memory-gb", type=float, default=4.0,

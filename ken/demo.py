@@ -102,7 +102,7 @@ def run_demo(args: argparse.Namespace, console: Console) -> int:
 
         console.rule(f"6. a {replay_s:.0f}-s bursty trace through the engine: ken's gear plan "
                      "vs the best static cascade")
-        loaders = session.operators["sentiment"].loaders(session.ctx, 1)
+        loaders = session.operators["sentiment"].loaders(session.ctx, worker)
     _compare(plan, statics, catalog, trace, replay_s, loaders, sample, out, console, reporter)
 
     console.rule("7. LLM operators: answers from SQL, a HellaSwag cascade, continuous batching")

@@ -246,16 +246,21 @@ class Session:
         self.serving.set_plan(name, plan)
 
     def plan(self, target: Target | str, functions: Sequence[str] = ("sentiment",),
-             trace: Trace | str | None = None, devices: int = 2, memory_gb: float = 4.0,
-             threads_per_device: int = 1, peak_qps: float | None = None,
-             duration_s: float = 120.0, num_ranges: int = 8,
+             trace: Trace | str | None = None, devices: int | None = None,
+             memory_gb: float = 4.0, threads_per_device: int = 1,
+             peak_qps: float | None = None, duration_s: float = 120.0, num_ranges: int = 8,
              settings: PlannerSettings | None = None, force: bool = False,
-             cluster: str | None = None) -> QueryPlan:
+             cluster: str | None = None, gpus: int | None = None,
+             gpu_memory_gb: float | None = None) -> QueryPlan:
         """Plan ``functions`` offline and pick one gear plan each for ``target``.
 
         Profiles the functions' models (cached), searches their Pareto cascades, builds each
-        function's frontier of gear plans for ``devices`` CPU workers of ``threads_per_device``
-        threads and ``memory_gb`` each on ``trace`` ("azure" — the default, from the shared
+        function's frontier of gear plans for this machine's devices: its GPUs when torch sees
+        any (``gpus``: how many, 0 for none; each with ``gpu_memory_gb``, by default 90% of its
+        memory, for weights, activations and KV cache; models are profiled on the first), else
+        ``devices`` CPU workers (2 by default; asking for them plans without the GPUs) of
+        ``threads_per_device`` threads and ``memory_gb`` each, on ``trace`` ("azure" — the
+        default, from the shared
         data folder —, "poisson", "gamma", or a ``Trace``), and chooses plans with the query
         optimizer. Without ``peak_qps`` the load planned for is 1.5x what the slowest
         function's most accurate cascade sustains (at most 2000 qps). Frontiers are cached
@@ -282,7 +287,8 @@ class Session:
         chosen, frontiers = plan_functions(
             self.operators, self.ctx, [f.lower() for f in functions], target, trace, devices,
             memory_gb, threads_per_device, peak_qps, duration_s, num_ranges, settings, force,
-            cache_dir=(self.home or ken_home()) / "plans", hardware=hardware)
+            cache_dir=(self.home or ken_home()) / "plans", hardware=hardware, gpus=gpus,
+            gpu_memory_gb=gpu_memory_gb)
         self.frontiers.update(frontiers)
         for p in chosen.plans:
             self.serving.set_plan(p.operator, p)
@@ -533,9 +539,9 @@ class Session:
                 raise KenError(str(error)) from None
             return relation.to_arrow_table() if relation is not None else pa.table({})
 
-        table = run_on_ray(rw, self.bind,
-                           lambda f: self.operators[f].loaders(self.ctx, threads), duckdb_sql,
-                           actors=self.ray_actors, threads=threads)
+        cpu = DeviceConfig(threads=threads)
+        table = run_on_ray(rw, self.bind, lambda f: self.operators[f].loaders(self.ctx, cpu),
+                           duckdb_sql, actors=self.ray_actors, threads=threads)
         return Result(self._connection, table=table)
 
     def sql_script(self, script: str) -> Result:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ken.engine.workers import WARM_UP_TEXT
-from ken.models.model import DeviceConfig, Model, ModelSpec, Prediction
+from ken.models.model import DeviceConfig, Model, ModelSpec, Output, Prediction
 
 LABELS = ("negative", "neutral", "positive")
 
@@ -100,3 +100,18 @@ class CrashingModel(FakeModel):
 
             os._exit(70)
         return super().predict(texts, batch_size)
+
+
+class EnvModel(Model):
+    """Answers every row with the ``CUDA_VISIBLE_DEVICES`` of the process it runs in
+    (``"<unset>"`` when unset): which GPUs a worker was given."""
+
+    def __init__(self, name: str) -> None:
+        self.spec = ModelSpec(name, "fake", "fake", "", 1, 1, 16, (), f"fp-{name}")
+        self.device = DeviceConfig()
+
+    def predict(self, texts: Sequence[str], batch_size: int = 32) -> Output:
+        import os
+
+        seen = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+        return Output([seen] * len(texts), np.ones(len(texts)))

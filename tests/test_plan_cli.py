@@ -182,7 +182,7 @@ def fake_profiles(monkeypatch) -> list[list[int]]:
     """`ken plan` gets the synthetic profiles instead of profiling the packaged models."""
     calls: list[list[int]] = []
 
-    def load(_args: Any, threads: Any, _reporter: Any, *_rest: Any) -> Any:
+    def load(_args: Any, threads: Any, _reporter: Any, *_rest: Any, gpu: Any = None) -> Any:
         calls.append(list(threads))
         return [], list(PROFILES.values())
 

@@ -16,8 +16,9 @@ from typing import Any
 
 from ken.engine.ray_runner import RayCluster
 from ken.engine.serving import Engine, LoadReport
+from ken.engine.workers import gpu_index
 from ken.errors import KenError
-from ken.models.model import Model
+from ken.models.model import DeviceConfig, Model
 from ken.ops.base import Bound, OpContext, Operator
 from ken.policy.plan import GearPlan
 
@@ -133,8 +134,8 @@ class ServingManager:
         kind = workers
         per_function: dict[str, Mapping[str, Any]] = {}
         if kind in ("auto", "process", "ray"):
-            loaders = {n: self.operators[n].loaders(self.ctx, threads_per_device)
-                       for n in names}
+            cpu = DeviceConfig(threads=threads_per_device)
+            loaders = {n: self.operators[n].loaders(self.ctx, cpu) for n in names}
             if kind != "auto" or all(loaders.values()):
                 kind = "process" if kind == "auto" else kind
                 per_function = {n: _check_loaders(n, loaders[n]) for n in names}
@@ -149,6 +150,7 @@ class ServingManager:
                     raise KenError(f"two served functions name different models {model!r}; "
                                    "give the models distinct names")
         engine = Engine([self._plans[n] for n in names], sources,
+                        gpu_models=self._gpu_sources(names, threads_per_device),
                         max_in_flight=max_in_flight, workers=kind,  # type: ignore[arg-type]
                         threads_per_device=threads_per_device,
                         memory_budget_bytes=None if memory_gb is None
@@ -173,7 +175,8 @@ class ServingManager:
         for name in names:
             started = time.perf_counter()
             engine.swap_plan(self._plans[name], self._model_sources(
-                name, engine.workers, engine.threads_per_device))
+                name, engine.workers, engine.threads_per_device),
+                self._gpu_sources([name], engine.threads_per_device))
             reports[name] = LoadReport({}, time.perf_counter() - started, engine.workers)
             self._served.add(name)
         return reports
@@ -183,12 +186,29 @@ class ServingManager:
         session's loaded models for thread workers."""
         op = self.operators[name]
         if workers in ("process", "ray"):
-            return _check_loaders(name, op.loaders(self.ctx, threads))
+            return _check_loaders(name, op.loaders(self.ctx, DeviceConfig(threads=threads)))
         models = dict(self._bind(name, op.eval_constants).models)
         placed = {r.model for r in self._plans[name].placement}
         if not placed <= set(models):  # a plan over candidates the binding does not use
             models.update(op.candidates(self.ctx, self.ctx.device))
         return models
+
+    def _gpu_sources(self, names: Sequence[str], threads: int) -> dict[str, Any]:
+        """Loaders onto ``cuda:0`` of the functions whose plans place models on GPUs: each
+        GPU's worker sees its GPU alone, as ``cuda:0`` (``ken.engine.workers.worker_env``)."""
+        gpu = DeviceConfig("cuda", 0, threads)
+        out: dict[str, Any] = {}
+        for name in names:
+            gpus = [d for d in self._plans[name].devices if gpu_index(d) is not None]
+            if not gpus:
+                continue
+            loaders = self.operators[name].loaders(self.ctx, gpu)
+            if not loaders:
+                raise KenError(f"{name}()'s gear plan places models on GPUs ({', '.join(gpus)}),"
+                               f" but {name}() has no model loaders: a GPU is served by a worker "
+                               "process that loads its models there")
+            out.update(loaders)
+        return out
 
     def stop(self, drain: bool = True) -> int:
         """Shut the engine down (draining admitted requests first, by default); returns how

@@ -39,7 +39,14 @@ from typing import Any
 
 import numpy as np
 
-from ken.engine.workers import Answers, Loader, answers, load_models, process_rss_bytes
+from ken.engine.workers import (
+    Answers,
+    Loader,
+    answers,
+    gpu_index,
+    load_models,
+    process_rss_bytes,
+)
 from ken.errors import BatchTimeout, KenError, WorkerDied, WorkerError
 from ken.models.model import Model
 
@@ -334,9 +341,13 @@ class RayCluster:
     def placement(self, device: str, threads: int) -> ActorPlacement:
         """What Ray is asked for ``device``'s actor: a device named by ``hardware``
         (``n{k}.cpu{i}``, ``n{k}.cuda{j}``) runs on node ``k`` with ``threads`` CPUs or one
-        GPU; any other device name (a plan made for ``Hardware.cpu_workers``) runs wherever
-        Ray finds ``threads`` CPUs."""
+        GPU; a local GPU device (``cuda{j}``, from ``Hardware.local``) runs wherever Ray finds
+        a GPU, and any other device name (a plan made for ``Hardware.cpu_workers``) wherever
+        Ray finds ``threads`` CPUs. Ray shows an actor only the GPU it was given, as
+        ``cuda:0``, so GPU loaders are the same as for a worker process."""
         node, _, kind = device.partition(".")
+        if gpu_index(device) is not None and not kind:
+            return ActorPlacement(num_cpus=0.0, num_gpus=1.0)
         if node.startswith("n") and node[1:].isdigit() and int(node[1:]) < len(self.node_ids):
             node_id = self.node_ids[int(node[1:])]
             if kind.startswith("cuda"):

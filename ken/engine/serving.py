@@ -71,7 +71,14 @@ from typing import Any, Literal
 import numpy as np
 
 from ken.engine.ray_runner import RayCluster, RayRunner
-from ken.engine.workers import ProcessRunner, ThreadRunner, WorkerDied, WorkerError, warm_up
+from ken.engine.workers import (
+    ProcessRunner,
+    ThreadRunner,
+    WorkerDied,
+    WorkerError,
+    gpu_index,
+    warm_up,
+)
 from ken.errors import BatchTimeout, EngineError
 from ken.models.cascade import Cascade
 from ken.models.certainty import certainty_of
@@ -260,16 +267,17 @@ class Engine:
                  latency_target_s: float | None = None,
                  deadline: BatchDeadline | None = None,
                  max_crashes: int = 3, drain_on_sigterm: bool = True,
-                 drain_timeout_s: float = 30.0, ray_cluster: RayCluster | None = None
-                 ) -> None:
+                 drain_timeout_s: float = 30.0, ray_cluster: RayCluster | None = None,
+                 gpu_models: Mapping[str, Source] | None = None) -> None:
         plans = [plan] if isinstance(plan, GearPlan) else list(plan)
         if not plans:
             raise EngineError("an engine needs at least one gear plan")
         if len({p.operator for p in plans}) != len(plans):
             raise EngineError("an engine serves one gear plan per operator; got "
                               f"{[p.operator for p in plans]}")
+        self._gpu_sources: dict[str, Source] = dict(gpu_models or {})
         for p in plans:
-            self._check_plan(p, models)
+            self._check_plan(p, models, self._gpu_sources)
         if max_in_flight < 1 or max_retries < 0 or max_crashes < 1:
             raise EngineError("max_in_flight and max_crashes must be >= 1 and max_retries >= 0")
         if admission not in ("plan", "max_in_flight"):
@@ -290,6 +298,12 @@ class Engine:
         self.workers = workers
         self.ray_cluster = ray_cluster
         self._check_sources(models)
+        self._check_sources(self._gpu_sources)
+        gpus = sorted({d for p in plans for d in p.devices if gpu_index(d) is not None})
+        if gpus and workers == "thread":
+            raise EngineError(f"the plan places models on GPUs ({', '.join(gpus)}): GPU devices "
+                              "are served by worker processes (one per GPU) or Ray actors, not "
+                              "threads; pass loaders and workers='process'")
         if threads_per_device < 1:
             raise EngineError("a device needs at least one thread")
         self.plans: dict[str, GearPlan] = {p.operator: p for p in plans}
@@ -352,13 +366,27 @@ class Engine:
         self.load_report: LoadReport | None = None
 
     @staticmethod
-    def _check_plan(plan: GearPlan, models: Mapping[str, Source]) -> None:
-        missing = sorted({r.model for r in plan.placement} - set(models))
+    def _check_plan(plan: GearPlan, models: Mapping[str, Source],
+                    gpu_models: Mapping[str, Source]) -> None:
+        on_gpu = {r.model for r in plan.placement if any(gpu_index(d) is not None
+                                                         for d in r.devices)}
+        on_cpu = {r.model for r in plan.placement if any(gpu_index(d) is None
+                                                         for d in r.devices)}
+        missing = sorted(on_cpu - set(models))
         if missing:
             raise EngineError(f"the plan places {missing} but no model was given for them")
+        missing = sorted(on_gpu - set(gpu_models))
+        if missing:
+            raise EngineError(f"the plan places {missing} on GPUs but no GPU loader was given "
+                              "for them (gpu_models=: loaders that load on cuda:0, the one GPU "
+                              "each worker process sees)")
         if any(r.degree > 1 for r in plan.placement):
             raise EngineError("tensor-parallel replicas need a GPU backend; this engine runs "
                               "one replica per CPU worker")
+
+    def _source(self, device: str, model: str) -> Source:
+        """What loads ``model`` on ``device``: a GPU's loader for GPU devices."""
+        return (self._sources if gpu_index(device) is None else self._gpu_sources)[model]
 
     def _check_sources(self, models: Mapping[str, Source]) -> None:
         if self.workers in ("process", "ray") and any(isinstance(s, Model)
@@ -432,12 +460,12 @@ class Engine:
             if new and self.ray_cluster is None:
                 self.ray_cluster = RayCluster.connect()  # a local Ray for this process
             cluster = self.ray_cluster
-            runners = {d: RayRunner(d, {m: self._sources[m] for m in ms},  # type: ignore[misc]
+            runners = {d: RayRunner(d, {m: self._source(d, m) for m in ms},  # type: ignore[misc]
                                     self.threads_per_device,
                                     cluster.placement(d, self.threads_per_device))
                        for d, ms in new.items()}
         else:
-            runners = {d: ProcessRunner(d, {m: self._sources[m] for m in ms},  # type: ignore[misc]
+            runners = {d: ProcessRunner(d, {m: self._source(d, m) for m in ms},  # type: ignore[misc]
                                         self.threads_per_device) for d, ms in new.items()}
         if runners:
             with ThreadPoolExecutor(len(runners)) as pool:
@@ -462,7 +490,7 @@ class Engine:
                 if m in self._loaded_on[d]:
                     continue
                 done: Future = Future()
-                self._device_queues[d].put(("load", m, self._sources[m], done))
+                self._device_queues[d].put(("load", m, self._source(d, m), done))
                 seconds[f"{d}/{m}"] = done.result()
                 self._loaded_on[d].add(m)
         return seconds
@@ -536,19 +564,23 @@ class Engine:
 
     # -- plan swap --------------------------------------------------------------------------
 
-    def swap_plan(self, plan: GearPlan, models: Mapping[str, Source] | None = None) -> int:
+    def swap_plan(self, plan: GearPlan, models: Mapping[str, Source] | None = None,
+                  gpu_models: Mapping[str, Source] | None = None) -> int:
         """Serve ``plan`` for its operator from now on (see the module docstring); an operator
-        the engine did not serve yet is added. ``models`` adds sources for models the old
-        plans did not use. Models the new plan places are loaded on their
-        devices first (new devices get new workers). Returns the number of queued rows moved
-        to the new plan."""
+        the engine did not serve yet is added. ``models`` (``gpu_models``: for GPU devices)
+        adds sources for models the old plans did not use. Models the new plan places are
+        loaded on their devices first (new devices get new workers). Returns the number of
+        queued rows moved to the new plan."""
         if self._scheduler is None:
             raise EngineError("the engine is not running; start() it, or pass the plan to "
                               "Engine(...)")
         if models:
             self._check_sources(models)
             self._sources.update(models)
-        self._check_plan(plan, self._sources)
+        if gpu_models:
+            self._check_sources(gpu_models)
+            self._gpu_sources.update(gpu_models)
+        self._check_plan(plan, self._sources, self._gpu_sources)
         self._add_devices(self._placed(plan))
         self.bulk_batch_size = max(self.bulk_batch_size, *plan.max_batch)
         self._check_memory(stop=False)  # over budget: keep serving the old plan

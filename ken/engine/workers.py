@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -95,6 +96,37 @@ def load_models(loaders: Mapping[str, Loader], into: dict[str, Model], threads: 
         into[name] = model
         seconds[name] = time.perf_counter() - started
     return seconds
+
+
+def gpu_index(device: str) -> int | None:
+    """The GPU a device id names (``cuda1`` and a cluster's ``n0.cuda1`` name GPU 1 of their
+    node), None for any other device (a CPU worker)."""
+    found = re.fullmatch(r"(?:n\d+\.)?cuda(\d+)", device)
+    return int(found.group(1)) if found else None
+
+
+def worker_env(device: str, threads: int, base: Mapping[str, str] | None = None
+               ) -> dict[str, str]:
+    """The environment of ``device``'s worker process: ``base`` (this process's environment)
+    with ``OMP_NUM_THREADS`` = ``threads``, and only the GPUs the worker may use visible.
+
+    A GPU device's worker sees its one GPU, as ``cuda:0`` (``CUDA_VISIBLE_DEVICES`` = its index,
+    read through this process's own ``CUDA_VISIBLE_DEVICES`` when that is set: GPU 1 of a
+    process that sees ``"4,5"`` is physical GPU 5). A CPU device's worker sees no GPU, so a
+    model loaded there cannot take GPU memory or start a CUDA context by accident."""
+    env = dict(os.environ if base is None else base)
+    env["OMP_NUM_THREADS"] = str(threads)
+    index = gpu_index(device)
+    if index is None:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        return env
+    visible = [v.strip() for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if "CUDA_VISIBLE_DEVICES" in env and index >= len(visible):
+        raise WorkerError(f"device {device} names GPU {index}, but this process sees "
+                          f"{len(visible)} GPU(s) (CUDA_VISIBLE_DEVICES="
+                          f"{env['CUDA_VISIBLE_DEVICES']!r})")
+    env["CUDA_VISIBLE_DEVICES"] = visible[index] if visible else str(index)
+    return env
 
 
 def process_rss_bytes(pid: int | None) -> int | None:
@@ -287,7 +319,7 @@ class ProcessRunner:
              "sys.exit(main(sys.argv[1:]))", str(to_child_r), str(to_parent_w),
              str(self.threads), self.device, str(os.getpid())],
             pass_fds=(to_child_r, to_parent_w), stdin=subprocess.DEVNULL,
-            env={**os.environ, "OMP_NUM_THREADS": str(self.threads)})
+            env=worker_env(self.device, self.threads))
         os.close(to_child_r)
         os.close(to_parent_w)
         self._send = Connection(to_child_w, readable=False)

@@ -12,7 +12,7 @@ registers) is an :class:`Operator`. It gives
   profiles (and so the cascade search and the planner) are measured on, or None when the
   operator cannot be planned;
 - ``candidates(ctx, device)``: the models to profile, loaded on ``device``;
-- ``loaders(ctx, threads)``: picklable zero-argument loaders of those models, what the online
+- ``loaders(ctx, device)``: picklable zero-argument loaders of those models, what the online
   engine's worker processes call (None: serve with thread workers).
 
 The SQL front-end, the profiler, the planner, the engine and EXPLAIN reach operators only
@@ -270,9 +270,11 @@ class Operator:
         bound to its evaluation constants (on the session's device)."""
         return dict(self.bind(ctx, self.eval_constants).models)
 
-    def loaders(self, ctx: OpContext, threads: int) -> Mapping[str, Callable[[], Model]] | None:
-        """Picklable loaders of the candidate models on a CPU device of ``threads`` threads
-        (None: the engine serves the operator with thread workers)."""
+    def loaders(self, ctx: OpContext, device: DeviceConfig
+                ) -> Mapping[str, Callable[[], Model]] | None:
+        """Picklable loaders of the candidate models on ``device`` (a CPU device of some
+        threads, or a GPU as a worker process that owns one sees it: ``cuda:0``); None: the
+        engine serves the operator with thread workers."""
         return None
 
     def train(self, ctx: OpContext, data: Any, **options: Any) -> Any:

@@ -73,17 +73,18 @@ class LLMOperator(Operator):
         models = [self.stage(resources, lm, self.eval_constants, device) for lm in self.llms]
         return {m.name: m for m in models}
 
-    def loaders(self, ctx: OpContext, threads: int) -> Mapping[str, Callable[[], Model]]:
+    def loaders(self, ctx: OpContext, device: DeviceConfig
+                ) -> Mapping[str, Callable[[], Model]]:
         return {self.stage_name(lm, self.eval_constants): functools.partial(
-                    load_stage, type(self), lm, self.eval_constants, ctx.home, threads,
+                    load_stage, type(self), lm, self.eval_constants, ctx.home, device,
                     self.name)
                 for lm in self.llms}
 
 
 def load_stage(kind: type[LLMOperator], lm_name: str, constants: tuple[str, ...],
-               home: Path | None, threads: int, name: str | None = None) -> Model:
+               home: Path | None, device: DeviceConfig, name: str | None = None) -> Model:
     """One LLM stage for a worker process (picklable via ``functools.partial``), of the
     operator registered as ``name`` (its stages are named after it)."""
     op = kind() if name is None else kind().renamed(name)
     assert isinstance(op, LLMOperator)
-    return op.stage(Resources(DeviceConfig(threads=threads), home), lm_name, constants)
+    return op.stage(Resources(device, home), lm_name, constants)

@@ -199,9 +199,10 @@ def make_stage(resources: Resources, kind: str, spec: str,
     return LabelSimilarityModel(resources.encoder(kind, device), labels, encoder=kind)
 
 
-def load_classify_stage(kind: str, spec: str, home: Path | None, threads: int) -> Model:
+def load_classify_stage(kind: str, spec: str, home: Path | None, device: DeviceConfig
+                        ) -> Model:
     """One sem_classify stage for a worker process (picklable via ``functools.partial``)."""
-    return make_stage(Resources(DeviceConfig(threads=threads), home), kind, spec)
+    return make_stage(Resources(device, home), kind, spec)
 
 
 def trained_dir(home: Path | None, key: str) -> Path:
@@ -393,13 +394,14 @@ class SemClassify(Operator):
                   for kind in self._kinds]
         return {m.name: m for m in models}
 
-    def loaders(self, ctx: OpContext, threads: int) -> Mapping[str, Callable[[], Model]]:
+    def loaders(self, ctx: OpContext, device: DeviceConfig
+                ) -> Mapping[str, Callable[[], Model]]:
         if self.trained is not None:
             return {trained_name(m, self._key): functools.partial(
-                        load_trained, m, self._key, ctx.home, DeviceConfig(threads=threads))
+                        load_trained, m, self._key, ctx.home, device)
                     for m in TRAIN_MEMBERS}
         return {stage_name(kind, EVAL_LABELS): functools.partial(
-                    load_classify_stage, kind, EVAL_LABELS, ctx.home, threads)
+                    load_classify_stage, kind, EVAL_LABELS, ctx.home, device)
                 for kind in self._kinds}
 
 

@@ -588,10 +588,10 @@ def tweets_filter_sample(ctx: OpContext) -> tuple[FilterSample, EvalSample]:
 
 
 def load_filter_stage(kind: str, predicate: str, scale: float, offset: float,
-                      home: Path | None, threads: int) -> Model:
+                      home: Path | None, device: DeviceConfig) -> Model:
     """One sem_filter stage for a worker process (picklable via ``functools.partial``):
     ``kind`` is an encoder name (similarity stage) or ``"channel"``."""
-    resources = Resources(DeviceConfig(threads=threads), home)
+    resources = Resources(device, home)
     if kind == "channel":
         return ChannelLLMModel(resources.causal_lm("smollm2-135m"), predicate)
     return SimilarityModel(resources.encoder(kind), predicate, scale, offset, encoder=kind)
@@ -784,10 +784,11 @@ class SemFilter(Operator):
             models[model.name] = model
         return models
 
-    def loaders(self, ctx: OpContext, threads: int) -> Mapping[str, Callable[[], Model]]:
+    def loaders(self, ctx: OpContext, device: DeviceConfig
+                ) -> Mapping[str, Callable[[], Model]]:
         names = list(self.candidates(ctx, ctx.device))
         return {name: functools.partial(load_filter_stage, kind, EVAL_PREDICATE, scale, offset,
-                                        ctx.home, threads)
+                                        ctx.home, device)
                 for name, (kind, scale, offset) in zip(names, self._stages(ctx), strict=True)}
 
 

@@ -698,10 +698,10 @@ def bind_sem_match(resources: Resources, dataset: str = DEFAULT_DATASET,
 # -- the operator --------------------------------------------------------------------------------
 
 
-def load_member(member: str, home: Path | None, threads: int,
+def load_member(member: str, home: Path | None, device: DeviceConfig,
                 dataset: str = DEFAULT_DATASET) -> RecordMatcher:
     """A trained record matcher for a worker process (picklable via ``functools.partial``)."""
-    return load_matcher(Resources(DeviceConfig(threads=threads), home), member, dataset)
+    return load_matcher(Resources(device, home), member, dataset)
 
 
 class SemMatch(Operator):
@@ -804,10 +804,11 @@ class SemMatch(Operator):
         return {m.name: m for m in (load_matcher(resources, member, self.dataset, device)
                                     for member in MEMBERS)}
 
-    def loaders(self, ctx: OpContext, threads: int) -> Mapping[str, Callable[[], Model]]:
+    def loaders(self, ctx: OpContext, device: DeviceConfig
+                ) -> Mapping[str, Callable[[], Model]]:
         card = prepare_sem_match(shared_resources(ctx), self.dataset)  # loads no model
         return {card.member(member).name: functools.partial(load_member, member, ctx.home,
-                                                             threads, self.dataset)
+                                                             device, self.dataset)
                 for member in MEMBERS}
 
 

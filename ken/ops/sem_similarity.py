@@ -58,9 +58,9 @@ class SimilarityPairModel(Model):
         return Output(values, np.ones(len(rows)))
 
 
-def load_similarity(home: Path | None, threads: int) -> Model:
+def load_similarity(home: Path | None, device: DeviceConfig) -> Model:
     """The model for a worker process (picklable via ``functools.partial``)."""
-    resources = Resources(DeviceConfig(threads=threads), home)
+    resources = Resources(device, home)
     return SimilarityPairModel(resources.encoder(ENCODER))
 
 
@@ -85,10 +85,11 @@ class SemSimilarity(Operator):
         model = self._model(ctx, device)
         return {model.name: model}
 
-    def loaders(self, ctx: OpContext, threads: int) -> Mapping[str, Callable[[], Model]]:
+    def loaders(self, ctx: OpContext, device: DeviceConfig
+                ) -> Mapping[str, Callable[[], Model]]:
         import functools
 
-        return {f"similarity-{ENCODER}": functools.partial(load_similarity, ctx.home, threads)}
+        return {f"similarity-{ENCODER}": functools.partial(load_similarity, ctx.home, device)}
 
 
 OPERATOR = SemSimilarity

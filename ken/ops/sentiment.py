@@ -106,10 +106,10 @@ class Sentiment(Operator):
         family.prepare(data, ctx.device, home=ctx.home, reporter=ctx.reporter)
         return dict(family.load_models(data, device, home=ctx.home))
 
-    def loaders(self, ctx: OpContext, threads: int) -> Mapping[str, Callable[[], Model]]:
+    def loaders(self, ctx: OpContext, device: DeviceConfig
+                ) -> Mapping[str, Callable[[], Model]]:
         data = family_data(ctx, self)
         family.prepare(data, ctx.device, home=ctx.home, reporter=ctx.reporter)
-        device = DeviceConfig(threads=threads)
         return {c.name: functools.partial(family.load_model, c, device, ctx.home, data)
                 for c in family.load_cards(data, ctx.home)}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import math
+import re
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 from ken import store
 from ken.errors import KenError, PlanError, StoreError, UsageError
 from ken.models.cascade import Cascade
+from ken.models.gpus import Gpu, choose_gpus, gpu_budget_bytes, visible_gpus
 from ken.models.model import DeviceConfig, Model
 from ken.models.quality import EvalSample
 from ken.ops.base import ChosenCascade, OpContext, Operator
@@ -51,13 +53,15 @@ SHORT_BATCH_SIZES = (1, 8, 32)
 
 
 def operator_profiles(op: Operator, ctx: OpContext, threads: int | None = None,
-                      batch_sizes: Sequence[int] | None = None) -> dict[str, Profile]:
+                      batch_sizes: Sequence[int] | None = None,
+                      device: DeviceConfig | None = None) -> dict[str, Profile]:
     """Profiles of ``op``'s candidate models on its evaluation sample (cached on disk).
 
-    On the session's device by default, or on a CPU device of ``threads`` threads (what the
-    planner's CPU workers run on). Every batch size when `ken profile` already measured them
-    here, else a short profile (or exactly ``batch_sizes``). Before measuring anything the
-    reporter says which models it profiles and roughly how long that takes.
+    On the session's device by default, on a CPU device of ``threads`` threads (what the
+    planner's CPU workers run on), or on ``device`` (a GPU, for GPU plans). Every batch size
+    when `ken profile` already measured them here, else a short profile (or exactly
+    ``batch_sizes``). Before measuring anything the reporter says which models it profiles
+    and roughly how long that takes.
     """
     given = op.profiles(ctx, ctx.device.threads if threads is None else threads)
     if given is not None:
@@ -68,10 +72,17 @@ def operator_profiles(op: Operator, ctx: OpContext, threads: int | None = None,
                        f"({op.eval_description()}); gear plans are built from model profiles "
                        "on a labelled sample. A plan made elsewhere can be set with "
                        "session.use_plan(...)")
-    device = ctx.device
-    if threads is not None and (device.kind != "cpu" or device.threads != threads):
-        device = DeviceConfig(threads=threads)
+    if device is None:
+        device = ctx.device
+        if threads is not None and (device.kind != "cpu" or device.threads != threads):
+            device = DeviceConfig(threads=threads)
     models = op.candidates(ctx, device)
+    elsewhere = sorted(n for n, m in models.items() if m.device.kind != device.kind)
+    if elsewhere:
+        raise KenError(f"{op.name}() cannot be profiled on {device.label}: its candidate models "
+                       f"{', '.join(elsewhere)} load on {models[elsewhere[0]].device.label} "
+                       f"(the operator's candidates(ctx, device) ignores the device it is "
+                       "given); plan it for CPU workers (gpus=0)")
     sizes: dict[str, tuple[int, ...]] = {}
     profiles: dict[str, Profile] = {}
     for name, model in models.items():
@@ -338,18 +349,44 @@ def store_entries(home: Path) -> list[store.Entry]:
 MAX_DEFAULT_PEAK_QPS = 2000.0
 
 
+def local_hardware(devices: int | None, memory_gb: float, gpus: int | None = None,
+                   gpu_memory_gb: float | None = None, visible: tuple[Gpu, ...] | None = None,
+                   ) -> Hardware:
+    """The devices a plan of this machine uses (see ``Session.plan``): ``gpus`` GPUs (None: every
+    GPU torch sees, unless ``devices`` CPU workers were asked for), else ``devices`` CPU
+    workers (2 when not given) of ``memory_gb`` each. ``visible`` stands in for the GPUs
+    torch sees (tests)."""
+    if gpus == 0 or (gpus is None and devices is not None):
+        chosen: tuple[Gpu, ...] = ()
+    else:
+        chosen = choose_gpus(gpus, visible_gpus() if visible is None else visible)
+    if not chosen:
+        devices = 2 if devices is None else devices
+        check_planning_args(devices, memory_gb, 1, None, 1.0, 1)
+        return Hardware.cpu_workers(devices, int(memory_gb * 2**30))
+    if devices:
+        raise KenError(f"planning for {devices} CPU worker(s) and {len(chosen)} GPU(s) together "
+                       "is not built: the planner keeps one profile per model, measured on one "
+                       "kind of device. Plan for the GPUs (leave devices unset) or for CPU "
+                       "workers (gpus=0)")
+    return Hardware.local(0, 0, [gpu_budget_bytes(g, gpu_memory_gb) for g in chosen])
+
+
 def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Sequence[str],
-                   target: Target, trace: Trace | str | None = None, devices: int = 2,
-                   memory_gb: float = 4.0, threads_per_device: int = 1,
+                   target: Target, trace: Trace | str | None = None,
+                   devices: int | None = None, memory_gb: float = 4.0,
+                   threads_per_device: int = 1,
                    peak_qps: float | None = None, duration_s: float = 120.0,
                    num_ranges: int = 8, settings: PlannerSettings | None = None,
                    force: bool = False, cache_dir: Path | None = None,
-                   hardware: Hardware | None = None,
+                   hardware: Hardware | None = None, gpus: int | None = None,
+                   gpu_memory_gb: float | None = None,
                    ) -> tuple[QueryPlan, dict[str, Frontier]]:
     """Plan the operators ``names`` together for ``target``: profiles, Pareto cascades, one
     frontier each on a shared planning trace, and the query optimizer's choice (see
-    ``Session.plan``). ``hardware`` (e.g. a Ray cluster's) replaces ``devices`` CPU workers of
-    ``memory_gb``. Returns the chosen plans and every frontier."""
+    ``Session.plan``). The devices are ``local_hardware(devices, memory_gb, gpus,
+    gpu_memory_gb)``, or ``hardware`` (e.g. a Ray cluster's). Models are profiled on the kind
+    of device planned for. Returns the chosen plans and every frontier."""
     from ken.optimizer.query import choose_plans
 
     if not names:
@@ -368,13 +405,24 @@ def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Seq
                 f"({operators[name].eval_description()}); functions this session "
                 f"can plan: {plannable}. Register it with sample=ken.EvalSample(...), or "
                 "set a plan made elsewhere with session.use_plan(...)")
-    if hardware is not None:
-        devices = len(hardware.devices)
-    check_planning_args(devices, memory_gb, threads_per_device, peak_qps, duration_s,
-                        num_ranges)
-    hardware = hardware or Hardware.cpu_workers(devices, int(memory_gb * 2**30))
+    check_planning_args(1 if devices is None else devices, memory_gb, threads_per_device,
+                        peak_qps, duration_s, num_ranges)
+    hardware = hardware or local_hardware(devices, memory_gb, gpus, gpu_memory_gb)
+    devices = len(hardware.devices)
+    if "cuda" in hardware.kinds and "cpu" in hardware.kinds:
+        raise KenError("planning for CPU workers and GPUs together is not built: the planner "
+                       "keeps one profile per model, measured on one kind of device")
+    on = None
+    if hardware.kinds == ("cuda",):
+        # the first GPU of this machine's plan (cuda{j}); a cluster's GPUs: this process's first
+        local = re.fullmatch(r"cuda(\d+)", hardware.devices[0].id)
+        on = DeviceConfig("cuda", int(local.group(1)) if local else 0, threads_per_device)
+        ctx.reporter.note(f"planning for {devices} GPU(s): "
+                          f"{', '.join(d.id for d in hardware.devices)}; models are profiled "
+                          f"on {on.torch_device}")
     settings = settings or PlannerSettings(num_ranges=num_ranges)
-    profiles = {n: operator_profiles(operators[n], ctx, threads_per_device) for n in names}
+    profiles = {n: operator_profiles(operators[n], ctx, threads_per_device, device=on)
+                for n in names}
     prepared = {n: planning_inputs(profiles[n]) for n in names}
     catalogs = {n: prepared[n][0] for n in names}
     if peak_qps is None:  # the slowest operator sets the load the query can be planned for

@@ -52,7 +52,7 @@ class Profile:
     batch_sizes: tuple[int, ...]
     batch_runtime_s: tuple[float, ...]  # median seconds for one batch of each size
     memory_bytes: int  # resident weights
-    peak_memory_bytes: int  # process peak RSS while running the largest batch
+    peak_memory_bytes: int  # at the largest batch: process RSS (CPU), allocated (GPU)
     label_names: tuple[str, ...]  # a classifier's labels; () for other outputs
     sample_name: str
     sample_hash: str
@@ -238,7 +238,8 @@ def store_entries(home: Path) -> list[store.Entry]:
 
 
 def hardware_fingerprint(device: DeviceConfig) -> str:
-    """Device label plus what makes timings comparable: CPU model, architecture, torch version."""
+    """Device label plus what makes timings comparable: CPU model, architecture, torch version,
+    and for a GPU its name and CUDA version (an H100's profile is not an A100's)."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -249,7 +250,10 @@ def hardware_fingerprint(device: DeviceConfig) -> str:
         pass
     import torch
 
-    return f"{device.label}|{cpu}|{platform.machine()}|torch-{torch.__version__}"
+    text = f"{device.label}|{cpu}|{platform.machine()}|torch-{torch.__version__}"
+    if device.kind == "cuda":
+        text += f"|{torch.cuda.get_device_name(device.index)}|cuda-{torch.version.cuda}"
+    return text
 
 
 Sample = EvalSample | LabelledSample
@@ -293,12 +297,32 @@ def _reset_peak_rss() -> None:
         pass
 
 
+def _reset_peak(device: DeviceConfig) -> None:
+    """Start measuring peak memory: the process's RSS on a CPU, allocated memory on a GPU."""
+    if device.kind == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(device.index)
+    else:
+        _reset_peak_rss()
+
+
+def _peak_bytes(device: DeviceConfig) -> int:
+    """Peak memory since ``_reset_peak``: on a GPU, what torch allocated there (weights,
+    activations, KV cache: what a replica needs of the GPU's budget)."""
+    if device.kind == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_allocated(device.index))
+    return _read_status_kb("VmHWM") * 1024
+
+
 def measure_batch_runtimes(
     model: Model, texts: Sequence[str], batch_sizes: Sequence[int], repeats: int = 3,
     on_step: Callable[[int], None] | None = None,
     answers: dict[int, tuple] | None = None,
 ) -> tuple[list[float], int]:
-    """Median seconds per batch for each size, and peak RSS.
+    """Median seconds per batch for each size, and peak memory (RSS; allocated on a GPU).
 
     Each size is timed on at least ``repeats`` batches and at least ``MIN_TIMED_ROWS`` rows:
     a text's runtime depends on its length, so the median of three single tweets is a noisy
@@ -315,7 +339,7 @@ def measure_batch_runtimes(
     offset = 0
     for size in batch_sizes:
         if size == batch_sizes[-1]:
-            _reset_peak_rss()
+            _reset_peak(model.device)
         times = []
         for _ in range(max(repeats, -(-MIN_TIMED_ROWS // size))):
             rows = [(offset + i) % len(texts) for i in range(size)]
@@ -333,7 +357,7 @@ def measure_batch_runtimes(
                     answers.setdefault(row, (value, score, names))
         runtimes.append(float(np.median(times)))
         if size == batch_sizes[-1]:
-            peak = _read_status_kb("VmHWM") * 1024
+            peak = _peak_bytes(model.device)
         if on_step:
             on_step(size)
     return runtimes, peak
@@ -394,7 +418,10 @@ def run_profile(
         hardware=model.device.label,
         batch_sizes=tuple(batch_sizes),
         batch_runtime_s=tuple(runtimes),
-        memory_bytes=model.spec.memory_bytes,
+        # what a replica needs of its device's budget: the weights on a CPU worker (a process
+        # budget covers the rest); on a GPU the peak allocated at the largest batch, which
+        # holds the weights (in the precision loaded) and that batch's activations
+        memory_bytes=max(peak, 1) if model.device.kind == "cuda" else model.spec.memory_bytes,
         peak_memory_bytes=peak,
         label_names=label_names,
         sample_name=sample.name,

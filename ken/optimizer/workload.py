@@ -94,6 +94,24 @@ class Hardware:
         return cls(tuple(Device(f"cpu{i}", "cpu", memory_bytes, 0) for i in range(n)))
 
     @classmethod
+    def local(cls, cpu_devices: int, memory_bytes: int,
+              gpu_memory_bytes: Sequence[int] = ()) -> Hardware:
+        """The devices of this machine: ``cpu_devices`` CPU workers ``cpu0..`` of
+        ``memory_bytes`` each, and one device ``cuda{j}`` per entry of ``gpu_memory_bytes``
+        (GPU ``j`` as this process numbers it, with that budget: weights, activations and
+        KV cache of the replicas placed on it)."""
+        if cpu_devices < 0:
+            raise WorkloadError(f"cpu_devices must be >= 0, got {cpu_devices}")
+        return cls((*(Device(f"cpu{i}", "cpu", memory_bytes, 0) for i in range(cpu_devices)),
+                    *(Device(f"cuda{j}", "cuda", int(m), 0)
+                      for j, m in enumerate(gpu_memory_bytes))))
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The kinds of device present (``("cpu",)``, ``("cuda",)`` or both), in that order."""
+        return tuple(k for k in _DEVICE_KINDS if any(d.kind == k for d in self.devices))
+
+    @classmethod
     def from_nodes(cls, nodes: Sequence[Mapping[str, Any]], threads_per_device: int = 1,
                    memory_bytes: int | None = None, gpu_memory_bytes: int | None = None,
                    dispatch_s: float = 0.0) -> Hardware:

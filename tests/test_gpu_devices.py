@@ -1,0 +1,167 @@
+"""GPU devices in every phase, checked without a GPU (issue 18): which GPUs a plan uses,
+hardware and placement with GPU memory budgets, the environment of a GPU's worker process,
+and the engine sending each GPU's models to their own process with their GPU loaders.
+What needs CUDA itself (profiling and serving on a GPU) is in benchmarks/gpu_overhead.py and
+the CUDA-only tests, which skip here."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from fakes import EnvModel, FakeModel
+
+from ken.engine.serving import Engine
+from ken.engine.workers import gpu_index, worker_env
+from ken.errors import EngineError, KenError, WorkerError
+from ken.models.cascade import Cascade
+from ken.models.gpus import GPU_MEMORY_SHARE, Gpu, choose_gpus, gpu_budget_bytes
+from ken.models.model import DeviceConfig
+from ken.models.quality import EvalSample
+from ken.ops.base import ModelOperator, OpContext
+from ken.optimizer.perf import Catalog, ModelPerf
+from ken.optimizer.planner import PlannerSettings, fits, plan_frontier
+from ken.optimizer.planning import local_hardware, operator_profiles, plan_operator
+from ken.optimizer.workload import Hardware, poisson_trace
+from ken.policy.plan import GearPlan, RangeSchedule, Replica
+
+GB = 2**30
+H100 = (Gpu(0, "NVIDIA H100 80GB HBM3", 80 * GB), Gpu(1, "NVIDIA H100 80GB HBM3", 80 * GB))
+
+
+def _sample() -> EvalSample:
+    return EvalSample("s", ("a", "b"), ("negative", "positive"), "accuracy")
+
+
+# -- which devices a plan uses ---------------------------------------------------------------
+
+
+def test_local_hardware_uses_the_gpus_it_sees_unless_cpu_workers_are_asked_for() -> None:
+    hw = local_hardware(None, 4.0, visible=H100)  # the default: every GPU seen
+    assert hw.ids == ("cuda0", "cuda1") and hw.kinds == ("cuda",)
+    assert all(d.memory_bytes == int(80 * GB * GPU_MEMORY_SHARE) for d in hw.devices)
+    assert local_hardware(None, 4.0, gpus=1, gpu_memory_gb=20, visible=H100).devices[0] \
+        .memory_bytes == 20 * GB
+    assert local_hardware(3, 4.0, visible=H100).ids == ("cpu0", "cpu1", "cpu2")
+    assert local_hardware(None, 4.0, gpus=0, visible=H100).ids == ("cpu0", "cpu1")
+    assert local_hardware(None, 4.0, visible=()).ids == ("cpu0", "cpu1")  # no GPU: 2 CPUs
+    with pytest.raises(KenError, match="3 GPU.*sees 2.*cuda:1 NVIDIA H100"):
+        local_hardware(None, 4.0, gpus=3, visible=H100)
+    with pytest.raises(KenError, match="sees 0.*no CUDA build"):
+        local_hardware(None, 4.0, gpus=1, visible=())
+    with pytest.raises(KenError, match="together is not built"):
+        local_hardware(2, 4.0, gpus=1, visible=H100)
+    with pytest.raises(KenError, match="more than GPU 0"):
+        gpu_budget_bytes(H100[0], 81)
+    with pytest.raises(KenError, match=">= 0"):
+        choose_gpus(-1, H100)
+
+
+def test_asking_for_a_gpu_this_machine_lacks_fails_before_profiling() -> None:
+    """On a machine without a GPU (this CPU build of torch sees none) the real detection
+    answers, and nothing is profiled (the model would record a call)."""
+    import torch
+
+    import ken
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the error under test is for machines without")
+    model = FakeModel("m")
+    with ken.connect(builtins=False) as s:
+        s.register("mine", model, sample=_sample())
+        with pytest.raises(KenError, match="1 GPU.*torch sees 0"):
+            s.plan("accuracy >= 0.5", functions=("mine",), gpus=1)
+    assert model.calls == []
+
+
+def test_hardware_local_round_trips_and_names_gpus_by_index() -> None:
+    hw = Hardware.local(2, 4 * GB, [80 * GB, 40 * GB])
+    assert hw.ids == ("cpu0", "cpu1", "cuda0", "cuda1")
+    assert hw.kinds == ("cpu", "cuda")
+    assert Hardware.from_json(hw.to_json()) == hw
+    assert [gpu_index(d) for d in hw.ids] == [None, None, 0, 1]
+    assert gpu_index("n3.cuda2") == 2 and gpu_index("gpu0") is None
+
+
+# -- placement with GPU memory ---------------------------------------------------------------
+
+
+def _catalog(memory: dict[str, int], rows: int = 300) -> Catalog:
+    rng = np.random.default_rng(1)
+    perf, quality, probs = {}, {}, {}
+    for i, (name, need) in enumerate(memory.items()):
+        p = rng.uniform(0.0, 1.0, rows)
+        quality[name] = (p > 0.4 - 0.2 * i).astype(np.float64)
+        probs[name] = np.column_stack([p, 1 - p])
+        ms = 0.5 * (1 + 4 * i)
+        perf[name] = ModelPerf(name, (1, 8, 32), ((ms / 1e3, 2 * ms / 1e3, 5 * ms / 1e3),),
+                               (need,))
+    return Catalog(perf, quality, probs, "gpu-test")
+
+
+def test_gpu_plans_place_each_replica_within_its_gpus_memory() -> None:
+    """A 30 GB model fits only the 40 GB GPU of an 80/40/10 GB machine beside the others,
+    never the 10 GB one; every plan of the frontier fits every GPU's budget."""
+    catalog = _catalog({"small": 1 * GB, "large": 30 * GB})
+    cascades = [Cascade(("small",), ()), Cascade(("large",), ()),
+                Cascade(("small", "large"), (0.7,))]
+    hw = Hardware.local(0, 0, [40 * GB, 10 * GB, 10 * GB])
+    frontier, _ = plan_frontier("op", cascades, catalog, hw, poisson_trace(400, 5.0, seed=0),
+                                settings=PlannerSettings(num_ranges=2, max_rounds=1))
+    assert any(r.model == "large" for p in frontier.plans for r in p.placement)
+    for plan in frontier.plans:
+        assert fits(plan.placement, catalog, hw)
+        assert all(r.devices == ("cuda0",) for r in plan.placement if r.model == "large")
+    with pytest.raises(KenError, match="largest device has 10,240 MB"):
+        plan_operator("op", {}, catalog, cascades, Hardware.local(0, 0, [10 * GB]),
+                      poisson_trace(100, 5.0), 100.0, PlannerSettings(num_ranges=1))
+
+
+def test_profiling_for_a_gpu_refuses_candidates_that_ignore_the_device() -> None:
+    """A user operator built from loaded models cannot move them: profiling it for a GPU plan
+    says so instead of timing CPU models as if they were on the GPU."""
+    op = ModelOperator("mine", Cascade(("m",), ()), {"m": FakeModel("m")}, sample=_sample())
+    with pytest.raises(KenError, match="cannot be profiled on cuda0.*load on cpu-1t"):
+        operator_profiles(op, OpContext(DeviceConfig()), device=DeviceConfig("cuda", 0))
+
+
+# -- the worker of a GPU ---------------------------------------------------------------------
+
+
+def test_worker_env_shows_a_gpu_worker_its_gpu_alone_and_a_cpu_worker_none() -> None:
+    base = {"PATH": "/bin"}
+    assert worker_env("cuda1", 3, base) == {"PATH": "/bin", "OMP_NUM_THREADS": "3",
+                                            "CUDA_VISIBLE_DEVICES": "1"}
+    assert worker_env("cpu0", 1, base)["CUDA_VISIBLE_DEVICES"] == ""
+    assert worker_env("n2.cuda0", 1, base)["CUDA_VISIBLE_DEVICES"] == "0"
+    # GPU 1 of a process that sees physical GPUs 4 and 5 is physical GPU 5
+    assert worker_env("cuda1", 1, {"CUDA_VISIBLE_DEVICES": "4, 5"})["CUDA_VISIBLE_DEVICES"] == "5"
+    with pytest.raises(WorkerError, match="names GPU 2.*sees 2 GPU"):
+        worker_env("cuda2", 1, {"CUDA_VISIBLE_DEVICES": "4,5"})
+
+
+def _one_stage(operator: str, model: str, device: str) -> GearPlan:
+    return GearPlan(operator, (0.0, 1e6), (Cascade((model,), ()),),
+                    (Replica(model, (device,)),), (RangeSchedule(0, (1.0,), (1,)),), (4,),
+                    max_wait_s=0.005)
+
+
+def test_engine_runs_each_gpu_in_its_own_process_with_its_gpu_loaders() -> None:
+    """Models on cuda1 load through the GPU loaders, in a process that sees GPU 1 alone;
+    models on cpu0 through the CPU loaders, in a process that sees no GPU."""
+    plans = [_one_stage("on_cpu", "c", "cpu0"), _one_stage("on_gpu", "g", "cuda1")]
+    cpu = {"c": functools.partial(EnvModel, "c")}
+    gpu = {"g": functools.partial(EnvModel, "g")}
+    with Engine(plans, cpu, gpu_models=gpu, workers="process",
+                admission="max_in_flight") as engine:
+        got = {op: engine.submit("row", operator=op).result(timeout=60)
+               for op in ("on_cpu", "on_gpu")}
+        pids = engine.pids()
+    assert {op: (o.status, o.value) for op, o in got.items()} == {
+        "on_cpu": ("ok", ""), "on_gpu": ("ok", "1")}
+    assert pids["cpu0"] != pids["cuda1"]
+    with pytest.raises(EngineError, match=r"places \['g'\] on GPUs but no GPU loader"):
+        Engine(plans, {**cpu, **gpu}, workers="process")
+    with pytest.raises(EngineError, match="served by worker processes"):
+        Engine(plans, {"c": EnvModel("c")}, gpu_models={"g": EnvModel("g")}, workers="thread")
