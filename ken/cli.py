@@ -471,6 +471,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from ken.engine.calibrate import runtime_spread, save_spreads
     from ken.engine.replay import plot_replay, replay
     from ken.engine.serving import Engine
+    from ken.engine.workers import gpu_index
     from ken.models import family
     from ken.models.model import DeviceConfig
     from ken.optimizer.planning import planning_inputs, planning_trace
@@ -493,7 +494,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if unknown:
         raise KenError(f"the plan uses {unknown}, which are not models of the packaged family "
                        f"({', '.join(cards)})")
-    _cards, profiles = _load_profiles(args, [args.device_threads], reporter)
+    # a plan made for GPUs (cuda{j}) is simulated with GPU profiles and served by a process per
+    # GPU that loads its models on the one GPU it sees
+    on_gpu = sorted({r.model for r in plan.placement
+                     if any(gpu_index(d) is not None for d in r.devices)})
+    gpu = DeviceConfig("cuda", 0, args.device_threads) if on_gpu else None
+    _cards, profiles = _load_profiles(args, [args.device_threads], reporter, gpu=gpu)
     catalog, _ = planning_inputs({p.model: p for p in profiles})
     workers, cluster = args.workers, None
     if args.ray is not None or workers == "ray":  # --ray ADDRESS, or a Ray started here
@@ -515,6 +521,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
                   f"1-s peak {trace.qps_max():g} qps")
     engine = Engine(plan, {m: functools.partial(family.load_model, cards[m], device, None, data)
                            for m in needed}, workers=workers,
+                    gpu_models={m: functools.partial(family.load_model, cards[m], gpu, None, data)
+                                for m in on_gpu},
                     threads_per_device=args.device_threads,
                     memory_budget_bytes=int(args.memory_gb * 2**30), ray_cluster=cluster)
     load = engine.start()
