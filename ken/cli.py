@@ -307,16 +307,17 @@ def _pick(frontier, target: str | None):  # noqa: ANN001, ANN202
 def cmd_plan(args: argparse.Namespace) -> int:
     import time
 
-    from ken.models.model import DeviceConfig
     from ken.optimizer.planner import PlannerSettings
     from ken.optimizer.planning import (
         check_planning_args,
         default_peak_qps,
+        gpu_device,
         local_hardware,
         plan_operator,
         planning_inputs,
         planning_trace,
         sustained_qps,
+        with_gpu_profiles,
     )
     from ken.optimizer.plotting import plot_frontier
     from ken.optimizer.query import Target
@@ -332,11 +333,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         hardware = local_hardware(args.devices, args.memory_gb, args.gpus, args.gpu_memory_gb)
     args.devices = len(hardware.devices)
-    gpu = None
-    on = f"{args.devices} x cpu-{args.device_threads}t"
-    if hardware.kinds == ("cuda",) and args.ray is None:
-        gpu = DeviceConfig("cuda", 0, args.device_threads)
-        on = f"{args.devices} GPU(s), {', '.join(hardware.ids)}"
+    gpu = gpu_device(hardware, args.device_threads) if args.ray is None else None
+    mixed = gpu is not None and "cpu" in hardware.kinds  # CPU profiles, GPU runtimes beside
+    on = (f"{args.devices} x cpu-{args.device_threads}t" if gpu is None
+          else ", ".join(hardware.ids))
     if args.target is not None:
         try:
             Target.parse(args.target)  # a typo fails now, not after planning
@@ -353,16 +353,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     reporter = Reporter(args.quiet)
     started = time.perf_counter()
     operator = args.function
-    if operator == "sentiment":
-        _cards, profiles = _load_profiles(args, [args.device_threads], reporter, gpu=gpu)
-        by_name = {p.model: p for p in profiles}
-    else:
-        by_name = _operator_profiles(args, operator, reporter, gpu)
+
+    def profiles_on(device: DeviceConfig | None) -> dict:
+        if operator == "sentiment":
+            _cards, found = _load_profiles(args, [args.device_threads], reporter, gpu=device)
+            return {p.model: p for p in found}
+        return _operator_profiles(args, operator, reporter, device)
+
+    by_name = profiles_on(None if mixed else gpu)
     catalog, cascades = planning_inputs(by_name, args.max_stages, args.grid)
+    if mixed:
+        on_gpu = profiles_on(gpu)
+        catalog = with_gpu_profiles(catalog, on_gpu)
+        by_name = {**by_name, **{f"{m}@gpu": p for m, p in on_gpu.items()}}  # the cache key
     catalog, spreads = _calibrate(args.calibration, catalog, reporter)
     best = max(cascades, key=catalog.accuracy)
-    sustained = sustained_qps(catalog, best, args.devices)
-    peak = args.peak_qps or default_peak_qps(catalog, cascades, args.devices)
+    sustained = sustained_qps(catalog, best, hardware)
+    peak = args.peak_qps or default_peak_qps(catalog, cascades, hardware)
     reporter.note(f"{len(cascades)} Pareto cascades; the most accurate, {best.describe()} "
                   f"({catalog.accuracy(best):.1%}), sustains {sustained:.1f} rows/s on "
                   f"{on}" + ("" if args.peak_qps else f"; peak load 1.5x that = {peak:g} qps"))
@@ -474,7 +481,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from ken.engine.workers import gpu_index
     from ken.models import family
     from ken.models.model import DeviceConfig
-    from ken.optimizer.planning import planning_inputs, planning_trace
+    from ken.optimizer.planning import planning_inputs, planning_trace, with_gpu_profiles
     from ken.optimizer.simulator import simulate
     from ken.policy.plan import Frontier, GearPlan
 
@@ -499,8 +506,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
     on_gpu = sorted({r.model for r in plan.placement
                      if any(gpu_index(d) is not None for d in r.devices)})
     gpu = DeviceConfig("cuda", 0, args.device_threads) if on_gpu else None
-    _cards, profiles = _load_profiles(args, [args.device_threads], reporter, gpu=gpu)
+    mixed = gpu is not None and any(gpu_index(d) is None for d in plan.devices)
+    _cards, profiles = _load_profiles(args, [args.device_threads], reporter,
+                                      gpu=None if mixed else gpu)
     catalog, _ = planning_inputs({p.model: p for p in profiles})
+    if mixed:
+        _cards, profiles = _load_profiles(args, [args.device_threads], reporter, gpu=gpu)
+        catalog = with_gpu_profiles(catalog, {p.model: p for p in profiles})
     workers, cluster = args.workers, None
     if args.ray is not None or workers == "ray":  # --ray ADDRESS, or a Ray started here
         from ken.engine.ray_runner import RayCluster

@@ -34,8 +34,8 @@ def runtime_ratios(log: Iterable[BatchRecord], catalog: Catalog, include_bulk: b
             continue
         if r.model not in catalog.perf:
             raise KenError(f"the engine ran {r.model}, which the catalog has no profile of")
-        out.setdefault(r.model, []).append((r, r.seconds / catalog.perf[r.model].batch_runtime(
-            r.rows)))
+        profiled = catalog.perf_on(r.model, r.device).batch_runtime(r.rows)
+        out.setdefault(r.model, []).append((r, r.seconds / profiled))
     return out
 
 
@@ -56,12 +56,11 @@ def calibrated(catalog: Catalog, spreads: Mapping[str, tuple[float, ...]]) -> Ca
     if unknown:
         raise KenError(f"the calibration covers {unknown}, which the catalog does not have "
                        f"({', '.join(catalog.models)})")
-    perf = {}
-    for m, p in catalog.perf.items():
-        perf[m] = ModelPerf(m, p.batch_sizes, p.runtime_s, p.memory_bytes, p.degrees,
-                            spreads.get(m, p.spread))
-    return Catalog(perf, dict(catalog.quality), dict(catalog.scores),
-                   catalog.sample_hash)
+    def spread(perf: Mapping[str, ModelPerf]) -> dict[str, ModelPerf]:
+        return {m: ModelPerf(m, p.batch_sizes, p.runtime_s, p.memory_bytes, p.degrees,
+                             spreads.get(m, p.spread)) for m, p in perf.items()}
+
+    return catalog.with_perf(spread(catalog.perf), spread(catalog.gpu_perf))
 
 
 CALIBRATION_KIND = "ken-runtime-calibration"

@@ -44,9 +44,10 @@ def dynamic_batching_plan(operator: str, model: str, catalog: Catalog, hardware:
         raise PlanningError(f"max_batch must be >= 1, got {max_batch}")
     if model not in catalog.perf:
         raise PlanningError(f"no profile of {model!r}; profiled: {', '.join(catalog.models)}")
-    need = catalog.perf[model].memory(1)
-    devices = [d.id for d in hardware.devices if d.memory_bytes >= need]
+    devices = [d.id for d in hardware.devices
+               if d.memory_bytes >= catalog.perf_on(model, d.id).memory(1)]
     if not devices:
+        need = catalog.perf[model].memory(1)
         raise PlanningError(f"{model} ({need / 1e6:.0f} MB) fits on no device")
     n = len(devices)
     placement = tuple(Replica(model, (d,)) for d in devices)

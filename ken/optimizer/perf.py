@@ -19,6 +19,7 @@ from ken.errors import ProfileError
 from ken.models.cascade import Cascade
 from ken.models.certainty import certainty_of
 from ken.optimizer.profile import Profile
+from ken.optimizer.workload import is_gpu_id
 
 #: tensor-parallel degrees a replica may span (one node)
 PARALLEL_DEGREES = (1, 2, 4, 8)
@@ -122,15 +123,25 @@ class Catalog:
     ``quality[m]`` is model ``m``'s quality per sample row (1/0 correctness for accuracy;
     booleans are read as 1/0); ``scores[m]`` the class probabilities (rows x classes) that
     certainties are computed from, or the model's own certainty per row (rows,).
+
+    ``gpu_perf`` (optional, for hardware with CPU workers and GPUs) holds every model's
+    performance on a GPU, used for replicas on devices whose id names a GPU
+    (``workload.is_gpu_id``); ``perf`` is then the CPU workers'. Without it ``perf`` is used
+    on every device. ``perf_on(model, device)`` picks.
     """
 
     perf: Mapping[str, ModelPerf]
     quality: Mapping[str, np.ndarray] = field(repr=False)
     scores: Mapping[str, np.ndarray] = field(repr=False)
     sample_hash: str = ""
+    gpu_perf: Mapping[str, ModelPerf] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "perf", MappingProxyType(dict(self.perf)))
+        object.__setattr__(self, "gpu_perf", MappingProxyType(dict(self.gpu_perf)))
+        if self.gpu_perf and set(self.gpu_perf) != set(self.perf):
+            raise ProfileError("GPU performance must cover the catalog's models: got "
+                               f"{sorted(self.gpu_perf)} for {sorted(self.perf)}")
         object.__setattr__(self, "quality", MappingProxyType(
             {m: np.asarray(c, dtype=np.float64) for m, c in self.quality.items()}))
         object.__setattr__(self, "scores", MappingProxyType(
@@ -150,13 +161,26 @@ class Catalog:
         """Every model's batches ``seconds`` longer (``ModelPerf.with_overhead``)."""
         if not seconds:
             return self
-        return Catalog({m: p.with_overhead(seconds) for m, p in self.perf.items()},
-                       dict(self.quality), dict(self.scores), self.sample_hash)
+        return self.with_perf({m: p.with_overhead(seconds) for m, p in self.perf.items()},
+                              {m: p.with_overhead(seconds) for m, p in self.gpu_perf.items()})
+
+    def with_perf(self, perf: Mapping[str, ModelPerf],
+                  gpu_perf: Mapping[str, ModelPerf] | None = None) -> Catalog:
+        """The same outcomes with other performance (``gpu_perf`` None: kept)."""
+        return Catalog(perf, dict(self.quality), dict(self.scores), self.sample_hash,
+                       dict(self.gpu_perf) if gpu_perf is None else gpu_perf)
+
+    def perf_on(self, model: str, device: str | Sequence[str]) -> ModelPerf:
+        """``model``'s performance on ``device`` (or on the first of a replica's devices)."""
+        first = device if isinstance(device, str) else device[0]
+        if self.gpu_perf and is_gpu_id(first):
+            return self.gpu_perf[self._known(model)]
+        return self.perf[self._known(model)]
 
     def __reduce__(self) -> tuple:
         # mapping proxies do not pickle; rebuild from plain dicts (e.g. in planner workers)
         return (Catalog, (dict(self.perf), dict(self.quality), dict(self.scores),
-                          self.sample_hash))
+                          self.sample_hash, dict(self.gpu_perf)))
 
     @classmethod
     def from_profiles(cls, profiles: Mapping[str, Profile] | Sequence[Profile]) -> Catalog:

@@ -148,8 +148,11 @@ class PlanningContext:
         return dict(zip(self.cascades[c].models, self.stage_fractions(c), strict=True))
 
     def per_row(self, model: str, devices: str | tuple[str, ...], batch: int) -> float:
+        """Seconds per row of ``model`` on ``devices`` (a replica's; "" for the default
+        device kind) in batches of ``batch``."""
         degree = 1 if isinstance(devices, str) else len(devices)
-        return self.catalog.perf[model].per_row_s(min(batch, self.max_batch(model)), degree)
+        perf = self.catalog.perf_on(model, devices) if devices else self.catalog.perf[model]
+        return perf.per_row_s(min(batch, self.max_batch(model)), degree)
 
 
 def qps_edges(qps_max: float, num_ranges: int) -> tuple[float, ...]:
@@ -276,7 +279,7 @@ def batch_runtimes(catalog: Catalog, placement: Sequence[Replica], max_batch: Se
                    ) -> tuple[tuple[float, ...], ...]:
     """Per replica, the profiled seconds of batches of 1..max batch rows: the runtimes the
     simulator charges, recorded in the plan for the engine's deadlines and admission."""
-    return tuple(tuple(catalog.perf[r.model].runtime_table(r.degree, b)[1:])
+    return tuple(tuple(catalog.perf_on(r.model, r.devices).runtime_table(r.degree, b)[1:])
                  for r, b in zip(placement, max_batch, strict=True))
 
 
@@ -373,7 +376,7 @@ def _range_latency(ctx: PlanningContext, k: int, c: int, placement: Placement) -
             if rho >= 1.0:
                 stage += share * 1000.0 * rho
                 continue
-            run = ctx.catalog.perf[m].batch_runtime(b, r.degree)
+            run = ctx.catalog.perf_on(m, r.devices).batch_runtime(b, r.degree)
             fill = (b - 1) / (2.0 * rate * frac * share) if b > 1 else 0.0
             stage += share * (run / (1.0 - rho) + fill)
         latency += frac * stage
@@ -416,7 +419,7 @@ def _screen_score(ctx: PlanningContext, assignment: Sequence[int], placement: Pl
 def memory_used(placement: Placement, catalog: Catalog) -> dict[str, int]:
     used: dict[str, int] = {}
     for r in placement:
-        need = catalog.perf[r.model].memory(r.degree)
+        need = catalog.perf_on(r.model, r.devices).memory(r.degree)
         for d in r.devices:
             used[d] = used.get(d, 0) + need
     return used
@@ -443,9 +446,9 @@ def _sample_replica(rng: random.Random, ctx: PlanningContext, placement: Placeme
     hosting = {d for r in placement if r.model == model for d in r.devices}
     options = []
     for degree in perf.degrees:
-        need = perf.memory(degree)
         by_node: dict[int, list[str]] = {}
         for dev in ctx.hardware.devices:
+            need = ctx.catalog.perf_on(model, dev.id).memory(degree)
             if dev.id not in hosting and used.get(dev.id, 0) + need <= dev.memory_bytes:
                 by_node.setdefault(dev.node, []).append(dev.id)
         options += [(degree, devs) for devs in by_node.values() if len(devs) >= degree]
@@ -467,11 +470,11 @@ def adapt_placement(ctx: PlanningContext, placement: Placement,
     for m in models:
         if any(r.model == m for r in kept):
             continue
-        need = ctx.catalog.perf[m].memory(1)
         used = memory_used(tuple(kept), ctx.catalog)
-        free = sorted(((d.memory_bytes - used.get(d.id, 0), d.id) for d in ctx.hardware.devices),
-                      reverse=True)
-        if not free or free[0][0] < need:
+        free = sorted(((d.memory_bytes - used.get(d.id, 0)
+                        - ctx.catalog.perf_on(m, d.id).memory(1), d.id)
+                       for d in ctx.hardware.devices), reverse=True)
+        if not free or free[0][0] < 0:
             return None
         kept.append(Replica(m, (free[0][1],)))
     return _canonical(kept)
@@ -754,9 +757,9 @@ def heuristic_placement(models: Sequence[str], hardware: Hardware,
     ``i`` goes to model ``i mod len(models)``). Raises ``PlanningError`` when neither fits.
     """
     models = sorted(dict.fromkeys(models))
-    together = sum(catalog.perf[m].memory(1) for m in models)
     devices = hardware.devices
-    if all(d.memory_bytes >= together for d in devices):
+    if all(d.memory_bytes >= sum(catalog.perf_on(m, d.id).memory(1) for m in models)
+           for d in devices):
         return _canonical([Replica(m, (d.id,)) for m in models for d in devices])
     if len(models) > len(devices):
         raise PlanningError(f"the placement heuristic cannot place {models} on "
@@ -765,7 +768,7 @@ def heuristic_placement(models: Sequence[str], hardware: Hardware,
     out = []
     for i, d in enumerate(devices):
         m = models[i % len(models)]
-        if catalog.perf[m].memory(1) > d.memory_bytes:
+        if catalog.perf_on(m, d.id).memory(1) > d.memory_bytes:
             raise PlanningError(f"{m} does not fit on device {d.id}")
         out.append(Replica(m, (d.id,)))
     return _canonical(out)

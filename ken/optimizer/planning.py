@@ -22,7 +22,7 @@ from ken.models.model import DeviceConfig, Model
 from ken.models.quality import EvalSample
 from ken.ops.base import ChosenCascade, OpContext, Operator
 from ken.optimizer.cascades import evaluate, pareto_cascades
-from ken.optimizer.perf import Catalog
+from ken.optimizer.perf import Catalog, ModelPerf
 from ken.optimizer.planner import PlannerSettings, PlannerStats, plan_frontier
 from ken.optimizer.profile import (
     DEFAULT_BATCH_SIZES,
@@ -189,20 +189,29 @@ def planning_inputs(profiles: Mapping[str, Profile], max_stages: int = 3,
     return Catalog.from_profiles(profiles), tuple(m.cascade for m in front)
 
 
-def sustained_qps(catalog: Catalog, cascade: Cascade, devices: int) -> float:
-    """Rows/s that ``devices`` equal workers sustain running ``cascade`` flat out.
+def sustained_qps(catalog: Catalog, cascade: Cascade, devices: int | Hardware) -> float:
+    """Rows/s that ``devices`` equal workers (or the devices of a ``Hardware``, each at its own
+    speed) sustain running ``cascade`` flat out.
 
     ``devices / sum_i(f_i * s_i)``: ``f_i`` is the fraction of rows reaching stage ``i`` and
     ``s_i`` that model's seconds per row at its throughput-optimal (profiled) batch size.
     """
-    seconds = 0.0
-    for model, fraction in zip(cascade.models, catalog.stage_fractions(cascade), strict=True):
-        perf = catalog.perf[model]
-        seconds += fraction * min(perf.per_row_s(b) for b in perf.batch_sizes)
-    return devices / seconds
+    fractions = catalog.stage_fractions(cascade)
+
+    def rate(device: str | None) -> float:
+        seconds = 0.0
+        for model, fraction in zip(cascade.models, fractions, strict=True):
+            perf = catalog.perf[model] if device is None else catalog.perf_on(model, device)
+            seconds += fraction * min(perf.per_row_s(b) for b in perf.batch_sizes)
+        return 1.0 / seconds
+
+    if isinstance(devices, Hardware):
+        return sum(rate(d.id) for d in devices.devices)
+    return devices * rate(None)
 
 
-def default_peak_qps(catalog: Catalog, cascades: Sequence[Cascade], devices: int) -> float:
+def default_peak_qps(catalog: Catalog, cascades: Sequence[Cascade], devices: int | Hardware
+                     ) -> float:
     """1.5x the rate the most accurate candidate cascade sustains on all devices (rounded):
     the top QPS ranges then need cheaper cascades, so the frontier has something to trade."""
     best = max(cascades, key=catalog.accuracy)
@@ -281,7 +290,8 @@ def plan_operator(operator: str, profiles: Mapping[str, Profile], catalog: Catal
     ``calibration``: the runtime spreads ``catalog`` was calibrated with (part of the key)."""
     largest = max(d.memory_bytes for d in hardware.devices)
     too_big = sorted(m for m in {m for c in cascades for m in c.models}
-                     if catalog.perf[m].memory(1) > largest)
+                     if all(catalog.perf_on(m, d.id).memory(1) > d.memory_bytes
+                            for d in hardware.devices))
     if too_big:
         needs = ", ".join(f"{m} {catalog.perf[m].memory(1) / 2**20:,.0f} MB" for m in too_big)
         raise KenError(f"cannot plan {operator}: a replica needs its model's weights on one "
@@ -353,9 +363,9 @@ def local_hardware(devices: int | None, memory_gb: float, gpus: int | None = Non
                    gpu_memory_gb: float | None = None, visible: tuple[Gpu, ...] | None = None,
                    ) -> Hardware:
     """The devices a plan of this machine uses (see ``Session.plan``): ``gpus`` GPUs (None: every
-    GPU torch sees, unless ``devices`` CPU workers were asked for), else ``devices`` CPU
-    workers (2 when not given) of ``memory_gb`` each. ``visible`` stands in for the GPUs
-    torch sees (tests)."""
+    GPU torch sees, unless ``devices`` CPU workers were asked for) and ``devices`` CPU workers
+    of ``memory_gb`` each (2 when neither is given or no GPU is used; both given: a mixed
+    machine). ``visible`` stands in for the GPUs torch sees (tests)."""
     if gpus == 0 or (gpus is None and devices is not None):
         chosen: tuple[Gpu, ...] = ()
     else:
@@ -364,12 +374,25 @@ def local_hardware(devices: int | None, memory_gb: float, gpus: int | None = Non
         devices = 2 if devices is None else devices
         check_planning_args(devices, memory_gb, 1, None, 1.0, 1)
         return Hardware.cpu_workers(devices, int(memory_gb * 2**30))
-    if devices:
-        raise KenError(f"planning for {devices} CPU worker(s) and {len(chosen)} GPU(s) together "
-                       "is not built: the planner keeps one profile per model, measured on one "
-                       "kind of device. Plan for the GPUs (leave devices unset) or for CPU "
-                       "workers (gpus=0)")
-    return Hardware.local(0, 0, [gpu_budget_bytes(g, gpu_memory_gb) for g in chosen])
+    return Hardware.local(devices or 0, int(memory_gb * 2**30),
+                          [gpu_budget_bytes(g, gpu_memory_gb) for g in chosen])
+
+
+def gpu_device(hardware: Hardware, threads: int) -> DeviceConfig | None:
+    """Where GPU profiles of a plan for ``hardware`` are measured: the first GPU of this
+    machine's plan (``cuda{j}``); a cluster's GPUs: this process's first. None without GPUs."""
+    gpus = [d for d in hardware.devices if d.kind == "cuda"]
+    if not gpus:
+        return None
+    local = re.fullmatch(r"cuda(\d+)", gpus[0].id)
+    return DeviceConfig("cuda", int(local.group(1)) if local else 0, threads)
+
+
+def with_gpu_profiles(catalog: Catalog, gpu_profiles: Mapping[str, Profile]) -> Catalog:
+    """``catalog`` (from CPU profiles) with each model's GPU performance beside, for
+    hardware with CPU workers and GPUs (``Catalog.gpu_perf``)."""
+    return catalog.with_perf(dict(catalog.perf),
+                             {m: ModelPerf.from_profile(p) for m, p in gpu_profiles.items()})
 
 
 def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Sequence[str],
@@ -409,24 +432,28 @@ def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Seq
                         peak_qps, duration_s, num_ranges)
     hardware = hardware or local_hardware(devices, memory_gb, gpus, gpu_memory_gb)
     devices = len(hardware.devices)
-    if "cuda" in hardware.kinds and "cpu" in hardware.kinds:
-        raise KenError("planning for CPU workers and GPUs together is not built: the planner "
-                       "keeps one profile per model, measured on one kind of device")
-    on = None
-    if hardware.kinds == ("cuda",):
-        # the first GPU of this machine's plan (cuda{j}); a cluster's GPUs: this process's first
-        local = re.fullmatch(r"cuda(\d+)", hardware.devices[0].id)
-        on = DeviceConfig("cuda", int(local.group(1)) if local else 0, threads_per_device)
-        ctx.reporter.note(f"planning for {devices} GPU(s): "
-                          f"{', '.join(d.id for d in hardware.devices)}; models are profiled "
-                          f"on {on.torch_device}")
+    gpu = gpu_device(hardware, threads_per_device)
+    mixed = gpu is not None and "cpu" in hardware.kinds
+    if gpu is not None:
+        ctx.reporter.note(f"planning for {', '.join(hardware.ids)}; models are profiled on "
+                          f"{gpu.torch_device}" + (" and on a CPU worker" if mixed else ""))
     settings = settings or PlannerSettings(num_ranges=num_ranges)
-    profiles = {n: operator_profiles(operators[n], ctx, threads_per_device, device=on)
-                for n in names}
+    # one profile per model and kind of device: the CPU workers' (outcomes, cascades) and,
+    # on a mixed machine, the GPU's runtimes and memory beside
+    profiles = {n: operator_profiles(operators[n], ctx, threads_per_device,
+                                     device=None if mixed else gpu) for n in names}
     prepared = {n: planning_inputs(profiles[n]) for n in names}
+    if mixed:
+        assert gpu is not None
+        on_gpu = {n: operator_profiles(operators[n], ctx, threads_per_device, device=gpu)
+                  for n in names}
+        prepared = {n: (with_gpu_profiles(prepared[n][0], on_gpu[n]), prepared[n][1])
+                    for n in names}
+        profiles = {n: {**profiles[n], **{f"{m}@gpu": p for m, p in on_gpu[n].items()}}
+                    for n in names}  # both key the cached frontier
     catalogs = {n: prepared[n][0] for n in names}
     if peak_qps is None:  # the slowest operator sets the load the query can be planned for
-        peak_qps = min(default_peak_qps(cat, cascades, devices)
+        peak_qps = min(default_peak_qps(cat, cascades, hardware)
                        for cat, cascades in prepared.values())
         if peak_qps > MAX_DEFAULT_PEAK_QPS:
             ctx.reporter.note(f"planning up to {MAX_DEFAULT_PEAK_QPS:g} qps (the models "

@@ -232,9 +232,10 @@ class _Operator:
         # per model, per request: the certainty and quality of that request's sample row
         self._cert = {m: catalog.certainty(m, kind)[rows].tolist() for m in used}
         self._quality = {m: catalog.quality[m][rows].tolist() for m in used}
-        self.runtime = [catalog.perf[r.model].runtime_table(r.degree, plan.max_batch[i])
-                        for i, r in enumerate(plan.placement)]
-        self.spread = [catalog.perf[r.model].spread for r in plan.placement]
+        perf = [catalog.perf_on(r.model, r.devices) for r in plan.placement]
+        self.runtime = [p.runtime_table(r.degree, plan.max_batch[i])
+                        for i, (p, r) in enumerate(zip(perf, plan.placement, strict=True))]
+        self.spread = [p.spread for p in perf]
         self.rng = random.Random(seed)  # draws runtime spread factors (if any)
         self.quality = [math.nan] * num_requests
         self.stage = [-1] * num_requests

@@ -8,6 +8,7 @@ per-sample predictions give accuracy. All are frozen dataclasses with versioned 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,12 @@ AZURE_CODE_TRACE = Path("traces") / "AzureLLMInferenceTrace_code.csv"
 
 DeviceKind = Literal["cpu", "cuda"]
 _DEVICE_KINDS = ("cpu", "cuda")
+
+
+def is_gpu_id(device_id: str) -> bool:
+    """Whether a device id names a GPU (``cuda{j}`` of ``Hardware.local``, ``n{k}.cuda{j}`` of
+    a cluster): how plans, which carry device ids only, tell GPUs from CPU workers."""
+    return re.fullmatch(r"(?:n\d+\.)?cuda\d+", device_id) is not None
 
 
 def _check_version(data: Mapping[str, Any], what: str) -> None:
