@@ -31,7 +31,6 @@ from __future__ import annotations
 import os
 import pickle
 import queue
-import re
 import signal
 import subprocess
 import sys
@@ -45,6 +44,7 @@ import numpy as np
 
 from ken.errors import BatchTimeout, WorkerDied, WorkerError
 from ken.models.model import Model, ModelOutput
+from ken.optimizer.workload import GPU_ID
 
 Loader = Callable[[], Model]
 Answers = tuple[list, np.ndarray]  # (values, scores), see the module docstring
@@ -101,7 +101,7 @@ def load_models(loaders: Mapping[str, Loader], into: dict[str, Model], threads: 
 def gpu_index(device: str) -> int | None:
     """The GPU a device id names (``cuda1`` and a cluster's ``n0.cuda1`` name GPU 1 of their
     node), None for any other device (a CPU worker)."""
-    found = re.fullmatch(r"(?:n\d+\.)?cuda(\d+)", device)
+    found = GPU_ID.fullmatch(device)
     return int(found.group(1)) if found else None
 
 

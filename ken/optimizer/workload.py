@@ -26,10 +26,14 @@ DeviceKind = Literal["cpu", "cuda"]
 _DEVICE_KINDS = ("cpu", "cuda")
 
 
+#: the id of a GPU device: ``cuda{j}`` (``Hardware.local``) or ``n{k}.cuda{j}`` (a cluster)
+GPU_ID = re.compile(r"(?:n\d+\.)?cuda(\d+)")
+
+
 def is_gpu_id(device_id: str) -> bool:
-    """Whether a device id names a GPU (``cuda{j}`` of ``Hardware.local``, ``n{k}.cuda{j}`` of
-    a cluster): how plans, which carry device ids only, tell GPUs from CPU workers."""
-    return re.fullmatch(r"(?:n\d+\.)?cuda\d+", device_id) is not None
+    """Whether a device id names a GPU (``GPU_ID``): how plans, which carry device ids only,
+    tell GPUs from CPU workers."""
+    return GPU_ID.fullmatch(device_id) is not None
 
 
 def _check_version(data: Mapping[str, Any], what: str) -> None:
