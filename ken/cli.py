@@ -323,7 +323,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from ken.optimizer.query import Target
     from ken.paths import ken_home
 
-    check_planning_args(1 if args.devices is None else args.devices, args.memory_gb,
+    check_planning_args(args.devices or 1, args.memory_gb,
                         args.device_threads, args.peak_qps, args.duration, args.ranges)
     if args.ray is not None:  # the cluster's devices replace --devices
         from ken.engine.ray_runner import RayCluster

@@ -50,6 +50,9 @@ def test_local_hardware_uses_the_gpus_it_sees_unless_cpu_workers_are_asked_for()
         local_hardware(None, 4.0, gpus=3, visible=H100)
     with pytest.raises(KenError, match="sees 0.*no CUDA build"):
         local_hardware(None, 4.0, gpus=1, visible=())
+    assert local_hardware(0, 4.0, gpus=1, visible=H100).ids == ("cuda0",)
+    with pytest.raises(KenError, match="devices must be >= 1"):
+        local_hardware(0, 4.0, visible=H100)  # 0 CPU workers asked for, and no GPU
     mixed = local_hardware(2, 4.0, gpus=1, visible=H100)  # both asked for: a mixed machine
     assert mixed.ids == ("cpu0", "cpu1", "cuda0") and mixed.kinds == ("cpu", "cuda")
     with pytest.raises(KenError, match="more than GPU 0"):

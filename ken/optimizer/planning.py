@@ -428,7 +428,7 @@ def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Seq
                 f"({operators[name].eval_description()}); functions this session "
                 f"can plan: {plannable}. Register it with sample=ken.EvalSample(...), or "
                 "set a plan made elsewhere with session.use_plan(...)")
-    check_planning_args(1 if devices is None else devices, memory_gb, threads_per_device,
+    check_planning_args(devices or 1, memory_gb, threads_per_device,
                         peak_qps, duration_s, num_ranges)
     hardware = hardware or local_hardware(devices, memory_gb, gpus, gpu_memory_gb)
     devices = len(hardware.devices)
