@@ -325,6 +325,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     check_planning_args(args.devices or 1, args.memory_gb,
                         args.device_threads, args.peak_qps, args.duration, args.ranges)
+    if args.ray is not None and (args.gpus or args.gpu_memory_gb):
+        raise UsageError("--ray plans the cluster's CPU workers; --gpus and --gpu-memory-gb "
+                         "are for this machine's GPUs")
     if args.ray is not None:  # the cluster's devices replace --devices
         from ken.engine.ray_runner import RayCluster
 

@@ -129,7 +129,8 @@ def _gear_plans(session, profiles, target: float, duration_s: float, out: Path, 
                   f"(Gamma arrivals, CV 4), 1-s peak {trace.qps_max():g} qps = 1.5x what the "
                   "most accurate cascade sustains on the 2 devices")
     settings = PlannerSettings(num_ranges=8)
-    session.plan("accuracy >= 0", trace=trace, peak_qps=peak, settings=settings)
+    # the demo's 2 CPU workers (served below with CPU loaders), on a GPU machine too
+    session.plan("accuracy >= 0", trace=trace, peak_qps=peak, settings=settings, devices=2)
     frontier = session.frontiers["sentiment"]
     # pick on the held-out accuracy of the gears each plan uses on this trace: a short trace
     # samples too few rows for its row accuracy to tell plans 0.5 points apart

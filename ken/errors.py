@@ -19,6 +19,11 @@ class ProfileError(KenError):
     """A profile is missing, stale or inconsistent with what it is used for."""
 
 
+class DeviceProfileError(ProfileError):
+    """An operator's models cannot be profiled on the device a plan asks for (e.g. a user's
+    loaded models, asked for on a GPU)."""
+
+
 class CascadeError(KenError):
     """A cascade is malformed or does not match the models/profiles given."""
 

@@ -279,6 +279,9 @@ class Session:
         if isinstance(target, str):
             target = Target.parse(target)
         hardware = None
+        if cluster is not None and (gpus or gpu_memory_gb):
+            raise KenError("plan(cluster=...) plans the cluster's CPU workers; gpus= and "
+                           "gpu_memory_gb= are for this machine's GPUs")
         if cluster is not None:
             from ken.engine.ray_runner import RayCluster
 

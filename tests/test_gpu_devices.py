@@ -150,9 +150,10 @@ def _one_stage(operator: str, model: str, device: str) -> GearPlan:
                     max_wait_s=0.005)
 
 
-def test_engine_runs_each_gpu_in_its_own_process_with_its_gpu_loaders() -> None:
+def test_engine_runs_each_gpu_in_its_own_process_with_its_gpu_loaders(monkeypatch) -> None:
     """Models on cuda1 load through the GPU loaders, in a process that sees GPU 1 alone;
     models on cpu0 through the CPU loaders, in a process that sees no GPU."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # GPU 1 is then "1"
     plans = [_one_stage("on_cpu", "c", "cpu0"), _one_stage("on_gpu", "g", "cuda1")]
     cpu = {"c": functools.partial(EnvModel, "c")}
     gpu = {"g": functools.partial(EnvModel, "g")}
@@ -254,3 +255,35 @@ def test_a_mixed_machine_puts_the_big_model_on_the_gpu_and_beats_cpu_workers_alo
     for plan in both:
         assert {(r.model, r.devices[0][:3]) for r in plan.placement} == {("big", "cud"),
                                                                          ("small", "cpu")}
+
+
+def test_gpus_found_by_themselves_give_way_to_cpu_workers_for_models_that_cannot_move(
+        monkeypatch) -> None:
+    """On a GPU machine a plan the user asked nothing of uses the GPUs; an operator made of
+    loaded models cannot go there, so it is planned for 2 CPU workers instead (with a note),
+    while asking for the GPU explicitly is an error."""
+    import ken
+
+    monkeypatch.setattr("ken.optimizer.planning.visible_gpus", lambda: H100)
+    notes: list[str] = []
+    with ken.connect(builtins=False) as s:
+        s.ctx.reporter.note = notes.append  # type: ignore[method-assign]
+        s.register("mine", FakeModel("m"), sample=_sample())
+        qp = s.plan("accuracy >= 0", functions=("mine",), trace="poisson", peak_qps=5,
+                    duration_s=5)
+        assert set(qp.plan_for("mine").devices) <= {"cpu0", "cpu1"}
+        assert any("instead of the GPUs" in n for n in notes)
+        with pytest.raises(KenError, match="cannot be profiled on cuda0"):
+            s.plan("accuracy >= 0", functions=("mine",), trace="poisson", peak_qps=5,
+                   duration_s=5, gpus=1)
+        with pytest.raises(KenError, match="cluster's CPU workers"):
+            s.plan("accuracy >= 0", functions=("mine",), cluster="local", gpus=1)
+
+
+def test_thread_workers_refuse_a_swapped_in_gpu_plan() -> None:
+    cpu_plan = _one_stage("op", "c", "cpu0")
+    with Engine(cpu_plan, {"c": EnvModel("c")}, workers="thread",
+                admission="max_in_flight") as engine:
+        with pytest.raises(EngineError, match="served by worker processes"):
+            engine.swap_plan(_one_stage("op", "g", "cuda0"), gpu_models={"g": EnvModel("g")})
+        assert engine.submit("row").result(timeout=30).status == "ok"  # still serving

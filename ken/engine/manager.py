@@ -63,7 +63,8 @@ class ServingManager:
         engine = self._engine
         if name in self._served and engine is not None:
             engine.swap_plan(plan, self._model_sources(name, engine.workers,
-                                                       engine.threads_per_device))
+                                                       engine.threads_per_device),
+                             self._gpu_sources([name], engine.threads_per_device))
 
     def forget(self, name: str) -> None:
         """``name`` now names another operator: drop its plan; the engine keeps serving the

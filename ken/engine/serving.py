@@ -299,11 +299,7 @@ class Engine:
         self.ray_cluster = ray_cluster
         self._check_sources(models)
         self._check_sources(self._gpu_sources)
-        gpus = sorted({d for p in plans for d in p.devices if gpu_index(d) is not None})
-        if gpus and workers == "thread":
-            raise EngineError(f"the plan places models on GPUs ({', '.join(gpus)}): GPU devices "
-                              "are served by worker processes (one per GPU) or Ray actors, not "
-                              "threads; pass loaders and workers='process'")
+        self._check_gpu_workers(plans)
         if threads_per_device < 1:
             raise EngineError("a device needs at least one thread")
         self.plans: dict[str, GearPlan] = {p.operator: p for p in plans}
@@ -383,6 +379,13 @@ class Engine:
         if any(r.degree > 1 for r in plan.placement):
             raise EngineError("tensor-parallel replicas need a GPU backend; this engine runs "
                               "one replica per CPU worker")
+
+    def _check_gpu_workers(self, plans: Sequence[GearPlan]) -> None:
+        gpus = sorted({d for p in plans for d in p.devices if gpu_index(d) is not None})
+        if gpus and self.workers == "thread":
+            raise EngineError(f"the plan places models on GPUs ({', '.join(gpus)}): GPU devices "
+                              "are served by worker processes (one per GPU) or Ray actors, not "
+                              "threads; pass loaders and workers='process'")
 
     def _source(self, device: str, model: str) -> Source:
         """What loads ``model`` on ``device``: a GPU's loader for GPU devices."""
@@ -497,8 +500,11 @@ class Engine:
 
     def _check_memory(self, stop: bool = True) -> dict[str, int]:
         """Resident memory per process worker; over ``memory_budget_bytes`` an
-        ``EngineError`` says which device holds what (at start, the workers are stopped)."""
-        rss = {d: b for d, r in self._runners.items() if (b := r.rss_bytes()) is not None}
+        ``EngineError`` says which device holds what (at start, the workers are stopped). A GPU
+        worker's host memory is not checked: its models live on the GPU, whose budget the
+        plan kept, and its resident memory is mostly the CUDA libraries."""
+        rss = {d: b for d, r in self._runners.items()
+               if gpu_index(d) is None and (b := r.rss_bytes()) is not None}
         budget = self.memory_budget_bytes
         over = {d: b for d, b in rss.items() if budget is not None and b > budget}
         if over and stop:  # nothing is left running
@@ -581,6 +587,7 @@ class Engine:
             self._check_sources(gpu_models)
             self._gpu_sources.update(gpu_models)
         self._check_plan(plan, self._sources, self._gpu_sources)
+        self._check_gpu_workers([plan])
         self._add_devices(self._placed(plan))
         self.bulk_batch_size = max(self.bulk_batch_size, *plan.max_batch)
         self._check_memory(stop=False)  # over budget: keep serving the old plan

@@ -33,7 +33,7 @@ from rapidfuzz import fuzz
 
 from ken import store
 from ken.errors import DataError, ModelError
-from ken.models.model import BOOLEAN_LABELS, Model, ModelSpec, Prediction
+from ken.models.model import BOOLEAN_LABELS, DeviceConfig, Model, ModelSpec, Prediction
 from ken.models.resources import boolean_probabilities, normalise_rows, sigmoid
 from ken.models.transformers_backend import TransformersBody
 
@@ -413,14 +413,17 @@ class RecordMatcher(Model):
 
     def __init__(self, name: str, featurizer: RecordFeaturizer, trees: BoostedTrees,
                  threshold: float = 0.5, body: TransformersBody | None = None,
-                 fingerprint: str = "", family: str = "sem-match") -> None:
+                 fingerprint: str = "", family: str = "sem-match",
+                 device: DeviceConfig | None = None) -> None:
         if not 0.0 < threshold < 1.0:
             raise ModelError(f"{name}: decision threshold {threshold} is not in (0, 1)")
         self.featurizer = featurizer
         self.trees = trees
         self.threshold = float(threshold)
         self.body = body
-        self.device = body.device if body is not None else None
+        # without a body it computes on the host of whichever worker runs it: ``device`` says
+        # which (profiles are keyed by it)
+        self.device = body.device if body is not None else (device or DeviceConfig())
         params = int(len(trees.value)) + (body.num_params if body is not None else 0)
         self.spec = ModelSpec(
             name=name, family=family, backend="transformers" if body is not None else "numpy",

@@ -650,7 +650,8 @@ def load_matcher(resources: Resources, member: str, dataset: str = DEFAULT_DATAS
                          "sem_match again (force=True)") from exc
     body = None if member == "lexical" else resources.encoder(member, device)
     return RecordMatcher(m.name, featurizer, BoostedTrees.load(folder / m.trees_file),
-                         m.threshold, body, fingerprint=f"{m.fingerprint}-{card.data_hash}")
+                         m.threshold, body, fingerprint=f"{m.fingerprint}-{card.data_hash}",
+                         device=device or resources.device)
 
 
 def bind_sem_match(resources: Resources, dataset: str = DEFAULT_DATASET,

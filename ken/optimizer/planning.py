@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ken import store
-from ken.errors import KenError, PlanError, StoreError, UsageError
+from ken.errors import DeviceProfileError, KenError, PlanError, StoreError, UsageError
 from ken.models.cascade import Cascade
 from ken.models.gpus import Gpu, choose_gpus, gpu_budget_bytes, visible_gpus
 from ken.models.model import DeviceConfig, Model
@@ -65,6 +65,9 @@ def operator_profiles(op: Operator, ctx: OpContext, threads: int | None = None,
     """
     given = op.profiles(ctx, ctx.device.threads if threads is None else threads)
     if given is not None:
+        if device is not None and device.kind == "cuda":
+            raise DeviceProfileError(f"{op.name}() brings profiles measured elsewhere, not on "
+                                     f"{device.label}: plan it for CPU workers (gpus=0)")
         return dict(given)
     sample = op.eval_sample(ctx)
     if sample is None:
@@ -79,7 +82,8 @@ def operator_profiles(op: Operator, ctx: OpContext, threads: int | None = None,
     models = op.candidates(ctx, device)
     elsewhere = sorted(n for n, m in models.items() if m.device.kind != device.kind)
     if elsewhere:
-        raise KenError(f"{op.name}() cannot be profiled on {device.label}: its candidate models "
+        raise DeviceProfileError(
+            f"{op.name}() cannot be profiled on {device.label}: its candidate models "
                        f"{', '.join(elsewhere)} load on {models[elsewhere[0]].device.label} "
                        f"(the operator's candidates(ctx, device) ignores the device it is "
                        "given); plan it for CPU workers (gpus=0)")
@@ -297,7 +301,8 @@ def plan_operator(operator: str, profiles: Mapping[str, Profile], catalog: Catal
         raise KenError(f"cannot plan {operator}: a replica needs its model's weights on one "
                        f"device ({needs}), but the largest device has "
                        f"{largest / 2**20:,.0f} MB; give the devices more memory "
-                       "(--memory-gb, memory_gb=...)")
+                       "(--memory-gb, memory_gb=...; a GPU's: --gpu-memory-gb, "
+                       "gpu_memory_gb=...)")
     if cache_dir is None:
         return plan_frontier(operator, cascades, catalog, hardware, trace, qps_max=qps_max,
                              settings=settings, reporter=reporter)
@@ -395,6 +400,36 @@ def with_gpu_profiles(catalog: Catalog, gpu_profiles: Mapping[str, Profile]) -> 
                              {m: ModelPerf.from_profile(p) for m, p in gpu_profiles.items()})
 
 
+def _profiled(operators: Mapping[str, Operator], ctx: OpContext, names: Sequence[str],
+              hardware: Hardware, threads: int
+              ) -> tuple[dict[str, dict[str, Profile]],
+                         dict[str, tuple[Catalog, tuple[Cascade, ...]]]]:
+    """Profiles per function (they key the cached frontiers) and each function's catalog and
+    candidate cascades, for ``hardware``: one profile per model and kind of device, the CPU
+    workers' (outcomes, cascades) and, on a mixed machine, the GPU's runtimes and memory beside
+    (``Catalog.gpu_perf``). GPU memory the profiling left cached is handed back after."""
+    gpu = gpu_device(hardware, threads)
+    mixed = gpu is not None and "cpu" in hardware.kinds
+    if gpu is not None:
+        ctx.reporter.note(f"planning for {', '.join(hardware.ids)}; models are profiled on "
+                          f"{gpu.torch_device}" + (" and on a CPU worker" if mixed else ""))
+    profiles = {n: operator_profiles(operators[n], ctx, threads, device=None if mixed else gpu)
+                for n in names}
+    prepared = {n: planning_inputs(profiles[n]) for n in names}
+    if mixed:
+        assert gpu is not None
+        on_gpu = {n: operator_profiles(operators[n], ctx, threads, device=gpu) for n in names}
+        prepared = {n: (with_gpu_profiles(prepared[n][0], on_gpu[n]), prepared[n][1])
+                    for n in names}
+        profiles = {n: {**profiles[n], **{f"{m}@gpu": p for m, p in on_gpu[n].items()}}
+                    for n in names}
+    if gpu is not None:
+        import torch
+
+        torch.cuda.empty_cache()  # the serving workers need the GPU's memory
+    return profiles, prepared
+
+
 def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Sequence[str],
                    target: Target, trace: Trace | str | None = None,
                    devices: int | None = None, memory_gb: float = 4.0,
@@ -430,27 +465,19 @@ def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Seq
                 "set a plan made elsewhere with session.use_plan(...)")
     check_planning_args(devices or 1, memory_gb, threads_per_device,
                         peak_qps, duration_s, num_ranges)
+    chose_gpus = hardware is None and gpus is None and devices is None  # found by itself
     hardware = hardware or local_hardware(devices, memory_gb, gpus, gpu_memory_gb)
+    try:
+        profiles, prepared = _profiled(operators, ctx, names, hardware, threads_per_device)
+    except DeviceProfileError as exc:
+        if not chose_gpus:
+            raise
+        # GPUs the user did not ask for: plan the CPU workers a machine without them gets
+        ctx.reporter.note(f"{exc}; planning for 2 CPU workers instead of the GPUs")
+        hardware = local_hardware(None, memory_gb, gpus=0)
+        profiles, prepared = _profiled(operators, ctx, names, hardware, threads_per_device)
     devices = len(hardware.devices)
-    gpu = gpu_device(hardware, threads_per_device)
-    mixed = gpu is not None and "cpu" in hardware.kinds
-    if gpu is not None:
-        ctx.reporter.note(f"planning for {', '.join(hardware.ids)}; models are profiled on "
-                          f"{gpu.torch_device}" + (" and on a CPU worker" if mixed else ""))
     settings = settings or PlannerSettings(num_ranges=num_ranges)
-    # one profile per model and kind of device: the CPU workers' (outcomes, cascades) and,
-    # on a mixed machine, the GPU's runtimes and memory beside
-    profiles = {n: operator_profiles(operators[n], ctx, threads_per_device,
-                                     device=None if mixed else gpu) for n in names}
-    prepared = {n: planning_inputs(profiles[n]) for n in names}
-    if mixed:
-        assert gpu is not None
-        on_gpu = {n: operator_profiles(operators[n], ctx, threads_per_device, device=gpu)
-                  for n in names}
-        prepared = {n: (with_gpu_profiles(prepared[n][0], on_gpu[n]), prepared[n][1])
-                    for n in names}
-        profiles = {n: {**profiles[n], **{f"{m}@gpu": p for m, p in on_gpu[n].items()}}
-                    for n in names}  # both key the cached frontier
     catalogs = {n: prepared[n][0] for n in names}
     if peak_qps is None:  # the slowest operator sets the load the query can be planned for
         peak_qps = min(default_peak_qps(cat, cascades, hardware)

@@ -52,7 +52,7 @@ class Profile:
     batch_sizes: tuple[int, ...]
     batch_runtime_s: tuple[float, ...]  # median seconds for one batch of each size
     memory_bytes: int  # resident weights
-    peak_memory_bytes: int  # at the largest batch: process RSS (CPU), allocated (GPU)
+    peak_memory_bytes: int  # at the largest batch: process RSS (CPU), weights + batch (GPU)
     label_names: tuple[str, ...]  # a classifier's labels; () for other outputs
     sample_name: str
     sample_hash: str
@@ -297,23 +297,25 @@ def _reset_peak_rss() -> None:
         pass
 
 
-def _reset_peak(device: DeviceConfig) -> None:
-    """Start measuring peak memory: the process's RSS on a CPU, allocated memory on a GPU."""
+def _reset_peak(device: DeviceConfig) -> int:
+    """Start measuring peak memory: the process's RSS on a CPU; on a GPU the allocator's peak,
+    returning what is allocated there now (every model loaded on it, not only this one)."""
     if device.kind == "cuda":
         import torch
 
         torch.cuda.reset_peak_memory_stats(device.index)
-    else:
-        _reset_peak_rss()
+        return int(torch.cuda.memory_allocated(device.index))
+    _reset_peak_rss()
+    return 0
 
 
-def _peak_bytes(device: DeviceConfig) -> int:
-    """Peak memory since ``_reset_peak``: on a GPU, what torch allocated there (weights,
-    activations, KV cache: what a replica needs of the GPU's budget)."""
+def _peak_bytes(device: DeviceConfig, baseline: int) -> int:
+    """Peak memory since ``_reset_peak``: the process's peak RSS on a CPU; on a GPU the most
+    the batch allocated beyond ``baseline`` (activations, KV cache), other models left out."""
     if device.kind == "cuda":
         import torch
 
-        return int(torch.cuda.max_memory_allocated(device.index))
+        return max(0, int(torch.cuda.max_memory_allocated(device.index)) - baseline)
     return _read_status_kb("VmHWM") * 1024
 
 
@@ -322,7 +324,8 @@ def measure_batch_runtimes(
     on_step: Callable[[int], None] | None = None,
     answers: dict[int, tuple] | None = None,
 ) -> tuple[list[float], int]:
-    """Median seconds per batch for each size, and peak memory (RSS; allocated on a GPU).
+    """Median seconds per batch for each size, and peak memory (RSS; on a GPU, what the
+    largest batch allocated beyond the models already there).
 
     Each size is timed on at least ``repeats`` batches and at least ``MIN_TIMED_ROWS`` rows:
     a text's runtime depends on its length, so the median of three single tweets is a noisy
@@ -335,11 +338,11 @@ def measure_batch_runtimes(
         raise ProfileError("cannot time a model on an empty sample")
     model.predict(list(texts[: min(8, len(texts))]), batch_size=8)  # warm-up
     runtimes: list[float] = []
-    peak = 0
+    peak = baseline = 0
     offset = 0
     for size in batch_sizes:
         if size == batch_sizes[-1]:
-            _reset_peak(model.device)
+            baseline = _reset_peak(model.device)
         times = []
         for _ in range(max(repeats, -(-MIN_TIMED_ROWS // size))):
             rows = [(offset + i) % len(texts) for i in range(size)]
@@ -357,7 +360,7 @@ def measure_batch_runtimes(
                     answers.setdefault(row, (value, score, names))
         runtimes.append(float(np.median(times)))
         if size == batch_sizes[-1]:
-            peak = _peak_bytes(model.device)
+            peak = _peak_bytes(model.device, baseline)
         if on_step:
             on_step(size)
     return runtimes, peak
@@ -419,10 +422,11 @@ def run_profile(
         batch_sizes=tuple(batch_sizes),
         batch_runtime_s=tuple(runtimes),
         # what a replica needs of its device's budget: the weights on a CPU worker (a process
-        # budget covers the rest); on a GPU the peak allocated at the largest batch, which
-        # holds the weights (in the precision loaded) and that batch's activations
-        memory_bytes=max(peak, 1) if model.device.kind == "cuda" else model.spec.memory_bytes,
-        peak_memory_bytes=peak,
+        # budget covers the rest); on a GPU its weights (in the precision loaded) plus what
+        # its largest batch allocated (activations, KV cache)
+        memory_bytes=model.spec.memory_bytes + (peak if model.device.kind == "cuda" else 0),
+        peak_memory_bytes=(model.spec.memory_bytes + peak if model.device.kind == "cuda"
+                           else peak),
         label_names=label_names,
         sample_name=sample.name,
         sample_hash=recorded_hash,
