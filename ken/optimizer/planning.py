@@ -91,7 +91,10 @@ def operator_profiles(op: Operator, ctx: OpContext, threads: int | None = None,
     profiles: dict[str, Profile] = {}
     for name, model in models.items():
         sizes[name] = tuple(batch_sizes or DEFAULT_BATCH_SIZES)
-        if batch_sizes is None and not is_cached(model, sample, sizes[name], ctx.home):
+        # a short profile on a CPU, where large batches take long; a GPU runs every size in
+        # moments, and its plans want the large batches
+        if batch_sizes is None and device.kind == "cpu" \
+                and not is_cached(model, sample, sizes[name], ctx.home):
             sizes[name] = SHORT_BATCH_SIZES
         cached = cached_profile(model, sample, sizes[name], ctx.home)
         if cached is not None:
