@@ -142,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--skip", default="", help="comma-separated parts to leave out: "
                     "sentiment,match,filter")
+    ap.add_argument("--with", dest="with_members", default=None, metavar="MEMBERS",
+                    help="opt-in family members to add (e.g. mpnet-base, prepared with `ken "
+                         "models prepare --with mpnet-base`): measured as single models, and "
+                         "sentiment() from SQL then serves the family with them")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
 
@@ -156,9 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"sentiment": [], "match": [], "filter": []}
     device = DeviceConfig(threads=args.threads)
     sets = {} if {"sentiment", "filter"} <= skip else sentiment_sets(args.rows)
-    with ken.connect(device=device, reporter=reporter) as session:
+    data = default_data()
+    if args.with_members:
+        data = data.with_members(*args.with_members.split(","))
+    with ken.connect(device=device, data=data, reporter=reporter) as session:
         if "sentiment" not in skip:
-            data = default_data()
             prepare(data, device, reporter=reporter)  # reuses what is prepared
             models = load_models(data, device)
             result["family"] = {"data": data.tag, "members": {
