@@ -466,7 +466,9 @@ def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Seq
                 f"({operators[name].eval_description()}); functions this session "
                 f"can plan: {plannable}. Register it with sample=ken.EvalSample(...), or "
                 "set a plan made elsewhere with session.use_plan(...)")
-    check_planning_args(devices or 1, memory_gb, threads_per_device,
+    # 0 CPU workers is a plan for the GPUs alone when GPUs are asked for
+    check_planning_args(1 if devices is None or (devices == 0 and gpus) else devices,
+                        memory_gb, threads_per_device,
                         peak_qps, duration_s, num_ranges)
     chose_gpus = hardware is None and gpus is None and devices is None  # found by itself
     hardware = hardware or local_hardware(devices, memory_gb, gpus, gpu_memory_gb)
