@@ -312,12 +312,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         check_planning_args,
         default_peak_qps,
         gpu_device,
+        keyed_profiles,
         local_hardware,
         plan_operator,
         planning_inputs,
         planning_trace,
         sustained_qps,
-        with_gpu_profiles,
     )
     from ken.optimizer.plotting import plot_frontier
     from ken.optimizer.query import Target
@@ -365,11 +365,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _operator_profiles(args, operator, reporter, device)
 
     by_name = profiles_on(None if mixed else gpu)
-    catalog, cascades = planning_inputs(by_name, args.max_stages, args.grid)
-    if mixed:
-        on_gpu = profiles_on(gpu)
-        catalog = with_gpu_profiles(catalog, on_gpu)
-        by_name = {**by_name, **{f"{m}@gpu": p for m, p in on_gpu.items()}}  # the cache key
+    on_gpu = profiles_on(gpu) if mixed else None
+    catalog, cascades = planning_inputs(by_name, args.max_stages, args.grid, on_gpu)
+    by_name = keyed_profiles(by_name, on_gpu)
     catalog, spreads = _calibrate(args.calibration, catalog, reporter)
     best = max(cascades, key=catalog.accuracy)
     sustained = sustained_qps(catalog, best, hardware)
@@ -485,7 +483,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from ken.engine.workers import gpu_index
     from ken.models import family
     from ken.models.model import DeviceConfig
-    from ken.optimizer.planning import planning_inputs, planning_trace, with_gpu_profiles
+    from ken.optimizer.planning import planning_inputs, planning_trace
     from ken.optimizer.simulator import simulate
     from ken.policy.plan import Frontier, GearPlan
 
@@ -513,10 +511,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
     mixed = gpu is not None and any(gpu_index(d) is None for d in plan.devices)
     _cards, profiles = _load_profiles(args, [args.device_threads], reporter,
                                       gpu=None if mixed else gpu)
-    catalog, _ = planning_inputs({p.model: p for p in profiles})
+    on_gpu_profiles = None
     if mixed:
-        _cards, profiles = _load_profiles(args, [args.device_threads], reporter, gpu=gpu)
-        catalog = with_gpu_profiles(catalog, {p.model: p for p in profiles})
+        on_gpu_profiles = {p.model: p for p in _load_profiles(
+            args, [args.device_threads], reporter, gpu=gpu)[1]}
+    catalog, _ = planning_inputs({p.model: p for p in profiles}, gpu_profiles=on_gpu_profiles)
     workers, cluster = args.workers, None
     if args.ray is not None or workers == "ray":  # --ray ADDRESS, or a Ray started here
         from ken.engine.ray_runner import RayCluster

@@ -151,8 +151,8 @@ class PlanningContext:
         """Seconds per row of ``model`` on ``devices`` (a replica's; "" for the default
         device kind) in batches of ``batch``."""
         degree = 1 if isinstance(devices, str) else len(devices)
-        perf = self.catalog.perf_on(model, devices) if devices else self.catalog.perf[model]
-        return perf.per_row_s(min(batch, self.max_batch(model)), degree)
+        return self.catalog.perf_on(model, devices).per_row_s(
+            min(batch, self.max_batch(model)), degree)
 
 
 def qps_edges(qps_max: float, num_ranges: int) -> tuple[float, ...]:

@@ -84,9 +84,9 @@ def operator_profiles(op: Operator, ctx: OpContext, threads: int | None = None,
     if elsewhere:
         raise DeviceProfileError(
             f"{op.name}() cannot be profiled on {device.label}: its candidate models "
-                       f"{', '.join(elsewhere)} load on {models[elsewhere[0]].device.label} "
-                       f"(the operator's candidates(ctx, device) ignores the device it is "
-                       "given); plan it for CPU workers (gpus=0)")
+            f"{', '.join(elsewhere)} load on {models[elsewhere[0]].device.label} (the "
+            "operator's candidates(ctx, device) ignores the device it is given); plan it for "
+            "CPU workers (gpus=0)")
     sizes: dict[str, tuple[int, ...]] = {}
     profiles: dict[str, Profile] = {}
     for name, model in models.items():
@@ -188,12 +188,26 @@ def check_planning_args(devices: int, memory_gb: float, threads_per_device: int,
 
 
 def planning_inputs(profiles: Mapping[str, Profile], max_stages: int = 3,
-                    grid_size: int = 16) -> tuple[Catalog, tuple[Cascade, ...]]:
+                    grid_size: int = 16, gpu_profiles: Mapping[str, Profile] | None = None
+                    ) -> tuple[Catalog, tuple[Cascade, ...]]:
     """The catalog and the candidate cascades (the Pareto set, cost at each model's best
-    batch size) that a frontier is planned from."""
+    batch size) that a frontier is planned from. On a machine with CPU workers and GPUs,
+    ``profiles`` are the CPU workers' and ``gpu_profiles`` each model's on a GPU
+    (``Catalog.gpu_perf``)."""
     front = pareto_cascades(profiles, max_stages=max_stages, grid_size=grid_size,
                             batch_size=None)
-    return Catalog.from_profiles(profiles), tuple(m.cascade for m in front)
+    catalog = Catalog.from_profiles(profiles)
+    if gpu_profiles:
+        catalog = catalog.with_perf(dict(catalog.perf), {
+            m: ModelPerf.from_profile(p) for m, p in gpu_profiles.items()})
+    return catalog, tuple(m.cascade for m in front)
+
+
+def keyed_profiles(profiles: Mapping[str, Profile],
+                   gpu_profiles: Mapping[str, Profile] | None = None) -> dict[str, Profile]:
+    """The profiles a cached frontier is keyed by: both kinds on a mixed machine (the GPU's
+    as ``model@gpu``)."""
+    return {**profiles, **{f"{m}@gpu": p for m, p in (gpu_profiles or {}).items()}}
 
 
 def sustained_qps(catalog: Catalog, cascade: Cascade, devices: int | Hardware) -> float:
@@ -205,16 +219,16 @@ def sustained_qps(catalog: Catalog, cascade: Cascade, devices: int | Hardware) -
     """
     fractions = catalog.stage_fractions(cascade)
 
-    def rate(device: str | None) -> float:
+    def rate(device: str) -> float:  # "" (no GPU id): the catalog's default perf
         seconds = 0.0
         for model, fraction in zip(cascade.models, fractions, strict=True):
-            perf = catalog.perf[model] if device is None else catalog.perf_on(model, device)
+            perf = catalog.perf_on(model, device)
             seconds += fraction * min(perf.per_row_s(b) for b in perf.batch_sizes)
         return 1.0 / seconds
 
     if isinstance(devices, Hardware):
         return sum(rate(d.id) for d in devices.devices)
-    return devices * rate(None)
+    return devices * rate("")
 
 
 def default_peak_qps(catalog: Catalog, cascades: Sequence[Cascade], devices: int | Hardware
@@ -396,13 +410,6 @@ def gpu_device(hardware: Hardware, threads: int) -> DeviceConfig | None:
     return DeviceConfig("cuda", int(local.group(1)) if local else 0, threads)
 
 
-def with_gpu_profiles(catalog: Catalog, gpu_profiles: Mapping[str, Profile]) -> Catalog:
-    """``catalog`` (from CPU profiles) with each model's GPU performance beside, for
-    hardware with CPU workers and GPUs (``Catalog.gpu_perf``)."""
-    return catalog.with_perf(dict(catalog.perf),
-                             {m: ModelPerf.from_profile(p) for m, p in gpu_profiles.items()})
-
-
 def _profiled(operators: Mapping[str, Operator], ctx: OpContext, names: Sequence[str],
               hardware: Hardware, threads: int
               ) -> tuple[dict[str, dict[str, Profile]],
@@ -418,19 +425,14 @@ def _profiled(operators: Mapping[str, Operator], ctx: OpContext, names: Sequence
                           f"{gpu.torch_device}" + (" and on a CPU worker" if mixed else ""))
     profiles = {n: operator_profiles(operators[n], ctx, threads, device=None if mixed else gpu)
                 for n in names}
-    prepared = {n: planning_inputs(profiles[n]) for n in names}
-    if mixed:
-        assert gpu is not None
-        on_gpu = {n: operator_profiles(operators[n], ctx, threads, device=gpu) for n in names}
-        prepared = {n: (with_gpu_profiles(prepared[n][0], on_gpu[n]), prepared[n][1])
-                    for n in names}
-        profiles = {n: {**profiles[n], **{f"{m}@gpu": p for m, p in on_gpu[n].items()}}
-                    for n in names}
+    on_gpu = {n: operator_profiles(operators[n], ctx, threads, device=gpu) if mixed else None
+              for n in names}
+    prepared = {n: planning_inputs(profiles[n], gpu_profiles=on_gpu[n]) for n in names}
     if gpu is not None:
         import torch
 
         torch.cuda.empty_cache()  # the serving workers need the GPU's memory
-    return profiles, prepared
+    return {n: keyed_profiles(profiles[n], on_gpu[n]) for n in names}, prepared
 
 
 def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Sequence[str],
@@ -481,7 +483,6 @@ def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Seq
         ctx.reporter.note(f"{exc}; planning for 2 CPU workers instead of the GPUs")
         hardware = local_hardware(None, memory_gb, gpus=0)
         profiles, prepared = _profiled(operators, ctx, names, hardware, threads_per_device)
-    devices = len(hardware.devices)
     settings = settings or PlannerSettings(num_ranges=num_ranges)
     catalogs = {n: prepared[n][0] for n in names}
     if peak_qps is None:  # the slowest operator sets the load the query can be planned for

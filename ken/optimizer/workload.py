@@ -102,7 +102,7 @@ class Hardware:
         """``n`` CPU devices ``cpu0..cpu{n-1}`` on node 0, each with ``memory_bytes``."""
         if n < 1:
             raise WorkloadError(f"cpu_workers needs n >= 1, got {n}")
-        return cls(tuple(Device(f"cpu{i}", "cpu", memory_bytes, 0) for i in range(n)))
+        return cls.local(n, memory_bytes)
 
     @classmethod
     def local(cls, cpu_devices: int, memory_bytes: int,
