@@ -19,10 +19,10 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -32,7 +32,8 @@ from ken.models.llm import GenerativeModel
 from ken.models.model import Output
 from ken.models.resources import CausalLM
 from ken.optimizer.decode_sim import DecodeRun
-from ken.policy.decoding import DecodeScheduler, Mode
+from ken.policy.decoding import DecodeScheduler, DecodeStep, Mode
+from ken.policy.generating import GenDispatcher, GenPlan, pick_lane
 from ken.policy.scheduling import WallClock
 
 GenStatus = Literal["ok", "rejected", "error"]
@@ -40,6 +41,10 @@ GenStatus = Literal["ok", "rejected", "error"]
 
 @dataclass(frozen=True)
 class GenOutcome:
+    """What a request got. For a request served by a generation plan (``CascadeServer``):
+    the model and 0-based stage that answered, the gear, the SQL value and its certainty;
+    ``first_token_s`` is the first token of that answer."""
+
     request_id: int
     status: GenStatus
     arrival_s: float
@@ -47,6 +52,11 @@ class GenOutcome:
     completion_s: float
     generation: Generation | None = None
     error: str | None = None
+    model: str = ""
+    stage: int = 0
+    gear: int = 0
+    value: Any = None
+    certainty: float = 1.0
 
 
 @dataclass
@@ -55,7 +65,84 @@ class _Pending:
     max_new: int
     arrival_s: float
     future: Future
+    lane: str
+    row: Any = None
     first_token_s: float | None = None
+
+
+class _Lane:
+    """One model's decoding on the server's device: its scheduler and its running batch."""
+
+    def __init__(self, lm: CausalLM, max_running: int, kv_budget_tokens: int | None,
+                 mode: Mode, stop: Sequence[str], ignore_eos: bool) -> None:
+        self.lm = lm
+        self.scheduler = DecodeScheduler(max_running, kv_budget_tokens, mode)
+        self.stop = tuple(stop)
+        self.ignore_eos = ignore_eos
+        self.ends = end_token_ids(lm)
+        self.vocab = int(lm.net.get_input_embeddings().num_embeddings)
+        self.batch: DecodeBatch | None = None
+
+    def check(self, prompt: Sequence[int], max_new_tokens: int) -> str | None:
+        """Why such a request can never run on this lane (None: it can)."""
+        if not prompt or max_new_tokens < 0:
+            return "a request needs at least one prompt token and max_new_tokens >= 0"
+        if min(prompt) < 0 or max(prompt) >= self.vocab:
+            return (f"prompt token ids must be in [0, {self.vocab}); got "
+                    f"{min(prompt)}..{max(prompt)}")
+        if len(prompt) + max_new_tokens > self.lm.context_tokens:
+            return (f"{len(prompt)} prompt + {max_new_tokens} new tokens exceed the model's "
+                    f"context of {self.lm.context_tokens} tokens")
+        return None
+
+    def run(self, pending: dict[int, _Pending]
+            ) -> tuple[DecodeStep, list[tuple[int, Generation]], dict[int, str]]:
+        """Run the lane's next pass: the pass, the requests it finished and the joiners whose
+        prefill failed (with the error). A failed pass raises (the caller then fails the
+        running requests: ``drop_running``)."""
+        step = self.scheduler.next_step()
+        if step is None:
+            raise PolicyError("a lane with requests has no pass; this is a bug")
+        failed: dict[int, str] = {}
+        if step.kind == "prefill":
+            failed = self._prefill(step.request_ids, pending)
+        elif self.batch is None:
+            raise PolicyError("a decode pass with no running batch; this is a bug")
+        else:
+            self.batch.step()
+        finished = [(int(k), g) for k, g in self.batch.pop_finished()] \
+            if self.batch is not None else []
+        self.scheduler.step_done(step, [rid for rid, _ in finished] + list(failed))
+        return step, finished, failed
+
+    def _prefill(self, ids: tuple[int, ...], pending: dict[int, _Pending]) -> dict[int, str]:
+        """Prefill the joiners and merge them into the running batch. If the pass fails,
+        each joiner is tried alone, so one bad request does not fail the others."""
+        groups = [ids]
+        failed: dict[int, str] = {}
+        while groups:
+            group = groups.pop()
+            try:
+                joined = DecodeBatch.prefill(
+                    self.lm, [pending[r].prompt for r in group], group,
+                    [pending[r].max_new for r in group], self.stop, self.ends,
+                    self.ignore_eos)
+            except Exception as exc:  # noqa: BLE001 - reported per request
+                if len(group) > 1:
+                    groups.extend((r,) for r in group)
+                else:
+                    failed[group[0]] = f"{type(exc).__name__}: {exc}"
+                continue
+            if self.batch is None:
+                self.batch = joined
+            else:
+                self.batch.join(joined)
+        return failed
+
+    def drop_running(self) -> list[int]:
+        """Forget the running batch (its pass failed); returns its requests."""
+        self.batch = None
+        return self.scheduler.drop_running()
 
 
 class DecodeServer:
@@ -69,25 +156,37 @@ class DecodeServer:
         if memory_budget_bytes is not None:
             room = kv_tokens_in(lm, memory_budget_bytes)
             kv_budget_tokens = room if kv_budget_tokens is None else min(kv_budget_tokens, room)
-        self.lm = lm
-        self.scheduler = DecodeScheduler(max_running, kv_budget_tokens, mode)
-        self.stop = tuple(stop)
-        self.ignore_eos = ignore_eos
+        self._lanes: dict[str, _Lane] = {
+            "": _Lane(lm, max_running, kv_budget_tokens, mode, stop, ignore_eos)}
+        self._init_loop()
+
+    def _init_loop(self) -> None:
         self.clock = WallClock()
-        self._ends = end_token_ids(lm)
+        self._lane_names = list(self._lanes)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
         self._pending: dict[int, _Pending] = {}
-        self._batch: DecodeBatch | None = None
         self._thread: threading.Thread | None = None
         self._closing = threading.Event()  # set by shutdown (under the lock): no new requests
         self._stopping = False  # the loop read shutdown's marker: it stops once idle
         self._lock = threading.Lock()
         self._crashed = ""
-        self._vocab = int(lm.net.get_input_embeddings().num_embeddings)
         self.passes = 0
         self.prefill_passes = 0
         self.busy_s = 0.0
+
+    @property
+    def lm(self) -> CausalLM:
+        return self._lanes[self._lane_names[0]].lm
+
+    @property
+    def scheduler(self) -> DecodeScheduler:
+        return self._lanes[self._lane_names[0]].scheduler
+
+    @property
+    def load(self) -> int:
+        """Requests running or queued in the server's lanes."""
+        return sum(lane.scheduler.load for lane in self._lanes.values())
 
     # -- client side ------------------------------------------------------------------------
 
@@ -105,23 +204,19 @@ class DecodeServer:
         Raises ``EngineError`` at once for what can never run: no prompt token, a token id
         outside the model's vocabulary, or more tokens than the model's context."""
         prompt = [int(t) for t in prompt]
-        if not prompt or max_new_tokens < 0:
-            raise EngineError("a request needs at least one prompt token and max_new_tokens "
-                              ">= 0")
-        if min(prompt) < 0 or max(prompt) >= self._vocab:
-            raise EngineError(f"prompt token ids must be in [0, {self._vocab}); got "
-                              f"{min(prompt)}..{max(prompt)}")
-        if len(prompt) + max_new_tokens > self.lm.context_tokens:
-            raise EngineError(f"{len(prompt)} prompt + {max_new_tokens} new tokens exceed the "
-                              f"model's context of {self.lm.context_tokens} tokens")
+        problem = self._lanes[self._lane_names[0]].check(prompt, max_new_tokens)
+        if problem:
+            raise EngineError(problem)
+        return self._put(prompt, int(max_new_tokens))
+
+    def _put(self, item: Any, max_new: int) -> Future:
         fut: Future = Future()
         fut.set_running_or_notify_cancel()  # an outcome always comes; it cannot be cancelled
         with self._lock:
             if self._thread is None or self._closing.is_set() or not self._thread.is_alive():
                 raise EngineError("the decode server is not running; call start() first"
                                   + (f" (it stopped: {self._crashed})" if self._crashed else ""))
-            self._inbox.put((next(self._ids), prompt, int(max_new_tokens), self.clock.now(),
-                             fut))
+            self._inbox.put((next(self._ids), item, max_new, self.clock.now(), fut))
         return fut
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
@@ -142,6 +237,32 @@ class DecodeServer:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
+    # -- hooks (CascadeServer overrides them) -----------------------------------------------
+
+    def _enter(self, rid: int, item: Any, max_new: int, arrival: float, fut: Future) -> None:
+        """A request arrives at a pass boundary: queue it on its lane."""
+        lane = self._lanes[self._lane_names[0]]
+        if not lane.scheduler.fits(len(item), max_new):
+            fut.set_result(GenOutcome(rid, "rejected", arrival, None, self.clock.now(),
+                                      error=f"{len(item)} prompt + {max_new} new tokens "
+                                      f"exceed the KV budget of "
+                                      f"{lane.scheduler.kv_budget_tokens} tokens"))
+            return
+        self._pending[rid] = _Pending(item, max_new, arrival, fut, self._lane_names[0])
+        lane.scheduler.admit(rid, len(item), max_new, arrival)
+
+    def _answered(self, rid: int, lane: str, gen: Generation, now: float) -> None:
+        """A lane finished a request's answer."""
+        p = self._pending.pop(rid)
+        p.future.set_result(GenOutcome(rid, "ok", p.arrival_s, p.first_token_s, now, gen,
+                                       value=gen.text))
+
+    def _failed(self, rid: int, message: str, now: float) -> None:
+        p = self._pending.pop(rid, None)
+        if p is not None and not p.future.done():
+            p.future.set_result(GenOutcome(rid, "error", p.arrival_s, p.first_token_s, now,
+                                           error=message))
+
     # -- the loop ---------------------------------------------------------------------------
 
     def _receive(self, block: bool) -> None:
@@ -154,15 +275,7 @@ class DecodeServer:
             if item is None:
                 self._stopping = True
                 continue
-            rid, prompt, max_new, arrival, fut = item
-            if not self.scheduler.fits(len(prompt), max_new):
-                fut.set_result(GenOutcome(rid, "rejected", arrival, None, self.clock.now(),
-                                          error=f"{len(prompt)} prompt + {max_new} new tokens "
-                                          f"exceed the KV budget of "
-                                          f"{self.scheduler.kv_budget_tokens} tokens"))
-                continue
-            self._pending[rid] = _Pending(prompt, max_new, arrival, fut)
-            self.scheduler.admit(rid, len(prompt), max_new)
+            self._enter(*item)
 
     def _guarded_loop(self) -> None:
         """The loop; if it fails where no request is to blame (a bug), every request still
@@ -174,12 +287,8 @@ class DecodeServer:
             with self._lock:
                 self._closing.set()
             now = self.clock.now()
-            for rid, p in list(self._pending.items()):
-                if not p.future.done():
-                    p.future.set_result(GenOutcome(rid, "error", p.arrival_s, p.first_token_s,
-                                                   now, error=f"the decode server stopped: "
-                                                   f"{self._crashed}"))
-            self._pending.clear()
+            for rid in list(self._pending):
+                self._failed(rid, f"the decode server stopped: {self._crashed}", now)
             self._reject_inbox(f"the decode server stopped: {self._crashed}")
             return
         self._reject_inbox("the decode server was shut down")
@@ -191,7 +300,7 @@ class DecodeServer:
             except queue.Empty:
                 return
             if item is not None:
-                rid, _prompt, _max_new, arrival, fut = item
+                rid, _item, _max_new, arrival, fut = item
                 fut.set_result(GenOutcome(rid, "error", arrival, None, self.clock.now(),
                                           error=message))
 
@@ -199,25 +308,23 @@ class DecodeServer:
         import torch
 
         torch.set_num_threads(self.lm.device.threads)
+        lanes = [self._lanes[n] for n in self._lane_names]
         while True:
-            idle = self.scheduler.load == 0
+            idle = self.load == 0
             if idle and self._stopping:
                 return
             self._receive(block=idle)
-            step = self.scheduler.next_step()
-            if step is None:
+            k = pick_lane([lane.scheduler.oldest() for lane in lanes])
+            if k is None:
                 continue
+            name, lane = self._lane_names[k], lanes[k]
             start = self.clock.now()
-            failed: dict[int, str] = {}
             try:
-                if step.kind == "prefill":
-                    failed = self._prefill(step.request_ids)
-                else:
-                    self._decode()
-                finished = [(int(k), g) for k, g in self._batch.pop_finished()] \
-                    if self._batch is not None else []
+                step, finished, failed = lane.run(self._pending)
             except Exception as exc:  # noqa: BLE001 - a failed decode fails its batch only
-                self._fail_running(f"{type(exc).__name__}: {exc}")
+                now = self.clock.now()
+                for rid in lane.drop_running():
+                    self._failed(rid, f"{type(exc).__name__}: {exc}", now)
                 continue
             now = self.clock.now()
             self.busy_s += now - start
@@ -225,55 +332,97 @@ class DecodeServer:
             self.prefill_passes += step.kind == "prefill"
             if step.kind == "prefill":
                 for rid in step.request_ids:
-                    self._pending[rid].first_token_s = now
-            self.scheduler.step_done(step, [rid for rid, _ in finished] + list(failed))
+                    if rid not in failed:
+                        self._pending[rid].first_token_s = now
             for rid, gen in finished:
-                p = self._pending.pop(rid)
-                p.future.set_result(GenOutcome(rid, "ok", p.arrival_s, p.first_token_s, now,
-                                               gen))
+                self._answered(rid, name, gen, now)
             for rid, message in failed.items():
-                p = self._pending.pop(rid)
-                p.future.set_result(GenOutcome(rid, "error", p.arrival_s, None, now,
-                                               error=message))
+                self._failed(rid, message, now)
 
-    def _prefill(self, ids: tuple[int, ...]) -> dict[int, str]:
-        """Prefill the joiners and merge them into the running batch. If the pass fails,
-        each joiner is tried alone, so one bad request does not fail the others; returns the
-        joiners that failed, with the error."""
-        groups = [ids]
-        failed: dict[int, str] = {}
-        while groups:
-            group = groups.pop()
-            try:
-                joined = DecodeBatch.prefill(
-                    self.lm, [self._pending[r].prompt for r in group], group,
-                    [self._pending[r].max_new for r in group], self.stop, self._ends,
-                    self.ignore_eos)
-            except Exception as exc:  # noqa: BLE001 - reported per request
-                if len(group) > 1:
-                    groups.extend((r,) for r in group)
-                else:
-                    failed[group[0]] = f"{type(exc).__name__}: {exc}"
-                continue
-            if self._batch is None:
-                self._batch = joined
-            else:
-                self._batch.join(joined)
-        return failed
 
-    def _decode(self) -> None:
-        if self._batch is None:
-            raise PolicyError("a decode pass with no running batch; this is a bug")
-        self._batch.step()
+class CascadeServer(DecodeServer):
+    """A generation plan (``ken.policy.generating.GenPlan``) served on one device: a lane per
+    model of the plan, each request's cascade chosen by the load when it arrives, a request
+    whose answer is less certain than its stage's threshold queued on the next model's lane.
 
-    def _fail_running(self, message: str) -> None:
+    ``submit_row(row)`` takes an operator's row (e.g. ``(question, passage)``); the future's
+    ``GenOutcome`` carries the SQL value, the answering model, stage and gear. A row with no
+    prompt (NULL or blank input) is answered at once with ``None``."""
+
+    def __init__(self, models: Mapping[str, GenerativeModel], plan: GenPlan) -> None:
+        missing = [m for m in plan.models if m not in models]
+        if missing:
+            raise EngineError(f"the plan uses models {missing} that were not given")
+        self.models = {m: models[m] for m in plan.models}
+        self.plan = plan
+        self.dispatcher = GenDispatcher(plan)
+        self._lanes = {m: _Lane(model.lm, plan.max_running, plan.kv_budget_tokens,
+                                plan.mode, model.stop, False)  # type: ignore[arg-type]
+                       for m, model in self.models.items()}
+        self._init_loop()
+
+    @property
+    def lm(self) -> CausalLM:
+        return self.models[self.plan.models[0]].lm
+
+    def submit(self, prompt: Sequence[int], max_new_tokens: int) -> Future:
+        raise EngineError("a CascadeServer takes rows: use submit_row")
+
+    def submit_row(self, row: Any) -> Future:
+        """Queue one row; the future resolves to its ``GenOutcome``."""
+        return self._put(row, 0)
+
+    def _enter(self, rid: int, item: Any, max_new: int, arrival: float, fut: Future) -> None:
         now = self.clock.now()
-        self._batch = None
-        for rid in self.scheduler.drop_running():
-            p = self._pending.pop(rid, None)
-            if p is not None:
-                p.future.set_result(GenOutcome(rid, "error", p.arrival_s, p.first_token_s, now,
-                                               error=message))
+        first = self.dispatcher.admit(rid, now)
+        self._pending[rid] = _Pending([], 0, arrival, fut, first, row=item)
+        self._queue_on(rid, first, now)
+
+    def _queue_on(self, rid: int, name: str, now: float) -> bool:
+        """Queue the request on ``name``'s lane; answer it at once if the row has no prompt
+        (None), fail it if the prompt can never run there."""
+        p = self._pending[rid]
+        model = self.models[name]
+        try:
+            prompt = model.requests([p.row])[0]
+        except Exception as exc:  # noqa: BLE001 - a row the prompt cannot take fails alone
+            self._failed(rid, f"{name}: {type(exc).__name__}: {exc}", now)
+            return False
+        if not prompt:
+            self.dispatcher.drop(rid)
+            self._pending.pop(rid)
+            p.future.set_result(GenOutcome(rid, "ok", p.arrival_s, now, now, model=name,
+                                           gear=self.dispatcher.current, value=None))
+            return False
+        lane = self._lanes[name]
+        problem = lane.check(prompt, model.max_new_tokens)
+        if problem is None and not lane.scheduler.fits(len(prompt), model.max_new_tokens):
+            problem = (f"{len(prompt)} prompt + {model.max_new_tokens} new tokens exceed the "
+                       f"KV budget of {lane.scheduler.kv_budget_tokens} tokens")
+        if problem:
+            self._failed(rid, f"{name}: {problem}", now)
+            return False
+        p.prompt, p.max_new, p.lane, p.first_token_s = prompt, model.max_new_tokens, name, None
+        lane.scheduler.admit(rid, len(prompt), model.max_new_tokens, p.arrival_s)
+        return True
+
+    def _answered(self, rid: int, lane: str, gen: Generation, now: float) -> None:
+        model = self.models[lane]
+        certainty = gen.certainty(model.certainty_kind)
+        stage, gear = self.dispatcher.stage_of(rid), self.dispatcher.gear_of(rid)
+        nxt = self.dispatcher.finished(rid, certainty)
+        if nxt is not None:
+            self._queue_on(rid, nxt, now)
+            return
+        p = self._pending.pop(rid)
+        value = model.finish(gen.text) if model.finish else gen.text
+        p.future.set_result(GenOutcome(rid, "ok", p.arrival_s, p.first_token_s, now, gen,
+                                       model=lane, stage=stage, gear=gear, value=value,
+                                       certainty=certainty))
+
+    def _failed(self, rid: int, message: str, now: float) -> None:
+        self.dispatcher.drop(rid)
+        super()._failed(rid, message, now)
 
 
 def generate_rows(model: GenerativeModel, rows: Sequence, max_running: int = 8) -> Output:

@@ -43,6 +43,7 @@ class DecodeStep:
 class _Request:
     prompt_tokens: int
     max_new: int
+    arrival_s: float = 0.0  # when it came to the operator (orders lanes: ``pick_lane``)
     fed: int = 0  # tokens in the cache after the prompt (one per decode pass)
 
     @property
@@ -97,6 +98,10 @@ class DecodeScheduler:
         """Padded KV cache size now, in token slots (rows x width)."""
         return len(self._running) * self.width()
 
+    def oldest(self) -> float | None:
+        """Arrival time of the earliest request running or queued here (None: idle)."""
+        return min((r.arrival_s for r in self._requests.values()), default=None)
+
     def fits(self, prompt_tokens: int, max_new_tokens: int) -> bool:
         """Whether one such request could ever run (alone) within the KV budget."""
         budget = self.kv_budget_tokens
@@ -104,8 +109,10 @@ class DecodeScheduler:
 
     # -- events -----------------------------------------------------------------------------
 
-    def admit(self, request_id: int, prompt_tokens: int, max_new_tokens: int) -> None:
-        """Queue a request (first come, first served)."""
+    def admit(self, request_id: int, prompt_tokens: int, max_new_tokens: int,
+              arrival_s: float = 0.0) -> None:
+        """Queue a request (first come, first served); ``arrival_s``: when it came to the
+        operator (an escalated request keeps its first arrival)."""
         if request_id in self._requests:
             raise PolicyError(f"request {request_id} was already admitted")
         if prompt_tokens < 1 or max_new_tokens < 0:
@@ -114,7 +121,7 @@ class DecodeScheduler:
         if not self.fits(prompt_tokens, max_new_tokens):
             raise PolicyError(f"request {request_id}: {prompt_tokens} prompt + {max_new_tokens} "
                               f"new tokens exceed the KV budget of {self.kv_budget_tokens} tokens")
-        self._requests[request_id] = _Request(prompt_tokens, max_new_tokens)
+        self._requests[request_id] = _Request(prompt_tokens, max_new_tokens, arrival_s)
         self._waiting.append(request_id)
 
     def next_step(self) -> DecodeStep | None:

@@ -1,0 +1,189 @@
+"""Gear plans of generating operators: cascades of causal LMs picked by load in forward passes.
+
+Shared by the simulator (``ken.optimizer.gen_sim``) and the online engine's decode server
+(``ken.engine.decode``): the same rules on a virtual or a wall clock.
+
+A *load-gear plan* (``GenPlan``) lists cascades of generating models, most accurate first, each
+with the load up to which it serves. **Load** is what the forward passes still have to serve:
+the requests admitted and not yet answered, running or queued, at any stage. Generation time
+grows with the tokens each request generates, so a request rate says little about how busy a
+decode server is; the requests in the system say it directly (Little's law: load = rate x time
+in system).
+
+- ``GenDispatcher.admit`` picks the gear for a new request from the load at that moment (a
+  cheaper gear as soon as the load reaches its edge; back to a more accurate one only once the
+  load has fallen below ``hysteresis`` x that gear's edge) and returns its first model;
+- ``GenDispatcher.finished`` takes the certainty of a stage's answer and returns the next
+  model of the request's cascade, or None when the answer stands (the escalation rule is
+  ``ken.models.cascade.escalates_row``).
+
+One decode server hosts every model of the plan on its device, one *lane* per model (its own
+``DecodeScheduler`` and KV cache). ``pick_lane`` says which lane runs the next forward pass:
+the one holding the request that came to the operator first (an escalated request keeps its
+arrival time, so it does not wait behind newer ones).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ken.errors import PolicyError
+from ken.models.cascade import Cascade, escalates_row
+
+GEN_PLAN_SCHEMA = 1
+
+
+@dataclass(frozen=True)
+class GenGear:
+    """A cascade and the load (requests in the system) below which it serves new requests."""
+
+    cascade: Cascade
+    max_load: float = math.inf
+
+
+@dataclass(frozen=True)
+class GenPlan:
+    """Gears of one generating operator, most accurate first (see the module docstring)."""
+
+    function: str
+    gears: tuple[GenGear, ...]
+    max_running: int = 8  # rows per decode pass of a lane
+    kv_budget_tokens: int | None = None  # per lane; None: bounded by max_running only
+    hysteresis: float = 0.5
+    mode: str = "continuous"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "gears", tuple(self.gears))
+        if not self.gears:
+            raise PolicyError("a generation plan needs at least one gear")
+        edges = [g.max_load for g in self.gears]
+        if not math.isinf(edges[-1]):
+            raise PolicyError("the last gear must serve any load (max_load = inf)")
+        rising = all(a < b for a, b in zip(edges[:-1], edges[1:], strict=True))
+        if any(e <= 0 for e in edges) or not rising:
+            raise PolicyError(f"gear edges must be positive and increasing, got {edges}")
+        if not 0 < self.hysteresis <= 1:
+            raise PolicyError(f"hysteresis must be in (0, 1], got {self.hysteresis}")
+        if self.max_running < 1:
+            raise PolicyError(f"max_running must be >= 1, got {self.max_running}")
+        if self.mode not in ("continuous", "static"):
+            raise PolicyError(f"unknown batching mode {self.mode!r}; use continuous or static")
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """Every model of the plan, in order of first use."""
+        return tuple(dict.fromkeys(m for g in self.gears for m in g.cascade.models))
+
+    def describe(self) -> str:
+        parts = []
+        lower = 0.0
+        for g in self.gears:
+            upper = "inf" if math.isinf(g.max_load) else f"{g.max_load:g}"
+            parts.append(f"load [{lower:g}, {upper}): {g.cascade.describe()}")
+            lower = g.max_load
+        return "; ".join(parts)
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "schema_version": GEN_PLAN_SCHEMA, "function": self.function,
+            "gears": [{"cascade": json.loads(g.cascade.to_json()),
+                       "max_load": None if math.isinf(g.max_load) else g.max_load}
+                      for g in self.gears],
+            "max_running": self.max_running, "kv_budget_tokens": self.kv_budget_tokens,
+            "hysteresis": self.hysteresis, "mode": self.mode}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> GenPlan:
+        data = json.loads(text)
+        if data.get("schema_version") != GEN_PLAN_SCHEMA:
+            raise PolicyError(f"generation plan schema {data.get('schema_version')!r}, "
+                              f"expected {GEN_PLAN_SCHEMA}")
+        gears = tuple(GenGear(Cascade.from_json(json.dumps(g["cascade"])),
+                              math.inf if g["max_load"] is None else float(g["max_load"]))
+                      for g in data["gears"])
+        return cls(data["function"], gears, int(data["max_running"]),
+                   data["kv_budget_tokens"], float(data["hysteresis"]), data["mode"])
+
+
+def single_gear(function: str, cascade: Cascade, max_running: int = 8,
+                kv_budget_tokens: int | None = None, mode: str = "continuous") -> GenPlan:
+    """A plan that always serves ``cascade`` (a static cascade, or one model)."""
+    return GenPlan(function, (GenGear(cascade),), max_running, kv_budget_tokens, mode=mode)
+
+
+class GenDispatcher:
+    """Gear choice and escalation of one ``GenPlan`` (see the module docstring)."""
+
+    def __init__(self, plan: GenPlan) -> None:
+        self.plan = plan
+        self._edges = [g.max_load for g in plan.gears]
+        self._cascades = [g.cascade for g in plan.gears]
+        self.current = 0
+        self.switches: list[tuple[float, int, int]] = []  # (time, from gear, to gear)
+        self._gear: dict[int, int] = {}
+        self._stage: dict[int, int] = {}
+
+    @property
+    def load(self) -> int:
+        """Requests admitted and not yet answered (running or queued, at any stage)."""
+        return len(self._stage)
+
+    def gear_of(self, request_id: int) -> int:
+        return self._gear[request_id]
+
+    def stage_of(self, request_id: int) -> int:
+        return self._stage[request_id]
+
+    def _choose(self, load: int) -> int:
+        target = next(k for k, e in enumerate(self._edges) if load < e)
+        cur = self.current
+        if target >= cur:
+            return target
+        # back towards accuracy only once the load fell well below that gear's edge
+        for k in range(target, cur):
+            if load < self.plan.hysteresis * self._edges[k]:
+                return k
+        return cur
+
+    def admit(self, request_id: int, now: float) -> str:
+        """A new request: choose the gear from the load, return its first model."""
+        if request_id in self._stage:
+            raise PolicyError(f"request {request_id} was already admitted")
+        gear = self._choose(len(self._stage))
+        if gear != self.current:
+            self.switches.append((now, self.current, gear))
+            self.current = gear
+        self._gear[request_id] = gear
+        self._stage[request_id] = 0
+        return self._cascades[gear].models[0]
+
+    def finished(self, request_id: int, certainty: float) -> str | None:
+        """A stage answered with ``certainty``: the next model, or None (answered)."""
+        try:
+            gear, stage = self._gear[request_id], self._stage[request_id]
+        except KeyError:
+            raise PolicyError(f"request {request_id} is not in flight") from None
+        cascade = self._cascades[gear]
+        threshold = cascade.thresholds[stage] if stage < len(cascade.thresholds) else -math.inf
+        if escalates_row(certainty, threshold):
+            self._stage[request_id] = stage + 1
+            return cascade.models[stage + 1]
+        self.drop(request_id)
+        return None
+
+    def drop(self, request_id: int) -> None:
+        """The request left (answered, or its pass failed)."""
+        self._stage.pop(request_id, None)
+        self._gear.pop(request_id, None)
+
+
+def pick_lane(oldest_arrivals: Sequence[float | None]) -> int | None:
+    """The lane whose next pass serves the request that arrived first (None: all idle)."""
+    best, best_t = None, math.inf
+    for k, t in enumerate(oldest_arrivals):
+        if t is not None and t < best_t:
+            best, best_t = k, t
+    return best
