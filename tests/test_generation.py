@@ -225,3 +225,48 @@ def test_continuous_rows_equal_static_predict(home) -> None:  # noqa: ANN001
     assert continuous.token_counts.tolist() == static.token_counts.tolist()
     assert np.allclose(continuous.scores, static.scores, atol=1e-4)
     assert generate_rows(model, [None, ""]).values == [None, None]
+
+
+def test_cascade_server_equals_row_by_row_cascade(lm) -> None:  # noqa: ANN001
+    """A two-stage plan in one decode server (a lane per model) gives each row what running
+    its cascade on that row alone gives: NULLs, duplicates and escalations included."""
+    from ken.engine.decode import CascadeServer
+    from ken.models.cascade import Cascade
+    from ken.models.llm import GenerativeModel
+    from ken.ops.prompts import SEM_QA
+    from ken.policy.generating import GenGear, GenPlan
+
+    short = GenerativeModel(lm, SEM_QA, "qa-short", "sem-qa", SEM_QA.key, 4, stop=("\n",),
+                            num_inputs=2)
+    long = GenerativeModel(lm, SEM_QA, "qa-long", "sem-qa", SEM_QA.key, 10, stop=("\n",),
+                           num_inputs=2)
+    passage = "Ada Lovelace wrote the first program in 1843 for Babbage's engine in London."
+    rows = [("Who wrote the first program?", passage), ("In which year?", passage),
+            (None, passage), ("Where?", passage), ("Who wrote the first program?", passage),
+            ("For which engine?", passage), ("", "")]
+    alone = short.predict(rows, batch_size=1)
+    # rows 0, 1 and 3 arrive at loads 0, 1 and 2 (row 2 has no prompt): the cascade's gear;
+    # the two least certain of them escalate
+    threshold = float(np.sort(alone.scores[[0, 1, 3]])[1]) + 1e-9
+    plan = GenPlan("sem_qa", (GenGear(Cascade(("qa-short", "qa-long"), (threshold,)), 3),
+                              GenGear(Cascade(("qa-short",)))), max_running=2)
+    with CascadeServer({"qa-short": short, "qa-long": long}, plan) as server:
+        outcomes = [f.result(timeout=300) for f in [server.submit_row(r) for r in rows]]
+        with pytest.raises(EngineError, match="submit_row"):
+            server.submit([1, 2], 2)
+    assert server.dispatcher.load == 0 and server.load == 0
+    for row, o, value, certainty in zip(rows, outcomes, alone.values, alone.scores,
+                                        strict=True):
+        assert o.status == "ok"
+        if not row[0]:
+            assert o.value is None
+            continue
+        cascade = plan.gears[o.gear].cascade
+        if len(cascade.models) == 2 and certainty < threshold:
+            assert (o.model, o.stage) == ("qa-long", 1)
+            assert o.value == long.predict([row], batch_size=1).values[0]
+        else:
+            assert (o.model, o.stage, o.value) == ("qa-short", 0, value)
+        assert o.arrival_s <= o.first_token_s <= o.completion_s
+    assert any(o.stage == 1 for o in outcomes), "some rows escalate"
+    assert outcomes[0].value == outcomes[4].value  # duplicates

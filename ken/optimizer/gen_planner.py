@@ -1,0 +1,148 @@
+"""Planning load-gear plans of generating operators with token-level cost.
+
+Inputs: what each model does with each row of a sample (``StageRows``: prompt and answer
+lengths, certainty, quality), each model's ``TokenCost`` (prefill and decode passes timed on
+this device) and a planning trace (arrival times and the row each request asks for).
+
+1. ``cascade_candidates``: every model alone and every ordered pair ``small -> large`` with
+   thresholds at quantiles of the small model's certainty; each scored on the sample (mean
+   quality) and by its work per row (a row's share of full decode passes, ``row_work_s``);
+   only the candidates that no other beats on both are kept.
+2. ``plan_generation``: every plan of up to ``max_gears`` candidates, most accurate first,
+   with load edges from a grid, served on the planning trace by ``simulate_gen_plan`` (the
+   decode server's policy on a virtual clock, each pass charged its token cost); the most
+   accurate plan whose latency metric (TGT p95 by default) meets the target wins.
+
+Load is counted in requests in the system (running plus queued, ``ken.policy.generating``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ken.errors import PlanningError
+from ken.models.cascade import Cascade
+from ken.optimizer.decode_sim import StageRows, simulate_gen_plan
+from ken.optimizer.tokens import TokenCost
+from ken.policy.generating import GenGear, GenPlan
+
+DEFAULT_EDGES = (2, 4, 8, 16, 32, 64)
+METRICS = ("tgt_p95_ms", "tgt_p99_ms", "ttft_p95_ms", "ttft_p99_ms", "tgt_p50_ms",
+           "ttft_p50_ms")
+
+
+@dataclass(frozen=True)
+class GenCandidate:
+    """A cascade with its mean quality on the sample and its work per row (seconds)."""
+
+    cascade: Cascade
+    quality: float
+    work_s: float
+    escalated: float = 0.0  # share of rows the first stage passes on
+
+
+@dataclass(frozen=True)
+class GenChoice:
+    """A plan and what the simulator measured for it on the planning trace."""
+
+    plan: GenPlan
+    metrics: Mapping[str, float]
+
+
+def row_work_s(cost: TokenCost, stage: StageRows, max_running: int) -> np.ndarray:
+    """Each row's share of full passes: its prompt in a prefill of ``max_running`` such
+    prompts, and one decode pass per further token beside ``max_running - 1`` others."""
+    b = max_running
+    prompt, out = stage.prompt_tokens, stage.output_tokens
+    prefill = np.array([cost.prefill_s(b, int(p)) for p in prompt]) / b
+    decode = np.array([max(int(o) - 1, 0) * cost.decode_s(b, int(p + o)) for p, o in
+                       zip(prompt, out, strict=True)]) / b
+    return prefill + decode
+
+
+def cascade_candidates(models: Sequence[str], stages: Mapping[str, StageRows],
+                       costs: Mapping[str, TokenCost], max_running: int = 8,
+                       quantiles: int = 9) -> list[GenCandidate]:
+    """Single models and ``small -> large`` pairs (see the module docstring), Pareto-kept."""
+    if not models:
+        raise PlanningError("no model to plan with")
+    work = {m: row_work_s(costs[m], stages[m], max_running) for m in models}
+    found = [GenCandidate(Cascade((m,)), float(stages[m].quality.mean()),
+                          float(work[m].mean())) for m in models]
+    for small, large in itertools.combinations(models, 2):
+        cert = stages[small].certainty
+        levels = np.unique(np.quantile(cert, np.linspace(0.1, 0.9, quantiles)))
+        for t in levels:
+            up = cert < t
+            quality = np.where(up, stages[large].quality, stages[small].quality).mean()
+            cost = (work[small] + np.where(up, work[large], 0.0)).mean()
+            found.append(GenCandidate(Cascade((small, large), (float(t),)), float(quality),
+                                      float(cost), float(up.mean())))
+    return pareto(found)
+
+
+def pareto(found: Sequence[GenCandidate]) -> list[GenCandidate]:
+    """Candidates no other beats on both quality (higher) and work (lower), most accurate
+    first."""
+    keep = [c for c in found
+            if not any((o.quality >= c.quality and o.work_s < c.work_s)
+                       or (o.quality > c.quality and o.work_s <= c.work_s) for o in found)]
+    unique: dict[tuple, GenCandidate] = {}
+    for c in keep:
+        unique.setdefault((round(c.quality, 9), round(c.work_s, 12)), c)
+    return sorted(unique.values(), key=lambda c: (-c.quality, c.work_s))
+
+
+def candidate_plans(function: str, candidates: Sequence[GenCandidate], max_gears: int = 3,
+                    edges: Sequence[float] = DEFAULT_EDGES, max_running: int = 8,
+                    kv_budget_tokens: int | None = None) -> list[GenPlan]:
+    """Every plan of 1..``max_gears`` candidates (most accurate first) and increasing edges."""
+    ordered = sorted(candidates, key=lambda c: (-c.quality, c.work_s))
+    plans = []
+    for k in range(1, max_gears + 1):
+        for subset in itertools.combinations(ordered, k):
+            for cut in itertools.combinations(sorted(set(edges)), k - 1):
+                gears = tuple(GenGear(c.cascade, float(e)) for c, e in
+                              zip(subset, (*cut, np.inf), strict=True))
+                plans.append(GenPlan(function, gears, max_running, kv_budget_tokens))
+    return plans
+
+
+def plan_generation(function: str, candidates: Sequence[GenCandidate],
+                    costs: Mapping[str, TokenCost], stages: Mapping[str, StageRows],
+                    arrival_s: Sequence[float] | np.ndarray, rows: Sequence[int] | np.ndarray,
+                    target_ms: float, metric: str = "tgt_p95_ms", max_gears: int = 3,
+                    edges: Sequence[float] = DEFAULT_EDGES, max_running: int = 8,
+                    kv_budget_tokens: int | None = None
+                    ) -> tuple[GenChoice | None, list[GenChoice]]:
+    """The most accurate plan whose simulated ``metric`` meets ``target_ms`` on the planning
+    trace (None if none does), and every plan simulated."""
+    if metric not in METRICS:
+        raise PlanningError(f"unknown latency metric {metric!r}; use one of {METRICS}")
+    if not target_ms > 0:
+        raise PlanningError(f"the latency target must be > 0 ms, got {target_ms}")
+    tried = [GenChoice(p, simulate_gen_plan(p, costs, stages, arrival_s, rows).metrics())
+             for p in candidate_plans(function, candidates, max_gears, edges, max_running,
+                                      kv_budget_tokens)]
+    feasible = [c for c in tried if c.metrics[metric] <= target_ms]
+    if not feasible:
+        return None, tried
+    best = max(feasible, key=lambda c: (round(c.metrics["quality"], 9), -c.metrics[metric],
+                                        -len(c.plan.gears)))
+    return best, tried
+
+
+def frontier(choices: Sequence[GenChoice], metric: str = "tgt_p95_ms") -> list[GenChoice]:
+    """The plans no other beats on both ``metric`` (lower) and quality (higher), fastest
+    first."""
+    out: list[GenChoice] = []
+    best_quality = -np.inf
+    for c in sorted(choices, key=lambda c: (c.metrics[metric], -c.metrics["quality"])):
+        if c.metrics["quality"] > best_quality:
+            out.append(c)
+            best_quality = c.metrics["quality"]
+    return out
