@@ -21,7 +21,7 @@ import duckdb
 import pyarrow as pa
 
 from ken.engine.manager import ServingManager
-from ken.errors import KenError
+from ken.errors import KenError, PlanningError
 from ken.models.cascade import Cascade
 from ken.models.model import DeviceConfig, Model
 from ken.models.quality import EvalSample
@@ -37,9 +37,11 @@ from ken.sql.train import is_train, parse_train
 
 if TYPE_CHECKING:
     from ken.engine.serving import Engine, LoadReport
+    from ken.optimizer.gen_planner import GenChoice
     from ken.optimizer.planner import PlannerSettings
     from ken.optimizer.query import QueryPlan, Target
     from ken.optimizer.workload import Trace
+    from ken.policy.generating import GenPlan
     from ken.policy.plan import Frontier, GearPlan
 
 _EXPLAIN = re.compile(r"^\s*EXPLAIN(\s+ANALYZE)?\s+", re.IGNORECASE)
@@ -230,20 +232,55 @@ class Session:
     def bulk_threshold(self, value: int) -> None:
         self.serving.bulk_threshold = value
 
-    def use_plan(self, plan: GearPlan) -> None:
+    def use_plan(self, plan: GearPlan | GenPlan) -> None:
         """Set the gear plan of ``plan.operator`` by hand (e.g. one picked from a frontier file
-        written by ``ken plan``: ``Frontier.load(path).pick(min_accuracy=0.7)``)."""
+        written by ``ken plan``: ``Frontier.load(path).pick(min_accuracy=0.7)``), or the
+        generation plan of a generating function (``ken.policy.generating.GenPlan``: cascades
+        of LMs chosen by load; ``serve()`` then answers its calls from a decode server)."""
+        from ken.policy.generating import GenPlan
         from ken.policy.plan import GearPlan
 
-        if not isinstance(plan, GearPlan):
-            raise KenError(f"use_plan() takes a GearPlan, not {type(plan).__name__}; load one "
-                           "with ken.Frontier.load(path).pick(...)")
-        name = plan.operator.lower()
+        if not isinstance(plan, (GearPlan, GenPlan)):
+            raise KenError(f"use_plan() takes a GearPlan or a GenPlan, not "
+                           f"{type(plan).__name__}; load one with "
+                           "ken.Frontier.load(path).pick(...)")
+        operator = plan.function if isinstance(plan, GenPlan) else plan.operator
+        name = operator.lower()
         if name not in self.operators:
-            raise KenError(f"the gear plan is for {plan.operator}(), which is not a semantic "
+            raise KenError(f"the gear plan is for {operator}(), which is not a semantic "
                            f"function of this session; registered: "
                            f"{', '.join(sorted(self.operators)) or '(none)'}")
         self.serving.set_plan(name, plan)
+
+    def plan_generation(self, function: str, tgt_p95_s: float, qps: float, rows: int = 64,
+                        requests: int = 120, trace: Trace | None = None,
+                        max_running: int = 8) -> GenChoice:
+        """Plan a generating function (``sem_qa``, ``sem_map``, ``sem_extract``) for online
+        requests arriving at ``qps`` on average and use the plan: the most accurate load-gear
+        plan (cascades of its LMs chosen by the requests in the system) whose simulated total
+        generation time p95 is within ``tgt_p95_s``. Its LMs answer ``rows`` rows of its
+        evaluation sample first (minutes, once per session). ``serve()`` then answers its
+        calls from a decode server. Raises ``PlanningError`` when no plan meets the target.
+
+        >>> session.plan_generation("sem_qa", tgt_p95_s=12, qps=0.7)   # doctest: +SKIP
+        >>> session.serve(["sem_qa"])                                 # doctest: +SKIP
+        """
+        from ken.optimizer.gen_planner import plan_operator
+
+        name = function.lower()
+        if name not in self.operators:
+            raise KenError(f"{function}() is not a semantic function of this session")
+        best, tried = plan_operator(self.operators[name], self.ctx, tgt_p95_s, qps, rows,
+                                    requests, None if trace is None else trace.arrival_s,
+                                    max_running)
+        if best is None:
+            fastest = min(tried, key=lambda c: c.metrics["tgt_p95_ms"])
+            raise PlanningError(
+                f"no plan of {name}() keeps TGT p95 within {tgt_p95_s:g} s at {qps:g} req/s; "
+                f"the fastest simulated is {fastest.metrics['tgt_p95_ms'] / 1000:.1f} s "
+                f"({fastest.plan.describe()}); ask for more time or a lower rate")
+        self.use_plan(best.plan)
+        return best
 
     def plan(self, target: Target | str, functions: Sequence[str] = ("sentiment",),
              trace: Trace | str | None = None, devices: int | None = None,

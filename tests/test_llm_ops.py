@@ -134,3 +134,66 @@ def test_hybridqa_passage_sample() -> None:
     assert len(sample) == 20 and sample.metric == "token_f1"
     for (question, passage), answer in zip(sample.inputs, sample.references, strict=True):
         assert question and answer.lower() in passage.lower()
+
+
+@pytest.mark.models
+def test_sem_qa_served_by_a_decode_server(session) -> None:  # noqa: ANN001
+    """A generation plan given to the session: serve() answers sem_qa's SQL calls from a
+    decode server (online chunks and bulk rows), with the values of the in-process cascade."""
+    from ken.models.cascade import Cascade
+    from ken.policy.generating import GenGear, GenPlan
+
+    s = session
+    stage = s.bind("sem_qa", ()).cascade.models[0]
+    plan = GenPlan("sem_qa", (GenGear(Cascade((stage,)), 4), GenGear(Cascade((stage,)))),
+                   max_running=2)
+    expected = one_by_one(s, "sem_qa", (), list(zip(QUESTIONS, TEXTS, strict=True)))
+    s.use_plan(plan)
+    assert "generation plan: 2 gears by load" in s.explain("SELECT sem_qa(q, x) FROM t")
+    assert "session.serve()" in s.explain("SELECT sem_qa(q, x) FROM t")
+    try:
+        s.serve(["sem_qa"])
+        text = s.explain("SELECT sem_qa(q, x) FROM t")
+        assert "served by a decode server" in text and f"load [0, 4): {stage}" in text
+        for bulk_threshold in (1000, 1):  # online requests, then bulk rows (gear 1)
+            s.bulk_threshold = bulk_threshold
+            result = s.sql("SELECT id, sem_qa(q, x) FROM t ORDER BY id")
+            assert [r[1] for r in result.fetchall()] == expected
+            st = next(iter(result.stats.values()))
+            assert st.distinct_evaluated == 4  # NULLs never reach the server; one duplicate
+            assert (st.bulk_rows if bulk_threshold == 1 else st.online_rows) == 4
+        with pytest.raises(KenError, match="stop serving"):
+            s.use_plan(_a_gear_plan(stage))
+    finally:
+        s.stop_serving()
+        s.bulk_threshold = 64
+        s.serving.forget("sem_qa")
+    assert s.explain("SELECT sem_qa(q, x) FROM t").count("generation plan") == 0
+
+
+def _a_gear_plan(model: str):  # noqa: ANN202
+    from ken.models.cascade import Cascade
+    from ken.policy.plan import GearPlan, RangeSchedule, Replica
+
+    return GearPlan("sem_qa", (0.0, 1e6), (Cascade((model,)),), (Replica(model, ("cpu0",)),),
+                    (RangeSchedule(0, (1.0,), (1,)),), (8,))
+
+
+@pytest.mark.models
+def test_plan_generation_from_the_session(session) -> None:  # noqa: ANN001
+    if not (hybridqa_dir() / "dev_questions.json").is_file():
+        pytest.skip(f"sem_qa plans on HybridQA, not found at {hybridqa_dir()}")
+    from ken.errors import PlanningError
+
+    s = session
+    try:
+        best = s.plan_generation("sem_qa", tgt_p95_s=600, qps=0.05, rows=4, requests=8)
+        assert s.serving.gen_plans["sem_qa"] == best.plan
+        assert best.metrics["tgt_p95_ms"] <= 600_000 and best.metrics["requests"] == 8
+        assert best.plan.models == s.bind("sem_qa", ()).cascade.models  # SmolLM2 alone here
+        with pytest.raises(PlanningError, match="fastest simulated"):
+            s.plan_generation("sem_qa", tgt_p95_s=0.001, qps=5, rows=4, requests=8)
+        with pytest.raises(PlanningError, match="does not generate"):
+            s.plan_generation("sem_choice", tgt_p95_s=10, qps=1, rows=4)
+    finally:
+        s.serving.forget("sem_qa")

@@ -31,7 +31,7 @@ from ken.models.generation import DecodeBatch, Generation, end_token_ids
 from ken.models.llm import GenerativeModel
 from ken.models.model import Output
 from ken.models.resources import CausalLM
-from ken.optimizer.decode_sim import DecodeRun
+from ken.optimizer.decode_sim import DecodeRun, GenRun
 from ken.policy.decoding import DecodeScheduler, DecodeStep, Mode
 from ken.policy.generating import GenDispatcher, GenPlan, pick_lane
 from ken.policy.scheduling import WallClock
@@ -356,6 +356,7 @@ class CascadeServer(DecodeServer):
         self.models = {m: models[m] for m in plan.models}
         self.plan = plan
         self.dispatcher = GenDispatcher(plan)
+        self.tokens = dict.fromkeys(plan.models, 0)  # generated per model, every stage
         self._lanes = {m: _Lane(model.lm, plan.max_running, plan.kv_budget_tokens,
                                 plan.mode, model.stop, False)  # type: ignore[arg-type]
                        for m, model in self.models.items()}
@@ -368,14 +369,19 @@ class CascadeServer(DecodeServer):
     def submit(self, prompt: Sequence[int], max_new_tokens: int) -> Future:
         raise EngineError("a CascadeServer takes rows: use submit_row")
 
-    def submit_row(self, row: Any) -> Future:
-        """Queue one row; the future resolves to its ``GenOutcome``."""
-        return self._put(row, 0)
+    def submit_row(self, row: Any, gear: int | None = None) -> Future:
+        """Queue one row; the future resolves to its ``GenOutcome``. ``gear``: serve it with
+        that gear whatever the load (e.g. 0, the most accurate, for a table's rows in bulk;
+        they still count as load for the requests around them)."""
+        if gear is not None and not 0 <= gear < len(self.plan.gears):
+            raise EngineError(f"the plan has gears 0..{len(self.plan.gears) - 1}, not {gear}")
+        return self._put((row, gear), 0)
 
     def _enter(self, rid: int, item: Any, max_new: int, arrival: float, fut: Future) -> None:
         now = self.clock.now()
-        first = self.dispatcher.admit(rid, now)
-        self._pending[rid] = _Pending([], 0, arrival, fut, first, row=item)
+        row, gear = item
+        first = self.dispatcher.admit(rid, now, gear)
+        self._pending[rid] = _Pending([], 0, arrival, fut, first, row=row)
         self._queue_on(rid, first, now)
 
     def _queue_on(self, rid: int, name: str, now: float) -> bool:
@@ -408,6 +414,7 @@ class CascadeServer(DecodeServer):
 
     def _answered(self, rid: int, lane: str, gen: Generation, now: float) -> None:
         model = self.models[lane]
+        self.tokens[lane] += gen.num_tokens
         certainty = gen.certainty(model.certainty_kind)
         stage, gear = self.dispatcher.stage_of(rid), self.dispatcher.gear_of(rid)
         nxt = self.dispatcher.finished(rid, certainty)
@@ -461,21 +468,85 @@ def kv_tokens_in(lm: CausalLM, memory_bytes: int) -> int:
     return (memory_bytes - weights) // per_token
 
 
-def replay(server: DecodeServer, arrival_s: Sequence[float] | np.ndarray,
-           prompts: Sequence[Sequence[int]], max_new: Sequence[int]) -> list[GenOutcome]:
-    """Submit ``prompts`` at the trace's arrival times (relative to now) and wait for all."""
+class GenerationEngine:
+    """A ``CascadeServer`` behind the online engine's interface to SQL queries
+    (``submit_many``): a served generating function's calls become requests of its plan;
+    a chunk sent as bulk rows is served by the most accurate gear."""
+
+    workers = "thread"
+
+    def __init__(self, server: CascadeServer) -> None:
+        self.server = server
+
+    @property
+    def plan(self) -> GenPlan:
+        return self.server.plan
+
+    def submit_many(self, texts: Sequence, bulk: bool = False, operator: str | None = None
+                    ) -> list[Future]:
+        if operator is not None and operator != self.plan.function:
+            raise EngineError(f"this decode server serves {self.plan.function}(), not "
+                              f"{operator}()")
+        gear = 0 if bulk else None
+        return [self.server.submit_row(t, gear) for t in texts]
+
+    def shutdown(self, drain: bool = True) -> int:
+        """Stop the server after the submitted requests (they always finish)."""
+        self.server.shutdown()
+        return 0
+
+
+def _paced(arrival_s: Sequence[float] | np.ndarray, submit: Any, items: Sequence) -> list:
+    """Call ``submit(*item)`` at each arrival time (relative to now); wait for every future."""
     import time
 
-    if not (len(arrival_s) == len(prompts) == len(max_new)):
-        raise EngineError("give one prompt and one max_new per arrival")
     t0 = time.monotonic()
     futures = []
-    for t, prompt, m in zip(arrival_s, prompts, max_new, strict=True):
+    for t, item in zip(arrival_s, items, strict=True):
         delay = float(t) - (time.monotonic() - t0)
         if delay > 0:
             time.sleep(delay)
-        futures.append(server.submit(prompt, int(m)))
+        futures.append(submit(*item))
     return [f.result() for f in futures]
+
+
+def replay(server: DecodeServer, arrival_s: Sequence[float] | np.ndarray,
+           prompts: Sequence[Sequence[int]], max_new: Sequence[int]) -> list[GenOutcome]:
+    """Submit ``prompts`` at the trace's arrival times (relative to now) and wait for all."""
+    if not (len(arrival_s) == len(prompts) == len(max_new)):
+        raise EngineError("give one prompt and one max_new per arrival")
+    return _paced(arrival_s, server.submit, [(p, int(m)) for p, m in
+                                             zip(prompts, max_new, strict=True)])
+
+
+def replay_rows(server: CascadeServer, arrival_s: Sequence[float] | np.ndarray,
+                rows: Sequence) -> list[GenOutcome]:
+    """Submit operator rows at the trace's arrival times (relative to now); wait for all."""
+    if len(arrival_s) != len(rows):
+        raise EngineError("give one row per arrival")
+    return _paced(arrival_s, server.submit_row, [(r,) for r in rows])
+
+
+def as_gen_run(outcomes: Sequence[GenOutcome], quality: Sequence[float],
+               server: DecodeServer) -> GenRun:
+    """A measured run of a generation plan in the simulator's terms: ``quality[i]`` scores
+    request ``i``'s value; requests that failed are left out (count them from the
+    outcomes)."""
+    keep = [i for i, o in enumerate(outcomes) if o.status == "ok"]
+    if not keep:
+        raise EngineError("no request finished; nothing to measure")
+    ok = [outcomes[i] for i in keep]
+    if isinstance(server, CascadeServer):
+        tokens, switches = dict(server.tokens), tuple(server.dispatcher.switches)
+    else:
+        tokens = {"": sum(o.generation.num_tokens for o in ok if o.generation is not None)}
+        switches = ()
+    return GenRun(np.array([o.arrival_s for o in ok]),
+                  np.array([o.first_token_s for o in ok], dtype=np.float64),
+                  np.array([o.completion_s for o in ok]), np.array([o.stage for o in ok]),
+                  np.array([o.gear for o in ok]), np.asarray(quality, dtype=np.float64)[keep],
+                  tokens, {"all": server.passes}, {"all": server.prefill_passes},
+                  server.busy_s, switches)
 
 
 def as_run(outcomes: Sequence[GenOutcome], passes: int = 0, prefill_passes: int = 0,

@@ -14,12 +14,14 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
+from ken.engine.decode import CascadeServer, GenerationEngine
 from ken.engine.ray_runner import RayCluster
 from ken.engine.serving import Engine, LoadReport
 from ken.engine.workers import gpu_index
 from ken.errors import KenError
 from ken.models.model import DeviceConfig, Model
 from ken.ops.base import Bound, OpContext, Operator
+from ken.policy.generating import GenPlan
 from ken.policy.plan import GearPlan
 
 
@@ -39,6 +41,9 @@ class ServingManager:
         self._engine: Engine | None = None
         self._served: set[str] = set()
         self._bulk_threshold = 64
+        # generating functions: a load-gear plan each, served by a decode server each
+        self._gen_plans: dict[str, GenPlan] = {}
+        self._gen_servers: dict[str, GenerationEngine] = {}
 
     @property
     def bulk_threshold(self) -> int:
@@ -57,8 +62,28 @@ class ServingManager:
     def plans(self) -> Mapping[str, GearPlan]:
         return MappingProxyType(self._plans)
 
-    def set_plan(self, name: str, plan: GearPlan) -> None:
-        """Keep ``plan`` for ``name``; a running engine serving ``name`` swaps to it."""
+    @property
+    def gen_plans(self) -> Mapping[str, GenPlan]:
+        return MappingProxyType(self._gen_plans)
+
+    def set_plan(self, name: str, plan: GearPlan | GenPlan) -> None:
+        """Keep ``plan`` for ``name``; a running engine serving ``name`` swaps to it (a
+        generating function's decode server is restarted with it)."""
+        if isinstance(plan, GenPlan):
+            if name in self._served:
+                raise KenError(f"{name}() is served by the online engine with a gear plan; "
+                               "stop serving (session.stop_serving()) before giving it a "
+                               "generation plan")
+            self._plans.pop(name, None)
+            self._gen_plans[name] = plan
+            if name in self._gen_servers:
+                self._gen_servers.pop(name).shutdown()
+                self._start_generation(name)
+            return
+        if name in self._gen_servers:
+            raise KenError(f"{name}() is served by a decode server with a generation plan; "
+                           "stop serving (session.stop_serving()) before giving it a gear plan")
+        self._gen_plans.pop(name, None)
         self._plans[name] = plan
         engine = self._engine
         if name in self._served and engine is not None:
@@ -71,6 +96,10 @@ class ServingManager:
         other functions and calls of ``name`` run in-process."""
         self._plans.pop(name, None)
         self._served.discard(name)
+        self._gen_plans.pop(name, None)
+        server = self._gen_servers.pop(name, None)
+        if server is not None:
+            server.shutdown()
 
     # -- which engine answers a call ---------------------------------------------------------
 
@@ -92,8 +121,12 @@ class ServingManager:
         planned_for = self.operators[function].eval_constants
         return bool(planned_for) and constants != planned_for
 
-    def engine_for(self, function: str, constants: tuple[str, ...]) -> Engine | None:
+    def engine_for(self, function: str, constants: tuple[str, ...]
+                   ) -> Engine | GenerationEngine | None:
         """The engine that answers a call, or None when the call runs in-process."""
+        if function in self._gen_servers:
+            return None if self.planned_for_other_constants(function, constants) \
+                else self._gen_servers[function]
         if function not in self._served or self.planned_for_other_constants(function,
                                                                            constants):
             return None
@@ -119,17 +152,23 @@ class ServingManager:
             raise KenError(f"a Ray cluster serves with workers='ray', not {workers!r}")
         if admission not in ("plan", "max_in_flight"):
             raise KenError(f"admission must be 'plan' or 'max_in_flight' (got {admission!r})")
-        names = list(self._plans) if functions is None else [f.lower() for f in functions]
+        names = [*self._plans, *self._gen_plans] if functions is None \
+            else [f.lower() for f in functions]
         if not names:
             raise KenError("nothing to serve: no function has a gear plan yet; run "
                            "session.plan(...) or session.use_plan(...) first")
-        missing = [n for n in names if n not in self._plans]
+        missing = [n for n in names if n not in self._plans and n not in self._gen_plans]
         if missing:
             raise KenError(f"{', '.join(f'{n}()' for n in missing)} has no gear plan; run "
                            "session.plan(...) or session.use_plan(...) first")
-        names = [n for n in dict.fromkeys(names) if n not in self._served]
+        reports: dict[str, LoadReport] = {}
+        for n in dict.fromkeys(names):
+            if n in self._gen_plans and n not in self._gen_servers:
+                reports[n] = self._start_generation(n)
+        names = [n for n in dict.fromkeys(names)
+                 if n not in self._served and n not in self._gen_plans]
         if not names:
-            return {}
+            return reports
         if self._engine is not None:
             return self._add(names)
         kind = workers
@@ -166,7 +205,27 @@ class ServingManager:
             advance(1)
         self._engine = engine
         self._served.update(names)
-        return dict.fromkeys(names, report)
+        return reports | dict.fromkeys(names, report)
+
+    def _start_generation(self, name: str) -> LoadReport:
+        """A decode server for a generating function's plan, on the session's models (loaded
+        in this process; the server's thread runs every pass)."""
+        plan = self._gen_plans[name]
+        op = self.operators[name]
+        started = time.perf_counter()
+        models = dict(self._bind(name, op.eval_constants).models)
+        if not set(plan.models) <= set(models):
+            models.update(op.candidates(self.ctx, self.ctx.device))
+        missing = [m for m in plan.models if m not in models]
+        if missing:
+            raise KenError(f"{name}()'s generation plan names models {missing} that "
+                           f"{name}() does not have; it has {sorted(models)}")
+        with self.ctx.reporter.task(f"start a decode server for {name}(): "
+                                    f"{plan.describe()}", 1) as advance:
+            server = CascadeServer({m: models[m] for m in plan.models}, plan).start()
+            advance(1)
+        self._gen_servers[name] = GenerationEngine(server)
+        return LoadReport({}, time.perf_counter() - started, "thread")
 
     def _add(self, names: Sequence[str]) -> dict[str, LoadReport]:
         """Add functions to the running engine (their models load on its workers)."""
@@ -216,6 +275,9 @@ class ServingManager:
         many requests it cancelled."""
         engine, self._engine = self._engine, None
         self._served.clear()
+        servers, self._gen_servers = self._gen_servers, {}
+        for server in servers.values():
+            server.shutdown(drain)
         return 0 if engine is None else engine.shutdown(drain=drain)
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,6 +31,11 @@ from ken.models.cascade import Cascade
 from ken.optimizer.decode_sim import StageRows, simulate_gen_plan
 from ken.optimizer.tokens import TokenCost
 from ken.policy.generating import GenGear, GenPlan
+
+if TYPE_CHECKING:
+    from ken.models.llm import GenerativeModel
+    from ken.models.quality import EvalSample
+    from ken.ops.base import OpContext, Operator
 
 DEFAULT_EDGES = (2, 4, 8, 16, 32, 64)
 METRICS = ("tgt_p95_ms", "tgt_p99_ms", "ttft_p95_ms", "ttft_p99_ms", "tgt_p50_ms",
@@ -51,6 +58,40 @@ class GenChoice:
 
     plan: GenPlan
     metrics: Mapping[str, float]
+
+
+def answer_sample(model: GenerativeModel, sample: EvalSample, batch_size: int = 8
+                  ) -> tuple[StageRows, list]:
+    """What ``model`` does with each row of ``sample``: prompt tokens, forward passes of its
+    answer (its tokens, plus one for an end-of-sequence token), certainty and quality; and
+    the answers' values. Every row must have a prompt."""
+    from ken.models.generation import generate
+
+    prompts = model.requests(sample.texts)
+    live = [i for i, p in enumerate(prompts) if p]
+    if len(live) != len(prompts):
+        raise PlanningError(f"{len(prompts) - len(live)} rows of {sample.name} have no prompt "
+                            "(NULL or blank); plan on rows that do")
+    gens = generate(model.lm, prompts, model.max_new_tokens, model.stop,
+                    batch_size=batch_size)
+    out = model.output(len(prompts), live, gens)
+    passes = [g.num_tokens + (g.finish == "eos") for g in gens]
+    return StageRows(np.array([len(p) for p in prompts]), np.array(passes),
+                     np.asarray(out.scores, dtype=float),
+                     np.asarray(sample.quality(out.values), dtype=float)), list(out.values)
+
+
+def trace_window(arrival_s: np.ndarray, start_s: float, duration_s: float, requests: int,
+                 span_s: float, rng: np.random.Generator) -> np.ndarray:
+    """``requests`` arrivals thinned at random from ``[start_s, start_s + duration_s)`` of a
+    trace and stretched to ``span_s`` seconds: the window's bursts at a rate this machine
+    serves."""
+    t = arrival_s[(arrival_s >= start_s) & (arrival_s < start_s + duration_s)]
+    if t.size < requests:
+        raise PlanningError(f"the trace holds {t.size} < {requests} arrivals in "
+                            f"[{start_s:g}, {start_s + duration_s:g}) s")
+    keep = np.sort(rng.choice(t, requests, replace=False))
+    return (keep - start_s) * span_s / duration_s
 
 
 def row_work_s(cost: TokenCost, stage: StageRows, max_running: int) -> np.ndarray:
@@ -146,3 +187,53 @@ def frontier(choices: Sequence[GenChoice], metric: str = "tgt_p95_ms") -> list[G
             out.append(c)
             best_quality = c.metrics["quality"]
     return out
+
+
+def plan_operator(op: Operator, ctx: OpContext, tgt_p95_s: float, qps: float,
+                  rows: int = 64, requests: int = 120, arrival_s: np.ndarray | None = None,
+                  max_running: int = 8, seed: int = 0
+                  ) -> tuple[GenChoice | None, list[GenChoice]]:
+    """Plan a generating operator for online requests at a mean rate of ``qps``: its models
+    answer the first ``rows`` rows of its evaluation sample (cached in ``ctx`` for the
+    session), their passes are timed (cached under KEN_HOME), and the plans of
+    ``plan_generation`` are simulated on ``requests`` arrivals of ``arrival_s`` (default: the
+    first 20 minutes of the Azure code trace) thinned and stretched to ``qps``, each asking
+    for a random sample row. Returns the most accurate plan whose TGT p95 is within
+    ``tgt_p95_s`` (None if none) and every plan simulated."""
+    from ken.models.llm import GenerativeModel
+    from ken.optimizer.tokens import load_or_measure_token_cost
+    from ken.optimizer.workload import load_azure_trace
+
+    if not tgt_p95_s > 0 or not qps > 0 or rows < 2 or requests < 2:
+        raise PlanningError("plan with tgt_p95_s > 0, qps > 0, rows >= 2 and requests >= 2")
+    models = dict(op.candidates(ctx, ctx.device))
+    if not models or not all(isinstance(m, GenerativeModel) for m in models.values()):
+        raise PlanningError(f"{op.name}() does not generate text; generation plans are for "
+                            "sem_qa, sem_map and sem_extract")
+    sample = op.eval_sample(ctx)
+    if sample is None:
+        raise PlanningError(f"{op.name}() has no evaluation sample here to plan with "
+                            f"({op.eval_description()})")
+    sample = sample.subset(range(min(rows, len(sample))))
+    stages: dict[str, StageRows] = {}
+    costs: dict[str, TokenCost] = {}
+    key = sample.content_hash()
+    with ctx.reporter.long_work(f"planning {op.name}(): {len(models)} LMs answer {len(sample)} "
+                                "evaluation rows (a few minutes, once per session) and their "
+                                "forward passes are timed (once per machine)"):
+        for name, model in models.items():
+            stages[name] = ctx.resource(f"gen-answers:{name}:{key}", lambda m=model: (
+                answer_sample(m, sample, max_running)[0]))
+            costs[name] = load_or_measure_token_cost(
+                model.lm, Path(model.lm.source).name, home=ctx.home, reporter=ctx.reporter)
+    if arrival_s is None:
+        arrival_s = load_azure_trace().arrival_s
+    start = float(arrival_s[0]) if len(arrival_s) else 0.0
+    duration = min(1200.0, float(arrival_s[-1]) - start + 1e-9) if len(arrival_s) else 0.0
+    rng = np.random.default_rng(seed)
+    arrivals = trace_window(np.asarray(arrival_s), start, duration, requests, requests / qps,
+                            rng)
+    asked = rng.integers(0, len(sample), requests)
+    candidates = cascade_candidates(list(models), stages, costs, max_running)
+    return plan_generation(op.name, candidates, costs, stages, arrivals, asked,
+                           tgt_p95_s * 1000, max_running=max_running)

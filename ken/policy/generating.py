@@ -148,10 +148,15 @@ class GenDispatcher:
                 return k
         return cur
 
-    def admit(self, request_id: int, now: float) -> str:
-        """A new request: choose the gear from the load, return its first model."""
+    def admit(self, request_id: int, now: float, gear: int | None = None) -> str:
+        """A new request: choose the gear from the load (or take ``gear``, e.g. bulk rows
+        served by the most accurate gear: the current gear stays), return its first model."""
         if request_id in self._stage:
             raise PolicyError(f"request {request_id} was already admitted")
+        if gear is not None:
+            self._gear[request_id] = gear
+            self._stage[request_id] = 0
+            return self._cascades[gear].models[0]
         gear = self._choose(len(self._stage))
         if gear != self.current:
             self.switches.append((now, self.current, gear))

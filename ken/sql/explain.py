@@ -243,12 +243,25 @@ def gear_plan_lines(serving: ServingManager, function: str, constants: tuple[str
     """EXPLAIN lines on how a call runs: its function's gear plan, whether the online engine
     serves it, or why it runs in-process."""
     op = serving.operators[function]
+    gen = serving.gen_plans.get(function)
     plan = serving.plans.get(function)
-    if plan is not None and serving.planned_for_other_constants(function, constants):
+    if (plan or gen) is not None and serving.planned_for_other_constants(function, constants):
         planned_for = op.eval_constants
-        return [f"gear plan: planned for {function}({', '.join(map(repr, planned_for))}); "
+        return [f"{'gear' if gen is None else 'generation'} plan: planned for "
+                f"{function}({', '.join(map(repr, planned_for))}); "
                 "this call has other constants, so it runs the implementation above "
                 "in-process"]
+    if gen is not None:
+        served = serving.engine_for(function, constants) is not None
+        how = (f"served by a decode server, a lane per model: chunks of < "
+               f"{serving.bulk_threshold} new inputs as requests whose gear follows the load, "
+               "larger ones by gear 1" if served else
+               "for online serving, session.serve(); until then queries run the "
+               "implementation above")
+        head = (f"generation plan: {len(gen.gears)} gear{'s' if len(gen.gears) != 1 else ''} "
+                f"by load (requests running + queued), {gen.max_running} rows per pass "
+                f"({how})")
+        return [head, *("  " + part for part in gen.describe().split("; "))]
     if plan is None:
         if op.plannable():
             return ["gear plan: none (run session.plan(...) or `ken plan`)"]
