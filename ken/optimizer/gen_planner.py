@@ -217,7 +217,7 @@ def plan_operator(op: Operator, ctx: OpContext, tgt_p95_s: float, qps: float,
     sample = sample.subset(range(min(rows, len(sample))))
     stages: dict[str, StageRows] = {}
     costs: dict[str, TokenCost] = {}
-    key = sample.content_hash()
+    key = sample.content_hash
     with ctx.reporter.long_work(f"planning {op.name}(): {len(models)} LMs answer {len(sample)} "
                                 "evaluation rows (a few minutes, once per session) and their "
                                 "forward passes are timed (once per machine)"):
