@@ -262,7 +262,7 @@ class Session:
         evaluation sample first (minutes, once per session). ``serve()`` then answers its
         calls from a decode server. Raises ``PlanningError`` when no plan meets the target.
 
-        >>> session.plan_generation("sem_qa", tgt_p95_s=12, qps=0.7)   # doctest: +SKIP
+        >>> session.plan_generation("sem_qa", tgt_p95_s=20, qps=0.3)   # doctest: +SKIP
         >>> session.serve(["sem_qa"])                                 # doctest: +SKIP
         """
         from ken.optimizer.gen_planner import plan_operator

@@ -187,6 +187,10 @@ class OpContext:
         self.lock = threading.RLock()  # making a resource may make other resources
         self._resources: dict[str, Any] = {}
 
+    def has_resource(self, key: str) -> bool:
+        with self.lock:
+            return key in self._resources
+
     def resource(self, key: str, make: Callable[[], Any]) -> Any:
         with self.lock:
             if key not in self._resources:

@@ -18,8 +18,9 @@ Load is counted in requests in the system (running plus queued, ``ken.policy.gen
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -60,11 +61,11 @@ class GenChoice:
     metrics: Mapping[str, float]
 
 
-def answer_sample(model: GenerativeModel, sample: EvalSample, batch_size: int = 8
-                  ) -> tuple[StageRows, list]:
+def answer_sample(model: GenerativeModel, sample: EvalSample, batch_size: int = 8,
+                  on_batch: Callable[[int], None] | None = None) -> tuple[StageRows, list]:
     """What ``model`` does with each row of ``sample``: prompt tokens, forward passes of its
     answer (its tokens, plus one for an end-of-sequence token), certainty and quality; and
-    the answers' values. Every row must have a prompt."""
+    the answers' values. Every row must have a prompt; ``on_batch(rows)`` after each batch."""
     from ken.models.generation import generate
 
     prompts = model.requests(sample.texts)
@@ -73,7 +74,7 @@ def answer_sample(model: GenerativeModel, sample: EvalSample, batch_size: int = 
         raise PlanningError(f"{len(prompts) - len(live)} rows of {sample.name} have no prompt "
                             "(NULL or blank); plan on rows that do")
     gens = generate(model.lm, prompts, model.max_new_tokens, model.stop,
-                    batch_size=batch_size)
+                    batch_size=batch_size, on_batch=on_batch)
     out = model.output(len(prompts), live, gens)
     passes = [g.num_tokens + (g.finish == "eos") for g in gens]
     return StageRows(np.array([len(p) for p in prompts]), np.array(passes),
@@ -218,14 +219,21 @@ def plan_operator(op: Operator, ctx: OpContext, tgt_p95_s: float, qps: float,
     stages: dict[str, StageRows] = {}
     costs: dict[str, TokenCost] = {}
     key = sample.content_hash
-    with ctx.reporter.long_work(f"planning {op.name}(): {len(models)} LMs answer {len(sample)} "
-                                "evaluation rows (a few minutes, once per session) and their "
-                                "forward passes are timed (once per machine)"):
+    keys = {name: f"gen-answers:{name}:{key}" for name in models}
+    new = [name for name in models if not ctx.has_resource(keys[name])]
+    message = (f"planning {op.name}(): {len(new)} LM(s) answer {len(sample)} evaluation rows "
+               "(minutes, once per session)" if new else "")
+    with ctx.reporter.long_work(message) if new else contextlib.nullcontext():
         for name, model in models.items():
-            stages[name] = ctx.resource(f"gen-answers:{name}:{key}", lambda m=model: (
-                answer_sample(m, sample, max_running)[0]))
-            costs[name] = load_or_measure_token_cost(
-                model.lm, Path(model.lm.source).name, home=ctx.home, reporter=ctx.reporter)
+            def answer(m: GenerativeModel = model, name: str = name) -> StageRows:
+                with ctx.reporter.task(f"{name} answers {len(sample)} rows",
+                                       len(sample)) as advance:
+                    return answer_sample(m, sample, max_running, advance)[0]
+
+            stages[name] = ctx.resource(keys[name], answer)
+    for name, model in models.items():  # timed once per machine (a bar while it measures)
+        costs[name] = load_or_measure_token_cost(
+            model.lm, Path(model.lm.source).name, home=ctx.home, reporter=ctx.reporter)
     if arrival_s is None:
         arrival_s = load_azure_trace().arrival_s
     start = float(arrival_s[0]) if len(arrival_s) else 0.0
