@@ -183,7 +183,8 @@ def test_planner_picks_the_most_accurate_feasible_plan_of_all_enumerated() -> No
     front = frontier(tried)
     assert [c.metrics["tgt_p95_ms"] for c in front] == sorted(c.metrics["tgt_p95_ms"]
                                                               for c in front)
-    assert all(b.metrics["quality"] > a.metrics["quality"] for a, b in zip(front, front[1:]))
+    qualities = [c.metrics["quality"] for c in front]
+    assert all(b > a for a, b in zip(qualities[:-1], qualities[1:], strict=True))
     none, _ = plan_generation("f", candidates[:1], COSTS, s, arrivals, rows, target_ms=1e-3)
     assert none is None
     with pytest.raises(PlanningError, match="metric"):

@@ -332,7 +332,7 @@ def test_explain_shows_the_plan_set_with_use_plan(frontier: Frontier) -> None:
 
 def test_use_plan_errors(frontier: Frontier) -> None:
     s = fake_session()
-    with pytest.raises(KenError, match=r"use_plan\(\) takes a GearPlan, not Frontier"):
+    with pytest.raises(KenError, match=r"use_plan\(\) takes a GearPlan or a GenPlan, not Frontier"):
         s.use_plan(frontier)  # type: ignore[arg-type]
     stray = GearPlan.from_dict({**frontier.plans[0].to_dict(), "operator": "sentimnet"})
     with pytest.raises(KenError, match=r"sentimnet\(\), which is not a semantic function.*"
