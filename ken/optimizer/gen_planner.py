@@ -9,9 +9,11 @@ this device) and a planning trace (arrival times and the row each request asks f
    quality) and by its work per row (a row's share of full decode passes, ``row_work_s``);
    only the candidates that no other beats on both are kept.
 2. ``plan_generation``: every plan of up to ``max_gears`` candidates, most accurate first,
-   with load edges from a grid, served on the planning trace by ``simulate_gen_plan`` (the
+   with load edges from a grid, served on the planning windows by ``simulate_gen_plan`` (the
    decode server's policy on a virtual clock, each pass charged its token cost); the most
-   accurate plan whose latency metric (TGT p95 by default) meets the target wins.
+   accurate plan whose latency metric (TGT p95 by default) meets the target in every window
+   wins.
+3. ``plan_operator``: the whole of it for an operator (``Session.plan_generation``).
 
 Load is counted in requests in the system (running plus queued, ``ken.policy.generating``).
 """
