@@ -67,7 +67,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.rows < 4 or args.requests < 2 or args.threads < 1 or not args.load > 0:
         ap.error("--rows >= 4, --requests >= 2, --threads >= 1 and --load > 0")
 
-    from ken.engine.decode import CascadeServer, as_gen_run, replay_rows
     from ken.models.cascade import Cascade
     from ken.models.model import DeviceConfig
     from ken.ops.base import OpContext
@@ -164,17 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     candidates = cascade_candidates(list(models), plan_stages, costs, args.max_running)
     # each model alone and every candidate cascade on the evaluation window
     statics = {}
-    for c in cascade_candidates(list(models), eval_stages, costs, args.max_running,
-                                quantiles=9) + candidates:
-        plan = single_gear(op.name, c.cascade, args.max_running)
-        key = c.cascade.describe()
-        if key not in statics:
-            statics[key] = simulate_gen_plan(plan, costs, eval_stages, eval_t,
-                                             eval_rows).metrics() | {"plan": plan.to_json()}
-    for m in models:
-        plan = single_gear(op.name, Cascade((m,)), args.max_running)
-        statics[m] = simulate_gen_plan(plan, costs, eval_stages, eval_t,
-                                       eval_rows).metrics() | {"plan": plan.to_json()}
+    for cascade in [Cascade((m,)) for m in models] + [
+            c.cascade for c in cascade_candidates(list(models), eval_stages, costs,
+                                                  args.max_running) + candidates]:
+        if cascade.describe() not in statics:
+            plan = single_gear(op.name, cascade, args.max_running)
+            statics[cascade.describe()] = simulate_gen_plan(
+                plan, costs, eval_stages, eval_t, eval_rows).metrics() | {"plan": plan.to_json()}
     if args.targets:
         targets = [float(x) for x in args.targets.split(",")]
     else:
@@ -209,19 +204,11 @@ def main(argv: list[str] | None = None) -> int:
             key = max(feasible, key=lambda k: (feasible[k]["quality"], -feasible[k]["tgt_p95_ms"]))
             point["static"] = {"cascade": key, **feasible[key]}
         if "ken" in point:
-            q = point["ken"]["quality"]
-            match = {k: v for k, v in statics.items() if v["quality"] >= q - 1e-9}
-            if match:
-                key = min(match, key=lambda k: match[k]["tgt_p95_ms"])
-                point["matched_static"] = {"cascade": key, **match[key],
-                                           "ratio_p95": match[key]["tgt_p95_ms"]
-                                           / point["ken"]["tgt_p95_ms"]}
-            match = {k: v for k, v in ms_plus.items() if v["quality"] >= q - 1e-9}
-            if match:
-                key = min(match, key=lambda k: match[k]["tgt_p95_ms"])
-                point["matched_ms_plus"] = {"plan": key, **match[key],
-                                            "ratio_p95": match[key]["tgt_p95_ms"]
-                                            / point["ken"]["tgt_p95_ms"]}
+            for label, name, baselines in (("matched_static", "cascade", statics),
+                                           ("matched_ms_plus", "plan", ms_plus)):
+                found = matched(baselines, point["ken"])
+                if found:
+                    point[label] = {name: found[0], **found[1]}
             point["ratio_vs_top_single"] = (statics[large]["tgt_p95_ms"]
                                             / point["ken"]["tgt_p95_ms"])
         points.append(point)
@@ -244,8 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                                        for c in frontier(all_tried)]}
     if not args.no_replay:
         result["replay"] = replay_all(args, result, models, eval_t, eval_rows, odd, sample,
-                                      reporter, CascadeServer, replay_rows, as_gen_run,
-                                      costs, eval_stages)
+                                      reporter, costs, eval_stages)
     result["wall_s"] = time.perf_counter() - started
     (args.out / "llm_gears.json").write_text(json.dumps(result, indent=1))
     plot(result, args.out / "llm_gears.png")
@@ -254,10 +240,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def matched(baselines: dict, ken: dict) -> tuple[str, dict] | None:
+    """The fastest baseline at least as accurate as ken's plan, with its TGT p95 ratio."""
+    match = {k: v for k, v in baselines.items() if v["quality"] >= ken["quality"] - 1e-9}
+    if not match:
+        return None
+    key = min(match, key=lambda k: match[k]["tgt_p95_ms"])
+    return key, {**match[key], "ratio_p95": match[key]["tgt_p95_ms"] / ken["tgt_p95_ms"]}
+
+
 def replay_all(args, result, models, eval_t, eval_rows, odd, sample, reporter,  # noqa: ANN001, ANN201, PLR0913
-               CascadeServer, replay_rows, as_gen_run, costs, eval_stages):  # noqa: ANN001, N803
+               costs, eval_stages):  # noqa: ANN001
     """ken's plan for the replay target and the baselines of its quality, through the
     engine's decode server; simulated beside measured."""
+    from ken.engine.decode import CascadeServer, as_gen_run, replay_rows
     from ken.optimizer.decode_sim import simulate_gen_plan
     from ken.policy.generating import GenPlan
 

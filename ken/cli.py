@@ -323,9 +323,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from ken.optimizer.query import Target
     from ken.paths import ken_home
 
-    check_planning_args(1 if args.devices is None or (args.devices == 0 and args.gpus)
-                        else args.devices, args.memory_gb,
-                        args.device_threads, args.peak_qps, args.duration, args.ranges)
+    check_planning_args(args.devices, args.memory_gb, args.device_threads, args.peak_qps,
+                        args.duration, args.ranges, args.gpus)
     if args.ray is not None and (args.gpus or args.gpu_memory_gb):
         raise UsageError("--ray plans the cluster's CPU workers; --gpus and --gpu-memory-gb "
                          "are for this machine's GPUs")

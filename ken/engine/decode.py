@@ -1,4 +1,4 @@
-"""Online continuous batching of one generating model (``DecodeServer``).
+"""Online continuous batching of generating models (``DecodeServer``, ``CascadeServer``).
 
 A server thread owns a causal LM and runs forward passes back to back, each decided by
 ``ken.policy.decoding.DecodeScheduler`` — the rule the simulator (``ken.optimizer.decode_sim``)
@@ -12,6 +12,12 @@ failed prefill is retried one joiner at a time, so only the request that breaks 
 failed decode pass fails the requests running in it; queued requests run next. ``shutdown`` lets the
 submitted requests finish first. Times are seconds on the server's
 clock: arrival, first token (TTFT) and completion (TGT).
+
+The server keeps a *lane* per model (its scheduler and KV cache); ``DecodeServer`` has one.
+``CascadeServer`` serves a generation plan (``ken.policy.generating``) with a lane per model
+of the plan: ``GenDispatcher`` picks each request's cascade from the load and escalates
+uncertain answers, ``pick_lane`` picks the lane of each pass — the rules
+``ken.optimizer.decode_sim.simulate_gen_plan`` runs on a virtual clock.
 """
 
 from __future__ import annotations
@@ -94,6 +100,13 @@ class _Lane:
             return (f"{len(prompt)} prompt + {max_new_tokens} new tokens exceed the model's "
                     f"context of {self.lm.context_tokens} tokens")
         return None
+
+    def over_budget(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
+        """Why such a request can never fit this lane's KV budget (None: it can)."""
+        if self.scheduler.fits(prompt_tokens, max_new_tokens):
+            return None
+        return (f"{prompt_tokens} prompt + {max_new_tokens} new tokens exceed the KV budget "
+                f"of {self.scheduler.kv_budget_tokens} tokens")
 
     def run(self, pending: dict[int, _Pending]
             ) -> tuple[DecodeStep, list[tuple[int, Generation]], dict[int, str]]:
@@ -242,11 +255,10 @@ class DecodeServer:
     def _enter(self, rid: int, item: Any, max_new: int, arrival: float, fut: Future) -> None:
         """A request arrives at a pass boundary: queue it on its lane."""
         lane = self._lanes[self._lane_names[0]]
-        if not lane.scheduler.fits(len(item), max_new):
+        problem = lane.over_budget(len(item), max_new)
+        if problem:
             fut.set_result(GenOutcome(rid, "rejected", arrival, None, self.clock.now(),
-                                      error=f"{len(item)} prompt + {max_new} new tokens "
-                                      f"exceed the KV budget of "
-                                      f"{lane.scheduler.kv_budget_tokens} tokens"))
+                                      error=problem))
             return
         self._pending[rid] = _Pending(item, max_new, arrival, fut, self._lane_names[0])
         lane.scheduler.admit(rid, len(item), max_new, arrival)
@@ -358,7 +370,7 @@ class CascadeServer(DecodeServer):
         self.dispatcher = GenDispatcher(plan)
         self.tokens = dict.fromkeys(plan.models, 0)  # generated per model, every stage
         self._lanes = {m: _Lane(model.lm, plan.max_running, plan.kv_budget_tokens,
-                                plan.mode, model.stop, False)  # type: ignore[arg-type]
+                                plan.mode, model.stop, False)
                        for m, model in self.models.items()}
         self._init_loop()
 
@@ -401,10 +413,8 @@ class CascadeServer(DecodeServer):
                                            gear=self.dispatcher.current, value=None))
             return False
         lane = self._lanes[name]
-        problem = lane.check(prompt, model.max_new_tokens)
-        if problem is None and not lane.scheduler.fits(len(prompt), model.max_new_tokens):
-            problem = (f"{len(prompt)} prompt + {model.max_new_tokens} new tokens exceed the "
-                       f"KV budget of {lane.scheduler.kv_budget_tokens} tokens")
+        problem = lane.check(prompt, model.max_new_tokens) or lane.over_budget(
+            len(prompt), model.max_new_tokens)
         if problem:
             self._failed(rid, f"{name}: {problem}", now)
             return False

@@ -162,7 +162,7 @@ def simulate_gen_plan(plan: GenPlan, costs: Mapping[str, TokenCost],
     rows = np.asarray(rows, dtype=np.int64)
     _check_trace(arrivals, rows, min(len(stages[m].prompt_tokens) for m in models))
     n = arrivals.size
-    lanes = {m: DecodeScheduler(plan.max_running, plan.kv_budget_tokens, plan.mode)  # type: ignore[arg-type]
+    lanes = {m: DecodeScheduler(plan.max_running, plan.kv_budget_tokens, plan.mode)
              for m in models}
     for m in models:
         st = stages[m]
@@ -176,7 +176,6 @@ def simulate_gen_plan(plan: GenPlan, costs: Mapping[str, TokenCost],
     stage_of, gear_of = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
     quality = np.zeros(n)
     made = np.zeros(n, dtype=np.int64)
-    model_of: list[str] = [""] * n
     tokens = dict.fromkeys(models, 0)
     passes = dict.fromkeys(models, 0)
     prefills = dict.fromkeys(models, 0)
@@ -185,7 +184,6 @@ def simulate_gen_plan(plan: GenPlan, costs: Mapping[str, TokenCost],
     def enter(rid: int, m: str) -> None:
         st = stages[m]
         r = rows[rid]
-        model_of[rid] = m
         made[rid] = 0
         lanes[m].admit(rid, int(st.prompt_tokens[r]), int(st.output_tokens[r]),
                        float(arrivals[rid]))

@@ -251,18 +251,19 @@ def plan_operator(op: Operator, ctx: OpContext, tgt_p95_s: float, qps: float,
     if arrival_s is None:
         arrival_s = load_azure_trace().arrival_s
     arrival_s = np.asarray(arrival_s, dtype=np.float64)
+    if arrival_s.size < requests:
+        raise PlanningError(f"the trace holds {arrival_s.size} < {requests} arrivals")
     rng = np.random.default_rng(seed)
-    traces = []  # up to 3 windows of 20 minutes (different bursts), each thinned to `qps`
-    start = float(arrival_s[0]) if arrival_s.size else 0.0
-    end = float(arrival_s[-1]) if arrival_s.size else 0.0
-    while len(traces) < 3 and (not traces or start < end):
+    first, end = float(arrival_s[0]), float(arrival_s[-1])
+    traces = []
+    for k in range(3):  # up to 3 windows of 20 minutes (different bursts), each thinned to qps
+        start = first + 1200.0 * k
         duration = min(1200.0, end - start + 1e-9)
-        if traces and np.count_nonzero((arrival_s >= start) & (arrival_s < start + duration)
-                                       ) < requests:
+        if k and np.count_nonzero((arrival_s >= start) & (arrival_s < start + duration)
+                                  ) < requests:
             break
         traces.append((trace_window(arrival_s, start, duration, requests, requests / qps,
                                     rng), rng.integers(0, len(sample), requests)))
-        start += 1200.0
     candidates = cascade_candidates(list(models), stages, costs, max_running)
     (arrivals, asked), *more = traces
     return plan_generation(op.name, candidates, costs, stages, arrivals, asked,

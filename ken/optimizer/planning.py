@@ -167,11 +167,13 @@ def choose_cascade(op: Operator, ctx: OpContext, cascade: Cascade | None = None
 TRACE_KINDS = ("azure", "poisson", "gamma")
 
 
-def check_planning_args(devices: int, memory_gb: float, threads_per_device: int,
-                        peak_qps: float | None, duration_s: float, num_ranges: int) -> None:
-    """Reject impossible planning arguments before any model is profiled."""
+def check_planning_args(devices: int | None, memory_gb: float, threads_per_device: int,
+                        peak_qps: float | None, duration_s: float, num_ranges: int,
+                        gpus: int | None = None) -> None:
+    """Reject impossible planning arguments before any model is profiled. ``devices``: CPU
+    workers (None: the default); 0 is a plan for the GPUs alone when ``gpus`` asks for some."""
     problems = []
-    if devices < 1:
+    if devices is not None and devices < 1 and not (devices == 0 and gpus):
         problems.append(f"devices must be >= 1 (got {devices})")
     if not memory_gb > 0 or not math.isfinite(memory_gb):
         problems.append(f"memory per device must be > 0 GB (got {memory_gb})")
@@ -468,10 +470,8 @@ def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Seq
                 f"({operators[name].eval_description()}); functions this session "
                 f"can plan: {plannable}. Register it with sample=ken.EvalSample(...), or "
                 "set a plan made elsewhere with session.use_plan(...)")
-    # 0 CPU workers is a plan for the GPUs alone when GPUs are asked for
-    check_planning_args(1 if devices is None or (devices == 0 and gpus) else devices,
-                        memory_gb, threads_per_device,
-                        peak_qps, duration_s, num_ranges)
+    check_planning_args(devices, memory_gb, threads_per_device, peak_qps, duration_s,
+                        num_ranges, gpus)
     chose_gpus = hardware is None and gpus is None and devices is None  # found by itself
     hardware = hardware or local_hardware(devices, memory_gb, gpus, gpu_memory_gb)
     try:

@@ -31,7 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ken.errors import PolicyError
-from ken.models.cascade import Cascade, escalates_row
+from ken.models.cascade import Cascade
+from ken.policy.decoding import Mode
+from ken.policy.scheduling import Escalation
 
 GEN_PLAN_SCHEMA = 1
 
@@ -53,7 +55,7 @@ class GenPlan:
     max_running: int = 8  # rows per decode pass of a lane
     kv_budget_tokens: int | None = None  # per lane; None: bounded by max_running only
     hysteresis: float = 0.5
-    mode: str = "continuous"
+    mode: Mode = "continuous"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gears", tuple(self.gears))
@@ -71,6 +73,11 @@ class GenPlan:
             raise PolicyError(f"max_running must be >= 1, got {self.max_running}")
         if self.mode not in ("continuous", "static"):
             raise PolicyError(f"unknown batching mode {self.mode!r}; use continuous or static")
+
+    @property
+    def cascades(self) -> tuple[Cascade, ...]:
+        """The cascade of each gear."""
+        return tuple(g.cascade for g in self.gears)
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -109,7 +116,7 @@ class GenPlan:
 
 
 def single_gear(function: str, cascade: Cascade, max_running: int = 8,
-                kv_budget_tokens: int | None = None, mode: str = "continuous") -> GenPlan:
+                kv_budget_tokens: int | None = None, mode: Mode = "continuous") -> GenPlan:
     """A plan that always serves ``cascade`` (a static cascade, or one model)."""
     return GenPlan(function, (GenGear(cascade),), max_running, kv_budget_tokens, mode=mode)
 
@@ -120,7 +127,7 @@ class GenDispatcher:
     def __init__(self, plan: GenPlan) -> None:
         self.plan = plan
         self._edges = [g.max_load for g in plan.gears]
-        self._cascades = [g.cascade for g in plan.gears]
+        self._escalation = Escalation(plan)
         self.current = 0
         self.switches: list[tuple[float, int, int]] = []  # (time, from gear, to gear)
         self._gear: dict[int, int] = {}
@@ -153,17 +160,14 @@ class GenDispatcher:
         served by the most accurate gear: the current gear stays), return its first model."""
         if request_id in self._stage:
             raise PolicyError(f"request {request_id} was already admitted")
-        if gear is not None:
-            self._gear[request_id] = gear
-            self._stage[request_id] = 0
-            return self._cascades[gear].models[0]
-        gear = self._choose(len(self._stage))
-        if gear != self.current:
-            self.switches.append((now, self.current, gear))
-            self.current = gear
+        if gear is None:
+            gear = self._choose(len(self._stage))
+            if gear != self.current:
+                self.switches.append((now, self.current, gear))
+                self.current = gear
         self._gear[request_id] = gear
         self._stage[request_id] = 0
-        return self._cascades[gear].models[0]
+        return self._escalation.models[gear][0]
 
     def finished(self, request_id: int, certainty: float) -> str | None:
         """A stage answered with ``certainty``: the next model, or None (answered)."""
@@ -171,11 +175,9 @@ class GenDispatcher:
             gear, stage = self._gear[request_id], self._stage[request_id]
         except KeyError:
             raise PolicyError(f"request {request_id} is not in flight") from None
-        cascade = self._cascades[gear]
-        threshold = cascade.thresholds[stage] if stage < len(cascade.thresholds) else -math.inf
-        if escalates_row(certainty, threshold):
+        if self._escalation.escalates(gear, stage, certainty):
             self._stage[request_id] = stage + 1
-            return cascade.models[stage + 1]
+            return self._escalation.models[gear][stage + 1]
         self.drop(request_id)
         return None
 

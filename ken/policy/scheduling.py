@@ -24,13 +24,16 @@ from bisect import bisect_right
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from ken.errors import PolicyError
 from ken.models.cascade import escalates_row
 from ken.policy.plan import GearPlan
+
+if TYPE_CHECKING:
+    from ken.policy.generating import GenPlan
 
 # -- clocks ------------------------------------------------------------------------------------
 
@@ -209,9 +212,11 @@ class QueueTrigger:
 
 class Escalation:
     """Per cascade: the threshold below which a stage passes a row on (-inf at the last stage,
-    so the last stage resolves everything). The rule is ``ken.models.cascade.escalates``."""
+    so the last stage resolves everything). The rule is ``ken.models.cascade.escalates``.
+    Shared by the gear plans' ``Dispatcher`` and the generation plans' ``GenDispatcher``
+    (``plan.cascades``: a cascade per gear)."""
 
-    def __init__(self, plan: GearPlan) -> None:
+    def __init__(self, plan: GearPlan | GenPlan) -> None:
         self.thresholds = [(*c.thresholds, -math.inf) for c in plan.cascades]
         self.models = [c.models for c in plan.cascades]
 
