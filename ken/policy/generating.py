@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from ken.errors import PolicyError
 from ken.models.cascade import Cascade
 from ken.policy.decoding import Mode
-from ken.policy.scheduling import Escalation
+from ken.policy.escalation import Escalation
 
 GEN_PLAN_SCHEMA = 1
 

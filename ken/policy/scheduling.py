@@ -18,22 +18,19 @@ Each returns the batches that may start now; devices run one batch at a time.
 from __future__ import annotations
 
 import heapq
-import math
 import time
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from ken.errors import PolicyError
 from ken.models.cascade import escalates_row
+from ken.policy.escalation import Escalation
 from ken.policy.plan import GearPlan
-
-if TYPE_CHECKING:
-    from ken.policy.generating import GenPlan
 
 # -- clocks ------------------------------------------------------------------------------------
 
@@ -208,20 +205,6 @@ class QueueTrigger:
         """``oldest_s``: when the oldest queued row arrived (compared as ``now >= oldest +
         max_wait``, the same sum the deadline uses, so a deadline event always fires)."""
         return queued >= min_queue or (queued > 0 and now >= oldest_s + self.max_wait_s)
-
-
-class Escalation:
-    """Per cascade: the threshold below which a stage passes a row on (-inf at the last stage,
-    so the last stage resolves everything). The rule is ``ken.models.cascade.escalates``.
-    Shared by the gear plans' ``Dispatcher`` and the generation plans' ``GenDispatcher``
-    (``plan.cascades``: a cascade per gear)."""
-
-    def __init__(self, plan: GearPlan | GenPlan) -> None:
-        self.thresholds = [(*c.thresholds, -math.inf) for c in plan.cascades]
-        self.models = [c.models for c in plan.cascades]
-
-    def escalates(self, cascade: int, stage: int, certainty: float) -> bool:
-        return escalates_row(certainty, self.thresholds[cascade][stage])
 
 
 # -- the dispatcher ----------------------------------------------------------------------------
