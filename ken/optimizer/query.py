@@ -34,42 +34,94 @@ from ken.optimizer.simulator import SimResult, latency_percentiles, sample_rows,
 from ken.optimizer.workload import Trace
 from ken.policy.plan import Frontier, GearPlan, PlanMetrics
 
+#: latency bounds a target may set: the request latency percentile every plan has (``p95``; for
+#: a generating function its total generation time), and the generation-only ones
+LATENCY_BOUNDS = ("p95", "ttft_p95", "tgt_p95")
+_QUALITY_WORDS = ("accuracy", "quality", "f1")
+_TARGET_HELP = ("write 'accuracy >= 0.75' (or 'quality'/'f1 >= ...', a fraction or a percent), "
+                "'p95 <= 200ms', 'ttft_p95 <= 2s' or 'tgt_p95 <= 15s' (a bare number is "
+                "milliseconds)")
+
 
 @dataclass(frozen=True)
 class Target:
-    """The user's goal: exactly one of an accuracy floor or a p95 latency budget."""
+    """The user's goal, one vocabulary for every kind of operator: exactly one of a quality
+    floor (accuracy, F1, ...: the operator's own metric) or a latency bound. ``max_p95_ms``
+    bounds the p95 latency of a request (for a generating function: its total generation
+    time), ``max_ttft_p95_ms`` and ``max_tgt_p95_ms`` the p95 time to first token and total
+    generation time of a generating function.
+
+    >>> Target.parse("ttft_p95 <= 2s")
+    Target(min_accuracy=None, max_p95_ms=None, max_ttft_p95_ms=2000.0, max_tgt_p95_ms=None)
+    """
 
     min_accuracy: float | None = None
     max_p95_ms: float | None = None
+    max_ttft_p95_ms: float | None = None
+    max_tgt_p95_ms: float | None = None
 
     def __post_init__(self) -> None:
-        if (self.min_accuracy is None) == (self.max_p95_ms is None):
-            raise QueryPlanError("give exactly one target: min_accuracy or max_p95_ms")
+        given = [v for v in (self.min_accuracy, self.max_p95_ms, self.max_ttft_p95_ms,
+                             self.max_tgt_p95_ms) if v is not None]
+        if len(given) != 1:
+            raise QueryPlanError("give exactly one target: min_accuracy, max_p95_ms, "
+                                 "max_ttft_p95_ms or max_tgt_p95_ms")
         if self.min_accuracy is not None and not 0 <= self.min_accuracy <= 1:
             raise QueryPlanError(f"min_accuracy is a fraction in [0, 1], got {self.min_accuracy}")
-        if self.max_p95_ms is not None and self.max_p95_ms <= 0:
-            raise QueryPlanError(f"max_p95_ms must be > 0, got {self.max_p95_ms}")
+        if self.latency is not None and not given[0] > 0:
+            raise QueryPlanError(f"a latency bound must be > 0 ms, got {given[0]}")
+
+    @property
+    def latency(self) -> str | None:
+        """Which latency the target bounds (one of ``LATENCY_BOUNDS``), None for a quality
+        floor."""
+        for name, value in zip(LATENCY_BOUNDS, (self.max_p95_ms, self.max_ttft_p95_ms,
+                                                self.max_tgt_p95_ms), strict=True):
+            if value is not None:
+                return name
+        return None
+
+    @property
+    def max_latency_ms(self) -> float | None:
+        """The latency bound in milliseconds (None for a quality floor)."""
+        return next((v for v in (self.max_p95_ms, self.max_ttft_p95_ms, self.max_tgt_p95_ms)
+                     if v is not None), None)
 
     @classmethod
     def parse(cls, text: str) -> Target:
-        """``"accuracy >= 0.7"`` or ``"p95 <= 50"`` (milliseconds)."""
+        """``"accuracy >= 0.75"``, ``"f1 >= 25%"``, ``"p95 <= 200ms"``, ``"p95 <= 50"``
+        (milliseconds), ``"ttft_p95 <= 2s"`` or ``"tgt_p95 <= 15 s"``."""
         parts = text.replace(" ", "").lower()
-        for key, op in (("accuracy", ">="), ("f1", ">="), ("p95", "<=")):
-            if parts.startswith(key + op):
-                try:
-                    value = float(parts[len(key) + len(op):].rstrip("ms%"))
-                except ValueError:
-                    break
-                if key != "p95":  # an F1 floor is a quality floor like accuracy
-                    return cls(min_accuracy=value / 100 if value > 1 else value)
-                return cls(max_p95_ms=value)
-        raise QueryPlanError(f"cannot read target {text!r}; write 'accuracy >= 0.7', "
-                             "'f1 >= 0.25' or 'p95 <= 50' (milliseconds)")
+        for key in (*_QUALITY_WORDS, *LATENCY_BOUNDS):
+            op = ">=" if key in _QUALITY_WORDS else "<="
+            if not parts.startswith(key + op):
+                continue
+            number = parts[len(key) + len(op):]
+            quality = key in _QUALITY_WORDS
+            unit = next((u for u in (("%",) if quality else ("ms", "s")) if number.endswith(u)),
+                        "")
+            try:
+                value = float(number[:len(number) - len(unit)])
+            except ValueError:
+                break
+            if quality:  # a fraction or a percent; an F1 floor is a quality floor too
+                return cls(min_accuracy=value / 100 if unit or value > 1 else value)
+            return cls(**{f"max_{key}_ms": value * (1000.0 if unit == "s" else 1.0)})
+        raise QueryPlanError(f"cannot read target {text!r}; {_TARGET_HELP}")
 
     def describe(self) -> str:
         if self.min_accuracy is not None:
             return f"accuracy >= {self.min_accuracy:.1%}"
-        return f"p95 <= {self.max_p95_ms:g} ms"
+        return f"{self.latency} <= {self.max_latency_ms:g} ms"
+
+    def for_classifiers(self) -> Target:
+        """This target for a classifier's gear plans, which have no tokens: a TTFT or TGT
+        bound is refused with what to write instead."""
+        if self.latency in ("ttft_p95", "tgt_p95"):
+            raise QueryPlanError(f"{self.latency} is a latency of generating functions "
+                                 "(sem_qa, sem_map, sem_extract); bound a classifier's "
+                                 "latency with 'p95 <= ...'")
+        return self
 
 
 @dataclass(frozen=True)
@@ -98,6 +150,7 @@ def _joint(plans: list[GearPlan], catalogs: list[Catalog], trace: Trace,
 def choose_plans(frontiers: Mapping[str, Frontier], catalogs: Mapping[str, Catalog],
                  trace: Trace, target: Target, seed: int = 0) -> QueryPlan:
     """Pick one plan per operator (operators in the order given) to meet ``target``."""
+    target = target.for_classifiers()
     if not frontiers:
         raise QueryPlanError("the query has no semantic operators to plan")
     names = list(frontiers)
@@ -258,6 +311,7 @@ def choose_pipeline(frontiers: Mapping[str, Frontier | Sequence[GearPlan]],
     """Simulate every combination of the operators' frontier plans (at most ``max_plans``
     each, spread over the frontier) and pick the fastest (p95) that meets
     ``target.min_accuracy`` end to end, or the most accurate within ``target.max_p95_ms``."""
+    target = target.for_classifiers()
     missing = [n for n in sample.operators if n not in frontiers or n not in catalogs]
     if missing:
         raise QueryPlanError(f"no frontier or catalog for operators {missing}")
