@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     from ken.optimizer.tokens import load_or_measure_token_cost
     from ken.optimizer.workload import load_azure_trace
-    from ken.policy.generating import single_gear
+    from ken.policy.plan import single_gear
     from ken.progress import Reporter
 
     reporter = Reporter()
@@ -255,7 +255,7 @@ def replay_all(args, result, models, eval_t, eval_rows, odd, sample, reporter,  
     engine's decode server; simulated beside measured."""
     from ken.engine.decode import CascadeServer, as_gen_run, replay_rows
     from ken.optimizer.decode_sim import simulate_gen_plan
-    from ken.policy.generating import GenPlan
+    from ken.policy.plan import GenPlan
 
     with_ken = [p for p in result["points"] if "ken" in p]
     if not with_ken:

@@ -14,10 +14,10 @@ from ken.models.quality import EvalSample
 from ken.ops.base import Operator, SemanticFunction
 from ken.optimizer.query import QueryPlan, Target
 from ken.optimizer.workload import Hardware, Workload
-from ken.policy.plan import Frontier, GearPlan
+from ken.policy.plan import Frontier, GearPlan, GenPlan, Plan
 from ken.session import Result, Session, connect
 
-__all__ = ["Cascade", "DeviceConfig", "EvalSample", "Frame", "Frontier", "GearPlan", "Hardware",
-           "KenError", "Operator", "Output", "QueryPlan", "Result", "SemanticFunction", "Session",
-           "Target", "Workload", "call", "col", "connect"]
+__all__ = ["Cascade", "DeviceConfig", "EvalSample", "Frame", "Frontier", "GearPlan", "GenPlan",
+           "Hardware", "KenError", "Operator", "Output", "Plan", "QueryPlan", "Result",
+           "SemanticFunction", "Session", "Target", "Workload", "call", "col", "connect"]
 __version__ = "0.1.0"

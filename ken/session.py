@@ -41,8 +41,7 @@ if TYPE_CHECKING:
     from ken.optimizer.planner import PlannerSettings
     from ken.optimizer.query import QueryPlan, Target
     from ken.optimizer.workload import Trace
-    from ken.policy.generating import GenPlan
-    from ken.policy.plan import Frontier, GearPlan
+    from ken.policy.plan import Frontier, GearPlan, GenPlan
 
 _EXPLAIN = re.compile(r"^\s*EXPLAIN(\s+ANALYZE)?\s+", re.IGNORECASE)
 
@@ -237,8 +236,7 @@ class Session:
         written by ``ken plan``: ``Frontier.load(path).pick(min_accuracy=0.7)``), or the
         generation plan of a generating function (``ken.policy.generating.GenPlan``: cascades
         of LMs chosen by load; ``serve()`` then answers its calls from a decode server)."""
-        from ken.policy.generating import GenPlan
-        from ken.policy.plan import GearPlan
+        from ken.policy.plan import GearPlan, GenPlan
 
         if not isinstance(plan, (GearPlan, GenPlan)):
             raise KenError(f"use_plan() takes a GearPlan or a GenPlan, not "

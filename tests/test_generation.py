@@ -234,7 +234,7 @@ def test_cascade_server_equals_row_by_row_cascade(lm) -> None:  # noqa: ANN001
     from ken.models.cascade import Cascade
     from ken.models.llm import GenerativeModel
     from ken.ops.prompts import SEM_QA
-    from ken.policy.generating import GenGear, GenPlan
+    from ken.policy.plan import GenGear, GenPlan
 
     short = GenerativeModel(lm, SEM_QA, "qa-short", "sem-qa", SEM_QA.key, 4, stop=("\n",),
                             num_inputs=2)

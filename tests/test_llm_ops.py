@@ -141,7 +141,7 @@ def test_sem_qa_served_by_a_decode_server(session) -> None:  # noqa: ANN001
     """A generation plan given to the session: serve() answers sem_qa's SQL calls from a
     decode server (online chunks and bulk rows), with the values of the in-process cascade."""
     from ken.models.cascade import Cascade
-    from ken.policy.generating import GenGear, GenPlan
+    from ken.policy.plan import GenGear, GenPlan
 
     s = session
     stage = s.bind("sem_qa", ()).cascade.models[0]

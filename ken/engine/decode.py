@@ -39,7 +39,8 @@ from ken.models.model import Output
 from ken.models.resources import CausalLM
 from ken.optimizer.decode_sim import DecodeRun, GenRun
 from ken.policy.decoding import DecodeScheduler, DecodeStep, Mode
-from ken.policy.generating import GenDispatcher, GenPlan, pick_lane
+from ken.policy.generating import GenDispatcher, pick_lane
+from ken.policy.plan import GenPlan
 from ken.policy.scheduling import WallClock
 
 GenStatus = Literal["ok", "rejected", "error"]
@@ -494,8 +495,8 @@ class GenerationEngine:
 
     def submit_many(self, texts: Sequence, bulk: bool = False, operator: str | None = None
                     ) -> list[Future]:
-        if operator is not None and operator != self.plan.function:
-            raise EngineError(f"this decode server serves {self.plan.function}(), not "
+        if operator is not None and operator != self.plan.operator:
+            raise EngineError(f"this decode server serves {self.plan.operator}(), not "
                               f"{operator}()")
         gear = 0 if bulk else None
         return [self.server.submit_row(t, gear) for t in texts]

@@ -21,8 +21,7 @@ from ken.engine.workers import gpu_index
 from ken.errors import KenError
 from ken.models.model import DeviceConfig, Model
 from ken.ops.base import Bound, OpContext, Operator
-from ken.policy.generating import GenPlan
-from ken.policy.plan import GearPlan
+from ken.policy.plan import GearPlan, GenPlan
 
 
 class ServingManager:

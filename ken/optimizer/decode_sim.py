@@ -29,7 +29,8 @@ from ken.models.cascade import Cascade
 from ken.optimizer.simulator import latency_percentiles
 from ken.optimizer.tokens import TokenCost
 from ken.policy.decoding import DecodeScheduler, Mode
-from ken.policy.generating import GenDispatcher, GenPlan, pick_lane, single_gear
+from ken.policy.generating import GenDispatcher, pick_lane
+from ken.policy.plan import GenPlan, single_gear
 
 
 @dataclass(frozen=True, eq=False)

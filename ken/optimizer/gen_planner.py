@@ -33,7 +33,7 @@ from ken.errors import PlanningError
 from ken.models.cascade import Cascade
 from ken.optimizer.decode_sim import StageRows, simulate_gen_plan
 from ken.optimizer.tokens import TokenCost
-from ken.policy.generating import GenGear, GenPlan
+from ken.policy.plan import GenGear, GenPlan
 
 if TYPE_CHECKING:
     from ken.models.llm import GenerativeModel

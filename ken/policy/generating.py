@@ -25,100 +25,12 @@ arrival time, so it does not wait behind newer ones).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from ken.errors import PolicyError
-from ken.models.cascade import Cascade
-from ken.policy.decoding import Mode
 from ken.policy.escalation import Escalation
-
-GEN_PLAN_SCHEMA = 1
-
-
-@dataclass(frozen=True)
-class GenGear:
-    """A cascade and the load (requests in the system) below which it serves new requests."""
-
-    cascade: Cascade
-    max_load: float = math.inf
-
-
-@dataclass(frozen=True)
-class GenPlan:
-    """Gears of one generating operator, most accurate first (see the module docstring)."""
-
-    function: str
-    gears: tuple[GenGear, ...]
-    max_running: int = 8  # rows per decode pass of a lane
-    kv_budget_tokens: int | None = None  # per lane; None: bounded by max_running only
-    hysteresis: float = 0.5
-    mode: Mode = "continuous"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "gears", tuple(self.gears))
-        if not self.gears:
-            raise PolicyError("a generation plan needs at least one gear")
-        edges = [g.max_load for g in self.gears]
-        if not math.isinf(edges[-1]):
-            raise PolicyError("the last gear must serve any load (max_load = inf)")
-        rising = all(a < b for a, b in zip(edges[:-1], edges[1:], strict=True))
-        if any(e <= 0 for e in edges) or not rising:
-            raise PolicyError(f"gear edges must be positive and increasing, got {edges}")
-        if not 0 < self.hysteresis <= 1:
-            raise PolicyError(f"hysteresis must be in (0, 1], got {self.hysteresis}")
-        if self.max_running < 1:
-            raise PolicyError(f"max_running must be >= 1, got {self.max_running}")
-        if self.mode not in ("continuous", "static"):
-            raise PolicyError(f"unknown batching mode {self.mode!r}; use continuous or static")
-
-    @property
-    def cascades(self) -> tuple[Cascade, ...]:
-        """The cascade of each gear."""
-        return tuple(g.cascade for g in self.gears)
-
-    @property
-    def models(self) -> tuple[str, ...]:
-        """Every model of the plan, in order of first use."""
-        return tuple(dict.fromkeys(m for g in self.gears for m in g.cascade.models))
-
-    def describe(self) -> str:
-        parts = []
-        lower = 0.0
-        for g in self.gears:
-            upper = "inf" if math.isinf(g.max_load) else f"{g.max_load:g}"
-            parts.append(f"load [{lower:g}, {upper}): {g.cascade.describe()}")
-            lower = g.max_load
-        return "; ".join(parts)
-
-    def to_json(self) -> str:
-        return json.dumps({
-            "schema_version": GEN_PLAN_SCHEMA, "function": self.function,
-            "gears": [{"cascade": json.loads(g.cascade.to_json()),
-                       "max_load": None if math.isinf(g.max_load) else g.max_load}
-                      for g in self.gears],
-            "max_running": self.max_running, "kv_budget_tokens": self.kv_budget_tokens,
-            "hysteresis": self.hysteresis, "mode": self.mode}, indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> GenPlan:
-        data = json.loads(text)
-        if data.get("schema_version") != GEN_PLAN_SCHEMA:
-            raise PolicyError(f"generation plan schema {data.get('schema_version')!r}, "
-                              f"expected {GEN_PLAN_SCHEMA}")
-        gears = tuple(GenGear(Cascade.from_json(json.dumps(g["cascade"])),
-                              math.inf if g["max_load"] is None else float(g["max_load"]))
-                      for g in data["gears"])
-        return cls(data["function"], gears, int(data["max_running"]),
-                   data["kv_budget_tokens"], float(data["hysteresis"]), data["mode"])
-
-
-def single_gear(function: str, cascade: Cascade, max_running: int = 8,
-                kv_budget_tokens: int | None = None, mode: Mode = "continuous") -> GenPlan:
-    """A plan that always serves ``cascade`` (a static cascade, or one model)."""
-    return GenPlan(function, (GenGear(cascade),), max_running, kv_budget_tokens, mode=mode)
+from ken.policy.plan import GenPlan
 
 
 class GenDispatcher:

@@ -18,11 +18,12 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ken import store
 from ken.errors import PlanError
 from ken.models.cascade import Cascade
+from ken.policy.decoding import Mode
 
 PLAN_SCHEMA_VERSION = 1
 
@@ -33,6 +34,75 @@ def _check_version(data: Any, what: str) -> None:
     if data.get("schema_version") != PLAN_SCHEMA_VERSION:
         raise PlanError(f"unsupported {what} schema version {data.get('schema_version')!r}; "
                         f"this KEN reads version {PLAN_SCHEMA_VERSION} — re-run `ken plan`")
+
+
+class Plan:
+    """A plan of one semantic function, whatever its stages do: cascades chosen by the load.
+
+    Two kinds share this interface, one JSON format (``kind`` names which) and one ``load``:
+    ``GearPlan`` (classifier stages, gears by request rate, replicas placed on devices and
+    batched by queue triggers) and ``GenPlan`` (generating stages, gears by the requests in
+    the system, one decode server with a lane per model). The rest of ken asks a plan for what
+    it needs through this interface and the kind's name; only this module tests the type.
+    """
+
+    # every kind has ``operator`` (the function's name) and ``cascades`` (a cascade per gear)
+    kind: ClassVar[str]
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """Every model of the plan, in order of first use."""
+        return tuple(dict.fromkeys(m for c in self.cascades for m in c.models))
+
+    def describe(self) -> list[str]:
+        """Human-readable lines (EXPLAIN, ``ken plan``): prediction, gears, serving."""
+        raise NotImplementedError
+
+    def latency_target_s(self) -> float | None:
+        """The latency the plan promises (its predicted p99), None when it was not
+        simulated."""
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def _from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        raise NotImplementedError
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """A plan of the kind ``data`` holds (``Plan.from_dict``), or of this class's kind
+        (``GearPlan.from_dict``: a file of the other kind is an error that says so)."""
+        _check_version(data, "plan")
+        kind = data.get("kind") or ("gear" if "qps_edges" in data else "generation")
+        found = PLAN_KINDS.get(kind)
+        if found is None:
+            raise PlanError(f"unknown plan kind {kind!r}; this KEN reads "
+                            f"{', '.join(sorted(PLAN_KINDS))}")
+        if cls is not Plan and found is not cls:
+            raise PlanError(f"this is a {kind} plan, not a {cls.kind} plan; read plans of any "
+                            "kind with ken.Plan.load(path)")
+        return found._from_dict(data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"a plan file must be JSON: {exc}") from None
+
+    def save(self, path: str | Path) -> Path:
+        return _write(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        return cls.from_json(_read(path, "no plan file at {path}; `ken replay` writes one "
+                                   "(ken-replay/plan.json), or pick one from a `ken plan` "
+                                   "frontier"))
 
 
 @dataclass(frozen=True)
@@ -126,8 +196,11 @@ class PlanMetrics:
 
 
 @dataclass(frozen=True)
-class GearPlan:
-    """How to serve one operator at every load (see the module docstring)."""
+class GearPlan(Plan):
+    """How to serve one classifier operator at every request rate (see the module
+    docstring)."""
+
+    kind: ClassVar[str] = "gear"
 
     operator: str
     qps_edges: tuple[float, ...]
@@ -231,8 +304,6 @@ class GearPlan:
         return table[-1] / len(table) * rows
 
     def latency_target_s(self) -> float | None:
-        """The latency the plan promises: the p99 its simulation predicted (None when the plan
-        was not simulated)."""
         return None if self.predicted is None else self.predicted.p99_ms / 1000.0
 
     def with_predicted(self, metrics: PlanMetrics) -> GearPlan:
@@ -283,6 +354,7 @@ class GearPlan:
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema_version": PLAN_SCHEMA_VERSION,
+            "kind": self.kind,
             "operator": self.operator,
             "qps_edges": list(self.qps_edges),
             "cascades": [json.loads(c.to_json()) for c in self.cascades],
@@ -301,8 +373,7 @@ class GearPlan:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> GearPlan:
-        _check_version(data, "gear plan")
+    def _from_dict(cls, data: Mapping[str, Any]) -> GearPlan:
         try:
             return cls(
                 operator=str(data["operator"]),
@@ -326,24 +397,96 @@ class GearPlan:
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"malformed gear plan JSON: {exc!r}") from exc
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1)
+
+@dataclass(frozen=True)
+class GenGear:
+    """A cascade and the load (requests in the system) below which it serves new requests."""
+
+    cascade: Cascade
+    max_load: float = math.inf
+
+
+@dataclass(frozen=True)
+class GenPlan(Plan):
+    """How to serve one generating operator at every load: gears, most accurate first, each
+    a cascade of causal LMs with the load (requests running + queued, at any stage) below
+    which it serves new requests (``ken.policy.generating`` dispatches them)."""
+
+    kind: ClassVar[str] = "generation"
+    operator: str
+    gears: tuple[GenGear, ...]
+    max_running: int = 8  # rows per decode pass of a lane
+    kv_budget_tokens: int | None = None  # per lane; None: bounded by max_running only
+    hysteresis: float = 0.5
+    mode: Mode = "continuous"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "gears", tuple(self.gears))
+        if not self.gears:
+            raise PlanError("a generation plan needs at least one gear")
+        edges = [g.max_load for g in self.gears]
+        if not math.isinf(edges[-1]):
+            raise PlanError("the last gear must serve any load (max_load = inf)")
+        rising = all(a < b for a, b in zip(edges[:-1], edges[1:], strict=True))
+        if any(e <= 0 for e in edges) or not rising:
+            raise PlanError(f"gear edges must be positive and increasing, got {edges}")
+        if not 0 < self.hysteresis <= 1:
+            raise PlanError(f"hysteresis must be in (0, 1], got {self.hysteresis}")
+        if self.max_running < 1:
+            raise PlanError(f"max_running must be >= 1, got {self.max_running}")
+        if self.mode not in ("continuous", "static"):
+            raise PlanError(f"unknown batching mode {self.mode!r}; use continuous or static")
+
+    @property
+    def cascades(self) -> tuple[Cascade, ...]:
+        """The cascade of each gear."""
+        return tuple(g.cascade for g in self.gears)
+
+    def describe(self) -> list[str]:
+        lines = []
+        lower = 0.0
+        for g in self.gears:
+            upper = "inf" if math.isinf(g.max_load) else f"{g.max_load:g}"
+            lines.append(f"load [{lower:g}, {upper}): {g.cascade.describe()}")
+            lower = g.max_load
+        kv = "" if self.kv_budget_tokens is None else f", KV {self.kv_budget_tokens} tokens"
+        lines.append(f"decode server: a lane per model, {self.mode} batching of up to "
+                     f"{self.max_running} rows{kv}; back to a more accurate gear below "
+                     f"{self.hysteresis:g} x its edge")
+        return lines
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": PLAN_SCHEMA_VERSION, "kind": self.kind, "operator": self.operator,
+            "gears": [{"cascade": json.loads(g.cascade.to_json()),
+                       "max_load": None if math.isinf(g.max_load) else g.max_load}
+                      for g in self.gears],
+            "max_running": self.max_running, "kv_budget_tokens": self.kv_budget_tokens,
+            "hysteresis": self.hysteresis, "mode": self.mode}
 
     @classmethod
-    def from_json(cls, text: str) -> GearPlan:
+    def _from_dict(cls, data: Mapping[str, Any]) -> GenPlan:
         try:
-            return cls.from_dict(json.loads(text))
-        except json.JSONDecodeError as exc:
-            raise PlanError(f"a gear plan file must be JSON: {exc}") from None
+            gears = tuple(GenGear(Cascade.from_json(json.dumps(g["cascade"])),
+                                  math.inf if g["max_load"] is None else float(g["max_load"]))
+                          for g in data["gears"])
+            kv = data["kv_budget_tokens"]
+            # "function": what files written before the plan kinds shared one format call it
+            return cls(str(data.get("operator", data.get("function"))), gears,
+                       int(data["max_running"]), None if kv is None else int(kv),
+                       float(data["hysteresis"]), data["mode"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"malformed generation plan JSON: {exc!r}") from exc
 
-    def save(self, path: str | Path) -> Path:
-        return _write(path, self.to_json())
 
-    @classmethod
-    def load(cls, path: str | Path) -> GearPlan:
-        return cls.from_json(_read(path, "no gear plan file at {path}; `ken replay` writes one "
-                                   "(ken-replay/plan.json), or pick one from a `ken plan` "
-                                   "frontier"))
+def single_gear(operator: str, cascade: Cascade, max_running: int = 8,
+                kv_budget_tokens: int | None = None, mode: Mode = "continuous") -> GenPlan:
+    """A plan that always serves ``cascade`` (a static cascade, or one model)."""
+    return GenPlan(operator, (GenGear(cascade),), max_running, kv_budget_tokens, mode=mode)
+
+
+#: the plan kinds, by the name their JSON carries
+PLAN_KINDS: dict[str, type[Plan]] = {GearPlan.kind: GearPlan, GenPlan.kind: GenPlan}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,98 @@
+"""One plan interface and one target vocabulary for classifier and generating operators."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+import ken
+from ken.errors import PlanError, QueryPlanError
+from ken.models.cascade import Cascade
+from ken.optimizer.query import Target
+from ken.policy.plan import GearPlan, GenGear, GenPlan, Plan, RangeSchedule, Replica
+
+PAIR = Cascade(("s", "l"), (0.5,))
+
+
+def gear_plan() -> GearPlan:
+    return GearPlan("sentiment", (0.0, 10.0, 20.0), (PAIR, Cascade(("s",))),
+                    (Replica("s", ("cpu0",)), Replica("l", ("cpu1",))),
+                    (RangeSchedule(0, (1.0, 1.0), (1, 1)), RangeSchedule(1, (1.0, 0.0), (2, 1))),
+                    (8, 8))
+
+
+def gen_plan() -> GenPlan:
+    return GenPlan("sem_qa", (GenGear(PAIR, 4), GenGear(Cascade(("s",)))), max_running=4)
+
+
+@pytest.mark.parametrize("make", [gear_plan, gen_plan])
+def test_every_kind_round_trips_through_one_load(make, tmp_path: Path) -> None:
+    plan = make()
+    path = plan.save(tmp_path / "plan.json")
+    assert json.loads(path.read_text())["kind"] == plan.kind
+    assert Plan.load(path) == plan == ken.Plan.from_json(plan.to_json())
+    assert type(plan).load(path) == plan
+    assert plan.models == ("s", "l")
+    assert all(isinstance(line, str) for line in plan.describe())
+
+
+def test_a_file_of_the_other_kind_says_what_it_holds(tmp_path: Path) -> None:
+    path = gen_plan().save(tmp_path / "gen.json")
+    with pytest.raises(PlanError, match="generation plan, not a gear plan.*Plan.load"):
+        GearPlan.load(path)
+    with pytest.raises(PlanError, match="gear plan, not a generation plan"):
+        GenPlan.from_json(gear_plan().to_json())
+    bad = json.loads(gen_plan().to_json()) | {"kind": "mystery"}
+    with pytest.raises(PlanError, match="unknown plan kind 'mystery'"):
+        Plan.from_dict(bad)
+
+
+def test_files_written_before_the_kind_field_still_load() -> None:
+    old_gear = {k: v for k, v in gear_plan().to_dict().items() if k != "kind"}
+    assert Plan.from_dict(old_gear) == gear_plan()
+    old_gen = {"schema_version": 1, "function": "sem_qa", "max_running": 4,
+               "kv_budget_tokens": None, "hysteresis": 0.5, "mode": "continuous",
+               "gears": [{"cascade": json.loads(PAIR.to_json()), "max_load": 4},
+                         {"cascade": json.loads(Cascade(("s",)).to_json()), "max_load": None}]}
+    assert Plan.from_dict(old_gen) == gen_plan()
+    with pytest.raises(PlanError, match="schema version"):
+        Plan.from_dict(old_gen | {"schema_version": 7})
+
+
+def test_generation_plans_describe_like_gear_plans() -> None:
+    lines = gen_plan().describe()
+    assert lines[:2] == ["load [0, 4): s -(0.500)-> l", "load [4, inf): s"]
+    assert "decode server" in lines[2] and "4 rows" in lines[2]
+    assert gen_plan().latency_target_s() is None
+    assert math.isinf(gen_plan().gears[-1].max_load)
+
+
+@pytest.mark.parametrize(("text", "target"), [
+    ("accuracy >= 0.75", Target(min_accuracy=0.75)),
+    ("quality >= 80%", Target(min_accuracy=0.8)),
+    ("f1 >= 25", Target(min_accuracy=0.25)),
+    ("p95 <= 50", Target(max_p95_ms=50)),
+    ("p95 <= 200ms", Target(max_p95_ms=200)),
+    ("p95 <= 0.2 s", Target(max_p95_ms=200)),
+    ("ttft_p95 <= 2s", Target(max_ttft_p95_ms=2000)),
+    ("TGT_P95 <= 15s", Target(max_tgt_p95_ms=15000)),
+])
+def test_one_target_vocabulary(text: str, target: Target) -> None:
+    assert Target.parse(text) == target
+
+
+def test_targets_say_what_is_wrong() -> None:
+    for bad in ("p99 <= 3", "latency <= 2", "p95 <= fast", "accuracy <= 0.7"):
+        with pytest.raises(QueryPlanError, match="cannot read target"):
+            Target.parse(bad)
+    with pytest.raises(QueryPlanError, match="exactly one"):
+        Target(min_accuracy=0.7, max_ttft_p95_ms=10)
+    with pytest.raises(QueryPlanError, match="> 0"):
+        Target(max_tgt_p95_ms=0)
+    assert Target.parse("ttft_p95 <= 2s").latency == "ttft_p95"
+    assert Target.parse("tgt_p95 <= 2s").max_latency_ms == 2000
+    with pytest.raises(QueryPlanError, match="generating functions"):
+        Target.parse("ttft_p95 <= 2s").for_classifiers()
