@@ -84,13 +84,8 @@ from ken.optimizer.baselines import (
 )
 from ken.optimizer.cascades import pareto_cascades
 from ken.optimizer.perf import Catalog
-from ken.optimizer.planner import (
-    PlannerSettings,
-    pareto_plans,
-    plan_frontier,
-    planning_context,
-    search_placement,
-)
+from ken.optimizer.placement import search_placement
+from ken.optimizer.planner import PlannerSettings, pareto_plans, plan_frontier, planning_context
 from ken.optimizer.planning import sustained_qps
 from ken.optimizer.profile import DEFAULT_BATCH_SIZES, load_or_run_profile
 from ken.optimizer.simulator import SimResult, simulate

@@ -36,13 +36,9 @@ import numpy as np  # noqa: E402
 from ken.optimizer.artifact import bert_profiles, v100_hardware  # noqa: E402
 from ken.optimizer.cascades import pareto_cascades  # noqa: E402
 from ken.optimizer.perf import Catalog  # noqa: E402
-from ken.optimizer.planner import (  # noqa: E402
-    PlannerSettings,
-    evaluate_plan,
-    full_placement,
-    plan_frontier,
-    planning_context,
-)
+from ken.optimizer.placement import full_placement  # noqa: E402
+from ken.optimizer.plan_eval import evaluate_plan  # noqa: E402
+from ken.optimizer.planner import PlannerSettings, plan_frontier, planning_context  # noqa: E402
 from ken.optimizer.plotting import plot_frontier  # noqa: E402
 from ken.optimizer.simulator import simulate  # noqa: E402
 from ken.optimizer.workload import Trace, load_azure_trace  # noqa: E402

@@ -14,12 +14,8 @@ from ken.optimizer.baselines import (
     static_plans,
     tune_dynamic_batching,
 )
-from ken.optimizer.planner import (
-    PlannerSettings,
-    heuristic_placement,
-    plan_frontier,
-    planning_context,
-)
+from ken.optimizer.placement import heuristic_placement
+from ken.optimizer.planner import PlannerSettings, plan_frontier, planning_context
 from ken.optimizer.scheduler import PlanningError
 from ken.optimizer.simulator import simulate
 from ken.optimizer.workload import Device, Hardware, Trace, poisson_trace

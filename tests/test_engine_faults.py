@@ -26,7 +26,7 @@ from fakes import FakeModel, HangingModel, SlowModel
 from ken.engine.serving import BatchDeadline, Engine
 from ken.models.cascade import Cascade
 from ken.optimizer.perf import Catalog, ModelPerf
-from ken.optimizer.planner import batch_runtimes
+from ken.optimizer.plan_eval import batch_runtimes
 from ken.optimizer.simulator import simulate
 from ken.optimizer.workload import Trace
 from ken.policy.plan import GearPlan, PlanMetrics, RangeSchedule, Replica
@@ -445,3 +445,144 @@ def test_admission_counts_the_later_stages_work_at_the_measured_escalation_rate(
     assert engine._downstream_row_s(disp) == pytest.approx(0.01)  # 4 rows: still cold
     engine._escalations[first] = (100, 25)
     assert engine._downstream_row_s(disp) == pytest.approx(0.0025)
+
+
+# -- generating functions drain like classifiers ------------------------------------------------
+
+
+class GatedLM:
+    """A causal LM stand-in for a decode server: a one-layer random Llama (64 token ids), a
+    tokenizer that spells token ids, and a gate every forward pass waits at, so a test holds
+    a pass open while it shuts the server down (``entered``: a pass is waiting)."""
+
+    def __init__(self) -> None:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from ken.models.model import DeviceConfig
+
+        torch.manual_seed(0)
+        self.net = LlamaForCausalLM(LlamaConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+            eos_token_id=None, bos_token_id=None, pad_token_id=0)).eval()
+        self.tokenizer = SpellingTokenizer()
+        self.device = DeviceConfig()
+        self.pad_id = 0
+        self.context_tokens = 128
+        self.gate, self.entered = threading.Event(), threading.Event()
+        inner = self.net.forward
+
+        def gated(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            self.entered.set()
+            assert self.gate.wait(timeout=60), "the test never opened the gate"
+            return inner(*args, **kwargs)
+
+        self.net.forward = gated
+
+
+class SpellingTokenizer:
+    eos_token_id = None
+    unk_token_id = None
+
+    def convert_tokens_to_ids(self, token: str) -> None:
+        return None
+
+    def decode(self, tokens, skip_special_tokens: bool = True) -> str:  # noqa: ANN001
+        return " ".join(f"t{t}" for t in tokens)
+
+
+class StandInGenerator:
+    """What a ``CascadeServer`` needs of a ``GenerativeModel``: a row's prompt (its token ids:
+    one per character code, mod 60, plus 1), 4 new tokens, no stop string."""
+
+    def __init__(self, lm: GatedLM) -> None:
+        self.lm = lm
+        self.stop = ()
+        self.max_new_tokens = 4
+        self.certainty_kind = "mean_prob"
+        self.finish = None
+
+    def requests(self, rows) -> list[list[int] | None]:  # noqa: ANN001
+        return [None if not r else [1 + ord(c) % 60 for c in r] for r in rows]
+
+
+def gen_plan(function: str = "gen"):  # noqa: ANN201
+    from ken.policy.plan import single_gear
+
+    return single_gear(function, Cascade(("g",)), max_running=2)
+
+
+def test_a_decode_server_drains_or_cancels_like_the_engine() -> None:
+    """shutdown(drain=True) answers every submitted request; shutdown(drain=False) with a pass
+    under way cancels the rest, each request gets exactly one outcome, and the count of
+    cancelled ones is returned (as ``Engine.shutdown`` does)."""
+    from ken.engine.decode import CascadeServer, GenerationEngine
+
+    for drain in (True, False):
+        lm = GatedLM()
+        engine = GenerationEngine(CascadeServer({"g": StandInGenerator(lm)}, gen_plan()).start())
+        futures = engine.submit_many([f"row {i}" for i in range(6)] + [""])
+        assert lm.entered.wait(timeout=30)  # the first prefill holds the gate: all in flight
+        stopping = concurrent_shutdown(engine, drain)
+        assert engine.server.closing.wait(timeout=30)  # shut down while passes are under way
+        lm.gate.set()
+        cancelled = stopping.result(timeout=60)
+        outcomes = [f.result(timeout=1) for f in futures]
+        statuses = [o.status for o in outcomes]
+        assert len({o.request_id for o in outcomes}) == len(futures)
+        if drain:
+            assert cancelled == 0 and statuses == ["ok"] * len(futures)
+        else:
+            assert 0 < cancelled == statuses.count("cancelled")
+            assert set(statuses) <= {"ok", "cancelled"}
+            assert all("shut down" in o.error for o in outcomes if o.status == "cancelled")
+        assert outcomes[-1].status == "ok" and outcomes[-1].value is None  # no prompt
+        assert engine.shutdown() == 0  # twice is safe
+
+
+def concurrent_shutdown(server, drain: bool):  # noqa: ANN001, ANN201
+    """``server.shutdown(drain)`` in a thread; a future of what it returns."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(server.shutdown, drain)
+    pool.shutdown(wait=False)
+    return future
+
+
+def test_sigterm_drains_a_served_generating_function_as_a_classifier() -> None:
+    """The serving manager's one SIGTERM handler drains its decode servers: requests in flight
+    when SIGTERM comes all get their answer (none lost, none twice), then the previous
+    handler runs (here a test's, in place of exiting)."""
+    from types import SimpleNamespace
+
+    from ken.engine.manager import ServingManager
+    from ken.ops.base import OpContext
+
+    lm = GatedLM()
+    model = StandInGenerator(lm)
+    operators = {"gen": SimpleNamespace(eval_constants=())}
+    manager = ServingManager(operators, OpContext(),
+                             lambda name, constants: SimpleNamespace(models={"g": model}))
+    manager.set_plan("gen", gen_plan())
+    after_drain = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: after_drain.set())
+    try:
+        manager.serve()
+        engine = manager.engine_for("gen", ())
+        futures = engine.submit_many([f"row {i}" for i in range(6)])
+        assert lm.entered.wait(timeout=30)  # a pass is under way, the rest queued
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert engine.server.closing.wait(timeout=30)  # the drain began with all in flight
+        assert not any(f.done() for f in futures)
+        lm.gate.set()
+        assert after_drain.wait(timeout=60)  # drained, then the previous handler ran
+        outcomes = [f.result(timeout=1) for f in futures]
+    finally:
+        lm.gate.set()
+        signal.signal(signal.SIGTERM, previous)
+        manager.stop()
+    assert [o.status for o in outcomes] == ["ok"] * len(futures)
+    assert len({o.request_id for o in outcomes}) == len(futures)
+    assert manager.engine_for("gen", ()) is None  # nothing is served any more

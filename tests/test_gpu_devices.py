@@ -21,7 +21,8 @@ from ken.models.model import DeviceConfig
 from ken.models.quality import EvalSample
 from ken.ops.base import ModelOperator, OpContext
 from ken.optimizer.perf import Catalog, ModelPerf
-from ken.optimizer.planner import PlannerSettings, fits, plan_frontier
+from ken.optimizer.placement import fits
+from ken.optimizer.planner import PlannerSettings, plan_frontier
 from ken.optimizer.planning import local_hardware, operator_profiles, plan_operator
 from ken.optimizer.workload import Hardware, poisson_trace
 from ken.policy.plan import GearPlan, RangeSchedule, Replica
@@ -221,7 +222,7 @@ def test_a_mixed_machine_puts_the_big_model_on_the_gpu_and_beats_cpu_workers_alo
     is 50x faster) and serves the most accurate cascade with a far lower p95 than on the two
     CPU workers alone; with a GPU that holds the big model only, the small one runs on the CPU
     workers. Every plan records the runtimes of the device each replica is on."""
-    from ken.optimizer.planner import batch_runtimes
+    from ken.optimizer.plan_eval import batch_runtimes
     from ken.optimizer.planning import sustained_qps
 
     cat = _mixed_catalog()

@@ -12,18 +12,15 @@ import pytest
 
 from ken.models.cascade import Cascade
 from ken.optimizer.perf import Catalog, ModelPerf
-from ken.optimizer.planner import (
-    PlannerSettings,
-    _candidates,
+from ken.optimizer.placement import (
     adapt_placement,
-    evaluate_plan,
     fits,
     full_placement,
     memory_used,
-    plan_frontier,
-    planning_context,
     search_placement,
 )
+from ken.optimizer.plan_eval import evaluate_plan
+from ken.optimizer.planner import PlannerSettings, _candidates, plan_frontier, planning_context
 from ken.optimizer.query import (
     PipelineSample,
     QueryPlanError,

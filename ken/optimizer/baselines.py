@@ -26,7 +26,9 @@ import numpy as np
 
 from ken.models.cascade import Cascade
 from ken.optimizer.perf import Catalog
-from ken.optimizer.planner import PlanningContext, batch_runtimes, search_placement
+from ken.optimizer.placement import search_placement
+from ken.optimizer.plan_context import PlanningContext
+from ken.optimizer.plan_eval import batch_runtimes
 from ken.optimizer.scheduler import PlanningError
 from ken.optimizer.simulator import simulate
 from ken.optimizer.workload import Hardware, Trace
