@@ -44,8 +44,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ken.engine.outcome import Outcome
 from ken.engine.replay import Replay, replay
-from ken.engine.serving import Engine, Outcome
+from ken.engine.serving import Engine
 from ken.models import family
 from ken.models.cascade import Cascade
 from ken.models.model import DeviceConfig

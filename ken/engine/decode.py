@@ -6,12 +6,14 @@ uses — on a wall clock: a *prefill* pass for requests that may join (their pro
 their first token), else a *decode* pass over every running request. New requests join at
 pass boundaries (``DecodeBatch.join``); finished ones leave (``DecodeBatch.pop_finished``).
 
-Every submitted request gets exactly one ``GenOutcome``: ``ok`` with its ``Generation``,
+Every submitted request gets exactly one ``Outcome``: ``ok`` with its ``Generation``,
 ``rejected`` when it could never fit the KV budget, or ``error`` when its pass failed: a
 failed prefill is retried one joiner at a time, so only the request that breaks it fails; a
-failed decode pass fails the requests running in it; queued requests run next. ``shutdown`` lets the
-submitted requests finish first. Times are seconds on the server's
-clock: arrival, first token (TTFT) and completion (TGT).
+failed decode pass fails the requests running in it; queued requests run next. ``shutdown``
+drains as the classifier engine does: the submitted requests finish first (up to a timeout),
+or with ``drain=False`` those still queued or running end ``cancelled`` at the next pass
+boundary. Times are seconds on the server's clock: arrival, first token (TTFT) and completion
+(TGT).
 
 The server keeps a *lane* per model (its scheduler and KV cache); ``DecodeServer`` has one.
 ``CascadeServer`` serves a generation plan (``ken.policy.generating``) with a lane per model
@@ -28,10 +30,11 @@ import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
+from ken.engine.outcome import Outcome, Status
 from ken.errors import EngineError, ModelError, PolicyError
 from ken.models.generation import DecodeBatch, Generation, end_token_ids
 from ken.models.llm import GenerativeModel
@@ -43,27 +46,9 @@ from ken.policy.generating import GenDispatcher, pick_lane
 from ken.policy.plan import GenPlan
 from ken.policy.scheduling import WallClock
 
-GenStatus = Literal["ok", "rejected", "error"]
-
-
-@dataclass(frozen=True)
-class GenOutcome:
-    """What a request got. For a request served by a generation plan (``CascadeServer``):
-    the model and 0-based stage that answered, the gear, the SQL value and its certainty;
-    ``first_token_s`` is the first token of that answer."""
-
-    request_id: int
-    status: GenStatus
-    arrival_s: float
-    first_token_s: float | None
-    completion_s: float
-    generation: Generation | None = None
-    error: str | None = None
-    model: str = ""
-    stage: int = 0
-    gear: int = 0
-    value: Any = None
-    certainty: float = 1.0
+#: inbox markers of ``shutdown``: stop once idle; cancel what is left at the next pass boundary
+_STOP = object()
+_CANCEL = object()
 
 
 @dataclass
@@ -181,9 +166,13 @@ class DecodeServer:
         self._ids = itertools.count()
         self._pending: dict[int, _Pending] = {}
         self._thread: threading.Thread | None = None
-        self._closing = threading.Event()  # set by shutdown (under the lock): no new requests
-        self._stopping = False  # the loop read shutdown's marker: it stops once idle
+        #: set by shutdown (under the lock): no new requests are taken
+        self.closing = threading.Event()
+        self._stopping = False  # the loop read shutdown's _STOP: it stops once idle
+        self._cancelling = False  # the loop read _CANCEL: it cancels what is left and stops
         self._lock = threading.Lock()
+        self._shutdown_lock = threading.Lock()
+        self.cancelled = 0  # requests cancelled by shutdown
         self._crashed = ""
         self.passes = 0
         self.prefill_passes = 0
@@ -213,7 +202,7 @@ class DecodeServer:
         return self
 
     def submit(self, prompt: Sequence[int], max_new_tokens: int) -> Future:
-        """Queue a prompt (token ids); the future resolves to its ``GenOutcome``.
+        """Queue a prompt (token ids); the future resolves to its ``Outcome``.
 
         Raises ``EngineError`` at once for what can never run: no prompt token, a token id
         outside the model's vocabulary, or more tokens than the model's context."""
@@ -227,23 +216,34 @@ class DecodeServer:
         fut: Future = Future()
         fut.set_running_or_notify_cancel()  # an outcome always comes; it cannot be cancelled
         with self._lock:
-            if self._thread is None or self._closing.is_set() or not self._thread.is_alive():
+            if self._thread is None or self.closing.is_set() or not self._thread.is_alive():
                 raise EngineError("the decode server is not running; call start() first"
                                   + (f" (it stopped: {self._crashed})" if self._crashed else ""))
             self._inbox.put((next(self._ids), item, max_new, self.clock.now(), fut))
         return fut
 
-    def shutdown(self, timeout_s: float = 60.0) -> None:
-        """Finish the requests already submitted, then stop the thread."""
-        if self._thread is None:
-            return
-        with self._lock:
-            if not self._closing.is_set():
-                self._closing.set()
-                self._inbox.put(None)
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            raise EngineError(f"the decode server did not stop within {timeout_s:g} s")
+    def shutdown(self, drain: bool = True, timeout_s: float = 60.0,
+                 pass_timeout_s: float = 60.0) -> int:
+        """Stop taking requests. With ``drain``, wait (up to ``timeout_s``) for the submitted
+        requests to finish; whatever is still queued or running then ends ``cancelled`` once
+        the pass under way is done (``EngineError`` if it is not within ``pass_timeout_s``).
+        Returns how many were cancelled. Safe to call twice and from any thread."""
+        with self._shutdown_lock:
+            if self._thread is None or (self.closing.is_set() and not self._thread.is_alive()):
+                return 0
+            with self._lock:
+                if not self.closing.is_set():
+                    self.closing.set()
+                    self._inbox.put(_STOP)
+            if drain:
+                self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                self._inbox.put(_CANCEL)
+                self._thread.join(pass_timeout_s)
+            if self._thread.is_alive():
+                raise EngineError(f"the decode server did not stop within {pass_timeout_s:g} s "
+                                  "of being told to cancel its requests (a pass hangs)")
+            return self.cancelled
 
     def __enter__(self) -> DecodeServer:
         return self.start()
@@ -258,8 +258,7 @@ class DecodeServer:
         lane = self._lanes[self._lane_names[0]]
         problem = lane.over_budget(len(item), max_new)
         if problem:
-            fut.set_result(GenOutcome(rid, "rejected", arrival, None, self.clock.now(),
-                                      error=problem))
+            fut.set_result(Outcome(rid, "rejected", arrival, self.clock.now(), error=problem))
             return
         self._pending[rid] = _Pending(item, max_new, arrival, fut, self._lane_names[0])
         lane.scheduler.admit(rid, len(item), max_new, arrival)
@@ -267,14 +266,16 @@ class DecodeServer:
     def _answered(self, rid: int, lane: str, gen: Generation, now: float) -> None:
         """A lane finished a request's answer."""
         p = self._pending.pop(rid)
-        p.future.set_result(GenOutcome(rid, "ok", p.arrival_s, p.first_token_s, now, gen,
-                                       value=gen.text))
+        p.future.set_result(Outcome(rid, "ok", p.arrival_s, now, gen.text, stage=0,
+                                    first_token_s=p.first_token_s, generation=gen))
 
-    def _failed(self, rid: int, message: str, now: float) -> None:
+    def _failed(self, rid: int, message: str, now: float, status: Status = "error") -> None:
+        """A request ends without an answer: its pass failed (``error``), or shutdown
+        cancelled it (``cancelled``)."""
         p = self._pending.pop(rid, None)
         if p is not None and not p.future.done():
-            p.future.set_result(GenOutcome(rid, "error", p.arrival_s, p.first_token_s, now,
-                                           error=message))
+            p.future.set_result(Outcome(rid, status, p.arrival_s, now, error=message,
+                                        first_token_s=p.first_token_s))
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -285,8 +286,11 @@ class DecodeServer:
             except queue.Empty:
                 return
             block = False
-            if item is None:
+            if item is _STOP:
                 self._stopping = True
+                continue
+            if item is _CANCEL:
+                self._cancelling = True
                 continue
             self._enter(*item)
 
@@ -298,24 +302,23 @@ class DecodeServer:
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting request
             self._crashed = f"{type(exc).__name__}: {exc}"
             with self._lock:
-                self._closing.set()
+                self.closing.set()
             now = self.clock.now()
             for rid in list(self._pending):
                 self._failed(rid, f"the decode server stopped: {self._crashed}", now)
-            self._reject_inbox(f"the decode server stopped: {self._crashed}")
+            self._reject_inbox(f"the decode server stopped: {self._crashed}", "error")
             return
-        self._reject_inbox("the decode server was shut down")
+        self._reject_inbox("the decode server shut down before it ran", "cancelled")
 
-    def _reject_inbox(self, message: str) -> None:
+    def _reject_inbox(self, message: str, status: Status) -> None:
         while True:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if item is not None:
+            if item is not _STOP and item is not _CANCEL:
                 rid, _item, _max_new, arrival, fut = item
-                fut.set_result(GenOutcome(rid, "error", arrival, None, self.clock.now(),
-                                          error=message))
+                fut.set_result(Outcome(rid, status, arrival, self.clock.now(), error=message))
 
     def _loop(self) -> None:
         import torch
@@ -323,10 +326,12 @@ class DecodeServer:
         torch.set_num_threads(self.lm.device.threads)
         lanes = [self._lanes[n] for n in self._lane_names]
         while True:
-            idle = self.load == 0
-            if idle and self._stopping:
+            self._receive(block=self.load == 0 and not self._stopping)
+            if self._cancelling:
+                self._cancel_pending()
                 return
-            self._receive(block=idle)
+            if self._stopping and self.load == 0:
+                return
             k = pick_lane([lane.scheduler.oldest() for lane in lanes])
             if k is None:
                 continue
@@ -353,13 +358,23 @@ class DecodeServer:
                 self._failed(rid, message, now)
 
 
+    def _cancel_pending(self) -> None:
+        """Shutdown without drain: every request still queued or running ends cancelled."""
+        now = self.clock.now()
+        left = list(self._pending)
+        for rid in left:
+            self._failed(rid, "the decode server shut down before it finished", now,
+                         "cancelled")
+        self.cancelled += len(left)
+
+
 class CascadeServer(DecodeServer):
     """A generation plan (``ken.policy.generating.GenPlan``) served on one device: a lane per
     model of the plan, each request's cascade chosen by the load when it arrives, a request
     whose answer is less certain than its stage's threshold queued on the next model's lane.
 
     ``submit_row(row)`` takes an operator's row (e.g. ``(question, passage)``); the future's
-    ``GenOutcome`` carries the SQL value, the answering model, stage and gear. A row with no
+    ``Outcome`` carries the SQL value, the answering model, stage and gear. A row with no
     prompt (NULL or blank input) is answered at once with ``None``."""
 
     def __init__(self, models: Mapping[str, GenerativeModel], plan: GenPlan) -> None:
@@ -383,7 +398,7 @@ class CascadeServer(DecodeServer):
         raise EngineError("a CascadeServer takes rows: use submit_row")
 
     def submit_row(self, row: Any, gear: int | None = None) -> Future:
-        """Queue one row; the future resolves to its ``GenOutcome``. ``gear``: serve it with
+        """Queue one row; the future resolves to its ``Outcome``. ``gear``: serve it with
         that gear whatever the load (e.g. 0, the most accurate, for a table's rows in bulk;
         they still count as load for the requests around them)."""
         if gear is not None and not 0 <= gear < len(self.plan.gears):
@@ -410,8 +425,8 @@ class CascadeServer(DecodeServer):
         if not prompt:
             self.dispatcher.drop(rid)
             self._pending.pop(rid)
-            p.future.set_result(GenOutcome(rid, "ok", p.arrival_s, now, now, model=name,
-                                           gear=self.dispatcher.current, value=None))
+            p.future.set_result(Outcome(rid, "ok", p.arrival_s, now, None, 1.0, 0, name,
+                                        self.dispatcher.current, first_token_s=now))
             return False
         lane = self._lanes[name]
         problem = lane.check(prompt, model.max_new_tokens) or lane.over_budget(
@@ -434,13 +449,12 @@ class CascadeServer(DecodeServer):
             return
         p = self._pending.pop(rid)
         value = model.finish(gen.text) if model.finish else gen.text
-        p.future.set_result(GenOutcome(rid, "ok", p.arrival_s, p.first_token_s, now, gen,
-                                       model=lane, stage=stage, gear=gear, value=value,
-                                       certainty=certainty))
+        p.future.set_result(Outcome(rid, "ok", p.arrival_s, now, value, certainty, stage, lane,
+                                    gear, first_token_s=p.first_token_s, generation=gen))
 
-    def _failed(self, rid: int, message: str, now: float) -> None:
+    def _failed(self, rid: int, message: str, now: float, status: Status = "error") -> None:
         self.dispatcher.drop(rid)
-        super()._failed(rid, message, now)
+        super()._failed(rid, message, now, status)
 
 
 def generate_rows(model: GenerativeModel, rows: Sequence, max_running: int = 8) -> Output:
@@ -501,10 +515,10 @@ class GenerationEngine:
         gear = 0 if bulk else None
         return [self.server.submit_row(t, gear) for t in texts]
 
-    def shutdown(self, drain: bool = True) -> int:
-        """Stop the server after the submitted requests (they always finish)."""
-        self.server.shutdown()
-        return 0
+    def shutdown(self, drain: bool = True, timeout_s: float = 60.0) -> int:
+        """Stop the server as ``Engine.shutdown`` does: with ``drain``, the submitted requests
+        finish (up to ``timeout_s``); the rest end ``cancelled``. Returns how many were."""
+        return self.server.shutdown(drain, timeout_s)
 
 
 def _paced(arrival_s: Sequence[float] | np.ndarray, submit: Any, items: Sequence) -> list:
@@ -522,7 +536,7 @@ def _paced(arrival_s: Sequence[float] | np.ndarray, submit: Any, items: Sequence
 
 
 def replay(server: DecodeServer, arrival_s: Sequence[float] | np.ndarray,
-           prompts: Sequence[Sequence[int]], max_new: Sequence[int]) -> list[GenOutcome]:
+           prompts: Sequence[Sequence[int]], max_new: Sequence[int]) -> list[Outcome]:
     """Submit ``prompts`` at the trace's arrival times (relative to now) and wait for all."""
     if not (len(arrival_s) == len(prompts) == len(max_new)):
         raise EngineError("give one prompt and one max_new per arrival")
@@ -531,14 +545,14 @@ def replay(server: DecodeServer, arrival_s: Sequence[float] | np.ndarray,
 
 
 def replay_rows(server: CascadeServer, arrival_s: Sequence[float] | np.ndarray,
-                rows: Sequence) -> list[GenOutcome]:
+                rows: Sequence) -> list[Outcome]:
     """Submit operator rows at the trace's arrival times (relative to now); wait for all."""
     if len(arrival_s) != len(rows):
         raise EngineError("give one row per arrival")
     return _paced(arrival_s, server.submit_row, [(r,) for r in rows])
 
 
-def as_gen_run(outcomes: Sequence[GenOutcome], quality: Sequence[float],
+def as_gen_run(outcomes: Sequence[Outcome], quality: Sequence[float],
                server: DecodeServer) -> GenRun:
     """A measured run of a generation plan in the simulator's terms: ``quality[i]`` scores
     request ``i``'s value; requests that failed are left out (count them from the
@@ -555,12 +569,13 @@ def as_gen_run(outcomes: Sequence[GenOutcome], quality: Sequence[float],
     return GenRun(np.array([o.arrival_s for o in ok]),
                   np.array([o.first_token_s for o in ok], dtype=np.float64),
                   np.array([o.completion_s for o in ok]), np.array([o.stage for o in ok]),
-                  np.array([o.gear for o in ok]), np.asarray(quality, dtype=np.float64)[keep],
+                  np.array([0 if o.gear is None else o.gear for o in ok]),  # one model: gear 0
+                  np.asarray(quality, dtype=np.float64)[keep],
                   tokens, {"all": server.passes}, {"all": server.prefill_passes},
                   server.busy_s, switches)
 
 
-def as_run(outcomes: Sequence[GenOutcome], passes: int = 0, prefill_passes: int = 0,
+def as_run(outcomes: Sequence[Outcome], passes: int = 0, prefill_passes: int = 0,
            busy_s: float = 0.0) -> DecodeRun:
     """The measured run in the simulator's terms (only ``ok`` outcomes)."""
     ok = [o for o in outcomes if o.status == "ok" and o.generation is not None]

@@ -17,6 +17,7 @@ from typing import Any
 from ken.engine.decode import CascadeServer, GenerationEngine
 from ken.engine.ray_runner import RayCluster
 from ken.engine.serving import Engine, LoadReport
+from ken.engine.sigterm import SigtermDrain
 from ken.engine.workers import gpu_index
 from ken.errors import KenError
 from ken.models.model import DeviceConfig, Model
@@ -43,6 +44,8 @@ class ServingManager:
         # generating functions: a load-gear plan each, served by a decode server each
         self._gen_plans: dict[str, GenPlan] = {}
         self._gen_servers: dict[str, GenerationEngine] = {}
+        # SIGTERM drains every server this manager runs, then exits (one handler for all)
+        self._sigterm: SigtermDrain | None = None
 
     @property
     def bulk_threshold(self) -> int:
@@ -160,6 +163,8 @@ class ServingManager:
         if missing:
             raise KenError(f"{', '.join(f'{n}()' for n in missing)} has no gear plan; run "
                            "session.plan(...) or session.use_plan(...) first")
+        if self._sigterm is None:
+            self._sigterm = SigtermDrain.install(lambda: self.stop(drain=True))
         reports: dict[str, LoadReport] = {}
         for n in dict.fromkeys(names):
             if n in self._gen_plans and n not in self._gen_servers:
@@ -195,7 +200,7 @@ class ServingManager:
                         memory_budget_bytes=None if memory_gb is None
                         else int(memory_gb * 2**30),
                         admission=admission,  # type: ignore[arg-type]
-                        latency_target_s=latency_target_s,
+                        latency_target_s=latency_target_s, drain_on_sigterm=False,
                         ray_cluster=None if cluster is None else RayCluster.connect(cluster))
         devices = sorted({d for n in names for d in self._plans[n].devices})
         with self.ctx.reporter.task(f"start the engine for {', '.join(f'{n}()' for n in names)}"
@@ -270,14 +275,16 @@ class ServingManager:
         return out
 
     def stop(self, drain: bool = True) -> int:
-        """Shut the engine down (draining admitted requests first, by default); returns how
-        many requests it cancelled."""
+        """Shut every server down (the engine and the decode servers; draining admitted
+        requests first, by default); returns how many requests they cancelled."""
         engine, self._engine = self._engine, None
         self._served.clear()
         servers, self._gen_servers = self._gen_servers, {}
-        for server in servers.values():
-            server.shutdown(drain)
-        return 0 if engine is None else engine.shutdown(drain=drain)
+        cancelled = sum(server.shutdown(drain) for server in servers.values())
+        cancelled += 0 if engine is None else engine.shutdown(drain=drain)
+        if self._sigterm is not None and self._sigterm.restore():
+            self._sigterm = None
+        return cancelled
 
 
 def _check_loaders(name: str, loaders: Mapping[str, Callable[[], Model]] | None

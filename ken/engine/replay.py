@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from ken.engine.serving import BatchRecord, Engine, LoadReport, Outcome
+from ken.engine.outcome import Outcome
+from ken.engine.serving import BatchRecord, Engine, LoadReport
 from ken.models.datasets import LabelledSample
 from ken.models.quality import EvalSample
 from ken.optimizer.simulator import SimResult, sample_rows

@@ -58,19 +58,20 @@ from __future__ import annotations
 import itertools
 import math
 import queue
-import signal
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from types import FrameType, MappingProxyType
+from types import MappingProxyType
 from typing import Any, Literal
 
 import numpy as np
 
+from ken.engine.outcome import Outcome, Status
 from ken.engine.ray_runner import RayCluster, RayRunner
+from ken.engine.sigterm import SigtermDrain
 from ken.engine.workers import (
     ProcessRunner,
     ThreadRunner,
@@ -86,7 +87,6 @@ from ken.models.model import Model
 from ken.policy.plan import GearPlan
 from ken.policy.scheduling import Batch, Dispatcher, WallClock
 
-Status = Literal["ok", "null", "rejected", "error", "cancelled"]
 Source = Model | Callable[[], Model]
 
 
@@ -94,27 +94,6 @@ def _is_row(value: object) -> bool:
     """A text, or a tuple of texts (a row of a model over several columns)."""
     return isinstance(value, str) or (isinstance(value, tuple) and bool(value)
                                       and all(isinstance(v, str) for v in value))
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What happened to one request (times in seconds on the engine's clock)."""
-
-    request_id: int
-    status: Status
-    arrival_s: float
-    completion_s: float
-    value: Any = None  # the answer: a label, boolean, number or text (None unless ok)
-    certainty: float | None = None
-    stage: int | None = None  # 0-based cascade stage that answered
-    model: str | None = None
-    gear: int | None = None  # QPS range active when the request was admitted (None: bulk)
-    error: str | None = None
-    retry_after_s: float | None = None  # rejected: when a retry may be admitted
-
-    @property
-    def latency_s(self) -> float:
-        return self.completion_s - self.arrival_s
 
 
 @dataclass(frozen=True)
@@ -352,7 +331,7 @@ class Engine:
         self._closing = False
         self._lock = threading.Lock()
         self._shutdown_lock = threading.Lock()
-        self._sigterm: _SigtermDrain | None = None
+        self._sigterm: SigtermDrain | None = None
         # the latest model calls (bounded: the oldest half is dropped at the limit)
         self.batch_log: list[BatchRecord] = []
         self.batch_log_limit = 200_000
@@ -443,7 +422,7 @@ class Engine:
         self._accepting = True
         self._scheduler.start()
         if self.drain_on_sigterm:
-            self._sigterm = _SigtermDrain.install(self)
+            self._sigterm = SigtermDrain.install(lambda: self.shutdown(drain=True))
         return self.load_report
 
     def _add_devices(self, placed: Mapping[str, list[str]]) -> dict[str, float]:
@@ -1070,59 +1049,3 @@ class Engine:
             if len(self.batch_log) > self.batch_log_limit:
                 del self.batch_log[: len(self.batch_log) // 2]
             self._events.put(("done", batch, values, scores))
-
-
-class _SigtermDrain:
-    """The SIGTERM handler of an engine started in the main thread: the first SIGTERM drains
-    the engine in a thread (a signal handler must not wait: the main thread may hold the
-    engine's lock); when the drain is done that thread signals the main thread again, and the
-    handler puts the previous handler back and calls it, or exits with status 128 + SIGTERM."""
-
-    def __init__(self, engine: Engine, previous: Any) -> None:
-        self.engine = engine
-        self.previous = previous
-        self.drained = False
-        self._thread: threading.Thread | None = None
-
-    @classmethod
-    def install(cls, engine: Engine) -> _SigtermDrain | None:
-        """Install it (None: not in the main thread, or SIGTERM is ignored or handled
-        outside Python, which is left alone)."""
-        if threading.current_thread() is not threading.main_thread():
-            return None
-        previous = signal.getsignal(signal.SIGTERM)
-        if previous is None or previous is signal.SIG_IGN:
-            return None
-        handler = cls(engine, previous)
-        signal.signal(signal.SIGTERM, handler)
-        return handler
-
-    def __call__(self, signum: int, frame: FrameType | None) -> None:
-        if not self.drained:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._drain, name="ken-sigterm-drain",
-                                                daemon=True)
-                self._thread.start()
-            return
-        self.restore()
-        if callable(self.previous):
-            self.previous(signum, frame)
-            return
-        raise SystemExit(128 + signum)
-
-    def _drain(self) -> None:
-        try:
-            self.engine.shutdown(drain=True)
-        finally:
-            self.drained = True
-            main = threading.main_thread()
-            if main.is_alive() and main.ident is not None:
-                signal.pthread_kill(main.ident, signal.SIGTERM)
-
-    def restore(self) -> bool:
-        """Put the previous handler back (in the main thread; False elsewhere)."""
-        if threading.current_thread() is not threading.main_thread():
-            return False
-        if signal.getsignal(signal.SIGTERM) is self:
-            signal.signal(signal.SIGTERM, self.previous)
-        return True
