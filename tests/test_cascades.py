@@ -18,11 +18,11 @@ from ken.optimizer.cascades import (
     CascadeMetrics,
     evaluate,
     pareto_cascades,
-    pareto_front,
     run_on_profiles,
     threshold_grid,
 )
 from ken.optimizer.profile import Profile
+from tests.test_pareto import brute_pareto
 
 CERTAINTIES = ("max_prob", "margin", "neg_entropy")
 BATCH_SIZES = (1, 2, 4, 8)
@@ -134,18 +134,6 @@ def brute_evaluate(
         size = profile.best_batch_size() if batch_size is None else batch_size
         cost += f * profile.batch_runtime(size) / size * 1000.0
     return quality, resolved, accuracy, reach_f, resolved_f, cost
-
-
-def brute_pareto(points: list[tuple[float, float]]) -> set[tuple[float, float]]:
-    """Distinct (accuracy, cost) points that no other point dominates."""
-    front = set()
-    for a, c in points:
-        dominated = any(
-            (a2 >= a and c2 <= c) and (a2 > a or c2 < c) for a2, c2 in points
-        )
-        if not dominated:
-            front.add((a, c))
-    return front
 
 
 def thresholds_for(profile: Profile, certainty: str, rng: np.random.Generator, k: int) -> list:
@@ -295,37 +283,6 @@ def test_search_argument_errors() -> None:
         pareto_cascades(profiles, grid_size=0)
     with pytest.raises(CascadeError, match="unknown certainty.*max_prob"):
         pareto_cascades(profiles, certainty="vibes")
-
-
-# -- Pareto filter -----------------------------------------------------------------------------
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    st.lists(
-        st.tuples(st.integers(0, 6).map(lambda a: a / 6), st.integers(0, 6).map(float)),
-        max_size=30,
-    )
-)
-def test_pareto_front_matches_brute_force(points: list[tuple[float, float]]) -> None:
-    front = pareto_front(points)
-    chosen = [points[i] for i in front]
-    assert set(chosen) == brute_pareto(points)
-    assert len(chosen) == len(set(chosen))  # one index per distinct point
-    costs = [c for _, c in chosen]
-    accs = [a for a, _ in chosen]
-    assert all(a < b for a, b in itertools.pairwise(costs))
-    assert all(a < b for a, b in itertools.pairwise(accs))
-    # exact duplicates resolve to the first occurrence
-    assert all(points.index(points[i]) == i for i in front)
-
-
-def test_pareto_front_ties() -> None:
-    # equal accuracy: keep the cheaper; equal cost: keep the more accurate
-    assert pareto_front([(0.5, 2.0), (0.5, 1.0), (0.7, 1.0), (0.9, 3.0)]) == [2, 3]
-    assert pareto_front([]) == []
-    with pytest.raises(ValueError):
-        pareto_front([(math.nan, 1.0)])
 
 
 # -- threshold grid ----------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import numpy as np
 from ken.errors import CascadeError, ProfileError
 from ken.models.cascade import Cascade, escalates
 from ken.models.certainty import CERTAINTY_FUNCTIONS
+from ken.optimizer.pareto import pareto_front
 from ken.optimizer.profile import Profile
 
 
@@ -168,30 +169,6 @@ def evaluate(
         cost_ms_per_row=cost,
         num_rows=n,
     )
-
-
-# -- Pareto filter -----------------------------------------------------------------------------
-
-
-def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
-    """Indices of the (accuracy, cost) points not dominated by another, by cost ascending.
-
-    Higher accuracy and lower cost are better. Accuracy strictly increases along the result.
-    Of points with equal cost only the most accurate can survive, of points with equal accuracy
-    only the cheapest; among exact duplicates the lowest index is kept.
-    """
-    if len(points) == 0:
-        return []
-    arr = np.asarray(points, dtype=np.float64).reshape(len(points), 2)
-    if np.isnan(arr).any():
-        raise ValueError("pareto_front: points must not contain NaN")
-    accuracy, cost = arr[:, 0], arr[:, 1]
-    # primary cost ascending, then accuracy descending, then index: the first point of each
-    # cost is its most accurate, and duplicates resolve to the lowest index
-    order = np.lexsort((np.arange(len(arr)), -accuracy, cost))
-    acc_sorted = accuracy[order]
-    best_before = np.maximum.accumulate(np.concatenate(([-np.inf], acc_sorted[:-1])))
-    return [int(i) for i in order[acc_sorted > best_before]]
 
 
 # -- search ------------------------------------------------------------------------------------

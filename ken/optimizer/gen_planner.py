@@ -32,6 +32,7 @@ import numpy as np
 from ken.errors import PlanningError
 from ken.models.cascade import Cascade
 from ken.optimizer.decode_sim import StageRows, simulate_gen_plan
+from ken.optimizer.pareto import pareto_front
 from ken.optimizer.tokens import TokenCost
 from ken.policy.plan import GenGear, GenPlan
 
@@ -132,11 +133,10 @@ def cascade_candidates(models: Sequence[str], stages: Mapping[str, StageRows],
 def pareto(found: Sequence[GenCandidate]) -> list[GenCandidate]:
     """Candidates no other beats on both quality (higher) and work (lower), most accurate
     first."""
-    keep = [c for c in found
-            if not any((o.quality >= c.quality and o.work_s < c.work_s)
-                       or (o.quality > c.quality and o.work_s <= c.work_s) for o in found)]
+    front = pareto_front([(c.quality, c.work_s) for c in found])
+    # candidates equal up to rounding (qualities summed in another order) count once: the first
     unique: dict[tuple, GenCandidate] = {}
-    for c in keep:
+    for c in (found[i] for i in sorted(front)):
         unique.setdefault((round(c.quality, 9), round(c.work_s, 12)), c)
     return sorted(unique.values(), key=lambda c: (-c.quality, c.work_s))
 

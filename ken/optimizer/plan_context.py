@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ken.models.cascade import Cascade
+from ken.optimizer.pareto import pareto_front
 from ken.optimizer.perf import Catalog
 from ken.optimizer.scheduler import PlanningError
 from ken.optimizer.workload import Hardware, Trace
@@ -179,13 +180,10 @@ def _by_cost(cascades: Sequence[Cascade], catalog: Catalog,
         return total
 
     unique = list(dict.fromkeys(cascades))
-    ranked = sorted(unique, key=lambda c: (cost(c), -catalog.accuracy(c)))
     # Pareto under this cost (batch sizes may differ from the cascade search's): drop every
     # cascade that a cheaper one matches in accuracy
-    ordered = []
-    for c in ranked:
-        if not ordered or catalog.accuracy(c) > catalog.accuracy(ordered[-1]):
-            ordered.append(c)
+    ordered = [unique[i]
+               for i in pareto_front([(catalog.accuracy(c), cost(c)) for c in unique])]
     # walk down from the most accurate; keep the cheapest (the "cheapest everywhere" anchor)
     kept = [ordered[-1]]
     for c in reversed(ordered[:-1]):

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ken.models.cascade import Cascade
+from ken.optimizer.pareto import pareto_front
 from ken.optimizer.perf import Catalog
 from ken.optimizer.placement import adapt_placement, choose_placements, models_of, search_placement
 from ken.optimizer.plan_context import (
@@ -80,15 +81,10 @@ def _score(metrics: PlanMetrics, current: PlanMetrics, kind: str) -> float:
 
 
 def pareto_plans(plans: Sequence[GearPlan]) -> list[GearPlan]:
-    """Plans not dominated in (lower p95, higher accuracy), sorted by p95."""
-    pts = sorted(plans, key=lambda p: (p.predicted.p95_ms, -p.predicted.accuracy))
-    out: list[GearPlan] = []
-    best_acc = -1.0
-    for p in pts:
-        if p.predicted.accuracy > best_acc:
-            out.append(p)
-            best_acc = p.predicted.accuracy
-    return out
+    """Plans not dominated in (lower p95, higher accuracy), sorted by p95 (``pareto_front``'s
+    tie rules)."""
+    front = pareto_front([(p.predicted.accuracy, p.predicted.p95_ms) for p in plans])
+    return [plans[i] for i in front]
 
 
 
