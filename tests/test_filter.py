@@ -18,17 +18,19 @@ from ken.models.cascade import Cascade
 from ken.models.model import DeviceConfig
 from ken.models.resources import Resources
 from ken.ops.base import BoundSemantic
-from ken.ops.sem_filter import (
-    DEFAULT_THRESHOLD,
-    ChannelLLMModel,
+from ken.ops.filter_calibration import (
     FilterCalibration,
     FilterSample,
-    SimilarityModel,
-    YesNoLLMModel,
-    bind_sem_filter,
     calibrate_filter,
     fit_similarity_calibration,
 )
+from ken.ops.filter_models import (
+    DEFAULT_THRESHOLD,
+    ChannelLLMModel,
+    SimilarityModel,
+    YesNoLLMModel,
+)
+from ken.ops.sem_filter import bind_sem_filter
 
 DELAY = "complains about a flight delay"
 DELAYED = "I hate this airline, my flight was delayed for 5 hours"

@@ -18,25 +18,21 @@ import pytest
 from ken.engine.batch import run_cascade
 from ken.errors import DataError, ModelError, StoreError
 from ken.models.model import DeviceConfig
+from ken.models.records import parse_record
 from ken.models.resources import Resources
-from ken.ops.sem_match import (
-    DATASET_ALL,
-    FALLBACK_OFFSET,
+from ken.ops.match_data import DATASET_ALL, has_data, load_pairs, schema, training_splits
+from ken.ops.match_training import (
     MatchCard,
     MatchScores,
     cascade_labels,
     choose_threshold,
-    has_data,
     load_card,
     load_matcher,
-    load_pairs,
     match_dir,
-    parse_record,
     prepare_sem_match,
-    schema,
     train_matchers,
-    training_splits,
 )
+from ken.ops.sem_match import FALLBACK_OFFSET
 from ken.ops.sem_match import bind_sem_match as bind
 from ken.paths import shared_data_dir
 

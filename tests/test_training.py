@@ -12,7 +12,8 @@ import pytest
 import ken
 from ken.errors import DataError, KenError
 from ken.models.model import DeviceConfig
-from ken.ops.sem_match import load_pairs, parse_record
+from ken.models.records import parse_record
+from ken.ops.match_data import load_pairs
 from ken.ops.training import TrainingData, cascade_values
 from ken.paths import shared_data_dir
 from ken.sql.rewrite import SqlError

@@ -8,12 +8,15 @@ registers) is an :class:`Operator`. It gives
 - ``bind(ctx, constants)``: the runnable :class:`Bound` operator for one call site, a
   :class:`~ken.models.cascade.Cascade` plus the models it names and how their values become SQL
   values, with a one-line ``describe()`` for EXPLAIN;
+- ``stages(ctx, constants)``: the models it runs, each a :class:`Stage` (the model's name and a
+  picklable way to build it), declared once; from them the base class derives ``bind`` (a
+  cascade of the stages with a default threshold), ``candidates(ctx, device)`` (the models to
+  profile) and ``loaders(ctx, device)`` (what the online engine's worker processes call), and
+  checks the stages' names and picklability in one place;
 - ``eval_sample(ctx)``: the labelled evaluation sample with its per-row quality metric, which
   profiles (and so the cascade search and the planner) are measured on, or None when the
   operator cannot be planned;
-- ``candidates(ctx, device)``: the models to profile, loaded on ``device``;
-- ``loaders(ctx, device)``: picklable zero-argument loaders of those models, what the online
-  engine's worker processes call (None: serve with thread workers).
+- ``store_entries(home)``: the model-store entries of what it trained, for ``ken store``.
 
 The SQL front-end, the profiler, the planner, the engine and EXPLAIN reach operators only
 through this interface, and the :class:`OpContext` gives operators what they need of the
@@ -22,7 +25,10 @@ session (device, model store, data, progress reporter, a cache of loaded models)
 
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
+import pickle
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,10 +36,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Protocol
 
+from ken import store
 from ken.errors import DataError, KenError, ModelError
 from ken.models.cascade import Cascade
 from ken.models.model import BOOLEAN_LABELS, DeviceConfig, Model
 from ken.models.quality import EvalSample
+from ken.models.resources import Resources
 from ken.progress import QUIET, Reporter
 
 SQL_TYPES = {"varchar": "VARCHAR", "boolean": "BOOLEAN", "double": "DOUBLE", "bigint": "BIGINT"}
@@ -208,11 +216,9 @@ class OpContext:
         return ChosenCascade(cascade)
 
 
-def shared_resources(ctx: OpContext) -> Any:
+def shared_resources(ctx: OpContext) -> Resources:
     """The pretrained networks (MiniLM encoders, SmolLM2) that sem_filter, sem_match and
     sem_classify share, loaded once per session and device (``ken.models.resources``)."""
-    from ken.models.resources import Resources
-
     return ctx.resource("semantic-resources",
                         lambda: Resources(ctx.device, ctx.home, ctx.reporter))
 
@@ -231,10 +237,49 @@ class ChosenCascade:
 Chooser = Callable[["Operator", "OpContext", Cascade | None], ChosenCascade]
 
 
+@dataclass(frozen=True)
+class Stage:
+    """One model an operator runs, declared without loading it.
+
+    ``name`` is the model's name, what cascades, profiles, gear plans and EXPLAIN call it, so it
+    must be known before the model is built and be unique per behaviour (put a hash of what
+    changes the outputs into it). ``load(resources, device, *args)`` builds the model on
+    ``device``, taking heavy networks from ``resources`` (a :class:`Resources`): a
+    **module-level** function with plain ``args``, so that the stage pickles and a worker
+    process builds it with its own ``Resources`` (no lambdas, closures, bound methods or
+    loaded models).
+
+    >>> # Stage("kw-small", load_keyword_model, ("delay",))
+    """
+
+    name: str
+    load: Callable[..., Model]
+    args: tuple[Any, ...] = ()
+
+    def build(self, resources: Resources, device: DeviceConfig) -> Model:
+        """The model, built on ``device``; a model of another name is an error."""
+        model = self.load(resources, device, *self.args)
+        if model.name != self.name:
+            raise KenError(f"the stage {self.name!r} built a model named {model.name!r}; a "
+                           "stage's name must be the name of the model it builds")
+        return model
+
+
+def load_in_worker(stage: Stage, home: Path | None, device: DeviceConfig) -> Model:
+    """Build ``stage`` in a worker process, on its own networks (what :meth:`Operator.loaders`
+    sends, as a ``functools.partial``)."""
+    return stage.build(Resources(device, home), device)
+
+
 class Operator:
-    """A SQL-callable semantic operator (see the module docstring); subclass and override
-    ``bind`` — and ``eval_sample`` / ``candidates`` / ``loaders`` to make it plannable and
-    servable by worker processes."""
+    """A SQL-callable semantic operator (see the module docstring).
+
+    Subclass it, set the SQL signature (``name``, ``num_columns``, ``constants``,
+    ``output_type``), and declare the models with ``stages``: ``bind``, ``candidates`` and
+    ``loaders`` follow from them. Add ``eval_sample`` and ``plannable`` to make it plannable,
+    and override ``bind`` where a call site needs more than a cascade of the stages (a
+    calibration, a trained model, a cascade chosen from profiles).
+    """
 
     name: str = ""
     num_columns: int = 1
@@ -247,9 +292,75 @@ class Operator:
     #: SQL passes the column arguments as JSON text (``to_json``), so that a struct or a whole
     #: row arrives as an object and a text as a JSON string (``ken.models.records.as_record``)
     record_columns: bool = False
+    #: the escalation threshold between the stages of the default binding (uncalibrated;
+    #: planning chooses thresholds on the evaluation sample)
+    threshold: float = 0.5
+
+    def stages(self, ctx: OpContext, constants: tuple[str, ...]) -> Sequence[Stage] | None:
+        """The models that answer calls with ``constants``, cheapest first: the default
+        binding's cascade, and (for ``eval_constants``) the candidates the planner profiles
+        and the worker processes load. None: the operator binds its own models (override
+        ``bind``) and is served by thread workers."""
+        return None
+
+    def detail(self, constants: tuple[str, ...]) -> str:
+        """What EXPLAIN says about the default binding's calls (prompt version, truncation)."""
+        return ""
 
     def bind(self, ctx: OpContext, constants: tuple[str, ...]) -> Bound:
-        raise NotImplementedError
+        """The call site's cascade: every stage in order, escalating below ``threshold``."""
+        stages = self.declared_stages(ctx, constants)
+        if stages is None:
+            raise KenError(f"{self.name}() declares no stages; override stages() or bind()")
+        models = self.build_stages(stages, ctx, ctx.device)
+        cascade = Cascade(tuple(models), (self.threshold,) * (len(models) - 1))
+        note = self.detail(constants)
+        if len(models) > 1:
+            note = (f"{note}; " if note else "") + (
+                f"default threshold {self.threshold:g}; plan it for a calibrated cascade")
+        return BoundSemantic(self.name, cascade, models, self.output_type, calibrated=False,
+                             arguments=constants, detail=note)
+
+    def declared_stages(self, ctx: OpContext, constants: tuple[str, ...],
+                        for_workers: bool = False) -> list[Stage] | None:
+        """``stages(ctx, constants)``, checked: stages with distinct non-empty names, and with
+        ``for_workers``, each one picklable."""
+        stages = self.stages(ctx, constants)
+        if stages is None:
+            return None
+        stages = list(stages)
+        seen: set[str] = set()
+        for stage in stages:
+            if not isinstance(stage, Stage):
+                raise KenError(f"{self.name}(): stages() must return Stage objects, not "
+                               f"{type(stage).__name__}")
+            if not isinstance(stage.name, str) or not stage.name:
+                raise KenError(f"{self.name}(): a stage has no name; name it as its model")
+            if stage.name in seen:
+                raise KenError(f"{self.name}(): two stages are named {stage.name!r}; stage "
+                               "names name models in cascades and plans, so they must differ")
+            seen.add(stage.name)
+            if for_workers:
+                try:
+                    pickle.dumps(stage)
+                except (pickle.PicklingError, AttributeError, TypeError) as exc:
+                    raise KenError(
+                        f"{self.name}(): the stage {stage.name!r} cannot be sent to a worker "
+                        f"process ({exc}); its load must be a module-level function and its "
+                        "args plain values (no lambda, closure, bound method or loaded "
+                        "model)") from None
+        return stages
+
+    def build_stages(self, stages: Sequence[Stage], ctx: OpContext, device: DeviceConfig
+                     ) -> dict[str, Model]:
+        """The stages' models on ``device``, by name, on the session's shared networks."""
+        resources = shared_resources(ctx)
+        try:
+            return {stage.name: stage.build(resources, device) for stage in stages}
+        except KenError as exc:
+            if type(exc) is not KenError:
+                raise
+            raise KenError(f"{self.name}(): {exc}") from None
 
     def eval_sample(self, ctx: OpContext) -> EvalSample | None:
         """The labelled sample profiles are measured on (None: the operator cannot be
@@ -270,23 +381,37 @@ class Operator:
         return "no evaluation sample"
 
     def candidates(self, ctx: OpContext, device: DeviceConfig) -> Mapping[str, Model]:
-        """The models to profile, loaded on ``device``: by default those of the operator
-        bound to its evaluation constants (on the session's device)."""
-        return dict(self.bind(ctx, self.eval_constants).models)
+        """The models to profile, loaded on ``device``: the stages for ``eval_constants``
+        (without stages: the models of the operator bound to them, on the session's
+        device)."""
+        stages = self.declared_stages(ctx, self.eval_constants)
+        if stages is None:
+            return dict(self.bind(ctx, self.eval_constants).models)
+        return self.build_stages(stages, ctx, device)
 
     def loaders(self, ctx: OpContext, device: DeviceConfig
                 ) -> Mapping[str, Callable[[], Model]] | None:
         """Picklable loaders of the candidate models on ``device`` (a CPU device of some
-        threads, or a GPU as a worker process that owns one sees it: ``cuda:0``); None: the
-        engine serves the operator with thread workers."""
-        return None
+        threads, or a GPU as a worker process that owns one sees it: ``cuda:0``), from the
+        stages for ``eval_constants``; None (no stages): the engine serves the operator with
+        thread workers."""
+        stages = self.declared_stages(ctx, self.eval_constants, for_workers=True)
+        if stages is None:
+            return None
+        return {stage.name: functools.partial(load_in_worker, stage, ctx.home, device)
+                for stage in stages}
 
     def train(self, ctx: OpContext, data: Any, **options: Any) -> Any:
         """Train or calibrate the operator on a user's labelled rows (a
         ``ken.ops.training.TrainingData``); returns a ``Trained`` record. Operators that learn
         nothing from labels say so."""
         raise KenError(f"{self.name}() cannot be trained on labels; the trainable built-ins "
-                       "are sentiment, sem_filter and sem_match")
+                       "are sentiment, sem_filter, sem_match and sem_classify")
+
+    def store_entries(self, home: Path) -> list[tuple[str, store.Entry]]:
+        """What this operator keeps in the model store at ``home`` (trained or prepared
+        state), each entry with a kind label for ``ken store`` (none by default)."""
+        return []
 
     @property
     def arity(self) -> int:
@@ -307,8 +432,6 @@ class Operator:
 
     def renamed(self, name: str) -> Operator:
         """This operator under another SQL name (``session.register("mood", op)``)."""
-        import copy
-
         clone = copy.copy(self)
         clone.name = name
         return clone

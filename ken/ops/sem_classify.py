@@ -26,16 +26,16 @@ values (other label lists stay zero-shot).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from ken import store
 from ken.errors import DataError, KenError, ModelError, StoreError
+from ken.models import family
 from ken.models.cascade import Cascade
 from ken.models.data_text import encode_row
 from ken.models.head import LinearHead, fit_logistic_cv
@@ -49,6 +49,7 @@ from ken.ops.base import (
     ClassifierBinding,
     OpContext,
     Operator,
+    Stage,
     shared_resources,
 )
 from ken.ops.training import Trained, TrainingData, cascade_values
@@ -199,10 +200,10 @@ def make_stage(resources: Resources, kind: str, spec: str,
     return LabelSimilarityModel(resources.encoder(kind, device), labels, encoder=kind)
 
 
-def load_classify_stage(kind: str, spec: str, home: Path | None, device: DeviceConfig
+def load_classify_stage(resources: Resources, device: DeviceConfig, kind: str, spec: str
                         ) -> Model:
-    """One sem_classify stage for a worker process (picklable via ``functools.partial``)."""
-    return make_stage(Resources(device, home), kind, spec)
+    """One zero-shot stage (a :class:`~ken.ops.base.Stage`'s load)."""
+    return make_stage(resources, kind, spec, device)
 
 
 def trained_dir(home: Path | None, key: str) -> Path:
@@ -237,24 +238,17 @@ def _adopt_trained(entry: store.Entry) -> tuple[str, ...]:
     return ("card.json", *heads)
 
 
-def store_entries(home: Path) -> list[store.Entry]:
-    """Every folder of trained sem_classify heads in ``home``."""
-    return [trained_entry(home, folder.name)
-            for folder in sorted((home / "trained" / "sem_classify").glob("*"))
-            if folder.is_dir() and not store.is_leftover(folder)]
-
-
-def load_trained(member: str, key: str, home: Path | None, device: DeviceConfig,
-                 resources: Resources | None = None) -> TransformersClassifier:
+def load_trained(resources: Resources, device: DeviceConfig, member: str, key: str
+                 ) -> TransformersClassifier:
     """A head trained on a user's labels (:meth:`SemClassify.train`) on its encoder, its
-    files verified first; picklable via ``functools.partial`` for worker processes."""
-    entry = trained_entry(home, key)
+    files verified first (a :class:`~ken.ops.base.Stage`'s load)."""
+    entry = trained_entry(resources.home, key)
     path = entry.root / f"{member}.head.safetensors"
     if not path.is_file():
         raise ModelError(f"the trained sem_classify head {path} is missing; {_RETRAIN}")
     store.ensure(entry)
     head = LinearHead.load(path)
-    body = (resources or Resources(device, home)).encoder(member, device)
+    body = resources.encoder(member, device)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
     spec = ModelSpec(trained_name(member, key), FAMILY,
                      "transformers", body.config.source, body.num_params + head.num_params,
@@ -280,7 +274,18 @@ class SemClassify(Operator):
         return (self.trained is not None
                 and set(parse_labels(spec)) == set(parse_labels(self.eval_constants[0])))
 
+    def stages(self, ctx: OpContext, constants: tuple[str, ...]) -> list[Stage]:
+        """The heads trained on the user's labels, for their label list; else the zero-shot
+        stages (similarity on MiniLM-L3 and -L6, the LLM)."""
+        if self._serves_trained(constants[0]):
+            return [Stage(trained_name(m, self._key), load_trained, (m, self._key))
+                    for m in TRAIN_MEMBERS]
+        return [Stage(stage_name(kind, constants[0]), load_classify_stage, (kind, constants[0]))
+                for kind in self._kinds]
+
     def bind(self, ctx: OpContext, constants: tuple[str, ...]) -> Bound:
+        """Zero-shot: similarity on MiniLM-L6 then the LLM, with documented defaults; with
+        trained heads, the cascade of them the profiles choose."""
         if not self._serves_trained(constants[0]):
             return bind_sem_classify(constants[0], shared_resources(ctx))
         assert self.trained is not None
@@ -370,8 +375,6 @@ class SemClassify(Operator):
         return self.trained
 
     def eval_sample(self, ctx: OpContext) -> EvalSample:
-        from ken.models import family
-
         if self._held_out is not None:
             return self._held_out
         return family.heldout_sample(ctx.data or family.default_data()).as_eval()
@@ -384,25 +387,11 @@ class SemClassify(Operator):
             return f"the held-out fifth of {self.trained.data}, accuracy"
         return f"labels {EVAL_LABELS!r} on the family's held-out tweets, accuracy"
 
-    def candidates(self, ctx: OpContext, device: DeviceConfig) -> Mapping[str, Model]:
-        if self.trained is not None:
-            shared = shared_resources(ctx)
-            models = [load_trained(m, self._key, ctx.home, device, shared)
-                      for m in TRAIN_MEMBERS]
-            return {m.name: m for m in models}
-        models = [make_stage(shared_resources(ctx), kind, EVAL_LABELS, device)
-                  for kind in self._kinds]
-        return {m.name: m for m in models}
-
-    def loaders(self, ctx: OpContext, device: DeviceConfig
-                ) -> Mapping[str, Callable[[], Model]]:
-        if self.trained is not None:
-            return {trained_name(m, self._key): functools.partial(
-                        load_trained, m, self._key, ctx.home, device)
-                    for m in TRAIN_MEMBERS}
-        return {stage_name(kind, EVAL_LABELS): functools.partial(
-                    load_classify_stage, kind, EVAL_LABELS, ctx.home, device)
-                for kind in self._kinds}
+    def store_entries(self, home: Path) -> list[tuple[str, store.Entry]]:
+        """Every folder of trained sem_classify heads in ``home``."""
+        return [("trained sem_classify", trained_entry(home, folder.name))
+                for folder in sorted((home / "trained" / "sem_classify").glob("*"))
+                if folder.is_dir() and not store.is_leftover(folder)]
 
 
 OPERATOR = SemClassify

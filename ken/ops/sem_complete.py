@@ -22,7 +22,7 @@ from ken.models.llm import ContinuationModel
 from ken.models.model import DeviceConfig, Model
 from ken.models.quality import EvalSample
 from ken.models.resources import Resources, short_hash
-from ken.ops.base import OpContext
+from ken.ops.base import OpContext, Stage
 from ken.ops.llm_operator import LLMOperator, stage_prefix
 from ken.paths import shared_data_dir
 
@@ -68,6 +68,11 @@ def hellaswag_sample(limit: int = EVAL_ITEMS, data_dir: Path | None = None) -> E
     return EvalSample(f"hellaswag-val-{len(rows)}", rows, tuple(gold), "accuracy")
 
 
+def load_complete_stage(resources: Resources, device: DeviceConfig, name: str, lm_name: str
+                        ) -> Model:
+    return ContinuationModel(resources.causal_lm(lm_name, device), name, "sem-complete")
+
+
 class SemComplete(LLMOperator):
     name = "sem_complete"
     num_columns = 2
@@ -77,13 +82,9 @@ class SemComplete(LLMOperator):
     #: how many HellaSwag items the evaluation sample holds
     eval_items = EVAL_ITEMS
 
-    def stage_name(self, lm_name: str, constants: tuple[str, ...]) -> str:
-        return f"{stage_prefix(self.name, lm_name)}[{short_hash(SCORING)}]"
-
-    def stage(self, resources: Resources, lm_name: str, constants: tuple[str, ...],
-              device: DeviceConfig | None = None) -> Model:
-        return ContinuationModel(resources.causal_lm(lm_name, device),
-                                 self.stage_name(lm_name, constants), "sem-complete")
+    def llm_stage(self, lm_name: str, constants: tuple[str, ...]) -> Stage:
+        name = f"{stage_prefix(self.name, lm_name)}[{short_hash(SCORING)}]"
+        return Stage(name, load_complete_stage, (name, lm_name))
 
     def detail(self, constants: tuple[str, ...]) -> str:
         return ("endings scored by log-likelihood per byte; contexts cut to 256 tokens "

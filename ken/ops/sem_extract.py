@@ -13,10 +13,19 @@ from __future__ import annotations
 from ken.models.llm import GenerativeModel
 from ken.models.model import DeviceConfig, Model
 from ken.models.resources import Resources, short_hash
+from ken.ops.base import Stage
 from ken.ops.llm_operator import LLMOperator, stage_prefix
 from ken.ops.prompts import SEM_EXTRACT, extracted_value
 
 MAX_NEW_TOKENS = 24
+
+
+def load_extract_stage(resources: Resources, device: DeviceConfig, name: str, lm_name: str,
+                       what: str) -> Model:
+    prompt = SEM_EXTRACT.with_constants({"what": what})
+    return GenerativeModel(resources.causal_lm(lm_name, device), prompt, name, "sem-extract",
+                           SEM_EXTRACT.key, MAX_NEW_TOKENS, stop=("\n",),
+                           finish=extracted_value)
 
 
 class SemExtract(LLMOperator):
@@ -26,16 +35,9 @@ class SemExtract(LLMOperator):
     output_type = "varchar"
     doc = "the part of the text that says what is asked for (NULL when absent)"
 
-    def stage_name(self, lm_name: str, constants: tuple[str, ...]) -> str:
-        return f"{stage_prefix(self.name, lm_name)}[{short_hash(SEM_EXTRACT.key, constants)}]"
-
-    def stage(self, resources: Resources, lm_name: str, constants: tuple[str, ...],
-              device: DeviceConfig | None = None) -> Model:
-        prompt = SEM_EXTRACT.with_constants({"what": constants[0]})
-        return GenerativeModel(resources.causal_lm(lm_name, device), prompt,
-                               self.stage_name(lm_name, constants), "sem-extract",
-                               SEM_EXTRACT.key, MAX_NEW_TOKENS, stop=("\n",),
-                               finish=extracted_value)
+    def llm_stage(self, lm_name: str, constants: tuple[str, ...]) -> Stage:
+        name = f"{stage_prefix(self.name, lm_name)}[{short_hash(SEM_EXTRACT.key, constants)}]"
+        return Stage(name, load_extract_stage, (name, lm_name, constants[0]))
 
     def detail(self, constants: tuple[str, ...]) -> str:
         return (f"greedy, one line of <= {MAX_NEW_TOKENS} tokens, 'none' -> NULL; "

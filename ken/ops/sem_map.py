@@ -13,10 +13,18 @@ from __future__ import annotations
 from ken.models.llm import GenerativeModel
 from ken.models.model import DeviceConfig, Model
 from ken.models.resources import Resources, short_hash
+from ken.ops.base import Stage
 from ken.ops.llm_operator import LLMOperator, stage_prefix
 from ken.ops.prompts import SEM_MAP
 
 MAX_NEW_TOKENS = 48
+
+
+def load_map_stage(resources: Resources, device: DeviceConfig, name: str, lm_name: str,
+                   instruction: str) -> Model:
+    prompt = SEM_MAP.with_constants({"instruction": instruction})
+    return GenerativeModel(resources.causal_lm(lm_name, device), prompt, name, "sem-map",
+                           SEM_MAP.key, MAX_NEW_TOKENS)
 
 
 class SemMap(LLMOperator):
@@ -26,15 +34,9 @@ class SemMap(LLMOperator):
     output_type = "varchar"
     doc = "the LLM's answer to an instruction about the text (generated)"
 
-    def stage_name(self, lm_name: str, constants: tuple[str, ...]) -> str:
-        return f"{stage_prefix(self.name, lm_name)}[{short_hash(SEM_MAP.key, constants)}]"
-
-    def stage(self, resources: Resources, lm_name: str, constants: tuple[str, ...],
-              device: DeviceConfig | None = None) -> Model:
-        prompt = SEM_MAP.with_constants({"instruction": constants[0]})
-        return GenerativeModel(resources.causal_lm(lm_name, device), prompt,
-                               self.stage_name(lm_name, constants), "sem-map", SEM_MAP.key,
-                               MAX_NEW_TOKENS)
+    def llm_stage(self, lm_name: str, constants: tuple[str, ...]) -> Stage:
+        name = f"{stage_prefix(self.name, lm_name)}[{short_hash(SEM_MAP.key, constants)}]"
+        return Stage(name, load_map_stage, (name, lm_name, constants[0]))
 
     def detail(self, constants: tuple[str, ...]) -> str:
         return f"greedy, <= {MAX_NEW_TOKENS} new tokens; {SEM_MAP.describe_truncation()}"

@@ -28,13 +28,8 @@ with a JSON card of validation and test F1. Without data and without a cached ma
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
-import math
-import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -44,44 +39,33 @@ from ken.errors import DataError, KenError, ModelError, StoreError
 from ken.models.cascade import Cascade
 from ken.models.model import BOOLEAN_LABELS, DeviceConfig, Model, ModelSpec, Prediction
 from ken.models.quality import EvalSample
-from ken.models.records import (
-    EMBEDDED_SLOTS,
-    PLAIN,
-    BoostedTrees,
-    RecordFeaturizer,
-    RecordMatcher,
-    as_record,
-    best_f1_threshold,
-    check_pairs,
-    embedding_similarities,
-    f1_score,
-    match_probabilities,
-    parse_record,
-    whole_text,
-)
-from ken.models.resources import (
-    Resources,
-    boolean_probabilities,
-    normalise_rows,
-    sigmoid,
-)
+from ken.models.records import RecordMatcher, as_record, check_pairs, whole_text
+from ken.models.resources import Resources, boolean_probabilities, normalise_rows, sigmoid
 from ken.models.transformers_backend import TransformersBody
-from ken.ops.base import Bound, BoundSemantic, OpContext, Operator, shared_resources
+from ken.ops.base import Bound, BoundSemantic, OpContext, Operator, Stage, shared_resources
+from ken.ops.match_data import (
+    DEFAULT_DATASET,
+    SPLITS,
+    EntityPairs,
+    dataset_dir,
+    has_data,
+    load_pairs,
+)
+from ken.ops.match_training import (
+    DEFAULT_TOLERANCE,
+    FAMILY,
+    MEMBERS,
+    load_card,
+    load_matcher,
+    match_dir,
+    match_entry,
+    prepare_sem_match,
+    train_matchers,
+)
 from ken.ops.training import Trained, TrainingData
-from ken.paths import shared_data_dir
-from ken.progress import Reporter
 
-FAMILY = "sem-match"
-DATASETS = ("Abt-Buy", "Amazon-Google", "Beer", "DBLP-ACM", "Fodors-Zagats")
-DATASET_ALL = "all"  # the default: every data set above that is present, schema-free features
-DEFAULT_DATASET = DATASET_ALL
-DEFAULT_PER_DATASET = 2000  # training pairs per data set for the default matcher
 EVAL_PAIRS = 2000  # test pairs the planner profiles the default matcher on
-SPLITS = ("train", "valid", "test")
-MEMBERS = ("lexical", "minilm-l6")  # cheapest first: the cascade's stage order
-SHORT_NAMES = {"lexical": "lex", "minilm-l6": "l6"}
-CARD_SCHEMA_VERSION = 2
-DEFAULT_TOLERANCE = 0.005  # the cascade may lose at most 0.5 F1 points against L6 alone
+
 
 # Uncalibrated fallback (no data, no cached matcher): cosine similarity of all-MiniLM-L6-v2
 # embeddings above 0.85 means a match. Measured on the first attribute of the test splits, the
@@ -89,158 +73,6 @@ DEFAULT_TOLERANCE = 0.005  # the cascade may lose at most 0.5 F1 points against 
 # Amazon-Google (0.47); 0.85 costs at most 0.06 F1 on any of them. A rough rule, not a model.
 FALLBACK_SCALE = 20.0
 FALLBACK_OFFSET = 0.85
-
-# ------------------------------------------------------------------------------- data
-
-
-@dataclass(frozen=True, eq=False)
-class EntityPairs:
-    """Labelled pairs of entity records as text (see :func:`as_record`); 1 means a match."""
-
-    name: str
-    left: tuple[str, ...]
-    right: tuple[str, ...]
-    labels: np.ndarray  # int64, 0 = no match, 1 = match
-
-    def __post_init__(self) -> None:
-        if not len(self.left) == len(self.right) == len(self.labels):
-            raise DataError(f"{self.name}: {len(self.left)} left, {len(self.right)} right "
-                            f"texts and {len(self.labels)} labels")
-
-    def __len__(self) -> int:
-        return len(self.left)
-
-    @property
-    def pairs(self) -> list[tuple[str, str]]:
-        return list(zip(self.left, self.right, strict=True))
-
-    def subset(self, indices: Sequence[int], name: str) -> EntityPairs:
-        idx = np.asarray(indices, dtype=np.int64)
-        return EntityPairs(name, tuple(self.left[i] for i in idx),
-                           tuple(self.right[i] for i in idx), self.labels[idx])
-
-    def sample(self, limit: int | None, seed: int = 0) -> EntityPairs:
-        """At most ``limit`` pairs, drawn at random (seeded) and kept in file order."""
-        if limit is None or limit >= len(self):
-            return self
-        if limit < 1:
-            raise DataError(f"cannot sample {limit} pairs")
-        keep = np.sort(np.random.default_rng(seed).permutation(len(self))[:limit])
-        return self.subset(keep, f"{self.name}[{limit}]")
-
-    @staticmethod
-    def concat(parts: Sequence[EntityPairs], name: str) -> EntityPairs:
-        return EntityPairs(name, tuple(t for p in parts for t in p.left),
-                           tuple(t for p in parts for t in p.right),
-                           np.concatenate([p.labels for p in parts]).astype(np.int64))
-
-
-def dataset_dir(dataset: str, data_dir: Path | None = None) -> Path:
-    return (data_dir or shared_data_dir()) / "entity-matching" / dataset
-
-
-def present_datasets(data_dir: Path | None = None) -> tuple[str, ...]:
-    return tuple(d for d in DATASETS if _has_files(d, data_dir))
-
-
-def _has_files(dataset: str, data_dir: Path | None) -> bool:
-    folder = dataset_dir(dataset, data_dir)
-    return all((folder / f"{s}.txt").is_file() for s in SPLITS)
-
-
-def has_data(dataset: str, data_dir: Path | None = None) -> bool:
-    if dataset == DATASET_ALL:
-        return bool(present_datasets(data_dir))
-    return _has_files(dataset, data_dir)
-
-
-def load_pairs(dataset: str, split: str, data_dir: Path | None = None,
-               attribute: str | None = None) -> EntityPairs:
-    """One split of an entity-matching dataset: whole records (``COL ... VAL ...`` text), or
-    one attribute's values with ``attribute`` (``"first"``: each record's first attribute).
-
-    Lines are ``<left record> TAB <right record> TAB <label>``.
-    """
-    if split not in SPLITS:
-        raise DataError(f"unknown split {split!r}; use one of: {', '.join(SPLITS)}")
-    if dataset == DATASET_ALL:
-        return EntityPairs.concat([load_pairs(d, split, data_dir, attribute)
-                                   for d in _need(data_dir)], f"{DATASET_ALL}-{split}")
-    path = dataset_dir(dataset, data_dir) / f"{split}.txt"
-    if not path.is_file():
-        raise DataError(f"entity-matching data not found at {path}; put the DeepMatcher/Ditto "
-                        f"files in <data-dir>/entity-matching/{dataset}/ or pass data_dir")
-    left: list[str] = []
-    right: list[str] = []
-    labels: list[int] = []
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            parts = line.rstrip("\n").split("\t")
-            if len(parts) != 3 or parts[2].strip() not in ("0", "1"):
-                raise DataError(f"{path}:{number}: expected '<left> TAB <right> TAB 0|1'")
-            for side, out in ((parts[0], left), (parts[1], right)):
-                if attribute is None:
-                    parse_record(side)  # fail here, with the line, on a malformed record
-                    out.append(side.strip())
-                    continue
-                record = parse_record(side)
-                key = next(iter(record)) if attribute == "first" else attribute
-                if key not in record:
-                    raise DataError(f"{path}:{number}: no attribute {key!r}; this dataset has "
-                                    f"{', '.join(record)}")
-                out.append(record[key])
-            labels.append(int(parts[2]))
-    return EntityPairs(f"{dataset}-{split}", tuple(left), tuple(right),
-                       np.asarray(labels, dtype=np.int64))
-
-
-def _need(data_dir: Path | None) -> tuple[str, ...]:
-    present = present_datasets(data_dir)
-    if not present:
-        raise DataError(f"no entity-matching data sets at {dataset_dir('', data_dir)} "
-                        f"(expected folders {', '.join(DATASETS)})")
-    return present
-
-
-def data_hash(dataset: str, data_dir: Path | None = None) -> str:
-    h = hashlib.sha256()
-    names = _need(data_dir) if dataset == DATASET_ALL else (dataset,)
-    for name in names:
-        h.update(name.encode())
-        for split in SPLITS:
-            h.update((dataset_dir(name, data_dir) / f"{split}.txt").read_bytes())
-    return h.hexdigest()[:16]
-
-
-def training_splits(dataset: str, data_dir: Path | None = None,
-                    per_dataset: int | None = None) -> dict[str, EntityPairs]:
-    """Train / valid / test pairs; ``per_dataset`` caps the training pairs of each data set.
-    For :data:`DATASET_ALL` it also caps validation and test pairs at half as many per data
-    set (a single data set keeps them whole)."""
-    names = _need(data_dir) if dataset == DATASET_ALL else (dataset,)
-    half = None if per_dataset is None or dataset != DATASET_ALL else max(1, per_dataset // 2)
-    caps = {"train": per_dataset, "valid": half, "test": half}
-    splits = {}
-    for split in SPLITS:
-        parts = [load_pairs(name, split, data_dir).sample(caps[split]) for name in names]
-        splits[split] = EntityPairs.concat(parts, f"{dataset}-{split}")
-    return splits
-
-
-def schema(records: Sequence[Mapping[str, str]]) -> tuple[str, ...]:
-    """The attributes to compare one by one: those of the records if they all share them,
-    else none (schema-free features)."""
-    if not records:
-        return ()
-    keys = tuple(records[0])
-    if keys == (PLAIN,) or any(tuple(r) != keys for r in records):
-        return ()
-    return keys
-
-
-# ------------------------------------------------------------------------------- models
 
 
 class SimilarityPairModel(Model):
@@ -275,383 +107,6 @@ class SimilarityPairModel(Model):
                                                             - self.offset)))
         return Prediction(probs.argmax(axis=1).astype(np.int64), probs, BOOLEAN_LABELS)
 
-
-# ------------------------------------------------------------------------------- metrics
-
-
-@dataclass(frozen=True)
-class MatchScores:
-    """Accuracy and F1 of the "match" class on one labelled split."""
-
-    accuracy: float
-    f1: float
-    precision: float
-    recall: float
-    num_rows: int
-
-    @classmethod
-    def of(cls, predicted: np.ndarray, truth: np.ndarray) -> MatchScores:
-        pred = np.asarray(predicted).astype(bool)
-        true = np.asarray(truth).astype(bool)
-        tp = int((pred & true).sum())
-        precision = tp / pred.sum() if pred.sum() else 0.0
-        recall = tp / true.sum() if true.sum() else 0.0
-        f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
-        return cls(float((pred == true).mean()) if len(true) else math.nan, float(f1),
-                   float(precision), float(recall), int(len(true)))
-
-
-def cascade_labels(cheap: np.ndarray, strong: np.ndarray, threshold: float) -> np.ndarray:
-    """Labels of a two-stage max-prob cascade given both stages' probabilities (rows, 2)."""
-    sure = np.asarray(cheap, dtype=np.float64).max(axis=1)
-    return np.where(sure < threshold, strong.argmax(axis=1), cheap.argmax(axis=1))
-
-
-def choose_threshold(cheap: np.ndarray, strong: np.ndarray, truth: np.ndarray,
-                     tolerance: float = DEFAULT_TOLERANCE) -> float:
-    """The threshold escalating the fewest rows while staying within ``tolerance`` F1 of the
-    strong model alone.
-
-    Candidates lie midway between neighbouring certainties of the cheap model (so float
-    rounding at run time does not move rows across), plus "escalate nothing" (0) and
-    "escalate everything" (just above the largest certainty).
-    """
-    sure = np.asarray(cheap, dtype=np.float64).max(axis=1)
-    truth = np.asarray(truth)
-    n = len(truth)
-    if n == 0:
-        raise DataError("cannot calibrate a cascade threshold on no rows")
-    cheap_labels, strong_labels = cheap.argmax(axis=1), strong.argmax(axis=1)
-    goal = f1_score(strong_labels, truth) - tolerance
-    order = np.argsort(sure, kind="stable")  # least certain first: escalated first
-    s = sure[order]
-    for k in range(n + 1):
-        if 0 < k < n and not s[k - 1] < s[k]:
-            continue  # ties cannot be split by a threshold
-        labels = cheap_labels.copy()
-        labels[order[:k]] = strong_labels[order[:k]]
-        if f1_score(labels, truth) >= goal - 1e-12:
-            if k == 0:
-                return 0.0
-            if k == n:
-                return float(np.nextafter(s[-1], np.inf))
-            return float((s[k - 1] + s[k]) / 2)
-    return float(np.nextafter(s[-1], np.inf))  # unreachable: k == n reaches the strong F1
-
-
-# ------------------------------------------------------------------------------- cards
-
-
-@dataclass(frozen=True)
-class MemberCard:
-    """One trained record matcher: where its trees are and how it scored."""
-
-    name: str  # model name in cascades, e.g. "match-lex[abt-buy]"
-    member: str  # lexical / minilm-l6
-    trees_file: str  # relative to the card's folder
-    fingerprint: str
-    threshold: float  # P(match) of the trees at which it says "match" (best F1 on valid)
-    valid: MatchScores
-    test: MatchScores
-    ms_per_pair: float  # features and trees, measured on the test pairs
-
-
-@dataclass(frozen=True)
-class MatchCard:
-    """What ``prepare_sem_match`` trained and measured for one dataset."""
-
-    dataset: str
-    attributes: tuple[str, ...]  # compared one by one; () = schema-free features
-    data_hash: str
-    num_train: int  # training pairs used
-    per_dataset: int | None  # cap on training pairs per data set (None: whole train splits)
-    members: tuple[MemberCard, ...]
-    threshold: float
-    tolerance: float
-    cascade_valid: MatchScores
-    cascade_test: MatchScores
-    escalation_valid: float
-    escalation_test: float
-    featurizer_file: str = "features.json"
-    schema_version: int = CARD_SCHEMA_VERSION
-
-    def member(self, name: str) -> MemberCard:
-        for m in self.members:
-            if m.member == name:
-                return m
-        raise ModelError(f"the sem-match card of {self.dataset} has no {name}")
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
-
-    @classmethod
-    def from_json(cls, text: str) -> MatchCard:
-        data = json.loads(text)
-        if data.get("schema_version") != CARD_SCHEMA_VERSION:
-            raise ModelError("the sem-match card has an old schema; prepare it again "
-                             "(prepare_sem_match(..., force=True))")
-        for key in ("cascade_valid", "cascade_test"):
-            data[key] = MatchScores(**data[key])
-        data["attributes"] = tuple(data["attributes"])
-        data["members"] = tuple(
-            MemberCard(**{**m, "valid": MatchScores(**m["valid"]),
-                          "test": MatchScores(**m["test"])}) for m in data["members"])
-        return cls(**data)
-
-
-def match_dir(dataset: str, home: Path) -> Path:
-    """``KEN_HOME/families/sem-match/<dataset>``."""
-    return home / "families" / FAMILY / dataset
-
-
-def model_name(member: str, dataset: str) -> str:
-    return f"match-{SHORT_NAMES[member]}[{dataset.lower()}]"
-
-
-def _file_digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-
-
-def _reusable(card: MatchCard, present: bool, dataset: str, data_dir: Path | None,
-              per_dataset: int | None, tolerance: float) -> bool:
-    if not present:
-        return True  # cannot retrain: a trained matcher beats the uncalibrated fallback
-    same = card.per_dataset == per_dataset and card.tolerance == tolerance
-    return same and card.data_hash == data_hash(dataset, data_dir)
-
-
-def prepare_sem_match(resources: Resources, dataset: str = DEFAULT_DATASET,
-                      data_dir: Path | None = None, *, per_dataset: int | None = None,
-                      tolerance: float = DEFAULT_TOLERANCE, force: bool = False,
-                      batch_size: int = 32, reporter: Reporter | None = None) -> MatchCard:
-    """Train (or reuse) the two record matchers of ``dataset`` and calibrate the cascade.
-
-    ``dataset`` is one of :data:`DATASETS` (every attribute compared) or :data:`DATASET_ALL`
-    (every present data set, schema-free features, ``per_dataset`` defaulting to
-    :data:`DEFAULT_PER_DATASET` training pairs each). Matchers train on ``train``, thresholds
-    are chosen on ``valid`` and ``test`` is only scored. A cached card is reused when it was
-    made with the same settings from the same files, or when the files are absent.
-    """
-    if dataset == DATASET_ALL and per_dataset is None:
-        per_dataset = DEFAULT_PER_DATASET
-    reporter = reporter or resources.reporter
-    folder = match_dir(dataset, resources.home)
-    present = has_data(dataset, data_dir)
-    damage = ""
-    if (folder / "card.json").exists() and not force:
-        try:
-            card = load_card(resources, dataset)
-            if _reusable(card, present, dataset, data_dir, per_dataset, tolerance):
-                return card
-        except StoreError as exc:
-            if not present:
-                raise
-            damage = str(exc)
-    if not present:
-        raise DataError(f"no entity-matching data for {dataset} at "
-                        f"{dataset_dir(dataset, data_dir)} and no trained matcher in {folder}")
-    with store.store_lock(resources.home, f"training the sem_match matchers of {dataset}",
-                          reporter.note):
-        if (folder / "card.json").exists() and not force:  # trained by another process?
-            try:
-                card = load_card(resources, dataset)
-                if _reusable(card, present, dataset, data_dir, per_dataset, tolerance):
-                    return card
-            except StoreError:
-                pass
-        splits = training_splits(dataset, data_dir, per_dataset)
-        return train_matchers(resources, dataset, splits, data_hash(dataset, data_dir), folder,
-                              schema_free=dataset == DATASET_ALL, per_dataset=per_dataset,
-                              tolerance=tolerance, batch_size=batch_size, reporter=reporter,
-                              damage=damage)
-
-
-#: training cost per pair (record features, two MiniLM-L6 embeddings, trees) on 2 threads
-_TRAIN_MS_PER_PAIR = 12.0
-
-
-def training_notice(dataset: str, splits: Mapping[str, EntityPairs], threads: int,
-                    damage: str = "") -> str:
-    """What training the matchers does and roughly how long it takes, said before it starts."""
-    pairs = sum(len(p) for p in splits.values())
-    seconds = pairs * _TRAIN_MS_PER_PAIR / 1000 * (2.0 / max(1, threads)) ** 0.75 + 10
-    took = (f"about {max(10, round(seconds, -1)):.0f} seconds" if seconds < 90
-            else f"about {round(seconds / 60):.0f} minutes")
-    head = f"{damage}\n  -> training it again\n" if damage else ""
-    return (f"{head}training the sem_match record matchers of {dataset} "
-            f"({'again' if damage else 'first use'}): {len(splits['train']):,} training pairs, "
-            f"{pairs:,} in all, {took} on {threads} CPU thread(s), once (kept in KEN_HOME). "
-            "Progress below.")
-
-
-def train_matchers(resources: Resources, dataset: str, splits: Mapping[str, EntityPairs],
-                   content_hash: str, folder: Path, *, schema_free: bool = False,
-                   per_dataset: int | None = None, tolerance: float = DEFAULT_TOLERANCE,
-                   batch_size: int = 32, reporter: Reporter | None = None,
-                   damage: str = "") -> MatchCard:
-    """Fit the record features and both members' trees on ``splits["train"]``, choose their
-    thresholds and the cascade's on ``splits["valid"]``, score ``splits["test"]``; write the
-    featurizer, the trees and the card to ``folder`` (a store entry, renamed into place
-    whole). The reporter says first what it does and how long it takes (``damage``: what was
-    wrong with the matchers it replaces)."""
-    reporter = reporter or resources.reporter
-    with reporter.long_work(training_notice(dataset, splits, resources.device.threads,
-                                            damage)), store.staging_dir(folder) as staging:
-        card = _train_matchers(resources, dataset, splits, content_hash, staging,
-                               schema_free, per_dataset, tolerance, batch_size, reporter)
-        store.seal(store.Entry(staging, "", ""), _card_files(card))
-    return card
-
-
-def _train_matchers(resources: Resources, dataset: str, splits: Mapping[str, EntityPairs],
-                    content_hash: str, folder: Path, schema_free: bool,
-                    per_dataset: int | None, tolerance: float, batch_size: int,
-                    reporter: Reporter) -> MatchCard:
-    records = {s: [(as_record(a), as_record(b)) for a, b in p.pairs] for s, p in splits.items()}
-    train_records = [r for pair in records["train"] for r in pair]
-    attributes = () if schema_free else schema(train_records)
-    featurizer = RecordFeaturizer.fit(train_records, attributes)
-    (folder / "features.json").write_text(featurizer.to_json())
-    what = f"{', '.join(attributes)}" if attributes else "schema-free"
-    reporter.note(f"sem_match: training record matchers on {len(splits['train'])} {dataset} "
-                  f"pairs ({what}), {len(splits['valid'])} for thresholds, "
-                  f"{len(splits['test'])} held out")
-    lexical = {}
-    test_seconds = 0.0  # computing the test pairs' features: a member's cost per pair
-    with reporter.task("record features", len(SPLITS)) as advance:
-        for s in SPLITS:
-            started = time.perf_counter()
-            lexical[s] = featurizer.features(records[s])
-            test_seconds += time.perf_counter() - started if s == "test" else 0.0
-            advance(1)
-    members: list[MemberCard] = []
-    probs: dict[str, dict[str, np.ndarray]] = {}
-    for member in MEMBERS:
-        name = model_name(member, dataset)
-        body = None if member == "lexical" else resources.encoder(member)
-        feats = lexical
-        cost = test_seconds
-        if body is not None:
-            with reporter.task(f"{name}: embedding the records", len(SPLITS)) as advance:
-                feats = {}
-                for s in SPLITS:
-                    started = time.perf_counter()
-                    feats[s] = np.hstack([lexical[s], embedding_similarities(
-                        body, records[s], EMBEDDED_SLOTS, batch_size)])
-                    cost += time.perf_counter() - started if s == "test" else 0.0
-                    advance(1)
-        trees = BoostedTrees.fit(feats["train"], splits["train"].labels)
-        trees_file = f"{member}.trees.npz"
-        trees.save(folder / trees_file)
-        threshold, _ = best_f1_threshold(sigmoid(trees.raw(feats["valid"])),
-                                         splits["valid"].labels)
-        started = time.perf_counter()
-        probs[member] = {"test": match_probabilities(trees.raw(feats["test"]), threshold)}
-        cost += time.perf_counter() - started
-        probs[member]["valid"] = match_probabilities(trees.raw(feats["valid"]), threshold)
-        ms_per_pair = cost / max(1, len(splits["test"])) * 1000
-        scores = {s: MatchScores.of(probs[member][s].argmax(axis=1), splits[s].labels)
-                  for s in ("valid", "test")}
-        members.append(MemberCard(name, member, trees_file, _file_digest(folder / trees_file),
-                                  threshold, scores["valid"], scores["test"], ms_per_pair))
-        reporter.note(f"  {name}: test F1 {scores['test'].f1:.3f}, "
-                      f"accuracy {scores['test'].accuracy:.3f}, {ms_per_pair:.2f} ms/pair")
-    cheap, strong = MEMBERS
-    threshold = choose_threshold(probs[cheap]["valid"], probs[strong]["valid"],
-                                 splits["valid"].labels, tolerance)
-    cascade_scores = {}
-    escalation = {}
-    for s in ("valid", "test"):
-        labels = cascade_labels(probs[cheap][s], probs[strong][s], threshold)
-        cascade_scores[s] = MatchScores.of(labels, splits[s].labels)
-        escalation[s] = float((probs[cheap][s].max(axis=1) < threshold).mean())
-    card = MatchCard(dataset, attributes, content_hash, len(splits["train"]), per_dataset,
-                     tuple(members), threshold, tolerance, cascade_scores["valid"],
-                     cascade_scores["test"], escalation["valid"], escalation["test"])
-    (folder / "card.json").write_text(card.to_json())  # in the staging folder
-    reporter.note(f"  cascade {cheap} -({threshold:.3f})-> {strong}: test F1 "
-                  f"{cascade_scores['test'].f1:.3f}, escalates {escalation['test']:.0%}")
-    return card
-
-
-def load_card(resources: Resources, dataset: str = DEFAULT_DATASET) -> MatchCard:
-    """The verified card of a prepared dataset (see :func:`prepare_sem_match`)."""
-    entry = match_entry(dataset, resources.home)
-    if not (entry.root / "card.json").exists():
-        raise ModelError(f"sem_match is not prepared for {dataset} in {entry.root}; "
-                         "run prepare_sem_match (or bind_sem_match) with the data present")
-    store.ensure(entry)
-    return _read_card(entry)
-
-
-def _read_card(entry: store.Entry) -> MatchCard:
-    path = entry.root / "card.json"
-    try:
-        return MatchCard.from_json(path.read_text())
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise StoreError(f"model store: {path} cannot be read as a sem_match card ({exc}). It "
-                         f"belongs to {entry.what}. To fix it: {entry.fix}.") from None
-
-
-def _card_files(card: MatchCard) -> tuple[str, ...]:
-    return ("card.json", card.featurizer_file, *(m.trees_file for m in card.members))
-
-
-def match_entry(dataset: str, home: Path) -> store.Entry:
-    """The store entry of the matchers trained on ``dataset``: card, featurizer, trees."""
-    if dataset.startswith("user-"):
-        fix = ("train sem_match again on the same pairs (session.train('sem_match', ...) or "
-               "TRAIN sem_match ...)")
-    else:
-        fix = ("run the query again with the entity-matching data present (it trains them "
-               f"again), or prepare_sem_match(resources, {dataset!r}, force=True)")
-    return store.Entry(match_dir(dataset, home), f"the sem_match matchers of {dataset}", fix,
-                       legacy=_adopt_matchers)
-
-
-def _adopt_matchers(entry: store.Entry) -> tuple[str, ...]:
-    """Check matchers trained before ken kept manifests: the card reads, every trees file has
-    the fingerprint its card recorded and the featurizer parses."""
-    store.check_json(entry.root / "card.json", entry)
-    card = _read_card(entry)
-    for m in card.members:
-        path = entry.root / m.trees_file
-        try:
-            digest = _file_digest(path)
-        except OSError as exc:
-            raise StoreError(f"model store: {path} cannot be read ({exc.strerror or exc}). It "
-                             f"belongs to {entry.what}. To fix it: {entry.fix}.") from None
-        if digest != m.fingerprint:
-            raise StoreError(f"model store: {path} differs from what its card recorded "
-                             f"(fingerprint {digest}, recorded {m.fingerprint}). It belongs to "
-                             f"{entry.what}. To fix it: {entry.fix}.")
-    store.check_json(entry.root / card.featurizer_file, entry)
-    return _card_files(card)
-
-
-def store_entries(home: Path) -> list[store.Entry]:
-    """Every trained matcher folder in ``home``."""
-    return [match_entry(folder.name, home)
-            for folder in sorted((home / "families" / FAMILY).glob("*"))
-            if (folder / "card.json").exists() and not store.is_leftover(folder)]
-
-
-def load_matcher(resources: Resources, member: str, dataset: str = DEFAULT_DATASET,
-                 device: DeviceConfig | None = None) -> RecordMatcher:
-    """The trained record matcher of ``member`` (``lexical`` / ``minilm-l6``) from the cache,
-    its files verified first (StoreError names a damaged one and the fix)."""
-    card = load_card(resources, dataset)
-    m = card.member(member)
-    folder = match_dir(dataset, resources.home)
-    try:
-        featurizer = RecordFeaturizer.from_json((folder / card.featurizer_file).read_text())
-    except (OSError, ValueError, KeyError) as exc:
-        raise ModelError(f"cannot read {folder / card.featurizer_file} ({exc}); prepare "
-                         "sem_match again (force=True)") from exc
-    body = None if member == "lexical" else resources.encoder(member, device)
-    return RecordMatcher(m.name, featurizer, BoostedTrees.load(folder / m.trees_file),
-                         m.threshold, body, fingerprint=f"{m.fingerprint}-{card.data_hash}",
-                         device=device or resources.device)
 
 
 def bind_sem_match(resources: Resources, dataset: str = DEFAULT_DATASET,
@@ -699,10 +154,10 @@ def bind_sem_match(resources: Resources, dataset: str = DEFAULT_DATASET,
 # -- the operator --------------------------------------------------------------------------------
 
 
-def load_member(member: str, home: Path | None, device: DeviceConfig,
-                dataset: str = DEFAULT_DATASET) -> RecordMatcher:
-    """A trained record matcher for a worker process (picklable via ``functools.partial``)."""
-    return load_matcher(Resources(device, home), member, dataset)
+def load_member(resources: Resources, device: DeviceConfig, member: str, dataset: str
+                ) -> RecordMatcher:
+    """A trained record matcher (a :class:`~ken.ops.base.Stage`'s load)."""
+    return load_matcher(resources, member, dataset, device)
 
 
 class SemMatch(Operator):
@@ -799,18 +254,17 @@ class SemMatch(Operator):
         state = "" if has_data(self._default) else f" (absent: not found at {where})"
         return (f"up to {EVAL_PAIRS} test pairs of {self._default}{state}, balanced accuracy")
 
-    def candidates(self, ctx: OpContext, device: DeviceConfig) -> Mapping[str, Model]:
-        resources = shared_resources(ctx)
-        prepare_sem_match(resources, self.dataset)
-        return {m.name: m for m in (load_matcher(resources, member, self.dataset, device)
-                                    for member in MEMBERS)}
+    def stages(self, ctx: OpContext, constants: tuple[str, ...]) -> list[Stage]:
+        """The two trained matchers, cheapest first (trained on first use; loads no model)."""
+        card = prepare_sem_match(shared_resources(ctx), self.dataset)
+        return [Stage(card.member(member).name, load_member, (member, self.dataset))
+                for member in MEMBERS]
 
-    def loaders(self, ctx: OpContext, device: DeviceConfig
-                ) -> Mapping[str, Callable[[], Model]]:
-        card = prepare_sem_match(shared_resources(ctx), self.dataset)  # loads no model
-        return {card.member(member).name: functools.partial(load_member, member, ctx.home,
-                                                             device, self.dataset)
-                for member in MEMBERS}
+    def store_entries(self, home: Path) -> list[tuple[str, store.Entry]]:
+        """Every trained matcher folder in ``home``."""
+        return [("sem_match", match_entry(folder.name, home))
+                for folder in sorted((home / "families" / FAMILY).glob("*"))
+                if (folder / "card.json").exists() and not store.is_leftover(folder)]
 
 
 OPERATOR = SemMatch

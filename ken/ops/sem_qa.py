@@ -25,7 +25,7 @@ from ken.models.llm import GenerativeModel
 from ken.models.model import DeviceConfig, Model
 from ken.models.quality import EvalSample
 from ken.models.resources import Resources, short_hash
-from ken.ops.base import OpContext
+from ken.ops.base import OpContext, Stage
 from ken.ops.llm_operator import LLMOperator, stage_prefix
 from ken.ops.prompts import SEM_QA
 from ken.paths import shared_data_dir
@@ -73,6 +73,12 @@ def hybridqa_passage_sample(limit: int = EVAL_QUESTIONS, data_dir: Path | None =
                       "token_f1")
 
 
+def load_qa_stage(resources: Resources, device: DeviceConfig, name: str, lm_name: str
+                  ) -> Model:
+    return GenerativeModel(resources.causal_lm(lm_name, device), SEM_QA, name, "sem-qa",
+                           SEM_QA.key, MAX_NEW_TOKENS, stop=("\n",), num_inputs=2)
+
+
 class SemQA(LLMOperator):
     name = "sem_qa"
     num_columns = 2
@@ -80,14 +86,9 @@ class SemQA(LLMOperator):
     output_type = "varchar"
     doc = "a short answer to the question (first text) from the passage (second text)"
 
-    def stage_name(self, lm_name: str, constants: tuple[str, ...]) -> str:
-        return f"{stage_prefix(self.name, lm_name)}[{short_hash(SEM_QA.key)}]"
-
-    def stage(self, resources: Resources, lm_name: str, constants: tuple[str, ...],
-              device: DeviceConfig | None = None) -> Model:
-        return GenerativeModel(resources.causal_lm(lm_name, device), SEM_QA,
-                               self.stage_name(lm_name, constants), "sem-qa", SEM_QA.key,
-                               MAX_NEW_TOKENS, stop=("\n",), num_inputs=2)
+    def llm_stage(self, lm_name: str, constants: tuple[str, ...]) -> Stage:
+        name = f"{stage_prefix(self.name, lm_name)}[{short_hash(SEM_QA.key)}]"
+        return Stage(name, load_qa_stage, (name, lm_name))
 
     def detail(self, constants: tuple[str, ...]) -> str:
         return (f"greedy, one line of <= {MAX_NEW_TOKENS} tokens; "

@@ -16,16 +16,15 @@ One model, no cascade (its value has no certainty to escalate on).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
-from ken.models.cascade import Cascade
 from ken.models.model import DeviceConfig, Model, ModelSpec, Output
 from ken.models.resources import ENCODER_MAX_TOKENS, Resources, normalise_rows
 from ken.models.transformers_backend import TransformersBody
-from ken.ops.base import Bound, BoundSemantic, OpContext, Operator, shared_resources
+from ken.ops.base import Bound, OpContext, Operator, Stage
 
 ENCODER = "minilm-l6"
 
@@ -58,10 +57,8 @@ class SimilarityPairModel(Model):
         return Output(values, np.ones(len(rows)))
 
 
-def load_similarity(home: Path | None, device: DeviceConfig) -> Model:
-    """The model for a worker process (picklable via ``functools.partial``)."""
-    resources = Resources(device, home)
-    return SimilarityPairModel(resources.encoder(ENCODER))
+def load_similarity(resources: Resources, device: DeviceConfig) -> Model:
+    return SimilarityPairModel(resources.encoder(ENCODER, device))
 
 
 class SemSimilarity(Operator):
@@ -71,25 +68,15 @@ class SemSimilarity(Operator):
     output_type = "double"
     doc = "cosine similarity of the two texts' sentence embeddings (MiniLM-L6), for ranking"
 
-    def _model(self, ctx: OpContext, device: DeviceConfig | None = None) -> Model:
-        return SimilarityPairModel(shared_resources(ctx).encoder(ENCODER, device))
+    def stages(self, ctx: OpContext, constants: tuple[str, ...]) -> list[Stage]:
+        return [Stage(f"similarity-{ENCODER}", load_similarity)]
+
+    def detail(self, constants: tuple[str, ...]) -> str:
+        return f"cosine of {ENCODER} embeddings, inputs cut to {ENCODER_MAX_TOKENS} tokens"
 
     def bind(self, ctx: OpContext, constants: tuple[str, ...]) -> Bound:
-        model = self._model(ctx)
-        return BoundSemantic(self.name, Cascade((model.name,), ()), {model.name: model},
-                             self.output_type, calibrated=True,
-                             detail=f"cosine of {ENCODER} embeddings, inputs cut to "
-                                    f"{ENCODER_MAX_TOKENS} tokens")
-
-    def candidates(self, ctx: OpContext, device: DeviceConfig) -> Mapping[str, Model]:
-        model = self._model(ctx, device)
-        return {model.name: model}
-
-    def loaders(self, ctx: OpContext, device: DeviceConfig
-                ) -> Mapping[str, Callable[[], Model]]:
-        import functools
-
-        return {f"similarity-{ENCODER}": functools.partial(load_similarity, ctx.home, device)}
+        """The one stage; calibrated, as a similarity has no threshold to calibrate."""
+        return replace(super().bind(ctx, constants), calibrated=True)
 
 
 OPERATOR = SemSimilarity

@@ -9,8 +9,7 @@ profiles by the session's cascade chooser (the optimizer; operators know nothing
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -21,7 +20,8 @@ from ken.models.cascade import Cascade
 from ken.models.datasets import LabelledSample
 from ken.models.model import DeviceConfig, Model
 from ken.models.quality import EvalSample
-from ken.ops.base import Bound, ClassifierBinding, OpContext, Operator
+from ken.models.resources import Resources
+from ken.ops.base import Bound, ClassifierBinding, OpContext, Operator, Stage
 from ken.ops.training import Trained, TrainingData
 
 
@@ -41,6 +41,11 @@ def family_models(ctx: OpContext, data: family.FamilyData | None = None) -> dict
         return dict(family.load_models(data, ctx.device, home=ctx.home))
 
     return ctx.resource(f"family-models-{data.tag}", load)
+
+
+def load_member(resources: Resources, device: DeviceConfig, card: family.ModelCard,
+                data: family.FamilyData) -> Model:
+    return family.load_model(card, device, resources.home, data)
 
 
 class Sentiment(Operator):
@@ -99,19 +104,18 @@ class Sentiment(Operator):
                                str(family.family_dir(fam, ctx.home)))
         return self.trained
 
-    def candidates(self, ctx: OpContext, device: DeviceConfig) -> Mapping[str, Model]:
+    def stages(self, ctx: OpContext, constants: tuple[str, ...]) -> list[Stage]:
+        """The family's members (trained on the user's labels once ``train`` ran), prepared
+        on first use."""
         data = family_data(ctx, self)
-        if device == ctx.device:
-            return family_models(ctx, data)
         family.prepare(data, ctx.device, home=ctx.home, reporter=ctx.reporter)
-        return dict(family.load_models(data, device, home=ctx.home))
+        return [Stage(c.name, load_member, (c, data)) for c in family.load_cards(data, ctx.home)]
 
-    def loaders(self, ctx: OpContext, device: DeviceConfig
-                ) -> Mapping[str, Callable[[], Model]]:
-        data = family_data(ctx, self)
-        family.prepare(data, ctx.device, home=ctx.home, reporter=ctx.reporter)
-        return {c.name: functools.partial(family.load_model, c, device, ctx.home, data)
-                for c in family.load_cards(data, ctx.home)}
+    def candidates(self, ctx: OpContext, device: DeviceConfig) -> Mapping[str, Model]:
+        """On the session's device, the models the session already loaded."""
+        if device == ctx.device:
+            return family_models(ctx, family_data(ctx, self))
+        return super().candidates(ctx, device)
 
 
 OPERATOR = Sentiment
