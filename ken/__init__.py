@@ -15,7 +15,8 @@ from ken.ops.base import Operator, SemanticFunction
 from ken.optimizer.query import QueryPlan, Target
 from ken.optimizer.workload import Hardware, Workload
 from ken.policy.plan import Frontier, GearPlan, GenPlan, Plan
-from ken.session import Result, Session, connect
+from ken.session import Session, connect
+from ken.sql.result import Result
 
 __all__ = ["Cascade", "DeviceConfig", "EvalSample", "Frame", "Frontier", "GearPlan", "GenPlan",
            "Hardware", "KenError", "Operator", "Output", "Plan", "QueryPlan", "Result",

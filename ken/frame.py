@@ -26,10 +26,11 @@ from sqlglot import exp
 
 from ken.errors import KenError
 from ken.ops.base import SQL_TYPES
+from ken.sql.result import Result
 from ken.sql.rewrite import parse
 
 if TYPE_CHECKING:
-    from ken.session import Result, Session
+    from ken.session import Session
 
 
 _FUNCTION_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

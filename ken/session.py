@@ -1,5 +1,9 @@
 """Session: a DuckDB connection plus semantic functions, their models and cascades.
 
+The session holds state: the database (``ken.sql.database``), the operator registry and the
+operators bound to constants, the frontiers and plans, and the serving manager. Statements go
+from text to result through its ``QueryRunner`` (``ken.sql.runner``).
+
 >>> import ken
 >>> s = ken.connect()
 >>> s.sql("CREATE TABLE t AS SELECT * FROM (VALUES ('loved it'), ('awful')) v(text)")
@@ -8,32 +12,27 @@
 
 from __future__ import annotations
 
-import itertools
-import re
-import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import duckdb
 import pyarrow as pa
 
 from ken.engine.manager import ServingManager
 from ken.errors import KenError, PlanningError
+from ken.frame import Frame
 from ken.models.cascade import Cascade
 from ken.models.model import DeviceConfig, Model
 from ken.models.quality import EvalSample
 from ken.ops import builtin_operators
-from ken.ops.base import Bound, ModelOperator, OpContext, Operator, suggest
-from ken.ops.training import Trained, TrainingData
+from ken.ops.base import Bound, ModelOperator, OpContext, Operator
+from ken.ops.training import Trained
+from ken.optimizer.planning import choose_cascade
 from ken.paths import ken_home
 from ken.progress import Reporter
-from ken.sql.execute import SiteRunner, query_error, register_sites, unregister_sites
-from ken.sql.explain import actual_lines, build, estimate, gear_plan_lines, render, site_lines
-from ken.sql.rewrite import Rewritten, SqlError, parse, rewrite, split_statements
-from ken.sql.train import is_train, parse_train
+from ken.sql.database import Database
+from ken.sql.result import Result
+from ken.sql.runner import QueryRunner
 
 if TYPE_CHECKING:
     from ken.engine.serving import Engine, LoadReport
@@ -42,56 +41,6 @@ if TYPE_CHECKING:
     from ken.optimizer.query import QueryPlan, Target
     from ken.optimizer.workload import Trace
     from ken.policy.plan import Frontier, GearPlan, GenPlan
-
-_EXPLAIN = re.compile(r"^\s*EXPLAIN(\s+ANALYZE)?\s+", re.IGNORECASE)
-
-
-class Result:
-    """A query result; converts like a DuckDB relation: ``arrow()``, ``df()``, ``fetchall()``."""
-
-    def __init__(self, con: duckdb.DuckDBPyConnection | Callable[[], duckdb.DuckDBPyConnection],
-                 table: pa.Table | None = None, relation: Any = None,
-                 stats: dict | None = None) -> None:
-        # a connection, or (from a session) a function giving the calling thread's connection:
-        # a result may be read in another thread than the one that ran the query
-        self._connect = con if callable(con) else (lambda: con)
-        self._table = table
-        self._relation = relation
-        self.stats = stats or {}  # call-site label -> SiteStats, for semantic queries
-
-    def arrow(self) -> pa.Table:
-        if self._table is None:
-            self._table = (self._relation.to_arrow_table() if self._relation is not None
-                           else pa.table({}))
-        return self._table
-
-    to_arrow = arrow
-
-    def df(self):  # noqa: ANN201 - pandas is optional
-        return self.arrow().to_pandas()
-
-    def fetchall(self) -> list[tuple]:
-        table = self.arrow()
-        if table.num_columns == 0:
-            return []
-        return self._connect().from_arrow(table).fetchall()
-
-    @property
-    def columns(self) -> list[str]:
-        return self.arrow().column_names
-
-    def __len__(self) -> int:
-        return self.arrow().num_rows
-
-    def __repr__(self) -> str:
-        return (str(self._connect().from_arrow(self.arrow())) if self.arrow().num_columns
-                else "<empty>")
-
-    def __str__(self) -> str:
-        table = self.arrow()
-        if table.column_names == ["explain"]:
-            return "\n".join(table.column("explain").to_pylist())
-        return self.__repr__()
 
 
 class Session:
@@ -104,35 +53,22 @@ class Session:
         long work (preparing the model family on first use, profiling): that says what it
         is about to do and roughly how long it takes, then shows its progress on stderr;
         ``reporter=ken.progress.QUIET`` silences that too."""
-        try:
-            self.con = duckdb.connect(str(path) if path else ":memory:")
-        except duckdb.Error as error:
-            raise KenError(f"cannot open database {path}: {error}") from None
-        from ken.optimizer.planning import choose_cascade
-
+        self.db = Database(path)
+        self.con = self.db.con  # the connection of the thread that opened the session
         if reporter is None:
             reporter = Reporter(long_work_only=True)
         self.ctx = OpContext(device, home, data, reporter, batch_size, chooser=choose_cascade)
         # the operator registry: SQL name -> Operator (see ken.ops)
         self.operators: dict[str, Operator] = builtin_operators() if builtins else {}
         self._bound: dict[tuple[str, tuple[str, ...]], Bound] = {}
-        self._lock = threading.Lock()
-        self._known: frozenset[str] | None = None
         self.frontiers: dict[str, Frontier] = {}
         # gear plans and the one online engine serving them on the session's devices
         self.serving = ServingManager(self.operators, self.ctx, self.bind)
-        # DuckDB connections run one query at a time: other threads get cursors of ``con``
-        self._owner_thread = threading.get_ident()
-        self._local = threading.local()
-        self._cursors: list[duckdb.DuckDBPyConnection] = []
-        self._tables: dict[str, Any] = {}
-        self._tables_version = 0
-        self._thread_ids = itertools.count(1)
-        self._pool: ThreadPoolExecutor | None = None
         self.ray_actors = 2  # actors of sql(..., engine="ray"), each of device.threads CPUs
         # sql(..., engine="auto") runs a query's semantic step on Ray Data when it reads one
         # Parquet dataset of at least this many rows (None: never; ken.sql.ray_query)
         self.ray_min_rows: int | None = 10_000_000
+        self._queries = QueryRunner(self)
 
     @property
     def device(self) -> DeviceConfig:
@@ -165,8 +101,7 @@ class Session:
         if op is None or not hasattr(op, "cascade"):
             raise KenError("this session has no built-in sentiment() to set a cascade for")
         op.cascade = cascade
-        with self.ctx.lock:
-            self._bound = {k: v for k, v in self._bound.items() if k[0] != "sentiment"}
+        self._unbind("sentiment")
 
     def register(self, name: str, operator: Operator | Model | Cascade,
                  models: Mapping[str, Model] | None = None, sample: EvalSample | None = None,
@@ -191,13 +126,10 @@ class Session:
             raise KenError(f"cannot register {type(operator).__name__} as {name}(); pass an "
                            "Operator (e.g. ken.SemanticFunction), a Model, or a Cascade with "
                            "models=...")
-        if name in self._duckdb_functions():
+        if name in self.db.functions():
             raise KenError(f"{name}() is a DuckDB function; choose another name")
         self.operators[name] = op
-        self._bound = {k: v for k, v in self._bound.items() if k[0] != name}
-        # plans were for the operator this name named before
-        self.frontiers.pop(name, None)
-        self.serving.forget(name)
+        self.forget(name)
 
     def bind(self, function: str, constants: tuple[str, ...]) -> Bound:
         """The operator ``function`` bound to ``constants`` (made once per session)."""
@@ -207,12 +139,17 @@ class Session:
                 self._bound[key] = self.operators[function].bind(self.ctx, constants)
             return self._bound[key]
 
-    def _duckdb_functions(self) -> frozenset[str]:
-        if self._known is None:
-            rows = self._connection().execute(
-                "SELECT DISTINCT lower(function_name) FROM duckdb_functions()").fetchall()
-            self._known = frozenset(r[0] for r in rows)
-        return self._known
+    def forget(self, function: str) -> None:
+        """Drop what the session derived from ``function``'s operator (its bound forms, its
+        frontier and plan): the operator was replaced or trained."""
+        self._unbind(function)
+        # plans were for the operator as it was
+        self.frontiers.pop(function, None)
+        self.serving.forget(function)
+
+    def _unbind(self, function: str) -> None:
+        with self.ctx.lock:
+            self._bound = {k: v for k, v in self._bound.items() if k[0] != function}
 
     # -- gear plans (offline phase) ----------------------------------------------------------
 
@@ -378,127 +315,8 @@ class Session:
         many requests it cancelled."""
         return self.serving.stop(drain)
 
-    async def asql(self, query: str, params: Any = None) -> Result:
-        """``sql`` for asyncio code: runs the query on a session worker thread, so many
-        ``await session.asql(...)`` run at once and a served function batches their rows."""
-        import asyncio
 
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(32, thread_name_prefix="ken-query")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self.sql, query, params)
-
-    def _connection(self) -> duckdb.DuckDBPyConnection:
-        """``con`` in the thread that opened the session; in any other thread that thread's
-        own cursor of it (same database), with the session's registered tables."""
-        if threading.get_ident() == self._owner_thread:
-            return self.con
-        local = self._local
-        cur = getattr(local, "con", None)
-        if cur is None:
-            with self._lock:
-                cur = self.con.cursor()
-                self._cursors.append(cur)
-                local.namespace = f"t{next(self._thread_ids)}"
-            local.con, local.version = cur, -1
-        if local.version != self._tables_version:
-            for table_name, data in list(self._tables.items()):
-                cur.register(table_name, data)
-            local.version = self._tables_version
-        return cur
-
-    def _namespace(self) -> str:
-        if threading.get_ident() == self._owner_thread:
-            return ""
-        self._connection()
-        return self._local.namespace
-
-    # -- training on the user's labels -------------------------------------------------------
-
-    def train(self, function: str, table: str | Path | pa.Table | Any, label: str,
-              columns: Sequence[str] | None = None, **options: Any) -> Trained:
-        """Train (or calibrate) ``function`` on labelled rows; its SQL calls then use it.
-
-        ``table`` is a table or view of this session (its name), a file DuckDB reads (a
-        ``Path``: CSV, Parquet, JSON), an Arrow table or a pandas frame. ``label`` names the
-        label column; ``columns`` the inputs (default: every text column but the label). The
-        same rows train once (cached by their content hash). Options: ``predicate=`` for
-        ``sem_filter``; ``models=`` (member names) for ``sentiment``.
-
-        >>> # session.train("sem_match", "my_pairs", label="is_match")
-        >>> # session.train("sem_filter", "reviews", "liked", predicate="is positive")
-        """
-        name = function.lower()
-        if name not in self.operators:
-            raise KenError(f"no semantic function {function}() to train."
-                           f"{suggest(name, self.operators)}")
-        arrow, source = self._training_table(table)
-        data = TrainingData.from_arrow(arrow, label, columns, source)
-        trained = self.operators[name].train(self.ctx, data, **options)
-        with self.ctx.lock:
-            self._bound = {k: v for k, v in self._bound.items() if k[0] != name}
-        self.frontiers.pop(name, None)
-        self.serving.forget(name)
-        return trained
-
-    def _training_table(self, table: Any) -> tuple[pa.Table, str]:
-        if isinstance(table, pa.Table):
-            return table, "an Arrow table"
-        if isinstance(table, Path):
-            if not table.exists():
-                raise KenError(f"no file {table} to train on")
-            quoted = str(table).replace("'", "''")
-            try:
-                return self._connection().sql(f"SELECT * FROM '{quoted}'"
-                                              ).to_arrow_table(), str(table)
-            except duckdb.Error as error:
-                raise KenError(f"cannot read {table}: {error}") from None
-        if isinstance(table, str):
-            try:
-                return self._connection().sql(f"SELECT * FROM {table}").to_arrow_table(), table
-            except duckdb.Error as error:
-                raise KenError(f"cannot read table {table}: {error}") from None
-        if hasattr(table, "to_arrow") or type(table).__name__ == "DataFrame":
-            try:
-                return pa.Table.from_pandas(table, preserve_index=False), "a DataFrame"
-            except (TypeError, ValueError, pa.ArrowException) as error:
-                raise KenError(f"cannot read the DataFrame to train on: {error}") from None
-        raise KenError(f"cannot train on a {type(table).__name__}; pass a table name, a Path "
-                       "to a file, an Arrow table or a pandas DataFrame")
-
-    # -- tables ------------------------------------------------------------------------------
-
-    def register_table(self, name: str, data: Any) -> None:
-        """Expose an Arrow table or pandas frame as a view ``name`` (in every thread)."""
-        self._connection().register(name, data)
-        with self._lock:
-            self._tables[name] = data
-            self._tables_version += 1
-
-    def table(self, name: str):  # noqa: ANN201 - Frame
-        from ken.frame import Frame
-
-        return Frame.from_table(self, name)
-
-    def from_arrow(self, table: pa.Table, name: str | None = None):  # noqa: ANN201
-        from ken.frame import Frame
-
-        name = name or f"__ken_arrow_{id(table):x}"
-        self.register_table(name, table)
-        return Frame.from_table(self, name)
-
-    # -- queries -----------------------------------------------------------------------------
-
-    def _rewrite(self, query: str) -> list[Rewritten]:
-        out: list[Rewritten] = []
-        next_site = 0  # site ids restart per query so that EXPLAIN output is deterministic
-        namespace = self._namespace()
-        for statement in parse(query):
-            rw = rewrite(statement, self.operators, self._duckdb_functions(), next_site,
-                         namespace)
-            next_site += len(rw.sites)
-            out.append(rw)
-        return out
+    # -- statements (ken.sql.runner) ---------------------------------------------------------
 
     def sql(self, query: str, params: Any = None, engine: str = "auto") -> Result:
         """Run one statement of DuckDB SQL with semantic functions. ``EXPLAIN [ANALYZE]``
@@ -518,168 +336,57 @@ class Session:
         >>> session.sql("SELECT sentiment(text) AS mood, count(*) FROM 'tweets/*.parquet' "
         ...             "GROUP BY mood", engine="ray")          # doctest: +SKIP
         """
-        if engine not in ("auto", "duckdb", "ray"):
-            raise KenError(f"engine must be 'auto', 'duckdb' or 'ray' (got {engine!r})")
-        statements = split_statements(query)
-        if len(statements) > 1:
-            raise SqlError(
-                f"session.sql runs one statement per call; this text holds {len(statements)} "
-                f"(the second: {statements[1][:80]!r}), and none of them ran. Pass values as "
-                "parameters (params=[...] with ? placeholders), or run a script of several "
-                "statements with session.sql_script(...) or `ken sql`")
-        if not statements:
-            raise SqlError("empty query: no SQL statement to run")
-        query = statements[0]
-        if is_train(query):
-            statement, _ = parse_train(query)
-            options = {"predicate": statement.predicate} if statement.predicate else {}
-            trained = self.train(statement.function,
-                                 Path(statement.source) if statement.is_file
-                                 else statement.source,
-                                 statement.label, statement.columns, **options)
-            return Result(self._connection, pa.table({
-                "function": [trained.function], "trained_on": [trained.data],
-                "quality": [trained.quality], "cache": [trained.where]}))
-        match = _EXPLAIN.match(query)
-        if match:
-            text = self.explain(query[match.end():], analyze=bool(match.group(1)), params=params)
-            return Result(self._connection, pa.table({"explain": text.splitlines()}))
-        statements = self._rewrite(query)
-        con = self._connection()
-        if not any(rw.is_semantic for rw in statements):
-            try:  # no semantic calls: DuckDB runs the user's text unchanged
-                relation = con.sql(query, params=params)
-                if con is not self.con and relation is not None:  # the cursor is this thread's
-                    return Result(self._connection, relation.to_arrow_table())
-                return Result(self._connection, relation=relation)
-            except duckdb.Error as error:
-                raise KenError(str(error)) from None
-        run = self._run_on_ray if engine == "ray" else self._run
-        if engine == "auto":
-            from ken.sql.ray_query import ray_choice
-
-            on_ray, why = ray_choice(statements[0], self.ray_min_rows)
-            run = self._run_on_ray if on_ray else self._run
-            if why:  # a big dataset: long work; say where its semantic step runs
-                with self.reporter.long_work(f"engine='auto': {why}"):
-                    return run(statements[0], params)
-        return run(statements[0], params)
-
-    def _run_on_ray(self, rw: Rewritten, params: Any) -> Result:
-        from ken.sql.ray_query import run_on_ray
-
-        threads = self.ctx.device.threads
-
-        def duckdb_sql(text: str) -> pa.Table:
-            try:
-                relation = self._connection().sql(text, params=params)
-            except duckdb.Error as error:
-                raise KenError(str(error)) from None
-            return relation.to_arrow_table() if relation is not None else pa.table({})
-
-        cpu = DeviceConfig(threads=threads)
-        table = run_on_ray(rw, self.bind, lambda f: self.operators[f].loaders(self.ctx, cpu),
-                           duckdb_sql, actors=self.ray_actors, threads=threads)
-        return Result(self._connection, table=table)
+        return self._queries.sql(query, params, engine)
 
     def sql_script(self, script: str) -> Result:
         """Run the statements of ``script`` one after another (``TRAIN ...; SELECT ...``),
         each as ``sql`` would; the result of the last one. A failing statement stops the
         script: the error names it, and the statements before it have run."""
-        statements = split_statements(script)
-        if not statements:
-            raise SqlError("empty script: no SQL statement to run")
-        result = None
-        for number, statement in enumerate(statements, 1):
-            try:
-                result = self.sql(statement)
-            except KenError as error:
-                if len(statements) == 1:
-                    raise
-                raise type(error)(f"statement {number} of {len(statements)} failed "
-                                  f"({statement[:60]!r}; the {number - 1} before it ran): "
-                                  f"{error}") from None
-        assert result is not None
-        return result
+        return self._queries.script(script)
 
-    def _runners(self, rw: Rewritten) -> list[SiteRunner]:
-        """One runner per site; sites of one bound operator (e.g. ``f(t.x)`` and ``f(x)``)
-        share a memo, so an input value is evaluated once per query."""
-        memos: dict[tuple, dict] = {}
-        query_lock = threading.Lock()  # engines are thread-safe; in-process models are not
-        out = []
-        for site in rw.sites:
-            engine = self.serving.engine_for(site.function, site.constants)
-            out.append(SiteRunner(site, self.bind(site.function, site.constants),
-                                  self.batch_size, query_lock if engine else self._lock,
-                                  memos.setdefault((site.function, site.constants), {}),
-                                  engine=engine, bulk_threshold=self.bulk_threshold))
-        return out
-
-    def _run(self, rw: Rewritten, params: Any) -> Result:
-        runners = self._runners(rw)
-        con = self._connection()
-        register_sites(con, runners)
-        try:
-            relation = con.sql(rw.sql, params=params)
-            table = relation.to_arrow_table() if relation is not None else pa.table({})
-        except duckdb.Error as error:
-            raise query_error(error, runners) from None
-        finally:
-            unregister_sites(con, runners)
-        return Result(self._connection, table=table,
-                      stats={r.site.label: r.stats for r in runners})
-
-    # -- EXPLAIN -----------------------------------------------------------------------------
+    async def asql(self, query: str, params: Any = None) -> Result:
+        """``sql`` for asyncio code: runs the query on a session worker thread, so many
+        ``await session.asql(...)`` run at once and a served function batches their rows."""
+        return await self._queries.asql(query, params)
 
     def explain(self, query: str, analyze: bool = False, params: Any = None) -> str:
         """The plan of ``query``: DuckDB parts, semantic operators, estimates (and actuals)."""
-        statements = self._rewrite(query)
-        if len(statements) != 1:
-            raise SqlError("EXPLAIN takes exactly one statement")
-        rw = statements[0]
-        lines = render(build(rw.statement))
-        describe = {s.id: self.bind(s.function, s.constants).describe() for s in rw.sites}
-        estimates = {s.id: self._estimate(rw, s) for s in rw.sites}
-        plans = {s.id: gear_plan_lines(self.serving, s.function, s.constants) for s in rw.sites}
-        if not analyze:
-            return "\n".join(lines + site_lines(rw.sites, describe, estimates, plans=plans))
-        started = time.perf_counter()
-        runners = self._runners(rw)
-        con = self._connection()
-        register_sites(con, runners)
-        try:
-            relation = con.sql("EXPLAIN ANALYZE " + rw.sql, params=params)
-            physical = relation.fetchall()[0][1] if relation is not None else ""
-        except duckdb.Error as error:
-            raise query_error(error, runners) from None
-        finally:
-            unregister_sites(con, runners)
-        seconds = time.perf_counter() - started
-        actual = {r.site.id: actual_lines(r) for r in runners}
-        out = lines + site_lines(rw.sites, describe, estimates, actual, plans)
-        out += ["", f"Total time: {seconds:.3f} s", "",
-                "DuckDB physical plan (actual rows and time per operator):", physical]
-        return "\n".join(out)
+        return self._queries.explain(query, analyze, params)
 
-    def _estimate(self, rw: Rewritten, site: Any) -> str:
-        runners = self._runners(rw)
-        con = self._connection()
-        register_sites(con, runners)  # nested calls may remain inside FROM subqueries
-        try:
-            return estimate(con, rw, site, self.bind(site.function, site.constants))
-        finally:
-            unregister_sites(con, runners)
+    def train(self, function: str, table: str | Path | pa.Table | Any, label: str,
+              columns: Sequence[str] | None = None, **options: Any) -> Trained:
+        """Train (or calibrate) ``function`` on labelled rows; its SQL calls then use it.
+
+        ``table`` is a table or view of this session (its name), a file DuckDB reads (a
+        ``Path``: CSV, Parquet, JSON), an Arrow table or a pandas frame. ``label`` names the
+        label column; ``columns`` the inputs (default: every text column but the label). The
+        same rows train once (cached by their content hash). Options: ``predicate=`` for
+        ``sem_filter``; ``models=`` (member names) for ``sentiment``.
+
+        >>> # session.train("sem_match", "my_pairs", label="is_match")
+        >>> # session.train("sem_filter", "reviews", "liked", predicate="is positive")
+        """
+        return self._queries.train(function, table, label, columns, **options)
+
+    # -- tables ------------------------------------------------------------------------------
+
+    def register_table(self, name: str, data: Any) -> None:
+        """Expose an Arrow table or pandas frame as a view ``name`` (in every thread)."""
+        self.db.register(name, data)
+
+    def table(self, name: str) -> Frame:
+        return Frame.from_table(self, name)
+
+    def from_arrow(self, table: pa.Table, name: str | None = None) -> Frame:
+        name = name or f"__ken_arrow_{id(table):x}"
+        self.register_table(name, table)
+        return Frame.from_table(self, name)
 
     def close(self) -> None:
         """Stop serving (draining), close worker threads, cursors and the connection."""
         self.stop_serving()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        for cur in self._cursors:
-            cur.close()
-        self.con.close()
+        self._queries.close()
+        self.db.close()
 
     def __enter__(self) -> Session:
         return self

@@ -254,7 +254,7 @@ def read_cases(text: str) -> tuple[list[str], list[Case]]:
 def rewrite_query(s: ken.Session, query: str) -> Rewritten:
     statements = parse(query)
     assert len(statements) == 1, f"one statement per case: {query}"
-    return rewrite(statements[0], s.operators, s._duckdb_functions(), 0, "")
+    return rewrite(statements[0], s.operators, s.db.functions(), 0, "")
 
 
 def expected_lines(rw: Rewritten) -> list[str]:

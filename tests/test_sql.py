@@ -340,7 +340,7 @@ def test_relational_queries_equal_duckdb(query: str) -> None:
     # and the regenerated SQL that semantic queries go through means the same thing
     from ken.sql.rewrite import parse, rewrite
 
-    rw = rewrite(parse(query)[0], s.operators, s._duckdb_functions())
+    rw = rewrite(parse(query)[0], s.operators, s.db.functions())
     assert brute_connection().sql(rw.sql).fetchall() == expected
 
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import duckdb
 import pyarrow as pa
+from duckdb.sqltypes import BIGINT, BOOLEAN, DOUBLE, VARCHAR
 
 from ken.engine.batch import run_cascade
 from ken.engine.serving import Engine
@@ -29,6 +31,7 @@ REJECTED_RETRY_S = 60.0
 
 ARROW_TYPES = {"varchar": pa.string(), "boolean": pa.bool_(), "double": pa.float64(),
                "bigint": pa.int64()}
+SQL_TYPES = {"varchar": VARCHAR, "boolean": BOOLEAN, "double": DOUBLE, "bigint": BIGINT}
 
 
 @dataclass
@@ -90,7 +93,7 @@ class SiteRunner:
             if new:
                 try:
                     self._evaluate(new)
-                except KenError as exc:  # DuckDB wraps it; the session re-raises the original
+                except KenError as exc:  # DuckDB wraps it; the runner re-raises the original
                     self.error = exc
                     raise
             self.stats.rows_in += len(keys)
@@ -162,16 +165,23 @@ class SiteRunner:
         self.stats.bulk_rows += len(inputs) if bulk else 0
 
 
-def register_sites(con: duckdb.DuckDBPyConnection, runners: list[SiteRunner]) -> None:
-    from duckdb.sqltypes import BIGINT, BOOLEAN, DOUBLE, VARCHAR
-
-    sql_types = {"varchar": VARCHAR, "boolean": BOOLEAN, "double": DOUBLE, "bigint": BIGINT}
+@contextmanager
+def registered(con: duckdb.DuckDBPyConnection, runners: list[SiteRunner]) -> Iterator[None]:
+    """The site functions of ``runners`` defined on ``con`` while the block runs."""
     for r in runners:
         # DuckDB reads the arity from the callable's signature, so give it an exact one
         fn = _exact_arity(r, len(r.site.args))
         con.create_function(r.site.udf_name, fn, [VARCHAR] * len(r.site.args),
-                            sql_types[r.bound.output_type], type="arrow",
+                            SQL_TYPES[r.bound.output_type], type="arrow",
                             null_handling="special", side_effects=False)
+    try:
+        yield
+    finally:
+        for r in runners:
+            try:
+                con.remove_function(r.site.udf_name)
+            except duckdb.Error:
+                pass
 
 
 def _exact_arity(runner: SiteRunner, arity: int) -> Callable[..., pa.Array]:
@@ -180,14 +190,6 @@ def _exact_arity(runner: SiteRunner, arity: int) -> Callable[..., pa.Array]:
     if arity == 2:
         return lambda a, b: runner(a, b)
     raise KenError(f"semantic functions take 1 or 2 text columns, not {arity}")
-
-
-def unregister_sites(con: duckdb.DuckDBPyConnection, runners: list[SiteRunner]) -> None:
-    for r in runners:
-        try:
-            con.remove_function(r.site.udf_name)
-        except duckdb.Error:
-            pass
 
 
 def query_error(error: Exception, runners: list[SiteRunner]) -> KenError:

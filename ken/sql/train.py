@@ -10,15 +10,21 @@ follow it and use what it trained: a session keeps what it trained, and a new se
 re-running the same ``TRAIN`` finds it cached on disk.
 ``ON`` names a table or view, or a quoted file DuckDB can read (CSV, Parquet, JSON); ``USING``
 names the input columns (default: every text column but the label); ``FOR`` gives sem_filter's
-predicate. The session runs it (``Session.train``) and returns one row describing what was
-trained and its validation quality.
+predicate. The query runner trains it (``QueryRunner.train``, as ``Session.train`` does) and
+returns one row describing what was trained and its validation quality.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import duckdb
+import pyarrow as pa
+
+from ken.errors import KenError
 from ken.sql.rewrite import SqlError
 
 _IDENT = r'(?:"(?:[^"]|"")+"|[A-Za-z_][A-Za-z0-9_]*)'
@@ -74,3 +80,30 @@ def parse_train(query: str) -> tuple[TrainStatement, str]:
                           _string(source) if is_file else source, is_file,
                           _name(match.group("label")), columns,
                           _string(predicate) if predicate else None), query[match.end():]
+
+
+def training_table(con: duckdb.DuckDBPyConnection, table: Any) -> tuple[pa.Table, str]:
+    """The rows to train on and where they came from: ``table`` is a table or view name, a
+    ``Path`` to a file DuckDB reads, an Arrow table or a pandas frame."""
+    if isinstance(table, pa.Table):
+        return table, "an Arrow table"
+    if isinstance(table, Path):
+        if not table.exists():
+            raise KenError(f"no file {table} to train on")
+        quoted = str(table).replace("'", "''")
+        try:
+            return con.sql(f"SELECT * FROM '{quoted}'").to_arrow_table(), str(table)
+        except duckdb.Error as error:
+            raise KenError(f"cannot read {table}: {error}") from None
+    if isinstance(table, str):
+        try:
+            return con.sql(f"SELECT * FROM {table}").to_arrow_table(), table
+        except duckdb.Error as error:
+            raise KenError(f"cannot read table {table}: {error}") from None
+    if hasattr(table, "to_arrow") or type(table).__name__ == "DataFrame":
+        try:
+            return pa.Table.from_pandas(table, preserve_index=False), "a DataFrame"
+        except (TypeError, ValueError, pa.ArrowException) as error:
+            raise KenError(f"cannot read the DataFrame to train on: {error}") from None
+    raise KenError(f"cannot train on a {type(table).__name__}; pass a table name, a Path "
+                   "to a file, an Arrow table or a pandas DataFrame")

@@ -1,0 +1,261 @@
+"""One statement from text to its result, or to its EXPLAIN, in one pass.
+
+The session holds the state (the database, the operators and their bound forms, the plans and
+the serving manager); a ``QueryRunner`` takes each statement through the front end
+(``rewrite``), binds its call sites once, and runs them: a ``TRAIN`` statement trains
+(``ken.sql.train``), ``EXPLAIN [ANALYZE]`` renders the bound plan (``ken.sql.explain``), a query
+without semantic calls is DuckDB's text unchanged, and a semantic one runs its sites as DuckDB
+functions (``ken.sql.execute``) or its semantic step on Ray Data (``ken.sql.ray_query``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Protocol
+
+import duckdb
+import pyarrow as pa
+
+from ken.engine.manager import ServingManager
+from ken.errors import KenError
+from ken.models.model import DeviceConfig
+from ken.ops.base import Bound, OpContext, Operator, suggest
+from ken.ops.training import Trained, TrainingData
+from ken.sql.database import Database
+from ken.sql.execute import SiteRunner, query_error, registered
+from ken.sql.explain import actual_lines, build, estimate, gear_plan_lines, render, site_lines
+from ken.sql.ray_query import ray_choice, run_on_ray
+from ken.sql.result import Result
+from ken.sql.rewrite import Rewritten, SqlError, parse, rewrite, split_statements
+from ken.sql.train import is_train, parse_train, training_table
+
+_EXPLAIN = re.compile(r"^\s*EXPLAIN(\s+ANALYZE)?\s+", re.IGNORECASE)
+ENGINES = ("auto", "duckdb", "ray")
+
+
+class QueryHost(Protocol):
+    """What a statement needs of the session it runs in (``ken.session.Session``)."""
+
+    db: Database
+    operators: Mapping[str, Operator]
+    ctx: OpContext
+    serving: ServingManager
+    ray_actors: int  # actors of engine="ray", each of ctx.device.threads CPUs
+    ray_min_rows: int | None  # engine="auto" goes to Ray Data from this many rows (None: never)
+
+    def bind(self, function: str, constants: tuple[str, ...]) -> Bound: ...
+
+    def forget(self, function: str) -> None:
+        """Drop what was derived from ``function``'s operator (after it trained)."""
+
+
+class QueryRunner:
+    """Runs the statements of one session (see the module docstring)."""
+
+    def __init__(self, host: QueryHost) -> None:
+        self.host = host
+        self._models_lock = threading.Lock()  # in-process models are not thread-safe
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _result(self, table: pa.Table | None = None, relation: Any = None,
+                stats: dict | None = None) -> Result:
+        return Result(self.host.db.connection, table, relation, stats)
+
+    def sql(self, query: str, params: Any = None, engine: str = "auto") -> Result:
+        """One statement's result (``Session.sql``)."""
+        if engine not in ENGINES:
+            raise KenError(f"engine must be 'auto', 'duckdb' or 'ray' (got {engine!r})")
+        statements = split_statements(query)
+        if len(statements) > 1:
+            raise SqlError(
+                f"session.sql runs one statement per call; this text holds {len(statements)} "
+                f"(the second: {statements[1][:80]!r}), and none of them ran. Pass values as "
+                "parameters (params=[...] with ? placeholders), or run a script of several "
+                "statements with session.sql_script(...) or `ken sql`")
+        if not statements:
+            raise SqlError("empty query: no SQL statement to run")
+        query = statements[0]
+        if is_train(query):
+            return self._train_statement(query)
+        match = _EXPLAIN.match(query)
+        if match:
+            text = self.explain(query[match.end():], analyze=bool(match.group(1)), params=params)
+            return self._result(pa.table({"explain": text.splitlines()}))
+        rewritten = self._rewrite(query)
+        if not any(rw.is_semantic for rw in rewritten):
+            return self._run_unchanged(query, params)
+        rw = rewritten[0]
+        if engine != "auto":
+            return self._run_on_ray(rw, params) if engine == "ray" else self._run(rw, params)
+        on_ray, why = ray_choice(rw, self.host.ray_min_rows)
+        run = self._run_on_ray if on_ray else self._run
+        if not why:
+            return run(rw, params)
+        with self.host.ctx.reporter.long_work(f"engine='auto': {why}"):  # a big dataset
+            return run(rw, params)
+
+    def script(self, script: str) -> Result:
+        """The statements of ``script`` run in order; the last one's result
+        (``Session.sql_script``)."""
+        statements = split_statements(script)
+        if not statements:
+            raise SqlError("empty script: no SQL statement to run")
+        result = None
+        for number, statement in enumerate(statements, 1):
+            try:
+                result = self.sql(statement)
+            except KenError as error:
+                if len(statements) == 1:
+                    raise
+                raise type(error)(f"statement {number} of {len(statements)} failed "
+                                  f"({statement[:60]!r}; the {number - 1} before it ran): "
+                                  f"{error}") from None
+        assert result is not None
+        return result
+
+    async def asql(self, query: str, params: Any = None) -> Result:
+        """``sql`` on a worker thread of the runner (``Session.asql``)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(32, thread_name_prefix="ken-query")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self.sql, query, params)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    # -- the front end and the bound sites -----------------------------------------------------
+
+    def _rewrite(self, query: str) -> list[Rewritten]:
+        out: list[Rewritten] = []
+        next_site = 0  # site ids restart per query so that EXPLAIN output is deterministic
+        namespace = self.host.db.namespace()
+        for statement in parse(query):
+            rw = rewrite(statement, self.host.operators, self.host.db.functions(), next_site,
+                         namespace)
+            next_site += len(rw.sites)
+            out.append(rw)
+        return out
+
+    def _site_runners(self, rw: Rewritten) -> list[SiteRunner]:
+        """One runner per site, of its bound operator and the online engine serving it (if
+        any); sites of one bound operator (e.g. ``f(t.x)`` and ``f(x)``) share a memo, so an
+        input value is evaluated once per query."""
+        host = self.host
+        memos: dict[tuple, dict] = {}
+        query_lock = threading.Lock()  # engines are thread-safe; in-process models are not
+        out = []
+        for site in rw.sites:
+            engine = host.serving.engine_for(site.function, site.constants)
+            out.append(SiteRunner(site, host.bind(site.function, site.constants),
+                                  host.ctx.batch_size,
+                                  query_lock if engine else self._models_lock,
+                                  memos.setdefault((site.function, site.constants), {}),
+                                  engine=engine, bulk_threshold=host.serving.bulk_threshold))
+        return out
+
+    # -- running -----------------------------------------------------------------------------
+
+    def _run_unchanged(self, query: str, params: Any) -> Result:
+        """A statement without semantic calls: DuckDB runs the user's text unchanged."""
+        con = self.host.db.connection()
+        try:
+            relation = con.sql(query, params=params)
+            if con is not self.host.db.con and relation is not None:  # a cursor of this thread
+                return self._result(relation.to_arrow_table())
+        except duckdb.Error as error:
+            raise KenError(str(error)) from None
+        return self._result(relation=relation)
+
+    def _run(self, rw: Rewritten, params: Any) -> Result:
+        runners = self._site_runners(rw)
+        con = self.host.db.connection()
+        with registered(con, runners):
+            try:
+                relation = con.sql(rw.sql, params=params)
+                table = relation.to_arrow_table() if relation is not None else pa.table({})
+            except duckdb.Error as error:
+                raise query_error(error, runners) from None
+        return self._result(table, stats={r.site.label: r.stats for r in runners})
+
+    def _run_on_ray(self, rw: Rewritten, params: Any) -> Result:
+        host = self.host
+        threads = host.ctx.device.threads
+
+        def duckdb_sql(text: str) -> pa.Table:
+            try:
+                relation = host.db.connection().sql(text, params=params)
+            except duckdb.Error as error:
+                raise KenError(str(error)) from None
+            return relation.to_arrow_table() if relation is not None else pa.table({})
+
+        cpu = DeviceConfig(threads=threads)
+        table = run_on_ray(rw, host.bind, lambda f: host.operators[f].loaders(host.ctx, cpu),
+                           duckdb_sql, actors=host.ray_actors, threads=threads)
+        return self._result(table)
+
+    # -- EXPLAIN -----------------------------------------------------------------------------
+
+    def explain(self, query: str, analyze: bool = False, params: Any = None) -> str:
+        """The plan of ``query`` (``Session.explain``): its bound sites rendered, with
+        estimates; with ``analyze`` it runs them too and adds what they did."""
+        statements = self._rewrite(query)
+        if len(statements) != 1:
+            raise SqlError("EXPLAIN takes exactly one statement")
+        rw = statements[0]
+        lines = render(build(rw.statement))
+        runners = self._site_runners(rw)
+        describe = {r.site.id: r.bound.describe() for r in runners}
+        con = self.host.db.connection()
+        with registered(con, runners):  # nested calls may remain inside FROM subqueries
+            estimates = {r.site.id: estimate(con, rw, r.site, r.bound) for r in runners}
+        plans = {s.id: gear_plan_lines(self.host.serving, s.function, s.constants)
+                 for s in rw.sites}
+        if not analyze:
+            return "\n".join(lines + site_lines(rw.sites, describe, estimates, plans=plans))
+        started = time.perf_counter()
+        runners = self._site_runners(rw)  # fresh memos and counts: the estimates ran some
+        with registered(con, runners):
+            try:
+                relation = con.sql("EXPLAIN ANALYZE " + rw.sql, params=params)
+                physical = relation.fetchall()[0][1] if relation is not None else ""
+            except duckdb.Error as error:
+                raise query_error(error, runners) from None
+        seconds = time.perf_counter() - started
+        actual = {r.site.id: actual_lines(r) for r in runners}
+        out = lines + site_lines(rw.sites, describe, estimates, actual, plans)
+        out += ["", f"Total time: {seconds:.3f} s", "",
+                "DuckDB physical plan (actual rows and time per operator):", physical]
+        return "\n".join(out)
+
+    # -- TRAIN -------------------------------------------------------------------------------
+
+    def train(self, function: str, table: str | Path | pa.Table | Any, label: str,
+              columns: Sequence[str] | None = None, **options: Any) -> Trained:
+        """Train ``function`` on labelled rows (``Session.train``)."""
+        name = function.lower()
+        if name not in self.host.operators:
+            raise KenError(f"no semantic function {function}() to train."
+                           f"{suggest(name, self.host.operators)}")
+        arrow, source = training_table(self.host.db.connection(), table)
+        data = TrainingData.from_arrow(arrow, label, columns, source)
+        trained = self.host.operators[name].train(self.host.ctx, data, **options)
+        self.host.forget(name)
+        return trained
+
+    def _train_statement(self, query: str) -> Result:
+        statement, _ = parse_train(query)
+        options = {"predicate": statement.predicate} if statement.predicate else {}
+        source = Path(statement.source) if statement.is_file else statement.source
+        trained = self.train(statement.function, source, statement.label, statement.columns,
+                             **options)
+        return self._result(pa.table({
+            "function": [trained.function], "trained_on": [trained.data],
+            "quality": [trained.quality], "cache": [trained.where]}))
