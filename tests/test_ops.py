@@ -4,6 +4,7 @@ operators at once and serving them to many threads with the in-process answers."
 
 from __future__ import annotations
 
+import pickle
 import threading
 from collections.abc import Sequence
 
@@ -18,6 +19,7 @@ from ken.errors import DataError, KenError
 from ken.models.model import DeviceConfig, Model, ModelSpec, Output
 from ken.models.quality import EvalSample, balanced_accuracy, exact_match, token_f1
 from ken.ops import BUILTIN_MODULES, builtin_operators
+from ken.ops import store_entries as ops_store_entries
 from ken.ops.base import OpContext, to_sql_value
 from ken.ops.sem_classify import parse_labels
 from ken.optimizer.planning import operator_profiles
@@ -52,6 +54,36 @@ def test_registry_has_every_builtin_with_a_signature() -> None:
         assert op.eval_description()
     # each call gives fresh instances: one session's choices never leak into another's
     assert builtin_operators()["sentiment"] is not ops["sentiment"]
+
+
+def test_builtin_stages_are_named_and_pickle_without_loading_a_model(tmp_path) -> None:
+    ctx = OpContext(DeviceConfig(), home=tmp_path)
+    ops = builtin_operators()
+    for name in ("sem_choice", "sem_qa", "sem_complete", "sem_similarity"):
+        op = ops[name]
+        names = [s.name for s in op.declared_stages(ctx, op.eval_constants)]
+        loaders = op.loaders(ctx, DeviceConfig(threads=1))
+        assert list(loaders) == names and len(set(names)) == len(names)
+        assert all(callable(pickle.loads(pickle.dumps(f))) for f in loaders.values())
+    # a copy under another SQL name names its stages after it (its own models and plans)
+    assert [n.split("[")[0] for n in ops["sem_qa"].renamed("text_qa").loaders(ctx, ctx.device)
+            ] == ["text_qa-smol", "text_qa-qwen05"]
+    # the default binding of an LLM operator: its stages, escalating below the threshold
+    stages = ops["sem_map"].declared_stages(ctx, ("Summarise",))
+    assert [s.name.split("[")[0] for s in stages] == ["map-smol", "map-qwen05"]
+    assert ops["sem_map"].threshold == 0.5
+
+
+def test_store_entries_come_from_the_operators(tmp_path) -> None:
+    (tmp_path / "trained" / "sem_filter").mkdir(parents=True)
+    (tmp_path / "trained" / "sem_filter" / "0123456789abcdef.json").write_text("{}")
+    (tmp_path / "trained" / "sem_classify" / "fedcba9876543210").mkdir(parents=True)
+    (tmp_path / "families" / "sem-match" / "Abt-Buy").mkdir(parents=True)
+    (tmp_path / "families" / "sem-match" / "Abt-Buy" / "card.json").write_text("{}")
+    (tmp_path / "families" / "sem-match" / "untrained").mkdir()
+    found = [(kind, entry.root.name) for kind, entry in ops_store_entries(tmp_path)]
+    assert found == [("trained sem_filter", "sem_filter"), ("sem_match", "Abt-Buy"),
+                     ("trained sem_classify", "fedcba9876543210")]
 
 
 def test_sem_classify_labels_are_checked() -> None:
