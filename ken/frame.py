@@ -18,19 +18,29 @@ anything else is parsed as an expression. ``col(name)`` names a column anywhere.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import duckdb
 import pyarrow as pa
 from sqlglot import exp
 
 from ken.errors import KenError
-from ken.ops.base import SQL_TYPES
+from ken.ops.base import SQL_TYPES, Operator
 from ken.sql.result import Result
 from ken.sql.rewrite import parse
 
-if TYPE_CHECKING:
-    from ken.session import Session
+
+class Session(Protocol):
+    """What a frame needs of ``ken.Session`` (the frame sits below the session's layer)."""
+
+    con: duckdb.DuckDBPyConnection
+    operators: Mapping[str, Operator]
+
+    def sql(self, query: str) -> Result: ...
+
+    def explain(self, query: str, analyze: bool = False) -> str: ...
 
 
 _FUNCTION_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
