@@ -142,7 +142,7 @@ def test_simulated_plans_answer_everyone_and_conserve_tokens(reqs, max_running, 
         assert run.quality[k] == s[cascade.models[stage]].quality[rows[k]]
     assert run.tokens == reached
     m = run.metrics()
-    assert m["requests"] == len(reqs) and 0 <= m["escalated"] <= 1
+    assert m.num_requests == len(reqs) and 0 <= m.escalated <= 1
 
 
 def test_simulator_refuses_bad_traces() -> None:
@@ -178,13 +178,12 @@ def test_planner_picks_the_most_accurate_feasible_plan_of_all_enumerated() -> No
     best, tried = plan_generation("f", candidates, COSTS, s, arrivals, rows, target_ms=2500,
                                   max_gears=2, edges=(2, 6), max_running=4)
     assert len(tried) == len(candidate_plans("f", candidates, 2, (2, 6), 4))
-    feasible = [c for c in tried if c.metrics["tgt_p95_ms"] <= 2500]
+    feasible = [c for c in tried if c.metrics.tgt_p95_ms <= 2500]
     assert best is not None and best in feasible
-    assert best.metrics["quality"] == pytest.approx(max(c.metrics["quality"] for c in feasible))
+    assert best.metrics.accuracy == pytest.approx(max(c.metrics.accuracy for c in feasible))
     front = frontier(tried)
-    assert [c.metrics["tgt_p95_ms"] for c in front] == sorted(c.metrics["tgt_p95_ms"]
-                                                              for c in front)
-    qualities = [c.metrics["quality"] for c in front]
+    assert [c.metrics.tgt_p95_ms for c in front] == sorted(c.metrics.tgt_p95_ms for c in front)
+    qualities = [c.metrics.accuracy for c in front]
     assert all(b > a for a, b in zip(qualities[:-1], qualities[1:], strict=True))
     none, _ = plan_generation("f", candidates[:1], COSTS, s, arrivals, rows, target_ms=1e-3)
     assert none is None
@@ -204,8 +203,8 @@ def test_planning_on_several_windows_takes_the_worst_latency_and_the_mean_qualit
                                   more_traces=windows[1:])
     for choice in tried:
         runs = [simulate_gen_plan(choice.plan, COSTS, s, a, r).metrics() for a, r in windows]
-        assert choice.metrics["tgt_p95_ms"] == max(m["tgt_p95_ms"] for m in runs)
-        assert choice.metrics["quality"] == pytest.approx(np.mean([m["quality"] for m in runs]))
+        assert choice.metrics.tgt_p95_ms == max(m.tgt_p95_ms for m in runs)
+        assert choice.metrics.accuracy == pytest.approx(np.mean([m.accuracy for m in runs]))
     assert best is not None
-    assert all(simulate_gen_plan(best.plan, COSTS, s, a, r).metrics()["tgt_p95_ms"] <= 5000
+    assert all(simulate_gen_plan(best.plan, COSTS, s, a, r).metrics().tgt_p95_ms <= 5000
                for a, r in windows)

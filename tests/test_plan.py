@@ -11,13 +11,12 @@ import pytest
 
 from ken.errors import KenError
 from ken.models.cascade import Cascade
+from ken.policy.metrics import PlanMetrics, RangeMetrics
 from ken.policy.plan import (
     PLAN_SCHEMA_VERSION,
     Frontier,
     GearPlan,
     PlanError,
-    PlanMetrics,
-    RangeMetrics,
     RangeSchedule,
     Replica,
 )

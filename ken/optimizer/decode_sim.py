@@ -19,17 +19,19 @@ not streamed, as they may be replaced.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from ken.errors import SimulationError
 from ken.models.cascade import Cascade
-from ken.optimizer.simulator import latency_percentiles
 from ken.optimizer.tokens import TokenCost
 from ken.policy.decoding import DecodeScheduler, Mode
 from ken.policy.generating import GenDispatcher, pick_lane
+from ken.policy.metrics import PlanMetrics, latency_percentiles
 from ken.policy.plan import GenPlan, single_gear
 
 
@@ -46,41 +48,36 @@ class DecodeRun:
     prefill_passes: int = 0
     busy_s: float = 0.0
 
-    def metrics(self) -> DecodeMetrics:
-        ttft = (self.first_token_s - self.arrival_s) * 1000.0
-        tgt = (self.completion_s - self.arrival_s) * 1000.0
+    def metrics(self) -> PlanMetrics:
+        """Latency and throughput (no quality: ``accuracy`` is NaN)."""
         gen = self.output_tokens > 1
         per_token = ((self.completion_s[gen] - self.first_token_s[gen])
                      / (self.output_tokens[gen] - 1) * 1000.0)
-        span = float(self.completion_s.max() - self.arrival_s.min())
-        ttft_p50, ttft_p95, ttft_p99 = latency_percentiles(ttft)
-        tgt_p50, tgt_p95, tgt_p99 = latency_percentiles(tgt)
-        return DecodeMetrics(
-            requests=int(self.arrival_s.size),
-            ttft_p50_ms=ttft_p50, ttft_p95_ms=ttft_p95, ttft_p99_ms=ttft_p99,
-            tgt_p50_ms=tgt_p50, tgt_p95_ms=tgt_p95, tgt_p99_ms=tgt_p99,
-            time_per_token_ms=float(np.median(per_token)) if per_token.size else 0.0,
-            tokens_per_s=float(self.output_tokens.sum() / span) if span > 0 else 0.0,
-            passes=self.passes, prefill_passes=self.prefill_passes,
-            utilisation=self.busy_s / span if span > 0 else 0.0)
+        return _run_metrics(
+            self.arrival_s, self.first_token_s, self.completion_s, self.busy_s,
+            int(self.output_tokens.sum()), accuracy=math.nan, passes=self.passes,
+            prefill_passes=self.prefill_passes,
+            time_per_token_ms=float(np.median(per_token)) if per_token.size else 0.0)
 
 
-@dataclass(frozen=True)
-class DecodeMetrics:
-    """Latency of generating requests: TTFT (to the first token) and TGT (to the last)."""
-
-    requests: int
-    ttft_p50_ms: float
-    ttft_p95_ms: float
-    ttft_p99_ms: float
-    tgt_p50_ms: float
-    tgt_p95_ms: float
-    tgt_p99_ms: float
-    time_per_token_ms: float  # median over requests of (last - first token) / (tokens - 1)
-    tokens_per_s: float  # generated tokens over the run's span
-    passes: int
-    prefill_passes: int
-    utilisation: float  # share of the span the model was running a pass
+def _run_metrics(arrival_s: np.ndarray, first_token_s: np.ndarray, completion_s: np.ndarray,
+                 busy_s: float, tokens: int, accuracy: float, gear_switches: int = 0,
+                 **known: Any) -> PlanMetrics:
+    """The metrics of a generating run on one device from its per-request times (seconds):
+    TTFT and TGT (the request latency) percentiles, span, throughput and utilisation, with
+    the ``known`` fields its caller has (passes, escalated share, ...)."""
+    ttft = (first_token_s - arrival_s) * 1000.0
+    tgt = (completion_s - arrival_s) * 1000.0
+    span = float(completion_s.max() - arrival_s.min()) if tgt.size else 0.0
+    p50, p95, p99 = latency_percentiles(tgt)
+    ttft_p50, ttft_p95, ttft_p99 = latency_percentiles(ttft)
+    return PlanMetrics(
+        p50_ms=p50, p95_ms=p95, p99_ms=p99, mean_ms=float(tgt.mean()),
+        num_requests=int(tgt.size), duration_s=span,
+        utilisation=(("device", busy_s / span if span > 0 else 0.0),),
+        ttft_p50_ms=ttft_p50, ttft_p95_ms=ttft_p95, ttft_p99_ms=ttft_p99,
+        tokens_per_s=tokens / span if span > 0 else 0.0, accuracy=accuracy,
+        gear_switches=gear_switches, **known)
 
 
 @dataclass(frozen=True, eq=False)
@@ -121,25 +118,15 @@ class GenRun:
     busy_s: float = 0.0
     switches: tuple[tuple[float, int, int], ...] = ()
 
-    def metrics(self) -> dict[str, float]:
-        ttft = (self.first_token_s - self.arrival_s) * 1000.0
-        tgt = (self.completion_s - self.arrival_s) * 1000.0
-        span = float(self.completion_s.max() - self.arrival_s.min()) if ttft.size else 0.0
-        out = dict(zip(("ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms"),
-                       latency_percentiles(ttft), strict=True))
-        out.update(zip(("tgt_p50_ms", "tgt_p95_ms", "tgt_p99_ms"), latency_percentiles(tgt),
-                       strict=True))
-        n = max(int(self.quality.size), 1)
-        out.update(requests=int(self.quality.size),
-                   quality=float(self.quality.mean()) if self.quality.size else 0.0,
-                   quality_se=float(self.quality.std(ddof=1) / np.sqrt(n))
-                   if self.quality.size > 1 else 0.0,
-                   escalated=float(np.mean(self.stage > 0)) if self.stage.size else 0.0,
-                   tokens_per_s=sum(self.tokens.values()) / span if span > 0 else 0.0,
-                   passes=sum(self.passes.values()),
-                   utilisation=self.busy_s / span if span > 0 else 0.0,
-                   switches=len(self.switches))
-        return out
+    def metrics(self) -> PlanMetrics:
+        n = int(self.quality.size)
+        return _run_metrics(
+            self.arrival_s, self.first_token_s, self.completion_s, self.busy_s,
+            sum(self.tokens.values()), accuracy=float(self.quality.mean()) if n else 0.0,
+            accuracy_se=float(self.quality.std(ddof=1) / np.sqrt(n)) if n > 1 else 0.0,
+            escalated=float(np.mean(self.stage > 0)) if n else 0.0,
+            passes=sum(self.passes.values()), prefill_passes=sum(self.prefill_passes.values()),
+            gear_switches=len(self.switches))
 
 
 def _check_trace(arrivals: np.ndarray, rows: np.ndarray, num_rows: int) -> None:

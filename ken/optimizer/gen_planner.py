@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,6 +34,7 @@ from ken.models.cascade import Cascade
 from ken.optimizer.decode_sim import StageRows, simulate_gen_plan
 from ken.optimizer.pareto import pareto_front
 from ken.optimizer.tokens import TokenCost
+from ken.policy.metrics import PlanMetrics
 from ken.policy.plan import GenGear, GenPlan
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ class GenChoice:
     """A plan and what the simulator measured for it on the planning trace."""
 
     plan: GenPlan
-    metrics: Mapping[str, float]
+    metrics: PlanMetrics
 
 
 def answer_sample(model: GenerativeModel, sample: EvalSample, batch_size: int = 8,
@@ -174,33 +175,27 @@ def plan_generation(function: str, candidates: Sequence[GenCandidate],
         raise PlanningError(f"the latency target must be > 0 ms, got {target_ms}")
     traces = [(arrival_s, rows), *more_traces]
 
-    def score(plan: GenPlan) -> dict[str, float]:
+    def score(plan: GenPlan) -> PlanMetrics:
         runs = [simulate_gen_plan(plan, costs, stages, a, r).metrics() for a, r in traces]
-        worst = dict(max(runs, key=lambda m: m[metric]))
-        worst["quality"] = float(np.mean([m["quality"] for m in runs]))
-        return worst
+        worst = max(runs, key=lambda m: getattr(m, metric))
+        return replace(worst, accuracy=float(np.mean([m.accuracy for m in runs])))
 
     tried = [GenChoice(p, score(p))
              for p in candidate_plans(function, candidates, max_gears, edges, max_running,
                                       kv_budget_tokens)]
-    feasible = [c for c in tried if c.metrics[metric] <= target_ms]
+    feasible = [c for c in tried if getattr(c.metrics, metric) <= target_ms]
     if not feasible:
         return None, tried
-    best = max(feasible, key=lambda c: (round(c.metrics["quality"], 9), -c.metrics[metric],
-                                        -len(c.plan.gears)))
+    best = max(feasible, key=lambda c: (round(c.metrics.accuracy, 9),
+                                        -getattr(c.metrics, metric), -len(c.plan.gears)))
     return best, tried
 
 
 def frontier(choices: Sequence[GenChoice], metric: str = "tgt_p95_ms") -> list[GenChoice]:
     """The plans no other beats on both ``metric`` (lower) and quality (higher), fastest
     first."""
-    out: list[GenChoice] = []
-    best_quality = -np.inf
-    for c in sorted(choices, key=lambda c: (c.metrics[metric], -c.metrics["quality"])):
-        if c.metrics["quality"] > best_quality:
-            out.append(c)
-            best_quality = c.metrics["quality"]
-    return out
+    front = pareto_front([(c.metrics.accuracy, getattr(c.metrics, metric)) for c in choices])
+    return [choices[i] for i in front]
 
 
 def plan_operator(op: Operator, ctx: OpContext, tgt_p95_s: float, qps: float,

@@ -20,7 +20,8 @@ from ken.optimizer.plan_eval import (
 )
 from ken.optimizer.scheduler import PlanningError
 from ken.optimizer.workload import Hardware
-from ken.policy.plan import GearPlan, PlanMetrics, Replica
+from ken.policy.metrics import PlanMetrics
+from ken.policy.plan import GearPlan, Replica
 
 
 def memory_used(placement: Placement, catalog: Catalog) -> dict[str, int]:

@@ -27,7 +27,8 @@ from ken.optimizer.scheduler import (
 )
 from ken.optimizer.simulator import simulate
 from ken.optimizer.workload import Trace
-from ken.policy.plan import GearPlan, PlanMetrics, RangeSchedule, Replica
+from ken.policy.metrics import PlanMetrics
+from ken.policy.plan import GearPlan, RangeSchedule, Replica
 
 # -- invocation scheduling ---------------------------------------------------------------------
 

@@ -38,7 +38,8 @@ from ken.optimizer.plan_context import (
 from ken.optimizer.plan_eval import estimate_score, evaluate_many, simulation_pool
 from ken.optimizer.scheduler import PlanningError
 from ken.optimizer.workload import Hardware, Trace
-from ken.policy.plan import Frontier, GearPlan, PlanMetrics
+from ken.policy.metrics import PlanMetrics
+from ken.policy.plan import Frontier, GearPlan
 from ken.progress import QUIET, Reporter
 
 

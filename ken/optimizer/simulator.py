@@ -25,7 +25,8 @@ import numpy as np
 from ken.errors import SimulationError
 from ken.optimizer.perf import Catalog
 from ken.optimizer.workload import Trace
-from ken.policy.plan import GearPlan, PlanMetrics, RangeMetrics
+from ken.policy.metrics import PlanMetrics, RangeMetrics, latency_percentiles
+from ken.policy.plan import GearPlan
 from ken.policy.scheduling import Batch, Dispatcher, VirtualClock
 
 
@@ -84,11 +85,6 @@ def _mean(quality: np.ndarray) -> float:
     """Mean quality over the requests that passed through the operator (0 if none did)."""
     seen = quality[~np.isnan(quality)]
     return float(seen.mean()) if seen.size else 0.0
-
-
-def latency_percentiles(lat_ms: np.ndarray) -> tuple[float, float, float]:
-    p = np.percentile(lat_ms, [50, 95, 99])
-    return float(p[0]), float(p[1]), float(p[2])
 
 
 def sample_rows(num_requests: int, num_rows: int, seed: int) -> np.ndarray:

@@ -24,6 +24,7 @@ from ken import store
 from ken.errors import PlanError
 from ken.models.cascade import Cascade
 from ken.policy.decoding import Mode
+from ken.policy.metrics import PlanMetrics
 
 PLAN_SCHEMA_VERSION = 1
 
@@ -148,51 +149,6 @@ class RangeSchedule:
         if any(q < 1 for q in self.min_queue) or not all(
                 math.isfinite(s) and s >= 0 for s in self.shares):
             raise PlanError("queue lengths must be >= 1 and shares finite and >= 0")
-
-
-@dataclass(frozen=True)
-class RangeMetrics:
-    """Simulated latency of the requests admitted while a QPS range's gear was active."""
-
-    lo_qps: float
-    hi_qps: float
-    num_requests: int
-    accuracy: float
-    p50_ms: float
-    p95_ms: float
-    p99_ms: float
-
-
-@dataclass(frozen=True)
-class PlanMetrics:
-    """What the simulator (or a measured replay) found for a plan on a trace."""
-
-    accuracy: float
-    p50_ms: float
-    p95_ms: float
-    p99_ms: float
-    mean_ms: float
-    num_requests: int
-    gear_switches: int
-    duration_s: float
-    utilisation: tuple[tuple[str, float], ...] = ()
-    per_range: tuple[RangeMetrics, ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"accuracy": self.accuracy, "p50_ms": self.p50_ms, "p95_ms": self.p95_ms,
-                "p99_ms": self.p99_ms, "mean_ms": self.mean_ms,
-                "num_requests": self.num_requests, "gear_switches": self.gear_switches,
-                "duration_s": self.duration_s,
-                "utilisation": [[d, u] for d, u in self.utilisation],
-                "per_range": [vars(r) for r in self.per_range]}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> PlanMetrics:
-        return cls(float(data["accuracy"]), float(data["p50_ms"]), float(data["p95_ms"]),
-                   float(data["p99_ms"]), float(data["mean_ms"]), int(data["num_requests"]),
-                   int(data["gear_switches"]), float(data["duration_s"]),
-                   tuple((str(d), float(u)) for d, u in data.get("utilisation", ())),
-                   tuple(RangeMetrics(**r) for r in data.get("per_range", ())))
 
 
 @dataclass(frozen=True)
