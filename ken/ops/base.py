@@ -295,6 +295,10 @@ class Operator:
     #: the escalation threshold between the stages of the default binding (uncalibrated;
     #: planning chooses thresholds on the evaluation sample)
     threshold: float = 0.5
+    #: how a plan serves it (``ken.policy.plan``): "gear" — its stages answer rows in batches
+    #: (GearPlan: gears by request rate) — or "generation" — its stages generate text token by
+    #: token in a decode server (GenPlan: gears by requests in the system)
+    plan_kind: str = "gear"
 
     def stages(self, ctx: OpContext, constants: tuple[str, ...]) -> Sequence[Stage] | None:
         """The models that answer calls with ``constants``, cheapest first: the default

@@ -33,6 +33,7 @@ class SemExtract(LLMOperator):
     num_columns = 1
     constants = ("what",)
     output_type = "varchar"
+    plan_kind = "generation"
     doc = "the part of the text that says what is asked for (NULL when absent)"
 
     def llm_stage(self, lm_name: str, constants: tuple[str, ...]) -> Stage:

@@ -32,6 +32,7 @@ class SemMap(LLMOperator):
     num_columns = 1
     constants = ("instruction",)
     output_type = "varchar"
+    plan_kind = "generation"
     doc = "the LLM's answer to an instruction about the text (generated)"
 
     def llm_stage(self, lm_name: str, constants: tuple[str, ...]) -> Stage:

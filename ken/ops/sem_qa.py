@@ -84,6 +84,7 @@ class SemQA(LLMOperator):
     num_columns = 2
     constants = ()
     output_type = "varchar"
+    plan_kind = "generation"
     doc = "a short answer to the question (first text) from the passage (second text)"
 
     def llm_stage(self, lm_name: str, constants: tuple[str, ...]) -> Stage:
