@@ -95,7 +95,7 @@ def test_simulator_conserves_tokens_and_orders_times(reqs, max_running, mode) ->
     assert run.passes >= max(1, max(outputs)) and run.prefill_passes >= 1
     assert run.busy_s <= run.completion_s.max() + 1e-9
     m = run.metrics()
-    assert m.requests == len(reqs) and m.ttft_p50_ms <= m.tgt_p99_ms + 1e-9
+    assert m.num_requests == len(reqs) and m.ttft_p50_ms <= m.tgt_p99_ms + 1e-9
 
 
 def test_simulated_timeline_by_hand() -> None:
