@@ -96,3 +96,42 @@ def test_targets_say_what_is_wrong() -> None:
     assert Target.parse("tgt_p95 <= 2s").max_latency_ms == 2000
     with pytest.raises(QueryPlanError, match="generating functions"):
         Target.parse("ttft_p95 <= 2s").for_classifiers()
+
+
+def _choice(quality: float, tgt_p95_ms: float, ttft_p95_ms: float, gears: int = 1):  # noqa: ANN202
+    from ken.optimizer.gen_planner import GenChoice
+    from ken.policy.metrics import PlanMetrics
+
+    plan = GenPlan("sem_qa", (*(GenGear(PAIR, 2 ** k) for k in range(1, gears)),
+                              GenGear(Cascade(("s",)))))
+    m = PlanMetrics(quality, tgt_p95_ms / 2, tgt_p95_ms, tgt_p95_ms * 1.2, tgt_p95_ms / 2, 100,
+                    0, 60.0, ttft_p95_ms=ttft_p95_ms)
+    return GenChoice(plan, m)
+
+
+def test_generation_plans_are_chosen_by_the_same_targets() -> None:
+    from ken.errors import PlanningError
+    from ken.optimizer.gen_planner import choose
+
+    slow_good, fast_poor, mid = _choice(0.6, 20_000, 900), _choice(0.4, 5_000, 300), \
+        _choice(0.5, 9_000, 2_500, gears=2)
+    tried = [slow_good, fast_poor, mid]
+    assert choose("sem_qa", tried, Target.parse("tgt_p95 <= 10s")) is mid
+    assert choose("sem_qa", tried, Target.parse("p95 <= 10s")) is mid  # p95 of a request: TGT
+    assert choose("sem_qa", tried, Target.parse("ttft_p95 <= 1s")) is slow_good
+    assert choose("sem_qa", tried, Target.parse("quality >= 0.45")) is mid  # fastest that reaches
+    with pytest.raises(PlanningError, match=r"fastest simulated has 5\.0 s \(load"):
+        choose("sem_qa", tried, Target.parse("tgt_p95 <= 1s"))
+    with pytest.raises(PlanningError, match="most accurate simulated reaches 60.0%"):
+        choose("sem_qa", tried, Target.parse("accuracy >= 0.9"))
+
+
+def test_a_generation_plan_keeps_its_prediction(tmp_path: Path) -> None:
+    plan = _choice(0.5, 9_000, 2_500).plan
+    predicted = _choice(0.5, 9_000, 2_500).metrics
+    from dataclasses import replace
+
+    planned = replace(plan, predicted=predicted)
+    assert Plan.load(planned.save(tmp_path / "p.json")) == planned
+    assert planned.describe()[0].startswith("predicted: quality 50.0%, TTFT p95 2.50 s, TGT")
+    assert planned.latency_target_s() == pytest.approx(10.8)

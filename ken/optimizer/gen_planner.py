@@ -13,7 +13,10 @@ this device) and a planning trace (arrival times and the row each request asks f
    decode server's policy on a virtual clock, each pass charged its token cost); the most
    accurate plan whose latency metric (TGT p95 by default) meets the target in every window
    wins.
-3. ``plan_operator``: the whole of it for an operator (``Session.plan_generation``).
+3. ``plan_generating``: the whole of it for an operator and a ``Target`` (what
+   ``session.plan`` and ``ken plan`` run for a generating function): a latency bound
+   (``p95``/``tgt_p95``: total generation time, ``ttft_p95``: time to first token) takes the
+   most accurate plan within it, a quality floor the fastest plan (TGT p95) that reaches it.
 
 Load is counted in requests in the system (running plus queued, ``ken.policy.generating``).
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -41,6 +45,7 @@ if TYPE_CHECKING:
     from ken.models.llm import GenerativeModel
     from ken.models.quality import EvalSample
     from ken.ops.base import OpContext, Operator
+    from ken.optimizer.query import Target
 
 DEFAULT_EDGES = (2, 4, 8, 16, 32, 64)
 METRICS = ("tgt_p95_ms", "tgt_p99_ms", "ttft_p95_ms", "ttft_p99_ms", "tgt_p50_ms",
@@ -198,24 +203,57 @@ def frontier(choices: Sequence[GenChoice], metric: str = "tgt_p95_ms") -> list[G
     return [choices[i] for i in front]
 
 
-def plan_operator(op: Operator, ctx: OpContext, tgt_p95_s: float, qps: float,
-                  rows: int = 64, requests: int = 120, arrival_s: np.ndarray | None = None,
-                  max_running: int = 8, seed: int = 0
-                  ) -> tuple[GenChoice | None, list[GenChoice]]:
+#: the simulated metric each latency bound of a ``Target`` reads (``Target.latency``)
+TARGET_METRICS = {"p95": "tgt_p95_ms", "tgt_p95": "tgt_p95_ms", "ttft_p95": "ttft_p95_ms"}
+
+
+def choose(operator: str, tried: Sequence[GenChoice], target: Target) -> GenChoice:
+    """The plan of ``tried`` (simulated choices) that ``target`` asks for: the most accurate
+    within a latency bound, or the fastest (TGT p95) that reaches a quality floor; a
+    ``PlanningError`` that names the closest plan when none does."""
+    if not tried:
+        raise PlanningError(f"no generation plan of {operator}() to choose from")
+    if target.min_accuracy is not None:
+        ok = [c for c in tried if c.metrics.accuracy >= target.min_accuracy]
+        if not ok:
+            best = max(tried, key=lambda c: c.metrics.accuracy)
+            raise PlanningError(
+                f"no plan of {operator}() reaches quality {target.min_accuracy:.1%}; the most "
+                f"accurate simulated reaches {best.metrics.accuracy:.1%} "
+                f"({best.plan.summary()})")
+        return min(ok, key=lambda c: (c.metrics.tgt_p95_ms, -c.metrics.accuracy,
+                                      len(c.plan.gears)))
+    metric = TARGET_METRICS[target.latency or "p95"]
+    bound = target.max_latency_ms
+    ok = [c for c in tried if getattr(c.metrics, metric) <= bound]
+    if not ok:
+        fastest = min(tried, key=lambda c: getattr(c.metrics, metric))
+        raise PlanningError(
+            f"no plan of {operator}() keeps {target.describe()}; the fastest simulated has "
+            f"{getattr(fastest.metrics, metric) / 1000:.1f} s "
+            f"({fastest.plan.summary()}); ask for more time or a lower rate")
+    return max(ok, key=lambda c: (round(c.metrics.accuracy, 9), -getattr(c.metrics, metric),
+                                  -len(c.plan.gears)))
+
+
+def plan_generating(op: Operator, ctx: OpContext, target: Target, qps: float,
+                    rows: int = 64, requests: int = 120, arrival_s: np.ndarray | None = None,
+                    max_running: int = 8, seed: int = 0) -> GenChoice:
     """Plan a generating operator for online requests at a mean rate of ``qps``: its models
     answer the first ``rows`` rows of its evaluation sample (cached in ``ctx`` for the
     session), their passes are timed (cached under KEN_HOME), and the plans of
     ``plan_generation`` are simulated on up to three 20-minute windows of ``arrival_s``
     (default: the Azure code trace), each thinned to ``requests`` arrivals and stretched to a
-    mean of ``qps``, each request asking for a random sample row; a plan must meet the target
-    in every window. Returns the most accurate plan whose TGT p95 is within
-    ``tgt_p95_s`` (None if none) and every plan simulated."""
+    mean of ``qps``, each request asking for a random sample row; a plan's latency is its
+    worst over the windows. Returns the plan ``target`` asks for (``choose``), its
+    ``predicted`` metrics set."""
     from ken.models.llm import GenerativeModel
     from ken.optimizer.tokens import load_or_measure_token_cost
     from ken.optimizer.workload import load_azure_trace
 
-    if not tgt_p95_s > 0 or not qps > 0 or rows < 2 or requests < 2:
-        raise PlanningError("plan with tgt_p95_s > 0, qps > 0, rows >= 2 and requests >= 2")
+    if not qps > 0 or rows < 2 or requests < 2:
+        raise PlanningError(f"plan {op.name}() with a request rate qps > 0 (got {qps}), "
+                            f"rows >= 2 and requests >= 2")
     models = dict(op.candidates(ctx, ctx.device))
     if not models or not all(isinstance(m, GenerativeModel) for m in models.values()):
         raise PlanningError(f"{op.name}() does not generate text; generation plans are for "
@@ -261,5 +299,7 @@ def plan_operator(op: Operator, ctx: OpContext, tgt_p95_s: float, qps: float,
                                     rng), rng.integers(0, len(sample), requests)))
     candidates = cascade_candidates(list(models), stages, costs, max_running)
     (arrivals, asked), *more = traces
-    return plan_generation(op.name, candidates, costs, stages, arrivals, asked,
-                           tgt_p95_s * 1000, max_running=max_running, more_traces=more)
+    _, tried = plan_generation(op.name, candidates, costs, stages, arrivals, asked, math.inf,
+                               max_running=max_running, more_traces=more)
+    best = choose(op.name, tried, target)
+    return GenChoice(replace(best.plan, predicted=best.metrics), best.metrics)

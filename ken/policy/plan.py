@@ -59,10 +59,19 @@ class Plan:
         """Human-readable lines (EXPLAIN, ``ken plan``): prediction, gears, serving."""
         raise NotImplementedError
 
+    def gear_lines(self) -> list[str]:
+        """One line per gear: the load it serves and its cascade."""
+        raise NotImplementedError
+
+    def summary(self) -> str:
+        """The gears on one line (for messages)."""
+        return "; ".join(self.gear_lines())
+
     def latency_target_s(self) -> float | None:
         """The latency the plan promises (its predicted p99), None when it was not
         simulated."""
-        return None
+        predicted: PlanMetrics | None = getattr(self, "predicted", None)
+        return None if predicted is None else predicted.p99_ms / 1000.0
 
     def to_dict(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -259,9 +268,6 @@ class GearPlan(Plan):
             return table[max(rows, 1) - 1]
         return table[-1] / len(table) * rows
 
-    def latency_target_s(self) -> float | None:
-        return None if self.predicted is None else self.predicted.p99_ms / 1000.0
-
     def with_predicted(self, metrics: PlanMetrics) -> GearPlan:
         return GearPlan(self.operator, self.qps_edges, self.cascades, self.placement,
                         self.ranges, self.max_batch, self.max_wait_s, self.alpha,
@@ -278,6 +284,9 @@ class GearPlan(Plan):
                 out.append((lo, hi, rs.cascade))
         return out
 
+    def gear_lines(self) -> list[str]:
+        return [f"{lo:g}-{hi:g} qps: {self.cascades[c].describe()}" for lo, hi, c in self.gears()]
+
     def describe(self) -> list[str]:
         """Human-readable lines: gears, placement, batch triggers, prediction."""
         lines = []
@@ -286,8 +295,7 @@ class GearPlan(Plan):
             lines.append(f"predicted: accuracy {p.accuracy:.1%}, p50 {p.p50_ms:.1f} ms, "
                          f"p95 {p.p95_ms:.1f} ms, p99 {p.p99_ms:.1f} ms "
                          f"({p.num_requests} simulated requests)")
-        for lo, hi, c in self.gears():
-            lines.append(f"{lo:g}-{hi:g} qps: {self.cascades[c].describe()}")
+        lines += self.gear_lines()
         lines.append("placement: " + ", ".join(r.label() for r in self.placement))
         edges = self.qps_edges
         triggers = []
@@ -375,6 +383,7 @@ class GenPlan(Plan):
     kv_budget_tokens: int | None = None  # per lane; None: bounded by max_running only
     hysteresis: float = 0.5
     mode: Mode = "continuous"
+    predicted: PlanMetrics | None = None  # what the planner's simulation found
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gears", tuple(self.gears))
@@ -398,13 +407,23 @@ class GenPlan(Plan):
         """The cascade of each gear."""
         return tuple(g.cascade for g in self.gears)
 
-    def describe(self) -> list[str]:
-        lines = []
-        lower = 0.0
+    def gear_lines(self) -> list[str]:
+        lines, lower = [], 0.0
         for g in self.gears:
             upper = "inf" if math.isinf(g.max_load) else f"{g.max_load:g}"
             lines.append(f"load [{lower:g}, {upper}): {g.cascade.describe()}")
             lower = g.max_load
+        return lines
+
+    def describe(self) -> list[str]:
+        lines = []
+        p = self.predicted
+        if p is not None:
+            ttft = "" if p.ttft_p95_ms is None else f"TTFT p95 {p.ttft_p95_ms / 1000:.2f} s, "
+            lines.append(f"predicted: quality {p.accuracy:.1%}, {ttft}TGT p50 "
+                         f"{p.tgt_p50_ms / 1000:.2f} s, p95 {p.tgt_p95_ms / 1000:.2f} s, p99 "
+                         f"{p.tgt_p99_ms / 1000:.2f} s ({p.num_requests} simulated requests)")
+        lines += self.gear_lines()
         kv = "" if self.kv_budget_tokens is None else f", KV {self.kv_budget_tokens} tokens"
         lines.append(f"decode server: a lane per model, {self.mode} batching of up to "
                      f"{self.max_running} rows{kv}; back to a more accurate gear below "
@@ -418,7 +437,8 @@ class GenPlan(Plan):
                        "max_load": None if math.isinf(g.max_load) else g.max_load}
                       for g in self.gears],
             "max_running": self.max_running, "kv_budget_tokens": self.kv_budget_tokens,
-            "hysteresis": self.hysteresis, "mode": self.mode}
+            "hysteresis": self.hysteresis, "mode": self.mode,
+            "predicted": None if self.predicted is None else self.predicted.to_dict()}
 
     @classmethod
     def _from_dict(cls, data: Mapping[str, Any]) -> GenPlan:
@@ -430,7 +450,9 @@ class GenPlan(Plan):
             # "function": what files written before the plan kinds shared one format call it
             return cls(str(data.get("operator", data.get("function"))), gears,
                        int(data["max_running"]), None if kv is None else int(kv),
-                       float(data["hysteresis"]), data["mode"])
+                       float(data["hysteresis"]), data["mode"],
+                       None if data.get("predicted") is None
+                       else PlanMetrics.from_dict(data["predicted"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"malformed generation plan JSON: {exc!r}") from exc
 
