@@ -9,6 +9,7 @@ are guards against hanging for ever; the measured figures are in benchmarks/reli
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import signal
@@ -23,14 +24,15 @@ import numpy as np
 import pytest
 from fakes import FakeModel, HangingModel, SlowModel
 
-from ken.engine.serving import BatchDeadline, Engine
+from ken.engine.serving import Engine
+from ken.engine.supervision import BatchDeadline
 from ken.models.cascade import Cascade
 from ken.optimizer.perf import Catalog, ModelPerf
 from ken.optimizer.plan_eval import batch_runtimes
 from ken.optimizer.simulator import simulate
 from ken.optimizer.workload import Trace
 from ken.policy.plan import GearPlan, PlanMetrics, RangeSchedule, Replica
-from ken.policy.scheduling import Dispatcher, VirtualClock
+from ken.policy.scheduling import Dispatcher, VirtualClock, WallClock
 
 TESTS = Path(__file__).parent
 FAST = BatchDeadline(factor=10.0, floor_s=0.5)
@@ -398,7 +400,7 @@ def test_the_queue_delay_estimate_is_what_the_simulator_charges() -> None:
 
 
 def test_the_measured_slowdown_is_a_recent_high_quantile_of_latency_over_estimate() -> None:
-    from ken.engine.serving import Slowdown
+    from ken.engine.admission import Slowdown
 
     s = Slowdown(quantile=0.95, window=100, horizon_s=5.0, every=10)
     assert s.value(0.0) == 1.0  # nothing measured: the profile's estimate
@@ -419,32 +421,50 @@ def test_the_measured_slowdown_is_a_recent_high_quantile_of_latency_over_estimat
     assert s.value(9.5) == 1.0  # nothing left within the last 5 s
 
 
+def two_stage_plan(threshold: float = 0.5) -> GearPlan:
+    """a -> b, each 40 ms a batch of <= 4 rows (10 ms a row of a full batch)."""
+    return GearPlan("op", (0.0, 1e6), (Cascade(("a", "b"), (threshold,)),),
+                    (Replica("a", ("cpu0",)), Replica("b", ("cpu1",))),
+                    (RangeSchedule(0, (1.0, 1.0), (1, 1)),), (4, 4), max_wait_s=0.005,
+                    predicted=PlanMetrics(1.0, 25.0, 45.0, 50.0, 25.0, 1000, 0, 10.0),
+                    batch_runtime_s=((0.04,) * 4, (0.04,) * 4))
+
+
 def test_admission_counts_the_later_stages_work_at_the_measured_escalation_rate() -> None:
-    # a -> b, each 40 ms a batch of <= 4 rows (10 ms a row of a full batch)
-    two = GearPlan("op", (0.0, 1e6), (Cascade(("a", "b"), (0.5,)),),
-                   (Replica("a", ("cpu0",)), Replica("b", ("cpu1",))),
-                   (RangeSchedule(0, (1.0, 1.0), (1, 1)),), (4, 4), max_wait_s=0.005,
-                   predicted=PlanMetrics(1.0, 25.0, 45.0, 50.0, 25.0, 1000, 0, 10.0),
-                   batch_runtime_s=((0.04,) * 4, (0.04,) * 4))
-    engine = Engine(two, {"a": FakeModel("a"), "b": FakeModel("b")}, workers="thread")
-    disp = engine.dispatcher()
+    from ken.engine.admission import Admission
+
+    two = two_stage_plan()
+    admission = Admission(WallClock())
+    disp = Dispatcher(two, admission.clock)
     first = (two.cascades[0], 0)  # the stage a rate belongs to: a at threshold 0.5
-    assert engine._downstream_row_s(disp) == pytest.approx(0.01)  # cold: every row escalates
-    engine._escalations[first] = (19, 1)
-    assert engine._downstream_row_s(disp) == pytest.approx(0.01)  # too few rows to trust
-    engine._escalations[first] = (100, 25)
-    assert engine._downstream_row_s(disp) == pytest.approx(0.0025)
+    ids = itertools.count()
+
+    def answered(plan: GearPlan, model: str, rows: int, escalated: int) -> None:
+        """A batch of ``rows`` rows of gear 0 answered by ``model``, ``escalated`` of them
+        passed on to the next stage."""
+        batch = [next(ids) for _ in range(rows)]
+        admission.count_escalations(plan, model, dict.fromkeys(batch, 0), batch[:escalated])
+
+    assert admission.downstream_row_s(disp) == pytest.approx(0.01)  # cold: every row escalates
+    answered(two, "a", 19, 1)
+    assert admission.escalations == {first: (19, 1)}
+    assert admission.downstream_row_s(disp) == pytest.approx(0.01)  # too few rows to trust
+    answered(two, "a", 81, 24)
+    assert admission.escalations == {first: (100, 25)}
+    assert admission.downstream_row_s(disp) == pytest.approx(0.0025)
     # what a served batch counts goes to its rows' cascade and stage
-    engine._escalations.clear()
-    engine._count_escalations(two, "a", {1: 0, 2: 0, 3: 0, 4: 0}, [2, 4])
-    engine._count_escalations(two, "b", {2: 0, 4: 0}, [])
-    assert engine._escalations == {first: (4, 2), (two.cascades[0], 1): (2, 0)}
+    admission = Admission(WallClock())
+    admission.count_escalations(two, "a", {1: 0, 2: 0, 3: 0, 4: 0}, [2, 4])
+    admission.count_escalations(two, "b", {2: 0, 4: 0}, [])
+    assert admission.escalations == {first: (4, 2), (two.cascades[0], 1): (2, 0)}
     # another threshold is another rate: a plan swapped in (or another gear) starts cold
-    stricter = Cascade(("a", "b"), (0.9,))
-    engine._escalations[(stricter, 0)] = (100, 90)
-    assert engine._downstream_row_s(disp) == pytest.approx(0.01)  # 4 rows: still cold
-    engine._escalations[first] = (100, 25)
-    assert engine._downstream_row_s(disp) == pytest.approx(0.0025)
+    stricter = two_stage_plan(0.9)
+    answered(stricter, "a", 100, 90)
+    assert admission.escalations[(stricter.cascades[0], 0)] == (100, 90)
+    assert admission.downstream_row_s(disp) == pytest.approx(0.01)  # 4 rows: still cold
+    answered(two, "a", 96, 23)
+    assert admission.escalations[first] == (100, 25)
+    assert admission.downstream_row_s(disp) == pytest.approx(0.0025)
 
 
 # -- generating functions drain like classifiers ------------------------------------------------

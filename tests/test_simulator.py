@@ -472,7 +472,7 @@ def test_metrics_of_a_single_request() -> None:
 
 def test_runtime_spread_draws_one_factor_per_batch_from_the_distribution() -> None:
     from ken.engine.calibrate import calibrated, runtime_spread
-    from ken.engine.serving import BatchRecord
+    from ken.engine.supervision import BatchRecord
 
     rt = CATALOG.perf["b"].batch_runtime(1)
     # a serving log: batch-1 calls of b took 1x or 3x the profile, half each

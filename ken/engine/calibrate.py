@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ken.engine.serving import BatchRecord
+from ken.engine.supervision import BatchRecord
 from ken.errors import KenError
 from ken.optimizer.perf import Catalog, ModelPerf
 

@@ -16,8 +16,9 @@ from typing import Any
 
 from ken.engine.decode import CascadeServer, GenerationEngine
 from ken.engine.ray_runner import RayCluster
-from ken.engine.serving import Engine, LoadReport
+from ken.engine.serving import Engine
 from ken.engine.sigterm import SigtermDrain
+from ken.engine.supervision import LoadReport
 from ken.engine.workers import gpu_index
 from ken.errors import KenError
 from ken.models.model import DeviceConfig, Model

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from ken.engine.outcome import Outcome
-from ken.engine.serving import BatchRecord, Engine, LoadReport
+from ken.engine.serving import Engine
+from ken.engine.supervision import BatchRecord, LoadReport
 from ken.models.datasets import LabelledSample
 from ken.models.quality import EvalSample
 from ken.optimizer.simulator import SimResult, sample_rows

@@ -1,0 +1,307 @@
+"""Dispatch in the online engine: the scheduler thread that owns every operator's
+``Dispatcher`` — the scheduling policy the simulator uses — and processes events in order:
+arrivals, finished and failed batches from the device workers (``supervision.DevicePool``),
+queue deadlines (max wait), plan swaps and the stop at shutdown.
+
+Every request in flight is in ``Requests`` until it gets its one ``Outcome``. The dispatchers
+share the devices' busy set, so a device runs one batch at a time whichever operator it is
+for; devices the online queues leave idle run bulk rows (``bulk.BulkRows``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ken.engine.admission import Admission
+from ken.engine.bulk import BulkBatch, BulkRows
+from ken.engine.outcome import Outcome, Status
+from ken.engine.supervision import Breaker, DevicePool, RunnableBatch
+from ken.models.certainty import certainty_of
+from ken.policy.plan import GearPlan
+from ken.policy.scheduling import Batch, Dispatcher, WallClock
+
+
+@dataclass
+class _Request:
+    text: Any  # a text, or a tuple of texts
+    future: Future
+    arrival_s: float
+
+
+class Requests:
+    """The requests in flight, by id, each with the future of its outcome; ``add`` and
+    ``cancel_all`` may be called from any thread."""
+
+    def __init__(self, clock: WallClock) -> None:
+        self.clock = clock
+        self.lock = threading.Lock()
+        self._ids = itertools.count()
+        self._requests: dict[int, _Request] = {}
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def add(self, rid: int, text: Any, future: Future, now: float) -> None:
+        """(Under ``lock``.)"""
+        self._requests[rid] = _Request(text, future, now)
+
+    def texts(self, batch: RunnableBatch) -> list | None:
+        """The input rows of ``batch`` (None: shutdown cancelled its requests)."""
+        try:
+            return [self._requests[rid].text for rid in batch.request_ids]
+        except KeyError:
+            return None
+
+    def resolve(self, rid: int, status: Status, now: float | None = None, **fields: Any
+                ) -> float:
+        """Give request ``rid`` its outcome (completed ``now``, by default the clock's time);
+        returns its latency."""
+        req = self._requests.pop(rid)
+        now = self.clock.now() if now is None else now
+        req.future.set_result(Outcome(rid, status, req.arrival_s, now, **fields))
+        return now - req.arrival_s
+
+    def cancel_all(self, message: str) -> int:
+        """Every request still in flight ends ``cancelled``; returns how many."""
+        now = self.clock.now()
+        with self.lock:
+            left = list(self._requests.items())
+            self._requests.clear()
+        for rid, req in left:
+            req.future.set_result(Outcome(rid, "cancelled", req.arrival_s, now, error=message))
+        return len(left)
+
+
+class Scheduler:
+    """The scheduler thread of an engine (see the module docstring). ``plans`` is the
+    engine's map of active plans (kept up to date on swaps)."""
+
+    def __init__(self, plans: dict[str, GearPlan], clock: WallClock, requests: Requests,
+                 events: queue.Queue, pool: DevicePool, breaker: Breaker,
+                 admission: Admission, bulk_batch_size: int) -> None:
+        self.plans = plans
+        self.clock = clock
+        self.requests = requests
+        self.events = events
+        self.pool = pool
+        self.breaker = breaker
+        self.admission = admission
+        self.bulk_batch_size = bulk_batch_size
+        self._busy: set[str] = set()  # devices running a batch, shared by all dispatchers
+        # the dispatcher of each operator's active plan
+        self._active: dict[str, Dispatcher] = {
+            op: Dispatcher(p, clock, self._busy) for op, p in plans.items()}
+        self._retiring: list[Dispatcher] = []  # swapped-out plans finishing running batches
+        self._owner: dict[int, Dispatcher] = {}  # id(batch) -> dispatcher that started it
+        self._past_switches: dict[str, list[tuple[float, int, int]]] = {}
+        self.plan_swaps: list[tuple[float, int]] = []  # (time, queued rows moved)
+        self._bulk = BulkRows()
+        self.rejected = 0  # online requests admission turned away (under requests.lock)
+
+    def dispatcher(self, operator: str) -> Dispatcher:
+        return self._active[operator]
+
+    def gear_switches_of(self, operator: str) -> list[tuple[float, int, int]]:
+        return (self._past_switches.get(operator, [])
+                + list(self._active[operator].gears.switches))
+
+    def run(self) -> None:
+        """The thread's loop, until a ``("stop", future)`` event."""
+        while True:
+            deadlines = [t for d in self._dispatchers() if (t := d.next_deadline()) is not None]
+            deadline = min(deadlines) if deadlines else None
+            timeout = None if deadline is None else max(deadline - self.clock.now(), 0.0)
+            try:
+                event = self.events.get(timeout=timeout)
+            except queue.Empty:
+                self._expire()
+                continue
+            kind = event[0]
+            if kind == "arrive":
+                self._arrive(self._active[event[1]], event[2])
+            elif kind == "bulk":
+                self._bulk.arrive(self._active[event[1]], event[2])
+                self._launch_bulk()
+            elif kind == "done":
+                self._finished(*event[1:])
+            elif kind == "failed":
+                self._failed(*event[1:])
+            elif kind == "swap":
+                self._swap(*event[1:])
+            elif kind == "stop":
+                event[1].set_result(self.cancel_queued())
+                return
+            if deadline is not None and self.clock.now() >= deadline:
+                self._expire()
+
+    def cancel_queued(self) -> int:
+        """At shutdown: every request still queued or running ends ``cancelled`` (a running
+        batch's late result is ignored)."""
+        for disp in self._dispatchers():
+            disp.drain()
+        self._bulk.clear()
+        self.admission.forget_all()
+        return self.requests.cancel_all("the engine shut down before it ran")
+
+    # -- events -----------------------------------------------------------------------------
+
+    def _dispatchers(self) -> list[Dispatcher]:
+        return [*self._active.values(), *self._retiring]
+
+    def _expire(self) -> None:
+        for disp in self._dispatchers():
+            self._launch(disp, disp.expire())
+
+    def _arrive(self, disp: Dispatcher, rids: Sequence[int]) -> None:
+        """Admission (``admission.Admission``), then the dispatcher queues the rows. Every
+        arrival is metered and routed, rejected ones too: the gear follows the offered load
+        and the replicas keep their shares of it."""
+        for rid in rids:
+            rng = disp.arrival()
+            first = disp.plan.cascade_of(rng).models[0]
+            reason = self.breaker.reason(first)
+            if reason is not None:
+                self.requests.resolve(rid, "error", model=first, gear=rng, error=reason)
+                continue
+            replica = disp.route()
+            over = self.admission.check(disp, rid, replica, self._device_work)
+            if over is not None:
+                with self.requests.lock:
+                    self.rejected += 1
+                self.requests.resolve(rid, "rejected", gear=rng, error=over[0],
+                                      retry_after_s=over[1])
+                continue
+            self._launch(disp, disp.admit(rid, metered=False, replica=replica))
+
+    def _device_work(self) -> dict[str, float]:
+        """Profiled seconds of work each device has ahead of a new row: the rows queued on it
+        (every plan's) and what is left of the batch it runs."""
+        work: dict[str, float] = {}
+        for disp in self._dispatchers():
+            for d, seconds in (disp.queued_work_s() or {}).items():
+                work[d] = work.get(d, 0.0) + seconds
+        for d, seconds in self.pool.running_work().items():
+            work[d] = work.get(d, 0.0) + seconds
+        return work
+
+    def _launch(self, disp: Dispatcher, batches: Iterable[Batch]) -> None:
+        for b in batches:
+            self._owner[id(b)] = disp
+            self.pool.run(b, disp.plan.batch_seconds(b.replica, len(b.request_ids)))
+
+    def _freed(self, devices: tuple[str, ...]) -> None:
+        """Devices came free: online queues first, then bulk rows."""
+        for disp in self._dispatchers():
+            self._launch(disp, disp.poll(devices))
+        self._launch_bulk()
+        self._retiring = [d for d in self._retiring if d.in_flight]
+
+    def _finished(self, batch: Batch | BulkBatch, values: list, scores: np.ndarray) -> None:
+        self.breaker.ran(batch)
+        if isinstance(batch, BulkBatch):
+            for d in batch.devices:
+                self._busy.discard(d)
+            now = self.clock.now()
+            for a in self._bulk.finished(batch, values, scores):
+                self.requests.resolve(a.request_id, "ok", now, value=a.value, certainty=a.certainty,
+                                      stage=a.stage, model=batch.model)
+            self._freed(batch.devices)
+            return
+        disp = self._owner.pop(id(batch))
+        certs = certainty_of(scores, disp.plan.certainty)
+        gears = {rid: disp.range_of(rid) for rid in batch.request_ids}
+        fin = disp.finish(batch, certs)
+        self.admission.count_escalations(disp.plan, batch.model, gears, fin.escalated)
+        now = self.clock.now()
+        row = {rid: j for j, rid in enumerate(batch.request_ids)}
+        for rid, stage in zip(fin.resolved, fin.resolved_stages, strict=True):
+            j = row[rid]
+            latency = self.requests.resolve(rid, "ok", now, value=values[j],
+                                            certainty=float(certs[j]), stage=stage,
+                                            model=batch.model, gear=gears[rid])
+            self.admission.answered(rid, latency)
+        self._launch(disp, fin.started)
+        self._freed(batch.devices)
+
+    def _failed(self, batch: Batch | BulkBatch, message: str, crashed: bool,
+                expected_s: float | None) -> None:
+        """A model call raised (``crashed``: or its worker died or hung): run the batch once
+        more on the replaced worker, else end its rows in error."""
+        error = self.breaker.failed(batch, message, crashed)
+        for rid in batch.request_ids:  # a failed attempt says nothing about queueing
+            self.admission.forget(rid)
+        if error is None:  # run the same batch again (the device stays busy)
+            self.pool.run(batch, expected_s)
+            return
+        if isinstance(batch, BulkBatch):
+            for d in batch.devices:
+                self._busy.discard(d)
+            self._bulk.failed(batch)
+            now = self.clock.now()
+            for rid in batch.request_ids:
+                self.requests.resolve(rid, "error", now, model=batch.model, error=error)
+            self._freed(batch.devices)
+            return
+        disp = self._owner.pop(id(batch))
+        gears = {rid: disp.range_of(rid) for rid in batch.request_ids}
+        # resolve every row (certainty +inf never escalates) to free the devices
+        fin = disp.finish(batch, [np.inf] * len(batch.request_ids))
+        now = self.clock.now()
+        for rid in fin.resolved:
+            self.admission.forget(rid)
+            self.requests.resolve(rid, "error", now, model=batch.model, gear=gears[rid],
+                                  error=error)
+        self._launch(disp, fin.started)
+        self._freed(batch.devices)
+
+    def _swap(self, plan: GearPlan, done: Future) -> None:
+        op = plan.operator
+        old = self._active.get(op)
+        moved: list[int] = []
+        if old is not None:
+            self._past_switches.setdefault(op, []).extend(old.gears.switches)
+            moved = sorted(old.drain())  # request ids grow with arrival: oldest first
+            if old.in_flight:
+                self._retiring.append(old)
+        new = Dispatcher(plan, self.clock, self._busy)
+        self._active[op] = new
+        self.plans[op] = plan
+        for rid in moved:
+            self._launch(new, new.admit(rid, metered=False))
+        self._launch(new, new.poll(plan.devices))
+        self.plan_swaps.append((self.clock.now(), len(moved)))
+        done.set_result(len(moved))
+
+    # -- bulk rows --------------------------------------------------------------------------
+
+    def _launch_bulk(self) -> None:
+        for b in self._bulk.batches(self._bulk_devices, self._busy, self.bulk_batch_size):
+            self.pool.run(b, self._bulk_seconds(b.model, b.devices[0], len(b.request_ids)))
+
+    def _bulk_devices(self, model: str) -> list[str]:
+        placed = list(dict.fromkeys(d for plan in self.plans.values()
+                                    for r in plan.replicas_of(model)
+                                    for d in plan.placement[r].devices))
+        return placed or self.pool.hosts(model)
+
+    def _bulk_seconds(self, model: str, device: str, rows: int) -> float | None:
+        """Profiled seconds of a bulk batch: a replica of ``model`` on ``device`` if a plan
+        has one, else any replica of it."""
+        found = [(device not in p.placement[r].devices, p, r) for p in self.plans.values()
+                 for r in p.replicas_of(model)]
+        for _, plan, r in sorted(found, key=lambda f: f[0]):
+            seconds = plan.batch_seconds(r, rows)
+            if seconds is not None:
+                return seconds
+        return None

@@ -1,0 +1,399 @@
+"""Worker supervision of the online engine (DESIGN.md section 14): the device workers that run
+batches, their deadlines, retries, the crash-loop breaker, restarts and memory checks.
+
+- ``DevicePool``: one *device worker* per device — its own process by default
+  (``ProcessRunner``), a thread of this process for models given already loaded
+  (``ThreadRunner``), or a Ray actor (``RayRunner``) — fed by a queue that a thread of this
+  process reads, one batch at a time. Each batch runs under a deadline (``BatchDeadline``);
+  a worker that dies or misses it is replaced by its runner (``workers.py``). What a batch
+  did is reported as an event: ``("done", batch, values, scores)`` or ``("failed", batch,
+  message, crashed, expected_s)``.
+- ``Breaker``: whether a failed batch runs again (``max_retries``) and which models are
+  marked failed after ``max_crashes`` crashes or hangs in a row.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal, Protocol
+
+from ken.engine.bulk import BulkBatch
+from ken.engine.ray_runner import RayCluster, RayRunner
+from ken.engine.workers import (
+    ProcessRunner,
+    ThreadRunner,
+    WorkerDied,
+    WorkerError,
+    gpu_index,
+    warm_up,
+)
+from ken.errors import BatchTimeout, EngineError
+from ken.models.model import Model
+from ken.policy.plan import GearPlan
+from ken.policy.scheduling import WallClock
+
+Source = Model | Callable[[], Model]
+Workers = Literal["process", "thread", "ray"]
+_STOP = object()
+
+
+class RunnableBatch(Protocol):
+    """A batch the device workers run: the dispatcher's ``Batch`` or a ``BulkBatch``."""
+
+    model: str
+    devices: tuple[str, ...]
+    request_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """Models loaded (and warmed up) before serving: seconds per (device, model), and wall
+    time in total."""
+
+    seconds: Mapping[str, float]
+    total_s: float
+    workers: str  # "process" | "thread"
+    rss_bytes: Mapping[str, int] = field(default_factory=dict)  # per process worker, loaded
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    """One model call as a device ran it (engine clock; includes the worker round trip)."""
+
+    device: str
+    model: str
+    rows: int
+    start_s: float
+    end_s: float
+    idle_before_s: float  # how long the device had been idle before this call
+    bulk: bool = False
+
+    @property
+    def seconds(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass(frozen=True)
+class BatchDeadline:
+    """How long a batch may run: ``factor`` times its profiled runtime, at least ``floor_s``;
+    ``unprofiled_s`` when the plan carries no runtimes.
+
+    10x leaves room for what serving adds to a profile (the worker round trip, a device that
+    idled, a long row; benchmarks/e2e measured serving calls at 1.0-1.2x their profile at the
+    median); the 2 s floor keeps a busy machine's stalls (page faults, another process on the
+    core) from killing a healthy worker, whose restart costs more than the wait.
+    """
+
+    factor: float = 10.0
+    floor_s: float = 2.0
+    unprofiled_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not all(math.isfinite(v) and v > 0
+                   for v in (self.factor, self.floor_s, self.unprofiled_s)):
+            raise EngineError("a batch deadline needs a factor, a floor and an unprofiled "
+                              "deadline that are finite and > 0")
+
+    def seconds(self, profiled_s: float | None) -> float:
+        if profiled_s is None:
+            return self.unprofiled_s
+        return max(self.factor * profiled_s, self.floor_s)
+
+
+class Breaker:
+    """Retries of failed batches and the crash-loop breaker: a batch that failed runs again
+    up to ``max_retries`` times; a model whose calls crash or hang their worker
+    ``max_crashes`` times in a row is marked failed (its rows then end in error at once)."""
+
+    def __init__(self, max_retries: int = 1, max_crashes: int = 3) -> None:
+        if max_retries < 0 or max_crashes < 1:
+            raise EngineError("max_crashes must be >= 1 and max_retries >= 0")
+        self.max_retries = max_retries
+        self.max_crashes = max_crashes
+        self._attempts: dict[int, int] = {}  # id(batch) -> failed attempts
+        self._crashes: dict[str, int] = {}  # model -> crashes or hangs in a row
+        self._failed: dict[str, str] = {}  # model -> why it is not run any more
+
+    @property
+    def failed_models(self) -> Mapping[str, str]:
+        """Models marked failed, with the reason their rows get."""
+        return MappingProxyType(dict(self._failed))
+
+    def reason(self, model: str) -> str | None:
+        """Why ``model`` is not run any more (None: it is)."""
+        return self._failed.get(model)
+
+    def ran(self, batch: RunnableBatch) -> None:
+        """``batch`` ran: its model's crashes are no longer "in a row"."""
+        self._attempts.pop(id(batch), None)
+        self._crashes.pop(batch.model, None)
+
+    def failed(self, batch: RunnableBatch, message: str, crashed: bool) -> str | None:
+        """An attempt of ``batch`` raised (``crashed``: or its worker died or hung). None: run
+        it again; else the error its rows end with."""
+        model = batch.model
+        if crashed and model not in self._failed:
+            crashes = self._crashes[model] = self._crashes.get(model, 0) + 1
+            if crashes >= self.max_crashes:
+                self._failed[model] = (
+                    f"{model} is marked failed: it crashed or hung its worker {crashes} times "
+                    f"in a row (last: {message}); the engine does not run it again: fix the "
+                    "model and serve again")
+        failed = self._failed.get(model)
+        attempts = self._attempts.get(id(batch), 0) + 1
+        self._attempts[id(batch)] = attempts
+        if attempts <= self.max_retries and failed is None:
+            return None
+        del self._attempts[id(batch)]
+        return failed or f"{model} failed {attempts} times: {message}"
+
+
+class DevicePool:
+    """The device workers of an engine and the models they host (see the module docstring).
+
+    ``workers``: ``"process"`` needs picklable loaders (each device process loads its own
+    copy); ``"thread"`` loads each model once in this process and shares it; ``"ray"`` runs
+    each device as a Ray actor on ``ray_cluster`` (default: a local Ray started for this
+    process). ``texts_of(batch)`` gives a batch's input rows (None: its requests were
+    cancelled); ``report(event)`` receives what each batch did."""
+
+    def __init__(self, workers: Workers, threads_per_device: int, clock: WallClock,
+                 deadline: BatchDeadline, breaker: Breaker,
+                 texts_of: Callable[[RunnableBatch], list | None],
+                 report: Callable[[tuple], None], ray_cluster: RayCluster | None = None
+                 ) -> None:
+        if threads_per_device < 1:
+            raise EngineError("a device needs at least one thread")
+        self.workers = workers
+        self.threads_per_device = threads_per_device
+        self.clock = clock
+        self.deadline = deadline
+        self.breaker = breaker
+        self.ray_cluster = ray_cluster
+        self._texts_of = texts_of
+        self._report = report
+        self._sources: dict[str, Source] = {}
+        self._gpu_sources: dict[str, Source] = {}
+        self._models: dict[str, Model] = {}  # thread workers share these
+        self._queues: dict[str, queue.Queue] = {}
+        self._runners: dict[str, ThreadRunner | ProcessRunner | RayRunner] = {}
+        self._loaded_on: dict[str, set[str]] = {}  # device -> models loaded there
+        self._threads: dict[str, threading.Thread] = {}
+        self._running_until: dict[str, float] = {}  # device -> profiled end of its batch
+        # the latest model calls (bounded: the oldest half is dropped at the limit)
+        self.batch_log: list[BatchRecord] = []
+        self.batch_log_limit = 200_000
+        self.failed_attempts = 0  # model calls that raised, hung or whose worker died
+        self.timeouts = 0  # batches that ran past their deadline
+
+    # -- sources and plans ------------------------------------------------------------------
+
+    def add_sources(self, models: Mapping[str, Source] | None,
+                    gpu_models: Mapping[str, Source] | None = None) -> None:
+        """What loads each model: on CPU devices (``models``) and GPUs (``gpu_models``)."""
+        for given, into in ((models, self._sources), (gpu_models, self._gpu_sources)):
+            if not given:
+                continue
+            if self.workers in ("process", "ray") and any(isinstance(s, Model)
+                                                          for s in given.values()):
+                raise EngineError(f"{self.workers} workers load their own models: pass "
+                                  "loaders (zero-argument functions), not loaded models, or "
+                                  "use workers='thread'")
+            into.update(given)
+
+    def check_plans(self, plans: Sequence[GearPlan]) -> None:
+        """Every model the plans place has a source for its devices, on devices these
+        workers can serve."""
+        for plan in plans:
+            on_gpu = {r.model for r in plan.placement if any(gpu_index(d) is not None
+                                                             for d in r.devices)}
+            on_cpu = {r.model for r in plan.placement if any(gpu_index(d) is None
+                                                             for d in r.devices)}
+            missing = sorted(on_cpu - set(self._sources))
+            if missing:
+                raise EngineError(f"the plan places {missing} but no model was given for them")
+            missing = sorted(on_gpu - set(self._gpu_sources))
+            if missing:
+                raise EngineError(f"the plan places {missing} on GPUs but no GPU loader was "
+                                  "given for them (gpu_models=: loaders that load on cuda:0, "
+                                  "the one GPU each worker process sees)")
+            if any(r.degree > 1 for r in plan.placement):
+                raise EngineError("tensor-parallel replicas need a GPU backend; this engine "
+                                  "runs one replica per CPU worker")
+        gpus = sorted({d for p in plans for d in p.devices if gpu_index(d) is not None})
+        if gpus and self.workers == "thread":
+            raise EngineError(f"the plan places models on GPUs ({', '.join(gpus)}): GPU devices "
+                              "are served by worker processes (one per GPU) or Ray actors, not "
+                              "threads; pass loaders and workers='process'")
+
+    def _source(self, device: str, model: str) -> Source:
+        """What loads ``model`` on ``device``: a GPU's loader for GPU devices."""
+        return (self._sources if gpu_index(device) is None else self._gpu_sources)[model]
+
+    # -- workers ----------------------------------------------------------------------------
+
+    def add(self, placed: Mapping[str, list[str]]) -> dict[str, float]:
+        """Start workers for devices not served yet (loading their models, in parallel) and
+        load models new to running devices. Seconds per ``device/model``."""
+        seconds: dict[str, float] = {}
+        new = {d: ms for d, ms in placed.items() if d not in self._runners}
+        if self.workers == "thread":
+            for name in sorted({m for ms in placed.values() for m in ms} - set(self._models)):
+                src = self._sources[name]
+                t = time.perf_counter()
+                self._models[name] = src if isinstance(src, Model) else src()
+                warm_up(self._models[name])
+                seconds[f"shared/{name}"] = time.perf_counter() - t
+            runners = {d: ThreadRunner(d, self._models) for d in new}
+        elif self.workers == "ray":
+            if new and self.ray_cluster is None:
+                self.ray_cluster = RayCluster.connect()  # a local Ray for this process
+            cluster = self.ray_cluster
+            runners = {d: RayRunner(d, {m: self._source(d, m) for m in ms},  # type: ignore[misc]
+                                    self.threads_per_device,
+                                    cluster.placement(d, self.threads_per_device))
+                       for d, ms in new.items()}
+        else:
+            runners = {d: ProcessRunner(d, {m: self._source(d, m) for m in ms},  # type: ignore[misc]
+                                        self.threads_per_device) for d, ms in new.items()}
+        if runners:
+            with ThreadPoolExecutor(len(runners)) as pool:
+                started = {d: pool.submit(r.start) for d, r in runners.items()}
+            failed = [f.exception() for f in started.values() if f.exception() is not None]
+            if failed:  # stop the workers that did start; nothing is left running
+                for r in runners.values():
+                    r.close()
+                raise failed[0]
+            for d, f in started.items():
+                seconds.update({f"{d}/{m}": s for m, s in f.result().items()})
+        for d, runner in runners.items():
+            self._runners[d] = runner
+            self._loaded_on[d] = set(placed[d])
+            self._queues[d] = queue.Queue()
+            t = threading.Thread(target=self._work, args=(d,), name=f"ken-device-{d}",
+                                 daemon=True)
+            self._threads[d] = t
+            t.start()
+        for d, ms in placed.items():  # running devices that must host more models
+            for m in ms:
+                if m in self._loaded_on[d]:
+                    continue
+                done: Future = Future()
+                self._queues[d].put(("load", m, self._source(d, m), done))
+                seconds[f"{d}/{m}"] = done.result()
+                self._loaded_on[d].add(m)
+        return seconds
+
+    def check_memory(self, budget: int | None, stop: bool = True) -> dict[str, int]:
+        """Resident memory per process worker; over ``budget`` an ``EngineError`` says which
+        device holds what (with ``stop``, the workers are stopped first). A GPU worker's host
+        memory is not checked: its models live on the GPU, whose budget the plan kept, and
+        its resident memory is mostly the CUDA libraries."""
+        rss = {d: b for d, r in self._runners.items()
+               if gpu_index(d) is None and (b := r.rss_bytes()) is not None}
+        over = {d: b for d, b in rss.items() if budget is not None and b > budget}
+        if over and stop:  # nothing is left running
+            for q in self._queues.values():
+                q.put(_STOP)
+            for r in self._runners.values():
+                r.close()
+            self._runners.clear()
+        if over:
+            assert budget is not None
+            detail = "; ".join(f"{d} holds {b / 2**20:,.0f} MB with "
+                               f"{', '.join(sorted(self._loaded_on[d]))}"
+                               for d, b in over.items())
+            raise EngineError(f"over the memory budget of {budget / 2**20:,.0f} MB per device: "
+                              f"{detail}; give the devices more memory or plan with less")
+        return rss
+
+    def run(self, batch: RunnableBatch, expected_s: float | None) -> None:
+        """Queue ``batch`` on its first device (``expected_s``: its profiled runtime)."""
+        self._queues[batch.devices[0]].put(("run", batch, expected_s))
+
+    def hosts(self, model: str) -> list[str]:
+        """Devices that have ``model`` loaded."""
+        return [d for d, ms in self._loaded_on.items() if model in ms]
+
+    def running_work(self) -> dict[str, float]:
+        """Profiled seconds left of the batch each busy device runs."""
+        now = self.clock.now()
+        return {d: until - now for d, until in list(self._running_until.items()) if until > now}
+
+    def closing(self) -> None:
+        """The engine shuts down: a worker that dies from now on is not restarted."""
+        for r in self._runners.values():
+            r.closing = True
+
+    def close(self) -> None:
+        """Stop the device threads and their workers."""
+        for q in self._queues.values():
+            q.put(_STOP)
+        for t in self._threads.values():
+            t.join(timeout=2.0)
+        for r in self._runners.values():
+            r.close()
+
+    @property
+    def restarts(self) -> int:
+        """Workers replaced so far: processes restarted after dying or being killed at a
+        deadline, threads abandoned at a deadline."""
+        return sum(r.restarts for r in self._runners.values())
+
+    def pids(self) -> dict[str, int | None]:
+        return {d: r.pid for d, r in self._runners.items()}
+
+    def nodes(self) -> dict[str, str | None]:
+        return {d: getattr(r, "node_id", None) for d, r in self._runners.items()}
+
+    def _work(self, device: str) -> None:
+        q = self._queues[device]
+        runner = self._runners[device]
+        idle_since = self.clock.now()
+        while True:
+            item = q.get()
+            if item is _STOP:
+                return
+            if item[0] == "load":
+                _, name, source, done = item
+                try:
+                    done.set_result(runner.load(name, source))
+                except Exception as exc:  # noqa: BLE001 - handed to swap_plan's caller
+                    done.set_exception(exc)
+                continue
+            _, batch, expected_s = item
+            failed = self.breaker.reason(batch.model)
+            if failed is not None:  # not run again: its rows end in error at once
+                self._report(("failed", batch, failed, False, expected_s))
+                continue
+            texts = self._texts_of(batch)
+            if texts is None:  # cancelled by shutdown while queued here
+                continue
+            started = self.clock.now()
+            if expected_s is not None:
+                self._running_until[device] = started + expected_s
+            try:
+                values, scores = runner.run(batch.model, texts, self.deadline.seconds(expected_s))
+            except Exception as exc:  # noqa: BLE001 - this thread must never die with a batch
+                self._running_until.pop(device, None)
+                self.failed_attempts += 1
+                self.timeouts += isinstance(exc, BatchTimeout)
+                message = str(exc) if isinstance(exc, WorkerError) else \
+                    f"{type(exc).__name__}: {exc}"
+                self._report(("failed", batch, message,
+                              isinstance(exc, WorkerDied | BatchTimeout), expected_s))
+                continue
+            self._running_until.pop(device, None)
+            idle_since, idle_s = self.clock.now(), started - idle_since
+            self.batch_log.append(BatchRecord(device, batch.model, len(texts), started,
+                                              idle_since, idle_s, isinstance(batch, BulkBatch)))
+            if len(self.batch_log) > self.batch_log_limit:
+                del self.batch_log[: len(self.batch_log) // 2]
+            self._report(("done", batch, values, scores))
