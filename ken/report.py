@@ -1,8 +1,18 @@
-"""The tables that `ken` and `ken demo` print (rich), kept apart from the command logic."""
+"""The tables that `ken` and `ken demo` print (rich), kept apart from the command logic, and
+the console they print to."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
 from rich.table import Table
+
+from ken.optimizer.planning import sustained_qps
+
+# a fixed width when not a terminal keeps wide tables readable in logs and CI
+console = Console(width=None if sys.stdout.isatty() else 160)
 
 
 def _mb(num_bytes: float) -> str:
@@ -50,8 +60,6 @@ def frontier_table(points, title: str = "Pareto cascades", limit: int = 14) -> T
 def cascade_names(frontier, catalog=None) -> dict:  # noqa: ANN001
     """Short names ``C0, C1, ...`` for the cascades a frontier uses: by expected compute per
     row when ``catalog`` is given (C0 cheapest), else by number of stages."""
-    from ken.optimizer.planning import sustained_qps
-
     used = list(dict.fromkeys(c for plan in frontier.plans for c in plan.cascades))
     if catalog is not None:
         used.sort(key=lambda c: -sustained_qps(catalog, c, 1))
@@ -81,3 +89,57 @@ def gear_plan_table(frontier, chosen=None, catalog=None) -> tuple[Table, list[st
     return table, legend
 
 
+
+
+def print_gear_plans(frontier, chosen=None, catalog=None) -> None:  # noqa: ANN001
+    """``gear_plan_table`` and its legend, on the console."""
+    table, legend = gear_plan_table(frontier, chosen, catalog)
+    console.print(table)
+    for line in legend:
+        console.print(f"  {line}", highlight=False, markup=False)
+
+
+def latency_table(title: str, rows: Sequence[tuple], first: str = "",  # noqa: ANN001
+                  accuracies: Sequence[float] | None = None) -> Table:
+    """Accuracy and latency percentiles of served (or simulated) runs, one row per ``(name,
+    metrics)``; ``first`` heads the names. With ``accuracies`` (the held-out accuracy of the
+    cascades that served each run) the table shows them beside the rows answered correctly
+    (``metrics.accuracy``), else the latter alone as "accuracy"."""
+    table = Table(title=title)
+    correct = "accuracy" if accuracies is None else "rows correct"
+    for col in (first, *(() if accuracies is None else ("accuracy",)), correct, "p50 ms",
+                "p95 ms", "p99 ms", "gear switches"):
+        table.add_column(col, justify="left" if first and col == first else "right")
+    for i, (name, m) in enumerate(rows):
+        served = () if accuracies is None else (f"{accuracies[i]:.1%}",)
+        table.add_row(name, *served, f"{m.accuracy:.1%}", f"{m.p50_ms:.1f}", f"{m.p95_ms:.1f}",
+                      f"{m.p99_ms:.1f}", str(m.gear_switches))
+    return table
+
+
+def qa_table(data, summary) -> Table:  # noqa: ANN001 - QA data and a multihop summary
+    """EM and F1 by question type, and over all questions."""
+    table = Table(title=f"{data.dataset} ({data.variant}, {', '.join(data.files)}): "
+                        f"{summary.scored} questions answered")
+    for col in ("question type", "questions", "EM %", "F1 %"):
+        table.add_column(col, justify="left" if col == "question type" else "right")
+    for qtype, t in sorted(summary.by_type.items(), key=lambda kv: -kv[1].count):
+        table.add_row(qtype, str(t.count), f"{t.em:.1f}", f"{t.f1:.1f}")
+    table.add_row("all", str(summary.scored), f"{summary.em:.1f}", f"{summary.f1:.1f}",
+                  style="bold")
+    return table
+
+
+def batching_table(title: str, rows: Sequence[tuple]) -> Table:  # noqa: ANN001
+    """Continuous against static batching, simulated beside measured: one row per
+    ``(mode, simulated metrics, measured metrics)``."""
+    table = Table(title=title)
+    for col in ("batching", "TTFT p50 ms (sim / engine)", "TTFT p95 ms (sim / engine)",
+                "TGT p95 ms (sim / engine)", "passes (sim / engine)"):
+        table.add_column(col, justify="left" if col == "batching" else "right")
+    for mode, sim, got in rows:
+        table.add_row(mode, f"{sim.ttft_p50_ms:.0f} / {got.ttft_p50_ms:.0f}",
+                      f"{sim.ttft_p95_ms:.0f} / {got.ttft_p95_ms:.0f}",
+                      f"{sim.tgt_p95_ms:.0f} / {got.tgt_p95_ms:.0f}",
+                      f"{sim.passes} / {got.passes}")
+    return table

@@ -287,7 +287,8 @@ def test_mpnet_folder_is_the_zips_transformers_files_recorded_in_the_store(tmp_p
 def test_opt_in_members_join_the_family_only_when_asked_for() -> None:
     import argparse
 
-    from ken.cli import _family, _family_args
+    from ken.cli import family_args as _family_args
+    from ken.cli import family_data as _family
     from ken.errors import KenError
     from ken.models import family
 

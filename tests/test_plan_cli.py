@@ -178,15 +178,15 @@ def test_missing_azure_data_says_what_to_do(tmp_path, monkeypatch) -> None:
 
 
 @pytest.fixture
-def fake_profiles(monkeypatch) -> list[list[int]]:
+def fake_profiles(monkeypatch) -> list[int]:
     """`ken plan` gets the synthetic profiles instead of profiling the packaged models."""
-    calls: list[list[int]] = []
+    calls: list[int] = []
 
-    def load(_args: Any, threads: Any, _reporter: Any, *_rest: Any, gpu: Any = None) -> Any:
-        calls.append(list(threads))
-        return [], list(PROFILES.values())
+    def load(_op: Any, _ctx: Any, threads: int, *_rest: Any, device: Any = None) -> Any:
+        calls.append(threads)
+        return dict(PROFILES)
 
-    monkeypatch.setattr("ken.cli._load_profiles", load)
+    monkeypatch.setattr("ken.optimizer.planning.operator_profiles", load)
     return calls
 
 
@@ -196,7 +196,7 @@ def test_ken_plan_end_to_end(home, fake_profiles, tmp_path, capsys) -> None:
             "--ranges", "3", "--grid", "4", "--placement-scoring", "estimate",
             "--target", "accuracy >= 0.6", "--out", str(out), "--quiet"]
     assert main(argv) == 0
-    assert fake_profiles == [[1]]  # one thread per worker by default
+    assert fake_profiles == [1]  # one thread per worker by default
     text = capsys.readouterr().out
     front = Frontier.load(out / "frontier-sentiment.json")
     assert (out / "frontier-sentiment.png").read_bytes().startswith(PNG_MAGIC)

@@ -412,6 +412,24 @@ def gpu_device(hardware: Hardware, threads: int) -> DeviceConfig | None:
     return DeviceConfig("cuda", int(local.group(1)) if local else 0, threads)
 
 
+def device_profiles(op: Operator, ctx: OpContext, threads: int, gpu: DeviceConfig | None,
+                    cpu_workers: bool, batch_sizes: Sequence[int] | None = None,
+                    ) -> tuple[dict[str, Profile], dict[str, Profile] | None]:
+    """Profiles of ``op``'s candidates for a plan's workers (see ``operator_profiles``): on
+    ``gpu`` for GPUs alone, else on a CPU device of ``threads`` threads; on a mixed machine
+    (``gpu`` and ``cpu_workers``) the GPU's as well, beside (None otherwise). These are what
+    ``planning_inputs`` and ``keyed_profiles`` take. GPU memory the profiling left cached is
+    handed back after."""
+    mixed = gpu is not None and cpu_workers
+    profiles = operator_profiles(op, ctx, threads, batch_sizes, device=None if mixed else gpu)
+    on_gpu = operator_profiles(op, ctx, threads, batch_sizes, device=gpu) if mixed else None
+    if gpu is not None:
+        import torch  # only here: importing it costs seconds, and CPU planning never needs it
+
+        torch.cuda.empty_cache()  # the serving workers need the GPU's memory
+    return profiles, on_gpu
+
+
 def _profiled(operators: Mapping[str, Operator], ctx: OpContext, names: Sequence[str],
               hardware: Hardware, threads: int
               ) -> tuple[dict[str, dict[str, Profile]],
@@ -419,22 +437,16 @@ def _profiled(operators: Mapping[str, Operator], ctx: OpContext, names: Sequence
     """Profiles per function (they key the cached frontiers) and each function's catalog and
     candidate cascades, for ``hardware``: one profile per model and kind of device, the CPU
     workers' (outcomes, cascades) and, on a mixed machine, the GPU's runtimes and memory beside
-    (``Catalog.gpu_perf``). GPU memory the profiling left cached is handed back after."""
+    (``Catalog.gpu_perf``)."""
     gpu = gpu_device(hardware, threads)
-    mixed = gpu is not None and "cpu" in hardware.kinds
     if gpu is not None:
+        mixed = "cpu" in hardware.kinds
         ctx.reporter.note(f"planning for {', '.join(hardware.ids)}; models are profiled on "
                           f"{gpu.torch_device}" + (" and on a CPU worker" if mixed else ""))
-    profiles = {n: operator_profiles(operators[n], ctx, threads, device=None if mixed else gpu)
-                for n in names}
-    on_gpu = {n: operator_profiles(operators[n], ctx, threads, device=gpu) if mixed else None
-              for n in names}
-    prepared = {n: planning_inputs(profiles[n], gpu_profiles=on_gpu[n]) for n in names}
-    if gpu is not None:
-        import torch
-
-        torch.cuda.empty_cache()  # the serving workers need the GPU's memory
-    return {n: keyed_profiles(profiles[n], on_gpu[n]) for n in names}, prepared
+    found = {n: device_profiles(operators[n], ctx, threads, gpu, "cpu" in hardware.kinds)
+             for n in names}
+    return ({n: keyed_profiles(*found[n]) for n in names},
+            {n: planning_inputs(found[n][0], gpu_profiles=found[n][1]) for n in names})
 
 
 def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Sequence[str],

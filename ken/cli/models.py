@@ -1,0 +1,114 @@
+"""`ken models prepare | list | fetch`, `ken profile` and `ken cascades`: the packaged model
+family, its profiles and its Pareto cascades."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+
+from rich.console import Console
+
+from ken import store
+from ken.cli import family_data, op_context
+from ken.errors import ProfileError, StoreError
+from ken.models import family
+from ken.models.cascade import Cascade
+from ken.models.fetch import CHUNKED_MODELS
+from ken.models.model import DeviceConfig
+from ken.models.resources import CAUSAL_LMS, causal_lm_dir
+from ken.ops.sentiment import Sentiment
+from ken.optimizer.cascades import evaluate, pareto_cascades
+from ken.optimizer.planning import operator_profiles
+from ken.optimizer.profile import DEFAULT_BATCH_SIZES, Profile
+from ken.paths import ken_home
+from ken.progress import Reporter
+from ken.report import console, frontier_table, models_table
+
+
+def cmd_models_prepare(args: argparse.Namespace) -> int:
+    cards = family.prepare(family_data(args), DeviceConfig(threads=args.threads),
+                           reporter=Reporter(args.quiet), data_dir=args.data_dir,
+                           force=args.force)
+    console.print(models_table(cards))
+    return 0
+
+
+def cmd_models_fetch(args: argparse.Namespace) -> int:
+    if args.name in family.ALL_MEMBER_NAMES and args.name not in CAUSAL_LMS:
+        folder = family.body_dir(family.member(args.name), reporter=Reporter(args.quiet))
+    else:
+        if args.name not in CHUNKED_MODELS:
+            console.print(f"{args.name}: converted from its installed wheel (no download)")
+        folder = causal_lm_dir(args.name, reporter=Reporter(args.quiet))
+    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    console.print(f"{args.name} ready: {folder} ({size / 1e9:.2f} GB)")
+    return 0
+
+
+def family_profiles(args: argparse.Namespace, threads: Sequence[int], reporter: Reporter,
+                    batch_sizes: Sequence[int] | None = None
+                    ) -> tuple[list[family.ModelCard], list[Profile]]:
+    """The family's cards and the profiles of its models on CPU devices of each of
+    ``threads``, measured as the sentiment operator's candidates (every batch size unless
+    ``batch_sizes``)."""
+    data = family_data(args)
+    cards = family.prepare(data, DeviceConfig(threads=args.threads), reporter=reporter,
+                           data_dir=args.data_dir)
+    family.check_sample(cards, family.heldout_sample(data, args.data_dir))
+    ctx = op_context(args, reporter)
+    sizes = tuple(batch_sizes or DEFAULT_BATCH_SIZES)
+    return cards, [p for t in threads
+                   for p in operator_profiles(Sentiment(), ctx, t, sizes).values()]
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    cards = family.load_cards(family_data(args), missing_ok=True)
+    if not cards:
+        console.print("no models prepared yet; run `ken models prepare`")
+        return 1
+    console.print(models_table(cards, _cached_profiles(cards)))
+    return 0
+
+
+def _cached_profiles(cards: Sequence[family.ModelCard]) -> list[Profile]:
+    found = []
+    fingerprints = {c.fingerprint for c in cards}
+    for header in sorted((ken_home() / "profiles").glob("*/header.json")):
+        try:
+            p = Profile.load(header.parent)
+        except (StoreError, ProfileError) as exc:  # measured again when next needed
+            Console(stderr=True).print(f"skipping a damaged profile: {exc}", markup=False,
+                                       highlight=False)
+            continue
+        if p.model_fingerprint in fingerprints:
+            found.append(p)
+    return found
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    reporter = Reporter(args.quiet)
+    cards, profiles = family_profiles(args, args.profile_threads, reporter, args.batch_sizes)
+    console.print(models_table(cards, profiles))
+    return 0
+
+
+def cmd_cascades(args: argparse.Namespace) -> int:
+    reporter = Reporter(args.quiet)
+    _cards, profiles = family_profiles(args, [args.threads], reporter)
+    by_name = {p.model: p for p in profiles}
+    front = pareto_cascades(by_name, max_stages=args.max_stages, grid_size=args.grid,
+                            batch_size=args.batch_size)
+    cost_at = "best batch" if args.batch_size is None else f"batch {args.batch_size}"
+    title = f"Pareto cascades (cpu-{args.threads}t, cost at {cost_at})"
+    console.print(frontier_table(front, title))
+
+    largest = evaluate(Cascade((profiles[-1].model,)), by_name, args.batch_size)
+    best = max(front, key=lambda m: m.accuracy)
+    console.print(f"best cascade {best.cascade.describe()}: {best.accuracy:.1%} at "
+                  f"{best.cost_ms_per_row:.2f} ms/row; {largest.cascade.models[0]} alone: "
+                  f"{largest.accuracy:.1%} at {largest.cost_ms_per_row:.2f} ms/row")
+    if args.json:
+        store.write_text(args.json, json.dumps([m.to_dict() for m in front], indent=2))
+        console.print(f"wrote {args.json}")
+    return 0

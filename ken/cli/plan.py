@@ -1,0 +1,203 @@
+"""`ken plan` and `ken replay`: the gear-plan frontier of an operator, and one plan served by
+the online engine under a replayed trace. Profiles come from the planning functions that
+``Session.plan`` uses (``ken.optimizer.planning``)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+from pathlib import Path
+
+from ken import store
+from ken.cli import family_data, op_context, pick_plan
+from ken.engine.calibrate import calibrated, load_spreads, runtime_spread, save_spreads
+from ken.engine.ray_runner import RayCluster
+from ken.engine.replay import plot_replay, replay
+from ken.engine.serving import Engine
+from ken.engine.workers import gpu_index
+from ken.errors import KenError, UsageError
+from ken.models import family
+from ken.models.model import DeviceConfig
+from ken.ops import builtin_operators
+from ken.ops.sentiment import Sentiment
+from ken.optimizer.perf import Catalog
+from ken.optimizer.planner import PlannerSettings
+from ken.optimizer.planning import (
+    check_planning_args,
+    default_peak_qps,
+    device_profiles,
+    gpu_device,
+    keyed_profiles,
+    local_hardware,
+    plan_operator,
+    planning_inputs,
+    planning_trace,
+    sustained_qps,
+)
+from ken.optimizer.plotting import plot_frontier
+from ken.optimizer.profile import DEFAULT_BATCH_SIZES
+from ken.optimizer.query import Target
+from ken.optimizer.simulator import simulate
+from ken.optimizer.workload import AZURE_CODE_TRACE
+from ken.paths import ken_home, shared_data_dir
+from ken.policy.plan import Frontier, GearPlan
+from ken.progress import Reporter
+from ken.report import console, latency_table, print_gear_plans
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    check_planning_args(args.devices, args.memory_gb, args.device_threads, args.peak_qps,
+                        args.duration, args.ranges, args.gpus)
+    if args.ray is not None and (args.gpus or args.gpu_memory_gb):
+        raise UsageError("--ray plans the cluster's CPU workers; --gpus and --gpu-memory-gb "
+                         "are for this machine's GPUs")
+    if args.ray is not None:  # the cluster's devices replace --devices
+        hardware = RayCluster.connect(args.ray).hardware(
+            args.device_threads, memory_bytes=int(args.memory_gb * 2**30))
+    else:
+        hardware = local_hardware(args.devices, args.memory_gb, args.gpus, args.gpu_memory_gb)
+    gpu = gpu_device(hardware, args.device_threads) if args.ray is None else None
+    on = (f"{len(hardware.devices)} x cpu-{args.device_threads}t" if gpu is None
+          else ", ".join(hardware.ids))
+    if args.target is not None:
+        try:
+            Target.parse(args.target)  # a typo fails now, not after planning
+        except KenError as exc:
+            raise UsageError(str(exc)) from None
+    if args.trace == "azure" and not (shared_data_dir() / AZURE_CODE_TRACE).is_file():
+        raise KenError(f"the Azure trace is not at {shared_data_dir() / AZURE_CODE_TRACE}; "
+                       "set KEN_DATA_DIR to the folder holding traces/, or plan on a "
+                       "synthetic trace with --trace poisson or --trace gamma")
+    reporter = Reporter(args.quiet)
+    started = time.perf_counter()
+    operator = args.function
+    op = builtin_operators()[operator]
+    reporter.note(f"{operator}: profiling its candidates on {op.eval_description()}")
+    profiles, on_gpu = device_profiles(op, op_context(args, reporter), args.device_threads,
+                                       gpu, "cpu" in hardware.kinds, DEFAULT_BATCH_SIZES)
+    catalog, cascades = planning_inputs(profiles, args.max_stages, args.grid, on_gpu)
+    catalog, spreads = _calibrate(args.calibration, catalog, reporter)
+    best = max(cascades, key=catalog.accuracy)
+    sustained = sustained_qps(catalog, best, hardware)
+    peak = args.peak_qps or default_peak_qps(catalog, cascades, hardware)
+    reporter.note(f"{len(cascades)} Pareto cascades; the most accurate, {best.describe()} "
+                  f"({catalog.accuracy(best):.1%}), sustains {sustained:.1f} rows/s on "
+                  f"{on}" + ("" if args.peak_qps else f"; peak load 1.5x that = {peak:g} qps"))
+    trace = planning_trace(args.trace, peak, args.duration, seed=args.seed, cv=args.cv)
+    reporter.note(f"trace {trace.name}: {len(trace):,} requests over {trace.duration_s:.0f} s, "
+                  f"mean {trace.mean_qps:.1f} qps, 1-s peak {trace.qps_max():g} qps")
+    if args.ray is not None:
+        reporter.note(f"Ray cluster {args.ray}: {len(hardware.nodes)} node(s), devices "
+                      f"{', '.join(hardware.ids)}")
+    settings = PlannerSettings(num_ranges=args.ranges, placement_scoring=args.placement_scoring,
+                               seed=args.seed)
+    frontier, stats = plan_operator(operator, keyed_profiles(profiles, on_gpu), catalog,
+                                    cascades, hardware, trace, peak, settings,
+                                    cache_dir=ken_home() / "plans", reporter=reporter,
+                                    force=args.force, calibration=spreads)
+    out = Path(args.out)
+    json_path = store.write_text(out / f"frontier-{operator}.json", frontier.to_json())
+    png_path = plot_frontier(
+        frontier, out / f"frontier-{operator}.png",
+        title=f"{operator} gear plans: {on}, "
+              f"{args.trace} trace, {args.duration:g} s, peak {peak:g} qps")
+    chosen = pick_plan(frontier, args.target)
+    print_gear_plans(frontier, chosen, catalog)
+    how = f"for target {args.target}" if args.target else "the most accurate"
+    console.print(f"plan {frontier.plans.index(chosen)} ({how}):", highlight=False)
+    for line in chosen.describe():
+        console.print(f"  {line}", highlight=False, markup=False)
+    took = time.perf_counter() - started
+    planned = ("from cache" if stats is None else
+               f"{stats.simulations} simulations, {stats.wall_s:.1f} s planning")
+    console.print(f"wrote {json_path} and {png_path} ({planned}; {took:.1f} s in all)",
+                  highlight=False)
+    return 0
+
+
+def _calibrate(path: Path | None, catalog: Catalog, reporter: Reporter
+               ) -> tuple[Catalog, dict | None]:
+    """``catalog`` with the runtime calibration at ``path`` (if given), and its spreads."""
+    if path is None:
+        return catalog, None
+    spreads = load_spreads(path)
+    reporter.note(f"runtimes calibrated by {path}: median serving/profile "
+                  + ", ".join(f"{m} x{v[len(v) // 2]:.2f}" for m, v in spreads.items()))
+    return calibrated(catalog, spreads), spreads
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    """Serve one gear plan with the online engine and replay a trace through it (open loop)."""
+    if args.plan is not None:
+        plan = GearPlan.load(args.plan)
+    else:
+        plan = pick_plan(Frontier.load(args.frontier), args.target)
+    if args.rate_scale <= 0 or args.duration <= 0:
+        raise UsageError("--rate-scale and --duration must be > 0")
+    reporter = Reporter(args.quiet)
+    data = family_data(args)
+    device = DeviceConfig(threads=args.device_threads)
+    cards = {c.name: c for c in family.prepare(data, device, reporter=reporter,
+                                               data_dir=args.data_dir)}
+    needed = sorted({r.model for r in plan.placement})
+    unknown = [m for m in needed if m not in cards]
+    if unknown:
+        raise KenError(f"the plan uses {unknown}, which are not models of the packaged family "
+                       f"({', '.join(cards)})")
+    # a plan made for GPUs (cuda{j}) is simulated with GPU profiles and served by a process per
+    # GPU that loads its models on the one GPU it sees
+    on_gpu = sorted({r.model for r in plan.placement
+                     if any(gpu_index(d) is not None for d in r.devices)})
+    gpu = DeviceConfig("cuda", 0, args.device_threads) if on_gpu else None
+    sample = family.heldout_sample(data, args.data_dir)
+    family.check_sample(list(cards.values()), sample)
+    profiles, gpu_profiles = device_profiles(
+        Sentiment(), op_context(args, reporter), args.device_threads, gpu,
+        any(gpu_index(d) is None for d in plan.devices), DEFAULT_BATCH_SIZES)
+    catalog, _ = planning_inputs(profiles, gpu_profiles=gpu_profiles)
+    workers, cluster = args.workers, None
+    if args.ray is not None or workers == "ray":  # --ray ADDRESS, or a Ray started here
+        workers, cluster = "ray", RayCluster.connect(args.ray or "local")
+        # every call pays the hop to its actor: simulate it, and measure the calibration
+        # against profile + hop (as `ken plan --ray --calibration` applies it), not twice
+        hop = cluster.hop_s()
+        catalog = catalog.with_overhead(hop)
+        reporter.note(f"Ray: the hop to an actor, {1000 * hop:.1f} ms, counted in every batch")
+    profiled = catalog
+    catalog, _ = _calibrate(args.calibration, catalog, reporter)  # simulate with serving times
+    peak = (args.peak_qps or plan.qps_max) * args.rate_scale
+    trace = planning_trace(args.trace, peak, args.duration, seed=args.seed)
+    reporter.note(f"plan: {len(plan.gears())} gears on {', '.join(plan.devices)}; trace "
+                  f"{trace.name}: {len(trace):,} requests over {trace.duration_s:.0f} s, "
+                  f"1-s peak {trace.qps_max():g} qps")
+    engine = Engine(plan, {m: functools.partial(family.load_model, cards[m], device, None, data)
+                           for m in needed}, workers=workers,
+                    gpu_models={m: functools.partial(family.load_model, cards[m], gpu, None, data)
+                                for m in on_gpu},
+                    threads_per_device=args.device_threads,
+                    memory_budget_bytes=int(args.memory_gb * 2**30), ray_cluster=cluster)
+    load = engine.start()
+    reporter.note(f"{len(plan.devices)} {workers} workers loaded {len(needed)} models in "
+                  f"{load.total_s:.1f} s")
+    try:
+        rep = replay(engine, trace, sample, seed=args.seed,
+                     reporter=reporter)
+    finally:
+        engine.shutdown()
+    measured = rep.result.metrics(0, plan)
+    simulated = simulate(plan, catalog, trace, args.seed).metrics(0, plan)
+    label = "simulated (calibrated)" if args.calibration is not None else "simulated"
+    console.print(latency_table(f"replay of {trace.name} ({len(trace):,} requests)",
+                                [(label, simulated), ("measured", measured)]))
+    console.print(f"outcomes: {rep.status_counts()}; worst send lag {rep.max_send_lag_s:.3f} s")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    store.write_text(out / "replay.json", rep.to_json(plan))
+    store.write_text(out / "plan.json", plan.to_json())
+    save_spreads(runtime_spread(engine.batch_log, profiled), out / "calibration.json",
+                 source=f"ken replay of {trace.name}, {len(trace)} requests")
+    plot_replay(rep, plan, out / "replay.png")
+    console.print(f"wrote {out / 'replay.json'}, {out / 'replay.png'}, {out / 'plan.json'} and "
+                  f"{out / 'calibration.json'} (for `ken plan --calibration`)")
+    return 0
