@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import pyarrow as pa
 
-if TYPE_CHECKING:
-    from ken.session import Session
+from ken.models import family
+from ken.paths import shared_data_dir
+from ken.session import Session
 
 
 def load_demo_tables(session: Session, num_rows: int = 1000) -> list[str]:
@@ -14,11 +15,6 @@ def load_demo_tables(session: Session, num_rows: int = 1000) -> list[str]:
     Also ``abt(id, name)`` and ``buy(id, name)`` (Abt-Buy products) when the entity-matching
     data is in ``../shared/data``. Returns the names of the tables created.
     """
-    import pyarrow as pa
-
-    from ken.models import family
-    from ken.paths import shared_data_dir
-
     data = session.ctx.data or family.default_data()
     rows = data.unseen(num_rows)
     labels = [rows.label_names[i] for i in rows.labels]
