@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -40,7 +41,9 @@ from ken.models.generation import DecodeBatch, Generation, end_token_ids
 from ken.models.llm import GenerativeModel
 from ken.models.model import Output
 from ken.models.resources import CausalLM
+from ken.models.transformers_backend import weight_bytes
 from ken.optimizer.decode_sim import DecodeRun, GenRun
+from ken.optimizer.tokens import kv_bytes_per_token
 from ken.policy.decoding import DecodeScheduler, DecodeStep, Mode
 from ken.policy.generating import GenDispatcher, pick_lane
 from ken.policy.plan import GenPlan
@@ -482,9 +485,6 @@ def generate_rows(model: GenerativeModel, rows: Sequence, max_running: int = 8) 
 
 def kv_tokens_in(lm: CausalLM, memory_bytes: int) -> int:
     """KV-cache token slots that fit in ``memory_bytes`` beside ``lm``'s weights."""
-    from ken.models.transformers_backend import weight_bytes
-    from ken.optimizer.tokens import kv_bytes_per_token
-
     weights = weight_bytes(lm.net)
     per_token = kv_bytes_per_token(lm)
     if memory_bytes < weights + per_token:
@@ -523,8 +523,6 @@ class GenerationEngine:
 
 def _paced(arrival_s: Sequence[float] | np.ndarray, submit: Any, items: Sequence) -> list:
     """Call ``submit(*item)`` at each arrival time (relative to now); wait for every future."""
-    import time
-
     t0 = time.monotonic()
     futures = []
     for t, item in zip(arrival_s, items, strict=True):

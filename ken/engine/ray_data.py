@@ -19,13 +19,14 @@ import pickle
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ken.engine.batch import run_cascade
-from ken.engine.ray_runner import ensure_ray
+from ken.engine.ray_runner import ensure_ray, ray_error_cause
 from ken.engine.workers import load_models
 from ken.errors import EngineError
 from ken.models.model import Model
@@ -121,9 +122,7 @@ def semantic_columns(source: str | Sequence[str], sites: Sequence[SiteColumn], o
     try:
         ds.write_parquet(out_dir)
     except ray.exceptions.RayError as exc:
-        from ken.engine.ray_runner import _cause
-
-        raise EngineError(f"the semantic step on Ray Data failed: {_cause(exc)}") from None
+        raise EngineError(f"the semantic step on Ray Data failed: {ray_error_cause(exc)}") from None
     expected = parquet_rows(paths)
     files = _parquet_files(out_dir)
     rows = parquet_rows(files)
@@ -146,6 +145,4 @@ def parquet_rows(files: Sequence[str]) -> int:
 
 
 def _parquet_files(folder: str) -> list[str]:
-    from pathlib import Path
-
     return sorted(str(p) for p in Path(folder).glob("*.parquet"))

@@ -49,6 +49,7 @@ from ken.engine.workers import (
 )
 from ken.errors import BatchTimeout, KenError, WorkerDied, WorkerError
 from ken.models.model import Model
+from ken.optimizer.workload import Hardware
 
 INSTALL_HINT = "install it with `pip install 'ken[ray]'` (or `pip install ray`)"
 
@@ -201,7 +202,7 @@ class RayRunner:
         except ray.exceptions.RayError as exc:
             self._kill(restart=False)
             raise WorkerError(f"worker {self.device} (a Ray actor) could not load its models: "
-                              f"{_cause(exc)}") from None
+                              f"{ray_error_cause(exc)}") from None
         self._reload = False
         return seconds
 
@@ -241,7 +242,7 @@ class RayRunner:
             self.restarts += 1
             raise WorkerDied(
                 f"the Ray actor of {self.device} (pid {self._pid}) died while running {model} "
-                f"on {len(texts)} rows: {_cause(exc)}"
+                f"on {len(texts)} rows: {ray_error_cause(exc)}"
                 + ("; it is not restarted: the engine is shutting down" if self.closing
                    else "")) from None
         return values, np.asarray(scores)
@@ -286,7 +287,7 @@ class RayRunner:
         self._kill(restart=False)
 
 
-def _cause(exc: BaseException) -> str:
+def ray_error_cause(exc: BaseException) -> str:
     """What went wrong in the actor: the exception a task raised there, else the first line
     of Ray's error (its messages carry the actor's traceback and terminal colours)."""
     cause = getattr(exc, "cause", None)
@@ -321,12 +322,11 @@ class RayCluster:
         return cls(ray.nodes())
 
     def hardware(self, threads_per_device: int = 1, memory_bytes: int | None = None,
-                 gpu_memory_bytes: int | None = None, dispatch_s: float | None = None) -> Any:
+                 gpu_memory_bytes: int | None = None, dispatch_s: float | None = None
+                 ) -> Hardware:
         """The cluster's devices (``Hardware.from_nodes``) for ``ken plan`` / ``session.plan``;
         each pays ``dispatch_s`` per batch, by default the hop measured now
         (``measure_hop_s``), rounded up to 0.5 ms so that plans stay cached across runs."""
-        from ken.optimizer.workload import Hardware
-
         if dispatch_s is None:
             dispatch_s = self.hop_s()
         return Hardware.from_nodes(self.nodes, threads_per_device, memory_bytes,
@@ -376,7 +376,7 @@ def measure_hop_s(calls: int = 200, rows: int = 8) -> float:
             ray.get(echo.echo.remote(texts))
             seconds.append(time.perf_counter() - started)
     except ray.exceptions.RayError as exc:
-        raise KenError(f"cannot measure the hop to a Ray actor: {_cause(exc)}") from None
+        raise KenError(f"cannot measure the hop to a Ray actor: {ray_error_cause(exc)}") from None
     finally:
         ray.kill(echo)
     return float(np.median(seconds))
