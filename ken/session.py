@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from ken.engine.manager import ServingManager
-from ken.errors import KenError, PlanningError
+from ken.engine.ray_runner import RayCluster
+from ken.errors import KenError
 from ken.frame import Frame
 from ken.models.cascade import Cascade
 from ken.models.model import DeviceConfig, Model
@@ -27,8 +28,10 @@ from ken.models.quality import EvalSample
 from ken.ops import builtin_operators
 from ken.ops.base import Bound, ModelOperator, OpContext, Operator
 from ken.ops.training import Trained
-from ken.optimizer.planning import choose_cascade
+from ken.optimizer.planning import choose_cascade, plan_functions
+from ken.optimizer.query import QueryPlan, Target
 from ken.paths import ken_home
+from ken.policy.plan import Frontier, Plan
 from ken.progress import Reporter
 from ken.sql.database import Database
 from ken.sql.result import Result
@@ -36,11 +39,8 @@ from ken.sql.runner import QueryRunner
 
 if TYPE_CHECKING:
     from ken.engine.serving import Engine, LoadReport
-    from ken.optimizer.gen_planner import GenChoice
-    from ken.optimizer.planner import PlannerSettings
-    from ken.optimizer.query import QueryPlan, Target
+    from ken.optimizer.plan_context import PlannerSettings
     from ken.optimizer.workload import Trace
-    from ken.policy.plan import Frontier, GearPlan, GenPlan
 
 
 class Session:
@@ -154,8 +154,8 @@ class Session:
     # -- gear plans (offline phase) ----------------------------------------------------------
 
     @property
-    def gear_plans(self) -> Mapping[str, GearPlan]:
-        """The gear plan chosen for each semantic function (read-only view)."""
+    def plans(self) -> Mapping[str, Plan]:
+        """The plan of each planned semantic function, of either kind (read-only view)."""
         return self.serving.plans
 
     @property
@@ -168,54 +168,21 @@ class Session:
     def bulk_threshold(self, value: int) -> None:
         self.serving.bulk_threshold = value
 
-    def use_plan(self, plan: GearPlan | GenPlan) -> None:
-        """Set the gear plan of ``plan.operator`` by hand (e.g. one picked from a frontier file
-        written by ``ken plan``: ``Frontier.load(path).pick(min_accuracy=0.7)``), or the
-        generation plan of a generating function (``ken.policy.generating.GenPlan``: cascades
-        of LMs chosen by load; ``serve()`` then answers its calls from a decode server)."""
-        from ken.policy.plan import GearPlan, GenPlan
-
-        if not isinstance(plan, (GearPlan, GenPlan)):
-            raise KenError(f"use_plan() takes a GearPlan or a GenPlan, not "
-                           f"{type(plan).__name__}; load one with "
+    def use_plan(self, plan: Plan) -> None:
+        """Set the plan of ``plan.operator`` by hand: a gear plan picked from a frontier file
+        written by ``ken plan`` (``Frontier.load(path).pick(min_accuracy=0.7)``), or any plan
+        file (``ken.Plan.load(path)``: a gear plan, or a generating function's generation
+        plan). A served function swaps to it."""
+        if not isinstance(plan, Plan):
+            raise KenError(f"use_plan() takes a plan (ken.Plan), not {type(plan).__name__}; "
+                           "load one with ken.Plan.load(path) or "
                            "ken.Frontier.load(path).pick(...)")
-        operator = plan.function if isinstance(plan, GenPlan) else plan.operator
-        name = operator.lower()
+        name = plan.operator.lower()
         if name not in self.operators:
-            raise KenError(f"the gear plan is for {operator}(), which is not a semantic "
+            raise KenError(f"the plan is for {plan.operator}(), which is not a semantic "
                            f"function of this session; registered: "
                            f"{', '.join(sorted(self.operators)) or '(none)'}")
         self.serving.set_plan(name, plan)
-
-    def plan_generation(self, function: str, tgt_p95_s: float, qps: float, rows: int = 64,
-                        requests: int = 120, trace: Trace | None = None,
-                        max_running: int = 8) -> GenChoice:
-        """Plan a generating function (``sem_qa``, ``sem_map``, ``sem_extract``) for online
-        requests arriving at ``qps`` on average and use the plan: the most accurate load-gear
-        plan (cascades of its LMs chosen by the requests in the system) whose simulated total
-        generation time p95 is within ``tgt_p95_s``. Its LMs answer ``rows`` rows of its
-        evaluation sample first (minutes, once per session). ``serve()`` then answers its
-        calls from a decode server. Raises ``PlanningError`` when no plan meets the target.
-
-        >>> session.plan_generation("sem_qa", tgt_p95_s=20, qps=0.3)   # doctest: +SKIP
-        >>> session.serve(["sem_qa"])                                 # doctest: +SKIP
-        """
-        from ken.optimizer.gen_planner import plan_operator
-
-        name = function.lower()
-        if name not in self.operators:
-            raise KenError(f"{function}() is not a semantic function of this session")
-        best, tried = plan_operator(self.operators[name], self.ctx, tgt_p95_s, qps, rows,
-                                    requests, None if trace is None else trace.arrival_s,
-                                    max_running)
-        if best is None:
-            fastest = min(tried, key=lambda c: c.metrics["tgt_p95_ms"])
-            raise PlanningError(
-                f"no plan of {name}() keeps TGT p95 within {tgt_p95_s:g} s at {qps:g} req/s; "
-                f"the fastest simulated is {fastest.metrics['tgt_p95_ms'] / 1000:.1f} s "
-                f"({fastest.plan.describe()}); ask for more time or a lower rate")
-        self.use_plan(best.plan)
-        return best
 
     def plan(self, target: Target | str, functions: Sequence[str] = ("sentiment",),
              trace: Trace | str | None = None, devices: int | None = None,
@@ -223,8 +190,11 @@ class Session:
              peak_qps: float | None = None, duration_s: float = 120.0, num_ranges: int = 8,
              settings: PlannerSettings | None = None, force: bool = False,
              cluster: str | None = None, gpus: int | None = None,
-             gpu_memory_gb: float | None = None) -> QueryPlan:
-        """Plan ``functions`` offline and pick one gear plan each for ``target``.
+             gpu_memory_gb: float | None = None, qps: float | None = None,
+             rows: int = 64, requests: int = 120) -> QueryPlan:
+        """Plan ``functions`` offline and pick one plan each for ``target``: a quality floor
+        (``"accuracy >= 0.75"``) or a latency bound (``"p95 <= 200ms"``; for generating
+        functions also ``"ttft_p95 <= 2s"``, ``"tgt_p95 <= 15s"``).
 
         Profiles the functions' models (cached), searches their Pareto cascades, builds each
         function's frontier of gear plans for this machine's devices: its GPUs when torch sees
@@ -237,17 +207,23 @@ class Session:
         optimizer. Without ``peak_qps`` the load planned for is 1.5x what the slowest
         function's most accurate cascade sustains (at most 2000 qps). Frontiers are cached
         under ``KEN_HOME/plans``; the chosen plans are kept on the session
-        (``session.gear_plans``, shown by EXPLAIN). ``cluster`` plans for the devices of a
+        (``session.plans``, shown by EXPLAIN). ``cluster`` plans for the devices of a
         Ray cluster instead ("auto": the running cluster, "ray://host:port", or "local": a
         Ray started here): each node's CPUs in devices of ``threads_per_device`` threads with
         ``memory_gb`` each (``pip install 'ken[ray]'``).
 
+        A generating function (``sem_qa``, ``sem_map``, ``sem_extract``) gets a generation
+        plan (cascades of its LMs chosen by the requests in the system, served by a decode
+        server) for online requests arriving at ``qps`` per second on average: its LMs answer
+        ``rows`` rows of its evaluation sample first (minutes, once per session), and the
+        plans are simulated on windows of ``requests`` arrivals of the Azure trace (or
+        ``trace``). ``PlanningError`` says how close the closest plan came when none meets
+        the target.
+
         >>> qp = session.plan("accuracy >= 0.7")              # doctest: +SKIP
         >>> qp.plan_for("sentiment").describe()               # doctest: +SKIP
+        >>> session.plan("tgt_p95 <= 20s", functions=["sem_qa"], qps=0.3)  # doctest: +SKIP
         """
-        from ken.optimizer.planning import plan_functions
-        from ken.optimizer.query import Target
-
         if isinstance(target, str):
             target = Target.parse(target)
         hardware = None
@@ -255,15 +231,13 @@ class Session:
             raise KenError("plan(cluster=...) plans the cluster's CPU workers; gpus= and "
                            "gpu_memory_gb= are for this machine's GPUs")
         if cluster is not None:
-            from ken.engine.ray_runner import RayCluster
-
             hardware = RayCluster.connect(cluster).hardware(
                 threads_per_device, memory_bytes=int(memory_gb * 2**30))
         chosen, frontiers = plan_functions(
             self.operators, self.ctx, [f.lower() for f in functions], target, trace, devices,
             memory_gb, threads_per_device, peak_qps, duration_s, num_ranges, settings, force,
             cache_dir=(self.home or ken_home()) / "plans", hardware=hardware, gpus=gpus,
-            gpu_memory_gb=gpu_memory_gb)
+            gpu_memory_gb=gpu_memory_gb, qps=qps, rows=rows, requests=requests)
         self.frontiers.update(frontiers)
         for p in chosen.plans:
             self.serving.set_plan(p.operator, p)

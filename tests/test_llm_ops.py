@@ -180,20 +180,23 @@ def _a_gear_plan(model: str):  # noqa: ANN202
 
 
 @pytest.mark.models
-def test_plan_generation_from_the_session(session) -> None:  # noqa: ANN001
+def test_plan_a_generating_function_from_the_session(session) -> None:  # noqa: ANN001
     if not (hybridqa_dir() / "dev_questions.json").is_file():
         pytest.skip(f"sem_qa plans on HybridQA, not found at {hybridqa_dir()}")
     from ken.errors import PlanningError
 
     s = session
     try:
-        best = s.plan_generation("sem_qa", tgt_p95_s=600, qps=0.05, rows=4, requests=8)
-        assert s.serving.gen_plans["sem_qa"] == best.plan
-        assert best.metrics["tgt_p95_ms"] <= 600_000 and best.metrics["requests"] == 8
-        assert best.plan.models == s.bind("sem_qa", ()).cascade.models  # SmolLM2 alone here
+        best = s.plan("tgt_p95 <= 600s", functions=["sem_qa"], qps=0.05, rows=4,
+                      requests=8).plan_for("sem_qa")
+        assert s.plans["sem_qa"] == best
+        assert best.predicted.tgt_p95_ms <= 600_000 and best.predicted.num_requests == 8
+        assert best.models == s.bind("sem_qa", ()).cascade.models  # SmolLM2 alone here
         with pytest.raises(PlanningError, match="fastest simulated"):
-            s.plan_generation("sem_qa", tgt_p95_s=0.001, qps=5, rows=4, requests=8)
-        with pytest.raises(PlanningError, match="does not generate"):
-            s.plan_generation("sem_choice", tgt_p95_s=10, qps=1, rows=4)
+            s.plan("tgt_p95 <= 1ms", functions=["sem_qa"], qps=5, rows=4, requests=8)
+        with pytest.raises(KenError, match="needs the mean rate"):
+            s.plan("tgt_p95 <= 10s", functions=["sem_qa"])
+        with pytest.raises(KenError, match="generating functions"):  # a gear-kind function
+            s.plan("ttft_p95 <= 10s", functions=["sem_choice", "sem_qa"], qps=1, rows=4)
     finally:
         s.serving.forget("sem_qa")

@@ -54,7 +54,7 @@ def test_the_guide_example_runs_end_to_end(example, capsys) -> None:  # noqa: AN
     # every gear of the plan answers these tickets alike, so the engine's answers are these
     assert scope["served"] == urgent
     session = scope["session"]
-    assert session.gear_plans["is_urgent"] is not None
+    assert session.plans["is_urgent"] is not None
     shown = capsys.readouterr().out
     assert "is_urgent" in shown and "gear plan" in shown
 

@@ -213,10 +213,10 @@ def test_plan_several_operators_and_serve_them_to_eight_threads(tmp_path) -> Non
     qp = s.plan("accuracy >= 0.5", functions=["mood", "wanted", "same"], trace="poisson",
                 peak_qps=50, duration_s=5.0, num_ranges=2)
     assert {p.operator for p in qp.plans} == {"mood", "wanted", "same"}
-    assert set(s.gear_plans) == {"mood", "wanted", "same"}
+    assert set(s.plans) == {"mood", "wanted", "same"}
     assert s.explain(QUERY).count("gear plan:") == 3
     # in process, each operator running its plan's first (most accurate) gear
-    first_gear = {n: p.cascades[p.ranges[0].cascade] for n, p in s.gear_plans.items()}
+    first_gear = {n: p.cascades[p.ranges[0].cascade] for n, p in s.plans.items()}
     expected = plannable_session(first_gear).sql(QUERY).fetchall()
     assert expected, "the query must return rows"
     s.serve(workers="thread", bulk_threshold=1)  # bulk rows run the first gear's cascade
@@ -233,7 +233,7 @@ def test_plan_several_operators_and_serve_them_to_eight_threads(tmp_path) -> Non
         # lie between those every gear's cascade keeps and those some gear's cascade keeps
         s.bulk_threshold = 10_000
         kept = []
-        for c in s.gear_plans["wanted"].cascades:
+        for c in s.plans["wanted"].cascades:
             rows = plannable_session({"wanted": c}).sql("SELECT id FROM t WHERE wanted(x) "
                                                          "OR id % 3 = 0").fetchall()
             kept.append({r[0] for r in rows})

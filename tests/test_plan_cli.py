@@ -309,7 +309,7 @@ def test_explain_shows_the_plan_set_with_use_plan(frontier: Frontier) -> None:
     s = fake_session()
     plan = frontier.plans[-1]
     s.use_plan(plan)
-    assert s.gear_plans["mood"] is plan
+    assert s.plans["mood"] is plan
     text = s.explain(QUERY)
     lines = text.splitlines()
     head = next(i for i, line in enumerate(lines) if "gear plan: " in line and "none" not in line)
@@ -327,19 +327,19 @@ def test_explain_shows_the_plan_set_with_use_plan(frontier: Frontier) -> None:
     assert lines[head] in analyzed.splitlines()
     # re-registering the name drops the plan made for the old function
     s.register("mood", Cascade(("a",)), models={"a": FakeModel("a")})
-    assert "mood" not in s.gear_plans
+    assert "mood" not in s.plans
 
 
 def test_use_plan_errors(frontier: Frontier) -> None:
     s = fake_session()
-    with pytest.raises(KenError, match=r"use_plan\(\) takes a GearPlan or a GenPlan, not Frontier"):
+    with pytest.raises(KenError, match=r"use_plan\(\) takes a plan \(ken.Plan\), not Frontier"):
         s.use_plan(frontier)  # type: ignore[arg-type]
     stray = GearPlan.from_dict({**frontier.plans[0].to_dict(), "operator": "sentimnet"})
     with pytest.raises(KenError, match=r"sentimnet\(\), which is not a semantic function.*"
                                        r"registered: mood, other"):
         s.use_plan(stray)
     with pytest.raises(TypeError):
-        s.gear_plans["mood"] = frontier.plans[0]  # type: ignore[index]
+        s.plans["mood"] = frontier.plans[0]  # type: ignore[index]
 
 
 def test_session_plan_with_profiles(home) -> None:
@@ -356,7 +356,7 @@ def test_session_plan_with_profiles(home) -> None:
     assert seen == [1]
     assert result.target == Target(min_accuracy=0.6)
     plan = result.plan_for("mood")
-    assert s.gear_plans == {"mood": plan}
+    assert s.plans == {"mood": plan}
     assert plan.predicted.accuracy >= 0.6  # type: ignore[union-attr]
     assert s.frontiers["mood"].plans[0].predicted.p95_ms <= \
         plan.predicted.p95_ms  # type: ignore[union-attr]
@@ -377,7 +377,7 @@ def test_session_plan_on_a_function_without_profiles() -> None:
         s.plan("fast please")
     with pytest.raises(KenError, match="devices must be >= 1"):
         s.plan("p95 <= 50", devices=0)
-    assert dict(s.gear_plans) == {}
+    assert dict(s.plans) == {}
 
 
 def test_ken_plan_for_a_ray_cluster_places_on_its_devices(home, fake_profiles, tmp_path,

@@ -8,11 +8,10 @@ import functools
 import shutil
 from pathlib import Path
 
-from ken import multihop, multihop_plan, store
+from ken import multihop, multihop_plan, ops, store
 from ken.models import convert, family
 from ken.models.fetch import DOWNLOADS, gguf_entry
 from ken.models.resources import CAUSAL_LMS, causal_lm_dir
-from ken.ops import sem_classify, sem_filter, sem_match
 from ken.optimizer import planning, profile, tokens
 from ken.paths import ken_home
 from ken.progress import Reporter
@@ -43,9 +42,7 @@ def _store_entries(home: Path) -> list[tuple[str, object, object]]:
             rebuild = functools.partial(family.prepare, data, home=home, reporter=reporter,
                                         names=(entry.root.name,))
         out.append(("model family", entry, rebuild))
-    out += [("sem_match", e, None) for e in sem_match.store_entries(home)]
-    out += [("trained sem_classify", e, None) for e in sem_classify.store_entries(home)]
-    out += [("trained sem_filter", e, None) for e in sem_filter.store_entries(home)]
+    out += [(kind, e, None) for kind, e in ops.store_entries(home)]  # what users trained
     out += [("question-type head", e, None) for e in multihop.store_entries(home)]
     out += [("QA outcomes", e, None) for e in multihop_plan.store_entries(home)]
     out += [("profile", e, None) for e in profile.store_entries(home)]

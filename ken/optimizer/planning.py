@@ -12,7 +12,6 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ken import store
 from ken.errors import DeviceProfileError, KenError, PlanError, StoreError, UsageError
@@ -22,6 +21,7 @@ from ken.models.model import DeviceConfig, Model
 from ken.models.quality import EvalSample
 from ken.ops.base import ChosenCascade, OpContext, Operator
 from ken.optimizer.cascades import evaluate, pareto_cascades
+from ken.optimizer.gen_planner import plan_generating
 from ken.optimizer.perf import Catalog, ModelPerf
 from ken.optimizer.planner import PlannerSettings, PlannerStats, plan_frontier
 from ken.optimizer.profile import (
@@ -32,6 +32,7 @@ from ken.optimizer.profile import (
     is_cached,
     load_or_run_profile,
 )
+from ken.optimizer.query import QueryPlan, Target, choose_plans
 from ken.optimizer.workload import (
     Hardware,
     Trace,
@@ -44,9 +45,6 @@ from ken.optimizer.workload import (
 from ken.paths import ken_home
 from ken.policy.plan import Frontier
 from ken.progress import QUIET, Reporter
-
-if TYPE_CHECKING:
-    from ken.optimizer.query import QueryPlan, Target
 
 #: batch sizes of a short profile, when `ken profile` has not measured every size here
 SHORT_BATCH_SIZES = (1, 8, 32)
@@ -457,15 +455,44 @@ def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Seq
                    num_ranges: int = 8, settings: PlannerSettings | None = None,
                    force: bool = False, cache_dir: Path | None = None,
                    hardware: Hardware | None = None, gpus: int | None = None,
-                   gpu_memory_gb: float | None = None,
+                   gpu_memory_gb: float | None = None, qps: float | None = None,
+                   rows: int = 64, requests: int = 120,
                    ) -> tuple[QueryPlan, dict[str, Frontier]]:
-    """Plan the operators ``names`` together for ``target``: profiles, Pareto cascades, one
-    frontier each on a shared planning trace, and the query optimizer's choice (see
-    ``Session.plan``). The devices are ``local_hardware(devices, memory_gb, gpus,
-    gpu_memory_gb)``, or ``hardware`` (e.g. a Ray cluster's). Models are profiled on the kind
-    of device planned for. Returns the chosen plans and every frontier."""
-    from ken.optimizer.query import choose_plans
+    """The one planning entry (``Session.plan``): a plan for each function of ``names`` that
+    meets ``target``, by the kind of plan its operator declares (``Operator.plan_kind``).
 
+    Classifier functions ("gear") are planned together: profiles, Pareto cascades, a frontier
+    of gear plans each on a shared planning trace, and the query optimizer's choice; their
+    devices are ``local_hardware(devices, memory_gb, gpus, gpu_memory_gb)``, or ``hardware``
+    (e.g. a Ray cluster's), and models are profiled on the kind of device planned for.
+    Generating functions ("generation") get a generation plan each for online requests at a
+    mean rate of ``qps`` (``gen_planner.plan_generating``: ``rows`` evaluation rows answered,
+    ``requests`` arrivals per planning window of ``trace``, the Azure trace by default).
+    Returns the chosen plans and the classifier functions' frontiers."""
+    _check_plannable(operators, names)
+    gear = [n for n in names if operators[n].plan_kind == "gear"]
+    generating = [n for n in names if n not in gear]
+    if generating and qps is None:
+        raise KenError(f"planning {', '.join(generating)}() needs the mean rate of its "
+                       "requests: plan(target, functions=[...], qps=0.3) (requests per "
+                       "second; `ken plan --qps`)")
+    if generating and not (trace is None or trace == "azure" or isinstance(trace, Trace)):
+        raise KenError(f"generating functions are planned on the Azure trace or a Trace you "
+                       f"pass, not {trace!r}")
+    if gear:
+        chosen, frontiers = _plan_gear_functions(
+            operators, ctx, gear, target, trace, devices, memory_gb, threads_per_device,
+            peak_qps, duration_s, num_ranges, settings, force, cache_dir, hardware, gpus,
+            gpu_memory_gb)
+    else:
+        chosen, frontiers = QueryPlan(target, (), (), None), {}
+    arrivals = trace.arrival_s if isinstance(trace, Trace) else None
+    made = [plan_generating(operators[n], ctx, target, qps, rows, requests, arrivals).plan
+            for n in generating]
+    return chosen.with_plans(made, [p.predicted.accuracy for p in made]), frontiers
+
+
+def _check_plannable(operators: Mapping[str, Operator], names: Sequence[str]) -> None:
     if not names:
         raise KenError("plan() needs at least one semantic function, e.g. "
                        "functions=('sentiment',)")
@@ -477,11 +504,23 @@ def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Seq
             plannable = ", ".join(sorted(n for n, op in operators.items()
                                          if op.plannable())) or "none"
             raise KenError(
-                f"{name}() cannot be planned: gear plans are built from model profiles on "
+                f"{name}() cannot be planned: plans are made from its models' answers on "
                 f"a labelled evaluation sample, and {name}() has none "
                 f"({operators[name].eval_description()}); functions this session "
                 f"can plan: {plannable}. Register it with sample=ken.EvalSample(...), or "
                 "set a plan made elsewhere with session.use_plan(...)")
+
+
+def _plan_gear_functions(operators: Mapping[str, Operator], ctx: OpContext,
+                         names: Sequence[str], target: Target, trace: Trace | str | None,
+                         devices: int | None, memory_gb: float, threads_per_device: int,
+                         peak_qps: float | None, duration_s: float, num_ranges: int,
+                         settings: PlannerSettings | None, force: bool,
+                         cache_dir: Path | None, hardware: Hardware | None,
+                         gpus: int | None, gpu_memory_gb: float | None,
+                         ) -> tuple[QueryPlan, dict[str, Frontier]]:
+    """Classifier functions planned together (see ``plan_functions``)."""
+    target = target.for_classifiers()
     check_planning_args(devices, memory_gb, threads_per_device, peak_qps, duration_s,
                         num_ranges, gpus)
     chose_gpus = hardware is None and gpus is None and devices is None  # found by itself

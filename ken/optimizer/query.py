@@ -32,7 +32,7 @@ from ken.errors import KenError, QueryPlanError
 from ken.optimizer.perf import Catalog
 from ken.optimizer.simulator import SimResult, latency_percentiles, sample_rows, simulate_many
 from ken.optimizer.workload import Trace
-from ken.policy.plan import Frontier, GearPlan, PlanMetrics
+from ken.policy.plan import Frontier, GearPlan, Plan, PlanMetrics
 
 #: latency bounds a target may set: the request latency percentile every plan has (``p95``; for
 #: a generating function its total generation time), and the generation-only ones
@@ -126,18 +126,25 @@ class Target:
 
 @dataclass(frozen=True)
 class QueryPlan:
-    """One gear plan per operator and what the joint simulation predicts."""
+    """One plan per function and what the simulations predict: classifier functions' gear
+    plans chosen together (``joint``: their end-to-end latency, None when the query has
+    none), generating functions' generation plans each on its own."""
 
     target: Target
-    plans: tuple[GearPlan, ...]
-    accuracy: tuple[float, ...]  # per operator, from the joint simulation
-    joint: PlanMetrics  # end-to-end latency of the query (accuracy of the first operator)
+    plans: tuple[Plan, ...]
+    accuracy: tuple[float, ...]  # per plan: from the joint simulation, or the plan's own
+    joint: PlanMetrics | None  # end-to-end latency of the classifier functions
 
-    def plan_for(self, operator: str) -> GearPlan:
+    def plan_for(self, operator: str) -> Plan:
         for p in self.plans:
             if p.operator == operator:
                 return p
-        raise QueryPlanError(f"no gear plan for operator {operator!r}")
+        raise QueryPlanError(f"no plan for operator {operator!r}")
+
+    def with_plans(self, plans: Sequence[Plan], accuracy: Sequence[float]) -> QueryPlan:
+        """This choice with more functions' plans (planned apart from these)."""
+        return QueryPlan(self.target, (*self.plans, *plans), (*self.accuracy, *accuracy),
+                         self.joint)
 
 
 def _joint(plans: list[GearPlan], catalogs: list[Catalog], trace: Trace,
