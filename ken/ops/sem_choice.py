@@ -15,6 +15,7 @@ held-out tweets, accuracy.
 from __future__ import annotations
 
 from ken.errors import DataError
+from ken.models import family
 from ken.models.llm import ChoiceModel
 from ken.models.model import DeviceConfig, Model
 from ken.models.quality import EvalSample
@@ -61,8 +62,6 @@ class SemChoice(LLMOperator):
         return f"options scored by likelihood; {SEM_CHOICE.describe_truncation()}"
 
     def eval_sample(self, ctx: OpContext) -> EvalSample:
-        from ken.models import family
-
         return family.heldout_sample(ctx.data or family.default_data()).as_eval()
 
     def plannable(self) -> bool:

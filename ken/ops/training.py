@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from ken.errors import DataError
+from ken.models.certainty import certainty_fn
 from ken.ops.base import suggest
 
 _TRUE = frozenset({"true", "t", "yes", "y", "1"})
@@ -176,8 +177,6 @@ def cascade_values(cascade: Any, models: Mapping[str, Any], inputs: Sequence) ->
     """The value each row gets from ``cascade`` (its escalation rule, stage by stage): for
     measuring a trained operator on held-out rows. ``inputs`` are texts, or pairs for a pair
     model."""
-    from ken.models.certainty import certainty_fn
-
     values: list[str] = [""] * len(inputs)
     pending = np.arange(len(inputs))
     score = certainty_fn(cascade.certainty)
