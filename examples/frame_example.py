@@ -22,5 +22,6 @@ frame = (
 print(frame.explain())
 table = frame.to_arrow()
 print(table.to_pandas().to_string(max_colwidth=60))
-agree = sum(m == lab for m, lab in zip(table["mood"].to_pylist(), table["label"].to_pylist()))
+agree = sum(m == lab for m, lab in zip(table["mood"].to_pylist(), table["label"].to_pylist(),
+                                           strict=True))
 print(f"{agree} of {table.num_rows} agree with the human label")

@@ -168,7 +168,7 @@ def test_sem_qa_served_by_a_decode_server(session) -> None:  # noqa: ANN001
         s.stop_serving()
         s.bulk_threshold = 64
         s.serving.forget("sem_qa")
-    assert s.explain("SELECT sem_qa(q, x) FROM t").count("generation plan") == 0
+    assert "generation plan: none" in s.explain("SELECT sem_qa(q, x) FROM t")
 
 
 def _a_gear_plan(model: str):  # noqa: ANN202

@@ -158,9 +158,9 @@ def test_a_query_sends_rejected_rows_again_then_fails_with_an_explicit_error(mon
 
 def test_serve_needs_a_gear_plan() -> None:
     with session_with({"a": FakeModel("a"), "b": FakeModel("b")}) as s:
-        with pytest.raises(KenError, match="no function has a gear plan"):
+        with pytest.raises(KenError, match="no function has a plan"):
             s.serve()
-        with pytest.raises(KenError, match="has no gear plan"):
+        with pytest.raises(KenError, match="has no plan"):
             s.serve(["mood"])
         s.use_plan(mood_plan())
         with pytest.raises(KenError, match="loaders for worker processes"):

@@ -507,6 +507,10 @@ class GenerationEngine:
     def plan(self) -> GenPlan:
         return self.server.plan
 
+    def describe_serving(self, bulk_threshold: int) -> str:
+        return (f"served by a decode server, a lane per model: chunks of < {bulk_threshold} "
+                "new inputs as requests whose gear follows the load, larger ones by gear 1")
+
     def submit_many(self, texts: Sequence, bulk: bool = False, operator: str | None = None
                     ) -> list[Future]:
         if operator is not None and operator != self.plan.operator:

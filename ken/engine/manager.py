@@ -1,10 +1,14 @@
-"""Serving manager: the gear plans of a session's semantic functions and the one online
-engine that serves them on the session's pool of devices.
+"""Serving manager: the plans of a session's semantic functions and the servers that serve
+them.
 
-The session keeps the SQL side (connection, registry, bound operators); this module decides
-which engine answers a call, starts it with each function's models (picklable loaders for
-process workers, the loaded models for thread workers), adds functions to it later and swaps
-plans in place.
+One map from function to plan (``ken.policy.plan.Plan``, of either kind) and one map from
+served function to its ``Server`` (``ken.engine.server``): every function with a gear plan is
+served by the one online ``Engine`` on the session's pool of devices (started with each
+function's models: picklable loaders for process workers, the loaded models for thread
+workers; functions are added to it later and plans swapped in place), and each function with
+a generation plan by a decode server of its own. What differs by kind is only how a server is
+started and how it takes a new plan, looked up by the plan's ``kind``. The session keeps the
+SQL side (connection, registry, bound operators).
 """
 
 from __future__ import annotations
@@ -12,10 +16,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 from ken.engine.decode import CascadeServer, GenerationEngine
 from ken.engine.ray_runner import RayCluster
+from ken.engine.server import Server
 from ken.engine.serving import Engine
 from ken.engine.sigterm import SigtermDrain
 from ken.engine.supervision import LoadReport
@@ -23,14 +28,15 @@ from ken.engine.workers import gpu_index
 from ken.errors import KenError
 from ken.models.model import DeviceConfig, Model
 from ken.ops.base import Bound, OpContext, Operator
-from ken.policy.plan import GearPlan, GenPlan
+from ken.policy.plan import GearPlan, GenPlan, Plan
 
 
 class ServingManager:
-    """Gear plans per function and the engine serving the functions that ``serve`` named.
+    """Plans per function and the servers of the functions that ``serve`` named.
 
     ``operators`` is the session's registry (read live), ``bind`` its cache of bound
-    operators: thread workers run the very models the session's in-process calls use.
+    operators: thread workers and decode servers run the very models the session's
+    in-process calls use.
     """
 
     def __init__(self, operators: Mapping[str, Operator], ctx: OpContext,
@@ -38,15 +44,15 @@ class ServingManager:
         self.operators = operators
         self.ctx = ctx
         self._bind = bind
-        self._plans: dict[str, GearPlan] = {}
-        self._engine: Engine | None = None
-        self._served: set[str] = set()
+        self._plans: dict[str, Plan] = {}
+        self._servers: dict[str, Server] = {}  # served function -> its server
+        self._engine: Engine | None = None  # the one engine of the gear plans, once started
         self._bulk_threshold = 64
-        # generating functions: a load-gear plan each, served by a decode server each
-        self._gen_plans: dict[str, GenPlan] = {}
-        self._gen_servers: dict[str, GenerationEngine] = {}
         # SIGTERM drains every server this manager runs, then exits (one handler for all)
         self._sigterm: SigtermDrain | None = None
+        # how a served function takes a new plan of its kind
+        self._swap: dict[str, Callable[[str], None]] = {
+            GearPlan.kind: self._swap_gear, GenPlan.kind: self._restart_generation}
 
     @property
     def bulk_threshold(self) -> int:
@@ -62,61 +68,53 @@ class ServingManager:
     # -- plans -------------------------------------------------------------------------------
 
     @property
-    def plans(self) -> Mapping[str, GearPlan]:
+    def plans(self) -> Mapping[str, Plan]:
         return MappingProxyType(self._plans)
 
-    @property
-    def gen_plans(self) -> Mapping[str, GenPlan]:
-        return MappingProxyType(self._gen_plans)
-
-    def set_plan(self, name: str, plan: GearPlan | GenPlan) -> None:
-        """Keep ``plan`` for ``name``; a running engine serving ``name`` swaps to it (a
-        generating function's decode server is restarted with it)."""
-        if isinstance(plan, GenPlan):
-            if name in self._served:
-                raise KenError(f"{name}() is served by the online engine with a gear plan; "
-                               "stop serving (session.stop_serving()) before giving it a "
-                               "generation plan")
-            self._plans.pop(name, None)
-            self._gen_plans[name] = plan
-            if name in self._gen_servers:
-                self._gen_servers.pop(name).shutdown()
-                self._start_generation(name)
-            return
-        if name in self._gen_servers:
-            raise KenError(f"{name}() is served by a decode server with a generation plan; "
-                           "stop serving (session.stop_serving()) before giving it a gear plan")
-        self._gen_plans.pop(name, None)
+    def set_plan(self, name: str, plan: Plan) -> None:
+        """Keep ``plan`` for ``name``; a server serving ``name`` takes it (the engine swaps
+        it in place, a decode server is restarted with it). A served function keeps its
+        plan's kind: giving it a plan of the other kind needs ``stop`` first."""
+        old = self._plans.get(name)
+        if name in self._servers and old is not None and old.kind != plan.kind:
+            raise KenError(f"{name}() is served with a {old.kind} plan; stop serving "
+                           f"(session.stop_serving()) before giving it a {plan.kind} plan")
         self._plans[name] = plan
+        if name in self._servers:
+            self._swap[plan.kind](name)
+
+    def _swap_gear(self, name: str) -> None:
         engine = self._engine
-        if name in self._served and engine is not None:
-            engine.swap_plan(plan, self._model_sources(name, engine.workers,
-                                                       engine.threads_per_device),
-                             self._gpu_sources([name], engine.threads_per_device))
+        assert engine is not None
+        engine.swap_plan(self._gear_plan(name),
+                         self._model_sources(name, engine.workers, engine.threads_per_device),
+                         self._gpu_sources([name], engine.threads_per_device))
+
+    def _restart_generation(self, name: str) -> None:
+        self._servers.pop(name).shutdown()
+        self._start_generation(name)
+
+    def _gear_plan(self, name: str) -> GearPlan:
+        """The plan of a function the engine serves (its kind is "gear")."""
+        return cast(GearPlan, self._plans[name])
 
     def forget(self, name: str) -> None:
-        """``name`` now names another operator: drop its plan; the engine keeps serving the
-        other functions and calls of ``name`` run in-process."""
+        """``name`` now names another operator: drop its plan; the other functions stay
+        served and calls of ``name`` run in-process."""
         self._plans.pop(name, None)
-        self._served.discard(name)
-        self._gen_plans.pop(name, None)
-        server = self._gen_servers.pop(name, None)
-        if server is not None:
+        server = self._servers.pop(name, None)
+        if server is not None and server is not self._engine:
             server.shutdown()
 
-    # -- which engine answers a call ---------------------------------------------------------
-
-    @property
-    def engine(self) -> Engine | None:
-        return self._engine
+    # -- which server answers a call ---------------------------------------------------------
 
     @property
     def served(self) -> frozenset[str]:
-        return frozenset(self._served)
+        return frozenset(self._servers)
 
-    def engines(self) -> Mapping[str, Engine]:
-        engine = self._engine
-        return MappingProxyType({} if engine is None else dict.fromkeys(self._served, engine))
+    def engines(self) -> Mapping[str, Server]:
+        """The server of each served function (one engine serves every gear plan)."""
+        return MappingProxyType(dict(self._servers))
 
     def planned_for_other_constants(self, function: str, constants: tuple[str, ...]) -> bool:
         """A plan of an operator with constants is made on its evaluation constants: its
@@ -124,16 +122,12 @@ class ServingManager:
         planned_for = self.operators[function].eval_constants
         return bool(planned_for) and constants != planned_for
 
-    def engine_for(self, function: str, constants: tuple[str, ...]
-                   ) -> Engine | GenerationEngine | None:
-        """The engine that answers a call, or None when the call runs in-process."""
-        if function in self._gen_servers:
-            return None if self.planned_for_other_constants(function, constants) \
-                else self._gen_servers[function]
-        if function not in self._served or self.planned_for_other_constants(function,
-                                                                           constants):
+    def engine_for(self, function: str, constants: tuple[str, ...]) -> Server | None:
+        """The server that answers a call, or None when the call runs in-process."""
+        server = self._servers.get(function)
+        if server is None or self.planned_for_other_constants(function, constants):
             return None
-        return self._engine
+        return server
 
     # -- serving -----------------------------------------------------------------------------
 
@@ -142,8 +136,8 @@ class ServingManager:
               bulk_threshold: int | None = None, memory_gb: float | None = None,
               admission: str = "plan", latency_target_s: float | None = None,
               cluster: str | None = None) -> dict[str, LoadReport]:
-        """Serve ``functions`` (every function with a plan by default) on one engine; see
-        ``Session.serve``."""
+        """Serve ``functions`` (every function with a plan by default): the gear plans on one
+        engine, each generation plan on a decode server; see ``Session.serve``."""
         if bulk_threshold is not None:
             self.bulk_threshold = bulk_threshold
         if cluster is not None and workers == "auto":
@@ -155,27 +149,28 @@ class ServingManager:
             raise KenError(f"a Ray cluster serves with workers='ray', not {workers!r}")
         if admission not in ("plan", "max_in_flight"):
             raise KenError(f"admission must be 'plan' or 'max_in_flight' (got {admission!r})")
-        names = [*self._plans, *self._gen_plans] if functions is None \
-            else [f.lower() for f in functions]
+        names = list(self._plans) if functions is None else [f.lower() for f in functions]
         if not names:
-            raise KenError("nothing to serve: no function has a gear plan yet; run "
+            raise KenError("nothing to serve: no function has a plan yet; run "
                            "session.plan(...) or session.use_plan(...) first")
-        missing = [n for n in names if n not in self._plans and n not in self._gen_plans]
+        missing = [n for n in names if n not in self._plans]
         if missing:
-            raise KenError(f"{', '.join(f'{n}()' for n in missing)} has no gear plan; run "
+            raise KenError(f"{', '.join(f'{n}()' for n in missing)} has no plan; run "
                            "session.plan(...) or session.use_plan(...) first")
         if self._sigterm is None:
             self._sigterm = SigtermDrain.install(lambda: self.stop(drain=True))
-        reports: dict[str, LoadReport] = {}
+        by_kind: dict[str, list[str]] = {}
         for n in dict.fromkeys(names):
-            if n in self._gen_plans and n not in self._gen_servers:
-                reports[n] = self._start_generation(n)
-        names = [n for n in dict.fromkeys(names)
-                 if n not in self._served and n not in self._gen_plans]
+            if n not in self._servers:
+                by_kind.setdefault(self._plans[n].kind, []).append(n)
+        reports: dict[str, LoadReport] = {}
+        for n in by_kind.pop(GenPlan.kind, []):
+            reports[n] = self._start_generation(n)
+        names = by_kind.pop(GearPlan.kind, [])
         if not names:
             return reports
         if self._engine is not None:
-            return self._add(names)
+            return reports | self._add(names)
         kind = workers
         per_function: dict[str, Mapping[str, Any]] = {}
         if kind in ("auto", "process", "ray"):
@@ -194,7 +189,7 @@ class ServingManager:
                 if sources.setdefault(model, source) is not source and kind == "thread":
                     raise KenError(f"two served functions name different models {model!r}; "
                                    "give the models distinct names")
-        engine = Engine([self._plans[n] for n in names], sources,
+        engine = Engine([self._gear_plan(n) for n in names], sources,
                         gpu_models=self._gpu_sources(names, threads_per_device),
                         max_in_flight=max_in_flight, workers=kind,  # type: ignore[arg-type]
                         threads_per_device=threads_per_device,
@@ -203,19 +198,19 @@ class ServingManager:
                         admission=admission,  # type: ignore[arg-type]
                         latency_target_s=latency_target_s, drain_on_sigterm=False,
                         ray_cluster=None if cluster is None else RayCluster.connect(cluster))
-        devices = sorted({d for n in names for d in self._plans[n].devices})
+        devices = sorted({d for n in names for d in self._gear_plan(n).devices})
         with self.ctx.reporter.task(f"start the engine for {', '.join(f'{n}()' for n in names)}"
                                     f": {kind} workers on {', '.join(devices)}", 1) as advance:
             report = engine.start()
             advance(1)
         self._engine = engine
-        self._served.update(names)
+        self._servers.update(dict.fromkeys(names, engine))
         return reports | dict.fromkeys(names, report)
 
     def _start_generation(self, name: str) -> LoadReport:
         """A decode server for a generating function's plan, on the session's models (loaded
         in this process; the server's thread runs every pass)."""
-        plan = self._gen_plans[name]
+        plan = cast(GenPlan, self._plans[name])
         op = self.operators[name]
         started = time.perf_counter()
         models = dict(self._bind(name, op.eval_constants).models)
@@ -226,10 +221,10 @@ class ServingManager:
             raise KenError(f"{name}()'s generation plan names models {missing} that "
                            f"{name}() does not have; it has {sorted(models)}")
         with self.ctx.reporter.task(f"start a decode server for {name}(): "
-                                    f"{plan.describe()}", 1) as advance:
+                                    f"{plan.summary()}", 1) as advance:
             server = CascadeServer({m: models[m] for m in plan.models}, plan).start()
             advance(1)
-        self._gen_servers[name] = GenerationEngine(server)
+        self._servers[name] = GenerationEngine(server)
         return LoadReport({}, time.perf_counter() - started, "thread")
 
     def _add(self, names: Sequence[str]) -> dict[str, LoadReport]:
@@ -239,11 +234,11 @@ class ServingManager:
         reports = {}
         for name in names:
             started = time.perf_counter()
-            engine.swap_plan(self._plans[name], self._model_sources(
+            engine.swap_plan(self._gear_plan(name), self._model_sources(
                 name, engine.workers, engine.threads_per_device),
                 self._gpu_sources([name], engine.threads_per_device))
             reports[name] = LoadReport({}, time.perf_counter() - started, engine.workers)
-            self._served.add(name)
+            self._servers[name] = engine
         return reports
 
     def _model_sources(self, name: str, workers: str, threads: int) -> Mapping[str, Any]:
@@ -253,7 +248,7 @@ class ServingManager:
         if workers in ("process", "ray"):
             return _check_loaders(name, op.loaders(self.ctx, DeviceConfig(threads=threads)))
         models = dict(self._bind(name, op.eval_constants).models)
-        placed = {r.model for r in self._plans[name].placement}
+        placed = {r.model for r in self._gear_plan(name).placement}
         if not placed <= set(models):  # a plan over candidates the binding does not use
             models.update(op.candidates(self.ctx, self.ctx.device))
         return models
@@ -264,7 +259,7 @@ class ServingManager:
         gpu = DeviceConfig("cuda", 0, threads)
         out: dict[str, Any] = {}
         for name in names:
-            gpus = [d for d in self._plans[name].devices if gpu_index(d) is not None]
+            gpus = [d for d in self._gear_plan(name).devices if gpu_index(d) is not None]
             if not gpus:
                 continue
             loaders = self.operators[name].loaders(self.ctx, gpu)
@@ -279,8 +274,8 @@ class ServingManager:
         """Shut every server down (the engine and the decode servers; draining admitted
         requests first, by default); returns how many requests they cancelled."""
         engine, self._engine = self._engine, None
-        self._served.clear()
-        servers, self._gen_servers = self._gen_servers, {}
+        servers = {id(s): s for s in self._servers.values() if s is not engine}
+        self._servers.clear()
         cancelled = sum(server.shutdown(drain) for server in servers.values())
         cancelled += 0 if engine is None else engine.shutdown(drain=drain)
         if self._sigterm is not None and self._sigterm.restore():

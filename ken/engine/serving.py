@@ -215,6 +215,11 @@ class Engine:
     def bulk_batch_size(self) -> int:
         return self.scheduler.bulk_batch_size
 
+    def describe_serving(self, bulk_threshold: int) -> str:
+        return (f"served by the online engine ({self.workers} workers): chunks of < "
+                f"{bulk_threshold} new inputs as online requests, larger ones as bulk rows of "
+                f"gear 1 in batches of {self.bulk_batch_size}")
+
     @property
     def plan(self) -> GearPlan:
         """The gear plan served, when the engine serves one operator."""

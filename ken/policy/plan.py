@@ -67,6 +67,13 @@ class Plan:
         """The gears on one line (for messages)."""
         return "; ".join(self.gear_lines())
 
+    def headline(self) -> str:
+        """How many gears, keyed by what load, served where (EXPLAIN's first line)."""
+        raise NotImplementedError
+
+    def _gears_word(self, n: int) -> str:
+        return f"{n} gear{'s' if n != 1 else ''}"
+
     def latency_target_s(self) -> float | None:
         """The latency the plan promises (its predicted p99), None when it was not
         simulated."""
@@ -287,6 +294,10 @@ class GearPlan(Plan):
     def gear_lines(self) -> list[str]:
         return [f"{lo:g}-{hi:g} qps: {self.cascades[c].describe()}" for lo, hi, c in self.gears()]
 
+    def headline(self) -> str:
+        return (f"{self._gears_word(len(self.gears()))} over 0-{self.qps_max:g} qps on "
+                f"{', '.join(self.devices)}")
+
     def describe(self) -> list[str]:
         """Human-readable lines: gears, placement, batch triggers, prediction."""
         lines = []
@@ -406,6 +417,10 @@ class GenPlan(Plan):
     def cascades(self) -> tuple[Cascade, ...]:
         """The cascade of each gear."""
         return tuple(g.cascade for g in self.gears)
+
+    def headline(self) -> str:
+        return (f"{self._gears_word(len(self.gears))} by load (requests running + queued), "
+                f"{self.max_running} rows per pass")
 
     def gear_lines(self) -> list[str]:
         lines, lower = [], 0.0

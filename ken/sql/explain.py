@@ -238,43 +238,26 @@ def actual_lines(runner: SiteRunner) -> list[str]:
     return lines
 
 
-def gear_plan_lines(serving: ServingManager, function: str, constants: tuple[str, ...] = ()
-                    ) -> list[str]:
-    """EXPLAIN lines on how a call runs: its function's gear plan, whether the online engine
-    serves it, or why it runs in-process."""
+def plan_lines(serving: ServingManager, function: str, constants: tuple[str, ...] = ()
+               ) -> list[str]:
+    """EXPLAIN lines on how a call runs: its function's plan (either kind, shown the same
+    way), whether a server serves it, or why it runs in-process."""
     op = serving.operators[function]
-    gen = serving.gen_plans.get(function)
     plan = serving.plans.get(function)
-    if (plan or gen) is not None and serving.planned_for_other_constants(function, constants):
+    if plan is None:
+        if op.plannable():
+            return [f"{op.plan_kind} plan: none (run session.plan(...) or `ken plan`)"]
+        return [f"{op.plan_kind} plan: none ({function}() has no profiles to plan with; "
+                "session.use_plan(...) sets one)"]
+    if serving.planned_for_other_constants(function, constants):
         planned_for = op.eval_constants
-        return [f"{'gear' if gen is None else 'generation'} plan: planned for "
+        return [f"{plan.kind} plan: planned for "
                 f"{function}({', '.join(map(repr, planned_for))}); "
                 "this call has other constants, so it runs the implementation above "
                 "in-process"]
-    if gen is not None:
-        served = serving.engine_for(function, constants) is not None
-        how = (f"served by a decode server, a lane per model: chunks of < "
-               f"{serving.bulk_threshold} new inputs as requests whose gear follows the load, "
-               "larger ones by gear 1" if served else
-               "for online serving, session.serve(); until then queries run the "
-               "implementation above")
-        head = (f"generation plan: {len(gen.gears)} gear{'s' if len(gen.gears) != 1 else ''} "
-                f"by load (requests running + queued), {gen.max_running} rows per pass "
-                f"({how})")
-        return [head, *("  " + part for part in gen.describe().split("; "))]
-    if plan is None:
-        if op.plannable():
-            return ["gear plan: none (run session.plan(...) or `ken plan`)"]
-        return [f"gear plan: none ({function}() has no profiles to plan with; "
-                "session.use_plan(...) sets one)"]
-    gears = len(plan.gears())
-    engine = serving.engine_for(function, constants)
-    how = (f"served by the online engine ({engine.workers} workers): chunks of < "
-           f"{serving.bulk_threshold} new inputs as online requests, larger ones as bulk "
-           f"rows of gear 1 in batches of {engine.bulk_batch_size}"
-           if engine is not None else
+    server = serving.engine_for(function, constants)
+    how = (server.describe_serving(serving.bulk_threshold) if server is not None else
            "for online serving, session.serve(); until then queries run the "
            "implementation above")
-    head = (f"gear plan: {gears} gear{'s' if gears != 1 else ''} over 0-{plan.qps_max:g} "
-            f"qps on {', '.join(plan.devices)} ({how})")
-    return [head, *("  " + line for line in plan.describe())]
+    return [f"{plan.kind} plan: {plan.headline()} ({how})",
+            *("  " + line for line in plan.describe())]

@@ -29,7 +29,7 @@ from ken.ops.base import Bound, OpContext, Operator, suggest
 from ken.ops.training import Trained, TrainingData
 from ken.sql.database import Database
 from ken.sql.execute import SiteRunner, query_error, registered
-from ken.sql.explain import actual_lines, build, estimate, gear_plan_lines, render, site_lines
+from ken.sql.explain import actual_lines, build, estimate, plan_lines, render, site_lines
 from ken.sql.ray_query import ray_choice, run_on_ray
 from ken.sql.result import Result
 from ken.sql.rewrite import Rewritten, SqlError, parse, rewrite, split_statements
@@ -216,7 +216,7 @@ class QueryRunner:
         con = self.host.db.connection()
         with registered(con, runners):  # nested calls may remain inside FROM subqueries
             estimates = {r.site.id: estimate(con, rw, r.site, r.bound) for r in runners}
-        plans = {s.id: gear_plan_lines(self.host.serving, s.function, s.constants)
+        plans = {s.id: plan_lines(self.host.serving, s.function, s.constants)
                  for s in rw.sites}
         if not analyze:
             return "\n".join(lines + site_lines(rw.sites, describe, estimates, plans=plans))
