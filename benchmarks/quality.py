@@ -254,15 +254,11 @@ def main(argv: list[str] | None = None) -> int:
 def match_quality(session, reporter) -> list[dict]:  # noqa: ANN001
     """F1 of ``sem_match(l, r)`` from SQL on each data set's test split: the default matcher
     and the data set's own (see the module docstring)."""
+    from ken.models.records import parse_record
     from ken.ops.base import shared_resources
-    from ken.ops.sem_match import (
-        DATASET_ALL,
-        SemMatch,
-        has_data,
-        load_pairs,
-        parse_record,
-        prepare_sem_match,
-    )
+    from ken.ops.match_data import DATASET_ALL, has_data, load_pairs
+    from ken.ops.match_training import prepare_sem_match
+    from ken.ops.sem_match import SemMatch
 
     rows = []
     resources = shared_resources(session.ctx)

@@ -38,7 +38,8 @@ from ken.sql.result import Result
 from ken.sql.runner import QueryRunner
 
 if TYPE_CHECKING:
-    from ken.engine.serving import Engine, LoadReport
+    from ken.engine.server import Server
+    from ken.engine.supervision import LoadReport
     from ken.optimizer.plan_context import PlannerSettings
     from ken.optimizer.workload import Trace
 
@@ -246,9 +247,10 @@ class Session:
     # -- online serving (issue 5) -------------------------------------------------------------
 
     @property
-    def engines(self) -> Mapping[str, Engine]:
-        """The online engine serving each served function (read-only view; one engine
-        serves them all on the session's devices)."""
+    def engines(self) -> Mapping[str, Server]:
+        """The server of each served function (read-only view): one online engine serves
+        every function with a gear plan on the session's devices, a decode server each
+        function with a generation plan."""
         return self.serving.engines()
 
     def serve(self, functions: Sequence[str] | None = None,

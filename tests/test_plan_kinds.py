@@ -135,3 +135,33 @@ def test_a_generation_plan_keeps_its_prediction(tmp_path: Path) -> None:
     assert Plan.load(planned.save(tmp_path / "p.json")) == planned
     assert planned.describe()[0].startswith("predicted: quality 50.0%, TTFT p95 2.50 s, TGT")
     assert planned.latency_target_s() == pytest.approx(10.8)
+
+
+def test_ken_plan_plans_a_generating_function_by_its_kind(tmp_path: Path, monkeypatch,
+                                                           capsys) -> None:
+    from ken.cli import main
+
+    asked = []
+
+    def fake_plan_generating(op, ctx, target, qps, rows, seed=0):  # noqa: ANN001, ANN202
+        asked.append((op.name, target, qps, rows))
+        return _choice(0.5, 9_000, 2_500, gears=2)
+
+    monkeypatch.setattr("ken.cli.plan.plan_generating", fake_plan_generating)
+    assert main(["plan", "--function", "sem_qa", "--qps", "0.3", "--rows", "8",
+                 "--target", "ttft_p95 <= 3s", "--out", str(tmp_path)]) == 0
+    assert asked == [("sem_qa", Target(max_ttft_p95_ms=3000), 0.3, 8)]
+    written = Plan.load(tmp_path / "plan-sem_qa.json")
+    assert written == _choice(0.5, 9_000, 2_500, gears=2).plan
+    out = capsys.readouterr().out
+    assert "sem_qa generation plan (for target ttft_p95 <= 3s, 0.3 requests/s)" in out
+    assert "load [0, 2): s -(0.500)-> l" in out
+
+
+def test_ken_plan_says_what_a_plan_of_each_kind_needs(capsys) -> None:
+    from ken.cli import main
+
+    assert main(["plan", "--function", "sem_qa"]) == 2
+    assert "needs --qps" in capsys.readouterr().err
+    assert main(["plan", "--target", "ttft_p95 <= 2s"]) == 2
+    assert "latency of generating functions" in " ".join(capsys.readouterr().err.split())

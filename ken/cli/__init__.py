@@ -82,7 +82,7 @@ def pick_plan(frontier: Frontier, target: str | None) -> GearPlan:
     """The plan for ``target`` ("accuracy >= 0.7" / "p95 <= 50"), or the most accurate."""
     if target is None:
         return max(frontier.plans, key=lambda p: (p.predicted.accuracy, -p.predicted.p95_ms))
-    t = Target.parse(target)
+    t = Target.parse(target).for_classifiers()
     return frontier.pick(min_accuracy=t.min_accuracy, max_p95_ms=t.max_p95_ms)
 
 
@@ -172,7 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
         "plan", help="build the latency-accuracy frontier of gear plans for sentiment",
         description="Profile the models (cached), find the Pareto cascades, and build the "
         "frontier of gear plans (cascade per QPS range, placement on the devices, batch "
-        "triggers) by simulating a trace. Writes DIR/frontier-sentiment.json and .png.")
+        "triggers) by simulating a trace. Writes DIR/frontier-sentiment.json and .png. A "
+        "generating function (sem_qa, sem_map, sem_extract) gets the generation plan that "
+        "meets --target at --qps requests/s instead: DIR/plan-<function>.json.")
     family_args(plan)
     plan.add_argument("--function", default="sentiment",
                       choices=BUILTIN_MODULES,
@@ -206,8 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--ranges", type=int, default=8,
                       help="number of equal QPS ranges |Q| over [0, peak] (default 8)")
     plan.add_argument("--target", default=None,
-                      help="print the plan for \"accuracy >= 0.7\" or \"p95 <= 50\" (ms) "
-                           "(default: the most accurate plan)")
+                      help="print the plan for \"accuracy >= 0.7\" or \"p95 <= 50\" (ms); "
+                           "for a generating function also \"ttft_p95 <= 2s\" or "
+                           "\"tgt_p95 <= 15s\" (default: the most accurate plan)")
+    plan.add_argument("--qps", type=float, default=None,
+                      help="generating functions: the mean rate of requests to plan for")
+    plan.add_argument("--rows", type=int, default=64,
+                      help="generating functions: evaluation rows the LMs answer (default 64)")
     plan.add_argument("--out", type=Path, default=Path("ken-plan"),
                       help="output folder (default ./ken-plan)")
     plan.add_argument("--placement-scoring", choices=("simulate", "estimate"),

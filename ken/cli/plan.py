@@ -21,6 +21,7 @@ from ken.models import family
 from ken.models.model import DeviceConfig
 from ken.ops import builtin_operators
 from ken.ops.sentiment import Sentiment
+from ken.optimizer.gen_planner import plan_generating
 from ken.optimizer.perf import Catalog
 from ken.optimizer.planner import PlannerSettings
 from ken.optimizer.planning import (
@@ -47,6 +48,36 @@ from ken.report import console, latency_table, print_gear_plans
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    op = builtin_operators()[args.function]
+    return _PLANNERS[op.plan_kind](args)
+
+
+def _plan_generating(args: argparse.Namespace) -> int:
+    """The generation plan of a generating function for ``--target`` at ``--qps``."""
+    if args.qps is None:
+        raise UsageError(f"planning {args.function}() needs --qps, the mean rate of its "
+                         "requests (e.g. --qps 0.3)")
+    try:
+        target = Target.parse(args.target or "tgt_p95 <= 1e9s")  # none: the most accurate
+    except KenError as exc:
+        raise UsageError(str(exc)) from None
+    reporter = Reporter(args.quiet)
+    op = builtin_operators()[args.function]
+    chosen = plan_generating(op, op_context(args, reporter), target, args.qps, args.rows,
+                             seed=args.seed).plan
+    path = chosen.save(Path(args.out) / f"plan-{args.function}.json")
+    how = f"for target {args.target}" if args.target else "the most accurate"
+    console.print(f"{args.function} generation plan ({how}, {args.qps:g} requests/s):",
+                  highlight=False)
+    for line in chosen.describe():
+        console.print(f"  {line}", highlight=False, markup=False)
+    console.print(f"wrote {path} (serve it: session.use_plan(ken.Plan.load(path)))",
+                  highlight=False)
+    return 0
+
+
+def _plan_frontier(args: argparse.Namespace) -> int:
+    """The frontier of gear plans of a classifier function."""
     check_planning_args(args.devices, args.memory_gb, args.device_threads, args.peak_qps,
                         args.duration, args.ranges, args.gpus)
     if args.ray is not None and (args.gpus or args.gpu_memory_gb):
@@ -62,7 +93,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
           else ", ".join(hardware.ids))
     if args.target is not None:
         try:
-            Target.parse(args.target)  # a typo fails now, not after planning
+            Target.parse(args.target).for_classifiers()  # a typo fails now, not later
         except KenError as exc:
             raise UsageError(str(exc)) from None
     if args.trace == "azure" and not (shared_data_dir() / AZURE_CODE_TRACE).is_file():
@@ -114,6 +145,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     console.print(f"wrote {json_path} and {png_path} ({planned}; {took:.1f} s in all)",
                   highlight=False)
     return 0
+
+
+#: how `ken plan` plans a function, by the kind of plan its operator declares
+_PLANNERS = {"gear": _plan_frontier, "generation": _plan_generating}
 
 
 def _calibrate(path: Path | None, catalog: Catalog, reporter: Reporter
