@@ -152,7 +152,7 @@ class Session:
         with self.ctx.lock:
             self._bound = {k: v for k, v in self._bound.items() if k[0] != function}
 
-    # -- gear plans (offline phase) ----------------------------------------------------------
+    # -- plans (offline phase) ---------------------------------------------------------------
 
     @property
     def plans(self) -> Mapping[str, Plan]:

@@ -165,3 +165,20 @@ def test_ken_plan_says_what_a_plan_of_each_kind_needs(capsys) -> None:
     assert "needs --qps" in capsys.readouterr().err
     assert main(["plan", "--target", "ttft_p95 <= 2s"]) == 2
     assert "latency of generating functions" in " ".join(capsys.readouterr().err.split())
+
+
+def test_planning_a_generating_function_needs_its_request_rate_before_any_work() -> None:
+    from ken.errors import KenError
+    from ken.ops import builtin_operators
+    from ken.ops.base import OpContext
+    from ken.optimizer.planning import plan_functions
+
+    ops = builtin_operators()
+    if not ops["sem_qa"].plannable():
+        pytest.skip(f"sem_qa has no evaluation sample here ({ops['sem_qa'].eval_description()})")
+    for qps in (None, 0.0):
+        with pytest.raises(KenError, match="needs the mean rate of its requests"):
+            plan_functions(ops, OpContext(), ["sem_qa"], Target.parse("tgt_p95 <= 9s"), qps=qps)
+    with pytest.raises(KenError, match="Azure trace or a Trace"):
+        plan_functions(ops, OpContext(), ["sem_qa"], Target.parse("tgt_p95 <= 9s"),
+                       trace="gamma", qps=1.0)

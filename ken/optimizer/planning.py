@@ -472,10 +472,10 @@ def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Seq
     _check_plannable(operators, names)
     gear = [n for n in names if operators[n].plan_kind == "gear"]
     generating = [n for n in names if n not in gear]
-    if generating and qps is None:
+    if generating and not (qps is not None and qps > 0):
         raise KenError(f"planning {', '.join(generating)}() needs the mean rate of its "
-                       "requests: plan(target, functions=[...], qps=0.3) (requests per "
-                       "second; `ken plan --qps`)")
+                       "requests, > 0: plan(target, functions=[...], qps=0.3) (requests per "
+                       f"second; `ken plan --qps`); got {qps}")
     if generating and not (trace is None or trace == "azure" or isinstance(trace, Trace)):
         raise KenError(f"generating functions are planned on the Azure trace or a Trace you "
                        f"pass, not {trace!r}")
