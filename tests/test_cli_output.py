@@ -97,3 +97,21 @@ def test_progress_lines_print_names_as_text() -> None:
         advance(2)
     text = out.getvalue()
     assert "trained on [/x] (table '[bold]t')" in text and "pair-l3[abt-buy.name]" in text
+
+
+def test_data_dir_reaches_every_operator_through_the_family_data(tmp_path) -> None:
+    """`--data-dir` is where the family's held-out rows are read from, also when an operator
+    (the sentiment operator of `ken plan`) reads them."""
+    import argparse
+
+    from ken.cli import family_args, family_data
+    from ken.errors import DataError
+
+    parser = argparse.ArgumentParser()
+    family_args(parser)
+    data = family_data(parser.parse_args(["--data", "sentiment140", "--data-dir",
+                                          str(tmp_path)]))
+    assert data.data_dir == tmp_path
+    with pytest.raises(DataError, match=str(tmp_path)):
+        data.splits()
+    assert data.with_members("mpnet-base").data_dir == tmp_path

