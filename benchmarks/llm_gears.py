@@ -187,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         best, _ = plan_generation(op.name, single_candidates, costs, plan_stages, plan_t,
                                   plan_rows, target * 1000, max_running=args.max_running,
                                   more_traces=more)
-        if best is not None and best.plan.describe() not in ms_plus:
-            ms_plus[best.plan.describe()] = results_row(simulate_gen_plan(
+        if best is not None and best.plan.summary() not in ms_plus:
+            ms_plus[best.plan.summary()] = results_row(simulate_gen_plan(
                 best.plan, costs, eval_stages, eval_t, eval_rows).metrics()) | {
                 "plan": best.plan.to_json(), "target_s": target}
     points = []
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         if best is not None:
             ev = results_row(simulate_gen_plan(best.plan, costs, eval_stages, eval_t,
                                                eval_rows).metrics())
-            point["ken"] = ev | {"plan": best.plan.to_json(), "describe": best.plan.describe(),
+            point["ken"] = ev | {"plan": best.plan.to_json(), "describe": best.plan.summary(),
                                  "planned": results_row(best.metrics)}
         feasible = {k: v for k, v in statics.items() if v["tgt_p95_ms"] <= target * 1000}
         if feasible:
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                               "work_ms_per_row": c.work_s * 1000, "escalated": c.escalated}
                              for c in candidates],
               "statics": statics, "ms_plus": ms_plus, "points": points,
-              "frontier_plan_window": [{"describe": c.plan.describe(), **results_row(c.metrics)}
+              "frontier_plan_window": [{"describe": c.plan.summary(), **results_row(c.metrics)}
                                        for c in frontier(all_tried)]}
     if not args.no_replay:
         result["replay"] = replay_all(args, result, models, eval_t, eval_rows, odd, sample,
@@ -288,13 +288,13 @@ def replay_all(args, result, models, eval_t, eval_rows, odd, sample, reporter,  
     for label, plan_json in runs.items():
         plan = GenPlan.from_json(plan_json)
         sim = results_row(simulate_gen_plan(plan, costs, eval_stages, eval_t, eval_rows).metrics())
-        reporter.note(f"replaying {label} ({plan.describe()}) through the decode server...")
+        reporter.note(f"replaying {label} ({plan.summary()}) through the decode server...")
         with CascadeServer({m: models[m] for m in plan.models}, plan) as server:
             outcomes = replay_rows(server, eval_t, rows)
         quality = asked.quality([o.value for o in outcomes])
         got = results_row(as_gen_run(outcomes, quality, server).metrics())
         failed = sum(o.status != "ok" for o in outcomes)
-        out[label] = {"plan": plan.describe(), "simulated": sim, "measured": got,
+        out[label] = {"plan": plan.summary(), "simulated": sim, "measured": got,
                       "failed": failed}
         reporter.note(f"  {label}: TTFT p50/p95 simulated {sim['ttft_p50_ms'] / 1000:.1f} / "
                       f"{sim['ttft_p95_ms'] / 1000:.1f} s, measured "

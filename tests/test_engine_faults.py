@@ -596,6 +596,8 @@ def test_sigterm_drains_a_served_generating_function_as_a_classifier() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
         assert engine.server.closing.wait(timeout=30)  # the drain began with all in flight
         assert not any(f.done() for f in futures)
+        # while it drains, calls still go to the server (turned away there), not in-process
+        assert manager.engine_for("gen", ()) is engine
         lm.gate.set()
         assert after_drain.wait(timeout=60)  # drained, then the previous handler ran
         outcomes = [f.result(timeout=1) for f in futures]

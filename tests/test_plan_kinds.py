@@ -48,6 +48,11 @@ def test_a_file_of_the_other_kind_says_what_it_holds(tmp_path: Path) -> None:
     bad = json.loads(gen_plan().to_json()) | {"kind": "mystery"}
     with pytest.raises(PlanError, match="unknown plan kind 'mystery'"):
         Plan.from_dict(bad)
+    with pytest.raises(PlanError, match="neither the QPS edges of a gear plan nor the gears"):
+        GearPlan.from_dict({"schema_version": 1, "operator": "sentiment"})  # truncated
+    nameless = {k: v for k, v in gen_plan().to_dict().items() if k not in ("kind", "operator")}
+    with pytest.raises(PlanError, match="malformed generation plan"):
+        Plan.from_dict(nameless)
 
 
 def test_files_written_before_the_kind_field_still_load() -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -343,7 +342,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         err.print("this is a bug in ken; run the command again with --debug for the traceback "
                   "and report it", markup=False, highlight=False)
         return EXIT_INTERNAL
-
-
-if __name__ == "__main__":
-    sys.exit(main())

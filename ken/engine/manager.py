@@ -13,6 +13,7 @@ SQL side (connection, registry, bound operators).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
@@ -50,6 +51,7 @@ class ServingManager:
         self._bulk_threshold = 64
         # SIGTERM drains every server this manager runs, then exits (one handler for all)
         self._sigterm: SigtermDrain | None = None
+        self._stopping = threading.Lock()
         # how a served function takes a new plan of its kind
         self._swap: dict[str, Callable[[str], None]] = {
             GearPlan.kind: self._swap_gear, GenPlan.kind: self._restart_generation}
@@ -271,17 +273,27 @@ class ServingManager:
         return out
 
     def stop(self, drain: bool = True) -> int:
-        """Shut every server down (the engine and the decode servers; draining admitted
-        requests first, by default); returns how many requests they cancelled."""
-        engine, self._engine = self._engine, None
-        servers = {id(s): s for s in self._servers.values() if s is not engine}
-        self._servers.clear()
-        cancelled = sum(server.shutdown(drain) for server in servers.values())
-        cancelled += 0 if engine is None else engine.shutdown(drain=drain)
-        if self._sigterm is not None and self._sigterm.restore():
-            self._sigterm = None
-        return cancelled
-
+        """Shut every server down (the decode servers, then the engine; draining admitted
+        requests first, by default); returns how many requests they cancelled. The servers
+        stay registered while they drain, so calls arriving meanwhile get their ``cancelled``
+        outcomes rather than running in-process; a second ``stop`` (SIGTERM's, a session's
+        close) waits for the first."""
+        with self._stopping:
+            engine = self._engine
+            servers = {id(s): s for s in self._servers.values() if s is not engine}
+            cancelled = 0
+            try:
+                for server in servers.values():
+                    cancelled += server.shutdown(drain)
+            finally:
+                try:
+                    cancelled += 0 if engine is None else engine.shutdown(drain=drain)
+                finally:
+                    self._engine = None
+                    self._servers.clear()
+                    if self._sigterm is not None and self._sigterm.restore():
+                        self._sigterm = None
+            return cancelled
 
 def _check_loaders(name: str, loaders: Mapping[str, Callable[[], Model]] | None
                    ) -> Mapping[str, Callable[[], Model]]:

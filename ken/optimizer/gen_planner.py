@@ -299,7 +299,9 @@ def plan_generating(op: Operator, ctx: OpContext, target: Target, qps: float,
                                     rng), rng.integers(0, len(sample), requests)))
     candidates = cascade_candidates(list(models), stages, costs, max_running)
     (arrivals, asked), *more = traces
+    # a plan's latency is its worst window by the metric the target bounds
+    metric = TARGET_METRICS[target.latency or "p95"]
     _, tried = plan_generation(op.name, candidates, costs, stages, arrivals, asked, math.inf,
-                               max_running=max_running, more_traces=more)
+                               metric, max_running=max_running, more_traces=more)
     best = choose(op.name, tried, target)
     return GenChoice(replace(best.plan, predicted=best.metrics), best.metrics)

@@ -92,7 +92,13 @@ class Plan:
         """A plan of the kind ``data`` holds (``Plan.from_dict``), or of this class's kind
         (``GearPlan.from_dict``: a file of the other kind is an error that says so)."""
         _check_version(data, "plan")
-        kind = data.get("kind") or ("gear" if "qps_edges" in data else "generation")
+        # files written before plans carried their kind: a gear plan has QPS edges, a
+        # generation plan load gears
+        kind = data.get("kind") or ("gear" if "qps_edges" in data else
+                                    "generation" if "gears" in data else None)
+        if kind is None:
+            raise PlanError("malformed plan JSON: it names no kind and has neither the QPS "
+                            "edges of a gear plan nor the gears of a generation plan")
         found = PLAN_KINDS.get(kind)
         if found is None:
             raise PlanError(f"unknown plan kind {kind!r}; this KEN reads "
@@ -463,7 +469,8 @@ class GenPlan(Plan):
                           for g in data["gears"])
             kv = data["kv_budget_tokens"]
             # "function": what files written before the plan kinds shared one format call it
-            return cls(str(data.get("operator", data.get("function"))), gears,
+            operator = data["operator"] if "operator" in data else data["function"]
+            return cls(str(operator), gears,
                        int(data["max_running"]), None if kv is None else int(kv),
                        float(data["hysteresis"]), data["mode"],
                        None if data.get("predicted") is None
