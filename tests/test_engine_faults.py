@@ -598,6 +598,8 @@ def test_sigterm_drains_a_served_generating_function_as_a_classifier() -> None:
         assert not any(f.done() for f in futures)
         # while it drains, calls still go to the server (turned away there), not in-process
         assert manager.engine_for("gen", ()) is engine
+        late = engine.submit_many(["a late row"])[0].result(timeout=5)
+        assert late.status == "cancelled" and "shutting down" in late.error
         lm.gate.set()
         assert after_drain.wait(timeout=60)  # drained, then the previous handler ran
         outcomes = [f.result(timeout=1) for f in futures]

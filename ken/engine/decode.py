@@ -219,9 +219,14 @@ class DecodeServer:
         fut: Future = Future()
         fut.set_running_or_notify_cancel()  # an outcome always comes; it cannot be cancelled
         with self._lock:
-            if self._thread is None or self.closing.is_set() or not self._thread.is_alive():
+            if self._thread is None or not self._thread.is_alive():
                 raise EngineError("the decode server is not running; call start() first"
                                   + (f" (it stopped: {self._crashed})" if self._crashed else ""))
+            if self.closing.is_set():  # draining: turned away as the classifier engine does
+                now = self.clock.now()
+                fut.set_result(Outcome(next(self._ids), "cancelled", now, now, error=(
+                    "the decode server is shutting down; nothing was run")))
+                return fut
             self._inbox.put((next(self._ids), item, max_new, self.clock.now(), fut))
         return fut
 
