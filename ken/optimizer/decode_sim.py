@@ -15,6 +15,9 @@ the answer's certainty and quality) comes from running the models on a sample
 (``StageRows``); request ``i`` of a trace asks for row ``rows[i]``. For a cascade, TTFT is the
 first token of the answer the user gets (the resolving stage's): earlier stages' answers are
 not streamed, as they may be replaced.
+
+The plan runs on the event loop of ``ken.optimizer.sim_core`` as one runner (``_DecodeServer``)
+whose work is a forward pass on the one device, charged by ``TokenCost``.
 """
 
 from __future__ import annotations
@@ -22,17 +25,20 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from ken.errors import SimulationError
 from ken.models.cascade import Cascade
+from ken.optimizer.sim_core import EventLoop, Record, run_metrics
 from ken.optimizer.tokens import TokenCost
-from ken.policy.decoding import DecodeScheduler, Mode
+from ken.policy.decoding import DecodeScheduler, DecodeStep, Mode
 from ken.policy.generating import GenDispatcher, pick_lane
-from ken.policy.metrics import PlanMetrics, latency_percentiles
+from ken.policy.metrics import PlanMetrics
 from ken.policy.plan import GenPlan, single_gear
+from ken.policy.scheduling import VirtualClock
+
+_DEVICE = "device"  # the one device a generation plan is served on
 
 
 @dataclass(frozen=True, eq=False)
@@ -53,31 +59,11 @@ class DecodeRun:
         gen = self.output_tokens > 1
         per_token = ((self.completion_s[gen] - self.first_token_s[gen])
                      / (self.output_tokens[gen] - 1) * 1000.0)
-        return _run_metrics(
-            self.arrival_s, self.first_token_s, self.completion_s, self.busy_s,
-            int(self.output_tokens.sum()), accuracy=math.nan, passes=self.passes,
-            prefill_passes=self.prefill_passes,
+        return run_metrics(
+            self.arrival_s, self.completion_s, ((_DEVICE, self.busy_s),), math.nan, 0,
+            first_token_s=self.first_token_s, tokens=int(self.output_tokens.sum()),
+            passes=self.passes, prefill_passes=self.prefill_passes,
             time_per_token_ms=float(np.median(per_token)) if per_token.size else 0.0)
-
-
-def _run_metrics(arrival_s: np.ndarray, first_token_s: np.ndarray, completion_s: np.ndarray,
-                 busy_s: float, tokens: int, accuracy: float, gear_switches: int = 0,
-                 **known: Any) -> PlanMetrics:
-    """The metrics of a generating run on one device from its per-request times (seconds):
-    TTFT and TGT (the request latency) percentiles, span, throughput and utilisation, with
-    the ``known`` fields its caller has (passes, escalated share, ...)."""
-    ttft = (first_token_s - arrival_s) * 1000.0
-    tgt = (completion_s - arrival_s) * 1000.0
-    span = float(completion_s.max() - arrival_s.min()) if tgt.size else 0.0
-    p50, p95, p99 = latency_percentiles(tgt)
-    ttft_p50, ttft_p95, ttft_p99 = latency_percentiles(ttft)
-    return PlanMetrics(
-        p50_ms=p50, p95_ms=p95, p99_ms=p99, mean_ms=float(tgt.mean()),
-        num_requests=int(tgt.size), duration_s=span,
-        utilisation=(("device", busy_s / span if span > 0 else 0.0),),
-        ttft_p50_ms=ttft_p50, ttft_p95_ms=ttft_p95, ttft_p99_ms=ttft_p99,
-        tokens_per_s=tokens / span if span > 0 else 0.0, accuracy=accuracy,
-        gear_switches=gear_switches, **known)
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,13 +106,13 @@ class GenRun:
 
     def metrics(self) -> PlanMetrics:
         n = int(self.quality.size)
-        return _run_metrics(
-            self.arrival_s, self.first_token_s, self.completion_s, self.busy_s,
-            sum(self.tokens.values()), accuracy=float(self.quality.mean()) if n else 0.0,
+        return run_metrics(
+            self.arrival_s, self.completion_s, ((_DEVICE, self.busy_s),),
+            float(self.quality.mean()) if n else 0.0, len(self.switches),
+            first_token_s=self.first_token_s, tokens=sum(self.tokens.values()),
             accuracy_se=float(self.quality.std(ddof=1) / np.sqrt(n)) if n > 1 else 0.0,
             escalated=float(np.mean(self.stage > 0)) if n else 0.0,
-            passes=sum(self.passes.values()), prefill_passes=sum(self.prefill_passes.values()),
-            gear_switches=len(self.switches))
+            passes=sum(self.passes.values()), prefill_passes=sum(self.prefill_passes.values()))
 
 
 def _check_trace(arrivals: np.ndarray, rows: np.ndarray, num_rows: int) -> None:
@@ -150,78 +136,16 @@ def simulate_gen_plan(plan: GenPlan, costs: Mapping[str, TokenCost],
     rows = np.asarray(rows, dtype=np.int64)
     _check_trace(arrivals, rows, min(len(stages[m].prompt_tokens) for m in models))
     n = arrivals.size
-    lanes = {m: DecodeScheduler(plan.max_running, plan.kv_budget_tokens, plan.mode)
-             for m in models}
-    for m in models:
-        st = stages[m]
-        too_long = [int(r) for r in set(rows.tolist())
-                    if not lanes[m].fits(int(st.prompt_tokens[r]), int(st.output_tokens[r]))]
-        if too_long:
-            raise SimulationError(f"{m}: rows {sorted(too_long)[:5]} never fit the KV budget "
-                                  f"of {plan.kv_budget_tokens} tokens")
-    disp = GenDispatcher(plan)
-    first, done = np.full(n, np.nan), np.full(n, np.nan)
-    stage_of, gear_of = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-    quality = np.zeros(n)
-    made = np.zeros(n, dtype=np.int64)
-    tokens = dict.fromkeys(models, 0)
-    passes = dict.fromkeys(models, 0)
-    prefills = dict.fromkeys(models, 0)
-    t, i, busy = 0.0, 0, 0.0
-
-    def enter(rid: int, m: str) -> None:
-        st = stages[m]
-        r = rows[rid]
-        made[rid] = 0
-        lanes[m].admit(rid, int(st.prompt_tokens[r]), int(st.output_tokens[r]),
-                       float(arrivals[rid]))
-
-    while i < n or disp.load:
-        while i < n and arrivals[i] <= t:
-            enter(i, disp.admit(i, t))
-            gear_of[i] = disp.gear_of(i)
-            i += 1
-        k = pick_lane([lanes[m].oldest() for m in models])
-        if k is None:
-            t = max(t, float(arrivals[i]))  # idle until the next arrival
-            continue
-        m = models[k]
-        sched, st, cost = lanes[m], stages[m], costs[m]
-        step = sched.next_step()
-        if step is None:
-            raise SimulationError(f"lane {m} holds requests but has no pass; this is a bug")
-        ids = step.request_ids
-        if step.kind == "prefill":
-            dt = cost.prefill_s(len(ids), int(st.prompt_tokens[rows[list(ids)]].max()))
-            prefills[m] += 1
-        else:
-            dt = cost.decode_s(len(ids), sched.width())
-        t += dt
-        busy += dt
-        passes[m] += 1
-        finished = []
-        for rid in ids:
-            if st.output_tokens[rows[rid]] > made[rid]:
-                made[rid] += 1
-                tokens[m] += 1
-            if step.kind == "prefill":
-                first[rid] = t
-            if made[rid] >= st.output_tokens[rows[rid]]:
-                finished.append(rid)
-        sched.step_done(step, finished)
-        for rid in finished:
-            stage = disp.stage_of(rid)
-            nxt = disp.finished(rid, float(st.certainty[rows[rid]]))
-            if nxt is not None:
-                enter(rid, nxt)
-                continue
-            done[rid] = t
-            stage_of[rid] = stage
-            quality[rid] = st.quality[rows[rid]]
-    if n and np.isnan(done).any():
-        raise SimulationError("some requests were never answered; this is a bug")
-    return GenRun(arrivals.copy(), first, done, stage_of, gear_of, quality, tokens, passes,
-                  prefills, busy, tuple(disp.switches))
+    record = Record(arrivals.copy(), 1)
+    server = _DecodeServer(plan, costs, stages, rows, record)
+    loop = EventLoop([server], [(0,)] * n, VirtualClock(), record)
+    loop.run()
+    return GenRun(record.arrival_s, np.asarray(record.first_token_s, np.float64),
+                  np.asarray(record.completion_s, np.float64),
+                  np.asarray(record.stage[0], np.int64), np.asarray(record.gear[0], np.int64),
+                  np.asarray(record.quality[0], np.float64), server.tokens, server.passes,
+                  server.prefills, loop.device_busy_s.get(_DEVICE, 0.0),
+                  tuple(server.dispatcher.switches))
 
 
 def simulate_decoding(cost: TokenCost, arrival_s: Sequence[float] | np.ndarray,
@@ -249,3 +173,118 @@ def simulate_decoding(cost: TokenCost, arrival_s: Sequence[float] | np.ndarray,
     return DecodeRun(arrivals.copy(), run.first_token_s, run.completion_s, prompts.copy(),
                      outputs.copy(), run.passes["model"], run.prefill_passes["model"],
                      run.busy_s)
+
+
+@dataclass(frozen=True, eq=False)
+class _Pass:
+    """One forward pass of a lane (``width``: the lane's batch width as it started)."""
+
+    model: str
+    step: DecodeStep
+    width: int
+    devices: tuple[str, ...] = (_DEVICE,)
+
+
+class _DecodeServer:
+    """A generation plan on one device as a ``Runner`` of the event loop: a lane per model,
+    one forward pass at a time. New requests wait for the pass in flight; once it ends (a
+    deadline at that instant, so after every request that arrived by then) they are admitted
+    and the lane holding the earliest request runs the next pass."""
+
+    def __init__(self, plan: GenPlan, costs: Mapping[str, TokenCost],
+                 stages: Mapping[str, StageRows], rows: np.ndarray, record: Record) -> None:
+        self.models, self.costs, self.stages, self.rows = plan.models, costs, stages, rows
+        self.lanes = {m: DecodeScheduler(plan.max_running, plan.kv_budget_tokens, plan.mode)
+                      for m in self.models}
+        for m in self.models:
+            st = stages[m]
+            too_long = [int(r) for r in set(rows.tolist()) if not self.lanes[m].fits(
+                int(st.prompt_tokens[r]), int(st.output_tokens[r]))]
+            if too_long:
+                raise SimulationError(f"{m}: rows {sorted(too_long)[:5]} never fit the KV "
+                                      f"budget of {plan.kv_budget_tokens} tokens")
+        self.dispatcher = GenDispatcher(plan)
+        self.record = record
+        self.tokens = dict.fromkeys(self.models, 0)  # generated, per model
+        self.passes = dict.fromkeys(self.models, 0)
+        self.prefills = dict.fromkeys(self.models, 0)
+        self._made = np.zeros(rows.size, dtype=np.int64)  # tokens of the current stage
+        self._waiting: list[int] = []  # arrived, not yet admitted
+        self._free_s = 0.0  # when the device is free (the last pass ended)
+        self._running = False
+        self._next_pass_s: float | None = None
+
+    def _enter(self, rid: int, m: str) -> None:
+        st, r = self.stages[m], self.rows[rid]
+        self._made[rid] = 0
+        self.lanes[m].admit(rid, int(st.prompt_tokens[r]), int(st.output_tokens[r]),
+                            float(self.record.arrival_s[rid]))
+
+    def arrive(self, request_id: int, now: float) -> tuple[()]:
+        self._waiting.append(request_id)
+        if not self._running and self._next_pass_s is None:
+            self._next_pass_s = max(now, self._free_s)
+        return ()
+
+    def next_deadline(self) -> float | None:
+        return self._next_pass_s
+
+    def expire(self, now: float) -> list[_Pass]:
+        """Admit the requests that arrived, then start the next pass (if any lane has one)."""
+        self._next_pass_s = None
+        disp, gear = self.dispatcher, self.record.gear[0]
+        for rid in self._waiting:
+            self._enter(rid, disp.admit(rid, now))
+            gear[rid] = disp.gear_of(rid)
+        self._waiting.clear()
+        k = pick_lane([self.lanes[m].oldest() for m in self.models])
+        if k is None:
+            return []
+        m = self.models[k]
+        sched = self.lanes[m]
+        step = sched.next_step()
+        if step is None:
+            raise SimulationError(f"lane {m} holds requests but has no pass; this is a bug")
+        self._running = True
+        self.passes[m] += 1
+        if step.kind == "prefill":
+            self.prefills[m] += 1
+        return [_Pass(m, step, sched.width())]
+
+    def runtime_s(self, p: _Pass) -> float:
+        ids, cost = p.step.request_ids, self.costs[p.model]
+        if p.step.kind == "prefill":
+            longest = int(self.stages[p.model].prompt_tokens[self.rows[list(ids)]].max())
+            return cost.prefill_s(len(ids), longest)
+        return cost.decode_s(len(ids), p.width)
+
+    def complete(self, p: _Pass, now: float) -> tuple[tuple[()], list[int]]:
+        """Each request of the pass made a token; those done with their stage escalate or
+        are answered."""
+        m, st, rows, made = p.model, self.stages[p.model], self.rows, self._made
+        first = self.record.first_token_s
+        finished = []
+        for rid in p.step.request_ids:
+            if st.output_tokens[rows[rid]] > made[rid]:
+                made[rid] += 1
+                self.tokens[m] += 1
+            if p.step.kind == "prefill":
+                first[rid] = now
+            if made[rid] >= st.output_tokens[rows[rid]]:
+                finished.append(rid)
+        self.lanes[m].step_done(p.step, finished)
+        answered = []
+        for rid in finished:
+            stage = self.dispatcher.stage_of(rid)
+            nxt = self.dispatcher.finished(rid, float(st.certainty[rows[rid]]))
+            if nxt is not None:
+                self._enter(rid, nxt)
+                continue
+            self.record.stage[0][rid] = stage
+            self.record.quality[0][rid] = float(st.quality[rows[rid]])
+            answered.append(rid)
+        self._running, self._free_s, self._next_pass_s = False, now, now
+        return (), answered
+
+    def freed(self, devices: tuple[str, ...], now: float) -> tuple[()]:
+        return ()  # the only runner on its device

@@ -10,12 +10,13 @@ on the labelled sample.
 Several operators (plans) can be simulated together: each request passes through them in
 order (or along its own route of operators, e.g. a question that needs a text hop, a table hop
 or both), and plans that place replicas on the same device share that device.
+
+Each plan is a runner (``_Operator``) of the event loop in ``ken.optimizer.sim_core``, whose
+work is a batch on a replica's devices, charged its profiled runtime.
 """
 
 from __future__ import annotations
 
-import heapq
-import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ import numpy as np
 
 from ken.errors import SimulationError
 from ken.optimizer.perf import Catalog
+from ken.optimizer.sim_core import EventLoop, Record, run_metrics
 from ken.optimizer.workload import Trace
 from ken.policy.metrics import PlanMetrics, RangeMetrics, latency_percentiles
 from ken.policy.plan import GearPlan
@@ -57,13 +59,10 @@ class SimResult:
     def metrics(self, plan_index: int = 0, plan: GearPlan | None = None) -> PlanMetrics:
         """Accuracy of one operator and end-to-end latency percentiles, with per-range
         figures when ``plan`` (that operator's plan) is given."""
-        lat_ms = self.latency_s * 1000.0
-        duration = float(self.completion_s.max() - self.arrival_s.min()) \
-            if self.num_requests else 0.0
-        p50, p95, p99 = latency_percentiles(lat_ms)
         quality = self.quality[plan_index]
         per_range = []
         if plan is not None:
+            lat_ms = self.latency_s * 1000.0
             ranges = self.range_index[plan_index]
             for k in range(plan.num_ranges):
                 mask = ranges == k
@@ -73,12 +72,9 @@ class SimResult:
                 r50, r95, r99 = latency_percentiles(lat_ms[mask])
                 per_range.append(RangeMetrics(plan.qps_edges[k], plan.qps_edges[k + 1], n,
                                               _mean(quality[mask]), r50, r95, r99))
-        util = tuple((d, b / duration if duration > 0 else 0.0) for d, b in self.device_busy_s)
-        return PlanMetrics(
-            accuracy=_mean(quality), p50_ms=p50, p95_ms=p95, p99_ms=p99,
-            mean_ms=float(lat_ms.mean()), num_requests=self.num_requests,
-            gear_switches=len(self.gear_switches[plan_index]), duration_s=duration,
-            utilisation=util, per_range=tuple(per_range))
+        return run_metrics(self.arrival_s, self.completion_s, self.device_busy_s,
+                           _mean(quality), len(self.gear_switches[plan_index]),
+                           per_range=per_range)
 
 
 def _mean(quality: np.ndarray) -> float:
@@ -124,94 +120,31 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
         path = [tuple(range(len(plans)))] * n
     clock = VirtualClock()
     busy: set[str] = set()
-    ops = [_Operator(p, c, clock, busy, n, seed + k, rows)
+    record = Record(trace.arrival_s.copy(), len(plans))
+    ops = [_Operator(k, p, c, clock, busy, record, seed + k, rows)
            for k, (p, c) in enumerate(zip(plans, catalogs, strict=True))]
-    arrivals = trace.arrival_s.tolist()
-    completion = [math.nan] * n
-    resolved_s = np.full((len(ops), n), np.nan)
-    events: list[tuple[float, int, int, Batch]] = []  # (end time, seq, operator, batch)
-    seq = 0
-    device_busy: dict[str, float] = {}
-    inf = math.inf
-    i = 0
-
-    def launch(k: int, batches: list[Batch] | tuple[Batch, ...], now: float) -> None:
-        nonlocal seq
-        op = ops[k]
-        runtime, spread = op.runtime, op.spread
-        for b in batches:
-            dt = runtime[b.replica][len(b.request_ids)]
-            factors = spread[b.replica]
-            if factors:
-                dt *= factors[op.rng.randrange(len(factors))]
-            for d in b.devices:
-                device_busy[d] = device_busy.get(d, 0.0) + dt
-            seq += 1
-            heapq.heappush(events, (now + dt, seq, k, b))
-
-    while True:
-        t_arrival = arrivals[i] if i < n else inf
-        t_event = events[0][0] if events else inf
-        t_deadline = inf
-        deadline_op = -1
-        for k, op in enumerate(ops):
-            d = op.dispatcher.next_deadline()
-            if d is not None and d < t_deadline:
-                t_deadline, deadline_op = d, k
-        if t_event <= t_arrival and t_event <= t_deadline:
-            if t_event == inf:
-                break
-            now, _, k, batch = heapq.heappop(events)
-            clock.t = now
-            op = ops[k]
-            done = op.dispatcher.finish(batch, op.certainties(batch))
-            launch(k, done.started, now)
-            if done.resolved:
-                op.record(done.resolved, batch.model, done.resolved_stages)
-                for rid in done.resolved:
-                    resolved_s[k, rid] = now
-                    route = path[rid]
-                    step = route.index(k) + 1
-                    if step == len(route):
-                        completion[rid] = now
-                    else:
-                        launch(route[step], ops[route[step]].admit(rid), now)
-            for j, other in enumerate(ops):
-                if j != k and len(ops) > 1:
-                    launch(j, other.dispatcher.poll(batch.devices), now)
-        elif t_arrival <= t_deadline:
-            clock.t = t_arrival
-            first = path[i][0]
-            launch(first, ops[first].admit(i), t_arrival)
-            i += 1
-        else:  # a deadline already past (queue left behind by a full batch) fires now
-            clock.t = max(clock.t, t_deadline)
-            launch(deadline_op, ops[deadline_op].dispatcher.expire(), clock.t)
-
-    completion_s = np.asarray(completion, dtype=np.float64)
-    unfinished = int(np.isnan(completion_s).sum()) if n else 0
-    if unfinished:  # cannot happen: every queue eventually triggers by its max wait
-        raise SimulationError(f"{unfinished} requests never completed; this is a bug")
-    for k, op in enumerate(ops):
-        op.check_complete([k in p for p in path])
+    loop = EventLoop(ops, path, clock, record)
+    loop.run()
     return SimResult(
-        arrival_s=trace.arrival_s.copy(), completion_s=completion_s,
-        quality=np.array([op.quality for op in ops], dtype=np.float64),
-        stage=np.array([op.stage for op in ops], dtype=np.int64),
-        range_index=np.array([op.range_index for op in ops], dtype=np.int64),
+        arrival_s=record.arrival_s, completion_s=np.asarray(record.completion_s, np.float64),
+        quality=np.array(record.quality, dtype=np.float64),
+        stage=np.array(record.stage, dtype=np.int64),
+        range_index=np.array(record.gear, dtype=np.int64),
         gear_switches=tuple(tuple(op.dispatcher.gears.switches) for op in ops),
-        device_busy_s=tuple(sorted(device_busy.items())),
-        batches=seq,
+        device_busy_s=tuple(sorted(loop.device_busy_s.items())),
+        batches=loop.started,
         stage_rows=tuple(op.stage_rows() for op in ops),
-        resolved_s=resolved_s,
+        resolved_s=np.array(record.resolved_s, dtype=np.float64),
     )
 
 
 class _Operator:
-    """One plan inside a simulation: its dispatcher plus the per-request bookkeeping."""
+    """One plan inside a simulation (a ``Runner`` of the event loop): its dispatcher, the
+    profiled runtimes of its replicas and what its models did on each request's sample row."""
 
-    def __init__(self, plan: GearPlan, catalog: Catalog, clock: VirtualClock, busy: set[str],
-                 num_requests: int, seed: int, rows: Sequence[int] | None = None) -> None:
+    def __init__(self, index: int, plan: GearPlan, catalog: Catalog, clock: VirtualClock,
+                 busy: set[str], record: Record, seed: int,
+                 rows: Sequence[int] | None = None) -> None:
         missing = sorted({r.model for r in plan.placement} - set(catalog.perf))
         if missing:
             raise SimulationError(f"plan {plan.operator!r} places {missing}, which have no "
@@ -219,7 +152,7 @@ class _Operator:
         self.dispatcher = Dispatcher(plan, clock, busy)
         kind = plan.certainty
         if rows is None:
-            rows = sample_rows(num_requests, catalog.num_rows, seed)
+            rows = sample_rows(record.arrival_s.size, catalog.num_rows, seed)
         elif max(rows, default=0) >= catalog.num_rows:
             raise SimulationError(f"plan {plan.operator!r}: sample row {max(rows)} is beyond "
                                   f"its catalog's {catalog.num_rows} rows")
@@ -229,40 +162,48 @@ class _Operator:
         self._cert = {m: catalog.certainty(m, kind)[rows].tolist() for m in used}
         self._quality = {m: catalog.quality[m][rows].tolist() for m in used}
         perf = [catalog.perf_on(r.model, r.devices) for r in plan.placement]
-        self.runtime = [p.runtime_table(r.degree, plan.max_batch[i])
-                        for i, (p, r) in enumerate(zip(perf, plan.placement, strict=True))]
-        self.spread = [p.spread for p in perf]
-        self.rng = random.Random(seed)  # draws runtime spread factors (if any)
-        self.quality = [math.nan] * num_requests
-        self.stage = [-1] * num_requests
-        self.range_index = [-1] * num_requests
-        self.resolved = [0] * num_requests
+        self._runtime = [p.runtime_table(r.degree, plan.max_batch[i])
+                         for i, (p, r) in enumerate(zip(perf, plan.placement, strict=True))]
+        self._spread = [p.spread for p in perf]
+        self._rng = random.Random(seed)  # draws runtime spread factors (if any)
+        self._stage, self._gear, self._quality_of = \
+            record.stage[index], record.gear[index], record.quality[index]
         self._depth = max(c.num_stages for c in plan.cascades)
 
-    def admit(self, rid: int) -> list[Batch]:
-        started = self.dispatcher.admit(rid)
-        self.range_index[rid] = self.dispatcher.current_range
+    def arrive(self, request_id: int, now: float) -> list[Batch]:
+        started = self.dispatcher.admit(request_id)
+        self._gear[request_id] = self.dispatcher.current_range
         return started
 
-    def certainties(self, batch: Batch) -> list[float]:
-        cert = self._cert[batch.model]
-        return [cert[i] for i in batch.request_ids]
+    def runtime_s(self, batch: Batch) -> float:
+        """The profiled runtime of the batch's size on its replica (times a drawn spread
+        factor where the profile has them)."""
+        dt = self._runtime[batch.replica][len(batch.request_ids)]
+        factors = self._spread[batch.replica]
+        if factors:
+            dt *= factors[self._rng.randrange(len(factors))]
+        return dt
 
-    def record(self, ids: Sequence[int], model: str, stages: Sequence[int]) -> None:
-        quality, ok, stage, resolved = self._quality[model], self.quality, self.stage, \
-            self.resolved
-        for rid, st in zip(ids, stages, strict=True):
+    def complete(self, batch: Batch, now: float) -> tuple[tuple[Batch, ...], tuple[int, ...]]:
+        cert = self._cert[batch.model]
+        done = self.dispatcher.finish(batch, [cert[i] for i in batch.request_ids])
+        quality, ok, stage = self._quality[batch.model], self._quality_of, self._stage
+        for rid, st in zip(done.resolved, done.resolved_stages, strict=True):
             ok[rid] = quality[rid]
             stage[rid] = st
-            resolved[rid] += 1
+        return done.started, done.resolved
+
+    def freed(self, devices: tuple[str, ...], now: float) -> list[Batch]:
+        return self.dispatcher.poll(devices)
+
+    def next_deadline(self) -> float | None:
+        return self.dispatcher.next_deadline()
+
+    def expire(self, now: float) -> list[Batch]:
+        return self.dispatcher.expire()
 
     def stage_rows(self) -> tuple[int, ...]:
         """Rows that reached each stage (a row resolved at stage s ran stages 0..s)."""
-        st = np.asarray(self.stage, dtype=np.int64)
+        st = np.asarray(self._stage, dtype=np.int64)
         resolved_at = np.bincount(st[st >= 0], minlength=self._depth)
         return tuple(int(c) for c in np.cumsum(resolved_at[::-1])[::-1])
-
-    def check_complete(self, visited: Sequence[bool]) -> None:
-        bad = sum(1 for r, v in zip(self.resolved, visited, strict=True) if r != int(v))
-        if bad:
-            raise SimulationError(f"{bad} requests were not resolved exactly once; this is a bug")
