@@ -188,12 +188,16 @@ def plan_generation(function: str, candidates: Sequence[GenCandidate],
     tried = [GenChoice(p, score(p))
              for p in candidate_plans(function, candidates, max_gears, edges, max_running,
                                       kv_budget_tokens)]
-    feasible = [c for c in tried if getattr(c.metrics, metric) <= target_ms]
-    if not feasible:
-        return None, tried
-    best = max(feasible, key=lambda c: (round(c.metrics.accuracy, 9),
-                                        -getattr(c.metrics, metric), -len(c.plan.gears)))
-    return best, tried
+    return most_accurate_within(tried, metric, target_ms), tried
+
+
+def most_accurate_within(tried: Sequence[GenChoice], metric: str, bound_ms: float
+                         ) -> GenChoice | None:
+    """The most accurate plan whose ``metric`` is within ``bound_ms`` (ties: the faster, then
+    the one with fewer gears); None if none is."""
+    ok = [c for c in tried if getattr(c.metrics, metric) <= bound_ms]
+    return max(ok, key=lambda c: (round(c.metrics.accuracy, 9), -getattr(c.metrics, metric),
+                                  -len(c.plan.gears)), default=None)
 
 
 def frontier(choices: Sequence[GenChoice], metric: str = "tgt_p95_ms") -> list[GenChoice]:
@@ -224,16 +228,14 @@ def choose(operator: str, tried: Sequence[GenChoice], target: Target) -> GenChoi
         return min(ok, key=lambda c: (c.metrics.tgt_p95_ms, -c.metrics.accuracy,
                                       len(c.plan.gears)))
     metric = TARGET_METRICS[target.latency or "p95"]
-    bound = target.max_latency_ms
-    ok = [c for c in tried if getattr(c.metrics, metric) <= bound]
-    if not ok:
+    best = most_accurate_within(tried, metric, target.max_latency_ms)
+    if best is None:
         fastest = min(tried, key=lambda c: getattr(c.metrics, metric))
         raise PlanningError(
             f"no plan of {operator}() keeps {target.describe()}; the fastest simulated has "
             f"{getattr(fastest.metrics, metric) / 1000:.1f} s "
             f"({fastest.plan.summary()}); ask for more time or a lower rate")
-    return max(ok, key=lambda c: (round(c.metrics.accuracy, 9), -getattr(c.metrics, metric),
-                                  -len(c.plan.gears)))
+    return best
 
 
 def plan_generating(op: Operator, ctx: OpContext, target: Target, qps: float,

@@ -447,6 +447,25 @@ def _profiled(operators: Mapping[str, Operator], ctx: OpContext, names: Sequence
             {n: planning_inputs(found[n][0], gpu_profiles=found[n][1]) for n in names})
 
 
+def _check_plannable(operators: Mapping[str, Operator], names: Sequence[str]) -> None:
+    if not names:
+        raise KenError("plan() needs at least one semantic function, e.g. "
+                       "functions=('sentiment',)")
+    for name in names:
+        if name not in operators:
+            raise KenError(f"unknown function {name}(); semantic functions registered on "
+                           f"this session: {', '.join(sorted(operators)) or '(none)'}")
+        if not operators[name].plannable():
+            plannable = ", ".join(sorted(n for n, op in operators.items()
+                                         if op.plannable())) or "none"
+            raise KenError(
+                f"{name}() cannot be planned: plans are made from its models' answers on "
+                f"a labelled evaluation sample, and {name}() has none "
+                f"({operators[name].eval_description()}); functions this session "
+                f"can plan: {plannable}. Register it with sample=ken.EvalSample(...), or "
+                "set a plan made elsewhere with session.use_plan(...)")
+
+
 def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Sequence[str],
                    target: Target, trace: Trace | str | None = None,
                    devices: int | None = None, memory_gb: float = 4.0,
@@ -470,8 +489,8 @@ def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Seq
     ``requests`` arrivals per planning window of ``trace``, the Azure trace by default).
     Returns the chosen plans and the classifier functions' frontiers."""
     _check_plannable(operators, names)
-    gear = [n for n in names if operators[n].plan_kind == "gear"]
-    generating = [n for n in names if n not in gear]
+    generating = [n for n in names if operators[n].plan_kind == "generation"]
+    names = [n for n in names if n not in generating]  # classifier functions, together
     if generating and not (qps is not None and qps > 0):
         raise KenError(f"planning {', '.join(generating)}() needs the mean rate of its "
                        "requests, > 0: plan(target, functions=[...], qps=0.3) (requests per "
@@ -479,50 +498,16 @@ def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Seq
     if generating and not (trace is None or trace == "azure" or isinstance(trace, Trace)):
         raise KenError(f"generating functions are planned on the Azure trace or a Trace you "
                        f"pass, not {trace!r}")
-    if gear:
-        chosen, frontiers = _plan_gear_functions(
-            operators, ctx, gear, target, trace, devices, memory_gb, threads_per_device,
-            peak_qps, duration_s, num_ranges, settings, force, cache_dir, hardware, gpus,
-            gpu_memory_gb)
-    else:
-        chosen, frontiers = QueryPlan(target, (), (), None), {}
+    if names:  # what the classifier functions cannot take fails before any model runs
+        target.for_classifiers()
+        check_planning_args(devices, memory_gb, threads_per_device, peak_qps, duration_s,
+                            num_ranges, gpus)
     arrivals = trace.arrival_s if isinstance(trace, Trace) else None
     made = [plan_generating(operators[n], ctx, target, qps, rows, requests, arrivals).plan
             for n in generating]
-    return chosen.with_plans(made, [p.predicted.accuracy for p in made]), frontiers
-
-
-def _check_plannable(operators: Mapping[str, Operator], names: Sequence[str]) -> None:
+    made_accuracy = [p.predicted.accuracy for p in made]
     if not names:
-        raise KenError("plan() needs at least one semantic function, e.g. "
-                       "functions=('sentiment',)")
-    for name in names:
-        if name not in operators:
-            raise KenError(f"unknown function {name}(); semantic functions registered on "
-                           f"this session: {', '.join(sorted(operators)) or '(none)'}")
-        if not operators[name].plannable():
-            plannable = ", ".join(sorted(n for n, op in operators.items()
-                                         if op.plannable())) or "none"
-            raise KenError(
-                f"{name}() cannot be planned: plans are made from its models' answers on "
-                f"a labelled evaluation sample, and {name}() has none "
-                f"({operators[name].eval_description()}); functions this session "
-                f"can plan: {plannable}. Register it with sample=ken.EvalSample(...), or "
-                "set a plan made elsewhere with session.use_plan(...)")
-
-
-def _plan_gear_functions(operators: Mapping[str, Operator], ctx: OpContext,
-                         names: Sequence[str], target: Target, trace: Trace | str | None,
-                         devices: int | None, memory_gb: float, threads_per_device: int,
-                         peak_qps: float | None, duration_s: float, num_ranges: int,
-                         settings: PlannerSettings | None, force: bool,
-                         cache_dir: Path | None, hardware: Hardware | None,
-                         gpus: int | None, gpu_memory_gb: float | None,
-                         ) -> tuple[QueryPlan, dict[str, Frontier]]:
-    """Classifier functions planned together (see ``plan_functions``)."""
-    target = target.for_classifiers()
-    check_planning_args(devices, memory_gb, threads_per_device, peak_qps, duration_s,
-                        num_ranges, gpus)
+        return QueryPlan(target, tuple(made), tuple(made_accuracy), None), {}
     chose_gpus = hardware is None and gpus is None and devices is None  # found by itself
     hardware = hardware or local_hardware(devices, memory_gb, gpus, gpu_memory_gb)
     try:
@@ -552,4 +537,5 @@ def _plan_gear_functions(operators: Mapping[str, Operator], ctx: OpContext,
             cache_dir=cache_dir, reporter=ctx.reporter, force=force)
     # the query optimizer simulates with the runtimes the frontiers were planned with
     charged = {n: c.with_overhead(hardware.dispatch_s) for n, c in catalogs.items()}
-    return choose_plans(frontiers, charged, plan_trace, target), frontiers
+    return (choose_plans(frontiers, charged, plan_trace, target).with_plans(made, made_accuracy),
+            frontiers)

@@ -47,8 +47,10 @@ class Plan:
     it needs through this interface and the kind's name; only this module tests the type.
     """
 
-    # every kind has ``operator`` (the function's name) and ``cascades`` (a cascade per gear)
+    # every kind has ``operator`` (the function's name), ``cascades`` (a cascade per gear) and
+    # ``predicted`` (what its simulation found, None when it was not simulated)
     kind: ClassVar[str]
+    predicted: PlanMetrics | None
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -77,8 +79,7 @@ class Plan:
     def latency_target_s(self) -> float | None:
         """The latency the plan promises (its predicted p99), None when it was not
         simulated."""
-        predicted: PlanMetrics | None = getattr(self, "predicted", None)
-        return None if predicted is None else predicted.p99_ms / 1000.0
+        return None if self.predicted is None else self.predicted.p99_ms / 1000.0
 
     def to_dict(self) -> dict[str, Any]:
         raise NotImplementedError
