@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import time
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from ken.errors import KenError, UsageError
 from ken.models import family
 from ken.models.model import DeviceConfig
 from ken.ops import builtin_operators
+from ken.ops.base import Operator
 from ken.ops.sentiment import Sentiment
 from ken.optimizer.gen_planner import plan_generating
 from ken.optimizer.perf import Catalog
@@ -49,20 +51,19 @@ from ken.report import console, latency_table, print_gear_plans
 
 def cmd_plan(args: argparse.Namespace) -> int:
     op = builtin_operators()[args.function]
-    return _PLANNERS[op.plan_kind](args)
+    return _PLANNERS[op.plan_kind](args, op)
 
 
-def _plan_generating(args: argparse.Namespace) -> int:
+def _plan_generating(args: argparse.Namespace, op: Operator) -> int:
     """The generation plan of a generating function for ``--target`` at ``--qps``."""
     if args.qps is None:
         raise UsageError(f"planning {args.function}() needs --qps, the mean rate of its "
                          "requests (e.g. --qps 0.3)")
-    try:
-        target = Target.parse(args.target or "tgt_p95 <= 1e9s")  # none: the most accurate
+    try:  # no target: the most accurate plan
+        target = Target.parse(args.target) if args.target else Target(max_tgt_p95_ms=math.inf)
     except KenError as exc:
         raise UsageError(str(exc)) from None
     reporter = Reporter(args.quiet)
-    op = builtin_operators()[args.function]
     chosen = plan_generating(op, op_context(args, reporter), target, args.qps, args.rows,
                              seed=args.seed).plan
     path = chosen.save(Path(args.out) / f"plan-{args.function}.json")
@@ -76,7 +77,7 @@ def _plan_generating(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_frontier(args: argparse.Namespace) -> int:
+def _plan_frontier(args: argparse.Namespace, op: Operator) -> int:
     """The frontier of gear plans of a classifier function."""
     check_planning_args(args.devices, args.memory_gb, args.device_threads, args.peak_qps,
                         args.duration, args.ranges, args.gpus)
@@ -103,7 +104,6 @@ def _plan_frontier(args: argparse.Namespace) -> int:
     reporter = Reporter(args.quiet)
     started = time.perf_counter()
     operator = args.function
-    op = builtin_operators()[operator]
     reporter.note(f"{operator}: profiling its candidates on {op.eval_description()}")
     profiles, on_gpu = device_profiles(op, op_context(args, reporter), args.device_threads,
                                        gpu, "cpu" in hardware.kinds, DEFAULT_BATCH_SIZES)
