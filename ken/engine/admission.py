@@ -9,7 +9,7 @@ thread: nothing here is locked).
 
 from __future__ import annotations
 
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Literal
@@ -81,7 +81,8 @@ class Admission:
         self.clock = clock
         self.mode = mode
         self.latency_target_s = latency_target_s
-        self._slowdown: dict[str, Slowdown] = {}  # operator -> latency over estimate
+        # operator -> latency over estimate
+        self._slowdown: defaultdict[str, Slowdown] = defaultdict(Slowdown)
         # (cascade, stage) -> (rows answered at that stage, rows escalated from it): a rate
         # belongs to a stage's threshold, so other gears and swapped-in plans start cold
         self._escalations: dict[tuple[Cascade, int], tuple[int, int]] = {}
@@ -125,7 +126,7 @@ class Admission:
             return None  # an idle replica admits whatever the target says
         row = plan.batch_seconds(replica, 1) or 0.0  # one more row costs at most a batch of 1
         raw = wait + row + (disp.queued(replica) + 1) * self.downstream_row_s(disp)
-        slowdown = self._slowdown.setdefault(plan.operator, Slowdown()).value(self.clock.now())
+        slowdown = self._slowdown[plan.operator].value(self.clock.now())
         expected = raw * slowdown
         if expected <= target:
             if expected >= target / 2:  # near the limit: learn how far off the estimate is
@@ -174,7 +175,7 @@ class Admission:
         estimated = self._estimated.pop(rid, None)
         if estimated is not None:
             operator, seconds = estimated
-            self._slowdown.setdefault(operator, Slowdown()).add(latency_s / seconds,
+            self._slowdown[operator].add(latency_s / seconds,
                                                                 self.clock.now())
 
     def forget(self, rid: int) -> None:

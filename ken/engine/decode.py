@@ -274,7 +274,7 @@ class DecodeServer:
     def _answered(self, rid: int, lane: str, gen: Generation, now: float) -> None:
         """A lane finished a request's answer."""
         p = self._pending.pop(rid)
-        p.future.set_result(Outcome(rid, "ok", p.arrival_s, now, gen.text, stage=0,
+        p.future.set_result(Outcome(rid, "ok", p.arrival_s, now, gen.text, stage=0, gear=0,
                                     first_token_s=p.first_token_s, generation=gen))
 
     def _failed(self, rid: int, message: str, now: float, status: Status = "error") -> None:
@@ -576,7 +576,7 @@ def as_gen_run(outcomes: Sequence[Outcome], quality: Sequence[float],
     return GenRun(np.array([o.arrival_s for o in ok]),
                   np.array([o.first_token_s for o in ok], dtype=np.float64),
                   np.array([o.completion_s for o in ok]), np.array([o.stage for o in ok]),
-                  np.array([0 if o.gear is None else o.gear for o in ok]),  # one model: gear 0
+                  np.array([o.gear for o in ok]),
                   np.asarray(quality, dtype=np.float64)[keep],
                   tokens, {"all": server.passes}, {"all": server.prefill_passes},
                   server.busy_s, switches)

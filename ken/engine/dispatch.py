@@ -258,8 +258,7 @@ class Scheduler:
         # resolve every row (certainty +inf never escalates) to free the devices
         fin = disp.finish(batch, [np.inf] * len(batch.request_ids))
         now = self.clock.now()
-        for rid in fin.resolved:
-            self.admission.forget(rid)
+        for rid in fin.resolved:  # admission forgot them above
             self.requests.resolve(rid, "error", now, model=batch.model, gear=gears[rid],
                                   error=error)
         self._launch(disp, fin.started)

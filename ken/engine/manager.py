@@ -280,10 +280,10 @@ class ServingManager:
         close) waits for the first."""
         with self._stopping:
             engine = self._engine
-            servers = {id(s): s for s in self._servers.values() if s is not engine}
+            servers = [s for s in self._servers.values() if s is not engine]  # decode servers
             cancelled = 0
             try:
-                for server in servers.values():
+                for server in servers:
                     cancelled += server.shutdown(drain)
             finally:
                 try:
