@@ -55,11 +55,12 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.quick:
         sized = (args.train_rows, args.test_rows) != (6000, 1500)  # given on the command line
         data = family.FamilyData(source, *((args.train_rows, args.test_rows) if sized
-                                           else (800, 400)))
+                                           else (800, 400)), data_dir=args.data_dir)
         batch_sizes: tuple[int, ...] = (1, 8, 32)
         query_rows, plan_s, replay_s = 300, 30.0, 12.0
     else:
-        data = family.FamilyData(source, args.train_rows, args.test_rows)
+        data = family.FamilyData(source, args.train_rows, args.test_rows,
+                                 data_dir=args.data_dir)
         batch_sizes = (1, 2, 4, 8, 16, 32, 64, 128)  # the sizes the session reuses
         query_rows, plan_s, replay_s = 1000, 60.0, 20.0
     device = DeviceConfig(threads=args.threads)
@@ -68,8 +69,8 @@ def run_demo(args: argparse.Namespace) -> int:
     started = time.perf_counter()
 
     console.rule("1. the packaged model family (prepared on first use, then cached)")
-    cards = family.prepare(data, device, reporter=reporter, data_dir=args.data_dir)
-    sample = family.heldout_sample(data, args.data_dir)
+    cards = family.prepare(data, device, reporter=reporter)
+    sample = family.heldout_sample(data)
     models = {c.name: family.load_model(c, worker, data=data) for c in cards}
 
     console.rule(f"2. profiles on {len(sample)} held-out tweets ({worker.label}, one of the "

@@ -28,8 +28,7 @@ from ken.report import console, frontier_table, models_table
 
 def cmd_models_prepare(args: argparse.Namespace) -> int:
     cards = family.prepare(family_data(args), DeviceConfig(threads=args.threads),
-                           reporter=Reporter(args.quiet), data_dir=args.data_dir,
-                           force=args.force)
+                           reporter=Reporter(args.quiet), force=args.force)
     console.print(models_table(cards))
     return 0
 
@@ -53,9 +52,8 @@ def family_profiles(args: argparse.Namespace, threads: Sequence[int], reporter: 
     ``threads``, measured as the sentiment operator's candidates (every batch size unless
     ``batch_sizes``)."""
     data = family_data(args)
-    cards = family.prepare(data, DeviceConfig(threads=args.threads), reporter=reporter,
-                           data_dir=args.data_dir)
-    family.check_sample(cards, family.heldout_sample(data, args.data_dir))
+    cards = family.prepare(data, DeviceConfig(threads=args.threads), reporter=reporter)
+    family.check_sample(cards, family.heldout_sample(data))
     ctx = op_context(args, reporter)
     sizes = tuple(batch_sizes or DEFAULT_BATCH_SIZES)
     return cards, [p for t in threads

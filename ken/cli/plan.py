@@ -173,8 +173,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     reporter = Reporter(args.quiet)
     data = family_data(args)
     device = DeviceConfig(threads=args.device_threads)
-    cards = {c.name: c for c in family.prepare(data, device, reporter=reporter,
-                                               data_dir=args.data_dir)}
+    cards = {c.name: c for c in family.prepare(data, device, reporter=reporter)}
     needed = sorted({r.model for r in plan.placement})
     unknown = [m for m in needed if m not in cards]
     if unknown:
@@ -185,7 +184,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     on_gpu = sorted({r.model for r in plan.placement
                      if any(gpu_index(d) is not None for d in r.devices)})
     gpu = DeviceConfig("cuda", 0, args.device_threads) if on_gpu else None
-    sample = family.heldout_sample(data, args.data_dir)
+    sample = family.heldout_sample(data)
     family.check_sample(list(cards.values()), sample)
     profiles, gpu_profiles = device_profiles(
         Sentiment(), op_context(args, reporter), args.device_threads, gpu,
