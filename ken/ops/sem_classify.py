@@ -94,7 +94,7 @@ def llm_name(labels: tuple[str, ...], lm_name: str = "smollm2-135m") -> str:
 
 
 def stage_name(kind: str, spec: str) -> str:
-    """The name of the stage :func:`make_stage` builds (no model is loaded)."""
+    """The name of the stage :func:`load_classify_stage` builds (no model is loaded)."""
     labels = parse_labels(spec)
     return llm_name(labels) if kind == "llm" else similarity_name(labels, kind)
 
@@ -191,19 +191,14 @@ def bind_sem_classify(spec: str, resources: Resources, encoder: str = "minilm-l6
                                 f"{threshold:g}; plan it for a calibrated cascade")
 
 
-def make_stage(resources: Resources, kind: str, spec: str,
-               device: DeviceConfig | None = None) -> Model:
-    """One sem_classify stage: ``kind`` is an encoder name (similarity) or ``"llm"``."""
+def load_classify_stage(resources: Resources, device: DeviceConfig, kind: str, spec: str
+                        ) -> Model:
+    """One zero-shot stage (a :class:`~ken.ops.base.Stage`'s load): ``kind`` is an encoder
+    name (similarity) or ``"llm"``."""
     labels = parse_labels(spec)
     if kind == "llm":
         return LabelLLMModel(resources.causal_lm("smollm2-135m", device), labels)
     return LabelSimilarityModel(resources.encoder(kind, device), labels, encoder=kind)
-
-
-def load_classify_stage(resources: Resources, device: DeviceConfig, kind: str, spec: str
-                        ) -> Model:
-    """One zero-shot stage (a :class:`~ken.ops.base.Stage`'s load)."""
-    return make_stage(resources, kind, spec, device)
 
 
 def trained_dir(home: Path | None, key: str) -> Path:
