@@ -75,7 +75,7 @@ class Tuned:
 def tune_dynamic_batching(operator: str, model: str, catalog: Catalog, hardware: Hardware,
                           trace: Trace, batches: Sequence[int] = (1, 4, 8, 16, 32),
                           waits_s: Sequence[float] = (0.0, 0.005, 0.02), seed: int = 0,
-                          qps_max: float | None = None) -> Tuned:
+                          qps_max: float | None = None, certainty: str = "max_prob") -> Tuned:
     """The (max batch, max queue delay) pair with the lowest simulated p95 on ``trace``, as an
     operator would tune Triton for a known workload. Batches above the profile are skipped."""
     top = catalog.perf[model].max_batch
@@ -85,7 +85,7 @@ def tune_dynamic_batching(operator: str, model: str, catalog: Catalog, hardware:
         if b > top:
             continue
         plan = dynamic_batching_plan(operator, model, catalog, hardware,
-                                     qps_max or trace.qps_max(), b, w)
+                                     qps_max or trace.qps_max(), b, w, certainty)
         m = simulate(plan, catalog, trace, seed).metrics(0, plan)
         grid.append((b, w, m.p95_ms))
         if best is None or m.p95_ms < best[1].p95_ms:

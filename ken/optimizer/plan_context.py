@@ -32,9 +32,14 @@ class PlannerSettings:
     max_batch: int | None = None  # cap on batch size; None: each model's largest profiled batch
     full_replication: bool = False  # every model on every device (paper section 5.6); no search
     heuristic_placement: bool = False  # the ablation's simple rule (``heuristic_placement``)
-    # also place every candidate cascade alone at all loads: the greedy adapter does not visit
-    # every static plan, and one of them can beat its gear plans at their accuracy
+    # also place every candidate cascade and every single model alone at all loads (and each
+    # model with tuned dynamic batching; ``planner.one_gear_plans``): the greedy adapter does
+    # not visit every such plan, and one of them can beat its gear plans at their accuracy
     include_static: bool = True
+    # fill frontier gaps wider than this accuracy (``planner.fill_gaps``), with at most
+    # ``gap_searches`` more placement searches
+    max_gap: float = 0.005
+    gap_searches: int = 12
     screen: int = 3  # per iteration, candidates simulated after an analytic ranking; 0: all
     max_iterations: int | None = None  # stop the adapter early (None: at cheapest everywhere)
     placement_scoring: str = "simulate"  # or "estimate": see search_placement
@@ -166,18 +171,35 @@ def planning_context(operator: str, cascades: Sequence[Cascade], catalog: Catalo
 
 
 
+def one_cascade_context(ctx: PlanningContext, cascades: Sequence[Cascade]) -> PlanningContext:
+    """A context over exactly ``cascades`` (cheapest first, none dropped) with ``ctx``'s
+    trace, load ranges and settings, sharing its counters and simulation pool: for the plans
+    that serve one cascade at every load (``planner.one_gear_plans``), which must include the
+    cascades the adapter's ladder thins out."""
+    order = tuple(sorted(dict.fromkeys(cascades),
+                         key=lambda c: (_cost(c, ctx.catalog, ctx.settings), c.describe())))
+    out = PlanningContext(ctx.operator, order, ctx.catalog, ctx.hardware, ctx.trace, ctx.edges,
+                          ctx.settings, ctx.stats)
+    out.range_weights, out.pool = ctx.range_weights, ctx.pool
+    return out
+
+
+def _cost(c: Cascade, catalog: Catalog, settings: PlannerSettings) -> float:
+    """Expected device seconds per row of cascade ``c`` at each model's largest batch."""
+    total = 0.0
+    for m, f in zip(c.models, catalog.stage_fractions(c), strict=True):
+        perf = catalog.perf[m]
+        b = perf.max_batch if settings.max_batch is None else min(perf.max_batch,
+                                                                  settings.max_batch)
+        total += f * perf.per_row_s(b)
+    return total
+
+
 def _by_cost(cascades: Sequence[Cascade], catalog: Catalog,
              settings: PlannerSettings) -> tuple[Cascade, ...]:
     """Candidates ordered by expected device seconds per row (cheapest first)."""
     def cost(c: Cascade) -> float:
-        fr = catalog.stage_fractions(c)
-        total = 0.0
-        for m, f in zip(c.models, fr, strict=True):
-            perf = catalog.perf[m]
-            b = perf.max_batch if settings.max_batch is None else min(perf.max_batch,
-                                                                      settings.max_batch)
-            total += f * perf.per_row_s(b)
-        return total
+        return _cost(c, catalog, settings)
 
     unique = list(dict.fromkeys(cascades))
     # Pareto under this cost (batch sizes may differ from the cascade search's): drop every

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ken.models.cascade import Cascade
+from ken.optimizer.baselines import tune_dynamic_batching
 from ken.optimizer.pareto import pareto_front
 from ken.optimizer.perf import Catalog
 from ken.optimizer.placement import adapt_placement, choose_placements, models_of, search_placement
@@ -33,6 +34,7 @@ from ken.optimizer.plan_context import (
     PlannerSettings,
     PlannerStats,
     PlanningContext,
+    one_cascade_context,
     planning_context,
 )
 from ken.optimizer.plan_eval import estimate_score, evaluate_many, simulation_pool
@@ -114,14 +116,15 @@ def plan_frontier(operator: str, cascades: Sequence[Cascade], catalog: Catalog,
     if settings.workers > 1:
         ctx.pool = simulation_pool(catalog, trace, settings.workers, settings.seed)
     try:
-        return _adapt(ctx, trace, catalog, settings, reporter, on_plan, t0)
+        return _adapt(ctx, tuple(cascades), trace, catalog, settings, reporter, on_plan, t0)
     finally:
         if ctx.pool is not None:
             ctx.pool.shutdown()
 
 
-def _adapt(ctx: PlanningContext, trace: Trace, catalog: Catalog, settings: PlannerSettings,
-           reporter: Reporter, on_plan: Callable[[GearPlan], None] | None,
+def _adapt(ctx: PlanningContext, candidates: tuple[Cascade, ...], trace: Trace,
+           catalog: Catalog, settings: PlannerSettings, reporter: Reporter,
+           on_plan: Callable[[GearPlan], None] | None,
            t0: float) -> tuple[Frontier, PlannerStats]:
     """The workload adapter's iterations (see ``plan_frontier``)."""
     operator = ctx.operator
@@ -158,14 +161,13 @@ def _adapt(ctx: PlanningContext, trace: Trace, catalog: Catalog, settings: Plann
             emitted.append(plan)
             if on_plan:
                 on_plan(plan)
-    if settings.include_static:
-        with reporter.task(f"static plans for {operator}", len(order)) as advance:
-            for c in range(len(order)):
-                search_placement(ctx, (c,) * settings.num_ranges)
-                advance(1)
     # every simulated candidate is a complete gear plan: the frontier is the Pareto set of all
     # of them, not only of each iteration's winner
-    front = pareto_plans([p for p, _ in ctx.sim_cache.values()])
+    pool = [p for p, _ in ctx.sim_cache.values()]
+    if settings.include_static:
+        pool += one_gear_plans(ctx, candidates, reporter)
+    pool += fill_gaps(ctx, pool, settings, reporter)
+    front = pareto_plans(pool)
     stats.wall_s = time.perf_counter() - t0
     reporter.note(f"{len(emitted)} gear plans in {stats.wall_s:.1f} s "
                   f"({stats.simulations} simulations); {len(front)} on the frontier")
@@ -173,6 +175,109 @@ def _adapt(ctx: PlanningContext, trace: Trace, catalog: Catalog, settings: Plann
             ("catalog.sample_hash", catalog.sample_hash), *settings.provenance())
     return Frontier(operator, tuple(front), prov), stats
 
+
+
+def one_gear_plans(ctx: PlanningContext, candidates: Sequence[Cascade],
+                   reporter: Reporter = QUIET) -> list[GearPlan]:
+    """Every alternative a user could pick by hand, as a plan that serves one cascade at every
+    load: each candidate cascade (also those the adapter's ladder thins out) and each single
+    model, with ken's placement search and scheduling; and each single model with dynamic
+    batching tuned on the trace (``baselines.tune_dynamic_batching``). All are simulated on
+    the planning trace; they join the pool the frontier is the Pareto set of, so at every
+    accuracy the frontier's simulated p95 is at most theirs."""
+    certainty = candidates[0].certainty
+    singles = [Cascade((m,), (), certainty) for m in sorted(ctx.catalog.models)]
+    one = one_cascade_context(ctx, [*candidates, *singles])
+    ranges = ctx.settings.num_ranges
+    out: list[GearPlan] = []
+    models = [m for m in sorted(ctx.catalog.models)
+              if any(ctx.catalog.perf_on(m, d.id).memory(1) <= d.memory_bytes
+                     for d in ctx.hardware.devices)]
+    with reporter.task(f"one-cascade plans for {ctx.operator}",
+                       len(one.cascades) + len(models)) as advance:
+        for c in range(len(one.cascades)):
+            try:
+                search_placement(one, (c,) * ranges)
+            except PlanningError:  # e.g. a cascade whose models fit on no device together
+                pass
+            advance(1)
+        out += [p for p, _ in one.sim_cache.values()]
+        for m in models:
+            tuned = tune_dynamic_batching(ctx.operator, m, ctx.catalog, ctx.hardware,
+                                          ctx.trace, seed=ctx.settings.seed,
+                                          qps_max=ctx.edges[-1], certainty=certainty)
+            out.append(tuned.plan)
+            advance(1)
+    return out
+
+
+def fill_gaps(ctx: PlanningContext, pool: Sequence[GearPlan], settings: PlannerSettings,
+              reporter: Reporter = QUIET) -> list[GearPlan]:
+    """Gear plans between frontier neighbours more than ``settings.max_gap`` apart in
+    accuracy, so that a user asking for any accuracy gets a plan at most that much above it.
+
+    Between neighbours ``a`` (less accurate) and ``b`` whose gears are both on the adapter's
+    ladder, the candidates take ``b``'s cascades in the lowest load ranges and ``a``'s above
+    (or the reverse), kept monotone (a higher load never gets a costlier cascade); the one
+    whose accuracy, estimated from the trace's share of requests per range, is nearest the
+    gap's middle is placed and simulated. At most ``settings.gap_searches`` searches."""
+    rank = {c: i for i, c in enumerate(ctx.cascades)}
+    added: list[GearPlan] = []
+    tried: set[tuple[int, ...]] = set()
+    weights = np.asarray(ctx.range_weights)
+    for _ in range(settings.gap_searches):
+        front = sorted(pareto_plans([*pool, *added]), key=lambda p: p.predicted.accuracy)
+        best = None
+        for a, b in zip(front, front[1:], strict=False):
+            lo, hi = a.predicted.accuracy, b.predicted.accuracy
+            if hi - lo <= settings.max_gap:
+                continue
+            for cand in _mixes(_assignment(a, rank, ctx), _assignment(b, rank, ctx)):
+                if cand in tried:
+                    continue
+                est = float(sum(w * ctx.accuracy(c) for w, c in zip(weights, cand,
+                                                                     strict=True)))
+                if lo < est < hi:
+                    score = (hi - lo, -abs(est - (lo + hi) / 2))
+                    if best is None or score > best[0]:
+                        best = (score, cand, b)
+        if best is None:
+            break
+        _, cand, b = best
+        tried.add(cand)
+        try:
+            added.append(search_placement(ctx, cand, warm=b.placement)[0])
+        except PlanningError:
+            continue
+    if added:
+        reporter.note(f"{len(added)} gear plans placed to fill accuracy gaps over "
+                      f"{settings.max_gap:.1%}")
+    return added
+
+
+def _assignment(plan: GearPlan, rank: dict[Cascade, int], ctx: PlanningContext
+                ) -> tuple[int, ...] | None:
+    """The plan's cascade per load range as indices into ``ctx.cascades``; None when a gear's
+    cascade is off the ladder or the plan has other ranges (baselines)."""
+    if plan.qps_edges != ctx.edges:
+        return None
+    out = tuple(rank.get(plan.cascade_of(k), -1) for k in range(plan.num_ranges))
+    return None if -1 in out else out
+
+
+def _mixes(a: tuple[int, ...] | None, b: tuple[int, ...] | None) -> list[tuple[int, ...]]:
+    """Assignments between ``a`` and ``b``: one's cascades below a load range, the other's
+    from it on, made monotone (no costlier cascade at a higher load)."""
+    if a is None or b is None:
+        return []
+    out: dict[tuple[int, ...], None] = {}
+    for j in range(1, len(a)):
+        for low, high in ((b, a), (a, b)):
+            mix = list(low[:j] + high[j:])
+            for r in range(1, len(mix)):
+                mix[r] = min(mix[r], mix[r - 1])
+            out[tuple(mix)] = None
+    return [m for m in out if m not in (a, b)]
 
 
 def _summary(plan: GearPlan) -> str:
