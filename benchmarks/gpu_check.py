@@ -594,6 +594,7 @@ def compare_v100(prof: Any, v100: Any) -> dict:
 
 def part_engine(args: argparse.Namespace, ws: Workspace) -> dict:
     from ken.engine.serving import Engine
+    from ken.engine.workers import gpu_index
     from ken.models.cascade import Cascade
     from ken.models.head import fit_logistic
     from ken.models.model import DeviceConfig
@@ -621,15 +622,17 @@ def part_engine(args: argparse.Namespace, ws: Workspace) -> dict:
         del body
     # the threshold that sends about half the rows on to the second stage
     threshold = float(np.median(direct[stages[0]].max(axis=1)))
-    where = "cuda0" if args.device == "cuda" else "cpu0"
+    # the plan's device: cuda0 on a GPU (served through gpu_models= loaders); cpu0 here
+    where = args.engine_device or ("cuda0" if args.device == "cuda" else "cpu0")
+    on_gpu = gpu_index(where) is not None
     loaders = {name: functools.partial(me.load_classifier, name, str(ws.model_dir(name)),
                                        str(heads_dir / f"{name}.safetensors"), args.device,
                                        "auto", str(report_dir)) for name in stages}
     plan = GearPlan("gpu_check", (0.0, 1e6), (Cascade(stages, (threshold,)),),
                     tuple(Replica(n, (where,)) for n in stages),
                     (RangeSchedule(0, (1.0, 1.0), (1, 1)),), (32, 32), max_wait_s=0.005)
-    kwargs: dict[str, Any] = ({"gpu_models": loaders} if args.device == "cuda" else {})
-    cpu_models = {} if args.device == "cuda" else loaders
+    kwargs: dict[str, Any] = {"gpu_models": loaders} if on_gpu else {}
+    cpu_models = {} if on_gpu else loaders
     started = time.perf_counter()
     with Engine(plan, cpu_models, workers="process", admission="max_in_flight",
                 **kwargs) as engine:
@@ -953,6 +956,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="parts that would start after this many seconds are skipped "
                          "(default 270; --quick 170)")
     ap.add_argument("--pytest-timeout-s", type=float, default=240.0)
+    ap.add_argument("--engine-device", default=None,
+                    help="the device the engine's plan places the models on (default: cuda0 "
+                         "with --device cuda, else cpu0; cuda0 with --device cpu checks the "
+                         "gpu_models= path here, the models loading on the CPU)")
     args = ap.parse_args(argv)
     quick, cuda = args.quick, args.device == "cuda"
     args.parts = PARTS if args.parts == "all" else tuple(p.strip() for p in args.parts.split(","))
