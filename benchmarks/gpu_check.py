@@ -234,6 +234,17 @@ def junit_summary(path: Path) -> dict[str, Any]:
     return out
 
 
+def guarded(fn: Callable[[], Any], what: str) -> Any:
+    """``fn()``, or ``{"error": traceback}`` when it raises (one model or check of a part
+    failing leaves the rest of the part running)."""
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 - recorded and printed, the part goes on
+        error = traceback.format_exc()
+        note(f"  {what} FAILED:\n{error}")
+        return {"error": error}
+
+
 def cycle(texts: Sequence[str], n: int, start: int = 0) -> list[str]:
     return [texts[(start + i) % len(texts)] for i in range(n)]
 
@@ -443,10 +454,6 @@ def part_env(args: argparse.Namespace, ws: Workspace) -> dict:
 def part_encoders(args: argparse.Namespace, ws: Workspace) -> dict:
     import torch
 
-    from ken.models.head import fit_logistic
-    from ken.models.model import DeviceConfig
-    from ken.models.transformers_backend import TransformersBody
-
     sample = ws.tweets()
     texts = list(sample.texts)
     check = texts[: args.check_rows]
@@ -455,70 +462,78 @@ def part_encoders(args: argparse.Namespace, ws: Workspace) -> dict:
     torch.manual_seed(0)
     out: dict[str, Any] = {"check_rows": len(check), "note": RANDOM_NOTE, "models": {}}
     for name in args.encoders:
-        folder = ws.model_dir(name)
-        started = time.perf_counter()
-        ref = TransformersBody(body_config(name, folder),
-                               DeviceConfig("cpu", 0, args.threads, "fp32"))
-        ref_feats = ref.features(check, 32)
-        # one head for every precision and device: labels compare the features' effect
-        head = fit_logistic(ref_feats, labels, sample.label_names)
-        ref_labels = head.predict_proba(ref_feats).argmax(axis=1)
-        per: dict[str, Any] = {"cpu_reference_s": time.perf_counter() - started,
-                               "params": ref.num_params}
-        del ref
-        for precision in args.precisions:
-            device = DeviceConfig(args.device, 0, args.threads, precision)
-            t0 = time.perf_counter()
-            model = classifier(name, folder, device, head)
-            body = model.body
-            load_s = time.perf_counter() - t0
-            feats = body.features(check, 32)
-            cos = cosines(feats, ref_feats)
-            pred = model.predict(check, 32)
-            dtypes = sorted({str(p.dtype) for p in body.net.parameters()})
-            row: dict[str, Any] = {
-                "device_label": device.label, "param_dtypes": dtypes,
-                "param_device": str(next(body.net.parameters()).device),
-                "pad_multiple": body.pad_multiple, "load_s": load_s,
-                "weight_bytes": body.memory_bytes,
-                "min_cosine_vs_cpu_fp32": float(cos.min()),
-                "median_cosine_vs_cpu_fp32": float(np.median(cos)),
-                "non_finite": int((~np.isfinite(feats)).sum()),
-                "label_agreement_vs_cpu_fp32": float((pred.labels == ref_labels).mean()),
-                "labels_changed": int((pred.labels != ref_labels).sum()),
-                "max_prob_diff": float(np.abs(pred.probabilities
-                                              - head.predict_proba(ref_feats)).max()),
-                "latency_ms": {}}
-            for bs in args.batch_sizes:
-                batch = cycle(texts, bs, 7 * bs)
-                row["latency_ms"][str(bs)] = timed_ms(
-                    lambda b=batch, n=bs, m=model: m.predict(b, n), sync, args.reps,
-                    args.timing_budget_s)
-            if args.device == "cuda":
-                row["max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            per[device.dtype_name] = row
-            note(f"  {name:13s} {device.label:12s} cos>= {row['min_cosine_vs_cpu_fp32']:.5f} "
-                 f"labels agree {row['label_agreement_vs_cpu_fp32']:.3f}; ms/batch "
-                 + ", ".join(f"{b}: {v:.2f}" for b, v in row["latency_ms"].items()))
-            del model, body
-            free_memory()
-        out["models"][name] = per
+        out["models"][name] = guarded(functools.partial(encoder, name, args, ws, check, labels,
+                                                        texts, sync), f"encoder {name}")
+        free_memory()
     return out
+
+
+def encoder(name: str, args: argparse.Namespace, ws: Workspace, check: list[str],
+            labels: np.ndarray, texts: list[str], sync: Callable[[], None]) -> dict:
+    """One encoder: the CPU fp32 reference, then each precision on the device."""
+    import torch
+
+    from ken.models.head import fit_logistic
+    from ken.models.model import DeviceConfig
+    from ken.models.transformers_backend import TransformersBody
+
+    label_names = ws.tweets().label_names
+    folder = ws.model_dir(name)
+    started = time.perf_counter()
+    ref = TransformersBody(body_config(name, folder),
+                           DeviceConfig("cpu", 0, args.threads, "fp32"))
+    ref_feats = ref.features(check, 32)
+    # one head for every precision and device: labels compare the features' effect
+    head = fit_logistic(ref_feats, labels, label_names)
+    ref_labels = head.predict_proba(ref_feats).argmax(axis=1)
+    per: dict[str, Any] = {"cpu_reference_s": time.perf_counter() - started,
+                           "params": ref.num_params}
+    del ref
+    for precision in args.precisions:
+        device = DeviceConfig(args.device, 0, args.threads, precision)
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        model = classifier(name, folder, device, head)
+        body = model.body
+        load_s = time.perf_counter() - t0
+        feats = body.features(check, 32)
+        cos = cosines(feats, ref_feats)
+        pred = model.predict(check, 32)
+        dtypes = sorted({str(p.dtype) for p in body.net.parameters()})
+        row: dict[str, Any] = {
+            "device_label": device.label, "param_dtypes": dtypes,
+            "param_device": str(next(body.net.parameters()).device),
+            "pad_multiple": body.pad_multiple, "load_s": load_s,
+            "weight_bytes": body.memory_bytes,
+            "min_cosine_vs_cpu_fp32": float(cos.min()),
+            "median_cosine_vs_cpu_fp32": float(np.median(cos)),
+            "non_finite": int((~np.isfinite(feats)).sum()),
+            "label_agreement_vs_cpu_fp32": float((pred.labels == ref_labels).mean()),
+            "labels_changed": int((pred.labels != ref_labels).sum()),
+            "max_prob_diff": float(np.abs(pred.probabilities
+                                          - head.predict_proba(ref_feats)).max()),
+            "latency_ms": {}}
+        for bs in args.batch_sizes:
+            batch = cycle(texts, bs, 7 * bs)
+            row["latency_ms"][str(bs)] = timed_ms(
+                lambda b=batch, n=bs, m=model: m.predict(b, n), sync, args.reps,
+                args.timing_budget_s)
+        if args.device == "cuda":
+            row["max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        per[device.dtype_name] = row
+        note(f"  {name:13s} {device.label:12s} cos>= {row['min_cosine_vs_cpu_fp32']:.5f} "
+             f"labels agree {row['label_agreement_vs_cpu_fp32']:.3f}; ms/batch "
+             + ", ".join(f"{b}: {v:.2f}" for b, v in row["latency_ms"].items()))
+        del model, body
+        free_memory()
+    return per
 
 
 def part_profile(args: argparse.Namespace, ws: Workspace) -> dict:
     from ken.models.datasets import LabelledSample
-    from ken.models.head import fit_logistic
     from ken.models.model import DeviceConfig
-    from ken.models.transformers_backend import TransformersBody
-    from ken.optimizer.artifact import load_bert_perf
-    from ken.optimizer.perf import ModelPerf
-    from ken.optimizer.profile import (
-        hardware_fingerprint,
-        load_or_run_profile,
-        profile_dir,
-        run_profile,
-    )
+    from ken.optimizer.profile import hardware_fingerprint
 
     sample = ws.tweets()
     rows = sample.labels[: args.profile_rows]
@@ -530,52 +545,65 @@ def part_profile(args: argparse.Namespace, ws: Workspace) -> dict:
                            "rows": len(small), "batch_sizes": list(args.profile_batch_sizes),
                            "note": RANDOM_NOTE, "models": {}}
     for name in args.profile_models:
-        folder = ws.model_dir(name)
-        body = TransformersBody(body_config(name, folder), device)
-        head = fit_logistic(body.features(list(small.texts), 32), small.labels,
-                            small.label_names)
-        model = classifier(name, folder, device, head, body)
-        started = time.perf_counter()
-        prof = load_or_run_profile(model, small, args.profile_batch_sizes, home=ws.home)
-        seconds = time.perf_counter() - started
-        again = load_or_run_profile(model, small, args.profile_batch_sizes, home=ws.home)
-        perf = ModelPerf.from_profile(prof)
-        rec: dict[str, Any] = {
-            "seconds": seconds, "hardware": prof.hardware,
-            "batch_runtime_ms": {str(b): 1000 * t for b, t in
-                                 zip(prof.batch_sizes, prof.batch_runtime_s, strict=True)},
-            "ms_per_row": {str(b): prof.ms_per_row(b) for b in prof.batch_sizes},
-            "best_batch_size": prof.best_batch_size(),
-            "memory_bytes": prof.memory_bytes, "peak_memory_bytes": prof.peak_memory_bytes,
-            "weight_bytes_loaded": body.memory_bytes,
-            "activation_peak_bytes": prof.memory_bytes - model.spec.memory_bytes,
-            "planner_memory_bytes": perf.memory(),
-            "planner_runtime_ms": {str(b): 1000 * perf.batch_runtime(b)
-                                   for b in prof.batch_sizes},
-            "store_round_trip_equal": (again.batch_runtime_s == prof.batch_runtime_s
-                                       and again.memory_bytes == prof.memory_bytes),
-            "profile_dir": str(profile_dir(model, small, args.profile_batch_sizes,
-                                           ws.home).name)}
-        if name == "bert-base":
-            rec["v100_artifact"] = compare_v100(prof, load_bert_perf(ws.carry)["base"])
-        if args.device == "cuda" and name == args.profile_models[0]:
-            # the same model in fp32: what 'auto' (fp16) buys the planner
-            fp32 = classifier(name, folder, DeviceConfig(args.device, 0, args.threads, "fp32"),
-                              head)
-            p32 = run_profile(fp32, small, args.profile_batch_sizes)
-            rec["fp32_batch_runtime_ms"] = {str(b): 1000 * t for b, t in
-                                            zip(p32.batch_sizes, p32.batch_runtime_s,
-                                                strict=True)}
-            rec["fp32_memory_bytes"] = p32.memory_bytes
-            del fp32
-        out["models"][name] = rec
-        note(f"  profile {name} on {prof.hardware}: ms/batch "
-             + ", ".join(f"{b}: {v:.2f}" for b, v in rec["batch_runtime_ms"].items())
-             + f"; memory {prof.memory_bytes / 2**20:.1f} MiB (weights "
-             f"{body.memory_bytes / 2**20:.1f}), peak {prof.peak_memory_bytes / 2**20:.1f} MiB")
-        del model, body
+        out["models"][name] = guarded(functools.partial(
+            profile_one, name, args, ws, small, device), f"profile {name}")
         free_memory()
     return out
+
+
+def profile_one(name: str, args: argparse.Namespace, ws: Workspace, small: Any, device: Any
+                ) -> dict:
+    """ken's profiler on one model (cached in the workspace's profile store, read back)."""
+    from ken.models.head import fit_logistic
+    from ken.models.model import DeviceConfig
+    from ken.models.transformers_backend import TransformersBody
+    from ken.optimizer.artifact import load_bert_perf
+    from ken.optimizer.perf import ModelPerf
+    from ken.optimizer.profile import load_or_run_profile, profile_dir, run_profile
+
+    folder = ws.model_dir(name)
+    body = TransformersBody(body_config(name, folder), device)
+    head = fit_logistic(body.features(list(small.texts), 32), small.labels,
+                        small.label_names)
+    model = classifier(name, folder, device, head, body)
+    started = time.perf_counter()
+    prof = load_or_run_profile(model, small, args.profile_batch_sizes, home=ws.home)
+    seconds = time.perf_counter() - started
+    again = load_or_run_profile(model, small, args.profile_batch_sizes, home=ws.home)
+    perf = ModelPerf.from_profile(prof)
+    rec: dict[str, Any] = {
+        "seconds": seconds, "hardware": prof.hardware,
+        "batch_runtime_ms": {str(b): 1000 * t for b, t in
+                             zip(prof.batch_sizes, prof.batch_runtime_s, strict=True)},
+        "ms_per_row": {str(b): prof.ms_per_row(b) for b in prof.batch_sizes},
+        "best_batch_size": prof.best_batch_size(),
+        "memory_bytes": prof.memory_bytes, "peak_memory_bytes": prof.peak_memory_bytes,
+        "weight_bytes_loaded": body.memory_bytes,
+        "activation_peak_bytes": prof.memory_bytes - model.spec.memory_bytes,
+        "planner_memory_bytes": perf.memory(),
+        "planner_runtime_ms": {str(b): 1000 * perf.batch_runtime(b)
+                               for b in prof.batch_sizes},
+        "store_round_trip_equal": (again.batch_runtime_s == prof.batch_runtime_s
+                                   and again.memory_bytes == prof.memory_bytes),
+        "profile_dir": str(profile_dir(model, small, args.profile_batch_sizes,
+                                       ws.home).name)}
+    if name == "bert-base":
+        rec["v100_artifact"] = compare_v100(prof, load_bert_perf(ws.carry)["base"])
+    if args.device == "cuda" and name == args.profile_models[0]:
+        # the same model in fp32: what 'auto' (fp16) buys the planner
+        fp32 = classifier(name, folder, DeviceConfig(args.device, 0, args.threads, "fp32"),
+                          head)
+        p32 = run_profile(fp32, small, args.profile_batch_sizes)
+        rec["fp32_batch_runtime_ms"] = {str(b): 1000 * t for b, t in
+                                        zip(p32.batch_sizes, p32.batch_runtime_s,
+                                            strict=True)}
+        rec["fp32_memory_bytes"] = p32.memory_bytes
+        del fp32
+    note(f"  profile {name} on {prof.hardware}: ms/batch "
+         + ", ".join(f"{b}: {v:.2f}" for b, v in rec["batch_runtime_ms"].items())
+         + f"; memory {prof.memory_bytes / 2**20:.1f} MiB (weights "
+         f"{body.memory_bytes / 2**20:.1f}), peak {prof.peak_memory_bytes / 2**20:.1f} MiB")
+    return rec
 
 
 def compare_v100(prof: Any, v100: Any) -> dict:
@@ -694,7 +722,7 @@ def part_engine(args: argparse.Namespace, ws: Workspace) -> dict:
 def part_llm(args: argparse.Namespace, ws: Workspace) -> dict:
     import torch
 
-    from ken.models.generation import DecodeBatch, end_token_ids, generate
+    from ken.models.generation import DecodeBatch, end_token_ids
     from ken.models.model import DeviceConfig
     from ken.models.resources import CausalLM
     from ken.optimizer.tokens import random_prompts
@@ -718,23 +746,15 @@ def part_llm(args: argparse.Namespace, ws: Workspace) -> dict:
             row: dict[str, Any] = {"batch": bs, "ttft_ms": ttft,
                                    "step_ms": statistics.median(steps),
                                    "tokens_per_s": bs * 1000.0 / statistics.median(steps)}
-            # greedy tokens: ken's generate (DecodeBatch, stops at end tokens) vs HF generate
-            ken = [list(g.token_ids) for g in generate(lm, prompts, n, batch_size=bs)]
-            hf = hf_tokens(lm, prompts, n)
-            hf = [truncate_at(t, ends) for t in hf]
-            same = [a == b for a, b in zip(ken, hf, strict=True)]
-            divs = [first_divergence(a, b) for a, b in zip(ken, hf, strict=True)]
-            row["greedy_equal_hf_rows"] = f"{sum(same)}/{len(same)}"
-            row["greedy_equal_hf"] = all(same)
-            row["first_divergence"] = [d for d in divs if d is not None][:8]
-            row["token_agreement"] = agreement(ken, hf)
+            row.update(guarded(functools.partial(compare_hf, lm, prompts, n, bs, ends),
+                               f"greedy vs HF generate, batch {bs}"))
             rows.append(row)
             note(f"  smollm2 {device.label:12s} batch {bs:3d}: TTFT {ttft:7.2f} ms, step "
                  f"{row['step_ms']:6.2f} ms ({row['tokens_per_s']:.0f} tok/s); greedy = HF "
-                 f"generate on {row['greedy_equal_hf_rows']} rows")
-        out["precisions"][device.dtype_name] = {"device_label": device.label, "rows": rows,
-                                                "join": join_check(lm, n, DecodeBatch,
-                                                                   generate)}
+                 f"generate on {row.get('greedy_equal_hf_rows', 'error')} rows")
+        out["precisions"][device.dtype_name] = {
+            "device_label": device.label, "rows": rows,
+            "join": guarded(functools.partial(join_check, lm, n, DecodeBatch), "join check")}
         if args.device == "cuda":
             out["precisions"][device.dtype_name]["max_allocated_gib"] = (
                 torch.cuda.max_memory_allocated() / 2**30)
@@ -742,6 +762,21 @@ def part_llm(args: argparse.Namespace, ws: Workspace) -> dict:
         del lm
         free_memory()
     return out
+
+
+def compare_hf(lm: Any, prompts: Sequence[Sequence[int]], n: int, bs: int,
+               ends: frozenset[int]) -> dict:
+    """Greedy tokens of ken's ``generate`` (DecodeBatch; stops at end tokens) against Hugging
+    Face ``generate`` (cut at the first of those end tokens)."""
+    from ken.models.generation import generate
+
+    ken = [list(g.token_ids) for g in generate(lm, prompts, n, batch_size=bs)]
+    hf = [truncate_at(t, ends) for t in hf_tokens(lm, prompts, n)]
+    same = [a == b for a, b in zip(ken, hf, strict=True)]
+    divs = [first_divergence(a, b) for a, b in zip(ken, hf, strict=True)]
+    return {"greedy_equal_hf_rows": f"{sum(same)}/{len(same)}", "greedy_equal_hf": all(same),
+            "first_divergence": [d for d in divs if d is not None][:8],
+            "token_agreement": agreement(ken, hf)}
 
 
 def decode(lm: Any, prompts: Sequence[Sequence[int]], new_tokens: int, sync: Callable
@@ -786,7 +821,7 @@ def agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> float:
     return same / total if total else 1.0
 
 
-def join_check(lm: Any, n: int, decode_batch: Any, generate: Callable) -> dict:
+def join_check(lm: Any, n: int, decode_batch: Any) -> dict:
     """Rows of different prompt lengths, some joining after two steps of the others (the
     engine's continuous batching): each row's tokens against ``generate`` of it alone."""
     from ken.optimizer.tokens import random_prompts
@@ -825,11 +860,20 @@ def part_pytest(args: argparse.Namespace, ws: Workspace) -> dict:
            "-o", "addopts=", f"--junitxml={junit}", *targets]
     env = dict(os.environ, KEN_HOME=str(ws.root / "pytest_home"))
     started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=args.pytest_timeout_s)
-    out: dict[str, Any] = {"command": " ".join(cmd[1:]), "returncode": proc.returncode,
+    # within the run's budget, plus 2 minutes for a part that started just inside it
+    timeout = max(30.0, min(args.pytest_timeout_s,
+                            args.budget_s + 120.0 - (started - args.started)))
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        returncode, text = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        returncode = f"timed out after {timeout:.0f} s"
+        text = "".join(x.decode() if isinstance(x, bytes) else (x or "")
+                       for x in (exc.stdout, exc.stderr))
+    out: dict[str, Any] = {"command": " ".join(cmd[1:]), "returncode": returncode,
                            "seconds": time.perf_counter() - started,
-                           "output_tail": (proc.stdout + proc.stderr)[-3000:]}
+                           "output_tail": text[-3000:]}
     if junit.is_file():
         out.update(junit_summary(junit))
     note(f"  pytest rc {proc.returncode}: {out.get('passed')} passed, {out.get('failures')} "
@@ -868,6 +912,9 @@ def summary_md(result: dict) -> str:
                   + " | min cos | labels agree |",
                   "|---|---|" + "---|" * (len(result["setup"]["batch_sizes"]) + 2)]
         for name, per in enc.items():
+            if "error" in per:
+                lines.append(f"| {name} | error | (see the JSON) |")
+                continue
             for prec, row in per.items():
                 if isinstance(row, dict) and "latency_ms" in row:
                     lines.append(f"| {name} | {prec} | " + " | ".join(
@@ -876,6 +923,9 @@ def summary_md(result: dict) -> str:
                         f"{row['label_agreement_vs_cpu_fp32']:.3f} |")
     prof = parts.get("profile", {}).get("result", {}).get("models", {})
     for name, rec in prof.items():
+        if "error" in rec:
+            lines += ["", f"## profile {name}: error", "", rec["error"][-600:]]
+            continue
         lines += ["", f"## profile {name} ({rec['hardware']})", "",
                   "ms/batch: " + ", ".join(f"{b}: {v:.2f}"
                                            for b, v in rec["batch_runtime_ms"].items()),
@@ -903,8 +953,8 @@ def summary_md(result: dict) -> str:
         for prec, per in llm.items():
             for row in per["rows"]:
                 lines.append(f"| {prec} | {row['batch']} | {row['ttft_ms']:.2f} | "
-                             f"{row['step_ms']:.2f} | {row['greedy_equal_hf_rows']} |")
-            lines.append(f"| {prec} | join | | | {per['join']['rows_equal_alone']} |")
+                             f"{row['step_ms']:.2f} | {row.get('greedy_equal_hf_rows', 'error')} |")
+            lines.append(f"| {prec} | join | | | {per['join'].get('rows_equal_alone', 'error')} |")
     pt = parts.get("pytest", {}).get("result")
     if pt:
         lines += ["", "## pytest", "", f"rc {pt['returncode']}: {pt.get('passed')} passed, "
@@ -997,7 +1047,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         note("--device cuda, but torch sees no GPU; the CUDA parts will fail")
-    started = time.perf_counter()
+    started = args.started = time.perf_counter()
     work = args.work or Path(tempfile.mkdtemp(prefix="gpu_check_"))
     ws = Workspace(work, args.carry.resolve())
     result: dict[str, Any] = {
