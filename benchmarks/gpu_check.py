@@ -68,7 +68,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(1, str(ROOT))  # ken itself, from the tree (it is not installed there)
 
 CARRY = ROOT / ".gpu"
-PARTS = ("env", "encoders", "profile", "engine", "llm", "pytest")
+PARTS = ("env", "encoders", "profile", "engine", "llm", "pytest", "shapes")
 #: ken's dependencies missing on the GPU machine (KINDS.md's package list), carried as wheels
 #: in the versions installed here
 WHEELS = ("duckdb", "sqlglot", "gguf", "rapidfuzz")
@@ -852,6 +852,91 @@ def join_check(lm: Any, n: int, decode_batch: Any) -> dict:
             "token_agreement": agreement([got.get(i, []) for i in range(5)], alone)}
 
 
+def part_shapes(args: argparse.Namespace, ws: Workspace) -> dict:
+    """Whether a new input shape costs a slow first call (the first run's profile had fp16
+    spikes at some batch sizes, and fp16 decode steps, each a new KV length, ran 3x slower than
+    fp32): MiniLM-L3 ``predict`` on 16 batches of 4 tweets of different lengths, two passes
+    over the same batches (the second sees only shapes seen before); SmolLM2 decoding 24
+    tokens twice from the same prompts; each with SDPA's fused kernels on and off; and raw
+    fp16/fp32 matrix products over sequence lengths 8..256, first and second call."""
+    import torch
+
+    from ken.models.model import DeviceConfig
+    from ken.models.resources import CausalLM
+
+    sync = synchroniser(args.device)
+    texts = list(ws.tweets().texts)
+    batches = [texts[4 * i: 4 * i + 4] for i in range(16)]
+    out: dict[str, Any] = {"note": RANDOM_NOTE}
+    head = None
+    for fused in (True, False):
+        torch.backends.cuda.enable_flash_sdp(fused)
+        torch.backends.cuda.enable_mem_efficient_sdp(fused)
+        tag = "sdpa-fused" if fused else "sdpa-math"
+        for precision in args.precisions:
+            device = DeviceConfig(args.device, 0, args.threads, precision)
+            folder = ws.model_dir("minilm-l3")
+            if head is None:
+                from ken.models.head import fit_logistic
+                from ken.models.transformers_backend import TransformersBody
+                ref = TransformersBody(body_config("minilm-l3", folder),
+                                       DeviceConfig("cpu", 0, args.threads, "fp32"))
+                sample = ws.tweets()
+                head = fit_logistic(ref.features(texts[:64], 32), sample.labels[:64],
+                                    sample.label_names)
+                del ref
+            model = classifier("minilm-l3", folder, device, head)
+            passes = []
+            for _ in range(2):
+                times = []
+                for b in batches:
+                    t0 = time.perf_counter()
+                    model.predict(b, 4)
+                    sync()
+                    times.append(1000 * (time.perf_counter() - t0))
+                passes.append(times)
+            key = f"minilm-l3 {device.label} {tag}"
+            out[key] = {"pass1_ms": passes[0], "pass2_ms": passes[1],
+                        "pass1_median": statistics.median(passes[0]),
+                        "pass2_median": statistics.median(passes[1])}
+            note(f"  {key}: predict(4 rows) median pass 1 {out[key]['pass1_median']:.2f} ms, "
+                 f"pass 2 {out[key]['pass2_median']:.2f} ms")
+            del model
+            free_memory()
+            lm = CausalLM(ws.model_dir("smollm2-135m", args.llm_layers), device)
+            from ken.optimizer.tokens import random_prompts
+            prompts = random_prompts(lm, 8, args.prompt_tokens, np.random.default_rng(1))
+            runs = [decode(lm, prompts, 24, sync)[1] for _ in range(2)]
+            key = f"smollm2 decode batch 8 {device.label} {tag}"
+            out[key] = {"run1_step_ms": runs[0], "run2_step_ms": runs[1],
+                        "run1_median": statistics.median(runs[0]),
+                        "run2_median": statistics.median(runs[1])}
+            note(f"  {key}: step median run 1 {out[key]['run1_median']:.2f} ms, run 2 "
+                 f"{out[key]['run2_median']:.2f} ms")
+            del lm
+            free_memory()
+    torch.backends.cuda.enable_flash_sdp(True)
+    torch.backends.cuda.enable_mem_efficient_sdp(True)
+    if args.device == "cuda":
+        for dtype in (torch.float16, torch.float32):
+            w = torch.randn(384, 384, device="cuda", dtype=dtype)
+            first, second = [], []
+            for seq in range(8, 257, 8):
+                x = torch.randn(4 * seq, 384, device="cuda", dtype=dtype)
+                for bucket in (first, second):
+                    t0 = time.perf_counter()
+                    x @ w
+                    sync()
+                    bucket.append(1000 * (time.perf_counter() - t0))
+            key = f"matmul {dtype}"
+            out[key] = {"first_ms_median": statistics.median(first),
+                        "second_ms_median": statistics.median(second),
+                        "first_ms_max": max(first)}
+            note(f"  {key}: new shape first call median {out[key]['first_ms_median']:.3f} ms "
+                 f"(max {out[key]['first_ms_max']:.2f}), second {out[key]['second_ms_median']:.3f}")
+    return out
+
+
 def part_pytest(args: argparse.Namespace, ws: Workspace) -> dict:
     ws.model_dir("minilm-l6")  # the stand-in package the CUDA tests load
     junit = ws.root / "pytest.xml"
@@ -886,7 +971,7 @@ def part_pytest(args: argparse.Namespace, ws: Workspace) -> dict:
 
 RUNNERS: dict[str, Callable[[argparse.Namespace, Workspace], dict]] = {
     "env": part_env, "encoders": part_encoders, "profile": part_profile,
-    "engine": part_engine, "llm": part_llm, "pytest": part_pytest}
+    "engine": part_engine, "llm": part_llm, "pytest": part_pytest, "shapes": part_shapes}
 
 
 # --------------------------------------------------------------------------- report

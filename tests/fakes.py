@@ -8,8 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ken.engine.workers import WARM_UP_TEXT
-from ken.models.model import DeviceConfig, Model, ModelSpec, Output, Prediction
+from ken.models.model import WARM_UP_TEXT, DeviceConfig, Model, ModelSpec, Output, Prediction
 
 LABELS = ("negative", "neutral", "positive")
 

@@ -12,9 +12,9 @@ import pytest
 from fakes import FakeModel, SlowModel
 
 from ken.engine.serving import Engine, EngineError
-from ken.engine.workers import WARM_UP_TEXT
 from ken.models.cascade import Cascade
 from ken.models.certainty import certainty_fn
+from ken.models.model import WARM_UP_TEXT
 from ken.policy.plan import GearPlan, RangeSchedule, Replica
 
 CASCADE = Cascade(("a", "b"), (0.6,))

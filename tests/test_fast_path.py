@@ -23,9 +23,12 @@ from ken.models import convert
 from ken.models.model import CUDA_AUTO_PRECISION, PRECISIONS, DeviceConfig
 from ken.models.resources import CausalLM
 from ken.models.transformers_backend import (
+    GPU_WIDTHS,
     PAD_MULTIPLE,
     BodyConfig,
     TransformersBody,
+    gpu_rows,
+    gpu_width,
     pad_arrays,
     pad_batch,
     padded_width,
@@ -98,6 +101,18 @@ def test_padded_width_rounds_up_to_the_multiple_within_the_limit() -> None:
     assert padded_width(130, 128) == 130  # never below the longest row
     assert padded_width(9, 128, 1) == 9 and padded_width(9, 128, 32) == 32
     assert PAD_MULTIPLE == 8
+
+
+def test_gpu_buckets_hold_every_batch_and_come_in_few_shapes() -> None:
+    for longest in range(1, 600):
+        w = gpu_width(longest, 512)
+        assert w >= longest and (w in GPU_WIDTHS or w == longest > 512)
+        assert gpu_width(longest, 128) <= max(128, longest)  # capped at the model's limit
+    assert len({gpu_width(n, 128) for n in range(1, 129)}) == 8
+    for rows in range(1, 300):
+        b = gpu_rows(rows)
+        assert b >= rows and b & (b - 1) == 0 and b < 2 * rows
+    assert [gpu_rows(n) for n in (1, 2, 3, 5, 128)] == [1, 2, 4, 8, 128]
 
 
 # ----------------------------------------------------------------- device precision

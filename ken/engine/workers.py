@@ -53,19 +53,9 @@ Answers = tuple[list, np.ndarray]  # (values, scores), see the module docstring
 PARENT_CHECK_S = 0.2
 
 
-WARM_UP_TEXT = ("a warm-up row: the first calls of a freshly loaded model page in its weights "
-                "and set up its kernels, which would otherwise stall the first requests")
-
-
-def warm_up(model: Model) -> None:
-    """Run ``model`` on a few batches before it serves (a fresh process's first forward pass
-    pages in the weights and initialises kernels: up to a second for the larger models)."""
-    if model.spec.num_inputs != 1:
-        rows: list = [(WARM_UP_TEXT, WARM_UP_TEXT)]
-    else:
-        rows = [WARM_UP_TEXT]
-    for n in (1, 8, 1):
-        model.predict(rows * n, batch_size=n)
+def warm_up(model: Model, max_batch: int = 8) -> None:
+    """Run ``model`` on a few batches before it serves (``Model.warm_up``)."""
+    model.warm_up(max_batch)
 
 
 def answers(out: ModelOutput, rows: int) -> Answers:

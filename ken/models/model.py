@@ -165,6 +165,9 @@ class Output:
         return self.scores
 
 
+WARM_UP_TEXT = ("a warm-up row: the first calls of a freshly loaded model page in its weights "
+                "and set up its kernels, which would otherwise stall the first requests")
+
 #: what ``Model.predict`` returns: both have ``values`` and ``certainty(kind)``
 ModelOutput = Prediction | Output
 
@@ -178,6 +181,15 @@ class Model(ABC):
     @property
     def name(self) -> str:
         return self.spec.name
+
+    def warm_up(self, max_batch: int = 8) -> None:
+        """Run a few batches before serving or timing: a fresh process's first forward pass
+        pages in the weights and initialises kernels (up to a second for the larger models).
+        Models on a GPU also see every input shape they will be given (see
+        ``TransformersClassifier.warm_up``)."""
+        row: object = WARM_UP_TEXT if self.spec.num_inputs == 1 else (WARM_UP_TEXT,) * 2
+        for n in (1, min(8, max_batch), 1):
+            self.predict([row] * n, batch_size=n)
 
     @abstractmethod
     def predict(self, texts: Sequence, batch_size: int = 32) -> ModelOutput:

@@ -57,6 +57,28 @@ def weight_bytes(net: Any) -> int:
 #: measures both on either device).
 PAD_MULTIPLE = 8
 
+#: On a GPU a batch's width is rounded up to one of these (at most the model's limit) and its
+#: rows to a power of two, so batches come in few shapes, all run once before serving
+#: (``TransformersBody.warm_shapes``). Each new shape's first call is slow in half precision:
+#: measured on an H200 (``benchmarks/gpu_check.py``), MiniLM-L3's profile at fp16 ran 20-45 ms
+#: per batch at the sizes whose shapes were new against 3 ms at the others, and a raw fp16
+#: matrix product's first call of a shape took 6x its second.
+GPU_WIDTHS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+#: the largest batch ``warm_shapes`` prepares by default (the profiles' largest size)
+GPU_WARM_ROWS = 128
+
+
+def gpu_width(longest: int, limit: int) -> int:
+    """The GPU width bucket of a batch whose longest row has ``longest`` tokens: the smallest
+    of ``GPU_WIDTHS`` that holds it, at most ``limit`` (never below ``longest``)."""
+    fit = next((w for w in GPU_WIDTHS if w >= longest), limit)
+    return max(longest, min(fit, limit))
+
+
+def gpu_rows(rows: int) -> int:
+    """The GPU row bucket of a batch of ``rows`` rows: the next power of two."""
+    return 1 << max(0, rows - 1).bit_length()
+
 
 def padded_width(longest: int, limit: int, multiple: int = PAD_MULTIPLE) -> int:
     """``longest`` rounded up to a multiple of ``multiple``, but not past ``limit`` (a row of
@@ -204,14 +226,19 @@ class TransformersBody:
         with torch.inference_mode():
             for start in range(0, len(order), batch_size):
                 rows = order[start:start + batch_size]
-                width = padded_width(int(lengths[rows].max()), self.max_tokens,
-                                     self.pad_multiple)
-                host = torch.empty((2, len(rows), width), dtype=torch.long, pin_memory=on_gpu)
-                pad_arrays([ids[i] for i in rows], self.pad_id, width=width, out=host.numpy())
+                seqs = [ids[i] for i in rows]
+                if on_gpu:  # few shapes, all warmed up: bucketed widths, filler rows
+                    width = gpu_width(int(lengths[rows].max()), self.max_tokens)
+                    seqs += [[self.pad_id]] * (gpu_rows(len(rows)) - len(rows))
+                else:
+                    width = padded_width(int(lengths[rows].max()), self.max_tokens,
+                                         self.pad_multiple)
+                host = torch.empty((2, len(seqs), width), dtype=torch.long, pin_memory=on_gpu)
+                pad_arrays(seqs, self.pad_id, width=width, out=host.numpy())
                 # pinned memory is not reused before its copy is done (torch's host allocator
                 # records the copy), so a fresh buffer per batch is safe without a sync
                 batch = host.to(device, non_blocking=True) if on_gpu else host
-                pooled = self.pool(batch[0], batch[1])
+                pooled = self.pool(batch[0], batch[1])[: len(rows)]
                 if pooled_rows is not None:
                     pooled_rows[start:start + len(rows)] = pooled
                 else:
@@ -221,6 +248,30 @@ class TransformersBody:
         if pooled_rows is not None:
             out[order] = pooled_rows.cpu().numpy()
         return out
+
+    def warm_shapes(self, max_rows: int = GPU_WARM_ROWS) -> int:
+        """On a GPU, run every batch shape ``features`` can give for batches of up to
+        ``max_rows`` rows once (see ``GPU_WIDTHS``), so that no request or profiled batch pays
+        a shape's first call; returns how many shapes ran (0 on a CPU, which needs none)."""
+        import torch
+
+        if self.device.kind != "cuda":
+            return 0
+        device = torch.device(self.device.torch_device)
+        widths = sorted({gpu_width(w, self.max_tokens) for w in GPU_WIDTHS})
+        shapes = [(gpu_rows(r), w) for r in (1 << k for k in range(max_rows.bit_length()))
+                  if r <= gpu_rows(max_rows) for w in widths]
+        with torch.inference_mode():
+            for rows, width in dict.fromkeys(shapes):
+                ids = torch.full((rows, width), self.pad_id, dtype=torch.long, device=device)
+                full = torch.ones_like(ids)
+                self.pool(ids, full)  # a batch without padding: attention runs unmasked
+                if width > 1:  # and one with padding: masked attention, other kernels
+                    padded = full.clone()
+                    padded[:, -1] = 0
+                    self.pool(ids, padded)
+        torch.cuda.synchronize(device)
+        return len(dict.fromkeys(shapes))
 
     def pool(self, input_ids, mask):  # noqa: ANN001, ANN202 - torch tensors
         """Mean of the chosen layer's hidden states over the unmasked tokens, in float32 (a
@@ -246,6 +297,12 @@ class TransformersClassifier(Model):
         self.body = body
         self.head = head
         self.device = body.device
+
+    def warm_up(self, max_batch: int = 8) -> None:
+        """``Model.warm_up``; on a GPU first every batch shape up to ``GPU_WARM_ROWS`` rows (or
+        ``max_batch``, if larger)."""
+        self.body.warm_shapes(max(max_batch, GPU_WARM_ROWS))
+        super().warm_up(max_batch)
 
     def predict(self, texts: Sequence[str], batch_size: int = 32,
                 on_batch: Callable[[int], None] | None = None) -> Prediction:

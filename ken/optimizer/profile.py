@@ -337,6 +337,8 @@ def measure_batch_runtimes(
     if not texts:
         raise ProfileError("cannot time a model on an empty sample")
     model.predict(list(texts[: min(8, len(texts))]), batch_size=8)  # warm-up
+    if model.device.kind == "cuda":  # every batch shape seen once (``Model.warm_up``)
+        model.warm_up(max(batch_sizes))
     runtimes: list[float] = []
     peak = baseline = 0
     offset = 0
