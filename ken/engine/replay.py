@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,6 +113,23 @@ def serve_trace(plan: GearPlan, models: Mapping[str, Any], trace: Trace,
         rep = replay(engine, trace, sample, seed=seed, reporter=reporter)
     assert engine.load_report is not None
     return Served(rep, engine.load_report, tuple(engine.batch_log))
+
+
+def replay_rounds(plans: Sequence[GearPlan], models: Mapping[str, Any], trace: Trace,
+                  sample: EvalSample | LabelledSample, rounds: int, seed: int = 0,
+                  reporter: Reporter = QUIET, **engine_options: Any) -> list[list[Served]]:
+    """``serve_trace`` of every plan, ``rounds`` times, interleaved (each round serves every
+    plan once, in order), so that the machine's drifts reach every plan alike; per plan, its
+    replays in round order. Compare plans on the median and spread of their replays."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    out: list[list[Served]] = [[] for _ in plans]
+    for r in range(rounds):
+        for k, plan in enumerate(plans):
+            reporter.note(f"replay round {r + 1}/{rounds}, plan {k + 1}/{len(plans)}")
+            out[k].append(serve_trace(plan, models, trace, sample, seed=seed,
+                                      reporter=reporter, **engine_options))
+    return out
 
 
 def plot_replay(rep: Replay, plan: GearPlan, path: str | Path, title: str = "") -> Path:

@@ -132,3 +132,22 @@ def gear_accuracy(plan: GearPlan, catalog: Catalog, ranges: Sequence[int] | np.n
     if ranges.size == 0 or (ranges < 0).any():
         raise PlanningError("gear_accuracy needs the gear of every request (all served)")
     return float(acc[ranges].mean())
+
+
+def served_accuracy(plan: GearPlan, catalog: Catalog, trace: Trace, seed: int = 0) -> float:
+    """Accuracy on the rows a replay of ``trace`` sends (``simulator.sample_rows``: the same
+    rows as ``ken.engine.replay`` with this seed), each answered by the cascade of the gear the
+    simulator serves it in: what a replay of the plan is expected to score on those rows."""
+    return simulate(plan, catalog, trace, seed).metrics(0, plan).accuracy
+
+
+def matched_plan(plans: Sequence[GearPlan], accuracy: float, catalog: Catalog, trace: Trace,
+                 seed: int = 0) -> int | None:
+    """The plan ken serves against a baseline of ``accuracy`` (issue 33's rule): of
+    ``plans`` (a frontier, each with ``predicted`` metrics of its planning window), the
+    fastest there whose accuracy on ``trace``'s replayed rows (``served_accuracy``) is at
+    least ``accuracy``. Its index, or None when no plan is that accurate on those rows."""
+    for i in sorted(range(len(plans)), key=lambda i: plans[i].predicted.p95_ms):
+        if served_accuracy(plans[i], catalog, trace, seed) >= accuracy - 1e-12:
+            return i
+    return None
