@@ -63,6 +63,7 @@ import math
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Literal
@@ -101,6 +102,10 @@ def _placed(*plans: GearPlan) -> dict[str, list[str]]:
                 if r.model not in out[d]:
                     out[d].append(r.model)
     return out
+
+
+#: online submit times the engine keeps for re-planning (``Engine.recent_arrivals``)
+ARRIVAL_LOG = 200_000
 
 
 class Engine:
@@ -179,6 +184,9 @@ class Engine:
         self.scheduler = Scheduler(
             self.plans, self.clock, self._requests, self._events, self.pool, self.breaker,
             self.admission, bulk_batch_size or max(b for p in plans for b in p.max_batch))
+        # (time, operator) of every online request submitted (admitted or not: the load
+        # offered), the latest ARRIVAL_LOG of them, for re-planning (``recent_arrivals``)
+        self._arrivals: deque[tuple[float, str]] = deque(maxlen=ARRIVAL_LOG)
         self._thread: threading.Thread | None = None
         self._accepting = False
         self._shutdown_lock = threading.Lock()
@@ -341,6 +349,8 @@ class Engine:
         now = self.clock.now()
         requests = self._requests
         with requests.lock:
+            if not bulk:
+                self._arrivals.extend([(now, operator)] * len(texts))
             for text in texts:
                 future: Future = Future()
                 futures.append(future)
@@ -376,6 +386,13 @@ class Engine:
     def rejected(self) -> int:
         """Online requests admission turned away."""
         return self.scheduler.rejected
+
+    def recent_arrivals(self, operator: str, since_s: float) -> list[float]:
+        """Submit times (engine clock) of ``operator``'s online requests since ``since_s``,
+        admitted or not (the offered load), oldest first."""
+        with self._requests.lock:
+            log = list(self._arrivals)
+        return [t for t, op in log if op == operator and t >= since_s]
 
     @property
     def plan_swaps(self) -> list[tuple[float, int]]:

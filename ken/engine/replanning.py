@@ -1,0 +1,149 @@
+"""Re-planning while serving (issue 33): a background thread that watches what an operator's
+gear plan assumed and swaps in a new plan when the workload leaves it.
+
+Every ``poll_s`` the ``Replanner`` gives a ``DriftWatch`` (``ken.policy.drift``) the arrivals
+of the last ``window_s`` (``Engine.recent_arrivals``: every online request submitted, admitted
+or not) and the per-stage escalation counts admission keeps. On a drift it builds a trace of
+the last ``history_s`` of arrivals, calls ``replan(trace, drift)`` (``GearReplan``: a new
+frontier for that load, the plan picked for the user's target) in this thread while the
+engine keeps serving the old plan, and swaps the new plan in (``Engine.swap_plan``: queued
+rows move to the new plan, running batches finish under the old one, nothing is lost). It
+then waits ``settle_s`` before it watches again, so the new plan's first seconds (its queues
+draining) are not taken for another drift. Every swap is a ``ReplanEvent`` in ``events`` and
+a line in the serving log (``on_event``, by default the progress reporter's note).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from ken.engine.serving import Engine
+from ken.errors import KenError
+from ken.models.cascade import Cascade
+from ken.optimizer.workload import Trace
+from ken.policy.drift import Drift, DriftWatch
+from ken.policy.plan import GearPlan
+from ken.progress import QUIET, Reporter
+
+
+@dataclass(frozen=True)
+class ReplanEvent:
+    """One re-plan: when the drift was seen, why, how long planning took, and the swap."""
+
+    at_s: float  # engine clock, when the drift was seen
+    drift: Drift
+    planning_s: float
+    swapped_at_s: float  # engine clock, when the new plan took over
+    moved: int  # queued rows moved to the new plan
+    old: str  # the plans' one-line summaries
+    new: str
+    error: str = ""  # planning failed: the old plan stays
+
+    def line(self) -> str:
+        if self.error:
+            return (f"re-plan at {self.at_s:.1f} s failed ({self.error}); serving the old plan. "
+                    f"Why: {self.drift.detail}")
+        return (f"re-planned at {self.at_s:.1f} s ({self.drift.kind}: {self.drift.detail}); "
+                f"planning took {self.planning_s:.1f} s; swapped at {self.swapped_at_s:.1f} s, "
+                f"{self.moved} queued rows moved; was: {self.old}; now: {self.new}")
+
+
+class Replanner:
+    """Re-plans ``operator`` of a started ``engine`` (see the module docstring).
+
+    ``replan(trace, drift)`` returns the plan to swap in; ``expected(plan)`` the share of rows
+    each stage of each of its cascades is expected to pass on (``GearReplan.expected``)."""
+
+    def __init__(self, engine: Engine, operator: str,
+                 replan: Callable[[Trace, Drift], GearPlan],
+                 expected: Callable[[GearPlan], Mapping[Cascade, tuple[float, ...]]], *,
+                 window_s: float = 5.0, history_s: float = 15.0, poll_s: float = 0.25,
+                 settle_s: float = 5.0, rate_factor: float = 1.25,
+                 escalation_shift: float = 0.1, min_rows: int = 100,
+                 reporter: Reporter = QUIET,
+                 on_event: Callable[[ReplanEvent], None] | None = None) -> None:
+        if history_s < window_s or poll_s <= 0 or settle_s < 0:
+            raise KenError("history_s must be >= window_s, poll_s > 0 and settle_s >= 0")
+        self.engine = engine
+        self.operator = operator
+        self.replan = replan
+        self.expected = expected
+        self.history_s = history_s
+        self.poll_s = poll_s
+        self.settle_s = settle_s
+        plan = engine.plans[operator]
+        self.watch = DriftWatch(plan, expected(plan), window_s, rate_factor,
+                                escalation_shift, min_rows)
+        self.events: list[ReplanEvent] = []
+        self._on_event = on_event or (lambda e: reporter.note(f"{operator}: {e.line()}"))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._quiet_until = 0.0
+
+    def start(self) -> Replanner:
+        if self._thread is not None:
+            raise KenError("this replanner is already running")
+        self._quiet_until = self.engine.clock.now() + self.settle_s
+        self._thread = threading.Thread(target=self._run, name=f"ken-replan-{self.operator}",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching (a re-plan under way finishes first)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def __enter__(self) -> Replanner:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            now = self.engine.clock.now()
+            if now < self._quiet_until:
+                continue
+            arrivals = self.engine.recent_arrivals(self.operator, now - self.watch.window_s)
+            drift = self.watch.check(now, len(arrivals), self.engine.admission.escalations)
+            if drift is not None:
+                self._handle(drift)
+
+    def _handle(self, drift: Drift) -> None:
+        engine, old = self.engine, self.engine.plans[self.operator]
+        since = drift.at_s - self.history_s
+        times = np.asarray(engine.recent_arrivals(self.operator, since), dtype=np.float64)
+        started = time.perf_counter()
+        try:
+            if times.size < 2:
+                raise KenError("too few recent arrivals to plan on")
+            trace = Trace(times - times[0], f"{self.operator} serving, last {self.history_s:g} s")
+            new = self.replan(trace, drift)
+            planning_s = time.perf_counter() - started
+            moved = engine.swap_plan(new)
+        except Exception as exc:  # noqa: BLE001 - a failed re-plan keeps the old plan serving
+            event = ReplanEvent(drift.at_s, drift, time.perf_counter() - started,
+                                engine.clock.now(), 0, describe(old), describe(old),
+                                error=f"{type(exc).__name__}: {exc}")
+        else:
+            event = ReplanEvent(drift.at_s, drift, planning_s, engine.clock.now(), moved,
+                                describe(old), describe(new))
+            self.watch.rebase(new, self.expected(new))
+        self.events.append(event)
+        self._quiet_until = engine.clock.now() + self.settle_s
+        self._on_event(event)
+
+
+def describe(plan: GearPlan) -> str:
+    """A plan on one line: its gears and, when simulated, what was predicted."""
+    p = plan.predicted
+    guess = "" if p is None else f" (predicted {p.accuracy:.1%}, p95 {p.p95_ms:.0f} ms)"
+    return f"{plan.headline()}{guess}"

@@ -1,0 +1,99 @@
+"""Re-planning a gear operator from what serving saw (issue 33, re-planning online).
+
+``GearReplan`` is what the engine's ``Replanner`` calls when a ``DriftWatch`` says the workload
+left what the plan covers: it plans a new frontier on the recent arrivals (their peak, with
+``headroom``) and picks the plan for the user's target, as ``session.plan`` would. When the
+inputs got harder (a stage passes on more rows than the profiling sample said),
+``resampled_catalog`` first re-weights the sample's rows so that the first stage escalates at
+the measured rate, and the planner simulates those rows from then on.
+
+Online planning competes with serving for the machine, so its default settings are lighter
+than ``ken plan``'s (fewer load ranges and placement rounds, analytic placement scoring).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from ken.errors import QueryPlanError
+from ken.models.cascade import Cascade, escalates_row
+from ken.optimizer.perf import Catalog
+from ken.optimizer.planner import PlannerSettings, plan_frontier
+from ken.optimizer.query import Target, choose_plans
+from ken.optimizer.scheduler import PlanningError
+from ken.optimizer.workload import Hardware, Trace
+from ken.policy.drift import Drift, expected_escalation
+from ken.policy.plan import GearPlan
+
+#: lighter than ``ken plan``'s: a re-plan runs while the devices serve
+ONLINE_SETTINGS = PlannerSettings(num_ranges=6, max_rounds=4, beam_width=2, expansions=2,
+                                  placement_scoring="estimate", gap_searches=4)
+
+
+def resampled_catalog(catalog: Catalog, cascade: Cascade, escalation: float,
+                      seed: int = 0) -> Catalog:
+    """``catalog`` with its sample rows drawn again (as many, with replacement) so that the
+    first stage of ``cascade`` passes on ``escalation`` of them: rows it passes on are drawn
+    with weight ``escalation / share``, the others ``(1 - escalation) / (1 - share)``, where
+    ``share`` is what the sample gave. Every model keeps its own answer to each drawn row."""
+    if not 0.0 <= escalation <= 1.0:
+        raise PlanningError(f"an escalation rate is a share in [0, 1], got {escalation}")
+    if len(cascade.models) < 2:
+        raise PlanningError(f"{cascade.describe()} has one stage: it escalates nothing")
+    certainty = catalog.certainty(cascade.models[0], cascade.certainty)
+    up = np.array([escalates_row(float(c), cascade.thresholds[0]) for c in certainty])
+    share = float(up.mean())
+    if share in (0.0, 1.0):
+        raise PlanningError(f"the sample gives no rows on one side of {cascade.describe()}'s "
+                            "first threshold; cannot re-weight it")
+    weights = np.where(up, escalation / share, (1 - escalation) / (1 - share))
+    rows = np.random.default_rng(seed).choice(len(up), size=len(up), p=weights / weights.sum())
+    return Catalog(catalog.perf, {m: q[rows] for m, q in catalog.quality.items()},
+                   {m: s[rows] for m, s in catalog.scores.items()},
+                   f"{catalog.sample_hash}-resampled-{escalation:.3f}", catalog.gpu_perf)
+
+
+def plan_escalation(catalog: Catalog, plan: GearPlan) -> dict[Cascade, tuple[float, ...]]:
+    """What ``plan`` expects each stage of each of its cascades to pass on, on ``catalog``'s
+    sample (what a ``DriftWatch`` compares serving with)."""
+    return {c: expected_escalation(catalog.stage_fractions(c)) for c in set(plan.cascades)}
+
+
+@dataclass
+class GearReplan:
+    """Re-plans one gear operator (see the module docstring); called with the recent
+    arrivals and the drift, returns the plan to swap in."""
+
+    operator: str
+    catalog: Catalog
+    cascades: Sequence[Cascade]
+    hardware: Hardware
+    target: Target
+    settings: PlannerSettings = field(default_factory=lambda: ONLINE_SETTINGS)
+    headroom: float = 1.25  # the new plan's top gear covers the recent peak times this
+    seed: int = 0
+
+    def __call__(self, trace: Trace, drift: Drift) -> GearPlan:
+        if drift.kind == "escalation" and drift.cascade is not None \
+                and drift.stage == 0 and drift.escalation is not None:
+            # later re-plans keep the harder sample: it is what serving saw last
+            self.catalog = resampled_catalog(self.catalog, drift.cascade, drift.escalation,
+                                             self.seed)
+        peak = max(trace.qps_max(), drift.rate_qps, 1.0) * self.headroom
+        settings = replace(self.settings, seed=self.seed)
+        frontier, _ = plan_frontier(self.operator, self.cascades, self.catalog, self.hardware,
+                                    trace, qps_max=peak, settings=settings)
+        try:
+            plan = choose_plans({self.operator: frontier}, {self.operator: self.catalog},
+                                trace, self.target, self.seed).plans[0]
+        except QueryPlanError:  # out of reach at this load: the closest plan
+            plan = (frontier.plans[0] if self.target.min_accuracy is None
+                    else frontier.plans[-1])
+        assert isinstance(plan, GearPlan)
+        return replace(plan, provenance=(*plan.provenance, ("replanned", drift.detail)))
+
+    def expected(self, plan: GearPlan) -> Mapping[Cascade, tuple[float, ...]]:
+        return plan_escalation(self.catalog, plan)

@@ -1,0 +1,106 @@
+"""What a gear plan assumed against what serving sees (issue 33, re-planning online).
+
+A gear plan is made for a sample workload: its gears cover arrival rates up to its last QPS
+edge, and its cascades were chosen for the escalation rates the profiling sample gave each
+stage. ``DriftWatch`` compares both with what serving measures and says when the workload has
+left what the plan covers:
+
+- *rate*: the arrival rate over the last ``window_s`` is above ``rate_factor`` times the plan's
+  top edge (the last gear then serves loads it was never planned for);
+- *escalation*: a stage of a cascade in use passed on a share of its rows that differs from the
+  share the plan expected by more than ``escalation_shift`` (the inputs got harder or easier),
+  over at least ``min_rows`` rows answered in the last ``window_s``.
+
+Like the scheduling policy it never reads a clock: the caller gives the time and the counts
+(the online engine's ``Replanner`` on a wall clock; a test on made-up times).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from ken.errors import PolicyError
+from ken.models.cascade import Cascade
+from ken.policy.plan import GearPlan
+
+#: (cascade, 0-based stage) -> (rows answered at that stage, rows passed on), counted so far
+Counts = Mapping[tuple[Cascade, int], tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class Drift:
+    """Why a plan no longer covers the workload, at ``at_s``."""
+
+    at_s: float
+    kind: Literal["rate", "escalation"]
+    detail: str  # one sentence for the serving log and EXPLAIN
+    rate_qps: float  # the arrival rate measured over the watch's window
+    cascade: Cascade | None = None  # "escalation": the cascade and stage that shifted
+    stage: int | None = None
+    escalation: float | None = None  # the share of that stage's rows passed on, measured
+
+
+class DriftWatch:
+    """Watches one gear plan (see the module docstring). ``expected`` gives, per cascade of
+    the plan, the share of rows each stage passes on (``Catalog.stage_fractions`` ratios)."""
+
+    def __init__(self, plan: GearPlan, expected: Mapping[Cascade, Sequence[float]],
+                 window_s: float = 5.0, rate_factor: float = 1.25,
+                 escalation_shift: float = 0.1, min_rows: int = 100) -> None:
+        if window_s <= 0 or rate_factor <= 0 or escalation_shift <= 0 or min_rows < 1:
+            raise PolicyError("window_s, rate_factor and escalation_shift must be > 0, "
+                              "min_rows >= 1")
+        self.window_s = window_s
+        self.rate_factor = rate_factor
+        self.escalation_shift = escalation_shift
+        self.min_rows = min_rows
+        self.plan = plan
+        self.expected = {c: tuple(v) for c, v in expected.items()}
+        self._snapshots: deque[tuple[float, dict]] = deque()
+
+    def rebase(self, plan: GearPlan, expected: Mapping[Cascade, Sequence[float]]) -> None:
+        """Watch ``plan`` from now on (after a swap): earlier counts are forgotten."""
+        self.plan = plan
+        self.expected = {c: tuple(v) for c, v in expected.items()}
+        self._snapshots.clear()
+
+    def check(self, now: float, arrivals: int, counts: Counts) -> Drift | None:
+        """The drift seen at ``now``, if any: ``arrivals`` is the number of requests that
+        arrived in the last ``window_s``; ``counts`` the cumulative per-stage counts."""
+        rate = arrivals / self.window_s
+        top = self.plan.qps_edges[-1]
+        if rate > self.rate_factor * top:
+            return Drift(now, "rate", f"{rate:.0f} qps arrived over the last "
+                         f"{self.window_s:g} s, {rate / top:.2f}x the {top:.0f} qps the plan's "
+                         "gears cover", rate)
+        snap = dict(counts)
+        self._snapshots.append((now, snap))
+        while len(self._snapshots) > 1 and self._snapshots[1][0] <= now - self.window_s:
+            self._snapshots.popleft()
+        then = self._snapshots[0][1]
+        for (cascade, stage), (rows, up) in snap.items():
+            expected = self.expected.get(cascade)
+            if expected is None or stage >= len(expected):
+                continue  # another plan's cascade, or the last stage (it passes nothing on)
+            rows0, up0 = then.get((cascade, stage), (0, 0))
+            n = rows - rows0
+            if n < self.min_rows:
+                continue
+            share = (up - up0) / n
+            if abs(share - expected[stage]) > self.escalation_shift:
+                model = cascade.models[stage]
+                return Drift(now, "escalation", f"stage {stage + 1} ({model}) of "
+                             f"{cascade.describe()} passed on {share:.0%} of the last {n} rows; "
+                             f"the plan expected {expected[stage]:.0%}", rate, cascade, stage,
+                             share)
+        return None
+
+
+def expected_escalation(stage_fractions: Sequence[float]) -> tuple[float, ...]:
+    """The share of rows each stage but the last passes on, from the fractions of rows that
+    reach each stage (``Catalog.stage_fractions``)."""
+    return tuple(b / a if a > 0 else 0.0
+                 for a, b in zip(stage_fractions, stage_fractions[1:], strict=False))

@@ -1,0 +1,128 @@
+"""Re-planning online (issue 33, item 4): the drift rules on made-up counts, the resampled
+catalog against brute force, a re-plan on the synthetic catalog, and the engine's replanner
+swapping plans while requests flow, each answered exactly once."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from fakes import FakeModel
+
+from ken.engine.replanning import Replanner
+from ken.engine.serving import Engine
+from ken.models.cascade import Cascade, escalates_row
+from ken.optimizer.planner import PlannerSettings
+from ken.optimizer.query import Target
+from ken.optimizer.replan import GearReplan, plan_escalation, resampled_catalog
+from ken.optimizer.workload import poisson_trace
+from ken.policy.drift import DriftWatch, expected_escalation
+from ken.policy.plan import GearPlan, RangeSchedule, Replica
+from tests.test_planner import CASCADES, catalog, hardware
+
+CASCADE = Cascade(("a", "b"), (0.6,))
+
+
+def small_plan(top_qps: float, cascade: Cascade = CASCADE) -> GearPlan:
+    placement = (Replica("a", ("cpu0",)), Replica("b", ("cpu1",)))
+    return GearPlan("op", (0.0, top_qps), (cascade,), placement,
+                    (RangeSchedule(0, (1.0, 1.0), (1, 1)),), (8, 8), max_wait_s=0.005)
+
+
+def test_drift_watch_sees_a_rate_above_the_top_gear_and_a_shifted_escalation_rate() -> None:
+    plan = small_plan(100.0)
+    watch = DriftWatch(plan, {CASCADE: (0.3,)}, window_s=5.0, rate_factor=1.25,
+                       escalation_shift=0.1, min_rows=100)
+    # 120 qps is within 1.25x of 100: no drift; 130 qps is not
+    assert watch.check(1.0, 600, {}) is None
+    drift = watch.check(2.0, 650, {})
+    assert drift is not None and drift.kind == "rate" and drift.rate_qps == 130.0
+    assert "1.30x" in drift.detail
+    # escalation: counted over the last 5 s; 35% of rows escalating is within 10 points
+    watch.rebase(plan, {CASCADE: (0.3,)})
+    assert watch.check(10.0, 100, {(CASCADE, 0): (1000, 300)}) is None
+    assert watch.check(12.0, 100, {(CASCADE, 0): (1200, 370)}) is None  # 200 rows at 35%
+    assert watch.check(13.0, 100, {(CASCADE, 0): (1250, 380)}) is None  # 50 new rows: too few
+    # counted since the latest snapshot at least 5 s old (t=10): 500 rows at 52%
+    drift = watch.check(16.0, 100, {(CASCADE, 0): (1500, 560)})
+    assert drift is not None and drift.kind == "escalation"
+    assert (drift.cascade, drift.stage) == (CASCADE, 0)
+    assert drift.escalation == pytest.approx(260 / 500)
+    # the last stage passes nothing on, and other plans' cascades are not judged
+    other = Cascade(("b",))
+    assert watch.check(30.0, 100, {(other, 0): (10_000, 9_000)}) is None
+    assert expected_escalation((1.0, 0.4, 0.1)) == pytest.approx((0.4, 0.25))
+    with pytest.raises(Exception, match="must be > 0"):
+        DriftWatch(plan, {}, window_s=0)
+
+
+def test_resampled_catalog_escalates_at_the_asked_rate() -> None:
+    cat = catalog()
+    cascade = Cascade(("s", "l"), (0.75,))
+    cert = cat.certainty("s")
+    base = float(np.mean([escalates_row(float(c), 0.75) for c in cert]))
+    for goal in (0.2, base, 0.8):
+        harder = resampled_catalog(cat, cascade, goal, seed=1)
+        assert harder.num_rows == cat.num_rows
+        share = harder.stage_fractions(cascade)[1]
+        assert share == pytest.approx(goal, abs=0.06)  # a sample of 400 rows
+    # every model keeps its own answer to each drawn row
+    harder = resampled_catalog(cat, cascade, 0.8, seed=1)
+    rows = [int(np.flatnonzero((cat.scores["s"] == r).all(axis=1))[0])
+            for r in harder.scores["s"][:20]]
+    assert [harder.quality["l"][i] for i in range(20)] == [cat.quality["l"][r] for r in rows]
+    with pytest.raises(Exception, match="one stage"):
+        resampled_catalog(cat, Cascade(("s",)), 0.5)
+
+
+def test_gear_replan_covers_the_new_peak_and_meets_the_target() -> None:
+    cat = catalog()
+    replan = GearReplan("op", cat, CASCADES, hardware(), Target(max_p95_ms=200.0),
+                        settings=PlannerSettings(num_ranges=3, max_rounds=2))
+    trace = poisson_trace(400.0, 3.0, seed=2)
+    watch = DriftWatch(small_plan(150.0), {}, window_s=1.0)
+    drift = watch.check(3.0, 400, {})
+    assert drift is not None
+    plan = replan(trace, drift)
+    assert plan.qps_edges[-1] >= trace.qps_max()  # its gears cover what was seen
+    assert plan.predicted.p95_ms <= 200.0
+    assert dict(plan.provenance)["replanned"] == drift.detail
+    assert set(replan.expected(plan)) == set(plan.cascades)
+    assert plan_escalation(cat, plan) == replan.expected(plan)
+
+
+def test_replanner_swaps_the_plan_when_the_rate_passes_the_top_gear_and_loses_nothing() -> None:
+    models = {"a": FakeModel("a"), "b": FakeModel("b")}
+    first = small_plan(50.0)
+    second = small_plan(5_000.0, Cascade(("a",)))
+    swapped = threading.Event()
+    seen = []
+
+    def replan(trace, drift):  # noqa: ANN001, ANN202
+        seen.append((len(trace), drift.kind))
+        return second
+
+    with Engine(first, models) as engine:
+        replanner = Replanner(engine, "op", replan, lambda p: {c: (0.5,) for c in p.cascades},
+                              window_s=0.5, history_s=1.0, poll_s=0.05, settle_s=0.0,
+                              on_event=lambda e: swapped.set())
+        with replanner:
+            futures = []
+            # about 400 requests per second, far above the plan's 50 qps, until the swap
+            for i in range(4000):
+                futures.append(engine.submit(f"row {i}"))
+                if swapped.is_set() and len(futures) > 50:
+                    break
+                threading.Event().wait(0.0025)
+            assert swapped.wait(10)
+            futures += [engine.submit(f"after {i}") for i in range(20)]
+            outcomes = [f.result(timeout=10) for f in futures]
+        assert engine.plans["op"] is second
+    event = replanner.events[0]
+    assert event.drift.kind == "rate" and not event.error and seen[0][1] == "rate"
+    assert "qps" in event.line() and "re-planned" in event.line()
+    assert len({o.request_id for o in outcomes}) == len(futures)
+    assert {o.status for o in outcomes} == {"ok"}
+    # the rows after the swap ran the new plan: model a alone, never escalated
+    assert all(o.model == "a" and o.stage == 0 for o in outcomes[-20:])
