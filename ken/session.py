@@ -30,6 +30,7 @@ from ken.ops.base import Bound, ModelOperator, OpContext, Operator
 from ken.ops.training import Trained
 from ken.optimizer.planning import choose_cascade, plan_functions
 from ken.optimizer.query import QueryPlan, Target
+from ken.optimizer.replan import GearReplan
 from ken.paths import ken_home
 from ken.policy.plan import Frontier, Plan
 from ken.progress import Reporter
@@ -63,6 +64,8 @@ class Session:
         self.operators: dict[str, Operator] = builtin_operators() if builtins else {}
         self._bound: dict[tuple[str, tuple[str, ...]], Bound] = {}
         self.frontiers: dict[str, Frontier] = {}
+        # how to re-plan each function session.plan planned, while it is served
+        self.replans: dict[str, GearReplan] = {}
         # gear plans and the one online engine serving them on the session's devices
         self.serving = ServingManager(self.operators, self.ctx, self.bind)
         self.ray_actors = 2  # actors of sql(..., engine="ray"), each of device.threads CPUs
@@ -183,6 +186,7 @@ class Session:
             raise KenError(f"the plan is for {plan.operator}(), which is not a semantic "
                            f"function of this session; registered: "
                            f"{', '.join(sorted(self.operators)) or '(none)'}")
+        self.replans.pop(name, None)  # a plan given by hand is not re-planned
         self.serving.set_plan(name, plan)
 
     def plan(self, target: Target | str, functions: Sequence[str] = ("sentiment",),
@@ -234,12 +238,13 @@ class Session:
         if cluster is not None:
             hardware = RayCluster.connect(cluster).hardware(
                 threads_per_device, memory_bytes=int(memory_gb * 2**30))
-        chosen, frontiers = plan_functions(
+        chosen, frontiers, replans = plan_functions(
             self.operators, self.ctx, [f.lower() for f in functions], target, trace, devices,
             memory_gb, threads_per_device, peak_qps, duration_s, num_ranges, settings, force,
             cache_dir=(self.home or ken_home()) / "plans", hardware=hardware, gpus=gpus,
             gpu_memory_gb=gpu_memory_gb, qps=qps, rows=rows, requests=requests)
         self.frontiers.update(frontiers)
+        self.replans.update(replans)
         for p in chosen.plans:
             self.serving.set_plan(p.operator, p)
         return chosen
@@ -257,8 +262,8 @@ class Session:
               workers: str = "auto", threads_per_device: int = 1,
               max_in_flight: int = 10_000, bulk_threshold: int | None = None,
               memory_gb: float | None = None, admission: str = "plan",
-              latency_target_s: float | None = None, cluster: str | None = None
-              ) -> dict[str, LoadReport]:
+              latency_target_s: float | None = None, cluster: str | None = None,
+              replan: bool = True) -> dict[str, LoadReport]:
         """Serve the functions with a gear plan (all of them by default) on one online engine.
 
         From then on every query's calls of a served function go through its engine, from any
@@ -275,16 +280,27 @@ class Session:
         rest at once with a retry hint; ``"max_in_flight"`` bounds only the number of requests
         in flight. ``workers="ray"`` or a ``cluster`` ("auto", "ray://host:port", "local")
         runs each device as a Ray actor, on the node the plan placed it when the plan was
-        made for that cluster (``plan(..., cluster=...)``). Returns the model load times (and
-        worker memory) per function.
+        made for that cluster (``plan(..., cluster=...)``). With ``replan`` (the default) a
+        function planned by ``session.plan`` is re-planned in the background when its workload
+        leaves what its plan covers (arrivals well above its last gear's range, escalation
+        rates off what the plan assumed: the inputs got harder), for the same target; the new
+        plan is swapped in without dropping a request, and the serving log and EXPLAIN say
+        when and why (``ken.engine.replanning``). A plan set with ``use_plan`` is kept as
+        given. Returns the model load times (and worker memory) per function.
 
         >>> session.plan("p95 <= 50")                   # doctest: +SKIP
         >>> session.serve()                             # doctest: +SKIP
         >>> session.sql("SELECT sentiment(?)", ["great game!"]).fetchall()   # doctest: +SKIP
         """
-        return self.serving.serve(functions, workers, threads_per_device, max_in_flight,
-                                  bulk_threshold, memory_gb, admission, latency_target_s,
-                                  cluster)
+        reports = self.serving.serve(functions, workers, threads_per_device, max_in_flight,
+                                     bulk_threshold, memory_gb, admission, latency_target_s,
+                                     cluster)
+        if replan:
+            for name in reports:
+                recipe = self.replans.get(name)
+                if recipe is not None and self.serving.plans[name].kind == "gear":
+                    self.serving.watch(name, recipe)
+        return reports
 
     def stop_serving(self, drain: bool = True) -> int:
         """Shut the engine down (draining admitted requests first, by default); returns how

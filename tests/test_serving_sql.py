@@ -165,3 +165,58 @@ def test_serve_needs_a_gear_plan() -> None:
         s.use_plan(mood_plan())
         with pytest.raises(KenError, match="loaders for worker processes"):
             s.serve(workers="process")
+
+
+class _Noting(ken.progress.Reporter):
+    """A quiet reporter that remembers its notes and says when a re-plan was noted."""
+
+    def __init__(self) -> None:
+        super().__init__(quiet=True)
+        self.notes: list[str] = []
+        self.replanned = threading.Event()
+
+    def note(self, message: str) -> None:
+        self.notes.append(message)
+        if "re-planned" in message:
+            self.replanned.set()
+
+
+class _SwapTo:
+    """A re-plan recipe that answers with a given plan (the planner is tested elsewhere)."""
+
+    def __init__(self, plan: GearPlan) -> None:
+        self.plan = plan
+        self.calls = 0
+
+    def __call__(self, trace, drift) -> GearPlan:  # noqa: ANN001
+        self.calls += 1
+        return self.plan
+
+    def expected(self, plan: GearPlan) -> dict:
+        return {c: (0.5,) * (len(c.models) - 1) for c in plan.cascades}
+
+
+def test_a_served_function_is_replanned_when_its_load_passes_the_plan_and_explain_says_so(
+        ) -> None:
+    reporter = _Noting()
+    models = {"a": FakeModel("a"), "b": FakeModel("b")}
+    low = GearPlan("mood", (0.0, 10.0), (CASCADE,), mood_plan().placement,
+                   (RangeSchedule(0, (1.0, 1.0), (1, 1)),), (32, 32), max_wait_s=0.005)
+    recipe = _SwapTo(mood_plan(Cascade(("a",))))
+    with ken.connect(builtins=False, reporter=reporter) as s:
+        s.register("mood", CASCADE, models=models)
+        s.use_plan(low)
+        s.replans["mood"] = recipe  # as session.plan leaves it
+        s.serve(workers="thread")
+        texts = rows(400)
+        with ThreadPoolExecutor(8) as pool:  # far above the plan's 10 qps
+            answers = list(pool.map(lambda t: s.sql("SELECT mood(?)", [t]).fetchall(), texts))
+            assert reporter.replanned.wait(15)
+        assert len(answers) == 400 and all(len(a) == 1 for a in answers)
+        assert recipe.calls == 1
+        assert s.plans["mood"] is recipe.plan  # the session's plan is the swapped-in one
+        text = s.explain("SELECT mood(text) FROM (SELECT 'x' AS text)")
+        assert "re-plans while serving (1):" in text and "rate:" in text
+        # a plan given by hand is kept: no recipe, so no re-planning
+        s.use_plan(low)
+        assert "mood" not in s.replans

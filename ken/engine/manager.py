@@ -21,6 +21,7 @@ from typing import Any, cast
 
 from ken.engine.decode import CascadeServer, GenerationEngine
 from ken.engine.ray_runner import RayCluster
+from ken.engine.replanning import ReplanEvent, Replanner
 from ken.engine.server import Server
 from ken.engine.serving import Engine
 from ken.engine.sigterm import SigtermDrain
@@ -29,6 +30,7 @@ from ken.engine.workers import gpu_index
 from ken.errors import KenError
 from ken.models.model import DeviceConfig, Model
 from ken.ops.base import Bound, OpContext, Operator
+from ken.optimizer.replan import GearReplan
 from ken.policy.plan import GearPlan, GenPlan, Plan
 
 
@@ -52,6 +54,9 @@ class ServingManager:
         # SIGTERM drains every server this manager runs, then exits (one handler for all)
         self._sigterm: SigtermDrain | None = None
         self._stopping = threading.Lock()
+        # gear functions re-planned while served (``watch``), and every re-plan so far
+        self._replanners: dict[str, Replanner] = {}
+        self.replan_log: dict[str, list[ReplanEvent]] = {}
         # how a served function takes a new plan of its kind
         self._swap: dict[str, Callable[[str], None]] = {
             GearPlan.kind: self._swap_gear, GenPlan.kind: self._restart_generation}
@@ -82,8 +87,31 @@ class ServingManager:
             raise KenError(f"{name}() is served with a {old.kind} plan; stop serving "
                            f"(session.stop_serving()) before giving it a {plan.kind} plan")
         self._plans[name] = plan
+        watcher = self._replanners.pop(name, None)
+        if watcher is not None:  # a plan the user gives is kept: no more re-planning
+            watcher.stop()
         if name in self._servers:
             self._swap[plan.kind](name)
+
+    def watch(self, name: str, replan: GearReplan) -> None:
+        """Re-plan the served gear function ``name`` in the background when its workload
+        leaves what its plan covers (``ken.engine.replanning``); each re-plan goes to the
+        serving log (the progress reporter) and ``replan_log``, and its plan becomes the
+        function's plan (EXPLAIN shows it). Stops with ``stop`` or a plan set by hand."""
+        engine = self._engine
+        if engine is None or self._servers.get(name) is not engine:
+            raise KenError(f"{name}() is not served by the online engine; serve it first")
+        if name in self._replanners:
+            return
+
+        def replanned(event: ReplanEvent) -> None:
+            self.replan_log.setdefault(name, []).append(event)
+            if not event.error:
+                self._plans[name] = engine.plans[name]
+            self.ctx.reporter.note(f"{name}(): {event.line()}")
+
+        self._replanners[name] = Replanner(engine, name, replan, replan.expected,
+                                           on_event=replanned).start()
 
     def _swap_gear(self, name: str) -> None:
         engine = self._engine
@@ -279,6 +307,9 @@ class ServingManager:
         outcomes rather than running in-process; a second ``stop`` (SIGTERM's, a session's
         close) waits for the first."""
         with self._stopping:
+            for watcher in self._replanners.values():
+                watcher.stop()
+            self._replanners.clear()
             engine = self._engine
             servers = [s for s in self._servers.values() if s is not engine]  # decode servers
             cancelled = 0

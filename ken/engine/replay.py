@@ -56,14 +56,18 @@ class Replay:
 
 
 def replay(engine: Engine, trace: Trace, sample: EvalSample | LabelledSample, seed: int = 0,
-           reporter: Reporter = QUIET) -> Replay:
+           reporter: Reporter = QUIET, rows: np.ndarray | None = None) -> Replay:
     """Send ``trace``'s arrivals through a started ``engine`` (see the module docstring);
-    each answer is scored by the sample's quality metric (a failed request scores 0)."""
+    each answer is scored by the sample's quality metric (a failed request scores 0).
+    ``rows``: the sample row of each request, instead of ``sample_rows(seed)``'s."""
     if isinstance(sample, LabelledSample):
         sample = sample.as_eval()
     texts = sample.inputs
     n = len(trace)
-    rows = sample_rows(n, len(texts), seed)
+    if rows is None:
+        rows = sample_rows(n, len(texts), seed)
+    elif len(rows) != n:
+        raise ValueError(f"rows gives {len(rows)} sample rows for {n} requests")
     arrivals = trace.arrival_s
     futures = []
     lag = 0.0

@@ -33,6 +33,7 @@ from ken.optimizer.profile import (
     load_or_run_profile,
 )
 from ken.optimizer.query import QueryPlan, Target, choose_plans
+from ken.optimizer.replan import GearReplan
 from ken.optimizer.workload import (
     Hardware,
     Trace,
@@ -476,7 +477,7 @@ def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Seq
                    hardware: Hardware | None = None, gpus: int | None = None,
                    gpu_memory_gb: float | None = None, qps: float | None = None,
                    rows: int = 64, requests: int = 120,
-                   ) -> tuple[QueryPlan, dict[str, Frontier]]:
+                   ) -> tuple[QueryPlan, dict[str, Frontier], dict[str, GearReplan]]:
     """The one planning entry (``Session.plan``): a plan for each function of ``names`` that
     meets ``target``, by the kind of plan its operator declares (``Operator.plan_kind``).
 
@@ -487,7 +488,9 @@ def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Seq
     Generating functions ("generation") get a generation plan each for online requests at a
     mean rate of ``qps`` (``gen_planner.plan_generating``: ``rows`` evaluation rows answered,
     ``requests`` arrivals per planning window of ``trace``, the Azure trace by default).
-    Returns the chosen plans and the classifier functions' frontiers."""
+    Returns the chosen plans, the classifier functions' frontiers, and for each of them how
+    to re-plan it while it is served (``GearReplan``: its catalog, cascades, devices and the
+    target)."""
     _check_plannable(operators, names)
     generating = [n for n in names if operators[n].plan_kind == "generation"]
     names = [n for n in names if n not in generating]  # classifier functions, together
@@ -507,7 +510,7 @@ def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Seq
             for n in generating]
     made_accuracy = [p.predicted.accuracy for p in made]
     if not names:
-        return QueryPlan(target, tuple(made), tuple(made_accuracy), None), {}
+        return QueryPlan(target, tuple(made), tuple(made_accuracy), None), {}, {}
     chose_gpus = hardware is None and gpus is None and devices is None  # found by itself
     hardware = hardware or local_hardware(devices, memory_gb, gpus, gpu_memory_gb)
     try:
@@ -537,5 +540,7 @@ def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Seq
             cache_dir=cache_dir, reporter=ctx.reporter, force=force)
     # the query optimizer simulates with the runtimes the frontiers were planned with
     charged = {n: c.with_overhead(hardware.dispatch_s) for n, c in catalogs.items()}
+    replans = {n: GearReplan(n, catalogs[n], prepared[n][1], hardware, target)
+               for n in names}
     return (choose_plans(frontiers, charged, plan_trace, target).with_plans(made, made_accuracy),
-            frontiers)
+            frontiers, replans)

@@ -259,5 +259,7 @@ def plan_lines(serving: ServingManager, function: str, constants: tuple[str, ...
     how = (server.describe_serving(serving.bulk_threshold) if server is not None else
            "for online serving, session.serve(); until then queries run the "
            "implementation above")
+    replans = [f"  {e.line()}" for e in serving.replan_log.get(function, [])]
     return [f"{plan.kind} plan: {plan.headline()} ({how})",
-            *("  " + line for line in plan.describe())]
+            *("  " + line for line in plan.describe()),
+            *([f"re-plans while serving ({len(replans)}):", *replans] if replans else [])]
