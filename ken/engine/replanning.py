@@ -4,7 +4,8 @@ gear plan assumed and swaps in a new plan when the workload leaves it.
 Every ``poll_s`` the ``Replanner`` gives a ``DriftWatch`` (``ken.policy.drift``) the arrivals
 of the last ``window_s`` (``Engine.recent_arrivals``: every online request submitted, admitted
 or not) and the per-stage escalation counts admission keeps. On a drift it builds a trace of
-the last ``history_s`` of arrivals, calls ``replan(trace, drift)`` (``GearReplan``: a new
+the last ``window_s`` of arrivals repeated to fill ``history_s`` (the new load, sustained),
+calls ``replan(trace, drift)`` (``GearReplan``: a new
 frontier for that load, the plan picked for the user's target) in this thread while the
 engine keeps serving the old plan, and swaps the new plan in (``Engine.swap_plan``: queued
 rows move to the new plan, running batches finish under the old one, nothing is lost). It
@@ -117,15 +118,25 @@ class Replanner:
             if drift is not None:
                 self._handle(drift)
 
+    def recent_trace(self, now: float) -> Trace:
+        """What to plan on: the arrivals of the last ``window_s`` (the load that drifted, not
+        the older load it replaced), repeated to fill ``history_s`` so the planner sees it
+        sustained, bursts included."""
+        window = self.watch.window_s
+        times = np.asarray(self.engine.recent_arrivals(self.operator, now - window),
+                           dtype=np.float64)
+        if times.size < 2:
+            raise KenError("too few recent arrivals to plan on")
+        times = times - (now - window)
+        copies = max(1, int(np.ceil(self.history_s / window)))
+        tiled = np.concatenate([times + k * window for k in range(copies)])
+        return Trace(tiled, f"{self.operator} serving: the last {window:g} s x {copies}")
+
     def _handle(self, drift: Drift) -> None:
         engine, old = self.engine, self.engine.plans[self.operator]
-        since = drift.at_s - self.history_s
-        times = np.asarray(engine.recent_arrivals(self.operator, since), dtype=np.float64)
         started = time.perf_counter()
         try:
-            if times.size < 2:
-                raise KenError("too few recent arrivals to plan on")
-            trace = Trace(times - times[0], f"{self.operator} serving, last {self.history_s:g} s")
+            trace = self.recent_trace(drift.at_s)
             new = self.replan(trace, drift)
             planning_s = time.perf_counter() - started
             moved = engine.swap_plan(new)

@@ -2,7 +2,9 @@
 
 ``GearReplan`` is what the engine's ``Replanner`` calls when a ``DriftWatch`` says the workload
 left what the plan covers: it plans a new frontier on the recent arrivals (their peak, with
-``headroom``) and picks the plan for the user's target, as ``session.plan`` would. When the
+``headroom``) and picks the plan for the user's target, as ``session.plan`` would, but a
+latency target at ``margin`` (half) of itself: the new plan must also drain the backlog the
+drift left queued. When the
 inputs got harder (a stage passes on more rows than the profiling sample said),
 ``resampled_catalog`` first re-weights the sample's rows so that the first stage escalates at
 the measured rate, and the planner simulates those rows from then on.
@@ -74,6 +76,10 @@ class GearReplan:
     target: Target
     settings: PlannerSettings = field(default_factory=lambda: ONLINE_SETTINGS)
     headroom: float = 1.25  # the new plan's top gear covers the recent peak times this
+    # a latency target is planned for at this share of it: a re-plan starts with a backlog
+    # queued, on a machine already overloaded, so a plan the simulator puts just within the
+    # target would not drain it
+    margin: float = 0.5
     seed: int = 0
 
     def __call__(self, trace: Trace, drift: Drift) -> GearPlan:
@@ -86,9 +92,12 @@ class GearReplan:
         settings = replace(self.settings, seed=self.seed)
         frontier, _ = plan_frontier(self.operator, self.cascades, self.catalog, self.hardware,
                                     trace, qps_max=peak, settings=settings)
+        target = self.target
+        if target.max_p95_ms is not None:
+            target = replace(target, max_p95_ms=target.max_p95_ms * self.margin)
         try:
             plan = choose_plans({self.operator: frontier}, {self.operator: self.catalog},
-                                trace, self.target, self.seed).plans[0]
+                                trace, target, self.seed).plans[0]
         except QueryPlanError:  # out of reach at this load: the closest plan
             plan = (frontier.plans[0] if self.target.min_accuracy is None
                     else frontier.plans[-1])
