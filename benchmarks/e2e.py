@@ -311,6 +311,7 @@ def run_workload(name: str, plan_t: Trace, eval_t: Trace, args: argparse.Namespa
         s.replays = [r.replay.result.metrics(0, s.plan) for r in served]
         s.replay_info = [{"status": r.replay.status_counts(),
                           "max_send_lag_s": r.replay.max_send_lag_s,
+                          "host_cpu_s": r.replay.host_cpu_s,
                           "load_s": r.load.total_s} for r in served]
     for s in systems:  # a plan served under two names shares its replays
         twin = unique.get(s.plan.to_json())

@@ -99,7 +99,9 @@ def serve(plan: GearPlan, loaders: dict, trace: Trace, sample, rows: np.ndarray,
     with Engine(plan, loaders, workers="process", admission="max_in_flight") as engine:
         watcher = (Replanner(engine, OPERATOR, replanner, replanner.expected,
                              reporter=reporter, window_s=args.watch_s,
-                             history_s=args.history_s) if replanner else None)
+                             history_s=args.history_s,
+                             latency_limit_ms=replanner.latency_limit_ms)
+                   if replanner else None)
         if watcher:
             watcher.start()
         try:

@@ -52,6 +52,13 @@ def test_drift_watch_sees_a_rate_above_the_top_gear_and_a_shifted_escalation_rat
     # the last stage passes nothing on, and other plans' cascades are not judged
     other = Cascade(("b",))
     assert watch.check(30.0, 100, {(other, 0): (10_000, 9_000)}) is None
+    # latency: the p95 of the last answers against the limit the plan is held to
+    held = DriftWatch(plan, {}, min_rows=100, latency_limit_ms=200.0)
+    assert held.check(1.0, 10, {}, [150.0] * 99 + [5_000.0]) is None  # 100 answers, p95 150
+    assert held.check(2.0, 10, {}, [150.0] * 50) is None  # too few answers to judge
+    drift = held.check(3.0, 10, {}, [150.0] * 90 + [900.0] * 10)
+    assert drift is not None and drift.kind == "latency" and "200 ms" in drift.detail
+    assert DriftWatch(plan, {}).check(4.0, 10, {}, [9e9] * 500) is None  # no limit given
     assert expected_escalation((1.0, 0.4, 0.1)) == pytest.approx((0.4, 0.25))
     with pytest.raises(Exception, match="must be > 0"):
         DriftWatch(plan, {}, window_s=0)
@@ -86,8 +93,16 @@ def test_gear_replan_covers_the_new_peak_and_meets_the_target() -> None:
     assert drift is not None
     plan = replan(trace, drift)
     assert plan.qps_edges[-1] >= trace.qps_max()  # its gears cover what was seen
-    assert plan.predicted.p95_ms <= 200.0
+    assert plan.predicted.p95_ms <= 100.0  # half the target: a re-plan drains a backlog
     assert dict(plan.provenance)["replanned"] == drift.detail
+    assert replan.latency_limit_ms == 200.0
+    # a latency drift (the plan missed its target serving) tightens the bound each time
+    late = DriftWatch(plan, {}, window_s=1.0, min_rows=1, latency_limit_ms=200.0)
+    tighter = replan(trace, late.check(4.0, 10, {}, [1_000.0]))
+    assert replan.margin == 0.25
+    # within 50 ms, or (none that fast) the fastest plan: never slower than the first pick
+    assert tighter.predicted.p95_ms <= max(50.0, 0.0) or \
+        tighter.predicted.p95_ms <= plan.predicted.p95_ms
     assert set(replan.expected(plan)) == set(plan.cascades)
     assert plan_escalation(cat, plan) == replan.expected(plan)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+from collections import deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -34,6 +35,11 @@ class _Request:
     text: Any  # a text, or a tuple of texts
     future: Future
     arrival_s: float
+    online: str = ""  # the operator of an online request ("" for a bulk row)
+
+
+#: answered online requests ``Requests`` keeps for re-planning (``Engine.recent_latencies``)
+ANSWER_LOG = 50_000
 
 
 class Requests:
@@ -45,6 +51,8 @@ class Requests:
         self.lock = threading.Lock()
         self._ids = itertools.count()
         self._requests: dict[int, _Request] = {}
+        # (completion time, latency s, operator) of the latest online requests answered "ok"
+        self.answered: deque[tuple[float, float, str]] = deque(maxlen=ANSWER_LOG)
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -52,9 +60,9 @@ class Requests:
     def next_id(self) -> int:
         return next(self._ids)
 
-    def add(self, rid: int, text: Any, future: Future, now: float) -> None:
-        """(Under ``lock``.)"""
-        self._requests[rid] = _Request(text, future, now)
+    def add(self, rid: int, text: Any, future: Future, now: float, online: str = "") -> None:
+        """(Under ``lock``.) ``online``: the operator of an online request (not a bulk row)."""
+        self._requests[rid] = _Request(text, future, now, online)
 
     def texts(self, batch: RunnableBatch) -> list | None:
         """The input rows of ``batch`` (None: shutdown cancelled its requests)."""
@@ -70,6 +78,9 @@ class Requests:
         req = self._requests.pop(rid)
         now = self.clock.now() if now is None else now
         req.future.set_result(Outcome(rid, status, req.arrival_s, now, **fields))
+        if req.online and status == "ok":
+            with self.lock:
+                self.answered.append((now, now - req.arrival_s, req.online))
         return now - req.arrival_s
 
     def cancel_all(self, message: str) -> int:

@@ -111,6 +111,7 @@ class ServingManager:
             self.ctx.reporter.note(f"{name}(): {event.line()}")
 
         self._replanners[name] = Replanner(engine, name, replan, replan.expected,
+                                           latency_limit_ms=replan.latency_limit_ms,
                                            on_event=replanned).start()
 
     def _swap_gear(self, name: str) -> None:

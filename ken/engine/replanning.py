@@ -3,7 +3,9 @@ gear plan assumed and swaps in a new plan when the workload leaves it.
 
 Every ``poll_s`` the ``Replanner`` gives a ``DriftWatch`` (``ken.policy.drift``) the arrivals
 of the last ``window_s`` (``Engine.recent_arrivals``: every online request submitted, admitted
-or not) and the per-stage escalation counts admission keeps. On a drift it builds a trace of
+or not), the latencies of the requests answered then (``Engine.recent_latencies``; judged
+against ``latency_limit_ms``, e.g. the user's latency target) and the per-stage escalation
+counts admission keeps. On a drift it builds a trace of
 the last ``window_s`` of arrivals repeated to fill ``history_s`` (the new load, sustained),
 calls ``replan(trace, drift)`` (``GearReplan``: a new
 frontier for that load, the plan picked for the user's target) in this thread while the
@@ -66,7 +68,7 @@ class Replanner:
                  window_s: float = 5.0, history_s: float = 15.0, poll_s: float = 0.25,
                  settle_s: float = 5.0, rate_factor: float = 1.25,
                  escalation_shift: float = 0.1, min_rows: int = 100,
-                 reporter: Reporter = QUIET,
+                 latency_limit_ms: float | None = None, reporter: Reporter = QUIET,
                  on_event: Callable[[ReplanEvent], None] | None = None) -> None:
         if history_s < window_s or poll_s <= 0 or settle_s < 0:
             raise KenError("history_s must be >= window_s, poll_s > 0 and settle_s >= 0")
@@ -79,7 +81,7 @@ class Replanner:
         self.settle_s = settle_s
         plan = engine.plans[operator]
         self.watch = DriftWatch(plan, expected(plan), window_s, rate_factor,
-                                escalation_shift, min_rows)
+                                escalation_shift, min_rows, latency_limit_ms)
         self.events: list[ReplanEvent] = []
         self._on_event = on_event or (lambda e: reporter.note(f"{operator}: {e.line()}"))
         self._stop = threading.Event()
@@ -113,8 +115,11 @@ class Replanner:
             now = self.engine.clock.now()
             if now < self._quiet_until:
                 continue
-            arrivals = self.engine.recent_arrivals(self.operator, now - self.watch.window_s)
-            drift = self.watch.check(now, len(arrivals), self.engine.admission.escalations)
+            since = now - self.watch.window_s
+            arrivals = self.engine.recent_arrivals(self.operator, since)
+            latencies = [1000.0 * x for x in self.engine.recent_latencies(self.operator, since)]
+            drift = self.watch.check(now, len(arrivals), self.engine.admission.escalations,
+                                     latencies)
             if drift is not None:
                 self._handle(drift)
 

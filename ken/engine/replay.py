@@ -36,6 +36,9 @@ class Replay:
     result: SimResult  # arrival/completion, answer quality, stage and gear per request
     outcomes: tuple[Outcome, ...] = field(repr=False)
     max_send_lag_s: float = 0.0  # worst delay of a submit behind its trace time
+    # CPU seconds this process (the sender, the engine's scheduler and its pipes to the
+    # workers) used during the replay: cores the devices' workers did not get
+    host_cpu_s: float = 0.0
 
     def status_counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -47,7 +50,7 @@ class Replay:
         m = self.result.metrics(0, plan)
         return json.dumps({
             "metrics": m.to_dict(), "status": self.status_counts(),
-            "max_send_lag_s": self.max_send_lag_s,
+            "max_send_lag_s": self.max_send_lag_s, "host_cpu_s": self.host_cpu_s,
             "gear_switches": [list(s) for s in self.result.gear_switches[0]],
             "requests": [{"arrival_s": o.arrival_s, "completion_s": o.completion_s,
                           "status": o.status, "stage": o.stage, "gear": o.gear,
@@ -71,6 +74,7 @@ def replay(engine: Engine, trace: Trace, sample: EvalSample | LabelledSample, se
     arrivals = trace.arrival_s
     futures = []
     lag = 0.0
+    cpu = time.process_time()
     start = time.monotonic()
     with reporter.task(f"replay {trace.name}", n) as advance:
         for i in range(n):
@@ -82,6 +86,7 @@ def replay(engine: Engine, trace: Trace, sample: EvalSample | LabelledSample, se
             futures.append(engine.submit(texts[rows[i]]))
             advance(1)
     outcomes = tuple(f.result() for f in futures)
+    host_cpu_s = time.process_time() - cpu
     ok = np.array([o.status == "ok" for o in outcomes])
     asked = sample.subset(rows)
     quality = asked.quality([o.value if o.status == "ok" else None for o in outcomes])
@@ -96,7 +101,7 @@ def replay(engine: Engine, trace: Trace, sample: EvalSample | LabelledSample, se
         batches=0,
         stage_rows=(),
     )
-    return Replay(result, outcomes, lag)
+    return Replay(result, outcomes, lag, host_cpu_s)
 
 
 @dataclass(frozen=True, eq=False)

@@ -370,7 +370,7 @@ class Engine:
                         f"{self.max_in_flight} requests in flight (the engine's max_in_flight); "
                         "retry later"), retry_after_s=self.plans[operator].rate_window_s))
                 else:
-                    requests.add(rid, text, future, now)
+                    requests.add(rid, text, future, now, "" if bulk else operator)
                     admitted.append(rid)
         if admitted:
             self._events.put(("bulk" if bulk else "arrive", operator, admitted))
@@ -393,6 +393,13 @@ class Engine:
         with self._requests.lock:
             log = list(self._arrivals)
         return [t for t, op in log if op == operator and t >= since_s]
+
+    def recent_latencies(self, operator: str, since_s: float) -> list[float]:
+        """Latencies (seconds) of ``operator``'s online requests answered ``ok`` since
+        ``since_s`` (engine clock)."""
+        with self._requests.lock:
+            log = list(self._requests.answered)
+        return [lat for t, lat, op in log if op == operator and t >= since_s]
 
     @property
     def plan_swaps(self) -> list[tuple[float, int]]:

@@ -9,7 +9,10 @@ left what the plan covers:
   top edge (the last gear then serves loads it was never planned for);
 - *escalation*: a stage of a cascade in use passed on a share of its rows that differs from the
   share the plan expected by more than ``escalation_shift`` (the inputs got harder or easier),
-  over at least ``min_rows`` rows answered in the last ``window_s``.
+  over at least ``min_rows`` rows answered in the last ``window_s``;
+- *latency*: the p95 of the requests answered in the last ``window_s`` (at least ``min_rows``
+  of them) is over ``latency_limit_ms``: the plan does not hold, whatever the cause (the
+  simulator's runtimes, the machine's other work, a backlog).
 
 Like the scheduling policy it never reads a clock: the caller gives the time and the counts
 (the online engine's ``Replanner`` on a wall clock; a test on made-up times).
@@ -21,6 +24,8 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
+
+import numpy as np
 
 from ken.errors import PolicyError
 from ken.models.cascade import Cascade
@@ -35,7 +40,7 @@ class Drift:
     """Why a plan no longer covers the workload, at ``at_s``."""
 
     at_s: float
-    kind: Literal["rate", "escalation"]
+    kind: Literal["rate", "escalation", "latency"]
     detail: str  # one sentence for the serving log and EXPLAIN
     rate_qps: float  # the arrival rate measured over the watch's window
     cascade: Cascade | None = None  # "escalation": the cascade and stage that shifted
@@ -49,7 +54,8 @@ class DriftWatch:
 
     def __init__(self, plan: GearPlan, expected: Mapping[Cascade, Sequence[float]],
                  window_s: float = 5.0, rate_factor: float = 1.25,
-                 escalation_shift: float = 0.1, min_rows: int = 100) -> None:
+                 escalation_shift: float = 0.1, min_rows: int = 100,
+                 latency_limit_ms: float | None = None) -> None:
         if window_s <= 0 or rate_factor <= 0 or escalation_shift <= 0 or min_rows < 1:
             raise PolicyError("window_s, rate_factor and escalation_shift must be > 0, "
                               "min_rows >= 1")
@@ -57,6 +63,7 @@ class DriftWatch:
         self.rate_factor = rate_factor
         self.escalation_shift = escalation_shift
         self.min_rows = min_rows
+        self.latency_limit_ms = latency_limit_ms
         self.plan = plan
         self.expected = {c: tuple(v) for c, v in expected.items()}
         self._snapshots: deque[tuple[float, dict]] = deque()
@@ -67,15 +74,24 @@ class DriftWatch:
         self.expected = {c: tuple(v) for c, v in expected.items()}
         self._snapshots.clear()
 
-    def check(self, now: float, arrivals: int, counts: Counts) -> Drift | None:
+    def check(self, now: float, arrivals: int, counts: Counts,
+              latencies_ms: Sequence[float] = ()) -> Drift | None:
         """The drift seen at ``now``, if any: ``arrivals`` is the number of requests that
-        arrived in the last ``window_s``; ``counts`` the cumulative per-stage counts."""
+        arrived in the last ``window_s``; ``counts`` the cumulative per-stage counts;
+        ``latencies_ms`` those of the requests answered in the last ``window_s``."""
         rate = arrivals / self.window_s
         top = self.plan.qps_edges[-1]
         if rate > self.rate_factor * top:
             return Drift(now, "rate", f"{rate:.0f} qps arrived over the last "
                          f"{self.window_s:g} s, {rate / top:.2f}x the {top:.0f} qps the plan's "
                          "gears cover", rate)
+        limit = self.latency_limit_ms
+        if limit is not None and len(latencies_ms) >= self.min_rows:
+            p95 = float(np.percentile(latencies_ms, 95))
+            if p95 > limit:
+                return Drift(now, "latency", f"the p95 of the last {len(latencies_ms)} "
+                             f"answers was {p95:.0f} ms, over the {limit:.0f} ms the plan is "
+                             "held to", rate)
         snap = dict(counts)
         self._snapshots.append((now, snap))
         while len(self._snapshots) > 1 and self._snapshots[1][0] <= now - self.window_s:
