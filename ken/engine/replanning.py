@@ -5,9 +5,9 @@ Every ``poll_s`` the ``Replanner`` gives a ``DriftWatch`` (``ken.policy.drift``)
 of the last ``window_s`` (``Engine.recent_arrivals``: every online request submitted, admitted
 or not), the latencies of the requests answered then (``Engine.recent_latencies``; judged
 against ``latency_limit_ms``, e.g. the user's latency target) and the per-stage escalation
-counts admission keeps. On a drift it builds a trace of
-the last ``window_s`` of arrivals repeated to fill ``history_s`` (the new load, sustained),
-calls ``replan(trace, drift)`` (``GearReplan``: a new
+counts admission keeps. On a drift it builds a trace of the requests in flight (the
+backlog, arriving at once) and the last ``window_s`` of arrivals repeated to fill
+``history_s`` (the new load, sustained), calls ``replan(trace, drift)`` (``GearReplan``: a new
 frontier for that load, the plan picked for the user's target) in this thread while the
 engine keeps serving the old plan, and swaps the new plan in (``Engine.swap_plan``: queued
 rows move to the new plan, running batches finish under the old one, nothing is lost). It
@@ -124,9 +124,10 @@ class Replanner:
                 self._handle(drift)
 
     def recent_trace(self, now: float) -> Trace:
-        """What to plan on: the arrivals of the last ``window_s`` (the load that drifted, not
-        the older load it replaced), repeated to fill ``history_s`` so the planner sees it
-        sustained, bursts included."""
+        """What to plan on: the requests in flight now (the backlog the new plan must drain)
+        arriving at once, then the arrivals of the last ``window_s`` (the load that drifted,
+        not the older load it replaced) repeated to fill ``history_s``, so the planner sees
+        that load sustained, bursts included."""
         window = self.watch.window_s
         times = np.asarray(self.engine.recent_arrivals(self.operator, now - window),
                            dtype=np.float64)
@@ -134,8 +135,11 @@ class Replanner:
             raise KenError("too few recent arrivals to plan on")
         times = times - (now - window)
         copies = max(1, int(np.ceil(self.history_s / window)))
-        tiled = np.concatenate([times + k * window for k in range(copies)])
-        return Trace(tiled, f"{self.operator} serving: the last {window:g} s x {copies}")
+        backlog = self.engine.in_flight
+        tiled = np.concatenate([np.zeros(backlog),
+                                *(times + k * window for k in range(copies))])
+        return Trace(np.sort(tiled), f"{self.operator} serving: {backlog} queued, then the "
+                                     f"last {window:g} s x {copies}")
 
     def _handle(self, drift: Drift) -> None:
         engine, old = self.engine, self.engine.plans[self.operator]

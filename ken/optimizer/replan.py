@@ -93,7 +93,11 @@ class GearReplan:
             # later re-plans keep the harder sample: it is what serving saw last
             self.catalog = resampled_catalog(self.catalog, drift.cascade, drift.escalation,
                                              self.seed)
-        peak = max(trace.qps_max(), drift.rate_qps, 1.0) * self.headroom
+        # the trace's first second may hold the backlog queued at the drift (``Replanner``):
+        # the gears are sized for the load after it
+        later = trace.arrival_s[trace.arrival_s >= 1.0]
+        steady = Trace(later - 1.0, trace.name).qps_max() if later.size > 1 else 0.0
+        peak = max(steady, drift.rate_qps, 1.0) * self.headroom
         settings = replace(self.settings, seed=self.seed)
         frontier, _ = plan_frontier(self.operator, self.cascades, self.catalog, self.hardware,
                                     trace, qps_max=peak, settings=settings)
