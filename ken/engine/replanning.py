@@ -87,6 +87,7 @@ class Replanner:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._quiet_until = 0.0
+        self._swapped_at = -float("inf")  # engine clock of the last swap
 
     def start(self) -> Replanner:
         if self._thread is not None:
@@ -117,7 +118,10 @@ class Replanner:
                 continue
             since = now - self.watch.window_s
             arrivals = self.engine.recent_arrivals(self.operator, since)
-            latencies = [1000.0 * x for x in self.engine.recent_latencies(self.operator, since)]
+            # requests that arrived before the last swap waited in the old plan's backlog:
+            # they say nothing of the plan serving now
+            latencies = [1000.0 * x for x in self.engine.recent_latencies(
+                self.operator, since, self._swapped_at)]
             drift = self.watch.check(now, len(arrivals), self.engine.admission.escalations,
                                      latencies)
             if drift is not None:
@@ -154,7 +158,8 @@ class Replanner:
                                 engine.clock.now(), 0, describe(old), describe(old),
                                 error=f"{type(exc).__name__}: {exc}")
         else:
-            event = ReplanEvent(drift.at_s, drift, planning_s, engine.clock.now(), moved,
+            self._swapped_at = engine.clock.now()
+            event = ReplanEvent(drift.at_s, drift, planning_s, self._swapped_at, moved,
                                 describe(old), describe(new))
             self.watch.rebase(new, self.expected(new))
         self.events.append(event)

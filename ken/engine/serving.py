@@ -394,12 +394,14 @@ class Engine:
             log = list(self._arrivals)
         return [t for t, op in log if op == operator and t >= since_s]
 
-    def recent_latencies(self, operator: str, since_s: float) -> list[float]:
+    def recent_latencies(self, operator: str, since_s: float,
+                         arrived_after_s: float = -math.inf) -> list[float]:
         """Latencies (seconds) of ``operator``'s online requests answered ``ok`` since
-        ``since_s`` (engine clock)."""
+        ``since_s`` (engine clock) that arrived after ``arrived_after_s``."""
         with self._requests.lock:
             log = list(self._requests.answered)
-        return [lat for t, lat, op in log if op == operator and t >= since_s]
+        return [lat for t, lat, op in log
+                if op == operator and t >= since_s and t - lat > arrived_after_s]
 
     @property
     def plan_swaps(self) -> list[tuple[float, int]]:
