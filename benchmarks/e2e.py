@@ -52,8 +52,8 @@ ratios, replays, spread; ``fidelity``: simulated against measured p95 of every r
 ``OUT/e2e.md`` (the tables) and ``OUT/e2e_<workload>.png`` (each baseline point joined to ken's
 matched plan). OUT is ``--out`` (default benchmarks/results/e2e).
 
-    python benchmarks/e2e.py                 # all three workloads, about an hour
-    python benchmarks/e2e.py --quick --out /tmp/e2e   # azure only, shorter windows: ~25 min
+    python benchmarks/e2e.py --quick --out /tmp/e2e   # azure only, shorter windows: ~13 min
+    python benchmarks/e2e.py                 # all three workloads (not yet run with 3 replays)
     python benchmarks/e2e.py --data hellaswag --workloads azure --window-s 300 --measure-s 60 \
         --points 1 --ablation-points 1 --calibration-s 30 --replays 1   # LLMs on HellaSwag
 """
