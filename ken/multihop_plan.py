@@ -378,9 +378,13 @@ class PipelinePlanner:
             return self.trace
         return Trace(self.trace.arrival_s[mask], f"{self.trace.name}-{op}")
 
-    def frontier(self, op: str, cascades: Sequence[Cascade], num_ranges: int) -> Frontier:
+    def frontier(self, op: str, cascades: Sequence[Cascade], num_ranges: int,
+                 alternatives: bool = True) -> Frontier:
+        """``op``'s frontier of gear plans over ``cascades``; with ``alternatives`` also every
+        model of its catalog alone (``planner.one_gear_plans``), else those cascades only."""
         settings = PlannerSettings(num_ranges=num_ranges, max_rounds=4,
-                                   rate_window_s=RATE_WINDOW_S, seed=self.seed)
+                                   rate_window_s=RATE_WINDOW_S, seed=self.seed,
+                                   include_static=alternatives)
         return plan_frontier(op, cascades, self.catalogs[op], self.hardware,
                              self.operator_trace(op), qps_max=self.peak_qps,
                              settings=settings)[0]
@@ -390,7 +394,7 @@ class PipelinePlanner:
         per operator and cascade)."""
         key = (op, cascade.to_json())
         if key not in self._static:
-            self._static[key] = min(self.frontier(op, [cascade], 1).plans,
+            self._static[key] = min(self.frontier(op, [cascade], 1, alternatives=False).plans,
                                     key=lambda p: p.predicted.p95_ms)
         return self._static[key]
 

@@ -100,7 +100,8 @@ def test_a_simulated_stream_scores_questions_by_the_lms_that_answered(measured) 
         assert strong.tolist() == [r[0] for r in outcomes.runs[SS]]
     hardware = Hardware.cpu_workers(2, 2**30)
     trace = poisson_trace(20.0, 2.0, seed=1)
-    settings = PlannerSettings(num_ranges=1, max_rounds=1)
+    # each operator served by the one model named (no single-model alternatives beside it)
+    settings = PlannerSettings(num_ranges=1, max_rounds=1, include_static=False)
 
     def plans(lm_text: str, lm_table: str) -> list:
         out = []
