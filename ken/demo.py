@@ -218,6 +218,11 @@ def _compare(frontier, statics, catalog, planning, target: float, replay_s: floa
                     title=f"{name}: measured (last replay)")
     console.print(latency_table("measured on the engine (2 worker processes x 1 thread)", rows,
                                 "system"))
+    turned = {name: [s.replay.status_counts().get("rejected", 0) for s in served]
+              for (name, _), served in zip(systems, runs, strict=True)}
+    console.print("turned away by admission (each counts as a wrong answer in accuracy), per "
+                  "replay: " + "; ".join(f"{name} {', '.join(map(str, n))}"
+                                         for name, n in turned.items()), highlight=False)
     if same:
         console.print(f"ken's frontier serves the static cascade itself at this accuracy: "
                       f"p95 {medians['ken gear plan']:.0f} ms (median of {REPLAYS} replays). "
