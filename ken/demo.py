@@ -206,6 +206,9 @@ def _compare(frontier, statics, catalog, planning, target: float, replay_s: floa
                   f"for accuracy >= {target:.1%}: {static.cascades[0].describe()}; ken's "
                   "matched plan (the fastest of its frontier at least as accurate on these "
                   f"rows): {'that same plan' if same else plan.headline()}", highlight=False)
+    if not same:
+        for line in plan.describe():
+            console.print(f"  {line}", highlight=False, markup=False)
     systems = [("ken gear plan", plan)] + ([] if same else [("static cascade", static)])
     runs = replay_rounds([p for _, p in systems], loaders, trace, sample, REPLAYS,
                          reporter=reporter, workers="process")
