@@ -390,18 +390,27 @@ class Engine:
     def recent_arrivals(self, operator: str, since_s: float) -> list[float]:
         """Submit times (engine clock) of ``operator``'s online requests since ``since_s``,
         admitted or not (the offered load), oldest first."""
-        with self._requests.lock:
-            log = list(self._arrivals)
-        return [t for t, op in log if op == operator and t >= since_s]
+        out = []
+        with self._requests.lock:  # newest first, back to ``since_s``: the log is in time order
+            for t, op in reversed(self._arrivals):
+                if t < since_s:
+                    break
+                if op == operator:
+                    out.append(t)
+        return out[::-1]
 
     def recent_latencies(self, operator: str, since_s: float,
                          arrived_after_s: float = -math.inf) -> list[float]:
         """Latencies (seconds) of ``operator``'s online requests answered ``ok`` since
         ``since_s`` (engine clock) that arrived after ``arrived_after_s``."""
-        with self._requests.lock:
-            log = list(self._requests.answered)
-        return [lat for t, lat, op in log
-                if op == operator and t >= since_s and t - lat > arrived_after_s]
+        out = []
+        with self._requests.lock:  # newest first, back to ``since_s``: answers in time order
+            for t, lat, op in reversed(self._requests.answered):
+                if t < since_s:
+                    break
+                if op == operator and t - lat > arrived_after_s:
+                    out.append(lat)
+        return out[::-1]
 
     @property
     def plan_swaps(self) -> list[tuple[float, int]]:
