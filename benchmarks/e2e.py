@@ -76,7 +76,12 @@ from ken.errors import WorkloadError
 from ken.models import family
 from ken.models.cascade import Cascade
 from ken.models.model import DeviceConfig
-from ken.optimizer.baselines import best_at_accuracy, matched_plan, tune_dynamic_batching
+from ken.optimizer.baselines import (
+    best_at_accuracy,
+    matched_plan,
+    static_plans,
+    tune_dynamic_batching,
+)
 from ken.optimizer.cascades import pareto_cascades
 from ken.optimizer.perf import Catalog
 from ken.optimizer.placement import search_placement
@@ -254,9 +259,8 @@ def run_workload(name: str, plan_t: Trace, eval_t: Trace, args: argparse.Namespa
                             settings=replace(settings, heuristic_placement=True,
                                              include_static=False))
     ctx = planning_context(args.operator, cascades, catalog, hardware, plan_t, settings=settings)
-    one = one_cascade_context(ctx, cascades)
-    statics = [search_placement(one, (c,) * settings.num_ranges)[0]
-               for c in range(len(one.cascades))]
+    # every candidate cascade alone at all loads, none thinned out
+    statics = static_plans(one_cascade_context(ctx, cascades))
     max_ms = 1000 * args.max_replay_p95_s
     chosen: list[tuple[str, GearPlan]] = [
         (STATIC, p) for p in spread_picks(pareto_plans(statics), args.points, max_ms)]

@@ -45,11 +45,10 @@ from ken.engine.replanning import Replanner
 from ken.engine.replay import replay
 from ken.engine.serving import Engine
 from ken.models import family
-from ken.models.cascade import escalates_row
 from ken.models.model import DeviceConfig
+from ken.optimizer.baselines import static_plans
 from ken.optimizer.cascades import pareto_cascades
 from ken.optimizer.perf import Catalog
-from ken.optimizer.placement import search_placement
 from ken.optimizer.plan_context import one_cascade_context
 from ken.optimizer.planner import PlannerSettings, plan_frontier, planning_context
 from ken.optimizer.planning import sustained_qps
@@ -171,9 +170,8 @@ def main() -> int:
                                 reporter=reporter)
     plan = choose_plans({OPERATOR: frontier}, {OPERATOR: cal}, planning, target).plans[0]
     ctx = planning_context(OPERATOR, cascades, cal, hardware, planning, settings=settings)
-    one = one_cascade_context(ctx, cascades)
-    statics = [search_placement(one, (c,) * settings.num_ranges)[0]
-               for c in range(len(one.cascades))]
+    # every candidate cascade alone at all loads, none thinned out
+    statics = static_plans(one_cascade_context(ctx, cascades))
     within = [p for p in statics if p.predicted.p95_ms <= args.target_ms] or statics[:1]
     static = max(within, key=lambda p: p.predicted.accuracy)
     reporter.note(f"planned at {rate:.0f} qps for p95 <= {args.target_ms:g} ms: ken "
@@ -182,8 +180,7 @@ def main() -> int:
                   f"({static.predicted.accuracy:.1%}, {static.predicted.p95_ms:.0f} ms)")
 
     # hard rows: the ones the first model of the most accurate cascade passes on
-    cert = cal.certainty(top.models[0], top.certainty)
-    hard = np.flatnonzero([escalates_row(float(c), top.thresholds[0]) for c in cert])
+    hard = np.flatnonzero(top.escalates(0, cal.certainty(top.models[0], top.certainty)))
     results: dict = {"setup": {"rate_qps": rate, "target_ms": args.target_ms,
                                "phase_s": args.phase_s, "plan": plan.describe(),
                                "static": static.cascades[0].describe(),

@@ -28,10 +28,9 @@ from ken.models.model import DeviceConfig
 from ken.ops.base import shared_resources
 from ken.ops.sem_complete import load_hellaswag
 from ken.ops.sem_qa import hybridqa_passage_sample
-from ken.optimizer.baselines import gear_accuracy, matched_plan, served_accuracy
+from ken.optimizer.baselines import gear_accuracy, matched_plan, served_accuracy, static_plans
 from ken.optimizer.cascades import evaluate, pareto_cascades
 from ken.optimizer.decode_sim import simulate_decoding
-from ken.optimizer.placement import search_placement
 from ken.optimizer.plan_context import one_cascade_context
 from ken.optimizer.planner import PlannerSettings, pareto_plans, planning_context
 from ken.optimizer.planning import default_peak_qps, planning_inputs, planning_trace
@@ -167,9 +166,8 @@ def _gear_plans(session: Session, profiles, target: float, duration_s: float,  #
     session.use_plan(plan)
     ctx = planning_context("sentiment", cascades, catalog, Hardware.cpu_workers(2, 4 * 2**30),
                            trace, peak, settings)
-    one = one_cascade_context(ctx, cascades)  # every candidate cascade, none thinned out
-    statics = [search_placement(one, (c,) * settings.num_ranges)[0]
-               for c in range(len(one.cascades))]
+    # every candidate cascade alone at all loads, none thinned out
+    statics = static_plans(one_cascade_context(ctx, cascades))
     shown = pareto_plans(statics)
     png = plot_frontier(frontier, out / "gear-plan-frontier.png",
                         title=f"sentiment gear plans: 2 x cpu-1t, Gamma trace, peak {peak:g} "

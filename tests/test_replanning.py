@@ -12,7 +12,7 @@ from fakes import FakeModel
 
 from ken.engine.replanning import Replanner
 from ken.engine.serving import Engine
-from ken.models.cascade import Cascade, escalates_row
+from ken.models.cascade import Cascade
 from ken.optimizer.planner import PlannerSettings
 from ken.optimizer.query import Target
 from ken.optimizer.replan import GearReplan, plan_escalation, resampled_catalog
@@ -67,8 +67,7 @@ def test_drift_watch_sees_a_rate_above_the_top_gear_and_a_shifted_escalation_rat
 def test_resampled_catalog_escalates_at_the_asked_rate() -> None:
     cat = catalog()
     cascade = Cascade(("s", "l"), (0.75,))
-    cert = cat.certainty("s")
-    base = float(np.mean([escalates_row(float(c), 0.75) for c in cert]))
+    base = float(np.mean(cascade.escalates(0, cat.certainty("s"))))
     for goal in (0.2, base, 0.8):
         harder = resampled_catalog(cat, cascade, goal, seed=1)
         assert harder.num_rows == cat.num_rows

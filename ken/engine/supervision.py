@@ -32,7 +32,6 @@ from ken.engine.workers import (
     WorkerDied,
     WorkerError,
     gpu_index,
-    warm_up,
 )
 from ken.errors import BatchTimeout, EngineError
 from ken.models.model import Model
@@ -249,7 +248,7 @@ class DevicePool:
                 src = self._sources[name]
                 t = time.perf_counter()
                 self._models[name] = src if isinstance(src, Model) else src()
-                warm_up(self._models[name])
+                self._models[name].warm_up()
                 seconds[f"shared/{name}"] = time.perf_counter() - t
             runners = {d: ThreadRunner(d, self._models) for d in new}
         elif self.workers == "ray":

@@ -53,11 +53,6 @@ Answers = tuple[list, np.ndarray]  # (values, scores), see the module docstring
 PARENT_CHECK_S = 0.2
 
 
-def warm_up(model: Model, max_batch: int = 8) -> None:
-    """Run ``model`` on a few batches before it serves (``Model.warm_up``)."""
-    model.warm_up(max_batch)
-
-
 def answers(out: ModelOutput, rows: int) -> Answers:
     """``(values, scores)`` of a model's output, checked to have one answer per row."""
     values, scores = list(out.values), np.asarray(out.scores)
@@ -82,7 +77,7 @@ def load_models(loaders: Mapping[str, Loader], into: dict[str, Model], threads: 
         torch = sys.modules.get("torch")
         if torch is not None:
             torch.set_num_threads(threads)
-        warm_up(model)
+        model.warm_up()  # before it serves: weights paged in, kernels (GPU shapes) set up
         into[name] = model
         seconds[name] = time.perf_counter() - started
     return seconds

@@ -201,7 +201,8 @@ class TransformersBody:
         """Mean-pooled hidden states as float32, shape ``(len(texts), hidden)``, in input order.
 
         Rows are sorted by token count before batching so that a batch pads to similar lengths
-        (its width rounded up to ``pad_multiple``); results are put back in input order. On a
+        (its width rounded up to ``pad_multiple``; on a GPU to a ``GPU_WIDTHS`` bucket, with
+        filler rows up to a power of two); results are put back in input order. On a
         GPU the host pads each batch into pinned memory and copies it without waiting
         (ids and mask in one copy), pooled rows stay on the device, and one copy brings them
         all back at the end: nothing waits for the GPU between batches, so the host pads batch
@@ -259,10 +260,10 @@ class TransformersBody:
             return 0
         device = torch.device(self.device.torch_device)
         widths = sorted({gpu_width(w, self.max_tokens) for w in GPU_WIDTHS})
-        shapes = [(gpu_rows(r), w) for r in (1 << k for k in range(max_rows.bit_length()))
-                  if r <= gpu_rows(max_rows) for w in widths]
+        top = gpu_rows(max_rows)  # a batch of max_rows rows is padded to this many
+        shapes = [(1 << k, w) for k in range(top.bit_length()) for w in widths]
         with torch.inference_mode():
-            for rows, width in dict.fromkeys(shapes):
+            for rows, width in shapes:
                 ids = torch.full((rows, width), self.pad_id, dtype=torch.long, device=device)
                 full = torch.ones_like(ids)
                 self.pool(ids, full)  # a batch without padding: attention runs unmasked
@@ -271,7 +272,7 @@ class TransformersBody:
                     padded[:, -1] = 0
                     self.pool(ids, padded)
         torch.cuda.synchronize(device)
-        return len(dict.fromkeys(shapes))
+        return len(shapes)
 
     def pool(self, input_ids, mask):  # noqa: ANN001, ANN202 - torch tensors
         """Mean of the chosen layer's hidden states over the unmasked tokens, in float32 (a

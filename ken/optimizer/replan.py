@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ken.errors import QueryPlanError
-from ken.models.cascade import Cascade, escalates_row
+from ken.models.cascade import Cascade
 from ken.optimizer.perf import Catalog
 from ken.optimizer.planner import PlannerSettings, plan_frontier
 from ken.optimizer.query import Target, choose_plans
@@ -45,8 +45,7 @@ def resampled_catalog(catalog: Catalog, cascade: Cascade, escalation: float,
         raise PlanningError(f"an escalation rate is a share in [0, 1], got {escalation}")
     if len(cascade.models) < 2:
         raise PlanningError(f"{cascade.describe()} has one stage: it escalates nothing")
-    certainty = catalog.certainty(cascade.models[0], cascade.certainty)
-    up = np.array([escalates_row(float(c), cascade.thresholds[0]) for c in certainty])
+    up = cascade.escalates(0, catalog.certainty(cascade.models[0], cascade.certainty))
     share = float(up.mean())
     if share in (0.0, 1.0):
         raise PlanningError(f"the sample gives no rows on one side of {cascade.describe()}'s "
