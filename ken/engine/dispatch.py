@@ -11,6 +11,7 @@ for; devices the online queues leave idle run bulk rows (``bulk.BulkRows``).
 from __future__ import annotations
 
 import itertools
+import math
 import queue
 import threading
 from collections import deque
@@ -38,7 +39,9 @@ class _Request:
     online: str = ""  # the operator of an online request ("" for a bulk row)
 
 
-#: answered online requests ``Requests`` keeps for re-planning (``Engine.recent_latencies``)
+#: online submits and answers ``Requests`` keeps for re-planning (``Engine.recent_arrivals``,
+#: ``Engine.recent_latencies``)
+ARRIVAL_LOG = 200_000
 ANSWER_LOG = 50_000
 
 
@@ -51,7 +54,9 @@ class Requests:
         self.lock = threading.Lock()
         self._ids = itertools.count()
         self._requests: dict[int, _Request] = {}
-        # (completion time, latency s, operator) of the latest online requests answered "ok"
+        # (submit time, operator) of online requests, admitted or not (the load offered), and
+        # (completion time, latency s, operator) of those answered "ok"; both in time order
+        self.arrived: deque[tuple[float, str]] = deque(maxlen=ARRIVAL_LOG)
         self.answered: deque[tuple[float, float, str]] = deque(maxlen=ANSWER_LOG)
 
     def __len__(self) -> int:
@@ -63,6 +68,19 @@ class Requests:
     def add(self, rid: int, text: Any, future: Future, now: float, online: str = "") -> None:
         """(Under ``lock``.) ``online``: the operator of an online request (not a bulk row)."""
         self._requests[rid] = _Request(text, future, now, online)
+
+    def recent_arrivals(self, operator: str, since_s: float) -> list[float]:
+        """Submit times of ``operator``'s online requests since ``since_s``, oldest first."""
+        with self.lock:
+            return [t for t, op in _since(self.arrived, since_s) if op == operator]
+
+    def recent_latencies(self, operator: str, since_s: float,
+                         arrived_after_s: float = -math.inf) -> list[float]:
+        """Latencies of ``operator``'s online requests answered ``ok`` since ``since_s`` that
+        arrived after ``arrived_after_s``, oldest first."""
+        with self.lock:
+            return [lat for t, lat, op in _since(self.answered, since_s)
+                    if op == operator and t - lat > arrived_after_s]
 
     def texts(self, batch: RunnableBatch) -> list | None:
         """The input rows of ``batch`` (None: shutdown cancelled its requests)."""
@@ -92,6 +110,17 @@ class Requests:
         for rid, req in left:
             req.future.set_result(Outcome(rid, "cancelled", req.arrival_s, now, error=message))
         return len(left)
+
+
+def _since(log: deque, since_s: float) -> list:
+    """The entries of a time-ordered log (time first) from ``since_s`` on, oldest first; read
+    from the newest back, so a poll costs its window, not the whole log."""
+    out = []
+    for entry in reversed(log):
+        if entry[0] < since_s:
+            break
+        out.append(entry)
+    return out[::-1]
 
 
 class Scheduler:

@@ -125,16 +125,15 @@ class Replanner:
             drift = self.watch.check(now, len(arrivals), self.engine.admission.escalations,
                                      latencies)
             if drift is not None:
-                self._handle(drift)
+                self._handle(drift, arrivals)
 
-    def recent_trace(self, now: float) -> Trace:
+    def _trace(self, now: float, arrivals: list[float]) -> Trace:
         """What to plan on: the requests in flight now (the backlog the new plan must drain)
-        arriving at once, then the arrivals of the last ``window_s`` (the load that drifted,
-        not the older load it replaced) repeated to fill ``history_s``, so the planner sees
-        that load sustained, bursts included."""
+        arriving at once, then ``arrivals`` (those of the last ``window_s``: the load that
+        drifted, not the older load it replaced) repeated to fill ``history_s``, so the
+        planner sees that load sustained, bursts included."""
         window = self.watch.window_s
-        times = np.asarray(self.engine.recent_arrivals(self.operator, now - window),
-                           dtype=np.float64)
+        times = np.asarray(arrivals, dtype=np.float64)
         if times.size < 2:
             raise KenError("too few recent arrivals to plan on")
         times = times - (now - window)
@@ -145,11 +144,11 @@ class Replanner:
         return Trace(np.sort(tiled), f"{self.operator} serving: {backlog} queued, then the "
                                      f"last {window:g} s x {copies}")
 
-    def _handle(self, drift: Drift) -> None:
+    def _handle(self, drift: Drift, arrivals: list[float]) -> None:
         engine, old = self.engine, self.engine.plans[self.operator]
         started = time.perf_counter()
         try:
-            trace = self.recent_trace(drift.at_s)
+            trace = self._trace(drift.at_s, arrivals)
             new = self.replan(trace, drift)
             planning_s = time.perf_counter() - started
             moved = engine.swap_plan(new)

@@ -63,7 +63,6 @@ import math
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Literal
@@ -102,10 +101,6 @@ def _placed(*plans: GearPlan) -> dict[str, list[str]]:
                 if r.model not in out[d]:
                     out[d].append(r.model)
     return out
-
-
-#: online submit times the engine keeps for re-planning (``Engine.recent_arrivals``)
-ARRIVAL_LOG = 200_000
 
 
 class Engine:
@@ -184,9 +179,6 @@ class Engine:
         self.scheduler = Scheduler(
             self.plans, self.clock, self._requests, self._events, self.pool, self.breaker,
             self.admission, bulk_batch_size or max(b for p in plans for b in p.max_batch))
-        # (time, operator) of every online request submitted (admitted or not: the load
-        # offered), the latest ARRIVAL_LOG of them, for re-planning (``recent_arrivals``)
-        self._arrivals: deque[tuple[float, str]] = deque(maxlen=ARRIVAL_LOG)
         self._thread: threading.Thread | None = None
         self._accepting = False
         self._shutdown_lock = threading.Lock()
@@ -350,7 +342,7 @@ class Engine:
         requests = self._requests
         with requests.lock:
             if not bulk:
-                self._arrivals.extend([(now, operator)] * len(texts))
+                requests.arrived.extend([(now, operator)] * len(texts))
             for text in texts:
                 future: Future = Future()
                 futures.append(future)
@@ -390,27 +382,13 @@ class Engine:
     def recent_arrivals(self, operator: str, since_s: float) -> list[float]:
         """Submit times (engine clock) of ``operator``'s online requests since ``since_s``,
         admitted or not (the offered load), oldest first."""
-        out = []
-        with self._requests.lock:  # newest first, back to ``since_s``: the log is in time order
-            for t, op in reversed(self._arrivals):
-                if t < since_s:
-                    break
-                if op == operator:
-                    out.append(t)
-        return out[::-1]
+        return self._requests.recent_arrivals(operator, since_s)
 
     def recent_latencies(self, operator: str, since_s: float,
                          arrived_after_s: float = -math.inf) -> list[float]:
         """Latencies (seconds) of ``operator``'s online requests answered ``ok`` since
         ``since_s`` (engine clock) that arrived after ``arrived_after_s``."""
-        out = []
-        with self._requests.lock:  # newest first, back to ``since_s``: answers in time order
-            for t, lat, op in reversed(self._requests.answered):
-                if t < since_s:
-                    break
-                if op == operator and t - lat > arrived_after_s:
-                    out.append(lat)
-        return out[::-1]
+        return self._requests.recent_latencies(operator, since_s, arrived_after_s)
 
     @property
     def plan_swaps(self) -> list[tuple[float, int]]:
