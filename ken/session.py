@@ -283,7 +283,8 @@ class Session:
         made for that cluster (``plan(..., cluster=...)``). With ``replan`` (the default) a
         function planned by ``session.plan`` is re-planned in the background when its workload
         leaves what its plan covers (arrivals well above its last gear's range, escalation
-        rates off what the plan assumed: the inputs got harder), for the same target; the new
+        rates off what the plan assumed: the inputs got harder, answers slower than a latency
+        target), for the same target; the new
         plan is swapped in without dropping a request, and the serving log and EXPLAIN say
         when and why (``ken.engine.replanning``). A plan set with ``use_plan`` is kept as
         given. Returns the model load times (and worker memory) per function.

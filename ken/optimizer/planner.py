@@ -190,11 +190,8 @@ def one_gear_plans(ctx: PlanningContext, candidates: Sequence[Cascade],
     one = one_cascade_context(ctx, [*candidates, *singles])
     ranges = ctx.settings.num_ranges
     out: list[GearPlan] = []
-    models = [m for m in sorted(ctx.catalog.models)
-              if any(ctx.catalog.perf_on(m, d.id).memory(1) <= d.memory_bytes
-                     for d in ctx.hardware.devices)]
     with reporter.task(f"one-cascade plans for {ctx.operator}",
-                       len(one.cascades) + len(models)) as advance:
+                       len(one.cascades) + len(singles)) as advance:
         for c in range(len(one.cascades)):
             try:
                 search_placement(one, (c,) * ranges)
@@ -202,11 +199,13 @@ def one_gear_plans(ctx: PlanningContext, candidates: Sequence[Cascade],
                 pass
             advance(1)
         out += [p for p, _ in one.sim_cache.values()]
-        for m in models:
-            tuned = tune_dynamic_batching(ctx.operator, m, ctx.catalog, ctx.hardware,
-                                          ctx.trace, seed=ctx.settings.seed,
-                                          qps_max=ctx.edges[-1], certainty=certainty)
-            out.append(tuned.plan)
+        for single in singles:
+            try:
+                out.append(tune_dynamic_batching(
+                    ctx.operator, single.models[0], ctx.catalog, ctx.hardware, ctx.trace,
+                    seed=ctx.settings.seed, qps_max=ctx.edges[-1], certainty=certainty).plan)
+            except PlanningError:  # a model that fits on no device
+                pass
             advance(1)
     return out
 
