@@ -454,6 +454,21 @@ def plot(name: str, points: list[dict], path: Path) -> None:
     fig.savefig(path)
 
 
+def family_setup(data: family.FamilyData, device: DeviceConfig, workers: str,
+                 reporter: Reporter, data_dir: Path | None = None) -> tuple:
+    """The sentiment family of ``data``, prepared (cached): its held-out sample, its models
+    loaded here, their sources for the engine (loaders for process workers, else the loaded
+    models) and their profiles on ``device`` (cached)."""
+    cards = family.prepare(data, device, reporter=reporter, data_dir=data_dir)
+    sample = family.heldout_sample(data, data_dir)
+    models = {c.name: family.load_model(c, device, data=data) for c in cards}
+    loaders = ({c.name: functools.partial(family.load_model, c, device, None, data)
+                for c in cards} if workers == "process" else models)
+    profiles = {n: load_or_run_profile(m, sample, DEFAULT_BATCH_SIZES)
+                for n, m in models.items()}
+    return sample, models, loaders, profiles
+
+
 def hellaswag_setup(args: argparse.Namespace, device: DeviceConfig, reporter: Reporter
                     ) -> tuple:
     """sem_complete's candidate LLMs, loaders and profiles on the first ``--test-rows``
@@ -551,13 +566,8 @@ def main() -> int:
         if args.with_members:
             data = data.with_members(*args.with_members.split(","))
         tag = data.tag
-        cards = family.prepare(data, device, reporter=reporter, data_dir=args.data_dir)
-        sample = family.heldout_sample(data, args.data_dir)
-        models = {c.name: family.load_model(c, device, data=data) for c in cards}
-        loaders = ({c.name: functools.partial(family.load_model, c, device, None, data)
-                    for c in cards} if args.workers == "process" else models)
-        profiles = {n: load_or_run_profile(m, sample, DEFAULT_BATCH_SIZES)
-                    for n, m in models.items()}
+        sample, models, loaders, profiles = family_setup(data, device, args.workers, reporter,
+                                                         args.data_dir)
     catalog = Catalog.from_profiles(profiles)
     cascades = [m.cascade for m in pareto_cascades(profiles)]
     hardware = Hardware.cpu_workers(2, 4 * 10**9)

@@ -33,7 +33,6 @@ time, one column per trace).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 import time
@@ -52,7 +51,6 @@ from ken.optimizer.perf import Catalog
 from ken.optimizer.plan_context import one_cascade_context
 from ken.optimizer.planner import PlannerSettings, plan_frontier, planning_context
 from ken.optimizer.planning import sustained_qps
-from ken.optimizer.profile import DEFAULT_BATCH_SIZES, load_or_run_profile
 from ken.optimizer.query import Target, choose_plans
 from ken.optimizer.replan import GearReplan
 from ken.optimizer.simulator import sample_rows
@@ -61,7 +59,7 @@ from ken.policy.plan import GearPlan
 from ken.progress import Reporter
 
 sys.path.insert(0, str(Path(__file__).parent))
-from e2e import calibrate  # noqa: E402 - the same runtime calibration as the e2e benchmark
+from e2e import calibrate, family_setup  # noqa: E402 - the e2e benchmark's setup
 
 RESULTS = Path(__file__).parent / "results" / "robustness"
 OPERATOR = "sentiment"
@@ -149,14 +147,9 @@ def main() -> int:
     started = time.perf_counter()
 
     device = DeviceConfig(threads=1)
-    data = family.FamilyData("mixed", 6000, 1500)
-    cards = family.prepare(data, device, reporter=reporter)
-    sample = family.heldout_sample(data)
-    models = {c.name: family.load_model(c, device, data=data) for c in cards}
-    loaders = {c.name: functools.partial(family.load_model, c, device, None, data)
-               for c in cards}
-    profiles = {n: load_or_run_profile(m, sample, DEFAULT_BATCH_SIZES) for n, m in models.items()}
-    del models
+    sample, models, loaders, profiles = family_setup(family.FamilyData("mixed", 6000, 1500),
+                                                     device, "process", reporter)
+    del models  # the engine's workers load their own
     catalog = Catalog.from_profiles(profiles)
     cascades = [m.cascade for m in pareto_cascades(profiles)]
     hardware = Hardware.cpu_workers(2, 4 * 10**9)
