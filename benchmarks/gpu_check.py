@@ -64,8 +64,11 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(1, str(ROOT))  # ken itself, from the tree (it is not installed there)
+for _path in (ROOT, ROOT / "benchmarks"):  # ken from the tree (not installed there); gpu_overhead
+    if str(_path) not in sys.path:
+        sys.path.insert(1, str(_path))
+
+from gpu_overhead import ken_decode as decode  # noqa: E402 - DecodeBatch timed the same way
 
 CARRY = ROOT / ".gpu"
 PARTS = ("env", "encoders", "profile", "engine", "llm", "pytest", "shapes")
@@ -779,25 +782,6 @@ def compare_hf(lm: Any, prompts: Sequence[Sequence[int]], n: int, bs: int,
             "token_agreement": agreement(ken, hf)}
 
 
-def decode(lm: Any, prompts: Sequence[Sequence[int]], new_tokens: int, sync: Callable
-           ) -> tuple[float, list[float], list[list[int]]]:
-    """``DecodeBatch``: prefill (time to first token, ms) then ``new_tokens - 1`` steps (ms)."""
-    from ken.models.generation import DecodeBatch
-
-    start = time.perf_counter()
-    batch = DecodeBatch.prefill(lm, prompts, list(range(len(prompts))),
-                                [new_tokens] * len(prompts), ignore_eos=True)
-    sync()
-    ttft = time.perf_counter() - start
-    steps = []
-    for _ in range(new_tokens - 1):
-        start = time.perf_counter()
-        batch.step()
-        sync()
-        steps.append(time.perf_counter() - start)
-    return 1000 * ttft, [1000 * s for s in steps], [list(r.tokens) for r in batch.rows]
-
-
 def hf_tokens(lm: Any, prompts: Sequence[Sequence[int]], new_tokens: int) -> list[list[int]]:
     """Hugging Face ``generate``'s greedy new tokens for equal-length prompts (no padding)."""
     import torch
@@ -852,6 +836,14 @@ def join_check(lm: Any, n: int, decode_batch: Any) -> dict:
             "token_agreement": agreement([got.get(i, []) for i in range(5)], alone)}
 
 
+def two_runs(key: str, what: str, label: str, runs: Sequence[Sequence[float]]) -> dict:
+    """Two timed runs (ms per call) over the same shapes, with their medians, noted."""
+    first, second = (statistics.median(r) for r in runs)
+    note(f"  {key}: {what} median {label} 1 {first:.2f} ms, {label} 2 {second:.2f} ms")
+    return {f"{label}1_ms": list(runs[0]), f"{label}2_ms": list(runs[1]),
+            f"{label}1_median": first, f"{label}2_median": second}
+
+
 def part_shapes(args: argparse.Namespace, ws: Workspace) -> dict:
     """Whether a new input shape costs a slow first call (the first run's profile had fp16
     spikes at some batch sizes, and fp16 decode steps, each a new KV length, ran 3x slower than
@@ -861,30 +853,28 @@ def part_shapes(args: argparse.Namespace, ws: Workspace) -> dict:
     fp16/fp32 matrix products over sequence lengths 8..256, first and second call."""
     import torch
 
+    from ken.models.head import fit_logistic
     from ken.models.model import DeviceConfig
     from ken.models.resources import CausalLM
+    from ken.models.transformers_backend import TransformersBody
+    from ken.optimizer.tokens import random_prompts
 
     sync = synchroniser(args.device)
     texts = list(ws.tweets().texts)
     batches = [texts[4 * i: 4 * i + 4] for i in range(16)]
     out: dict[str, Any] = {"note": RANDOM_NOTE}
-    head = None
+    folder = ws.model_dir("minilm-l3")
+    ref = TransformersBody(body_config("minilm-l3", folder),
+                           DeviceConfig("cpu", 0, args.threads, "fp32"))
+    sample = ws.tweets()
+    head = fit_logistic(ref.features(texts[:64], 32), sample.labels[:64], sample.label_names)
+    del ref
     for fused in (True, False):
         torch.backends.cuda.enable_flash_sdp(fused)
         torch.backends.cuda.enable_mem_efficient_sdp(fused)
         tag = "sdpa-fused" if fused else "sdpa-math"
         for precision in args.precisions:
             device = DeviceConfig(args.device, 0, args.threads, precision)
-            folder = ws.model_dir("minilm-l3")
-            if head is None:
-                from ken.models.head import fit_logistic
-                from ken.models.transformers_backend import TransformersBody
-                ref = TransformersBody(body_config("minilm-l3", folder),
-                                       DeviceConfig("cpu", 0, args.threads, "fp32"))
-                sample = ws.tweets()
-                head = fit_logistic(ref.features(texts[:64], 32), sample.labels[:64],
-                                    sample.label_names)
-                del ref
             model = classifier("minilm-l3", folder, device, head)
             passes = []
             for _ in range(2):
@@ -896,23 +886,14 @@ def part_shapes(args: argparse.Namespace, ws: Workspace) -> dict:
                     times.append(1000 * (time.perf_counter() - t0))
                 passes.append(times)
             key = f"minilm-l3 {device.label} {tag}"
-            out[key] = {"pass1_ms": passes[0], "pass2_ms": passes[1],
-                        "pass1_median": statistics.median(passes[0]),
-                        "pass2_median": statistics.median(passes[1])}
-            note(f"  {key}: predict(4 rows) median pass 1 {out[key]['pass1_median']:.2f} ms, "
-                 f"pass 2 {out[key]['pass2_median']:.2f} ms")
+            out[key] = two_runs(key, "predict(4 rows)", "pass", passes)
             del model
             free_memory()
             lm = CausalLM(ws.model_dir("smollm2-135m", args.llm_layers), device)
-            from ken.optimizer.tokens import random_prompts
             prompts = random_prompts(lm, 8, args.prompt_tokens, np.random.default_rng(1))
             runs = [decode(lm, prompts, 24, sync)[1] for _ in range(2)]
             key = f"smollm2 decode batch 8 {device.label} {tag}"
-            out[key] = {"run1_step_ms": runs[0], "run2_step_ms": runs[1],
-                        "run1_median": statistics.median(runs[0]),
-                        "run2_median": statistics.median(runs[1])}
-            note(f"  {key}: step median run 1 {out[key]['run1_median']:.2f} ms, run 2 "
-                 f"{out[key]['run2_median']:.2f} ms")
+            out[key] = two_runs(key, "step", "run", runs)
             del lm
             free_memory()
     torch.backends.cuda.enable_flash_sdp(True)
