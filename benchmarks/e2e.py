@@ -291,8 +291,9 @@ def run_workload(name: str, plan_t: Trace, eval_t: Trace, args: argparse.Namespa
     baselines = [make(s, p) for s, p in chosen]
     ken_by_index: dict[int, System] = {}
     pairs: list[tuple[System, System | None]] = []
+    served: dict[int, float] = {}  # ken plan -> accuracy on the replayed rows, simulated once
     for b in baselines:
-        i = matched_plan(ken_plans, b.window.accuracy, catalog, measure_t, args.seed)
+        i = matched_plan(ken_plans, b.window.accuracy, catalog, measure_t, args.seed, served)
         if i is not None and i not in ken_by_index:
             ken_by_index[i] = make("ken", ken_plans[i])
         pairs.append((b, None if i is None else ken_by_index[i]))

@@ -142,12 +142,17 @@ def served_accuracy(plan: GearPlan, catalog: Catalog, trace: Trace, seed: int = 
 
 
 def matched_plan(plans: Sequence[GearPlan], accuracy: float, catalog: Catalog, trace: Trace,
-                 seed: int = 0) -> int | None:
+                 seed: int = 0, served: dict[int, float] | None = None) -> int | None:
     """The plan ken serves against a baseline of ``accuracy`` (issue 33's rule): of
     ``plans`` (a frontier, each with ``predicted`` metrics of its planning window), the
     fastest there whose accuracy on ``trace``'s replayed rows (``served_accuracy``) is at
-    least ``accuracy``. Its index, or None when no plan is that accurate on those rows."""
+    least ``accuracy``. Its index, or None when no plan is that accurate on those rows.
+    ``served``: plan index -> its served accuracy, filled as plans are simulated; pass the
+    same dict when matching several baselines on one trace, so no plan is simulated twice."""
+    served = {} if served is None else served
     for i in sorted(range(len(plans)), key=lambda i: plans[i].predicted.p95_ms):
-        if served_accuracy(plans[i], catalog, trace, seed) >= accuracy - 1e-12:
+        if i not in served:
+            served[i] = served_accuracy(plans[i], catalog, trace, seed)
+        if served[i] >= accuracy - 1e-12:
             return i
     return None
