@@ -210,17 +210,16 @@ def _compare(frontier, statics, catalog, planning, target: float, replay_s: floa
     systems = [("ken gear plan", plan)] + ([] if same else [("static cascade", static)])
     runs = replay_rounds([p for _, p in systems], loaders, trace, sample, REPLAYS,
                          reporter=reporter, workers="process")
-    rows, medians = [], {}
+    measured, turned, rows = {}, {}, []
     for (name, p), served in zip(systems, runs, strict=True):
-        for r, s in enumerate(served, 1):
-            rows.append((f"{name}, replay {r}", s.replay.result.metrics(0, p)))
-        medians[name] = float(np.median([s.replay.result.metrics(0, p).p95_ms for s in served]))
+        measured[name] = [s.replay.result.metrics(0, p) for s in served]
+        turned[name] = [s.replay.status_counts().get("rejected", 0) for s in served]
+        rows += [(f"{name}, replay {r}", m) for r, m in enumerate(measured[name], 1)]
         plot_replay(served[-1].replay, p, out / f"replay-{name.split()[0]}.png",
                     title=f"{name}: measured (last replay)")
+    medians = {name: float(np.median([m.p95_ms for m in ms])) for name, ms in measured.items()}
     console.print(latency_table("measured on the engine (2 worker processes x 1 thread)", rows,
                                 "system"))
-    turned = {name: [s.replay.status_counts().get("rejected", 0) for s in served]
-              for (name, _), served in zip(systems, runs, strict=True)}
     console.print("turned away by admission (each counts as a wrong answer in accuracy), per "
                   "replay: " + "; ".join(f"{name} {', '.join(map(str, n))}"
                                          for name, n in turned.items()), highlight=False)
@@ -229,8 +228,8 @@ def _compare(frontier, statics, catalog, planning, target: float, replay_s: floa
                       f"p95 {medians['ken gear plan']:.0f} ms (median of {REPLAYS} replays). "
                       f"Latency plots in {out}/", highlight=False)
         return
-    ratios = [b.replay.result.metrics(0, static).p95_ms / a.replay.result.metrics(0, plan).p95_ms
-              for a, b in zip(*runs, strict=True)]
+    ratios = [b.p95_ms / a.p95_ms
+              for a, b in zip(measured["ken gear plan"], measured["static cascade"], strict=True)]
     console.print(f"p95, median of {REPLAYS} replays: ken {medians['ken gear plan']:.0f} ms, "
                   f"static cascade {medians['static cascade']:.0f} ms; the static cascade's p95 "
                   f"is {np.median(ratios):.2f}x ken's (per replay: "
