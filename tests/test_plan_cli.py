@@ -194,7 +194,7 @@ def test_ken_plan_end_to_end(home, fake_profiles, tmp_path, capsys) -> None:
     out = tmp_path / "out"
     argv = ["plan", "--trace", "poisson", "--duration", "10", "--peak-qps", "30",
             "--ranges", "3", "--grid", "4", "--placement-scoring", "estimate",
-            "--target", "accuracy >= 0.6", "--out", str(out), "--quiet"]
+            "--target", "accuracy >= 0.6", "--out", str(out), "--quiet", "--no-calibration"]
     assert main(argv) == 0
     assert fake_profiles == [1]  # one thread per worker by default
     text = capsys.readouterr().out
@@ -210,6 +210,52 @@ def test_ken_plan_end_to_end(home, fake_profiles, tmp_path, capsys) -> None:
     assert main(argv) == 0
     assert "from cache" in capsys.readouterr().out
     assert len(list((home / "plans").glob("sentiment-*.json"))) == 1
+    assert dict(front.provenance)["runtimes"] == "profiles, uncalibrated"
+    assert not (out / "calibration.json").exists()
+
+
+def test_ken_plan_calibrates_by_default_and_records_it(home, fake_profiles, tmp_path,
+                                                       monkeypatch, capsys) -> None:
+    """Without --no-calibration `ken plan` measures a calibration on this machine's workers
+    (here a stand-in for the replay), plans with it, writes it and names it in every plan;
+    --calibration FILE plans with a saved one instead, measuring nothing."""
+    from ken.engine.calibrate import Calibration
+    from ken.ops.sentiment import Sentiment
+
+    measured: list[tuple] = []
+
+    def measure(catalog: Any, loaders: Any, sample: Any, hardware: Any, seconds: float,
+                **_kw: Any) -> Calibration:
+        measured.append((sorted(loaders), seconds, hardware.ids))
+        return Calibration({m: (0.002, 1.5) for m in loaders}, {m: 40 for m in loaders},
+                           "stand-in replay")
+
+    monkeypatch.setattr("ken.cli.plan.measure_calibration", measure)
+    monkeypatch.setattr(Sentiment, "loaders", lambda self, ctx, device: {
+        m: None for m in PROFILES})
+    monkeypatch.setattr(Sentiment, "eval_sample", lambda self, ctx: "sample")
+    out = tmp_path / "cal"
+    base = ["plan", "--trace", "poisson", "--duration", "10", "--peak-qps", "30",
+            "--ranges", "2", "--grid", "4", "--placement-scoring", "estimate", "--quiet"]
+    assert main([*base, "--calibration-seconds", "3", "--out", str(out)]) == 0
+    assert measured == [(sorted(PROFILES), 3.0, ("cpu0", "cpu1"))]
+    text = " ".join(capsys.readouterr().out.split())
+    assert "runtimes: calibrated:" in text and "+2.0 ms x1.50" in text
+    front = Frontier.load(out / "frontier-sentiment.json")
+    assert all(dict(p.provenance)["runtimes"].startswith("calibrated: ") for p in front.plans)
+    saved = Calibration.load(out / "calibration.json")
+    assert saved.fits == {m: (0.002, 1.5) for m in PROFILES}
+    # slower runtimes: the calibrated frontier predicts more latency than the uncalibrated
+    plain = tmp_path / "plain"
+    assert main([*base, "--no-calibration", "--out", str(plain)]) == 0
+    fast = Frontier.load(plain / "frontier-sentiment.json")
+    assert fast.plans[0].predicted.p50_ms < front.plans[0].predicted.p50_ms
+    again = tmp_path / "again"
+    assert main([*base, "--calibration", str(out / "calibration.json"),
+                 "--out", str(again)]) == 0
+    assert len(measured) == 1  # the file was used, nothing measured
+    assert "from cache" in capsys.readouterr().out  # same calibration: the same frontier
+    assert main([*base, "--calibration-seconds", "0", "--out", str(again)]) == 2
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -390,7 +436,7 @@ def test_ken_plan_for_a_ray_cluster_places_on_its_devices(home, fake_profiles, t
         out = tmp_path / "out"
         assert main(["plan", "--ray", "local", "--trace", "poisson", "--duration", "10",
                      "--peak-qps", "30", "--ranges", "2", "--grid", "4", "--placement-scoring",
-                     "estimate", "--out", str(out)]) == 0
+                     "estimate", "--out", str(out)]) == 0  # not calibrated: a note says so
     finally:
         ray.shutdown()
     assert "devices n0.cpu0, n0.cpu1" in " ".join(capsys.readouterr().err.split())

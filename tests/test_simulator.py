@@ -494,22 +494,6 @@ def test_runtime_spread_draws_one_factor_per_batch_from_the_distribution() -> No
         ModelPerf("x", (1,), ((0.1,),), (1,), (1,), (0.0,))
 
 
-def test_calibration_files_round_trip_and_bad_files_are_clear(tmp_path) -> None:  # noqa: ANN001
-    from ken.engine.calibrate import load_spreads, save_spreads
-    from ken.errors import KenError
-
-    path = save_spreads({"a": (0.9, 1.2, 2.0)}, tmp_path / "c.json", source="test")
-    assert load_spreads(path) == {"a": (0.9, 1.2, 2.0)}
-    with pytest.raises(KenError, match="ken replay"):
-        load_spreads(tmp_path / "missing.json")
-    (tmp_path / "bad.json").write_text('{"kind": "something else"}')
-    with pytest.raises(KenError, match="not a runtime calibration file"):
-        load_spreads(tmp_path / "bad.json")
-    save_spreads({"a": (0.0,)}, tmp_path / "zero.json")
-    with pytest.raises(KenError, match="positive"):
-        load_spreads(tmp_path / "zero.json")
-
-
 # -- requests with their own route through the operators (multi-hop pipelines) ----------------
 
 

@@ -223,8 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--grid", type=int, default=16, help="thresholds per cascade stage")
     plan.add_argument("--seed", type=int, default=0)
     plan.add_argument("--calibration", type=Path, default=None,
-                      help="runtime calibration written by `ken replay` "
-                      "(ken-replay/calibration.json): simulate with serving runtimes")
+                      help="plan with this runtime calibration (a calibration.json written "
+                      "by `ken plan` or `ken replay`) instead of measuring one")
+    plan.add_argument("--no-calibration", action="store_true",
+                      help="plan with the profiles' runtimes as measured: skip the short "
+                      "replay that calibrates them to serving on this machine")
+    plan.add_argument("--calibration-seconds", type=float, default=10.0,
+                      help="seconds of serving the runtime calibration measures (default 10)")
     plan.add_argument("--ray", metavar="ADDRESS", default=None,
                       help="plan for the devices of the Ray cluster at ADDRESS (auto, "
                       "ray://host:port, host:port or local) instead of --devices: each node's "

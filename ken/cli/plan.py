@@ -8,17 +8,20 @@ import argparse
 import functools
 import math
 import time
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from ken import store
 from ken.cli import family_data, op_context, pick_plan
-from ken.engine.calibrate import calibrated, load_spreads, runtime_spread, save_spreads
+from ken.engine.calibrate import Calibration, fit_calibration, measure_calibration
 from ken.engine.ray_runner import RayCluster
 from ken.engine.replay import plot_replay, replay
 from ken.engine.serving import Engine
 from ken.engine.workers import gpu_index
 from ken.errors import KenError, UsageError
 from ken.models import family
+from ken.models.cascade import Cascade
 from ken.models.model import DeviceConfig
 from ken.ops import builtin_operators
 from ken.ops.base import Operator
@@ -42,7 +45,7 @@ from ken.optimizer.plotting import plot_frontier
 from ken.optimizer.profile import DEFAULT_BATCH_SIZES
 from ken.optimizer.query import Target
 from ken.optimizer.simulator import simulate
-from ken.optimizer.workload import AZURE_CODE_TRACE
+from ken.optimizer.workload import AZURE_CODE_TRACE, Hardware
 from ken.paths import ken_home, shared_data_dir
 from ken.policy.plan import Frontier, GearPlan
 from ken.progress import Reporter
@@ -108,7 +111,9 @@ def _plan_frontier(args: argparse.Namespace, op: Operator) -> int:
     profiles, on_gpu = device_profiles(op, op_context(args, reporter), args.device_threads,
                                        gpu, "cpu" in hardware.kinds, DEFAULT_BATCH_SIZES)
     catalog, cascades = planning_inputs(profiles, args.max_stages, args.grid, on_gpu)
-    catalog, spreads = _calibrate(args.calibration, catalog, reporter)
+    calibration = _runtime_calibration(args, op, catalog, cascades, hardware, reporter)
+    if calibration is not None:
+        catalog = calibration.apply(catalog)
     best = max(cascades, key=catalog.accuracy)
     sustained = sustained_qps(catalog, best, hardware)
     peak = args.peak_qps or default_peak_qps(catalog, cascades, hardware)
@@ -126,8 +131,18 @@ def _plan_frontier(args: argparse.Namespace, op: Operator) -> int:
     frontier, stats = plan_operator(operator, keyed_profiles(profiles, on_gpu), catalog,
                                     cascades, hardware, trace, peak, settings,
                                     cache_dir=ken_home() / "plans", reporter=reporter,
-                                    force=args.force, calibration=spreads)
+                                    force=args.force,
+                                    calibration=None if calibration is None
+                                    else calibration.key())
+    runtimes = ("profiles, uncalibrated" if calibration is None
+                else f"calibrated: {calibration.describe()} ({calibration.source})")
+    frontier = Frontier(frontier.operator,
+                        tuple(replace(p, provenance=(*p.provenance, ("runtimes", runtimes)))
+                              for p in frontier.plans),
+                        (*frontier.provenance, ("runtimes", runtimes)))
     out = Path(args.out)
+    if calibration is not None:
+        calibration.save(out / "calibration.json")
     json_path = store.write_text(out / f"frontier-{operator}.json", frontier.to_json())
     png_path = plot_frontier(
         frontier, out / f"frontier-{operator}.png",
@@ -139,6 +154,7 @@ def _plan_frontier(args: argparse.Namespace, op: Operator) -> int:
     console.print(f"plan {frontier.plans.index(chosen)} ({how}):", highlight=False)
     for line in chosen.describe():
         console.print(f"  {line}", highlight=False, markup=False)
+    console.print(f"runtimes: {runtimes}", highlight=False, markup=False)
     took = time.perf_counter() - started
     planned = ("from cache" if stats is None else
                f"{stats.simulations} simulations, {stats.wall_s:.1f} s planning")
@@ -151,15 +167,39 @@ def _plan_frontier(args: argparse.Namespace, op: Operator) -> int:
 _PLANNERS = {"gear": _plan_frontier, "generation": _plan_generating}
 
 
-def _calibrate(path: Path | None, catalog: Catalog, reporter: Reporter
-               ) -> tuple[Catalog, dict | None]:
-    """``catalog`` with the runtime calibration at ``path`` (if given), and its spreads."""
-    if path is None:
-        return catalog, None
-    spreads = load_spreads(path)
-    reporter.note(f"runtimes calibrated by {path}: median serving/profile "
-                  + ", ".join(f"{m} x{v[len(v) // 2]:.2f}" for m, v in spreads.items()))
-    return calibrated(catalog, spreads), spreads
+def _runtime_calibration(args: argparse.Namespace, op: Operator, catalog: Catalog,
+                         cascades: Sequence[Cascade], hardware: Hardware, reporter: Reporter
+                         ) -> Calibration | None:
+    """The runtime calibration `ken plan` plans with: the file ``--calibration`` names, none
+    with ``--no-calibration``, else measured now by serving every candidate model on this
+    machine's CPU workers for ``--calibration-seconds`` (``measure_calibration``)."""
+    if args.calibration is not None:
+        calibration = Calibration.load(args.calibration)
+        reporter.note(f"runtimes calibrated by {args.calibration}: {calibration.describe()}")
+        return calibration
+    if args.no_calibration:
+        return None
+    if args.ray is not None or hardware.kinds != ("cpu",):
+        reporter.note("runtime calibration measures this machine's CPU workers; skipped for "
+                      "a plan on " + ("a Ray cluster" if args.ray is not None else "GPUs")
+                      + " (give one with --calibration)")
+        return None
+    if args.calibration_seconds <= 0:
+        raise UsageError("--calibration-seconds must be > 0")
+    ctx = op_context(args, reporter)
+    device = DeviceConfig(threads=args.device_threads)
+    loaders, sample = op.loaders(ctx, device), op.eval_sample(ctx)
+    if loaders is None or sample is None:
+        reporter.note(f"{op.name}() has no models to serve in worker processes; its runtimes "
+                      "are not calibrated")
+        return None
+    used = {m for c in cascades for m in c.models}
+    calibration = measure_calibration(catalog, {m: f for m, f in loaders.items() if m in used},
+                                      sample, hardware, args.calibration_seconds,
+                                      seed=args.seed, reporter=reporter, workers="process",
+                                      threads_per_device=args.device_threads)
+    reporter.note(f"runtimes calibrated: {calibration.describe()}")
+    return calibration
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -199,7 +239,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
         catalog = catalog.with_overhead(hop)
         reporter.note(f"Ray: the hop to an actor, {1000 * hop:.1f} ms, counted in every batch")
     profiled = catalog
-    catalog, _ = _calibrate(args.calibration, catalog, reporter)  # simulate with serving times
+    if args.calibration is not None:  # simulate with serving times
+        calibration = Calibration.load(args.calibration)
+        reporter.note(f"runtimes calibrated by {args.calibration}: {calibration.describe()}")
+        catalog = calibration.apply(catalog)
     peak = (args.peak_qps or plan.qps_max) * args.rate_scale
     trace = planning_trace(args.trace, peak, args.duration, seed=args.seed)
     reporter.note(f"plan: {len(plan.gears())} gears on {', '.join(plan.devices)}; trace "
@@ -229,8 +272,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     store.write_text(out / "replay.json", rep.to_json(plan))
     store.write_text(out / "plan.json", plan.to_json())
-    save_spreads(runtime_spread(engine.batch_log, profiled), out / "calibration.json",
-                 source=f"ken replay of {trace.name}, {len(trace)} requests")
+    fit_calibration(engine.batch_log, profiled,
+                    f"ken replay of {trace.name}, {len(trace)} requests"
+                    ).save(out / "calibration.json")
     plot_replay(rep, plan, out / "replay.png")
     console.print(f"wrote {out / 'replay.json'}, {out / 'replay.png'}, {out / 'plan.json'} and "
                   f"{out / 'calibration.json'} (for `ken plan --calibration`)")

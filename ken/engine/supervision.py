@@ -34,7 +34,7 @@ from ken.engine.workers import (
     gpu_index,
 )
 from ken.errors import BatchTimeout, EngineError
-from ken.models.model import Model
+from ken.models.model import Model, row_size
 from ken.policy.plan import GearPlan
 from ken.policy.scheduling import WallClock
 
@@ -73,6 +73,7 @@ class BatchRecord:
     end_s: float
     idle_before_s: float  # how long the device had been idle before this call
     bulk: bool = False
+    largest: int = 0  # the size of its largest row (``row_size``), which its runtime grows with
 
     @property
     def seconds(self) -> float:
@@ -392,7 +393,8 @@ class DevicePool:
             self._running_until.pop(device, None)
             idle_since, idle_s = self.clock.now(), started - idle_since
             self.batch_log.append(BatchRecord(device, batch.model, len(texts), started,
-                                              idle_since, idle_s, isinstance(batch, BulkBatch)))
+                                              idle_since, idle_s, isinstance(batch, BulkBatch),
+                                              max(map(row_size, texts), default=0)))
             if len(self.batch_log) > self.batch_log_limit:
                 del self.batch_log[: len(self.batch_log) // 2]
             self._report(("done", batch, values, scores))

@@ -199,3 +199,15 @@ class Model(ABC):
 
         ``texts`` holds strings, or tuples of ``spec.num_inputs`` strings for pair models.
         """
+
+
+def row_size(row: object) -> int:
+    """How big a row is for a model's runtime: the characters of its text (of all its texts
+    for a pair or record); 0 for inputs that are not text."""
+    if isinstance(row, str | bytes):
+        return len(row)
+    if isinstance(row, tuple | list):
+        return sum(row_size(x) for x in row)
+    if isinstance(row, dict):
+        return sum(row_size(x) for x in row.values())
+    return 0

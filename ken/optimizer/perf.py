@@ -9,7 +9,7 @@ foundation's ``Profile`` objects, or from other measured profiles (``ken.optimiz
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from types import MappingProxyType
 
@@ -44,6 +44,9 @@ class ModelPerf:
     # (an empirical distribution, e.g. measured serving calls / profiled runtime; see
     # ken.engine.calibrate). Empty: every batch takes exactly its profiled runtime.
     spread: tuple[float, ...] = ()
+    # the share of a batch's runtime that grows with the size of its largest row
+    # (``Profile.size_share``); the simulator scales a batch by its rows' sizes (``size_factor``)
+    size_share: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "batch_sizes", tuple(int(b) for b in self.batch_sizes))
@@ -61,6 +64,8 @@ class ModelPerf:
             raise ProfileError(f"{where}: degrees must be distinct values of {PARALLEL_DEGREES}")
         if len(self.runtime_s) != len(self.degrees) or len(self.memory_bytes) != len(self.degrees):
             raise ProfileError(f"{where}: need one runtime row and one memory size per degree")
+        if not 0.0 <= self.size_share <= 1.0:
+            raise ProfileError(f"{where}: size_share must be in [0, 1], got {self.size_share}")
         if any(not np.isfinite(f) or f <= 0 for f in self.spread):
             raise ProfileError(f"{where}: runtime spread factors must be positive")
         for row in self.runtime_s:
@@ -72,14 +77,13 @@ class ModelPerf:
 
     def with_overhead(self, seconds: float) -> ModelPerf:
         """The same model with ``seconds`` added to every batch (a hop to a remote worker)."""
-        return ModelPerf(self.name, self.batch_sizes,
-                         tuple(tuple(t + seconds for t in row) for row in self.runtime_s),
-                         self.memory_bytes, self.degrees, self.spread)
+        return replace(self, runtime_s=tuple(tuple(t + seconds for t in row)
+                                             for row in self.runtime_s))
 
     @classmethod
     def from_profile(cls, profile: Profile) -> ModelPerf:
         return cls(profile.model, profile.batch_sizes, (profile.batch_runtime_s,),
-                   (profile.memory_bytes,), (1,))
+                   (profile.memory_bytes,), (1,), size_share=profile.size_share)
 
     @property
     def max_batch(self) -> int:
@@ -135,6 +139,8 @@ class Catalog:
     scores: Mapping[str, np.ndarray] = field(repr=False)
     sample_hash: str = ""
     gpu_perf: Mapping[str, ModelPerf] = field(default_factory=dict, repr=False)
+    # each sample row's size (``Profile.row_sizes``); None: unknown, every row average
+    row_sizes: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "perf", MappingProxyType(dict(self.perf)))
@@ -156,6 +162,11 @@ class Catalog:
         if len(sizes) != 1 or 0 in sizes:
             raise ProfileError(f"per-sample outcomes must cover the same non-empty sample; "
                                f"row counts: {sorted(sizes)}")
+        if self.row_sizes is not None:
+            object.__setattr__(self, "row_sizes", np.asarray(self.row_sizes, dtype=np.float64))
+            if self.row_sizes.shape != (next(iter(sizes)),):
+                raise ProfileError(f"row sizes cover {self.row_sizes.shape[0]} rows of a "
+                                   f"{next(iter(sizes))}-row sample")
 
     def with_overhead(self, seconds: float) -> Catalog:
         """Every model's batches ``seconds`` longer (``ModelPerf.with_overhead``)."""
@@ -168,7 +179,7 @@ class Catalog:
                   gpu_perf: Mapping[str, ModelPerf] | None = None) -> Catalog:
         """The same outcomes with other performance (``gpu_perf`` None: kept)."""
         return Catalog(perf, dict(self.quality), dict(self.scores), self.sample_hash,
-                       dict(self.gpu_perf) if gpu_perf is None else gpu_perf)
+                       dict(self.gpu_perf) if gpu_perf is None else gpu_perf, self.row_sizes)
 
     def perf_on(self, model: str, device: str | Sequence[str]) -> ModelPerf:
         """``model``'s performance on ``device`` (or on the first of a replica's devices)."""
@@ -180,15 +191,28 @@ class Catalog:
     def __reduce__(self) -> tuple:
         # mapping proxies do not pickle; rebuild from plain dicts (e.g. in planner workers)
         return (Catalog, (dict(self.perf), dict(self.quality), dict(self.scores),
-                          self.sample_hash, dict(self.gpu_perf)))
+                          self.sample_hash, dict(self.gpu_perf), self.row_sizes))
 
     @classmethod
     def from_profiles(cls, profiles: Mapping[str, Profile] | Sequence[Profile]) -> Catalog:
         items = list(profiles.values()) if isinstance(profiles, Mapping) else list(profiles)
+        sized = [p.row_sizes for p in items if p.row_sizes.size]
         return cls({p.model: ModelPerf.from_profile(p) for p in items},
                    {p.model: p.quality for p in items},
                    {p.model: p.scores for p in items},
-                   items[0].sample_hash if items else "")
+                   items[0].sample_hash if items else "",
+                   row_sizes=sized[0] if sized else None)
+
+    def size_factors(self, model: str, device: str | Sequence[str], max_batch: int
+                     ) -> tuple[float, np.ndarray] | None:
+        """What scales a batch of ``model`` on ``device`` by the size of its rows: its
+        ``size_share`` and, for ``b = 0..max_batch``, the expected size of the largest of
+        ``b`` rows drawn from the sample (so that random batches average their profiled
+        runtime); None when the catalog has no row sizes or the model no size share."""
+        share = self.perf_on(model, device).size_share
+        if self.row_sizes is None or share <= 0 or not self.row_sizes.size:
+            return None
+        return share, expected_max(self.row_sizes, max_batch)
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -239,3 +263,25 @@ class Catalog:
     def accuracy(self, cascade: Cascade) -> float:
         """Mean per-row quality of ``cascade`` (its accuracy under the sample's metric)."""
         return float(self.quality_per_row(cascade).mean())
+
+
+def expected_max(values: np.ndarray, up_to: int) -> np.ndarray:
+    """``out[b]``: the expected largest of ``b`` values drawn with replacement from
+    ``values`` (``out[0] = 0``), from the order statistics of their empirical distribution."""
+    x = np.sort(np.asarray(values, dtype=np.float64))
+    n = x.size
+    cdf = np.arange(n + 1, dtype=np.float64) / n  # P(draw <= x_(k)), k = 0..n
+    out = np.zeros(up_to + 1)
+    for b in range(1, up_to + 1):
+        p = cdf ** b
+        out[b] = float(np.dot(x, p[1:] - p[:-1]))
+    return out
+
+
+def size_factor(share: float, largest: float, expected: float) -> float:
+    """How much longer than its profiled runtime a batch whose largest row has size
+    ``largest`` runs, where an average batch of its size has ``expected``: the size-bound
+    share of the runtime scales with the ratio, the rest stays."""
+    if expected <= 0:
+        return 1.0
+    return (1.0 - share) + share * largest / expected

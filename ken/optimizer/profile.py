@@ -25,7 +25,7 @@ from ken import store
 from ken.errors import ProfileError, StoreError
 from ken.models.certainty import certainty_of
 from ken.models.datasets import LabelledSample
-from ken.models.model import DeviceConfig, Model, ModelOutput, Prediction
+from ken.models.model import DeviceConfig, Model, ModelOutput, Prediction, row_size
 from ken.models.quality import EvalSample
 from ken.paths import ken_home
 from ken.progress import QUIET, Reporter
@@ -35,7 +35,7 @@ DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 #: every batch size is timed on at least this many rows (see ``measure_batch_runtimes``)
 MIN_TIMED_ROWS = 32
 #: part of the cache key: profiles timed by an older method are measured again
-TIMING_METHOD = "timing-v2"
+TIMING_METHOD = "timing-v3"  # v3: per-row sizes and the runtime's share that grows with them
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,6 +62,10 @@ class Profile:
     values: tuple = field(default=(), repr=False)  # per-row values (may be empty if unknown)
     num_params: int = 0
     metric: str = "accuracy"
+    # each row's size (``row_size``: characters of its text) and the share of a batch's
+    # runtime that grows with the size of its largest row (``size_share``; 0: none measured)
+    row_sizes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
+    size_share: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.batch_sizes) != len(self.batch_runtime_s) or not self.batch_sizes:
@@ -72,8 +76,13 @@ class Profile:
             raise ProfileError(f"profile of {self.model}: batch sizes must be increasing")
         object.__setattr__(self, "quality", np.asarray(self.quality, dtype=np.float64))
         n = self.quality.shape[0]
-        if self.scores.shape[0] != n or (self.values and len(self.values) != n):
+        object.__setattr__(self, "row_sizes", np.asarray(self.row_sizes, dtype=np.int64))
+        if self.scores.shape[0] != n or (self.values and len(self.values) != n) \
+                or self.row_sizes.shape[0] not in (0, n):
             raise ProfileError(f"profile of {self.model}: per-sample arrays differ in length")
+        if not 0.0 <= self.size_share <= 1.0:
+            raise ProfileError(f"profile of {self.model}: size_share must be in [0, 1], got "
+                               f"{self.size_share}")
 
     @property
     def num_rows(self) -> int:
@@ -125,6 +134,7 @@ class Profile:
             "num_params": self.num_params,
             "num_rows": self.num_rows,
             "accuracy": self.accuracy,
+            "size_share": self.size_share,
         }
 
     def save(self, folder: Path) -> Path:
@@ -136,6 +146,8 @@ class Profile:
             "value": pa.array([json.dumps(v, default=str) for v in self.values]
                               if self.values else [None] * self.num_rows, pa.string()),
         }
+        if self.row_sizes.size:
+            columns["size"] = pa.array(self.row_sizes, pa.int64())
         if self.scores.ndim == 2:
             columns["probabilities"] = pa.array(list(self.scores.astype(np.float32)),
                                                 pa.list_(pa.float32()))
@@ -193,6 +205,9 @@ class Profile:
             quality=table.column("quality").to_numpy().astype(np.float64),
             scores=scores,
             values=values,
+            row_sizes=(table.column("size").to_numpy() if "size" in table.column_names
+                       else np.zeros(0, np.int64)),
+            size_share=float(header.get("size_share", 0.0)),
         )
 
 
@@ -323,9 +338,11 @@ def measure_batch_runtimes(
     model: Model, texts: Sequence[str], batch_sizes: Sequence[int], repeats: int = 3,
     on_step: Callable[[int], None] | None = None,
     answers: dict[int, tuple] | None = None,
+    single: list[tuple[int, float]] | None = None,
 ) -> tuple[list[float], int]:
     """Median seconds per batch for each size, and peak memory (RSS; on a GPU, what the
-    largest batch allocated beyond the models already there).
+    largest batch allocated beyond the models already there). ``single``, when given,
+    receives ``(row, seconds)`` of every one-row batch (for ``size_share``).
 
     Each size is timed on at least ``repeats`` batches and at least ``MIN_TIMED_ROWS`` rows:
     a text's runtime depends on its length, so the median of three single tweets is a noisy
@@ -353,6 +370,8 @@ def measure_batch_runtimes(
             t0 = time.perf_counter()
             out = model.predict(chunk, batch_size=size)
             times.append(time.perf_counter() - t0)
+            if single is not None and size == 1:
+                single.append((rows[0], times[-1]))
             if len(out.values) != size:
                 raise ProfileError(f"{model.name} returned {len(out.values)} values for a "
                                    f"batch of {size}")
@@ -399,8 +418,10 @@ def run_profile(
         sample = sample.as_eval()
     inputs = list(sample.inputs)
     answers: dict[int, tuple] = {}
+    single: list[tuple[int, float]] = []
     runtimes, peak = measure_batch_runtimes(model, inputs, batch_sizes, repeats, on_step,
-                                            answers)
+                                            answers, single)
+    sizes = np.array([row_size(x) for x in inputs], dtype=np.int64)
     rest = [i for i in range(len(inputs)) if i not in answers]
     if rest:
         out = model.predict([inputs[i] for i in rest], batch_size=32)
@@ -438,7 +459,34 @@ def run_profile(
         quality=sample.quality(values),
         scores=scores,
         values=values,
+        row_sizes=sizes,
+        size_share=size_share(sizes, single),
     )
+
+
+#: one-row timings a size fit needs (the profile times at least ``MIN_TIMED_ROWS``)
+MIN_SIZE_FIT_ROWS = 8
+
+
+def size_share(sizes: np.ndarray, single: Sequence[tuple[int, float]]) -> float:
+    """The share of a one-row call's runtime, on the sample's mean row, that grows with the
+    row's size: a least-squares line ``seconds = a + s * size`` through the timed one-row
+    calls, ``s * mean / (a + s * mean)``, in [0, 1]. 0 with too few calls, rows of one size,
+    or no positive slope. (Runtime grows with length: a tweet's one-row call through
+    MiniLM-L6 or SmolLM2 correlates 0.88-0.89 with its characters; rows that escalate to a
+    cascade's later stages are longer than the average row.)"""
+    if len(single) < MIN_SIZE_FIT_ROWS or not sizes.size:
+        return 0.0
+    x = np.array([sizes[r] for r, _ in single], dtype=np.float64)
+    y = np.array([t for _, t in single], dtype=np.float64)
+    if np.ptp(x) == 0:
+        return 0.0
+    slope, intercept = np.polyfit(x, y, 1)
+    mean = float(sizes.mean())
+    at_mean = intercept + slope * mean
+    if slope <= 0 or at_mean <= 0:
+        return 0.0
+    return float(min(1.0, slope * mean / at_mean))
 
 
 def _plain(value: object) -> object:

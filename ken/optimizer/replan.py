@@ -54,7 +54,8 @@ def resampled_catalog(catalog: Catalog, cascade: Cascade, escalation: float,
     rows = np.random.default_rng(seed).choice(len(up), size=len(up), p=weights / weights.sum())
     return Catalog(catalog.perf, {m: q[rows] for m, q in catalog.quality.items()},
                    {m: s[rows] for m, s in catalog.scores.items()},
-                   f"{catalog.sample_hash}-resampled-{escalation:.3f}", catalog.gpu_perf)
+                   f"{catalog.sample_hash}-resampled-{escalation:.3f}", catalog.gpu_perf,
+                   None if catalog.row_sizes is None else catalog.row_sizes[rows])
 
 
 def plan_escalation(catalog: Catalog, plan: GearPlan) -> dict[Cascade, tuple[float, ...]]:

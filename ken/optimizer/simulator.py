@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ken.errors import SimulationError
-from ken.optimizer.perf import Catalog
+from ken.optimizer.perf import Catalog, size_factor
 from ken.optimizer.sim_core import EventLoop, Record, run_metrics
 from ken.optimizer.workload import Trace
 from ken.policy.metrics import PlanMetrics, RangeMetrics, latency_percentiles
@@ -165,6 +165,11 @@ class _Operator:
         self._runtime = [p.runtime_table(r.degree, plan.max_batch[i])
                          for i, (p, r) in enumerate(zip(perf, plan.placement, strict=True))]
         self._spread = [p.spread for p in perf]
+        # per replica: its size share and the expected largest row size per batch size
+        self._sizing = [catalog.size_factors(r.model, r.devices, plan.max_batch[i])
+                        for i, r in enumerate(plan.placement)]
+        self._size = (catalog.row_sizes[rows].tolist() if catalog.row_sizes is not None
+                      else None)
         self._rng = random.Random(seed)  # draws runtime spread factors (if any)
         self._stage, self._gear, self._quality_of = \
             record.stage[index], record.gear[index], record.quality[index]
@@ -176,9 +181,16 @@ class _Operator:
         return started
 
     def runtime_s(self, batch: Batch) -> float:
-        """The profiled runtime of the batch's size on its replica (times a drawn spread
-        factor where the profile has them)."""
-        dt = self._runtime[batch.replica][len(batch.request_ids)]
+        """The profiled runtime of the batch's size on its replica, scaled by the size of
+        its largest row against an average batch's (``perf.size_factor``, where the profile
+        measured a size share), times a drawn spread factor where the profile has them."""
+        b = len(batch.request_ids)
+        dt = self._runtime[batch.replica][b]
+        sizing = self._sizing[batch.replica]
+        if sizing is not None and self._size is not None:
+            share, expected = sizing
+            dt *= size_factor(share, max(self._size[i] for i in batch.request_ids),
+                              expected[min(b, expected.size - 1)])
         factors = self._spread[batch.replica]
         if factors:
             dt *= factors[self._rng.randrange(len(factors))]

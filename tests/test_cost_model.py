@@ -1,0 +1,181 @@
+"""What the simulator charges a batch beyond its profiled runtime (issue 33, item 3): the size
+of its largest row, and the serving calibration that ``ken plan`` measures. Brute force on
+small cases; synthetic logs with known parameters; the engine with stand-in models."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from ken.engine.calibrate import Calibration, fit_calibration, predicted_s
+from ken.engine.supervision import BatchRecord
+from ken.errors import KenError, ProfileError
+from ken.models.cascade import Cascade
+from ken.models.model import row_size
+from ken.optimizer.perf import Catalog, ModelPerf, expected_max, size_factor
+from ken.optimizer.profile import size_share
+from ken.optimizer.simulator import simulate_many
+from ken.optimizer.workload import Trace
+from ken.policy.plan import GearPlan, RangeSchedule, Replica
+
+RT = 0.010  # seconds for a batch of 1 (and 8 for a batch of 8, linearly between)
+
+
+def catalog(sizes: list[int] | None, share: float = 0.0, rows: int = 6) -> Catalog:
+    perf = {m: ModelPerf(m, (1, 8), ((RT, 8 * RT),), (100,), size_share=share)
+            for m in ("a", "b")}
+    q = {m: np.ones(rows) for m in perf}
+    p = {m: np.full((rows, 2), 0.5) for m in perf}
+    return Catalog(perf, q, p, "t", row_sizes=None if sizes is None else np.array(sizes))
+
+
+def one_model(devices: tuple[str, ...] = ("d0",), max_batch: int = 4) -> GearPlan:
+    reps = tuple(Replica("a", (d,)) for d in devices)
+    return GearPlan("op", (0.0, 1e6), (Cascade(("a",)),), reps,
+                    (RangeSchedule(0, (1.0 / len(reps),) * len(reps), (1,) * len(reps)),),
+                    (max_batch,) * len(reps))
+
+
+def test_row_size_counts_the_characters_of_every_text() -> None:
+    assert row_size("abcd") == 4
+    assert row_size(("ab", "cde")) == 5
+    assert row_size({"q": "abc", "t": ["d", "ef"]}) == 6
+    assert row_size(3.5) == 0
+
+
+def test_size_share_recovers_the_share_of_a_linear_runtime() -> None:
+    sizes = np.array([10, 20, 30, 40, 50, 60, 70, 80, 90, 100] * 3)
+    a, s = 0.004, 0.0001  # 4 ms + 0.1 ms per character
+    single = [(i, a + s * sizes[i]) for i in range(len(sizes))]
+    mean = sizes.mean()
+    assert size_share(sizes, single) == pytest.approx(s * mean / (a + s * mean))
+    assert size_share(sizes, single[:5]) == 0.0  # too few calls to fit
+    flat = np.full(30, 50)
+    assert size_share(flat, [(i, 0.01) for i in range(30)]) == 0.0  # one size: nothing to fit
+    falling = [(i, 0.02 - s * sizes[i]) for i in range(len(sizes))]
+    assert size_share(sizes, falling) == 0.0  # no positive slope
+
+
+def test_expected_max_is_exact_against_enumeration() -> None:
+    values = np.array([3.0, 7.0, 1.0, 12.0, 7.0])
+    table = expected_max(values, 3)
+    assert table[0] == 0.0
+    for b in (1, 2, 3):
+        brute = np.mean([max(t) for t in itertools.product(values, repeat=b)])
+        assert table[b] == pytest.approx(brute)
+
+
+def test_size_factors_average_one_over_random_batches() -> None:
+    """A random batch costs its profiled runtime on average: the size-bound share scales
+    with the largest row against the expected largest, so it averages out exactly."""
+    values = np.array([5.0, 40.0, 9.0, 22.0])
+    table = expected_max(values, 3)
+    for b, share in itertools.product((1, 2, 3), (0.3, 1.0)):
+        mean = np.mean([size_factor(share, max(t), table[b])
+                        for t in itertools.product(values, repeat=b)])
+        assert mean == pytest.approx(1.0)
+    assert size_factor(0.5, 10.0, 0.0) == 1.0
+
+
+def test_the_simulator_charges_long_rows_more_and_knows_nothing_without_sizes() -> None:
+    trace = Trace([0.0, 1.0, 2.0, 3.0])  # far apart: each request alone in its batch
+    sizes = [100, 10, 10, 10, 10, 10]
+    rows = [0, 1, 0, 1]
+    sized = catalog(sizes, share=0.5)
+    lat = simulate_many([one_model()], [sized], trace, rows=rows,
+                        routes=[(0,)] * 6).latency_s
+    mean = np.mean(sizes)
+    assert lat[0] == pytest.approx(RT * (0.5 + 0.5 * 100 / mean))
+    assert lat[1] == pytest.approx(RT * (0.5 + 0.5 * 10 / mean))
+    plain = simulate_many([one_model()], [catalog(None, share=0.5)], trace, rows=rows,
+                          routes=[(0,)] * 6).latency_s
+    assert np.allclose(plain, RT)  # no row sizes: every batch its profiled runtime
+    with pytest.raises(ProfileError, match="size_share"):
+        ModelPerf("x", (1,), ((0.1,),), (1,), size_share=1.5)
+    with pytest.raises(ProfileError, match="row sizes cover"):
+        Catalog(sized.perf, dict(sized.quality), dict(sized.scores), row_sizes=np.ones(3))
+    unshared = simulate_many([one_model()], [catalog(sizes, share=0.0)], trace, rows=rows,
+                             routes=[(0,)] * 6).latency_s
+    assert np.allclose(unshared, RT)
+
+
+def _log(a: float, b: float, n: int = 300, seed: int = 0) -> list[BatchRecord]:
+    """Calls of model "a" of 1-4 rows, each ``a + b x predicted`` long times a noise factor
+    (median 1), with two stalls of a second."""
+    rng = np.random.default_rng(seed)
+    cat = catalog(None)
+    out = []
+    for i in range(n):
+        r = BatchRecord("d0", "a", int(rng.integers(1, 5)), i * 1.0, i * 1.0, 0.0)
+        noise = 1.0 + 0.05 * rng.standard_normal() + (100.0 if i in (7, 90) else 0.0)
+        out.append(BatchRecord("d0", "a", r.rows, r.start_s,
+                               r.start_s + (a + b * predicted_s(r, cat)) * noise, 0.0))
+    return out
+
+
+def test_fit_calibration_recovers_overhead_and_factor() -> None:
+    log = _log(0.002, 1.1)
+    cal = fit_calibration(log, catalog(None), source="synthetic")
+    a, b = cal.fits["a"]
+    assert a == pytest.approx(0.002, abs=5e-4)  # the stalls are left out of the fit
+    assert b == pytest.approx(1.1, rel=0.05)
+    assert cal.calls["a"] == len(log)
+    assert "b" not in cal.fits  # never called: left as profiled
+    assert fit_calibration(log[:5], catalog(None)).fits == {}  # too few calls
+
+
+def test_calibration_applies_round_trips_and_refuses_bad_files(tmp_path) -> None:  # noqa: ANN001
+    cal = Calibration({"a": (0.001, 1.2)}, {"a": 50}, "test")
+    cat = cal.apply(catalog([5, 6, 7, 8, 9, 10], share=0.4))
+    assert cat.perf["a"].batch_runtime(1) == pytest.approx(0.001 + 1.2 * RT)
+    assert cat.perf["b"].batch_runtime(1) == RT
+    assert cat.perf["a"].size_share == 0.4 and cat.row_sizes is not None  # kept
+    assert "minilm" not in cal.describe() and "+1.0 ms x1.20" in cal.describe()
+    path = cal.save(tmp_path / "calibration.json")
+    again = Calibration.load(path)
+    assert again.fits == cal.fits and again.calls == cal.calls and again.source == "test"
+    with pytest.raises(KenError, match="ken replay"):
+        Calibration.load(tmp_path / "missing.json")
+    (tmp_path / "v1.json").write_text(json.dumps(
+        {"kind": "ken-runtime-calibration", "version": 1, "spreads": {"a": [1.0]}}))
+    with pytest.raises(KenError, match="version 1"):
+        Calibration.load(tmp_path / "v1.json")
+    with pytest.raises(KenError, match="covers"):
+        Calibration({"zz": (0.0, 1.0)}).apply(catalog(None))
+    with pytest.raises(KenError, match="overhead"):
+        Calibration({"a": (-1.0, 1.0)})
+
+
+def test_measure_calibration_serves_every_model_and_fits_what_it_saw() -> None:
+    """The engine, process workers and fake models whose calls sleep twice as long as their
+    profile says: the fit finds a factor near 2 for both (a sleep does not contend)."""
+    import functools
+
+    import fakes
+
+    from ken.engine.calibrate import measure_calibration
+    from ken.models.datasets import LabelledSample
+    from ken.optimizer.workload import Hardware
+
+    rows = 40
+    sample = LabelledSample("t", tuple(f"row {i} " + "x" * (i % 7) for i in range(rows)),
+                            np.arange(rows) % 3, fakes.LABELS)
+    # the profiles: a 5 ms + 1 ms per row, b 10 ms + 1 ms per row; the models take twice that
+    perf = {m: ModelPerf(m, (1, 8), ((base + 0.001, base + 0.008),), (1000,))
+            for m, base in (("a", 0.005), ("b", 0.010))}
+    cat = Catalog(perf, {m: np.ones(rows) for m in perf},
+                  {m: np.full((rows, 3), 1 / 3) for m in perf}, "t")
+    loaders = {m: functools.partial(fakes.SlowModel, m, 2 * base, 0.002)
+               for m, base in (("a", 0.005), ("b", 0.010))}
+    cal = measure_calibration(cat, loaders, sample, Hardware.cpu_workers(2, 2**30),
+                              seconds=3.0, workers="process")
+    assert set(cal.fits) == {"a", "b"}
+    for m in ("a", "b"):
+        a, b = cal.fits[m]
+        assert cal.calls[m] >= 10
+        # measured = overhead + factor x profile: about 2x, with the round trip as overhead
+        assert 1.6 < b + a / perf[m].batch_runtime(1) < 2.8, cal.describe()
+    assert "every model" in cal.source
