@@ -42,8 +42,9 @@ sentiment family trained on that data; ``--data hellaswag``: the paper's §5.1 w
 ``sem_complete``'s LLM cascade (SmolLM2-135M -> Qwen2.5-Coder-0.5B) on the first
 ``--test-rows`` (200) HellaSwag validation items; results go to benchmarks/results/e2e_hellaswag/.
 
-Runtimes: before planning, one plan serves ``--calibration-s`` of Poisson arrivals and the
-measured model calls calibrate the profiles (``ken.engine.calibrate``); every system is planned
+Runtimes: before planning, the runtimes are calibrated as ``ken plan`` does by default
+(``ken.engine.calibrate.measure_calibration``: every model served for ``--calibration-s``, each
+call fitted as ``overhead + factor x`` its size-scaled profiled runtime); every system is planned
 and simulated with the calibrated catalog.
 
 Writes ``OUT/summary.json`` (``points``: workload, baseline, accuracies, measured and simulated
@@ -70,8 +71,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ken.engine.calibrate import calibrated, runtime_spread
-from ken.engine.replay import replay_rounds, serve_trace
+from ken.engine.calibrate import measure_calibration
+from ken.engine.replay import replay_rounds
 from ken.errors import WorkloadError
 from ken.models import family
 from ken.models.cascade import Cascade
@@ -84,7 +85,6 @@ from ken.optimizer.baselines import (
 )
 from ken.optimizer.cascades import pareto_cascades
 from ken.optimizer.perf import Catalog
-from ken.optimizer.placement import search_placement
 from ken.optimizer.plan_context import one_cascade_context
 from ken.optimizer.planner import PlannerSettings, pareto_plans, plan_frontier, planning_context
 from ken.optimizer.planning import sustained_qps
@@ -206,22 +206,6 @@ def make_workloads(args: argparse.Namespace, capacity: float) -> dict[str, tuple
             eval_t = gamma_trace(rate, args.window_s, args.cv, seed=args.seed + 21)
         out[name] = (plan_t, eval_t)
     return out
-
-
-def calibrate(args: argparse.Namespace, catalog: Catalog, cascades: list[Cascade],
-              hardware: Hardware, loaders: dict, sample, reporter: Reporter) -> tuple:
-    """Serve the most accurate cascade, all models on both devices, on Poisson arrivals at
-    half the rate it sustains; the model calls give each model's runtime spread."""
-    top = max(cascades, key=catalog.accuracy)
-    rate = 0.5 * sustained_qps(catalog, top, len(hardware.devices))
-    trace = poisson_trace(rate, args.calibration_s, seed=args.seed + 1)
-    ctx = planning_context(args.operator, [top], catalog, hardware, trace,
-                           settings=PlannerSettings(num_ranges=2, full_replication=True))
-    plan = search_placement(ctx, (0, 0))[0]
-    served = serve_trace(plan, loaders, trace, sample, seed=args.seed + 1,
-                         reporter=reporter, workers=args.workers)
-    spreads = runtime_spread(served.batch_log, catalog)
-    return calibrated(catalog, spreads), spreads, len(trace)
 
 
 def run_workload(name: str, plan_t: Trace, eval_t: Trace, args: argparse.Namespace,
@@ -572,12 +556,12 @@ def main() -> int:
     catalog = Catalog.from_profiles(profiles)
     cascades = [m.cascade for m in pareto_cascades(profiles)]
     hardware = Hardware.cpu_workers(2, 4 * 10**9)
-    reporter.note(f"calibrating runtimes on {args.calibration_s:.0f} s of Poisson arrivals")
-    cal, spreads, cal_requests = calibrate(args, catalog, cascades, hardware, loaders, sample,
-                                           reporter)
-    medians = {m: v[len(v) // 2] for m, v in spreads.items()}
-    reporter.note("serving / profile runtime (median): " + ", ".join(
-        f"{m} x{v:.2f}" for m, v in medians.items()))
+    used = {m for c in cascades for m in c.models}
+    calibration = measure_calibration(catalog, {m: f for m, f in loaders.items() if m in used},
+                                      sample, hardware, args.calibration_s, seed=args.seed + 1,
+                                      reporter=reporter, workers=args.workers)
+    cal = calibration.apply(catalog)
+    reporter.note(f"runtimes calibrated: {calibration.describe()} ({calibration.source})")
     accurate = max(catalog.models, key=lambda m: (cal.accuracy(Cascade((m,))), m))
     model_qps = sustained_qps(cal, Cascade((accurate,)), len(hardware.devices))
     top = max(cascades, key=cal.accuracy)
@@ -589,8 +573,9 @@ def main() -> int:
     results: dict = {
         "setup": {"data": tag, "operator": args.operator, "sample_rows": len(sample),
                   "devices": "2 CPU workers x 1 thread", "workers": args.workers,
-                  "calibration_requests": cal_requests,
-                  "calibration_median_factor": medians, "most_accurate_model": accurate,
+                  "calibration": {m: {"overhead_s": a, "factor": b}
+                                  for m, (a, b) in calibration.fits.items()},
+                  "calibration_source": calibration.source, "most_accurate_model": accurate,
                   "most_accurate_model_qps": model_qps,
                   "most_accurate_cascade": top.describe(),
                   "most_accurate_cascade_qps": capacity,
