@@ -87,6 +87,8 @@ def _plan_frontier(args: argparse.Namespace, op: Operator) -> int:
     if args.ray is not None and (args.gpus or args.gpu_memory_gb):
         raise UsageError("--ray plans the cluster's CPU workers; --gpus and --gpu-memory-gb "
                          "are for this machine's GPUs")
+    if not args.calibration_seconds > 0:
+        raise UsageError("--calibration-seconds must be > 0")
     if args.ray is not None:  # the cluster's devices replace --devices
         hardware = RayCluster.connect(args.ray).hardware(
             args.device_threads, memory_bytes=int(args.memory_gb * 2**30))
@@ -184,8 +186,6 @@ def _runtime_calibration(args: argparse.Namespace, op: Operator, catalog: Catalo
                       "a plan on " + ("a Ray cluster" if args.ray is not None else "GPUs")
                       + " (give one with --calibration)")
         return None
-    if args.calibration_seconds <= 0:
-        raise UsageError("--calibration-seconds must be > 0")
     ctx = op_context(args, reporter)
     device = DeviceConfig(threads=args.device_threads)
     loaders, sample = op.loaders(ctx, device), op.eval_sample(ctx)

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from ken import store
 from ken.engine.supervision import BatchRecord
 from ken.errors import KenError
 from ken.models.cascade import Cascade
@@ -135,13 +136,11 @@ class Calibration:
         return {m: (round(a, 6), round(b, 4)) for m, (a, b) in self.fits.items()}
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({
+        """Write it as JSON, atomically (``Calibration.load`` reads it)."""
+        return store.write_text(Path(path), json.dumps({
             "kind": CALIBRATION_KIND, "version": 2, "source": self.source,
             "fits": {m: {"overhead_s": a, "factor": b, "calls": self.calls.get(m, 0)}
                      for m, (a, b) in self.fits.items()}}, indent=1))
-        return path
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
