@@ -256,6 +256,15 @@ def test_ken_plan_calibrates_by_default_and_records_it(home, fake_profiles, tmp_
     assert len(measured) == 1  # the file was used, nothing measured
     assert "from cache" in capsys.readouterr().out  # same calibration: the same frontier
 
+    def broken(*_a: Any, **_kw: Any) -> Calibration:
+        raise KenError("a worker could not load its model")
+
+    monkeypatch.setattr("ken.cli.plan.measure_calibration", broken)
+    assert main([*base, "--out", str(tmp_path / "broken")]) == 0  # planned, uncalibrated
+    text = " ".join(capsys.readouterr().out.split())
+    assert "runtime calibration failed (a worker could not load its model)" in text
+    assert "runtimes: profiles, uncalibrated" in text
+
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--devices", "0"], "devices must be >= 1"),

@@ -194,10 +194,16 @@ def _runtime_calibration(args: argparse.Namespace, op: Operator, catalog: Catalo
                       "are not calibrated")
         return None
     used = {m for c in cascades for m in c.models}
-    calibration = measure_calibration(catalog, {m: f for m, f in loaders.items() if m in used},
-                                      sample, hardware, args.calibration_seconds,
-                                      seed=args.seed, reporter=reporter, workers="process",
-                                      threads_per_device=args.device_threads)
+    try:
+        calibration = measure_calibration(
+            catalog, {m: f for m, f in loaders.items() if m in used}, sample, hardware,
+            args.calibration_seconds, seed=args.seed, reporter=reporter, workers="process",
+            threads_per_device=args.device_threads)
+    except KenError as exc:  # a plan from the profiles beats no plan; say what happened
+        console.print(f"runtime calibration failed ({exc}); planning with the profiles' "
+                      "runtimes (--no-calibration skips the attempt)", highlight=False,
+                      markup=False)
+        return None
     reporter.note(f"runtimes calibrated: {calibration.describe()}")
     return calibration
 
