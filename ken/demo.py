@@ -198,7 +198,7 @@ def _compare(frontier, statics, catalog, planning, target: float, replay_s: floa
     goal = served_accuracy(static, catalog, trace)
     k = matched_plan(frontier.plans, goal, catalog, trace)
     plan = frontier.plans[k] if k is not None else frontier.plans[-1]
-    same = plan.to_json() == static.to_json()
+    same = plan.serves_like(static)
     console.print(f"{len(trace)} requests over {trace.duration_s:.0f} s (another seed), 1-s "
                   f"peak {trace.qps_max():g} qps. Static cascade picked on the planning trace "
                   f"for accuracy >= {target:.1%}: {static.cascades[0].describe()}; ken's "

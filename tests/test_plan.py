@@ -78,6 +78,15 @@ def test_gear_plan_json_round_trip() -> None:
     assert GearPlan.from_json(again.to_json()).to_json() == again.to_json()
 
 
+def test_plans_that_serve_alike_whatever_they_predicted() -> None:
+    """Two planning paths can reach one plan with different predictions (the demo's static
+    cascade and ken's one-gear plan of it): they serve alike; another trigger does not."""
+    a = make_plan(predicted=_metrics(0.8, 100.0))
+    b = replace(make_plan(predicted=_metrics(0.79, 120.0)), provenance=(("from", "elsewhere"),))
+    assert a.to_json() != b.to_json() and a.serves_like(b) and b.serves_like(a)
+    assert not a.serves_like(replace(a, max_wait_s=a.max_wait_s * 2))
+
+
 def test_gear_plan_round_trip_without_prediction() -> None:
     plan = make_plan().with_predicted(None)  # type: ignore[arg-type]
     again = GearPlan.from_json(plan.to_json())

@@ -16,7 +16,7 @@ import itertools
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -300,6 +300,13 @@ class GearPlan(Plan):
 
     def gear_lines(self) -> list[str]:
         return [f"{lo:g}-{hi:g} qps: {self.cascades[c].describe()}" for lo, hi, c in self.gears()]
+
+    def serves_like(self, other: GearPlan) -> bool:
+        """Whether ``other`` serves exactly as this plan does: the same gears, placement,
+        schedules and triggers, whatever each predicted or where it came from (two planning
+        paths can reach one plan and simulate it with different seeds)."""
+        return replace(self, predicted=None, provenance=()) == \
+            replace(other, predicted=None, provenance=())
 
     def headline(self) -> str:
         return (f"{self._gears_word(len(self.gears()))} over 0-{self.qps_max:g} qps on "
