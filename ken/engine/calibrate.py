@@ -36,7 +36,7 @@ from ken.engine.supervision import BatchRecord
 from ken.errors import KenError
 from ken.models.cascade import Cascade
 from ken.optimizer.baselines import static_plans
-from ken.optimizer.perf import Catalog, ModelPerf, size_factor
+from ken.optimizer.perf import Catalog, ModelPerf, sized_runtime
 from ken.optimizer.plan_context import PlannerSettings, planning_context
 from ken.optimizer.workload import Hardware, Trace, gamma_trace
 from ken.policy.plan import GearPlan
@@ -48,12 +48,9 @@ def predicted_s(record: BatchRecord, catalog: Catalog) -> float:
     scaled by its largest row's size where the catalog knows sizes (``Catalog.size_factors``)."""
     if record.model not in catalog.perf:
         raise KenError(f"the engine ran {record.model}, which the catalog has no profile of")
-    seconds = catalog.perf_on(record.model, record.device).batch_runtime(record.rows)
-    sizing = catalog.size_factors(record.model, record.device, record.rows)
-    if sizing is None or record.largest <= 0:
-        return seconds
-    share, expected = sizing
-    return seconds * size_factor(share, record.largest, expected[record.rows])
+    return sized_runtime(catalog.perf_on(record.model, record.device).batch_runtime(record.rows),
+                         catalog.size_factors(record.model, record.device, record.rows),
+                         record.rows, record.largest)
 
 
 def runtime_ratios(log: Iterable[BatchRecord], catalog: Catalog, include_bulk: bool = False

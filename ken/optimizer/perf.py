@@ -212,7 +212,14 @@ class Catalog:
         share = self.perf_on(model, device).size_share
         if self.row_sizes is None or share <= 0 or not self.row_sizes.size:
             return None
-        return share, expected_max(self.row_sizes, max_batch)
+        cache = self._expected_max_cache  # every simulation of a plan asks for the same table
+        if max_batch not in cache:
+            cache[max_batch] = expected_max(self.row_sizes, max_batch)
+        return share, cache[max_batch]
+
+    @cached_property
+    def _expected_max_cache(self) -> dict[int, np.ndarray]:
+        return {}
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -276,6 +283,17 @@ def expected_max(values: np.ndarray, up_to: int) -> np.ndarray:
         p = cdf ** b
         out[b] = float(np.dot(x, p[1:] - p[:-1]))
     return out
+
+
+def sized_runtime(seconds: float, sizing: tuple[float, np.ndarray] | None, rows: int,
+                  largest: float) -> float:
+    """``seconds`` (a batch of ``rows`` rows' profiled runtime) scaled by its largest row's
+    size, with ``sizing`` from ``Catalog.size_factors`` (None: unscaled): what the simulator
+    charges a batch, and what calibration compares serving calls with."""
+    if sizing is None or largest <= 0:
+        return seconds
+    share, expected = sizing
+    return seconds * size_factor(share, largest, expected[min(rows, expected.size - 1)])
 
 
 def size_factor(share: float, largest: float, expected: float) -> float:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ken.errors import SimulationError
-from ken.optimizer.perf import Catalog, size_factor
+from ken.optimizer.perf import Catalog, sized_runtime
 from ken.optimizer.sim_core import EventLoop, Record, run_metrics
 from ken.optimizer.workload import Trace
 from ken.policy.metrics import PlanMetrics, RangeMetrics, latency_percentiles
@@ -186,11 +186,9 @@ class _Operator:
         measured a size share), times a drawn spread factor where the profile has them."""
         b = len(batch.request_ids)
         dt = self._runtime[batch.replica][b]
-        sizing = self._sizing[batch.replica]
-        if sizing is not None and self._size is not None:
-            share, expected = sizing
-            dt *= size_factor(share, max(self._size[i] for i in batch.request_ids),
-                              expected[min(b, expected.size - 1)])
+        if self._size is not None:
+            dt = sized_runtime(dt, self._sizing[batch.replica], b,
+                               max(self._size[i] for i in batch.request_ids))
         factors = self._spread[batch.replica]
         if factors:
             dt *= factors[self._rng.randrange(len(factors))]
