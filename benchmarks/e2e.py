@@ -210,12 +210,6 @@ def make_workloads(args: argparse.Namespace, capacity: float) -> dict[str, tuple
     return out
 
 
-def serving_key(plan: GearPlan) -> str:
-    """What a plan serves, as a key: two systems whose plans serve alike are replayed once
-    (``GearPlan.serves_like``: predictions and provenance left out)."""
-    return replace(plan, predicted=None, provenance=()).to_json()
-
-
 def run_workload(name: str, plan_t: Trace, eval_t: Trace, args: argparse.Namespace,
                  catalog: Catalog, cascades: list[Cascade], hardware: Hardware,
                  loaders: dict, sample, reporter: Reporter) -> tuple[list[dict], list[System],
@@ -300,7 +294,7 @@ def run_workload(name: str, plan_t: Trace, eval_t: Trace, args: argparse.Namespa
             s.note = (f"not replayed: simulated p95 {s.window.p95_ms / 1000:.1f} s on the "
                       "replayed window (overloaded)")
             continue
-        unique.setdefault(serving_key(s.plan), s)
+        unique.setdefault(s.plan.serving_key(), s)
     replay_list = list(unique.values())
     # every request is served (no admission control): latency and accuracy of every system
     # are measured on the same rows; an engine that turns requests away would score them
@@ -315,7 +309,7 @@ def run_workload(name: str, plan_t: Trace, eval_t: Trace, args: argparse.Namespa
                           "host_cpu_s": r.replay.host_cpu_s,
                           "load_s": r.load.total_s} for r in served]
     for s in systems:  # a plan served under two names shares its replays
-        twin = unique.get(serving_key(s.plan))
+        twin = unique.get(s.plan.serving_key())
         if twin is not None and twin is not s:
             s.replays, s.replay_info = twin.replays, twin.replay_info
     points = [point(name, b, k) for b, k in pairs]
@@ -355,8 +349,8 @@ def fidelity(systems: list[System]) -> list[dict]:
     """Per replayed plan: its simulated p95 on the replayed window against the measured."""
     seen: dict[str, dict] = {}
     for s in systems:
-        if s.replays and serving_key(s.plan) not in seen:
-            seen[serving_key(s.plan)] = {
+        if s.replays and s.plan.serving_key() not in seen:
+            seen[s.plan.serving_key()] = {
                 "plan": s.label, "simulated_p95_ms": s.window.p95_ms,
                 "measured_p95_ms": s.measured_p95(),
                 "measured_p95s_ms": [m.p95_ms for m in s.replays],

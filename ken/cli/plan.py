@@ -176,9 +176,7 @@ def _runtime_calibration(args: argparse.Namespace, op: Operator, catalog: Catalo
     with ``--no-calibration``, else measured now by serving every candidate model on this
     machine's CPU workers for ``--calibration-seconds`` (``measure_calibration``)."""
     if args.calibration is not None:
-        calibration = Calibration.load(args.calibration)
-        reporter.note(f"runtimes calibrated by {args.calibration}: {calibration.describe()}")
-        return calibration
+        return _load_calibration(args.calibration, reporter)
     if args.no_calibration:
         return None
     if args.ray is not None or hardware.kinds != ("cpu",):
@@ -205,6 +203,12 @@ def _runtime_calibration(args: argparse.Namespace, op: Operator, catalog: Catalo
                       markup=False)
         return None
     reporter.note(f"runtimes calibrated: {calibration.describe()}")
+    return calibration
+
+
+def _load_calibration(path: Path, reporter: Reporter) -> Calibration:
+    calibration = Calibration.load(path)
+    reporter.note(f"runtimes calibrated by {path}: {calibration.describe()}")
     return calibration
 
 
@@ -246,9 +250,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         reporter.note(f"Ray: the hop to an actor, {1000 * hop:.1f} ms, counted in every batch")
     profiled = catalog
     if args.calibration is not None:  # simulate with serving times
-        calibration = Calibration.load(args.calibration)
-        reporter.note(f"runtimes calibrated by {args.calibration}: {calibration.describe()}")
-        catalog = calibration.apply(catalog)
+        catalog = _load_calibration(args.calibration, reporter).apply(catalog)
     peak = (args.peak_qps or plan.qps_max) * args.rate_scale
     trace = planning_trace(args.trace, peak, args.duration, seed=args.seed)
     reporter.note(f"plan: {len(plan.gears())} gears on {', '.join(plan.devices)}; trace "

@@ -183,9 +183,10 @@ def fit_calibration(log: Iterable[BatchRecord], catalog: Catalog, source: str = 
     for m, pairs in runtime_ratios(log, catalog).items():
         if len(pairs) < min_calls:
             continue
-        x = np.array([predicted_s(r, catalog) for r, _ in pairs])
         y = np.array([r.seconds for r, _ in pairs])
-        keep = y / x <= np.percentile(y / x, 99)
+        ratio = np.array([q for _, q in pairs])
+        x = y / ratio  # the predicted runtimes ``runtime_ratios`` divided by
+        keep = ratio <= np.percentile(ratio, 99)
         x, y = x[keep], y[keep]
         (a, b), _ = nnls(np.column_stack([np.ones_like(x), x]), y)
         if b <= 0:

@@ -301,12 +301,16 @@ class GearPlan(Plan):
     def gear_lines(self) -> list[str]:
         return [f"{lo:g}-{hi:g} qps: {self.cascades[c].describe()}" for lo, hi, c in self.gears()]
 
+    def serving_key(self) -> str:
+        """What this plan serves, as text: its JSON without what it predicted or where it
+        came from (two planning paths can reach one plan and simulate it with different
+        seeds)."""
+        return replace(self, predicted=None, provenance=()).to_json()
+
     def serves_like(self, other: GearPlan) -> bool:
         """Whether ``other`` serves exactly as this plan does: the same gears, placement,
-        schedules and triggers, whatever each predicted or where it came from (two planning
-        paths can reach one plan and simulate it with different seeds)."""
-        return replace(self, predicted=None, provenance=()) == \
-            replace(other, predicted=None, provenance=())
+        schedules and triggers (``serving_key``)."""
+        return self.serving_key() == other.serving_key()
 
     def headline(self) -> str:
         return (f"{self._gears_word(len(self.gears()))} over 0-{self.qps_max:g} qps on "
