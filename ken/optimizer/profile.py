@@ -473,8 +473,8 @@ def size_share(sizes: np.ndarray, single: Sequence[tuple[int, float]]) -> float:
     row's size: a least-squares line ``seconds = a + s * size`` through the timed one-row
     calls, ``s * mean / (a + s * mean)``, in [0, 1]. 0 with too few calls, rows of one size,
     or no positive slope. (Runtime grows with length: a tweet's one-row call through
-    MiniLM-L6 or SmolLM2 correlates 0.88-0.89 with its characters; rows that escalate to a
-    cascade's later stages are longer than the average row.)"""
+    MiniLM-L6 or SmolLM2 correlates 0.87-0.89 with its characters, and rows that escalate to
+    a cascade's later stages are longer than the average row: ``benchmarks/row_size.py``.)"""
     if len(single) < MIN_SIZE_FIT_ROWS or not sizes.size:
         return 0.0
     x = np.array([sizes[r] for r, _ in single], dtype=np.float64)
