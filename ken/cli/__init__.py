@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show the traceback of an error (for bug reports)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    models = sub.add_parser("models", help="prepare and list the packaged model family")
+    models = sub.add_parser("models", help="prepare and list the packaged model family; add "
+                            "your own causal LMs")
     msub = models.add_subparsers(dest="models_command", required=True)
     prep = msub.add_parser("prepare", help="convert models and train their heads (cached)")
     family_args(prep)
@@ -115,6 +116,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the model (mpnet-base: all-mpnet-base-v2, 405 MB)")
     fetch.add_argument("--quiet", action="store_true", help="no progress output")
     fetch.set_defaults(func=_command("ken.cli.models", "cmd_models_fetch"))
+    add = msub.add_parser(
+        "add", help="add your own causal LM (a transformers folder or a .gguf file) under a "
+        "name the LLM operators can use",
+        description="Copy (or, for a GGUF, convert) a local causal LM into the model store "
+        "as NAME, after checking it: safetensors or GGUF weights only (pickled weights are "
+        "refused), no remote code, and it must load as a transformers causal LM and score a "
+        "continuation on the CPU. Then name it in an LLM operator: "
+        "session.operators['sem_qa'].llms = ('NAME',).")
+    add.add_argument("name", help="a name of letters, digits, '.', '-' or '_' (not a "
+                     "packaged model's)")
+    add.add_argument("path", type=Path, help="a transformers model folder (config.json, "
+                     "tokenizer files, .safetensors weights) or a .gguf file")
+    add.add_argument("--force", action="store_true", help="replace a model added as NAME")
+    add.add_argument("--quiet", action="store_true", help="no progress output")
+    add.set_defaults(func=_command("ken.cli.models", "cmd_models_add"))
+    rm = msub.add_parser("remove", help="delete a causal LM added with `ken models add`")
+    rm.add_argument("name", help="the name it was added as")
+    rm.set_defaults(func=_command("ken.cli.models", "cmd_models_remove"))
     ver = msub.add_parser("verify", help="check every file of the model store (KEN_HOME) "
                           "against the hashes recorded when it was written",
                           description="Check every entry of the model store: converted "

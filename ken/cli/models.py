@@ -1,5 +1,5 @@
-"""`ken models prepare | list | fetch`, `ken profile` and `ken cascades`: the packaged model
-family, its profiles and its Pareto cascades."""
+"""`ken models prepare | list | fetch | add | remove`, `ken profile` and `ken cascades`: the
+packaged model family, its profiles and its Pareto cascades, and the causal LMs a user adds."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ import json
 from collections.abc import Sequence
 
 from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 
 from ken import store
 from ken.cli import family_data, op_context
 from ken.errors import ProfileError, StoreError
-from ken.models import family
+from ken.models import family, registry
 from ken.models.cascade import Cascade
 from ken.models.fetch import CHUNKED_MODELS
 from ken.models.model import DeviceConfig
@@ -60,13 +62,56 @@ def family_profiles(args: argparse.Namespace, threads: Sequence[int], reporter: 
                    for p in operator_profiles(Sentiment(), ctx, t, sizes).values()]
 
 
+def cmd_models_add(args: argparse.Namespace) -> int:
+    added = registry.add(args.name, args.path, force=args.force, reporter=Reporter(args.quiet))
+    console.print(f"added {added.name}: {added.architecture}, {added.num_params / 1e6:.0f}M "
+                  f"parameters, {added.size_bytes / 1e6:.0f} MB in {added.folder}; use it with "
+                  f"session.operators['sem_qa'].llms = ('{added.name}',)",
+                  markup=False, highlight=False)
+    return 0
+
+
+def cmd_models_remove(args: argparse.Namespace) -> int:
+    folder = registry.remove(args.name)
+    console.print(f"removed {args.name} ({folder})", markup=False, highlight=False)
+    return 0
+
+
 def cmd_models_list(args: argparse.Namespace) -> int:
     cards = family.load_cards(family_data(args), missing_ok=True)
-    if not cards:
+    added = added_table()
+    if not cards and added is None:
         console.print("no models prepared yet; run `ken models prepare`")
         return 1
-    console.print(models_table(cards, _cached_profiles(cards)))
+    if cards:
+        console.print(models_table(cards, _cached_profiles(cards)))
+    else:
+        console.print("no model family prepared yet; run `ken models prepare`")
+    if added is not None:
+        console.print(added)
     return 0
+
+
+def added_table() -> Table | None:
+    """The causal LMs added with `ken models add` (None when there are none); a damaged one
+    is listed with what is wrong."""
+    names = registry.added_names()
+    if not names:
+        return None
+    table = Table(title="language models added with `ken models add`")
+    for column in ("name", "source", "architecture", "params", "size"):
+        table.add_column(column, justify="right" if column in ("params", "size") else "left")
+    for name in names:
+        try:
+            lm = registry.load(name)
+        except StoreError as exc:
+            table.add_row(Text(name), Text(f"damaged: {exc}"), "", "", "")
+            continue
+        # Text cells: a path or a name may hold brackets, which are not markup here
+        table.add_row(Text(lm.name), Text(f"{lm.source} ({lm.source_format})"),
+                      Text(lm.architecture), f"{lm.num_params / 1e6:.0f}M",
+                      f"{lm.size_bytes / 1e6:.0f} MB")
+    return table
 
 
 def _cached_profiles(cards: Sequence[family.ModelCard]) -> list[Profile]:

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 from ken import multihop, multihop_plan, ops, store
-from ken.models import convert, family
+from ken.models import convert, family, registry
 from ken.models.fetch import DOWNLOADS, gguf_entry
 from ken.models.resources import CAUSAL_LMS, causal_lm_dir
 from ken.optimizer import planning, profile, tokens
@@ -24,6 +24,9 @@ def _store_entries(home: Path) -> list[tuple[str, object, object]]:
     out: list[tuple[str, object, object]] = []
     for entry in convert.store_entries(home):
         name = entry.root.name
+        if registry.is_added(name, home):  # a user's: ken cannot make it again
+            out.append(("added model", registry.entry(name, home), None))
+            continue
         if name in CAUSAL_LMS:
             rebuild = functools.partial(causal_lm_dir, name, home, reporter)
         elif name in family.ALL_MEMBER_NAMES:

@@ -206,7 +206,7 @@ def converted(name: str, home: Path, make: Callable[[Path], None], reporter: Rep
 
 
 @contextmanager
-def _quiet_transformers() -> Iterator[None]:
+def quiet_transformers() -> Iterator[None]:
     """Silence transformers' info logging and progress bars, restoring the caller's settings.
 
     The GGUF reader uses ``tqdm`` directly rather than transformers' wrapper, so its module
@@ -516,7 +516,7 @@ def convert_minilm_l3(onnx_path: Path, tokenizer_dir: Path, out_dir: Path) -> Pa
     except Exception as err:  # onnx raises DecodeError and friends for corrupt files
         raise ModelError(f"cannot read the ONNX file {onnx_path}: {err}") from err
 
-    with _quiet_transformers():
+    with quiet_transformers():
         base = None
         if (tokenizer_dir / "config.json").is_file():
             candidate = BertConfig.from_pretrained(tokenizer_dir)
@@ -592,13 +592,24 @@ def convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> Path:
     has none) so that ``AutoModelForCausalLM`` and ``AutoModel`` load ``out_dir`` directly.
     Returns ``out_dir``.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     gguf_dir, out_dir = Path(gguf_dir), Path(out_dir)
     if not (gguf_dir / gguf_file).is_file():
         raise ModelError(f"no GGUF file {gguf_file!r} in {gguf_dir}")
-    with _quiet_transformers():
+    with _staging_dir(out_dir) as staging:
+        write_gguf_folder(gguf_dir, gguf_file, staging)
+    return out_dir
+
+
+def write_gguf_folder(gguf_dir: Path, gguf_file: str, folder: Path) -> Path:
+    """:func:`convert_gguf` into the existing (empty) ``folder``, unsealed: for a caller that
+    stages, checks and seals the folder itself (``ken models add``). Returns ``folder``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_dir, folder = Path(gguf_dir), Path(folder)
+    if not (gguf_dir / gguf_file).is_file():
+        raise ModelError(f"no GGUF file {gguf_file!r} in {gguf_dir}")
+    with quiet_transformers():
         try:
             gguf_model = AutoModelForCausalLM.from_pretrained(
                 gguf_dir, gguf_file=gguf_file, dtype=torch.float32
@@ -608,8 +619,10 @@ def convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> Path:
             raise ModelError(
                 f"loading {gguf_file} needs the `gguf` and `accelerate` packages: {err}"
             ) from err
-        except (OSError, ValueError, KeyError) as err:
-            raise ModelError(f"cannot load {gguf_dir / gguf_file}: {err}") from err
+        except Exception as err:  # noqa: BLE001 - a malformed GGUF fails in the reader's
+            # struct unpacking, numpy or torch, with any of their exceptions: name the file
+            raise ModelError(f"cannot load {gguf_dir / gguf_file} (is it a complete GGUF "
+                             f"file?): {type(err).__name__}: {err}") from err
         gguf_model.eval()
         plain = rebuild_plain_model(gguf_model)
 
@@ -633,11 +646,9 @@ def convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> Path:
             tokenizer.model_max_length = plain.config.max_position_embeddings
         plain.config.pad_token_id = tokenizer.pad_token_id
         plain.generation_config.pad_token_id = tokenizer.pad_token_id
-
-        with _staging_dir(out_dir) as staging:
-            plain.save_pretrained(staging)
-            tokenizer.save_pretrained(staging)
-    return out_dir
+        plain.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return folder
 
 
 def convert_smollm2_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> Path:

