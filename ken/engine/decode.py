@@ -456,7 +456,7 @@ class CascadeServer(DecodeServer):
             self._queue_on(rid, nxt, now)
             return
         p = self._pending.pop(rid)
-        value = model.finish(gen.text) if model.finish else gen.text
+        value = model.value(gen.text, p.row)
         p.future.set_result(Outcome(rid, "ok", p.arrival_s, now, value, certainty, stage, lane,
                                     gear, first_token_s=p.first_token_s, generation=gen))
 
@@ -477,7 +477,7 @@ def generate_rows(model: GenerativeModel, rows: Sequence, max_running: int = 8) 
     prompts = model.requests(rows)
     live = [i for i, p in enumerate(prompts) if p]
     if not live:
-        return model.output(len(rows), [], [])
+        return model.output(rows, [], [])
     with DecodeServer(model.lm, max_running=max(1, max_running), stop=model.stop) as server:
         futures = [server.submit(prompts[i], model.max_new_tokens) for i in live]
         outcomes = [f.result() for f in futures]
@@ -485,7 +485,7 @@ def generate_rows(model: GenerativeModel, rows: Sequence, max_running: int = 8) 
     if bad:
         raise ModelError(f"{model.name}: {len(bad)} of {len(live)} rows failed to generate: "
                          f"{bad[0].error}")
-    return model.output(len(rows), live, [o.generation for o in outcomes])
+    return model.output(rows, live, [o.generation for o in outcomes])
 
 
 def kv_tokens_in(lm: CausalLM, memory_bytes: int) -> int:

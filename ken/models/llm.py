@@ -4,11 +4,12 @@
   context and its options (one per line); the value is the index of the option most likely
   to continue the context, the certainty its probability among the options.
 * :class:`ChoiceModel` answers with one of a fixed set of options: each option is scored as
-  the assistant's answer to a chat prompt holding the text.
+  the assistant's answer to a chat prompt holding the text, calibrated against content-free
+  inputs so that an option the model likes whatever the text says does not win by default.
 * :class:`GenerativeModel` generates free text for a chat prompt; the certainty is the
   length-normalised sequence probability (``mean_prob``) or its least likely token
-  (``min_prob``). A ``finish`` callable turns the answer into the SQL value (e.g. NULL for
-  "none").
+  (``min_prob``). A ``finish(answer, row)`` callable turns the answer to a row into the SQL
+  value (e.g. NULL for "none", or the span of the row's text the answer names).
 
 How a row becomes a prompt is the operator's business: models take a ``Prompter``, a
 picklable callable ``prompter(lm, row) -> token ids`` (so worker processes can rebuild
@@ -24,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ken import store
 from ken.errors import ModelError
 from ken.models.data_text import encode_row
 from ken.models.generation import Generation, generate, option_probabilities, score_options
@@ -37,6 +39,9 @@ Prompter = Callable[[CausalLM, Any], "list[int] | None"]
 #: option), ``"bytes"`` (per byte of the option's text, as the LM evaluation harnesses'
 #: ``acc_norm``), ``"tokens"`` (per token)
 NORMALISATIONS = ("sum", "bytes", "tokens")
+
+#: the content-free inputs a :class:`ChoiceModel` calibrates its option scores against
+CONTENT_FREE = ("N/A", "[MASK]", "none")
 
 
 def truncate_ids(ids: list[int], limit: int, side: str) -> list[int]:
@@ -60,7 +65,8 @@ def _spec(name: str, family: str, lm: CausalLM, max_tokens: int, labels: tuple[s
     return ModelSpec(name=name, family=family, backend="transformers", source=lm.source,
                      num_params=lm.num_params, memory_bytes=lm.memory_bytes,
                      max_tokens=max_tokens, labels=labels,
-                     fingerprint=f"{name}-{short_hash(lm.source, *key)}", num_inputs=num_inputs)
+                     fingerprint=f"{name}-{short_hash(store.content_id(lm.source), *key)}",
+                     num_inputs=num_inputs)
 
 
 def _choose(scores: np.ndarray, lengths: np.ndarray, normalise: str) -> tuple[int, float]:
@@ -126,12 +132,26 @@ class ContinuationModel(Model):
 
 class ChoiceModel(Model):
     """One of ``options`` per row, each scored as the assistant's answer to the chat prompt
-    ``prompter(lm, row)``; the value is the option text."""
+    ``prompter(lm, row)``; the value is the option text.
+
+    With ``calibrate`` (the default) the scores are calibrated against content-free inputs
+    (:data:`CONTENT_FREE`, "contextual calibration", Zhao et al., ICML 2021): each option's
+    mean score when the row's text is replaced by one of them is its prior, the model's taste
+    for that option whatever the text says, and is subtracted from the row's scores before
+    the softmax. The prior is measured once per model (one short batched pass). The
+    certainty is how far the calibrated distribution is from uniform,
+    ``(p_best - 1/k) / (1 - 1/k)``: 0 when the model cannot tell the options apart, 1 when
+    it is sure, on the same scale for two options or ten (so one escalation threshold means
+    the same for any option list).
+    """
 
     def __init__(self, lm: CausalLM, options: Sequence[str], prompter: Prompter, name: str,
-                 family: str, prompt_version: str, normalise: str = "sum") -> None:
+                 family: str, prompt_version: str, normalise: str = "sum",
+                 calibrate: bool = True) -> None:
         if normalise not in NORMALISATIONS:
             raise ModelError(f"normalise must be one of {NORMALISATIONS}, not {normalise!r}")
+        if len(options) < 2:
+            raise ModelError(f"{name} needs at least two options, got {list(options)}")
         self.lm = lm
         self.device = lm.device
         self.options = tuple(options)
@@ -139,32 +159,66 @@ class ChoiceModel(Model):
         self.normalise = normalise
         encode = lm.tokenizer.encode
         self.option_ids = [encode(o, add_special_tokens=False) for o in self.options]
+        self.lengths = np.array([len(ids) for ids in self.option_ids], float)
+        self.calibrated = calibrate
+        self.prior = self._prior() if calibrate else np.zeros(len(self.options))
         self.spec = _spec(name, family, lm, lm.context_tokens, self.options, 1,
-                          prompt_version, normalise)
+                          prompt_version, normalise,
+                          f"calibrated:{','.join(CONTENT_FREE)}" if calibrate else "raw")
 
-    def predict(self, texts: Sequence, batch_size: int = 16) -> Output:
+    def _normalised(self, scores: np.ndarray) -> np.ndarray:
+        if self.normalise == "sum":
+            return scores
+        return scores / np.maximum(self.lengths, 1) * max(float(self.lengths.mean()), 1.0)
+
+    def _prior(self) -> np.ndarray:
+        """Each option's mean (normalised) score over the content-free inputs."""
+        columns = len(getattr(self.prompter, "columns", ("text",)))
+        rows = [text if columns == 1 else (text,) * columns for text in CONTENT_FREE]
+        prompts = [p for p in (self.prompter(self.lm, row) for row in rows) if p]
+        if not prompts:
+            raise ModelError(f"{self.name}'s prompt gives no prompt for the content-free inputs "
+                             f"{CONTENT_FREE}: it cannot be calibrated")
+        scores = score_options(self.lm, prompts, [self.option_ids] * len(prompts))
+        return np.mean([self._normalised(np.asarray(s)) for s in scores], axis=0)
+
+    def option_probabilities(self, texts: Sequence, batch_size: int = 16) -> np.ndarray:
+        """Each row's calibrated option distribution, ``(rows, k)``; NaN for a row with no
+        prompt (NULL or blank input)."""
         prompts = [self.prompter(self.lm, t) for t in texts]
         live = [i for i, p in enumerate(prompts) if p]
-        values: list[Any] = [None] * len(texts)
-        certainty = np.ones(len(texts))
+        probs = np.full((len(texts), len(self.options)), np.nan)
         if live:
             scores = score_options(self.lm, [prompts[i] for i in live],
                                    [self.option_ids] * len(live), batch_size=batch_size)
-            lengths = np.array([len(ids) for ids in self.option_ids], float)
             for i, row_scores in zip(live, scores, strict=True):
-                best, certainty[i] = _choose(row_scores, lengths, self.normalise)
-                values[i] = self.options[best]
+                probs[i] = option_probabilities(self._normalised(np.asarray(row_scores))
+                                                - self.prior)
+        return probs
+
+    def predict(self, texts: Sequence, batch_size: int = 16) -> Output:
+        probs = self.option_probabilities(texts, batch_size)
+        k = len(self.options)
+        values: list[Any] = [None] * len(texts)
+        certainty = np.ones(len(texts))
+        for i, p in enumerate(probs):
+            if np.isnan(p).any():
+                continue
+            best = int(np.argmax(p))
+            values[i] = self.options[best]
+            certainty[i] = (p[best] - 1.0 / k) / (1.0 - 1.0 / k)
         return Output(values, certainty)
 
 
 class GenerativeModel(Model):
     """Free text for the chat prompt ``prompter(lm, row)``, greedy, at most
-    ``max_new_tokens`` tokens; ``finish(text)`` gives the value (None: no answer)."""
+    ``max_new_tokens`` tokens; ``finish(text, row)`` gives the value (None: no answer)."""
 
     def __init__(self, lm: CausalLM, prompter: Prompter, name: str, family: str,
                  prompt_version: str, max_new_tokens: int = 32, stop: Sequence[str] = (),
                  certainty: str = "mean_prob",
-                 finish: Callable[[str], Any] | None = None, num_inputs: int = 1) -> None:
+                 finish: Callable[[str, Any], Any] | None = None, num_inputs: int = 1
+                 ) -> None:
         self.lm = lm
         self.device = lm.device
         self.prompter = prompter
@@ -186,16 +240,22 @@ class GenerativeModel(Model):
         live = [i for i, p in enumerate(prompts) if p]
         answers = generate(self.lm, [prompts[i] for i in live], self.max_new_tokens,
                            self.stop, batch_size=batch_size) if live else []
-        return self.output(len(texts), live, answers)
+        return self.output(texts, live, answers)
 
-    def output(self, rows: int, live: Sequence[int], answers: Sequence[Generation]) -> Output:
-        """The output for ``rows`` rows, of which ``live`` got the ``answers``."""
-        values: list[Any] = [None] * rows
-        certainty = np.ones(rows)
-        tokens = np.zeros(rows, dtype=np.int64)
-        logprobs: list[np.ndarray] = [np.zeros(0)] * rows
+    def value(self, text: str, row: Any) -> Any:
+        """The value of the answer ``text`` to ``row``."""
+        return self.finish(text, row) if self.finish else text
+
+    def output(self, rows: Sequence, live: Sequence[int], answers: Sequence[Generation]
+               ) -> Output:
+        """The output for ``rows``, of which those at ``live`` got the ``answers``."""
+        n = len(rows)
+        values: list[Any] = [None] * n
+        certainty = np.ones(n)
+        tokens = np.zeros(n, dtype=np.int64)
+        logprobs: list[np.ndarray] = [np.zeros(0)] * n
         for i, g in zip(live, answers, strict=True):
-            values[i] = self.finish(g.text) if self.finish else g.text
+            values[i] = self.value(g.text, rows[i])
             certainty[i] = g.certainty(self.certainty_kind)
             tokens[i] = g.num_tokens
             logprobs[i] = np.asarray(g.logprobs)

@@ -11,6 +11,7 @@ column the prompt needs gives no prompt, and the row the SQL value NULL.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,10 +91,17 @@ SEM_QA = ChatPrompt(
     ("question", "context"), ("right", "right"), (64, 448))
 
 SEM_CHOICE = ChatPrompt(
-    "sem_choice", "v1",
-    "{text}\n\nWhich of these fits the text above best: {options}? Answer with the option "
-    "only.",
-    ("text",), ("right",), (256,))
+    "sem_choice", "v2",
+    "Text: {text}\n\nWhich one of these options describes the text?\n{options}\nAnswer with "
+    "the option only.",
+    ("text",), ("right",), (256,),
+    system="You classify texts. Reply with exactly one of the options given.")
+
+
+def option_list(options: tuple[str, ...]) -> str:
+    """The options as the choice prompts list them: one per line, each after a dash."""
+    return "\n".join(f"- {o}" for o in options)
+
 
 #: answers that mean "not in the text" for sem_extract (compared lower-cased, without a
 #: final full stop)
@@ -101,7 +109,44 @@ NONE_ANSWERS = frozenset({"", "none", "n/a", "na", "not mentioned", "nothing",
                           "unknown"})
 
 
-def extracted_value(text: str) -> str | None:
-    """sem_extract's SQL value of an answer: None when the model says it is absent."""
-    answer = text.strip().strip('"').strip()
-    return None if answer.lower().rstrip(".") in NONE_ANSWERS else answer
+def extracted_value(answer: str, row: Any = None) -> str | None:
+    """sem_extract's SQL value of an answer: None when the model says it is absent; else, when
+    the row's text is given, the span of that text the answer names (:func:`text_span`), or
+    None when the answer is not in the text."""
+    answer = answer.strip().strip('"').strip()
+    if answer.lower().rstrip(".") in NONE_ANSWERS:
+        return None
+    if row is None:
+        return answer
+    text = row[0] if isinstance(row, (tuple, list)) else row
+    return text_span(answer, text) if isinstance(text, str) else None
+
+
+_WORD = re.compile(r"\w+", re.UNICODE)
+
+
+def text_span(answer: str, text: str) -> str | None:
+    """The part of ``text`` that ``answer`` quotes, in the text's own spelling: the answer
+    itself when it occurs in the text (ignoring case and a final full stop); else the longest
+    run of the answer's words that occurs in the text word for word, if it covers at least half
+    of the answer's words (``"Berlin, Germany"`` in "I moved to Berlin" gives ``"Berlin"``);
+    else None (the answer is not in the text)."""
+    for candidate in (answer, answer.rstrip(".").strip()):
+        if candidate:
+            at = text.lower().find(candidate.lower())
+            if at >= 0:
+                return text[at:at + len(candidate)]
+    words = [m.group().lower() for m in _WORD.finditer(answer)]
+    spans = list(_WORD.finditer(text))
+    lowered = [m.group().lower() for m in spans]
+    best, where = 0, -1
+    for i in range(len(lowered)):
+        for j in range(len(words)):
+            k = 0
+            while i + k < len(lowered) and j + k < len(words) and lowered[i + k] == words[j + k]:
+                k += 1
+            if k > best:
+                best, where = k, i
+    if not words or best == 0 or 2 * best < len(words):
+        return None
+    return text[spans[where].start():spans[where + best - 1].end()]

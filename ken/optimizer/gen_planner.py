@@ -84,7 +84,7 @@ def answer_sample(model: GenerativeModel, sample: EvalSample, batch_size: int = 
                             "(NULL or blank); plan on rows that do")
     gens = generate(model.lm, prompts, model.max_new_tokens, model.stop,
                     batch_size=batch_size, on_batch=on_batch)
-    out = model.output(len(prompts), live, gens)
+    out = model.output(sample.texts, live, gens)
     passes = [g.num_tokens + (g.finish == "eos") for g in gens]
     return StageRows(np.array([len(p) for p in prompts]), np.array(passes),
                      np.asarray(out.scores, dtype=float),
