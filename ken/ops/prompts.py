@@ -78,6 +78,11 @@ SEM_MAP = ChatPrompt(
     "{instruction}\n\nText: {text}",
     ("text",), ("right",), (384,))
 
+SEM_MAP_TYPED = ChatPrompt(
+    "sem_map_typed", "v1",
+    "{instruction}\n\nText: {text}\n\n{answer_form}",
+    ("text",), ("right",), (384,))
+
 SEM_EXTRACT = ChatPrompt(
     "sem_extract", "v1",
     "From the text below, extract {what}. Answer with the exact words from the text and "

@@ -1,30 +1,122 @@
-"""``sem_map(text, 'instruction') -> VARCHAR``: the LLM's answer to an instruction about a text.
+"""``sem_map(text, 'instruction') -> VARCHAR``: the LLM's answer to an instruction about a text;
+``sem_map(text, 'instruction' RETURNS INTEGER | DOUBLE | BOOLEAN)``: the answer as that type.
 
 Greedy generation (at most 48 new tokens) with the versioned prompt ``sem_map/v1``
 (``ken/ops/prompts.py``); texts over 384 tokens keep their start. The cascade runs the
 smaller LM first and escalates answers whose length-normalised sequence probability is below
 the threshold. No built-in evaluation sample: register a copy with ``sample=`` to plan it.
 
+With ``RETURNS`` after the instruction (SQL rewrites ``'...' RETURNS INTEGER`` into the
+constant ``'... RETURNS INTEGER'``, which may also be written so), the prompt
+``sem_map_typed/v1`` asks for the answer in that form ("Answer with one whole number only",
+"... yes or no only") in a few tokens, and the value is parsed from the answer: the first number
+(digits, with thousands separators, or a number word up to twenty) for INTEGER and DOUBLE
+(INTEGER: NULL unless whole), yes/no/true/false for BOOLEAN. An answer that does not parse is
+NULL, so the column always has the asked type. ``STRUCT`` is refused (one field per call).
+
 >>> # session.sql("SELECT sem_map(review, 'Summarise in five words') FROM reviews")
+>>> # session.sql("SELECT sem_map(review, 'How many stars, 1 to 5?' RETURNS INTEGER) FROM reviews")
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
+from typing import Any
+
+from ken.errors import DataError
 from ken.models.llm import GenerativeModel
 from ken.models.model import DeviceConfig, Model
 from ken.models.resources import Resources, short_hash
-from ken.ops.base import Stage
+from ken.ops.base import Bound, OpContext, Stage
 from ken.ops.llm_operator import LLMOperator, stage_prefix
-from ken.ops.prompts import SEM_MAP
+from ken.ops.prompts import SEM_MAP, SEM_MAP_TYPED
 
 MAX_NEW_TOKENS = 48
+#: what ``RETURNS`` may name -> (the SQL type, what the prompt asks for, new tokens at most)
+RETURN_TYPES = {
+    "integer": ("bigint", "Answer with one whole number only, in digits.", 12),
+    "double": ("double", "Answer with one number only, in digits.", 16),
+    "boolean": ("boolean", "Answer yes or no only.", 3),
+    "varchar": ("varchar", "", MAX_NEW_TOKENS),
+}
+ALIASES = {"int": "integer", "bigint": "integer", "float": "double", "real": "double",
+           "bool": "boolean", "text": "varchar"}
+_RETURNS = re.compile(r"^(.*?)\s+RETURNS\s+([A-Za-z]+)\s*$", re.DOTALL | re.IGNORECASE)
+_WORDS = {w: i for i, w in enumerate(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+    "fifteen sixteen seventeen eighteen nineteen twenty".split())}
+_NUMBER = re.compile(r"(?P<digits>[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+)"
+                     r"|\b(?P<word>" + "|".join(_WORDS) + r")\b", re.IGNORECASE)
+
+
+def split_returns(instruction: str) -> tuple[str, str]:
+    """``'How many? RETURNS INT'`` -> ``('How many?', 'integer')``; no ``RETURNS``: varchar."""
+    match = _RETURNS.match(instruction)
+    if not match:
+        return instruction, "varchar"
+    kind = match.group(2).lower()
+    kind = ALIASES.get(kind, kind)
+    if kind == "struct":
+        raise DataError("sem_map cannot return a STRUCT yet: ask for one field per call "
+                        "(RETURNS INTEGER, DOUBLE, BOOLEAN or VARCHAR)")
+    if kind not in RETURN_TYPES:
+        raise DataError(f"sem_map cannot return {match.group(2)!r}: use RETURNS INTEGER, "
+                        "DOUBLE, BOOLEAN or VARCHAR")
+    if not match.group(1).strip():
+        raise DataError("sem_map needs an instruction before RETURNS")
+    return match.group(1).strip(), kind
+
+
+def parse_number(answer: str) -> float | None:
+    """The first number of an answer: digits (``1,250``, ``-3.5``) or a word up to twenty."""
+    match = _NUMBER.search(answer)
+    if match is None:
+        return None
+    if match.group("digits"):
+        return float(match.group("digits").replace(",", ""))
+    return float(_WORDS[match.group("word").lower()])
+
+
+def typed_value(kind: str, answer: str, row: Any = None) -> Any:
+    """The value of an answer as ``kind`` (see the module docstring); None if it does not
+    parse."""
+    answer = answer.strip()
+    if kind == "varchar":
+        return answer
+    if kind == "boolean":
+        first = re.findall(r"[a-z]+", answer.lower())[:1]
+        return {"yes": True, "true": True, "no": False, "false": False}.get(
+            first[0] if first else "")
+    number = parse_number(answer)
+    if number is None:
+        return None
+    if kind == "integer":
+        return int(number) if number.is_integer() else None
+    return number
+
+
+class TypedAnswer:
+    """``finish(answer, row)`` of a typed stage (a picklable callable)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def __call__(self, answer: str, row: Any = None) -> Any:
+        return typed_value(self.kind, answer, row)
 
 
 def load_map_stage(resources: Resources, device: DeviceConfig, name: str, lm_name: str,
                    instruction: str) -> Model:
-    prompt = SEM_MAP.with_constants({"instruction": instruction})
-    return GenerativeModel(resources.causal_lm(lm_name, device), prompt, name, "sem-map",
-                           SEM_MAP.key, MAX_NEW_TOKENS)
+    text, kind = split_returns(instruction)
+    lm = resources.causal_lm(lm_name, device)
+    if kind == "varchar":
+        prompt = SEM_MAP.with_constants({"instruction": text})
+        return GenerativeModel(lm, prompt, name, "sem-map", SEM_MAP.key, MAX_NEW_TOKENS)
+    _, form, max_new = RETURN_TYPES[kind]
+    prompt = SEM_MAP_TYPED.with_constants({"instruction": text, "answer_form": form})
+    return GenerativeModel(lm, prompt, name, "sem-map", SEM_MAP_TYPED.key, max_new,
+                           stop=("\n",), finish=TypedAnswer(kind))
 
 
 class SemMap(LLMOperator):
@@ -33,14 +125,26 @@ class SemMap(LLMOperator):
     constants = ("instruction",)
     output_type = "varchar"
     plan_kind = "generation"
-    doc = "the LLM's answer to an instruction about the text (generated)"
+    doc = ("the LLM's answer to an instruction about the text (generated); "
+           "'...' RETURNS INTEGER / DOUBLE / BOOLEAN for a typed answer")
 
     def llm_stage(self, lm_name: str, constants: tuple[str, ...]) -> Stage:
+        split_returns(constants[0])  # a bad type fails at bind, before any model loads
         name = f"{stage_prefix(self.name, lm_name)}[{short_hash(SEM_MAP.key, constants)}]"
         return Stage(name, load_map_stage, (name, lm_name, constants[0]))
 
+    def bind(self, ctx: OpContext, constants: tuple[str, ...]) -> Bound:
+        bound = super().bind(ctx, constants)
+        kind = split_returns(constants[0])[1]
+        return replace(bound, output_type=RETURN_TYPES[kind][0])  # type: ignore[type-var]
+
     def detail(self, constants: tuple[str, ...]) -> str:
-        return f"greedy, <= {MAX_NEW_TOKENS} new tokens; {SEM_MAP.describe_truncation()}"
+        kind = split_returns(constants[0])[1]
+        if kind == "varchar":
+            return f"greedy, <= {MAX_NEW_TOKENS} new tokens; {SEM_MAP.describe_truncation()}"
+        return (f"returns {kind.upper()}: greedy, <= {RETURN_TYPES[kind][2]} new tokens, "
+                f"parsed (NULL when the answer does not parse); "
+                f"{SEM_MAP_TYPED.describe_truncation()}")
 
 
 OPERATOR = SemMap

@@ -89,9 +89,33 @@ def split_statements(text: str) -> list[str]:
     return out
 
 
+def merge_returns(query: str) -> str:
+    """``'instruction' RETURNS INTEGER`` (a string literal, then ``RETURNS`` and a type name) as
+    one string literal ``'instruction RETURNS INTEGER'``, which the operator reads and checks
+    (typed ``sem_map``); SQL has no other place where a string literal is followed by
+    ``RETURNS``. Everything else is left as written."""
+    try:
+        tokens = sqlglot.Dialect.get_or_raise("duckdb").tokenize(query)
+    except TokenError:
+        return query  # parse() reports it
+    out, at = [], 0
+    for i in range(len(tokens) - 2):
+        string, word, kind = tokens[i], tokens[i + 1], tokens[i + 2]
+        if (string.token_type == TokenType.STRING and word.text.upper() == "RETURNS"
+                and kind.text.isalpha() and string.start >= at):
+            if kind.text.upper() == "STRUCT":
+                raise SqlError("RETURNS STRUCT is not supported yet: ask for one field per "
+                               "call (RETURNS INTEGER, DOUBLE, BOOLEAN or VARCHAR)")
+            merged = f"{string.text} RETURNS {kind.text.upper()}"
+            out += [query[at:string.start], "'" + merged.replace("'", "''") + "'"]
+            at = kind.end + 1
+    return "".join([*out, query[at:]])
+
+
 def parse(query: str) -> list[exp.Expression]:
     """Parse one or more statements; syntax errors name the line and column."""
     check_text(query)
+    query = merge_returns(query)
     try:
         statements = [s for s in sqlglot.parse(query, read="duckdb") if s is not None]
     except ParseError as error:
