@@ -514,7 +514,8 @@ class SpellingTokenizer:
 
 class StandInGenerator:
     """What a ``CascadeServer`` needs of a ``GenerativeModel``: a row's prompt (its token ids:
-    one per character code, mod 60, plus 1), 4 new tokens, no stop string."""
+    one per character code, mod 60, plus 1), 4 new tokens, no stop string, the answer's value
+    (its text)."""
 
     def __init__(self, lm: GatedLM) -> None:
         self.lm = lm
@@ -525,6 +526,9 @@ class StandInGenerator:
 
     def requests(self, rows) -> list[list[int] | None]:  # noqa: ANN001
         return [None if not r else [1 + ord(c) % 60 for c in r] for r in rows]
+
+    def value(self, text: str, row) -> str:  # noqa: ANN001
+        return text
 
 
 def gen_plan(function: str = "gen"):  # noqa: ANN201
