@@ -136,11 +136,13 @@ class Session:
         self.forget(name)
 
     def bind(self, function: str, constants: tuple[str, ...]) -> Bound:
-        """The operator ``function`` bound to ``constants`` (made once per session)."""
-        key = (function, constants)
+        """The operator ``function`` bound to ``constants`` (made once per session, and again
+        when the operator's settings change, e.g. its ``llms``)."""
+        operator = self.operators[function]
+        key = (function, constants, operator.binding_key())
         with self.ctx.lock:
             if key not in self._bound:
-                self._bound[key] = self.operators[function].bind(self.ctx, constants)
+                self._bound[key] = operator.bind(self.ctx, constants)
             return self._bound[key]
 
     def forget(self, function: str) -> None:

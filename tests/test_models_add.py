@@ -199,3 +199,30 @@ def test_cli_add_list_remove(home: Path, my_smol: registry.AddedLM,
     assert main(["models", "add", "bad name", str(source)]) == 1
     assert "not a valid model name" in capsys.readouterr().err
     shutil.rmtree(source)
+
+
+@pytest.mark.models
+def test_sql_sets_an_operators_llms_and_queries_bind_again(home) -> None:  # noqa: ANN001
+    """``SET sem_choice_llms = '...'`` is ``operators['sem_choice'].llms = (...)``; a query after
+    it binds the new LMs (a session binds again when an operator's LMs change); ``RESET``
+    restores the default; a bad name or setting is an error and changes nothing."""
+    s = ken.connect(device=FAMILY_DEVICE, data=SMALL_FAMILY, home=home)
+    try:
+        op = s.operators["sem_choice"]
+        default = op.llms
+        assert s.sql("SET sem_choice_llms = ' smollm2-135m '").fetchall() == [
+            ("sem_choice_llms", "smollm2-135m")]
+        assert op.llms == ("smollm2-135m",)
+        first = s.bind("sem_choice", ("yes|no",))
+        assert [m.split("[")[0] for m in first.cascade.models] == ["choice-smol"]
+        with pytest.raises(KenError, match="no-such-lm"):
+            s.sql("SET sem_choice_llms = 'no-such-lm'")
+        assert op.llms == ("smollm2-135m",)  # unchanged
+        op.threshold = 0.7  # another setting the binding depends on: bound again
+        assert s.bind("sem_choice", ("yes|no",)) is not first
+        s.sql("RESET sem_choice_llms")
+        assert op.llms == default
+        with pytest.raises(KenError, match="LLM operators are"):
+            s.sql("SET sentiment_llms = 'smollm2-135m'")
+    finally:
+        s.close()

@@ -311,6 +311,11 @@ class Operator:
         """What EXPLAIN says about the default binding's calls (prompt version, truncation)."""
         return ""
 
+    def binding_key(self) -> tuple:
+        """The settings a binding depends on beside its constants (e.g. an LLM operator's
+        ``llms``): a session binds again when they change."""
+        return ()
+
     def bind(self, ctx: OpContext, constants: tuple[str, ...]) -> Bound:
         """The call site's cascade: every stage in order, escalating below ``threshold``."""
         stages = self.declared_stages(ctx, constants)

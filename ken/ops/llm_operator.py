@@ -52,6 +52,10 @@ class LLMOperator(Operator):
         self.check_llms(ctx)
         return [self.llm_stage(lm, constants) for lm in self.llms]
 
+    def binding_key(self) -> tuple:
+        llms = self.llms
+        return (tuple(llms) if isinstance(llms, tuple | list) else llms, self.threshold)
+
     def check_llms(self, ctx: OpContext) -> None:
         """KenError unless ``llms`` is a non-empty tuple of LM names, each packaged or added
         to the session's model store (cheap: loads nothing)."""

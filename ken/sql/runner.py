@@ -36,6 +36,9 @@ from ken.sql.rewrite import Rewritten, SqlError, parse, rewrite, split_statement
 from ken.sql.train import is_train, parse_train, training_table
 
 _EXPLAIN = re.compile(r"^\s*EXPLAIN(\s+ANALYZE)?\s+", re.IGNORECASE)
+#: ``SET sem_qa_llms = 'smollm2-135m, my-lm'`` / ``RESET sem_qa_llms``: an LLM operator's LMs
+_SET_LLMS = re.compile(r"^\s*(SET|RESET)\s+(?:SESSION\s+)?(\w+?)_llms\s*"
+                       r"(?:(?:=|TO)\s*'((?:[^']|'')*)')?\s*$", re.IGNORECASE)
 ENGINES = ("auto", "duckdb", "ray")
 
 
@@ -81,6 +84,9 @@ class QueryRunner:
         if not statements:
             raise SqlError("empty query: no SQL statement to run")
         query = statements[0]
+        setting = _SET_LLMS.match(query)
+        if setting:
+            return self._set_llms(*setting.groups())
         if is_train(query):
             return self._train_statement(query)
         match = _EXPLAIN.match(query)
@@ -130,6 +136,35 @@ class QueryRunner:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+    def _set_llms(self, verb: str, function: str, value: str | None) -> Result:
+        """``SET <function>_llms = 'a, b'``: the LMs of an LLM operator, smallest first, as
+        ``session.operators[function].llms = ("a", "b")``; ``RESET`` restores the default."""
+        function = function.lower()
+        op = self.host.operators.get(function)
+        if op is None or not hasattr(op, "llms"):
+            llm_ops = sorted(n for n, o in self.host.operators.items() if hasattr(o, "llms"))
+            raise SqlError(f"{function}_llms is not a setting: the LLM operators are "
+                           f"{', '.join(llm_ops)} (SET sem_qa_llms = 'smollm2-135m, ...')")
+        if verb.upper() == "RESET":
+            op.__dict__.pop("llms", None)  # the class default
+        else:
+            if value is None:
+                raise SqlError(f"SET {function}_llms needs a value: SET {function}_llms = "
+                               "'smollm2-135m, qwen2.5-coder-0.5b' (smallest first)")
+            names = tuple(n.strip() for n in value.replace("''", "'").split(",") if n.strip())
+            before = op.__dict__.get("llms")
+            op.llms = names  # type: ignore[attr-defined]
+            try:
+                op.check_llms(self.host.ctx)  # type: ignore[attr-defined]
+            except KenError:
+                if before is None:
+                    op.__dict__.pop("llms", None)
+                else:
+                    op.llms = before  # type: ignore[attr-defined]
+                raise
+        return self._result(pa.table({"setting": [f"{function}_llms"],
+                                      "value": [", ".join(op.llms)]}))  # type: ignore[attr-defined]
 
     # -- the front end and the bound sites -----------------------------------------------------
 
