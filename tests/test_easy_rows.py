@@ -173,3 +173,27 @@ def test_extracted_values_are_spans_of_the_text() -> None:
         answer = " ".join(rng.choice(words, size=int(rng.integers(1, 5))))
         value = text_span(answer, text)
         assert value is None or value in text
+
+
+@pytest.mark.models
+def test_the_calibrated_choice_stage_of_sem_filter(home, monkeypatch) -> None:  # noqa: ANN001
+    """``llm="choice-qwen"``: the predicate as a calibrated yes/no choice; it gets the obvious
+    row the default channel stage misses, and its model is a boolean stage of the cascade."""
+    from ken.ops.filter_models import ChoiceFilterModel
+    from ken.ops.sem_filter import bind_sem_filter
+
+    resources = Resources(FAMILY_DEVICE, home=qwen_home(home, monkeypatch))
+    bound = bind_sem_filter("the text is about an animal", resources, llm="choice-qwen")
+    judge = bound.models[bound.cascade.models[-1]]
+    assert isinstance(judge, ChoiceFilterModel)
+    texts = ["The dog barked at the mailman all morning.", "I paid my taxes yesterday.", ""]
+    p_true = np.asarray(judge.predict(texts).probabilities)[:, 1]
+    assert p_true[0] > 0.5 > p_true[1] and p_true[2] == pytest.approx(0.5)
+    s = ken.connect(device=FAMILY_DEVICE, home=home)
+    try:
+        s.operators["sem_filter"].llm = "choice-qwen"
+        s.register_table("t", pa.table({"x": texts[:2]}))
+        assert s.sql("SELECT sem_filter(x, 'the text is about an animal') FROM t"
+                     ).fetchall() == [(True,), (False,)]
+    finally:
+        s.close()

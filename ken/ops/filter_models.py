@@ -13,12 +13,14 @@ Their names carry a hash of the predicate and parameters (:func:`similarity_name
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 
 from ken import store
 from ken.errors import ModelError
 from ken.models.data_text import defuse, encode_rows
+from ken.models.llm import ChoiceModel
 from ken.models.model import BOOLEAN_LABELS, Model, ModelSpec, Prediction
 from ken.models.resources import (
     CausalLM,
@@ -28,6 +30,7 @@ from ken.models.resources import (
     sigmoid,
 )
 from ken.models.transformers_backend import TransformersBody
+from ken.ops.prompts import SEM_FILTER_CHOICE
 
 FAMILY = "sem-filter"
 SHORT_NAMES = {"minilm-l3": "l3", "minilm-l6": "l6"}
@@ -258,11 +261,39 @@ class ChannelLLMModel(Model):
         return Prediction(probs.argmax(axis=1).astype(np.int64), probs, BOOLEAN_LABELS)
 
 
+class ChoiceFilterModel(Model):
+    """The predicate as a two-option choice, "yes" or "no", scored by a calibrated
+    :class:`~ken.models.llm.ChoiceModel` (prompt ``sem_filter_choice/v1``): ``P(true)`` is the
+    probability of "yes" after each option's score on content-free inputs is subtracted, so a
+    model that says "no" to everything (Qwen2.5-Coder-0.5B asked yes/no, ``YesNoLLMModel``)
+    does not answer false by default. NULL or blank texts get ``P(true) = 0.5``."""
+
+    def __init__(self, lm: CausalLM, predicate: str, lm_name: str = "qwen2.5-coder-0.5b",
+                 name: str | None = None) -> None:
+        self.lm = lm
+        self.predicate = predicate
+        self.device = lm.device
+        short = lm_name.split("-")[0]
+        key = short_hash(predicate, lm_name, SEM_FILTER_CHOICE.key)
+        prompt = SEM_FILTER_CHOICE.with_constants({"predicate": predicate})
+        self.choice = ChoiceModel(lm, ("yes", "no"), prompt, name or f"choice-{short}[{key}]",
+                                  FAMILY, SEM_FILTER_CHOICE.key)
+        self.spec = replace(self.choice.spec, labels=BOOLEAN_LABELS)
+
+    def predict(self, texts: Sequence[str], batch_size: int = 8) -> Prediction:
+        p = self.choice.option_probabilities(list(texts), batch_size)
+        p_true = np.where(np.isnan(p[:, 0]), 0.5, p[:, 0]) if len(texts) else np.zeros(0)
+        probs = boolean_probabilities(p_true)
+        return Prediction(probs.argmax(axis=1).astype(np.int64), probs, BOOLEAN_LABELS)
+
+
 #: the LLM stages ``bind_sem_filter(llm=...)`` offers: (how it scores, which language model)
-LLM_STAGES: dict[str, tuple[type[YesNoLLMModel] | type[ChannelLLMModel], str]] = {
+LLM_STAGES: dict[str, tuple[type[YesNoLLMModel] | type[ChannelLLMModel]
+                            | type[ChoiceFilterModel], str]] = {
     "channel": (ChannelLLMModel, "smollm2-135m"),
     "yesno": (YesNoLLMModel, "smollm2-135m"),
     "yesno-qwen": (YesNoLLMModel, "qwen2.5-coder-0.5b"),
+    "choice-qwen": (ChoiceFilterModel, "qwen2.5-coder-0.5b"),
 }
 
-LLMModel = YesNoLLMModel | ChannelLLMModel
+LLMModel = YesNoLLMModel | ChannelLLMModel | ChoiceFilterModel

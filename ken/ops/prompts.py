@@ -78,6 +78,13 @@ SEM_MAP = ChatPrompt(
     "{instruction}\n\nText: {text}",
     ("text",), ("right",), (384,))
 
+SEM_FILTER_CHOICE = ChatPrompt(
+    "sem_filter_choice", "v1",
+    "Text: {text}\n\nStatement: {predicate}.\nIs the statement true of the text?\n- yes\n- no\n"
+    "Answer with the option only.",
+    ("text",), ("right",), (256,),
+    system="You judge statements about texts. Reply with exactly one of the options given.")
+
 SEM_MAP_TYPED = ChatPrompt(
     "sem_map_typed", "v1",
     "{instruction}\n\nText: {text}\n\n{answer_form}",
