@@ -197,3 +197,24 @@ def test_the_calibrated_choice_stage_of_sem_filter(home, monkeypatch) -> None:  
                      ).fetchall() == [(True,), (False,)]
     finally:
         s.close()
+
+
+@pytest.mark.models
+def test_calibrated_continuations_subtract_the_content_free_scores(home) -> None:  # noqa: ANN001
+    from ken.models.data_text import encode_row
+    from ken.models.llm import ContinuationModel
+
+    lm = Resources(FAMILY_DEVICE, home=home).causal_lm("smollm2-135m")
+    rows = [("The man opened the fridge and", "took out the milk.\nflew to the moon."),
+            ("  ", "a\nb")]
+    model = ContinuationModel(lm, "hs", "test", calibrate=True)
+    out = model.predict(rows)
+    tok = lm.tokenizer
+    options = [encode_row(tok, " " + o) for o in rows[0][1].split("\n")]
+    raw = np.asarray(score_options(lm, [encode_row(tok, rows[0][0])], [options])[0])
+    prior = np.mean([score_options(lm, [encode_row(tok, t)], [options])[0]
+                     for t in CONTENT_FREE], axis=0)
+    per_byte = (raw - prior) / np.array([len((" " + o).encode()) for o in
+                                         rows[0][1].split("\n")])
+    assert out.values[0] == int(np.argmax(per_byte)) and out.values[1] is None
+    assert model.spec.fingerprint != ContinuationModel(lm, "hs", "test").spec.fingerprint

@@ -87,7 +87,8 @@ class ContinuationModel(Model):
     value is the 0-based index of the option that most likely continues the context."""
 
     def __init__(self, lm: CausalLM, name: str, family: str, normalise: str = "bytes",
-                 max_context_tokens: int = 256, max_option_tokens: int = 64) -> None:
+                 max_context_tokens: int = 256, max_option_tokens: int = 64,
+                 calibrate: bool = False) -> None:
         if normalise not in NORMALISATIONS:
             raise ModelError(f"normalise must be one of {NORMALISATIONS}, not {normalise!r}")
         self.lm = lm
@@ -95,8 +96,13 @@ class ContinuationModel(Model):
         self.normalise = normalise
         self.max_context_tokens = max_context_tokens
         self.max_option_tokens = max_option_tokens
+        #: subtract each option's mean score after the content-free contexts (each row has
+        #: its own options, so this costs 3 more scoring passes per row); off by default: on
+        #: HellaSwag it lost accuracy (docs/results.md)
+        self.calibrate = calibrate
         self.spec = _spec(name, family, lm, max_context_tokens, (), 2, normalise,
-                          max_context_tokens, max_option_tokens)
+                          max_context_tokens, max_option_tokens,
+                          *(("calibrated",) if calibrate else ()))
 
     def _encode(self, row: Any) -> tuple[list[int], list[list[int]], list[str]] | None:
         if not isinstance(row, (tuple, list)) or len(row) != 2:
@@ -120,6 +126,15 @@ class ContinuationModel(Model):
         if live:
             scores = score_options(self.lm, [encoded[i][0] for i in live],
                                    [encoded[i][1] for i in live], batch_size=batch_size)
+            if self.calibrate:
+                tok = self.lm.tokenizer
+                free = [encode_row(tok, t) for t in CONTENT_FREE]
+                priors = score_options(self.lm, [c for _ in live for c in free],
+                                       [encoded[i][1] for i in live for _ in free],
+                                       batch_size=batch_size)
+                k = len(free)
+                scores = [np.asarray(s) - np.mean(priors[j * k:(j + 1) * k], axis=0)
+                          for j, s in enumerate(scores)]
             for i, row_scores in zip(live, scores, strict=True):
                 options = encoded[i][2]
                 if self.normalise == "bytes":
