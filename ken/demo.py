@@ -239,7 +239,8 @@ def _compare(frontier, statics, catalog, planning, target: float, replay_s: floa
 
 def _llm_step(args: argparse.Namespace, reporter: Reporter) -> None:
     """SmolLM2-135M (packaged) answers from SQL; with ``--with-qwen`` the LLM operators run
-    the cascade SmolLM2 -> Qwen2.5-Coder-0.5B (fetched on first use, 478 MB)."""
+    the cascade SmolLM2 -> Qwen2.5-Coder-0.5B (fetched on first use, 478 MB), and
+    ``sem_extract`` its default, Qwen alone."""
     llms = ("smollm2-135m", "qwen2.5-coder-0.5b") if args.with_qwen else ("smollm2-135m",)
     if not args.with_qwen:
         console.print("LLMs: SmolLM2-135M-Instruct alone (`ken demo --with-qwen` adds "
@@ -247,7 +248,8 @@ def _llm_step(args: argparse.Namespace, reporter: Reporter) -> None:
                       "of conversion on first use)", highlight=False)
     with connect(device=DeviceConfig(threads=args.threads), reporter=reporter) as session:
         for name in ("sem_qa", "sem_extract", "sem_complete"):
-            session.operators[name].llms = llms
+            if not (args.with_qwen and name == "sem_extract"):  # its default: Qwen alone
+                session.operators[name].llms = llms
         try:
             qa = hybridqa_passage_sample(limit=3)
             contexts, endings, gold = load_hellaswag(limit=6 if args.quick else 12)
