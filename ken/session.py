@@ -142,6 +142,8 @@ class Session:
         key = (function, constants, operator.binding_key())
         with self.ctx.lock:
             if key not in self._bound:
+                # a binding made under the operator's earlier settings is not used again
+                self._bound = {k: v for k, v in self._bound.items() if k[:2] != key[:2]}
                 self._bound[key] = operator.bind(self.ctx, constants)
             return self._bound[key]
 

@@ -69,14 +69,18 @@ def _spec(name: str, family: str, lm: CausalLM, max_tokens: int, labels: tuple[s
                      num_inputs=num_inputs)
 
 
-def _choose(scores: np.ndarray, lengths: np.ndarray, normalise: str) -> tuple[int, float]:
-    """The chosen option and its probability among the options. Normalised scores are
-    put back on the scale of a sum (times the mean length) before the softmax, so the
-    probabilities stay comparable to those of ``"sum"``."""
+def normalised(scores: np.ndarray, lengths: np.ndarray, normalise: str) -> np.ndarray:
+    """Option scores as ``normalise`` says. Per-byte and per-token scores are put back on
+    the scale of a sum (times the mean length), so probabilities from them stay comparable to
+    those of ``"sum"``."""
     if normalise == "sum":
-        z = scores
-    else:
-        z = scores / np.maximum(lengths, 1) * max(float(lengths.mean()), 1.0)
+        return np.asarray(scores)
+    return np.asarray(scores) / np.maximum(lengths, 1) * max(float(lengths.mean()), 1.0)
+
+
+def _choose(scores: np.ndarray, lengths: np.ndarray, normalise: str) -> tuple[int, float]:
+    """The chosen option and its probability among the options."""
+    z = normalised(scores, lengths, normalise)
     p = option_probabilities(z)
     best = int(np.argmax(z))
     return best, float(p[best])
@@ -175,16 +179,10 @@ class ChoiceModel(Model):
         encode = lm.tokenizer.encode
         self.option_ids = [encode(o, add_special_tokens=False) for o in self.options]
         self.lengths = np.array([len(ids) for ids in self.option_ids], float)
-        self.calibrated = calibrate
         self.prior = self._prior() if calibrate else np.zeros(len(self.options))
         self.spec = _spec(name, family, lm, lm.context_tokens, self.options, 1,
                           prompt_version, normalise,
                           f"calibrated:{','.join(CONTENT_FREE)}" if calibrate else "raw")
-
-    def _normalised(self, scores: np.ndarray) -> np.ndarray:
-        if self.normalise == "sum":
-            return scores
-        return scores / np.maximum(self.lengths, 1) * max(float(self.lengths.mean()), 1.0)
 
     def _prior(self) -> np.ndarray:
         """Each option's mean (normalised) score over the content-free inputs."""
@@ -195,7 +193,7 @@ class ChoiceModel(Model):
             raise ModelError(f"{self.name}'s prompt gives no prompt for the content-free inputs "
                              f"{CONTENT_FREE}: it cannot be calibrated")
         scores = score_options(self.lm, prompts, [self.option_ids] * len(prompts))
-        return np.mean([self._normalised(np.asarray(s)) for s in scores], axis=0)
+        return np.mean([normalised(s, self.lengths, self.normalise) for s in scores], axis=0)
 
     def option_probabilities(self, texts: Sequence, batch_size: int = 16) -> np.ndarray:
         """Each row's calibrated option distribution, ``(rows, k)``; NaN for a row with no
@@ -207,8 +205,8 @@ class ChoiceModel(Model):
             scores = score_options(self.lm, [prompts[i] for i in live],
                                    [self.option_ids] * len(live), batch_size=batch_size)
             for i, row_scores in zip(live, scores, strict=True):
-                probs[i] = option_probabilities(self._normalised(np.asarray(row_scores))
-                                                - self.prior)
+                probs[i] = option_probabilities(
+                    normalised(row_scores, self.lengths, self.normalise) - self.prior)
         return probs
 
     def predict(self, texts: Sequence, batch_size: int = 16) -> Output:

@@ -17,7 +17,7 @@ before the folder is kept.
 
 >>> # add("my-lm", Path("~/models/my-lm"))        # a transformers folder
 >>> # add("tiny", Path("~/models/tiny.Q4.gguf"))  # converted like the packaged GGUFs
->>> # registered_dir("my-lm")                     # what Resources.causal_lm("my-lm") loads
+>>> # added_dir("my-lm")                          # what Resources.causal_lm("my-lm") loads
 """
 
 from __future__ import annotations

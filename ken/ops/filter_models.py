@@ -282,7 +282,7 @@ class ChoiceFilterModel(Model):
 
     def predict(self, texts: Sequence[str], batch_size: int = 8) -> Prediction:
         p = self.choice.option_probabilities(list(texts), batch_size)
-        p_true = np.where(np.isnan(p[:, 0]), 0.5, p[:, 0]) if len(texts) else np.zeros(0)
+        p_true = np.where(np.isnan(p[:, 0]), 0.5, p[:, 0])
         probs = boolean_probabilities(p_true)
         return Prediction(probs.argmax(axis=1).astype(np.int64), probs, BOOLEAN_LABELS)
 

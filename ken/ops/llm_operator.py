@@ -56,10 +56,10 @@ class LLMOperator(Operator):
         llms = self.llms
         return (tuple(llms) if isinstance(llms, tuple | list) else llms, self.threshold)
 
-    def check_llms(self, ctx: OpContext) -> None:
-        """KenError unless ``llms`` is a non-empty tuple of LM names, each packaged or added
-        to the session's model store (cheap: loads nothing)."""
-        llms = self.llms
+    def check_llms(self, ctx: OpContext, llms: object = None) -> None:
+        """KenError unless ``llms`` (default: this operator's) is a non-empty tuple of LM
+        names, each packaged or added to the session's model store (cheap: loads nothing)."""
+        llms = self.llms if llms is None else llms
         if isinstance(llms, str) or not isinstance(llms, tuple | list) or not llms:
             raise KenError(f"{self.name}(): llms must be a non-empty tuple of language model "
                            f"names, smallest first, e.g. (\"smollm2-135m\",); got {llms!r}")

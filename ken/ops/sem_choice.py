@@ -9,7 +9,8 @@ for any sentence) does not win by default. The certainty, which a cascade escala
 far the calibrated option distribution is from uniform (0 to 1, for any number of options).
 
 By default Qwen2.5-Coder-0.5B answers alone (``llms``; fetched from PyPI on first use, 478
-MB): on 28 obvious rows it chose 25 right, SmolLM2-135M 16 (near chance, calibrated or not),
+MB): on 28 obvious rows it chose 25 right, SmolLM2-135M 11 to 13 (chance: 12), calibrated
+or not,
 so SmolLM2 is no useful first stage here (``docs/results.md``, "Easy rows right"). Name other
 LMs with ``session.operators["sem_choice"].llms``. ``sem_classify`` answers the same question
 with an embedding first stage; ``sem_choice`` is LLMs only.

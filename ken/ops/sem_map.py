@@ -78,7 +78,7 @@ def parse_number(answer: str) -> float | None:
     return float(_WORDS[match.group("word").lower()])
 
 
-def typed_value(kind: str, answer: str, row: Any = None) -> Any:
+def typed_value(kind: str, answer: str) -> Any:
     """The value of an answer as ``kind`` (see the module docstring); None if it does not
     parse."""
     answer = answer.strip()
@@ -103,7 +103,7 @@ class TypedAnswer:
         self.kind = kind
 
     def __call__(self, answer: str, row: Any = None) -> Any:
-        return typed_value(self.kind, answer, row)
+        return typed_value(self.kind, answer)
 
 
 def load_map_stage(resources: Resources, device: DeviceConfig, name: str, lm_name: str,

@@ -26,6 +26,7 @@ from ken.engine.manager import ServingManager
 from ken.errors import KenError
 from ken.models.model import DeviceConfig
 from ken.ops.base import Bound, OpContext, Operator, suggest
+from ken.ops.llm_operator import LLMOperator
 from ken.ops.training import Trained, TrainingData
 from ken.sql.database import Database
 from ken.sql.execute import SiteRunner, query_error, registered
@@ -142,8 +143,9 @@ class QueryRunner:
         ``session.operators[function].llms = ("a", "b")``; ``RESET`` restores the default."""
         function = function.lower()
         op = self.host.operators.get(function)
-        if op is None or not hasattr(op, "llms"):
-            llm_ops = sorted(n for n, o in self.host.operators.items() if hasattr(o, "llms"))
+        if not isinstance(op, LLMOperator):
+            llm_ops = sorted(n for n, o in self.host.operators.items()
+                             if isinstance(o, LLMOperator))
             raise SqlError(f"{function}_llms is not a setting: the LLM operators are "
                            f"{', '.join(llm_ops)} (SET sem_qa_llms = 'smollm2-135m, ...')")
         if verb.upper() == "RESET":
@@ -153,18 +155,10 @@ class QueryRunner:
                 raise SqlError(f"SET {function}_llms needs a value: SET {function}_llms = "
                                "'smollm2-135m, qwen2.5-coder-0.5b' (smallest first)")
             names = tuple(n.strip() for n in value.replace("''", "'").split(",") if n.strip())
-            before = op.__dict__.get("llms")
-            op.llms = names  # type: ignore[attr-defined]
-            try:
-                op.check_llms(self.host.ctx)  # type: ignore[attr-defined]
-            except KenError:
-                if before is None:
-                    op.__dict__.pop("llms", None)
-                else:
-                    op.llms = before  # type: ignore[attr-defined]
-                raise
+            op.check_llms(self.host.ctx, names)  # a bad list changes nothing
+            op.llms = names
         return self._result(pa.table({"setting": [f"{function}_llms"],
-                                      "value": [", ".join(op.llms)]}))  # type: ignore[attr-defined]
+                                      "value": [", ".join(op.llms)]}))
 
     # -- the front end and the bound sites -----------------------------------------------------
 
