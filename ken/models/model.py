@@ -8,9 +8,12 @@ probabilities, from which any certainty function (``max_prob``, ``margin``, ...)
 
 from __future__ import annotations
 
+import functools
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,6 +37,32 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 #: nothing overflowed fp16's range. Qwen2.5-Coder was not measured (not prepared there); Qwen
 #: models are trained in bf16, so check it with the benchmark before serving it in fp16.
 CUDA_AUTO_PRECISION = "fp16"
+
+#: what "auto" means for a causal LM on a CPU that multiplies bf16 natively (``cpu_has_bf16``):
+#: bf16. Measured on this project's CPU (AMD EPYC, avx512_bf16; ``benchmarks/llm_precision.py``,
+#: docs/results.md): ken's generation runs 2.6x (SmolLM2-135M) to 3.8x (Qwen2.5-Coder-0.5B) faster
+#: than in fp32, with the answers and option choices the benchmark reports. Encoders stay fp32 on
+#: CPUs (their profiles and plans are measured so). int8 (torch dynamic quantisation) was as fast
+#: and changed most answers: it is not offered. Without native bf16 a CPU emulates it slowly, so
+#: "auto" is fp32 there.
+CPU_LLM_AUTO_PRECISION = "bf16"
+
+#: environment variable that overrides "auto" for causal LMs on a CPU: ``fp32`` or ``bf16``
+LLM_PRECISION_ENV = "KEN_LLM_PRECISION"
+
+
+@functools.lru_cache(maxsize=4)
+def cpu_has_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU multiplies bf16 natively: ``avx512_bf16`` or ``amx_bf16`` among the
+    flags of ``cpuinfo`` (False where that file is absent, as on macOS)."""
+    try:
+        text = Path(cpuinfo).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return bool({"avx512_bf16", "amx_bf16"} & set(line.partition(":")[2].split()))
+    return False
 
 
 @dataclass(frozen=True)
@@ -66,6 +95,20 @@ class DeviceConfig:
         if self.precision != "auto":
             return self.precision
         return "fp32" if self.kind == "cpu" else CUDA_AUTO_PRECISION
+
+    def for_causal_lm(self) -> DeviceConfig:
+        """This device with "auto" resolved for a causal LM: on a CPU ``$KEN_LLM_PRECISION``
+        if set, else ``CPU_LLM_AUTO_PRECISION`` where the CPU multiplies bf16 natively, else
+        fp32; a GPU's "auto" is already ``CUDA_AUTO_PRECISION``. An explicit precision is
+        kept. The label then names the precision, so profiles and caches keep them apart."""
+        if self.precision != "auto" or self.kind != "cpu":
+            return self
+        forced = os.environ.get(LLM_PRECISION_ENV, "").strip().lower()
+        if forced:
+            if forced not in ("fp32", "bf16"):
+                raise KenError(f"{LLM_PRECISION_ENV} must be fp32 or bf16, not {forced!r}")
+            return replace(self, precision=forced)
+        return replace(self, precision=CPU_LLM_AUTO_PRECISION if cpu_has_bf16() else "fp32")
 
     @property
     def torch_dtype(self) -> Any:

@@ -54,8 +54,8 @@ class CausalLM:
     Prompts are batched with *left* padding so that every row's last real token sits in the
     last column, and position ids are counted from each row's first real token, so a row gets
     the same logits alone as inside a padded batch (up to float rounding). Weights are loaded
-    in the device's precision (``DeviceConfig.dtype_name``); log-probabilities are computed in
-    float32 whatever it is.
+    in the device's precision, "auto" resolved for LMs (``DeviceConfig.for_causal_lm``: bf16 on
+    a CPU with native bf16); log-probabilities are computed in float32 whatever it is.
     """
 
     def __init__(self, source: str | Path, device: DeviceConfig | None = None) -> None:
@@ -66,7 +66,7 @@ class CausalLM:
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
         self.source = str(source)
-        self.device = device or DeviceConfig()
+        self.device = (device or DeviceConfig()).for_causal_lm()
         if self.device.kind == "cuda" and not torch.cuda.is_available():
             raise ModelError("a CUDA device was requested but torch sees no GPU")
         local = Path(self.source).is_dir()
