@@ -12,8 +12,9 @@ time (so each has its own latency):
   then a passage about its answer), ``Compose(TableQ,TextQ)`` (a passage, then the table).
   Comparisons and intersections are learnt as the single hop of their first part
   (:func:`route_of`); questions that need images are not answered;
-- **retrieval**: ``sem_similarity(question, candidate)`` ranks the question's candidate
-  passages (its ``text_doc_ids``) or its table's rows;
+- **retrieval**: the question's candidate passages (its ``text_doc_ids``) or its table's rows
+  are ranked by the words they share with the question plus ``sem_similarity(question,
+  candidate)`` (``ken.models.retrieval``);
 - **reading**: ``text_qa(question, passage)`` answers from the best passage,
   ``table_qa(question, rows)`` from the table title and its three best rows (both are
   ``sem_qa`` under their own names unless the session registers them, so the query optimizer
@@ -21,8 +22,10 @@ time (so each has its own latency):
 - **the hop**: the second hop's question is the question followed by the first hop's answer
   (ImplicitDecomp, Talmor et al. 2021, feeds the first answer into the second question).
 
-HybridQA questions have no type: the best row of the question's table by ``sem_similarity``,
-then ``sem_qa`` over that row and the passages its cells link to.
+HybridQA questions have no type: the question's table rows are ranked by the words they share
+with the question (cells, linked titles, linked passages) and ``sem_similarity``
+(``ken.models.retrieval``), and ``sem_qa`` reads the table title, the best three rows and the
+sentences of their linked passages that share most words with the question.
 
 Scoring follows the official evaluations (``ken.models.qa_metric``). Image questions and
 questions whose context is missing are counted and not answered (their status says why).
@@ -43,6 +46,7 @@ import pyarrow as pa
 
 from ken import store
 from ken.errors import DataError, ModelError, StoreError
+from ken.models import retrieval
 from ken.models.head import LinearHead, fit_logistic_cv
 from ken.models.model import Model, ModelSpec
 from ken.models.qa_data import OK, QAData, QAQuestion, read_mmqa_questions, to_duckdb
@@ -64,33 +68,37 @@ ROUTES: dict[str, tuple[str, ...]] = {
 OTHER = "other"
 ROUTE_LABELS = tuple(ROUTES)  # what the question-type classifier predicts
 TABLE_ROWS = 3  # rows of the table the table hop reads
-LINKED_CHARS = 400  # characters of each linked passage the HybridQA hop reads
+HYBRID_ROWS = 3  # rows of the table the HybridQA reader sees (best first)
+#: characters of linked-passage sentences the HybridQA reader sees (``sem_qa`` reads 448
+#: tokens of context, about 1,800 characters, and the rows come first)
+HYBRID_EVIDENCE_CHARS = 1200
 
 _TEXT_CANDIDATES = """
 SELECT p.doc_id, p.title, p.text,
        sem_similarity(h.q, p.title || '. ' || p.text) AS score
 FROM {hop} h JOIN questions q ON q.qid = h.qid
      JOIN passages p ON list_contains(q.text_doc_ids, p.doc_id)
-ORDER BY score DESC, p.doc_id LIMIT 1
+ORDER BY p.doc_id
 """
-_TABLE_CANDIDATES = f"""
+_TABLE_CANDIDATES = """
 SELECT r.table_title, r.row_index, r.row_text,
        sem_similarity(h.q, r.table_title || '. ' || r.row_text) AS score
-FROM {{hop}} h JOIN questions q ON q.qid = h.qid
+FROM {hop} h JOIN questions q ON q.qid = h.qid
      JOIN table_rows r ON r.table_id = q.table_id
-ORDER BY score DESC, r.row_index LIMIT {TABLE_ROWS}
+ORDER BY r.row_index
 """
-_HYBRID_ROW = """
+_HYBRID_ROWS = """
 SELECT r.table_id, r.row_index, r.table_title, r.row_text,
        sem_similarity(h.q, r.row_text) AS score
 FROM {hop} h JOIN questions q ON q.qid = h.qid
      JOIN table_rows r ON r.table_id = q.table_id
-ORDER BY score DESC, r.row_index LIMIT 1
+ORDER BY r.row_index
 """
-_LINKED = f"""
-SELECT string_agg(left(p.text, {LINKED_CHARS}), ' ' ORDER BY l.column_index)
+_TABLE_LINKS = """
+SELECT l.row_index, p.title, p.text
 FROM row_links l JOIN passages p ON p.doc_id = l.doc_id
-WHERE l.table_id = $table_id AND l.row_index = $row_index
+WHERE l.table_id = $table_id
+ORDER BY l.row_index, l.column_index
 """
 #: the function that reads each kind of hop: MultiModalQA's text and table hops are two
 #: operators (copies of ``sem_qa`` unless the session registers its own), so that each can be
@@ -128,6 +136,9 @@ class Answered:
     latency_s: float
     hops: tuple[str, ...] = ()  # each hop's answer, in order
     context: str = ""  # the last hop's retrieved context (shortened)
+    #: a gold answer appears in the last hop's whole context (case and spacing ignored):
+    #: retrieval's recall, whatever the reader made of it
+    answer_in_context: bool = False
 
 
 @dataclass(frozen=True)
@@ -150,7 +161,9 @@ class RunReport:
 
 
 def _summary_dict(summary: Summary) -> dict:
-    return {"em": summary.em, "f1": summary.f1, "scored": summary.scored,
+    em_se, f1_se = summary.standard_errors()
+    return {"em": summary.em, "f1": summary.f1, "em_se": em_se, "f1_se": f1_se,
+            "scored": summary.scored,
             "statuses": dict(summary.statuses),
             "by_type": {t: asdict(s) for t, s in summary.by_type.items()}}
 
@@ -288,29 +301,51 @@ class Pipeline:
         return self.session.sql(query.replace("{hop}", hop)).fetchall()
 
     def text_hop(self, qid: str, q: str) -> tuple[str | None, str]:
+        """The reader answers from the question's passage (title and text) that shares most
+        words with it and is most similar."""
         rows = self._ranked(_TEXT_CANDIDATES, qid, q)
         if not rows:
             return None, ""
-        _doc, title, text, _score = rows[0]
+        best = retrieval.rank(q, [retrieval.Candidate(f"{title}. {text}", (), float(sim or 0.0))
+                                  for _doc, title, text, sim in rows])[0]
+        _doc, title, text, _sim = rows[best]
         context = f"{title}. {text}"
         return self._read("text", qid, q, context), context
 
     def table_hop(self, qid: str, q: str) -> tuple[str | None, str]:
+        """The reader answers from the table title and its :data:`TABLE_ROWS` rows that
+        share most words with the question and are most similar."""
         rows = self._ranked(_TABLE_CANDIDATES, qid, q)
         if not rows:
             return None, ""
-        context = f"{rows[0][0]}.\n" + "\n".join(r[2] for r in rows)
+        best = retrieval.rank(q, [retrieval.Candidate(text, (), float(sim or 0.0))
+                                  for _title, _i, text, sim in rows])[:TABLE_ROWS]
+        context = f"{rows[0][0]}.\n" + "\n".join(rows[i][2] for i in best)
         return self._read("table", qid, q, context), context
 
     def hybrid_hop(self, qid: str, q: str) -> tuple[str | None, str]:
-        rows = self._ranked(_HYBRID_ROW, qid, q)
+        """Rank the question's table rows by shared words (cells, linked titles, linked
+        passages) and embedding similarity (``ken.models.retrieval``); the reader sees the
+        table title, the best :data:`HYBRID_ROWS` rows and the sentences of their linked
+        passages that share most words with the question (the best row's first)."""
+        rows = self._ranked(_HYBRID_ROWS, qid, q)
         if not rows:
             return None, ""
-        table_id, row_index, title, row_text, _score = rows[0]
-        linked = self.session.sql(_LINKED, params={"table_id": table_id,
-                                                   "row_index": row_index}).fetchall()
-        context = f"{title}. {row_text}. {linked[0][0] or ''}".strip()
-        return self._read("hybrid", qid, q, context), context
+        table_id, title = rows[0][0], rows[0][2]
+        linked: dict[int, list[tuple[str, str]]] = {}
+        for row_index, ptitle, text in self.session.sql(
+                _TABLE_LINKS, params={"table_id": table_id}).fetchall():
+            linked.setdefault(row_index, []).append((ptitle or "", text or ""))
+        candidates = [retrieval.Candidate(
+            f"{row_text} {' '.join(t for t, _ in linked.get(row_index, []))}",
+            tuple(text for _, text in linked.get(row_index, [])), float(sim or 0.0))
+            for _tid, row_index, _title, row_text, sim in rows]
+        best = retrieval.rank(q, candidates)[:HYBRID_ROWS]
+        evidence = retrieval.best_sentences(
+            q, [text for i in best for _, text in linked.get(rows[i][1], [])],
+            HYBRID_EVIDENCE_CHARS)
+        context = "\n".join([f"{title}.", *(f"{rows[i][3]}." for i in best), evidence])
+        return self._read("hybrid", qid, q, context.strip()), context.strip()
 
     def route(self, q: QAQuestion) -> str:
         if self.data.dataset != "mmqa":
@@ -339,7 +374,23 @@ class Pipeline:
         latency = time.perf_counter() - started
         em, f1 = score(answer, q.answers, style=self.data.dataset)  # the styles are named so
         return Answered(q.qid, q.question, q.qtype, route, OK, answer, q.answers, em, f1,
-                        latency, tuple(hops), context[:300])
+                        latency, tuple(hops), context[:300], contains_answer(context, q.answers))
+
+
+def contains_answer(context: str, answers: Sequence[str]) -> bool:
+    """Whether a non-blank gold answer appears in ``context`` (case and spacing ignored)."""
+    text = " ".join(context.lower().split())
+    return any(a.strip() and " ".join(a.lower().split()) in text for a in answers)
+
+
+def retrieval_summary(answers: Sequence[Answered]) -> tuple[float, float] | None:
+    """Over the answered questions: the share whose context held a gold answer, and the
+    reader's F1 (percent) on those; None when none was answered."""
+    ok = [a for a in answers if a.status == OK]
+    if not ok:
+        return None
+    held = [a for a in ok if a.answer_in_context]
+    return len(held) / len(ok), (100.0 * float(np.mean([a.f1 for a in held])) if held else 0.0)
 
 
 def run_pipeline(session: Session, data: QAData, limit: int | None = None,

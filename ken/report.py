@@ -118,15 +118,16 @@ def latency_table(title: str, rows: Sequence[tuple], first: str = "",  # noqa: A
 
 
 def qa_table(data, summary) -> Table:  # noqa: ANN001 - QA data and a multihop summary
-    """EM and F1 by question type, and over all questions."""
+    """EM and F1 by question type, and over all questions (with standard errors)."""
     table = Table(title=f"{data.dataset} ({data.variant}, {', '.join(data.files)}): "
                         f"{summary.scored} questions answered")
     for col in ("question type", "questions", "EM %", "F1 %"):
         table.add_column(col, justify="left" if col == "question type" else "right")
     for qtype, t in sorted(summary.by_type.items(), key=lambda kv: -kv[1].count):
         table.add_row(qtype, str(t.count), f"{t.em:.1f}", f"{t.f1:.1f}")
-    table.add_row("all", str(summary.scored), f"{summary.em:.1f}", f"{summary.f1:.1f}",
-                  style="bold")
+    em_se, f1_se = summary.standard_errors()
+    table.add_row("all", str(summary.scored), f"{summary.em:.1f} ± {em_se:.1f}",
+                  f"{summary.f1:.1f} ± {f1_se:.1f}", style="bold")
     return table
 
 

@@ -17,7 +17,14 @@ from ken.cli import main
 from ken.errors import DataError
 from ken.models.model import DeviceConfig, Model, ModelSpec, Output, Prediction
 from ken.models.qa_data import read_hybridqa, read_mmqa
-from ken.multihop import ROUTE_LABELS, route_of, run_pipeline, write_report
+from ken.multihop import (
+    ROUTE_LABELS,
+    contains_answer,
+    retrieval_summary,
+    route_of,
+    run_pipeline,
+    write_report,
+)
 from ken.ops.sem_similarity import SimilarityPairModel
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -142,6 +149,13 @@ def test_hybridqa_fixture_reads_the_best_row_and_its_passages(session) -> None: 
     assert "Anna" in by["h_passage"].context and "Tomas Berg" in by["h_passage"].context
     assert by["h_other"].predicted is None  # a count: not in any context
     assert report.summary.scored == 3 and report.summary.em == pytest.approx(200 / 3)
+    # retrieval's recall, apart from the reader: the gold answer is in the context of the
+    # two questions the reader got right, not in that of the count
+    assert [by[q].answer_in_context for q in ("h_table", "h_passage", "h_other")] == [
+        True, True, False]
+    assert retrieval_summary(report.answers) == (pytest.approx(2 / 3), pytest.approx(100.0))
+    assert contains_answer("Born in  TURIN, Italy", ["turin"])
+    assert not contains_answer("Born in Turin", ["", "Genoa"])
 
 
 def test_mmqa_needs_questions_to_train_the_type_classifier(session) -> None:  # noqa: ANN001

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import duckdb
+import numpy as np
 import pytest
 
 from ken.errors import DataError
@@ -356,3 +357,8 @@ def test_summarise_hybridqa_rows() -> None:
     assert summary.em == pytest.approx(50.0)
     assert summary.f1 == pytest.approx(100 * (1 + 2 / 3) / 2)
     assert dict(summary.statuses) == {OK: 2, IMAGE: 0, MISSING: 1}
+    # standard errors: sample std of the per-question scores / sqrt(2), in percent
+    em_se, f1_se = summary.standard_errors()
+    assert em_se == pytest.approx(100 * np.std([1.0, 0.0], ddof=1) / np.sqrt(2))
+    assert f1_se == pytest.approx(100 * np.std([1.0, 2 / 3], ddof=1) / np.sqrt(2))
+    assert summarise(rows[:1], style="hybridqa").standard_errors() == (0.0, 0.0)

@@ -11,7 +11,7 @@ from ken.cli import DEFAULT_QA_LLMS
 from ken.errors import UsageError
 from ken.models.model import DeviceConfig
 from ken.models.qa_data import read_hybridqa, read_mmqa
-from ken.multihop import run_pipeline, write_report
+from ken.multihop import retrieval_summary, run_pipeline, write_report
 from ken.multihop_plan import PlannedRun, run_planned
 from ken.optimizer.query import Target
 from ken.paths import shared_data_dir
@@ -51,10 +51,13 @@ def cmd_qa(args: argparse.Namespace) -> int:
     console.print(qa_table(data, s))
     latency = [a.latency_s for a in report.answers if a.latency_s > 0]
     skipped = {k: v for k, v in s.statuses.items() if k != "ok" and v}
+    held = retrieval_summary(report.answers)
     console.print(
         f"models: {', '.join(report.models)}; "
         + (f"question-type accuracy {report.type_accuracy:.1%}; "
            if report.type_accuracy is not None else "")
+        + (f"gold answer in the reader's context {held[0]:.1%} (reader F1 there "
+           f"{held[1]:.1f}); " if held else "")
         + (f"latency per question p50 {np.percentile(latency, 50):.2f} s, p95 "
            f"{np.percentile(latency, 95):.2f} s; " if latency else "")
         + (f"not answered: {skipped}; " if skipped else "")

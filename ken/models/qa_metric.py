@@ -208,6 +208,15 @@ class Summary:
     statuses: Mapping[str, int]
     scores: Mapping[str, tuple[float, float]] = field(repr=False)
 
+    def standard_errors(self) -> tuple[float, float]:
+        """Standard errors of EM and F1 (percent): each one's sample standard deviation over
+        the scored questions divided by the square root of their number (0 below two)."""
+        if len(self.scores) < 2:
+            return 0.0, 0.0
+        pairs = np.asarray(list(self.scores.values()), dtype=np.float64)
+        se = pairs.std(axis=0, ddof=1) / np.sqrt(len(pairs))
+        return 100.0 * float(se[0]), 100.0 * float(se[1])
+
 
 def _means(pairs: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """Mean EM and mean F1 of ``(EM, F1)`` pairs, in percent (0 for none)."""

@@ -1,0 +1,88 @@
+"""Lexical evidence for multi-hop retrieval (issue 34, item 3): which table rows and which
+sentences of their linked passages share the question's words.
+
+Embedding similarity alone (``sem_similarity``) ranks a HybridQA table's rows by what they are
+about; the question usually names the row's entity or a fact of its linked passage, which a
+word match finds. :func:`rank` combines both: each candidate's content words in common with the
+question (cells and linked titles count fully, linked passages at :data:`PASSAGE_WEIGHT`) plus
+:data:`SIMILARITY_WEIGHT` times its embedding similarity. :func:`best_sentences` keeps the
+sentences of a passage that share most words with the question, in their order, within a
+character budget, so the reader sees the evidence rather than the first few hundred characters.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+#: words that carry no evidence of which row or sentence a question is about
+STOPWORDS = frozenset("""
+a an the of in on at to for by with from into about as and or but not no nor is are was were be
+been being has have had do does did what which who whom whose when where why how many much
+that this these those it its he she his her they them their there than then so such one also
+most least more less first second third last name named year years
+""".split())
+#: weight of a word shared with a linked passage, against 1 for one in the row's cells
+PASSAGE_WEIGHT = 0.3
+#: weight of the embedding similarity (cosine, -1..1) against one shared word
+SIMILARITY_WEIGHT = 2.0
+_WORD = re.compile(r"[^\W_]+", re.UNICODE)
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
+
+
+def content_words(text: str) -> frozenset[str]:
+    """The lower-cased words of ``text`` that are not :data:`STOPWORDS`."""
+    return frozenset(w for w in _WORD.findall(text.lower()) if w not in STOPWORDS)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A row (or passage) to rank: its own text, its linked passages' texts, and its
+    embedding similarity to the question."""
+
+    text: str
+    linked: tuple[str, ...] = ()
+    similarity: float = 0.0
+
+
+def score(question: frozenset[str], candidate: Candidate) -> float:
+    """Shared words (linked passages at :data:`PASSAGE_WEIGHT`) plus the weighted
+    similarity."""
+    own = len(question & content_words(candidate.text))
+    linked = len(question & content_words(" ".join(candidate.linked))) if candidate.linked else 0
+    return own + PASSAGE_WEIGHT * linked + SIMILARITY_WEIGHT * candidate.similarity
+
+
+def rank(question: str, candidates: Sequence[Candidate]) -> list[int]:
+    """Indices of ``candidates``, best first (ties keep their order)."""
+    words = content_words(question)
+    scores = [score(words, c) for c in candidates]
+    return sorted(range(len(candidates)), key=lambda i: -scores[i])
+
+
+def sentences(text: str) -> list[str]:
+    """``text`` split after ``.``, ``!`` or ``?`` followed by a capital, digit or quote."""
+    return [s.strip() for s in _SENTENCE_END.split(text.strip()) if s.strip()]
+
+
+def best_sentences(question: str, texts: Iterable[str], budget: int) -> str:
+    """The sentences of ``texts`` that share most content words with ``question`` (each
+    text's first sentence, which says what it is about, counts one word more), at most
+    ``budget`` characters in all, joined in their original order. Ties go to earlier
+    sentences; a sentence sharing no word is left out unless it is a text's first."""
+    words = content_words(question)
+    pool: list[tuple[float, int, str]] = []
+    for t, text in enumerate(texts):
+        for s, sentence in enumerate(sentences(text)):
+            shared = len(words & content_words(sentence)) + (1 if s == 0 else 0)
+            if shared:
+                pool.append((shared, t * 10_000 + s, sentence))
+    kept: list[tuple[int, str]] = []
+    used = 0
+    for _shared, position, sentence in sorted(pool, key=lambda x: (-x[0], x[1])):
+        if used + len(sentence) + 1 > budget:
+            continue
+        kept.append((position, sentence))
+        used += len(sentence) + 1
+    return " ".join(s for _, s in sorted(kept))
