@@ -26,7 +26,9 @@ from ken.policy.plan import Frontier, GearPlan
 from ken.progress import Reporter
 
 #: the LMs of sem_qa in `ken mmqa` / `ken hybridqa` when --llms is not given
-DEFAULT_QA_LLMS = "smollm2-135m"
+#: the reader of `ken mmqa` / `ken hybridqa` (fetched on first use, 478 MB): SmolLM2 answers in
+#: sentences (HybridQA F1 4.4 against 24.9 on the first 100 questions, docs/results.md)
+DEFAULT_QA_LLMS = "qwen2.5-coder-0.5b"
 
 
 def positive_int(text: str) -> int:
@@ -299,8 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
         qa.add_argument("--limit", type=int, default=None,
                         help="answer only the first N questions")
         qa.add_argument("--llms", default=DEFAULT_QA_LLMS,
-                        help="LMs of sem_qa, smallest first (default smollm2-135m; "
-                        "smollm2-135m,qwen2.5-coder-0.5b for the cascade, a 478 MB download)")
+                        help="LMs of sem_qa, smallest first (default qwen2.5-coder-0.5b, "
+                        "downloaded on first use: 478 MB; smollm2-135m for the packaged one, "
+                        "smollm2-135m,qwen2.5-coder-0.5b for the cascade)")
         qa.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
         qa.add_argument("--out", type=Path, default=Path("ken-qa"),
                         help="folder for the per-question JSON (default: ken-qa)")
