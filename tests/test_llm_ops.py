@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pytest
-from conftest import FAMILY_DEVICE, SMALL_FAMILY
+from conftest import REFERENCE_DEVICE, SMALL_FAMILY
 
 import ken
 from ken.errors import DataError, KenError
@@ -35,7 +35,8 @@ ENDINGS = ["is broken.\nhas a great camera.", "a\nb",
 
 @pytest.fixture(scope="module")
 def session(home):  # noqa: ANN001 - conftest's KEN_HOME (SmolLM2 converted there)
-    s = ken.connect(device=FAMILY_DEVICE, data=SMALL_FAMILY, home=home)
+    # fp32: the tests hold SQL's batched answers to row-by-row ones
+    s = ken.connect(device=REFERENCE_DEVICE, data=SMALL_FAMILY, home=home)
     for name in LLM_OPS:
         s.operators[name].llms = ("smollm2-135m",)
     s.register_table("t", pa.table({"id": list(range(len(TEXTS))), "x": TEXTS,
@@ -97,7 +98,7 @@ def test_sem_map_and_explain(session) -> None:  # noqa: ANN001
 
 @pytest.mark.models
 def test_prompts_cut_columns_from_their_side(home) -> None:  # noqa: ANN001
-    lm = Resources(FAMILY_DEVICE, home=home).causal_lm("smollm2-135m")
+    lm = Resources(REFERENCE_DEVICE, home=home).causal_lm("smollm2-135m")
     long = " ".join(f"word{i}" for i in range(2000))
     ids = SEM_QA(lm, ("a question?", long))
     text = lm.tokenizer.decode(ids)
