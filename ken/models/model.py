@@ -69,7 +69,7 @@ def cpu_has_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 class DeviceConfig:
     """Where and how a model runs: a device kind, its index, (for CPU) a thread count, and the
     precision its weights are loaded in (``auto``: fp32 on CPU, ``CUDA_AUTO_PRECISION`` on a
-    GPU)."""
+    GPU; a causal LM resolves it with :meth:`for_causal_lm`, bf16 on CPUs that have it)."""
 
     kind: str = "cpu"
     index: int = 0
