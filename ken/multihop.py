@@ -299,15 +299,16 @@ class Pipeline:
         return self.session.sql(f"SELECT {READERS[kind]}(q, context) AS answer FROM {hop}"
                                 ).fetchall()[0][0]
 
-    def _ranked(self, query: str, qid: str, q: str) -> list[tuple]:
-        """The candidates ``query`` ranks for the hop question ``q`` (best first)."""
+    def _candidates(self, query: str, qid: str, q: str) -> list[tuple]:
+        """The rows ``query`` returns for the hop question ``q`` (in the query's order; the
+        hops rank them with ``retrieval.rank``)."""
         hop = self.hop_table(qid, q)
         return self.session.sql(query.replace("{hop}", hop)).fetchall()
 
     def text_hop(self, qid: str, q: str) -> tuple[str | None, str]:
         """The reader answers from the question's passage (title and text) that shares most
         words with it and is most similar."""
-        rows = self._ranked(_TEXT_CANDIDATES, qid, q)
+        rows = self._candidates(_TEXT_CANDIDATES, qid, q)
         if not rows:
             return None, ""
         best = retrieval.rank(q, [retrieval.Candidate(f"{title}. {text}", (), float(sim or 0.0))
@@ -319,7 +320,7 @@ class Pipeline:
     def table_hop(self, qid: str, q: str) -> tuple[str | None, str]:
         """The reader answers from the table title and its :data:`TABLE_ROWS` rows that
         share most words with the question and are most similar."""
-        rows = self._ranked(_TABLE_CANDIDATES, qid, q)
+        rows = self._candidates(_TABLE_CANDIDATES, qid, q)
         if not rows:
             return None, ""
         best = retrieval.rank(q, [retrieval.Candidate(text, (), float(sim or 0.0))
@@ -333,7 +334,7 @@ class Pipeline:
         table title, the best :data:`HYBRID_ROWS` rows and the sentences of their linked
         passages that share most words with the question (the best row's first), up to
         :data:`HYBRID_CONTEXT_CHARS`."""
-        rows = self._ranked(_HYBRID_ROWS, qid, q)
+        rows = self._candidates(_HYBRID_ROWS, qid, q)
         if not rows:
             return None, ""
         table_id, title = rows[0][0], rows[0][2]
@@ -350,13 +351,13 @@ class Pipeline:
         evidence = retrieval.best_sentences(
             q, [text for i in best for _, text in linked.get(rows[i][1], [])],
             max(300, HYBRID_CONTEXT_CHARS - len(head)))
-        context = f"{head}\n{evidence}"
-        return self._read("hybrid", qid, q, context.strip()), context.strip()
+        context = f"{head}\n{evidence}".strip()
+        return self._read("hybrid", qid, q, context), context
 
     def route(self, q: QAQuestion) -> str:
         if self.data.dataset != "mmqa":
             return "row+passages"
-        return self._ranked("SELECT question_type(q) FROM {hop}", q.qid, q.question)[0][0]
+        return self._candidates("SELECT question_type(q) FROM {hop}", q.qid, q.question)[0][0]
 
     def answer(self, q: QAQuestion) -> Answered:
         if q.status != OK:

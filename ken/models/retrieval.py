@@ -72,13 +72,13 @@ def best_sentences(question: str, texts: Iterable[str], budget: int) -> str:
     ``budget`` characters in all, joined in their original order. Ties go to earlier
     sentences; a sentence sharing no word is left out unless it is a text's first."""
     words = content_words(question)
-    pool: list[tuple[float, int, str]] = []
+    pool: list[tuple[int, tuple[int, int], str]] = []  # (shared words, position, sentence)
     for t, text in enumerate(texts):
         for s, sentence in enumerate(sentences(text)):
             shared = len(words & content_words(sentence)) + (1 if s == 0 else 0)
             if shared:
-                pool.append((shared, t * 10_000 + s, sentence))
-    kept: list[tuple[int, str]] = []
+                pool.append((shared, (t, s), sentence))
+    kept: list[tuple[tuple[int, int], str]] = []
     used = 0
     for _shared, position, sentence in sorted(pool, key=lambda x: (-x[0], x[1])):
         if used + len(sentence) + 1 > budget:
