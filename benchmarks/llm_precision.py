@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+from llm_backends import busy_cpu_s  # the same busy-CPU count as its table
 
 import ken
 from ken.models.generation import generate
@@ -54,12 +55,9 @@ INSTRUCTION = "Who or what is this passage about? Answer in a few words."
 
 
 def other_cpu_s() -> float:
-    """CPU seconds used by every process but this one so far (from /proc/stat and self)."""
-    with open("/proc/stat", encoding="ascii") as f:
-        fields = [int(x) for x in f.readline().split()[1:8]]
-    total = (fields[0] + fields[1] + fields[2] + fields[5] + fields[6]) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds used by every process but this one so far."""
     t = os.times()
-    return total - (t.user + t.system)
+    return busy_cpu_s() - (t.user + t.system)
 
 
 def sql_run(model: str, precision: str, rows: list[tuple[str, str]], threads: int) -> dict:
