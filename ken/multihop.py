@@ -5,9 +5,10 @@ are loaded into the session's DuckDB tables (``questions``, ``passages``, ``tabl
 ``row_links``), and each question is answered by semantic SQL over them, one question at a
 time (so each has its own latency):
 
-- **question type** (MultiModalQA): ``question_type(question)``, a MiniLM-L6 + logistic head
-  trained on the text and table questions of MultiModalQA that are not evaluated
-  (``MMQA_train.jsonl.gz`` when the folder has it, else the other dev questions), picks the
+- **question type** (MultiModalQA): ``question_type(question)``, a word n-gram classifier
+  (``ken.models.ngram``: TF-IDF and a logistic regression) fitted on the text and table
+  questions of MultiModalQA that are not evaluated (``MMQA_train.jsonl.gz`` when the folder
+  has it, else the other dev questions), picks the
   route: ``TextQ`` (a passage), ``TableQ`` (the table), ``Compose(TextQ,TableQ)`` (the table,
   then a passage about its answer), ``Compose(TableQ,TextQ)`` (a passage, then the table).
   Comparisons and intersections are learnt as the single hop of their first part
@@ -19,8 +20,13 @@ time (so each has its own latency):
   ``table_qa(question, rows)`` from the table title and its three best rows (both are
   ``sem_qa`` under their own names unless the session registers them, so the query optimizer
   can give each its own gear plan: ``ken.multihop_plan``);
-- **the hop**: the second hop's question is the question followed by the first hop's answer
-  (ImplicitDecomp, Talmor et al. 2021, feeds the first answer into the second question).
+- **the hops**: a compose route retrieves twice and reads once: the second hop ranks its
+  candidates by the question plus the first hop's bridge (the best table row, or the best
+  passage's title), and the reader answers the question from the bridge and the second hop's
+  context. Feeding the first hop's *answer* into the second question instead (as
+  ImplicitDecomp does with its trained modules) let the small reader answer the whole
+  question at the first hop (a year, a role) rather than name the bridge: F1 34.5 against
+  36.1 on n100's 62 questions.
 
 HybridQA questions have no type: the question's table rows are ranked by the words they share
 with the question (cells, linked titles, linked passages) and ``sem_similarity``
@@ -33,7 +39,6 @@ questions whose context is missing are counted and not answered (their status sa
 
 from __future__ import annotations
 
-import hashlib
 import json
 import threading
 import time
@@ -45,16 +50,12 @@ import numpy as np
 import pyarrow as pa
 
 from ken import store
-from ken.errors import DataError, ModelError, StoreError
+from ken.errors import DataError
 from ken.models import retrieval
-from ken.models.head import LinearHead, fit_logistic_cv
-from ken.models.model import Model, ModelSpec
+from ken.models.model import Model
+from ken.models.ngram import NgramClassifier, fit_ngram_classifier
 from ken.models.qa_data import OK, QAData, QAQuestion, read_mmqa_questions, to_duckdb
 from ken.models.qa_metric import ScoreRow, Summary, score, summarise
-from ken.models.resources import ENCODER_MAX_TOKENS
-from ken.models.transformers_backend import TransformersClassifier
-from ken.ops.base import shared_resources
-from ken.paths import ken_home
 from ken.progress import Reporter
 from ken.session import Session
 
@@ -138,7 +139,8 @@ class Answered:
     em: float
     f1: float
     latency_s: float
-    hops: tuple[str, ...] = ()  # each hop's answer, in order
+    hops: tuple[str, ...] = ()  # HybridQA: the answer; MultiModalQA: the bridge of each hop
+    #                             but the last (a table row, a passage title)
     context: str = ""  # the last hop's retrieved context (shortened)
     #: a gold answer appears in the last hop's whole context (case and spacing ignored):
     #: retrieval's recall, whatever the reader made of it
@@ -195,54 +197,21 @@ def training_questions(data: QAData) -> tuple[QAQuestion, ...]:
 
 
 def question_type_model(session: Session, train: Sequence[QAQuestion],
-                        reporter: Reporter) -> TransformersClassifier:
-    """MiniLM-L6 features + a logistic head over :data:`ROUTE_LABELS`, trained on ``train``
-    (cached in ``KEN_HOME/heads`` by the training questions' ids)."""
-    body = shared_resources(session.ctx).encoder("minilm-l6")
-    key = hashlib.sha256("\n".join(sorted(q.qid for q in train)).encode()).hexdigest()[:12]
-    home = session.ctx.home or ken_home()
-    entry = head_entry(home / "heads" / f"question-type-{key}.npz")
-    head = None
-    if entry.main.is_file():
-        try:  # a damaged head is fitted again (a minute at most)
-            store.ensure(entry)
-            head = LinearHead.load(entry.main)
-        except (StoreError, ModelError) as exc:
-            reporter.note(f"{exc}\n  -> fitting the question-type head again")
-    if head is None:
-        texts = [q.question for q in train]
-        labels = np.array([ROUTE_LABELS.index(route_of(q.qtype)) for q in train])
-        with reporter.task(f"question types: features of {len(texts)} training questions",
-                           len(texts)) as advance:
-            features = body.features(texts, 32, advance)
-        head = fit_logistic_cv(features, labels, ROUTE_LABELS)
-        with store.store_lock(home, "fitting the question-type head", reporter.note):
-            head.save(entry.main)
-            store.seal(entry)
-    spec = ModelSpec(name=f"question-type-{key}", family="question-type",
-                     backend="transformers", source=body.config.source,
-                     num_params=body.num_params + head.num_params,
-                     memory_bytes=body.memory_bytes, max_tokens=ENCODER_MAX_TOKENS,
-                     labels=ROUTE_LABELS, fingerprint=f"question-type-{key}")
-    return TransformersClassifier(spec, body, head)
+                        reporter: Reporter) -> NgramClassifier:
+    """A word n-gram classifier over :data:`ROUTE_LABELS` fitted on ``train`` (seconds; not
+    cached). It routes better than the MiniLM-L6 + logistic head it replaced: 5-fold
+    cross-validated route accuracy 0.78 against 0.70 on the 1,439 dev questions outside n100."""
+    labels = [ROUTE_LABELS.index(route_of(q.qtype)) for q in train]
+    with reporter.task(f"question types: fitting on {len(train):,} questions", 1) as advance:
+        model = fit_ngram_classifier("question-type", [q.question for q in train], labels,
+                                     ROUTE_LABELS, family="question-type")
+        advance(1)
+    reporter.note(f"question types: cross-validated route accuracy {model.cv_accuracy:.3f} "
+                  f"on the training questions")
+    return model
 
 
 # -- the pipeline ------------------------------------------------------------------------------
-
-
-def head_entry(path: Path) -> store.Entry:
-    """The store entry of a question-type head (one file in ``KEN_HOME/heads``)."""
-    def adopt(entry: store.Entry) -> None:
-        store.check_safetensors(entry.main, entry)
-
-    return store.Entry(path.parent, f"the question-type head {path.name}",
-                       "it is fitted again on next use", files=(path.name,), legacy=adopt)
-
-
-def store_entries(home: Path) -> list[store.Entry]:
-    """Every question-type head in ``home``."""
-    return [head_entry(path) for path in sorted((home / "heads").glob("question-type-*"))
-            if not path.name.startswith(".")]
 
 
 class Pipeline:
@@ -305,28 +274,27 @@ class Pipeline:
         hop = self.hop_table(qid, q)
         return self.session.sql(query.replace("{hop}", hop)).fetchall()
 
-    def text_hop(self, qid: str, q: str) -> tuple[str | None, str]:
-        """The reader answers from the question's passage (title and text) that shares most
-        words with it and is most similar."""
-        rows = self._candidates(_TEXT_CANDIDATES, qid, q)
+    def text_hop(self, qid: str, query: str) -> tuple[str, str]:
+        """The question's passage (title and text) that shares most words with ``query`` and
+        is most similar to it, and its title ("" when the question has none)."""
+        rows = self._candidates(_TEXT_CANDIDATES, qid, query)
         if not rows:
-            return None, ""
-        best = retrieval.rank(q, [retrieval.Candidate(f"{title}. {text}", (), float(sim or 0.0))
-                                  for _doc, title, text, sim in rows])[0]
+            return "", ""
+        best = retrieval.rank(query, [
+            retrieval.Candidate(f"{title}. {text}", (), float(sim or 0.0))
+            for _doc, title, text, sim in rows])[0]
         _doc, title, text, _sim = rows[best]
-        context = f"{title}. {text}"
-        return self._read("text", qid, q, context), context
+        return f"{title}. {text}", title
 
-    def table_hop(self, qid: str, q: str) -> tuple[str | None, str]:
-        """The reader answers from the table title and its :data:`TABLE_ROWS` rows that
-        share most words with the question and are most similar."""
-        rows = self._candidates(_TABLE_CANDIDATES, qid, q)
+    def table_hop(self, qid: str, query: str) -> tuple[str, str]:
+        """The table title and its :data:`TABLE_ROWS` rows that share most words with
+        ``query`` and are most similar to it, and the best row ("" when there is no table)."""
+        rows = self._candidates(_TABLE_CANDIDATES, qid, query)
         if not rows:
-            return None, ""
-        best = retrieval.rank(q, [retrieval.Candidate(text, (), float(sim or 0.0))
-                                  for _title, _i, text, sim in rows])[:TABLE_ROWS]
-        context = f"{rows[0][0]}.\n" + "\n".join(rows[i][2] for i in best)
-        return self._read("table", qid, q, context), context
+            return "", ""
+        best = retrieval.rank(query, [retrieval.Candidate(text, (), float(sim or 0.0))
+                                      for _title, _i, text, sim in rows])[:TABLE_ROWS]
+        return f"{rows[0][0]}.\n" + "\n".join(rows[i][2] for i in best), rows[best[0]][2]
 
     def hybrid_hop(self, qid: str, q: str) -> tuple[str | None, str]:
         """Rank the question's table rows by shared words (cells, linked titles, linked
@@ -354,6 +322,25 @@ class Pipeline:
         context = f"{head}\n{evidence}".strip()
         return self._read("hybrid", qid, q, context), context
 
+    def mmqa_hops(self, q: QAQuestion, route: str) -> tuple[str | None, str, list[str]]:
+        """Retrieve along ``route``'s hops, then read once: each hop after the first ranks its
+        candidates by the question plus what the hop before found (the best table row, or the
+        best passage's title: the bridge entity, e.g. the film of a filmography row), and the
+        reader answers the question from the bridge and the last hop's context. Returns the
+        answer, the reader's context and each hop's bridge."""
+        bridge, context, hops = "", "", []
+        kinds = ROUTES[route]
+        for i, kind in enumerate(kinds):
+            query = q.question if not bridge else f"{q.question} {bridge}"
+            run: Callable[[str, str], tuple[str, str]] = (
+                self.text_hop if kind == "text" else self.table_hop)
+            context, bridge = run(q.qid, query)
+            if i < len(kinds) - 1:
+                hops.append(bridge)
+        if hops and hops[-1]:
+            context = f"{hops[-1]}\n{context}"
+        return self._read(kinds[-1], q.qid, q.question, context), context, hops
+
     def route(self, q: QAQuestion) -> str:
         if self.data.dataset != "mmqa":
             return "row+passages"
@@ -372,12 +359,7 @@ class Pipeline:
             answer, context = self.hybrid_hop(q.qid, q.question)
             hops.append(answer or "")
         else:  # the type model predicts one of ROUTES (checked when it is registered)
-            for i, kind in enumerate(ROUTES[route]):
-                hop_q = q.question if i == 0 or not answer else f"{q.question} {answer}"
-                run: Callable[[str, str], tuple[str | None, str]] = (
-                    self.text_hop if kind == "text" else self.table_hop)
-                answer, context = run(q.qid, hop_q)
-                hops.append(answer or "")
+            answer, context, hops = self.mmqa_hops(q, route)
         latency = time.perf_counter() - started
         em, f1 = score(answer, q.answers, style=self.data.dataset)  # the styles are named so
         return Answered(q.qid, q.question, q.qtype, route, OK, answer, q.answers, em, f1,

@@ -1,7 +1,7 @@
 """Planning the MultiModalQA pipeline's operators together (issue 16; the KEN paper's §5.4).
 
-The pipeline (``ken.multihop``) runs, per question, ``question_type`` and then one or two
-reading hops, ``text_qa`` and/or ``table_qa`` in the order of the question's route. The query
+The pipeline (``ken.multihop``) runs, per question, ``question_type``, the retrieval hops of
+its route, and then one reading call, ``text_qa`` or ``table_qa`` (the last hop's). The query
 optimizer gives each reading operator a gear plan (a cascade of LMs per load range, placement
 and batching) so that the *whole pipeline* meets the user's target (``f1 >= x`` or
 ``p95 <= t`` ms per question), simulating the operators together on the shared devices.
@@ -16,9 +16,8 @@ What the planner knows comes from the labelled questions themselves (:func:`meas
 - **performance**: each LM's runtime per batch of reading calls (1, 2, 4 rows) on the
   questions' own hop inputs, and the question-type model's, on one-thread CPU workers.
 
-The certainty that decides an escalation at a hop is the LM's certainty on that hop's input
-in the run where the other reading operator used the most accurate LM: exact for first hops;
-for a second hop, its input may differ with the LM that answered the first hop.
+The certainty that decides an escalation is the LM's certainty on the question's reading
+call (retrieval does not depend on the LMs, so it is exact).
 """
 
 from __future__ import annotations
@@ -79,7 +78,8 @@ READING = OPERATORS[1:]
 #: the LMs the reading operators choose from, cheapest first
 LLMS = DEFAULT_LLMS
 BATCH_SIZES = (1, 2, 4)
-VERSION = 2  # bump when what measure() records changes (2: word-match retrieval, LLMs in bf16)
+VERSION = 3  # bump when what measure() records changes (2: word-match retrieval, LLMs in bf16;
+#              3: the word n-gram question-type classifier, one reading call per question)
 
 
 def model_name(operator: str, lm: str) -> str:
@@ -213,9 +213,8 @@ def measure(session: Session, data: QAData, llms: Sequence[str] = LLMS,
                                         "batch_sizes": list(BATCH_SIZES),
                                         "runtime_s": [runtimes],
                                         "memory_bytes": [model.spec.memory_bytes]}
-    if type_model is None:  # the trained classifier, its encoder on the timing workers
-        typing = question_type_model(session, training_questions(data), reporter)
-        type_model = type(typing)(typing.spec, timing.encoder("minilm-l6"), typing.head)
+    if type_model is None:  # the fitted classifier (in-process, no encoder)
+        type_model = question_type_model(session, training_questions(data), reporter)
     texts = [q.question for q in questions]
     runtimes, _peak = measure_batch_runtimes(type_model, texts, BATCH_SIZES)
     perf["question_type"] = {"name": "question_type", "batch_sizes": list(BATCH_SIZES),
@@ -294,8 +293,8 @@ def pipeline_inputs(outcomes: Outcomes) -> tuple[dict[str, Catalog], PipelineSam
     best = max(llms, key=lambda lm: np.mean([r[0] for r in outcomes.runs[_key(lm, lm)]]))
     n = len(outcomes.qids)
     ops = list(OPERATORS)
-    routes = tuple(tuple(ops.index(READERS[kind]) for kind in ROUTES[r]) for r in
-                   outcomes.routes)
+    # a question is read once, by the operator of its route's last hop
+    routes = tuple((ops.index(READERS[ROUTES[r][-1]]),) for r in outcomes.routes)
     routes = tuple((0, *r) for r in routes)
     catalogs = {"question_type": Catalog(
         {"question_type": perf["question_type"]},

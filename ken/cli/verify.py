@@ -8,7 +8,7 @@ import functools
 import shutil
 from pathlib import Path
 
-from ken import multihop, multihop_plan, ops, store
+from ken import multihop_plan, ops, store
 from ken.models import convert, family, registry
 from ken.models.fetch import DOWNLOADS, gguf_entry
 from ken.models.resources import CAUSAL_LMS, causal_lm_dir
@@ -46,7 +46,6 @@ def _store_entries(home: Path) -> list[tuple[str, object, object]]:
                                         names=(entry.root.name,))
         out.append(("model family", entry, rebuild))
     out += [(kind, e, None) for kind, e in ops.store_entries(home)]  # what users trained
-    out += [("question-type head", e, None) for e in multihop.store_entries(home)]
     out += [("QA outcomes", e, None) for e in multihop_plan.store_entries(home)]
     out += [("profile", e, None) for e in profile.store_entries(home)]
     out += [("token cost", e, None) for e in tokens.store_entries(home)]
