@@ -27,7 +27,7 @@ import pyarrow as pa
 from sqlglot import exp
 
 from ken.errors import KenError
-from ken.ops.base import SQL_TYPES, Operator
+from ken.ops.base import Operator, sql_type
 from ken.sql.result import Result
 from ken.sql.rewrite import parse
 
@@ -257,7 +257,7 @@ def _relational_probe(frame: Frame) -> str:
     for node in list(query.find_all(exp.Anonymous)):
         name = str(node.this).lower()
         if name in operators:
-            kind = SQL_TYPES[operators[name].output_type]
+            kind = sql_type(operators[name].output_type)
             node.replace(exp.cast(exp.null(), kind))
     return query.sql(dialect="duckdb")
 

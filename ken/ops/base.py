@@ -4,7 +4,8 @@ An operator (``sentiment``, ``sem_filter``, ``sem_match``, ``sem_classify``, or 
 registers) is an :class:`Operator`. It gives
 
 - its SQL signature: ``num_columns`` text arguments, then ``constants`` (string literals bound
-  per call site, e.g. a predicate) and an ``output_type`` (VARCHAR, BOOLEAN, DOUBLE, BIGINT);
+  per call site, e.g. a predicate) and an ``output_type`` (VARCHAR, BOOLEAN, DOUBLE, BIGINT,
+  or a STRUCT of them: ``struct(name varchar, year bigint)``);
 - ``bind(ctx, constants)``: the runnable :class:`Bound` operator for one call site, a
   :class:`~ken.models.cascade.Cascade` plus the models it names and how their values become SQL
   values, with a one-line ``describe()`` for EXPLAIN;
@@ -29,6 +30,7 @@ import copy
 import difflib
 import functools
 import pickle
+import re
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +47,42 @@ from ken.models.resources import Resources
 from ken.progress import QUIET, Reporter
 
 SQL_TYPES = {"varchar": "VARCHAR", "boolean": "BOOLEAN", "double": "DOUBLE", "bigint": "BIGINT"}
+#: a STRUCT output type's field name
+FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def struct_output_type(fields: Sequence[tuple[str, str]]) -> str:
+    """The output type of a STRUCT of ``(name, scalar type)`` fields:
+    ``struct(name varchar, year bigint)``."""
+    return "struct(" + ", ".join(f"{name} {kind}" for name, kind in fields) + ")"
+
+
+def struct_fields(output_type: str) -> tuple[tuple[str, str], ...] | None:
+    """The ``(name, scalar type)`` fields of a STRUCT output type; None for a scalar type."""
+    if not (output_type.startswith("struct(") and output_type.endswith(")")):
+        return None
+    fields = []
+    for part in output_type[len("struct("):-1].split(","):
+        name, _, kind = part.strip().partition(" ")
+        fields.append((name, kind.strip()))
+    return tuple(fields)
+
+
+def is_output_type(output_type: str) -> bool:
+    """One of :data:`SQL_TYPES`, or a STRUCT of them with distinct plain field names."""
+    if output_type in SQL_TYPES:
+        return True
+    fields = struct_fields(output_type)
+    return (bool(fields) and all(FIELD_NAME.fullmatch(n) and k in SQL_TYPES for n, k in fields)
+            and len({n.lower() for n, _ in fields}) == len(fields))
+
+
+def sql_type(output_type: str) -> str:
+    """The SQL spelling of an output type (``BIGINT``, ``STRUCT("name" VARCHAR, ...)``)."""
+    fields = struct_fields(output_type)
+    if fields is None:
+        return SQL_TYPES[output_type]
+    return "STRUCT(" + ", ".join(f'"{n}" {SQL_TYPES[k]}' for n, k in fields) + ")"
 
 
 def to_sql_value(value: Any, output_type: str) -> Any:
@@ -55,6 +93,12 @@ def to_sql_value(value: Any, output_type: str) -> Any:
     """
     if value is None:
         return None
+    fields = struct_fields(output_type)
+    if fields is not None:
+        if not isinstance(value, dict):
+            raise DataError(f"a model value does not fit the operator's type "
+                            f"{sql_type(output_type)}: {value!r} is not a record")
+        return {name: to_sql_value(value.get(name), kind) for name, kind in fields}
     try:
         if output_type == "varchar":
             return value if isinstance(value, str) else str(value)
@@ -76,8 +120,9 @@ def to_sql_value(value: Any, output_type: str) -> Any:
 
 
 def check_output_type(output_type: str) -> None:
-    if output_type not in SQL_TYPES:
-        raise KenError(f"output type must be one of {sorted(SQL_TYPES)}, not {output_type!r}")
+    if not is_output_type(output_type):
+        raise KenError(f"output type must be one of {sorted(SQL_TYPES)} (or a STRUCT of "
+                       f"them), not {output_type!r}")
 
 
 def quote_argument(text: str, limit: int = 60) -> str:
@@ -147,9 +192,9 @@ class BoundSemantic:
     detail: str = ""
 
     def __post_init__(self) -> None:
-        if self.output_type not in SQL_TYPES:
-            raise ModelError(f"output type must be one of {sorted(SQL_TYPES)}, "
-                             f"not {self.output_type!r}")
+        if not is_output_type(self.output_type):
+            raise ModelError(f"output type must be one of {sorted(SQL_TYPES)} (or a STRUCT of "
+                             f"them), not {self.output_type!r}")
         missing = [m for m in self.cascade.models if m not in self.models]
         if missing:
             raise ModelError(f"{self.function}: the cascade names {missing} but only "

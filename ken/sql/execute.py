@@ -23,7 +23,7 @@ from duckdb.sqltypes import BIGINT, BOOLEAN, DOUBLE, VARCHAR
 from ken.engine.batch import run_cascade
 from ken.engine.serving import Engine
 from ken.errors import EngineBusy, KenError
-from ken.ops.base import Bound
+from ken.ops.base import Bound, struct_fields
 from ken.sql.rewrite import CallSite
 
 #: how long a query keeps sending rows that the engine's admission turns away (seconds)
@@ -32,6 +32,22 @@ REJECTED_RETRY_S = 60.0
 ARROW_TYPES = {"varchar": pa.string(), "boolean": pa.bool_(), "double": pa.float64(),
                "bigint": pa.int64()}
 SQL_TYPES = {"varchar": VARCHAR, "boolean": BOOLEAN, "double": DOUBLE, "bigint": BIGINT}
+
+
+def arrow_type(output_type: str) -> pa.DataType:
+    """The Arrow type of an operator's output type (a scalar, or a STRUCT of scalars)."""
+    fields = struct_fields(output_type)
+    if fields is None:
+        return ARROW_TYPES[output_type]
+    return pa.struct([(name, ARROW_TYPES[kind]) for name, kind in fields])
+
+
+def duckdb_type(output_type: str) -> Any:
+    """The DuckDB type of an operator's output type."""
+    fields = struct_fields(output_type)
+    if fields is None:
+        return SQL_TYPES[output_type]
+    return duckdb.struct_type({name: SQL_TYPES[kind] for name, kind in fields})
 
 
 @dataclass
@@ -76,7 +92,7 @@ class SiteRunner:
         # the memo maps input values to outputs; sites of the same bound operator share it
         self.memo: dict[Any, Any] = {} if memo is None else memo
         self.stats = SiteStats(stages=[StageCounter(m) for m in bound.cascade.models])
-        self.arrow_type = ARROW_TYPES[bound.output_type]
+        self.arrow_type = arrow_type(bound.output_type)
         # with an online engine the site's rows go to it instead of running the cascade here
         self.engine = engine
         self.bulk_threshold = bulk_threshold
@@ -172,7 +188,7 @@ def registered(con: duckdb.DuckDBPyConnection, runners: list[SiteRunner]) -> Ite
         # DuckDB reads the arity from the callable's signature, so give it an exact one
         fn = _exact_arity(r, len(r.site.args))
         con.create_function(r.site.udf_name, fn, [VARCHAR] * len(r.site.args),
-                            SQL_TYPES[r.bound.output_type], type="arrow",
+                            duckdb_type(r.bound.output_type), type="arrow",
                             null_handling="special", side_effects=False)
     try:
         yield

@@ -33,7 +33,7 @@ from sqlglot import exp
 
 from ken.engine.ray_data import SiteColumn, parquet_rows, semantic_columns
 from ken.errors import SqlError
-from ken.sql.execute import ARROW_TYPES
+from ken.sql.execute import arrow_type
 from ken.sql.rewrite import Rewritten
 
 
@@ -161,7 +161,7 @@ def run_on_ray(rw: Rewritten, bind: Callable[[str, tuple[str, ...]], Any],
     for site, inputs in zip(rw.sites, found.columns, strict=True):
         bound = bind(site.function, site.constants)
         sites.append(SiteColumn.of(f"__ken_{site.label}", list(inputs), bound,
-                                   ARROW_TYPES[bound.output_type], loaders(site.function)))
+                                   arrow_type(bound.output_type), loaders(site.function)))
     out = tempfile.mkdtemp(prefix="ken-ray-")
     try:
         semantic_columns(list(found.files), sites, out, actors=actors, threads=threads,

@@ -90,8 +90,9 @@ def split_statements(text: str) -> list[str]:
 
 
 def merge_returns(query: str) -> str:
-    """``'instruction' RETURNS INTEGER`` (a string literal, then ``RETURNS`` and a type name) as
-    one string literal ``'instruction RETURNS INTEGER'``, which the operator reads and checks
+    """``'instruction' RETURNS INTEGER`` (a string literal, then ``RETURNS`` and a type name, or
+    ``STRUCT(...)``) as one string literal ``'instruction RETURNS INTEGER'``, which the
+    operator reads and checks
     (typed ``sem_map``); SQL has no other place where a string literal is followed by
     ``RETURNS``. Everything else is left as written."""
     try:
@@ -103,13 +104,28 @@ def merge_returns(query: str) -> str:
         string, word, kind = tokens[i], tokens[i + 1], tokens[i + 2]
         if (string.token_type == TokenType.STRING and word.text.upper() == "RETURNS"
                 and kind.text.isalpha() and string.start >= at):
-            if kind.text.upper() == "STRUCT":
-                raise SqlError("RETURNS STRUCT is not supported yet: ask for one field per "
-                               "call (RETURNS INTEGER, DOUBLE, BOOLEAN or VARCHAR)")
-            merged = f"{string.text} RETURNS {kind.text.upper()}"
+            end, spelled = kind.end, kind.text.upper()
+            if spelled == "STRUCT" and i + 3 < len(tokens) \
+                    and tokens[i + 3].token_type == TokenType.L_PAREN:
+                close = _matching_paren(tokens, i + 3)
+                if close is None:
+                    raise SqlError("RETURNS STRUCT( has no closing parenthesis")
+                end = tokens[close].end
+                spelled = "STRUCT" + query[tokens[i + 3].start:end + 1]
+            merged = f"{string.text} RETURNS {spelled}"
             out += [query[at:string.start], "'" + merged.replace("'", "''") + "'"]
-            at = kind.end + 1
+            at = end + 1
     return "".join([*out, query[at:]])
+
+
+def _matching_paren(tokens: list, opening: int) -> int | None:
+    """The index of the token that closes the parenthesis at ``opening`` (None: unclosed)."""
+    depth = 0
+    for j in range(opening, len(tokens)):
+        depth += {TokenType.L_PAREN: 1, TokenType.R_PAREN: -1}.get(tokens[j].token_type, 0)
+        if depth == 0:
+            return j
+    return None
 
 
 def parse(query: str) -> list[exp.Expression]:
