@@ -501,8 +501,9 @@ def main() -> int:
                     type=lambda s: [w.strip() for w in s.split(",") if w.strip()])
     ap.add_argument("--window-s", type=float, default=600.0,
                     help="planning and evaluation window length")
-    ap.add_argument("--measure-s", type=float, default=30.0,
-                    help="seconds of the evaluation window replayed through the engine")
+    ap.add_argument("--measure-s", type=float, default=None,
+                    help="seconds of the evaluation window replayed through the engine "
+                    "(default 30; --quick: 20)")
     ap.add_argument("--peak-factor", type=float, default=2.0)
     ap.add_argument("--peak-window-s", type=float, default=None,
                     help="bucket the Azure peak is measured over (default 1 s; hellaswag: 60 s, "
@@ -536,8 +537,10 @@ def main() -> int:
     if args.out is None:
         args.out = RESULTS.with_name("e2e_hellaswag") if args.data == "hellaswag" else RESULTS
     if args.quick:
-        args.workloads, args.window_s, args.measure_s = ["azure"], 300.0, 20.0
+        args.workloads, args.window_s = ["azure"], 300.0
         args.points, args.ablation_points = 2, 1
+    if args.measure_s is None:
+        args.measure_s = 20.0 if args.quick else 30.0
     if args.replays < 1:
         ap.error("--replays must be >= 1")
     bad = [w for w in args.workloads if w not in ("azure", "poisson", "gamma")]
