@@ -19,6 +19,7 @@ from ken.optimizer.placement import search_placement
 from ken.optimizer.plan_context import one_cascade_context
 from ken.optimizer.planner import PlannerSettings, fill_gaps, plan_frontier, planning_context
 from ken.optimizer.workload import Device, Hardware, gamma_trace
+from ken.policy.plan import Frontier
 
 ROWS = 300
 SIZES = (1, 4, 16)
@@ -74,6 +75,15 @@ def test_frontier_matches_every_single_model_and_static_cascade(seed: int, n_mod
     for m in alternatives:
         assert any(a >= m.accuracy - 1e-12 and p <= m.p95_ms + 1e-9 for a, p in ours), (
             f"no frontier plan at {m.accuracy:.2%} with p95 <= {m.p95_ms:.1f} ms: {ours}")
+    # and each alternative is itself servable: on the frontier or kept beside it (another
+    # window may need the plain cascade, where a gear plan that beat it here shifts down)
+    servable = {p.serving_key() for p in frontier.all_plans}
+    for c in range(len(one.cascades)):
+        plan = search_placement(one, (c,) * s.num_ranges)[0]
+        assert plan.serving_key() in servable, plan.headline()
+    assert not {p.serving_key() for p in frontier.plans} & {
+        p.serving_key() for p in frontier.alternatives}
+    assert Frontier.from_json(frontier.to_json()).all_plans == frontier.all_plans
 
 
 def test_gaps_between_frontier_neighbours_are_filled_where_their_gears_mix() -> None:

@@ -141,7 +141,9 @@ def _plan_frontier(args: argparse.Namespace, op: Operator) -> int:
     frontier = Frontier(frontier.operator,
                         tuple(replace(p, provenance=(*p.provenance, ("runtimes", runtimes)))
                               for p in frontier.plans),
-                        (*frontier.provenance, ("runtimes", runtimes)))
+                        (*frontier.provenance, ("runtimes", runtimes)),
+                        tuple(replace(p, provenance=(*p.provenance, ("runtimes", runtimes)))
+                              for p in frontier.alternatives))
     out = Path(args.out)
     if calibration is not None:
         calibration.save(out / "calibration.json")

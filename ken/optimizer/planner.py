@@ -164,16 +164,24 @@ def _adapt(ctx: PlanningContext, candidates: tuple[Cascade, ...], trace: Trace,
     # every simulated candidate is a complete gear plan: the frontier is the Pareto set of all
     # of them, not only of each iteration's winner
     pool = [p for p, _ in ctx.sim_cache.values()]
-    if settings.include_static:
-        pool += one_gear_plans(ctx, candidates, reporter)
+    alternatives = one_gear_plans(ctx, candidates, reporter) if settings.include_static else []
+    pool += alternatives
     pool += fill_gaps(ctx, pool, settings, reporter)
     front = pareto_plans(pool)
+    # the alternatives the Pareto cut dropped, each serving configuration once
+    kept = {p.serving_key() for p in front}
+    dropped: dict[str, GearPlan] = {}
+    for p in alternatives:
+        dropped.setdefault(p.serving_key(), p)
+    alts = sorted((p for k, p in dropped.items() if k not in kept),
+                  key=lambda p: p.predicted.p95_ms)  # type: ignore[union-attr]
     stats.wall_s = time.perf_counter() - t0
     reporter.note(f"{len(emitted)} gear plans in {stats.wall_s:.1f} s "
-                  f"({stats.simulations} simulations); {len(front)} on the frontier")
+                  f"({stats.simulations} simulations); {len(front)} on the frontier, "
+                  f"{len(alts)} one-gear alternatives beside it")
     prov = (("trace", trace.name), ("qps_max", f"{peak:g}"),
             ("catalog.sample_hash", catalog.sample_hash), *settings.provenance())
-    return Frontier(operator, tuple(front), prov), stats
+    return Frontier(operator, tuple(front), prov, tuple(alts)), stats
 
 
 

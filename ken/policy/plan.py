@@ -503,21 +503,37 @@ PLAN_KINDS: dict[str, type[Plan]] = {GearPlan.kind: GearPlan, GenPlan.kind: GenP
 
 @dataclass(frozen=True)
 class Frontier:
-    """Pareto-optimal gear plans of one operator, sorted by predicted p95 latency."""
+    """Pareto-optimal gear plans of one operator, sorted by predicted p95 latency.
+
+    ``alternatives`` are the one-gear plans a user could pick by hand (each candidate cascade
+    and each single model served alone at every load) that the Pareto cut dropped because a
+    gear plan beat them on the planning trace; kept, sorted the same way, because on another
+    window a gear plan may shift down more than it did there, and then the plain cascade is
+    the one at least as accurate (``baselines.matched_plan`` draws from ``all_plans``).
+    ``pick`` chooses among ``plans`` only."""
 
     operator: str
     plans: tuple[GearPlan, ...]
     provenance: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    alternatives: tuple[GearPlan, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "plans", tuple(self.plans))
+        object.__setattr__(self, "alternatives", tuple(self.alternatives))
         if not self.plans:
             raise PlanError(f"frontier of {self.operator!r} is empty")
-        if any(p.predicted is None for p in self.plans):
-            raise PlanError("every plan on a frontier needs predicted metrics")
-        lat = [p.predicted.p95_ms for p in self.plans]  # type: ignore[union-attr]
-        if lat != sorted(lat):
-            raise PlanError("frontier plans must be sorted by predicted p95 latency")
+        for what, plans in (("plans", self.plans), ("alternatives", self.alternatives)):
+            if any(p.predicted is None for p in plans):
+                raise PlanError(f"every plan on a frontier needs predicted metrics ({what})")
+            lat = [p.predicted.p95_ms for p in plans]  # type: ignore[union-attr]
+            if lat != sorted(lat):
+                raise PlanError(f"frontier {what} must be sorted by predicted p95 latency")
+
+    @property
+    def all_plans(self) -> tuple[GearPlan, ...]:
+        """The plans and the alternatives, sorted by predicted p95 latency."""
+        return tuple(sorted((*self.plans, *self.alternatives),
+                            key=lambda p: p.predicted.p95_ms))  # type: ignore[union-attr]
 
     def __len__(self) -> int:
         return len(self.plans)
@@ -551,6 +567,7 @@ class Frontier:
     def to_json(self) -> str:
         return json.dumps({"schema_version": PLAN_SCHEMA_VERSION, "operator": self.operator,
                            "plans": [p.to_dict() for p in self.plans],
+                           "alternatives": [p.to_dict() for p in self.alternatives],
                            "provenance": dict(self.provenance)}, indent=1)
 
     @classmethod
@@ -564,7 +581,8 @@ class Frontier:
             return cls(str(data["operator"]),
                        tuple(GearPlan.from_dict(p) for p in data["plans"]),
                        tuple(sorted((str(k), str(v))
-                                    for k, v in data.get("provenance", {}).items())))
+                                    for k, v in data.get("provenance", {}).items())),
+                       tuple(GearPlan.from_dict(p) for p in data.get("alternatives", [])))
         except (KeyError, TypeError, AttributeError) as exc:
             raise PlanError(f"malformed frontier JSON (is it a gear plan file?): {exc!r}") \
                 from exc
