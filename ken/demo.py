@@ -203,7 +203,8 @@ def _compare(frontier, statics, catalog, planning, target: float, replay_s: floa
     console.print(f"{len(trace)} requests over {trace.duration_s:.0f} s (another seed), 1-s "
                   f"peak {trace.qps_max():g} qps. Static cascade picked on the planning trace "
                   f"for accuracy >= {target:.1%}: {static.cascades[0].describe()}; ken's "
-                  "matched plan (the fastest of its frontier at least as accurate on these "
+                  "matched plan (the fastest of its frontier and the one-gear plans beside it "
+                  "at least as accurate on these "
                   f"rows): {'that same plan' if same else plan.headline()}", highlight=False)
     if not same:
         for line in plan.describe():
