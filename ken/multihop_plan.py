@@ -22,6 +22,7 @@ call (retrieval does not depend on the LMs, so it is exact).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -51,6 +52,7 @@ from ken.multihop import (
     run_pipeline,
     training_questions,
 )
+from ken.ops.base import Operator
 from ken.ops.llm_operator import DEFAULT_LLMS, SHORT
 from ken.ops.sem_qa import SemQA
 from ken.optimizer.perf import Catalog, ModelPerf
@@ -156,6 +158,16 @@ def sem_qa_stage(lm: str, resources: Resources) -> Model:
     return SemQA().stage(resources, lm, ())
 
 
+def _restore_operators(session: Session, before: Mapping[str, Operator | None]) -> None:
+    """Put the session's operators named in ``before`` back as they were (absent: removed)."""
+    for name, op in before.items():
+        if op is None:
+            session.operators.pop(name, None)
+        else:
+            session.operators[name] = op
+        session.forget(name)
+
+
 def measure(session: Session, data: QAData, llms: Sequence[str] = LLMS,
             reporter: Reporter | None = None, threads: int = 1,
             stage: Callable[[str, Resources], Model] = sem_qa_stage,
@@ -179,8 +191,13 @@ def measure(session: Session, data: QAData, llms: Sequence[str] = LLMS,
     routes: list[str] = []
     combos = assignments(llms)
     pipeline: Pipeline | None = None
-    with reporter.task(f"answer {len(questions)} questions x {len(combos)} LM assignments",
-                       len(questions) * len(combos)) as advance:
+    # the memoising stand-ins are the session's reading operators only while measuring
+    before = {op: session.operators.get(op) for op in READING}
+    with contextlib.ExitStack() as restore:
+        restore.callback(_restore_operators, session, before)
+        advance = restore.enter_context(reporter.task(
+            f"answer {len(questions)} questions x {len(combos)} LM assignments",
+            len(questions) * len(combos)))
         for text_lm, table_lm in combos:
             for op, lm in ((READERS["text"], text_lm), (READERS["table"], table_lm)):
                 session.register(op, _Memo(lms[lm], op, caches[lm], log))

@@ -55,10 +55,16 @@ def measured(tmp_path):  # noqa: ANN001
     stages = {LMS[0]: Weak(), LMS[-1]: Reader()}
     with ken.connect(home=tmp_path / "home") as s:
         s.register("sem_similarity", Overlap(), output_type="double")
+        table_qa = s.operators["sem_qa"].renamed(READERS["table"])
+        s.operators[READERS["table"]] = table_qa
         outcomes = load_or_measure(
             s, data, tmp_path / "cache", LMS,
             measure_options={"stage": lambda lm, _resources: stages[lm],
                              "type_model": GoldType(routes)})
+        # the memoising stand-ins are gone: the session's operators are as they were (a
+        # stand-in left behind made the serving that follows fall back to threads and fail)
+        assert READERS["text"] not in s.operators
+        assert s.operators[READERS["table"]] is table_qa
     with ken.connect(home=tmp_path / "home") as s:  # the same questions, one plain run
         s.register("sem_similarity", Overlap(), output_type="double")
         s.register("sem_qa", Reader())
