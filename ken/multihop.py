@@ -196,8 +196,7 @@ def training_questions(data: QAData) -> tuple[QAQuestion, ...]:
                     f"put MMQA_train.jsonl.gz in {data.directory}")
 
 
-def question_type_model(session: Session, train: Sequence[QAQuestion],
-                        reporter: Reporter) -> NgramClassifier:
+def question_type_model(train: Sequence[QAQuestion], reporter: Reporter) -> NgramClassifier:
     """A word n-gram classifier over :data:`ROUTE_LABELS` fitted on ``train`` (seconds; not
     cached). It routes better than the MiniLM-L6 + logistic head it replaced: 5-fold
     cross-validated route accuracy 0.78 against 0.70 on the 1,439 dev questions outside n100."""
@@ -226,18 +225,19 @@ class Pipeline:
         reporter.note(f"loaded {data.dataset} ({data.variant}): "
                       + ", ".join(f"{n:,} {t}" for t, n in counts.items()))
         if data.dataset == "mmqa":
-            model = type_model or question_type_model(session, training_questions(data),
-                                                      reporter)
+            model = type_model or question_type_model(training_questions(data), reporter)
             if tuple(model.spec.labels) != ROUTE_LABELS:
                 raise DataError(f"a question-type model predicts {ROUTE_LABELS}, not "
                                 f"{model.spec.labels}")
             session.register("question_type", model)
             self.type_model = model.name
+            self.type_classifier: Model | None = model
             for function in (READERS["text"], READERS["table"]):
                 if function not in session.operators:
                     session.register(function, session.operators["sem_qa"])
         else:
             self.type_model = ""
+            self.type_classifier = None
 
     @property
     def models(self) -> tuple[str, ...]:

@@ -47,10 +47,8 @@ from ken.multihop import (
     ROUTES,
     Pipeline,
     RunReport,
-    question_type_model,
     route_of,
     run_pipeline,
-    training_questions,
 )
 from ken.ops.base import Operator
 from ken.ops.llm_operator import DEFAULT_LLMS, SHORT
@@ -230,8 +228,8 @@ def measure(session: Session, data: QAData, llms: Sequence[str] = LLMS,
                                         "batch_sizes": list(BATCH_SIZES),
                                         "runtime_s": [runtimes],
                                         "memory_bytes": [model.spec.memory_bytes]}
-    if type_model is None:  # the fitted classifier (in-process, no encoder)
-        type_model = question_type_model(session, training_questions(data), reporter)
+    assert pipeline is not None and pipeline.type_classifier is not None  # one assignment ran
+    type_model = pipeline.type_classifier  # the classifier the questions were routed with
     texts = [q.question for q in questions]
     runtimes, _peak = measure_batch_runtimes(type_model, texts, BATCH_SIZES)
     perf["question_type"] = {"name": "question_type", "batch_sizes": list(BATCH_SIZES),
@@ -239,7 +237,6 @@ def measure(session: Session, data: QAData, llms: Sequence[str] = LLMS,
                              "memory_bytes": [type_model.spec.memory_bytes]}
     accuracy = float(np.mean([r == route_of(q.qtype) for r, q in
                               zip(routes, questions, strict=True)]))
-    assert pipeline is not None  # at least one assignment ran
     return Outcomes(data.dataset, data.files, tuple(llms), pipeline.type_model,
                     tuple(q.qid for q in questions), tuple(q.qtype for q in questions),
                     tuple(routes), {k: tuple(v) for k, v in runs.items()}, perf, accuracy,
