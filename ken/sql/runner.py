@@ -31,6 +31,7 @@ from ken.ops.training import Trained, TrainingData
 from ken.sql.database import Database
 from ken.sql.execute import SiteRunner, query_error, registered
 from ken.sql.explain import actual_lines, build, estimate, plan_lines, render, site_lines
+from ken.sql.limit import LimitRun, early_limit, run_early_limit
 from ken.sql.ray_query import ray_choice, run_on_ray
 from ken.sql.result import Result
 from ken.sql.rewrite import Rewritten, SqlError, parse, rewrite, split_statements
@@ -98,6 +99,8 @@ class QueryRunner:
         if not any(rw.is_semantic for rw in rewritten):
             return self._run_unchanged(query, params)
         rw = rewritten[0]
+        if engine != "ray" and early_limit(rw)[0] is not None:
+            return self._run(rw, params)  # it stops early, so it evaluates few rows
         if engine != "auto":
             return self._run_on_ray(rw, params) if engine == "ray" else self._run(rw, params)
         on_ray, why = ray_choice(rw, self.host.ray_min_rows)
@@ -207,12 +210,29 @@ class QueryRunner:
         runners = self._site_runners(rw)
         con = self.host.db.connection()
         with registered(con, runners):
+            table, limited = self._execute(con, rw, params, runners)
+        stats: dict[str, Any] = {r.site.label: r.stats for r in runners}
+        if limited is not None:
+            stats["limit"] = limited
+        return self._result(table, stats=stats)
+
+    def _execute(self, con: Any, rw: Rewritten, params: Any, runners: Sequence[SiteRunner],
+                 prefix: str = "") -> tuple[pa.Table, LimitRun | None]:
+        """``rw`` on ``con`` (its sites registered): the statement as DuckDB runs it, or in
+        chunks when its LIMIT stops early (``ken.sql.limit``); ``prefix`` goes before the
+        statement (``EXPLAIN ANALYZE``, which the chunked form does not take)."""
+        plan, _ = early_limit(rw) if not prefix else (None, "")
+
+        def sql(text: str, with_params: bool = True) -> pa.Table:
             try:
-                relation = con.sql(rw.sql, params=params)
-                table = relation.to_arrow_table() if relation is not None else pa.table({})
+                relation = con.sql(text, params=params if with_params else None)
+                return relation.to_arrow_table() if relation is not None else pa.table({})
             except duckdb.Error as error:
                 raise query_error(error, runners) from None
-        return self._result(table, stats={r.site.label: r.stats for r in runners})
+
+        if plan is None:
+            return sql(prefix + rw.sql), None
+        return run_early_limit(sql, rw, plan, f"__ken_{self.host.db.namespace()}limit")
 
     def _run_on_ray(self, rw: Rewritten, params: Any) -> Result:
         host = self.host
@@ -247,19 +267,27 @@ class QueryRunner:
             estimates = {r.site.id: estimate(con, rw, r.site, r.bound) for r in runners}
         plans = {s.id: plan_lines(self.host.serving, s.function, s.constants)
                  for s in rw.sites}
+        limit, why_not = early_limit(rw)
+        limit_lines = ([limit.describe()] if limit is not None else
+                       [f"LIMIT does not stop early: {why_not}"] if why_not else [])
         if not analyze:
-            return "\n".join(lines + site_lines(rw.sites, describe, estimates, plans=plans))
+            return "\n".join(lines + site_lines(rw.sites, describe, estimates, plans=plans)
+                             + limit_lines)
         started = time.perf_counter()
         runners = self._site_runners(rw)  # fresh memos and counts: the estimates ran some
         with registered(con, runners):
-            try:
-                relation = con.sql("EXPLAIN ANALYZE " + rw.sql, params=params)
-                physical = relation.fetchall()[0][1] if relation is not None else ""
-            except duckdb.Error as error:
-                raise query_error(error, runners) from None
+            if limit is not None:
+                _, run = self._execute(con, rw, params, runners)
+                assert run is not None
+                limit_lines = [run.line()]
+                physical = (f"(not shown: the statement ran on {run.chunks} slice(s) of its "
+                            "source, each a DuckDB query of its own)")
+            else:
+                table, _ = self._execute(con, rw, params, runners, prefix="EXPLAIN ANALYZE ")
+                physical = table.column(1)[0].as_py() if table.num_rows else ""
         seconds = time.perf_counter() - started
         actual = {r.site.id: actual_lines(r) for r in runners}
-        out = lines + site_lines(rw.sites, describe, estimates, actual, plans)
+        out = lines + site_lines(rw.sites, describe, estimates, actual, plans) + limit_lines
         out += ["", f"Total time: {seconds:.3f} s", "",
                 "DuckDB physical plan (actual rows and time per operator):", physical]
         return "\n".join(out)

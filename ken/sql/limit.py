@@ -1,0 +1,215 @@
+"""``WHERE <semantic predicate> ... LIMIT k`` that stops calling models once k rows pass
+(issue 35, item 2).
+
+DuckDB hands a vectorised function up to 2,048 rows at a time, so a table of a few thousand
+rows reaches the models whole before DuckDB's LIMIT can stop anything. A query of the shape
+
+    SELECT <anything> FROM <one table, view, file or subquery> WHERE <... semantic ...>
+    LIMIT k [OFFSET m]
+
+(no ORDER BY, GROUP BY, HAVING, DISTINCT, QUALIFY, window or aggregate function, join or set
+operation; semantic calls only in its own SELECT and WHERE) asks for any k rows that pass, so
+it runs in chunks instead: the source's rows that pass the WHERE clause's relational conjuncts
+are numbered once (a temporary table, so every chunk sees the same rows in the same order),
+and the statement runs on successive slices of them until ``k + m`` rows have come back. The
+first slice is small (``FIRST_CHUNK`` rows, or ``4 (k + m)`` if more); each next one is sized
+from the share of rows that passed so far (1.5 times the rows expected to give the rows still
+missing), at most doubling the rows scanned. The call sites keep their memos across chunks, so
+a repeated input is still evaluated once. ``EXPLAIN`` says whether a LIMIT stops early and,
+when it cannot, why; ``EXPLAIN ANALYZE`` shows the rows evaluated against the rows of the
+source.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pyarrow as pa
+from sqlglot import exp
+
+from ken.sql.rewrite import Rewritten
+
+#: rows of the first slice (at least; ``4 (k + m)`` when that is more)
+FIRST_CHUNK = 32
+#: the next slice is ``SAFETY`` times the rows expected to give the rows still missing
+SAFETY = 1.5
+ROW_NUMBER = "__ken_rn"
+
+
+@dataclass(frozen=True)
+class EarlyLimit:
+    """How a query's LIMIT stops early: ``limit`` rows after ``offset`` from the query on
+    slices of ``source`` (named ``alias`` in it), whose rows first pass ``relational`` (the
+    WHERE clause's conjuncts without semantic calls, moved into the numbering)."""
+
+    limit: int
+    offset: int
+    source: exp.Expression
+    alias: str
+    relational: tuple[exp.Expression, ...]
+
+    @property
+    def wanted(self) -> int:
+        return self.limit + self.offset
+
+    def describe(self) -> str:
+        skip = f" after {self.offset:,} skipped" if self.offset else ""
+        return (f"LIMIT {self.limit:,}{skip} stops early: the WHERE clause's semantic "
+                f"predicate runs on chunks of the rows (first {self.first_chunk():,}), "
+                f"until {self.wanted:,} rows pass")
+
+    def first_chunk(self) -> int:
+        return max(FIRST_CHUNK, 4 * self.wanted)
+
+
+@dataclass(frozen=True)
+class LimitRun:
+    """What an early-stopping LIMIT did (for EXPLAIN ANALYZE and the tests)."""
+
+    limit: int
+    source_rows: int  # rows of the source that pass the relational conjuncts
+    scanned_rows: int  # of them, the rows the statement ran on
+    chunks: int
+    returned: int
+
+    def line(self) -> str:
+        share = self.scanned_rows / self.source_rows if self.source_rows else 0.0
+        return (f"early-stopping LIMIT {self.limit:,}: {self.scanned_rows:,} of "
+                f"{self.source_rows:,} rows of the source reached the semantic predicate "
+                f"({share:.1%}) in {self.chunks} chunk(s); {self.returned:,} rows returned")
+
+
+def _int_literal(node: exp.Expression | None) -> int | None:
+    if node is None:
+        return None
+    value = node.args.get("expression") if isinstance(node, exp.Limit | exp.Offset) else node
+    if isinstance(value, exp.Literal) and not value.is_string and value.this.isdigit():
+        return int(value.this)
+    return None
+
+
+def _site_calls(node: exp.Expression, rw: Rewritten) -> list[exp.Anonymous]:
+    names = {s.udf_name for s in rw.sites}
+    return [a for a in node.find_all(exp.Anonymous) if str(a.this) in names]
+
+
+def _conjuncts(node: exp.Expression | None) -> list[exp.Expression]:
+    if node is None:
+        return []
+    if isinstance(node, exp.Paren):
+        return _conjuncts(node.this)
+    if isinstance(node, exp.And):
+        return _conjuncts(node.left) + _conjuncts(node.right)
+    return [node]
+
+
+def early_limit(rw: Rewritten) -> tuple[EarlyLimit | None, str]:
+    """The early-stopping plan of ``rw``'s LIMIT, or None and why not (an empty reason when
+    the statement has no LIMIT over a semantic WHERE, where the question does not arise)."""
+    s = rw.statement
+    if not isinstance(s, exp.Select) or s.args.get("limit") is None:
+        return None, ""
+    where = s.args.get("where")
+    if where is None or not _site_calls(where, rw):
+        return None, ""
+    limit = _int_literal(s.args.get("limit"))
+    offset = _int_literal(s.args.get("offset")) if s.args.get("offset") is not None else 0
+    if limit is None or offset is None:
+        return None, "LIMIT and OFFSET are not plain numbers, so every row is evaluated"
+    blockers = [(key, text) for key, text in (
+        ("order", "ORDER BY needs every row"), ("group", "GROUP BY needs every row"),
+        ("having", "HAVING needs every group"), ("distinct", "DISTINCT needs every row"),
+        ("qualify", "QUALIFY needs every row"), ("joins", "joins are evaluated whole"),
+        ("with_", "a WITH clause is evaluated whole")) if s.args.get(key)]
+    if blockers:
+        return None, f"{blockers[0][1]}, so every row is evaluated before the LIMIT"
+    if any(isinstance(e, exp.AggFunc | exp.Window) for sel in s.expressions
+           for e in sel.find_all(exp.AggFunc, exp.Window)):
+        return None, "an aggregate or window function needs every row"
+    source_from = s.args.get("from_")
+    if source_from is None or not isinstance(source_from.this, exp.Table | exp.Subquery):
+        return None, "its FROM is not one table, view, file or subquery"
+    source = source_from.this
+    if _site_calls(source, rw) or source.find(exp.Placeholder):
+        return None, "its FROM source has semantic calls or parameters of its own"
+    outside = [c for c in _site_calls(s, rw) if c.find_ancestor(exp.Select) is not s]
+    if outside:
+        return None, "a semantic call sits in a subquery"
+    alias = source.alias_or_name
+    if not alias:
+        return None, "its FROM source has no name to refer to it by"
+    # relational conjuncts move into the numbering, so every chunk holds rows that reach the
+    # semantic predicate; not with parameters, whose order must stay the statement's
+    pushable = not s.find(exp.Placeholder)
+    relational = tuple(c for c in _conjuncts(where.this) if not _site_calls(c, rw)) \
+        if pushable else ()
+    return EarlyLimit(limit, offset, source.copy(), alias, relational), ""
+
+
+def run_early_limit(sql: Callable[[str, bool], pa.Table | None], rw: Rewritten, plan: EarlyLimit,
+                    table_name: str) -> tuple[pa.Table, LimitRun]:
+    """Run ``rw`` by ``plan``: number the source's rows once into the temporary table
+    ``table_name``, then run the statement on slices of them until ``plan.wanted`` rows
+    passed; the rows after ``plan.offset``, at most ``plan.limit`` of them. ``sql(text,
+    with_params)`` runs a statement on the connection the call sites are registered on (with
+    the query's parameters for the statement's slices)."""
+    s = rw.statement
+    quoted = exp.to_identifier(table_name, quoted=True).sql(dialect="duckdb")
+    numbered = exp.select("*", f"(row_number() OVER ()) - 1 AS {ROW_NUMBER}",
+                          dialect="duckdb").from_(plan.source.copy())
+    if plan.relational:
+        numbered = numbered.where(exp.and_(*[c.copy() for c in plan.relational]))
+    sql(f"CREATE OR REPLACE TEMPORARY TABLE {quoted} AS {numbered.sql(dialect='duckdb')}", False)
+    try:
+        count = sql(f"SELECT count(*) AS n FROM {quoted}", False)
+        total = int(count.column(0)[0].as_py()) if count is not None else 0
+        kept = [c for c in _conjuncts(s.args["where"].this)
+                if not any(c is r or c == r for r in plan.relational)]
+        parts: list[pa.Table] = []
+        found = scanned = chunks = 0
+        size = plan.first_chunk()
+        while found < plan.wanted and scanned < total:
+            size = min(size, total - scanned)
+            table = sql(_slice(s, plan, quoted, kept, scanned, scanned + size,
+                               plan.wanted - found), True)
+            scanned += size
+            chunks += 1
+            if table is not None and table.num_rows:
+                parts.append(table)
+                found += table.num_rows
+            size = next_chunk(plan.wanted - found, found, scanned)
+        if not parts:  # no row passed: the statement's columns, from an empty slice
+            table = sql(_slice(s, plan, quoted, kept, 0, 0, 1), True)
+            parts.append(table if table is not None else pa.table({}))
+    finally:
+        sql(f"DROP TABLE IF EXISTS {quoted}", False)
+    rows = pa.concat_tables(parts).slice(plan.offset, plan.limit)
+    return rows, LimitRun(plan.limit, total, scanned, chunks, rows.num_rows)
+
+
+def _slice(s: exp.Select, plan: EarlyLimit, quoted: str, kept: list[exp.Expression],
+           lo: int, hi: int, limit: int) -> str:
+    """The statement on the numbered rows ``[lo, hi)``: its FROM source replaced by them under
+    the source's name, its WHERE reduced to ``kept``, returning at most ``limit`` rows."""
+    chunk = s.copy()
+    rows = (f"SELECT * EXCLUDE ({ROW_NUMBER}) FROM {quoted} "
+            f"WHERE {ROW_NUMBER} >= {lo} AND {ROW_NUMBER} < {hi}")
+    chunk.set("from_", exp.From(this=exp.alias_(
+        exp.Subquery(this=exp.maybe_parse(rows, dialect="duckdb")), plan.alias, table=True)))
+    chunk.set("where", exp.Where(this=exp.and_(*[c.copy() for c in kept])) if kept else None)
+    chunk.set("offset", None)
+    chunk.set("limit", exp.Limit(expression=exp.Literal.number(limit)))
+    return chunk.sql(dialect="duckdb")
+
+
+def next_chunk(missing: int, found: int, scanned: int) -> int:
+    """Rows of the next slice: ``SAFETY`` times the rows expected to give ``missing`` more at
+    the share passed so far (Laplace-smoothed), at least ``FIRST_CHUNK``, at most ``scanned``
+    (the rows scanned at most double each time)."""
+    if missing <= 0:
+        return 0
+    share = (found + 1) / (scanned + 2)
+    return int(min(max(math.ceil(SAFETY * missing / share), FIRST_CHUNK), max(scanned,
+                                                                              FIRST_CHUNK)))
