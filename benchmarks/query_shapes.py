@@ -1,0 +1,196 @@
+"""The query shapes semantic-SQL users write (issue 35): model calls and wall time of ken's plan
+against the naive plan (every row through the full cascade), and answer quality where labels
+exist.
+
+Rows: the first ``--rows`` sentences of SST-2's dev split (movie-review sentences, labelled
+positive / negative; about half positive), as the table ``reviews(id, review, label)``.
+
+Shapes measured (each ken and naive, ``--repeats`` times interleaved; medians reported):
+
+- ``first k``: ``SELECT id, review FROM reviews WHERE sem_filter(review, P) LIMIT k`` for a
+  predicate about half the rows pass, and the same with a relational conjunct and a predicate
+  fewer rows pass. ken stops once k rows pass (``ken.sql.limit``); the naive plan is the same
+  statement with its semantic WHERE in a subquery, which every row reaches. Quality: the share
+  of the rows returned whose label agrees with the predicate.
+- ``score per group`` (when ``sem_score`` is registered): ``SELECT label, AVG(sem_score(review,
+  R)), count(*) FROM reviews WHERE id < --score-rows GROUP BY label``. Quality: the mean score
+  of each label and the ROC AUC of the score for the positive label. There is no cheaper plan
+  for this shape (every row's score is needed), so only ken's run is reported.
+
+Not measured, because ken does not have them yet: semantic joins, top-k by score, sem_agg.
+
+    python benchmarks/query_shapes.py --out DIR     # a few minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+import ken
+from ken.models.datasets import load_sst2
+
+RESULTS = Path(__file__).parent / "results" / "query_shapes"
+POSITIVE = "the review is positive"
+NEGATIVE = "the review is negative"
+RUBRIC = "How positive is the review? 1 = very negative, 3 = mixed, 5 = very positive"
+
+
+def model_calls(result: ken.Result) -> int:
+    """Rows sent to models, over every call site and stage of a query."""
+    return sum(s.model_calls for k, s in result.stats.items() if k != "limit")
+
+
+def timed(session: ken.Session, query: str) -> tuple[ken.Result, float]:
+    started = time.perf_counter()
+    result = session.sql(query)
+    result.arrow()
+    return result, time.perf_counter() - started
+
+
+def naive(query: str) -> str:
+    """The statement with its WHERE (and everything up to the LIMIT) in a subquery: DuckDB
+    evaluates the semantic predicate on every row, then takes the LIMIT."""
+    head, limit = query.rsplit(" LIMIT ", 1)
+    return f"SELECT * FROM ({head}) AS every_row LIMIT {limit}"
+
+
+def first_k(session: ken.Session, labels: dict[int, str], name: str, query: str, wanted: str,
+            repeats: int) -> dict:
+    """One first-k shape, ken and naive, interleaved."""
+    runs: dict[str, list[dict]] = {"ken": [], "naive": []}
+    for _ in range(repeats):
+        for system, text in (("ken", query), ("naive", naive(query))):
+            result, seconds = timed(session, text)
+            ids = result.arrow().column("id").to_pylist()
+            limit = result.stats.get("limit")
+            runs[system].append({
+                "seconds": seconds, "model_calls": model_calls(result), "rows": len(ids),
+                "precision": (sum(labels[i] == wanted for i in ids) / len(ids)
+                              if ids else None),
+                "rows_evaluated": None if limit is None else limit.scanned_rows,
+                "source_rows": None if limit is None else limit.source_rows,
+                "chunks": None if limit is None else limit.chunks})
+    out = {"shape": name, "query": query, "naive_query": naive(query), "runs": runs}
+    for system, rs in runs.items():
+        out[system] = {"seconds": statistics.median(r["seconds"] for r in rs),
+                       "model_calls": statistics.median(r["model_calls"] for r in rs),
+                       "precision": rs[0]["precision"], "rows": rs[0]["rows"]}
+    out["calls_ratio"] = out["naive"]["model_calls"] / max(out["ken"]["model_calls"], 1)
+    out["time_ratio"] = out["naive"]["seconds"] / out["ken"]["seconds"]
+    return out
+
+
+def auc(scores: np.ndarray, truth: np.ndarray) -> float:
+    """ROC AUC by the rank sum (ties get their mean rank)."""
+    order = np.argsort(scores, kind="mergesort")
+    ranks = np.empty(len(scores))
+    ranks[order] = np.arange(1, len(scores) + 1)
+    for value in np.unique(scores):
+        tied = scores == value
+        ranks[tied] = ranks[tied].mean()
+    pos = truth.sum()
+    neg = len(truth) - pos
+    return float((ranks[truth].sum() - pos * (pos + 1) / 2) / (pos * neg))
+
+
+def score_shape(session: ken.Session, rows: int) -> dict:
+    query = (f"SELECT label, AVG(sem_score(review, '{RUBRIC}')) AS mean_score, count(*) AS n "
+             f"FROM reviews WHERE id < {rows} GROUP BY label ORDER BY label")
+    result, seconds = timed(session, query)
+    per_row, _ = timed(session, f"SELECT label, sem_score(review, '{RUBRIC}') AS s "
+                                f"FROM reviews WHERE id < {rows}")
+    table = per_row.arrow()
+    scores = np.array([np.nan if v is None else v for v in table.column("s").to_pylist()])
+    truth = np.array([v == "positive" for v in table.column("label").to_pylist()])
+    ok = ~np.isnan(scores)
+    return {"shape": "score per group", "query": query, "seconds": seconds,
+            "model_calls": model_calls(result),
+            "groups": result.arrow().to_pylist(),
+            "auc_positive": auc(scores[ok], truth[ok]) if ok.any() else None}
+
+
+def plot(shapes: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pairs = [s for s in shapes if "ken" in s]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    x = np.arange(len(pairs))
+    for ax, key, title in ((axes[0], "model_calls", "rows sent to models"),
+                           (axes[1], "seconds", "wall time (s)")):
+        ax.bar(x - 0.2, [s["naive"][key] for s in pairs], 0.4, label="naive (every row)")
+        ax.bar(x + 0.2, [s["ken"][key] for s in pairs], 0.4, label="ken")
+        ax.set_xticks(x, [s["shape"] for s in pairs], fontsize=8)
+        ax.set_yscale("log")
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=2000, help="reviews in the table")
+    ap.add_argument("--limit", type=int, default=5)
+    ap.add_argument("--score-rows", type=int, default=60,
+                    help="rows the sem_score shape scores (an LLM call each)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--data-dir", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    sample = load_sst2("dev", args.data_dir)
+    if len(sample.texts) < args.rows:
+        ap.error(f"SST-2 dev has {len(sample.texts)} sentences; --rows must be at most that")
+    names = [sample.label_names[i] for i in sample.labels[: args.rows]]
+    table = pa.table({"id": list(range(args.rows)), "review": list(sample.texts[: args.rows]),
+                      "label": names})
+    labels = dict(enumerate(names))
+    session = ken.connect()
+    session.register_table("reviews", table)
+    started = time.perf_counter()
+    print(f"{args.rows} reviews, {names.count('positive')} positive", file=sys.stderr)
+    # load the models and bind the predicates outside the timed runs
+    session.sql(f"SELECT sem_filter(review, '{POSITIVE}'), sem_filter(review, '{NEGATIVE}') "
+                "FROM reviews WHERE id < 4").arrow()
+    k = args.limit
+    shapes = [
+        first_k(session, labels, f"first {k}, half pass",
+                f"SELECT id, review FROM reviews WHERE sem_filter(review, '{POSITIVE}') "
+                f"LIMIT {k}", "positive", args.repeats),
+        first_k(session, labels, f"first {k}, long negative",
+                f"SELECT id, review FROM reviews WHERE length(review) > 150 AND "
+                f"sem_filter(review, '{NEGATIVE}') LIMIT {k}", "negative", args.repeats),
+    ]
+    if "sem_score" in session.operators:
+        shapes.append(score_shape(session, args.score_rows))
+    for s in shapes:
+        if "ken" in s:
+            print(f"{s['shape']}: model calls {s['ken']['model_calls']:.0f} vs naive "
+                  f"{s['naive']['model_calls']:.0f} ({s['calls_ratio']:.0f}x fewer), "
+                  f"{s['ken']['seconds']:.2f} s vs {s['naive']['seconds']:.2f} s, precision "
+                  f"{s['ken']['precision']} vs {s['naive']['precision']}", file=sys.stderr)
+        else:
+            print(f"{s['shape']}: {s['groups']}, AUC {s['auc_positive']}, "
+                  f"{s['seconds']:.1f} s", file=sys.stderr)
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = {"rows": args.rows, "limit": k, "repeats": args.repeats, "shapes": shapes,
+           "wall_s": time.perf_counter() - started}
+    (args.out / "query_shapes.json").write_text(json.dumps(out, indent=1, default=float))
+    plot(shapes, args.out / "query_shapes.png")
+    print(f"wrote {args.out}/query_shapes.json and query_shapes.png", file=sys.stderr)
+    session.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
