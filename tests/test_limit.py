@@ -107,7 +107,7 @@ def test_order_by_evaluates_every_row_and_explain_says_why() -> None:
 def test_explain_says_it_stops_early_and_analyze_counts_rows() -> None:
     s, models = make_session()
     query = "SELECT id FROM t WHERE fsem(txt, 'good') LIMIT 5"
-    assert f"LIMIT 5 stops early" in s.explain(query)
+    assert "LIMIT 5 stops early" in s.explain(query)
     text = s.explain(query, analyze=True)
     line = next(x for x in text.splitlines() if x.startswith("early-stopping LIMIT 5"))
     scanned = int(line.split(": ")[1].split(" of ")[0].replace(",", ""))
