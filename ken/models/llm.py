@@ -6,6 +6,8 @@
 * :class:`ChoiceModel` answers with one of a fixed set of options: each option is scored as
   the assistant's answer to a chat prompt holding the text, calibrated against content-free
   inputs so that an option the model likes whatever the text says does not win by default.
+* :class:`ScoreModel` gives a number on a small integer scale: the expected value of the
+  scale under a :class:`ChoiceModel`'s calibrated distribution over its points.
 * :class:`GenerativeModel` generates free text for a chat prompt; the certainty is the
   length-normalised sequence probability (``mean_prob``) or its least likely token
   (``min_prob``). A ``finish(answer, row)`` callable turns the answer to a row into the SQL
@@ -176,13 +178,17 @@ class ChoiceModel(Model):
         self.options = tuple(options)
         self.prompter = prompter
         self.normalise = normalise
-        encode = lm.tokenizer.encode
-        self.option_ids = [encode(o, add_special_tokens=False) for o in self.options]
+        self.option_ids = self.encode_options()
         self.lengths = np.array([len(ids) for ids in self.option_ids], float)
         self.prior = self._prior() if calibrate else np.zeros(len(self.options))
         self.spec = _spec(name, family, lm, lm.context_tokens, self.options, 1,
                           prompt_version, normalise,
                           f"calibrated:{','.join(CONTENT_FREE)}" if calibrate else "raw")
+
+    def encode_options(self) -> list[list[int]]:
+        """The token ids each option is scored as (its text, as the assistant's answer)."""
+        encode = self.lm.tokenizer.encode
+        return [encode(o, add_special_tokens=False) for o in self.options]
 
     def _prior(self) -> np.ndarray:
         """Each option's mean (normalised) score over the content-free inputs."""
@@ -220,6 +226,93 @@ class ChoiceModel(Model):
             best = int(np.argmax(p))
             values[i] = self.options[best]
             certainty[i] = (p[best] - 1.0 / k) / (1.0 - 1.0 / k)
+        return Output(values, certainty)
+
+
+#: end-of-turn tokens of chat templates, most specific first (:func:`end_of_turn_id`)
+END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>")
+
+
+def end_of_turn_id(lm: CausalLM) -> int:
+    """The token that ends the assistant's turn: the chat template's end of turn, else the
+    tokenizer's end of sequence."""
+    tok = lm.tokenizer
+    for special in END_OF_TURN:
+        token = tok.convert_tokens_to_ids(special)
+        if isinstance(token, int) and token >= 0 and token != tok.unk_token_id:
+            return token
+    if tok.eos_token_id is None:
+        raise ModelError(f"{lm.source}: the tokenizer has no end-of-turn or end-of-sequence "
+                         "token, so an answer that is a prefix of another cannot be scored")
+    return int(tok.eos_token_id)
+
+
+def scale_certainty(p: np.ndarray, points: np.ndarray) -> float:
+    """How little a score distribution ``p`` over ``points`` lets its expected value move:
+    ``1 - std / ((hi - lo) / 2)``, 1 when all mass is on one point, 0 when it is split evenly
+    between the two ends (the largest spread a distribution on ``[lo, hi]`` can have)."""
+    mean = float(p @ points)
+    std = float(np.sqrt(max(float(p @ (points - mean) ** 2), 0.0)))
+    half_range = (float(points[-1]) - float(points[0])) / 2.0
+    return float(np.clip(1.0 - std / half_range, 0.0, 1.0))
+
+
+class ScoreModel(ChoiceModel):
+    """A score on the integer scale ``lo..hi`` per row: the expected value of the scale under
+    the LM's calibrated distribution over its points.
+
+    Each point is scored as the assistant's whole answer to ``prompter(lm, row)`` with the
+    scoring and content-free calibration of :class:`ChoiceModel` (the points are its options).
+    LMs here write "10" as the tokens "1", "0", so on a scale with a point whose tokens begin
+    another's (0..10, 1..10) every point is scored followed by the end-of-turn token:
+    otherwise "1" would also collect the probability of every answer that starts with it.
+
+    ``score_distribution(rows)`` gives each row's distribution over the points (what
+    ``predict`` averages), for callers that need more than the mean (top-k).
+
+    The certainty is :func:`scale_certainty`, ``1 - std / ((hi - lo) / 2)`` of the row's
+    distribution, rather than ChoiceModel's distance from uniform: the value is a mean, and
+    what decides whether a larger LM could change it much is how spread the distribution is,
+    not how much mass its single likeliest point has (mass split between 4 and 5 gives a
+    dependable 4.5; mass split between 1 and 5 gives a meaningless 3).
+    """
+
+    def __init__(self, lm: CausalLM, scale: tuple[int, int], prompter: Prompter, name: str,
+                 family: str, prompt_version: str, calibrate: bool = True) -> None:
+        lo, hi = scale
+        if not (0 <= lo < hi):
+            raise ModelError(f"{name}: a score scale needs 0 <= lo < hi, got {scale}")
+        self.scale = (int(lo), int(hi))
+        self.points = np.arange(lo, hi + 1, dtype=np.float64)
+        super().__init__(lm, [str(v) for v in range(lo, hi + 1)], prompter, name, family,
+                         prompt_version, normalise="sum", calibrate=calibrate)
+        # values are numbers, not labels; the scale and the answer encoding are behaviour
+        self.spec = _spec(name, family, lm, lm.context_tokens, (), 1, prompt_version, "score",
+                          self.scale, [len(ids) for ids in self.option_ids],
+                          f"calibrated:{','.join(CONTENT_FREE)}" if calibrate else "raw")
+
+    def encode_options(self) -> list[list[int]]:
+        ids = super().encode_options()
+        prefix = any(a != b and b[:len(a)] == a for a in ids for b in ids)
+        if prefix:
+            end = end_of_turn_id(self.lm)
+            ids = [i + [end] for i in ids]
+        return ids
+
+    def score_distribution(self, texts: Sequence, batch_size: int = 16) -> np.ndarray:
+        """Each row's calibrated distribution over the scale's points ``lo..hi``,
+        ``(rows, hi - lo + 1)``; NaN for a row with no prompt (NULL or blank input)."""
+        return self.option_probabilities(texts, batch_size)
+
+    def predict(self, texts: Sequence, batch_size: int = 16) -> Output:
+        probs = self.score_distribution(texts, batch_size)
+        values: list[Any] = [None] * len(texts)
+        certainty = np.ones(len(texts))
+        for i, p in enumerate(probs):
+            if np.isnan(p).any():
+                continue
+            values[i] = float(p @ self.points)
+            certainty[i] = scale_certainty(p, self.points)
         return Output(values, certainty)
 
 

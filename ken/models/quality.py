@@ -4,7 +4,7 @@ An :class:`EvalSample` holds inputs, one reference per row and the name of a qua
 ``sample.quality(values)`` scores a model's values row by row, so profiles can store a quality
 per row for *any* output type and the cascade search, simulator and planner only ever average
 those numbers: the mean per-row quality of a cascade is its accuracy (or balanced accuracy,
-exact match, token F1) on the sample, whatever the values mean.
+exact match, token F1, closeness of a score) on the sample, whatever the values mean.
 
 >>> s = EvalSample("demo", ("a", "b"), ("pos", "neg"), "accuracy")
 >>> s.quality(["pos", "pos"]).tolist()
@@ -102,11 +102,35 @@ def token_f1(values: Sequence[Any], references: Sequence[Any]) -> np.ndarray:
     return np.array(out)
 
 
+#: the span of the scale ``scale_closeness`` is measured on: 1 to 5
+CLOSENESS_SPAN = 4.0
+
+
+def scale_closeness(values: Sequence[Any], references: Sequence[Any]) -> np.ndarray:
+    """How close a score is to the reference score on a 1-5 scale (``sem_score``'s evaluation
+    sample): ``1 - |value - reference| / 4`` clipped to [0, 1], so 1 is exact and 0 is the
+    other end of the scale; ``None`` (no score) is 0."""
+    out = []
+    for v, r in zip(values, references, strict=True):
+        if v is None or r is None:
+            out.append(0.0)
+            continue
+        try:
+            gap = abs(float(v) - float(r))
+        except (TypeError, ValueError):
+            out.append(0.0)
+            continue
+        out.append(0.0 if np.isnan(gap) else float(np.clip(1.0 - gap / CLOSENESS_SPAN,
+                                                           0.0, 1.0)))
+    return np.array(out)
+
+
 METRICS: dict[str, Callable[[Sequence[Any], Sequence[Any]], np.ndarray]] = {
     "accuracy": accuracy,
     "balanced_accuracy": balanced_accuracy,
     "exact_match": exact_match,
     "token_f1": token_f1,
+    "scale_closeness": scale_closeness,
 }
 
 

@@ -110,6 +110,14 @@ SEM_CHOICE = ChatPrompt(
     system="You classify texts. Reply with exactly one of the options given.")
 
 
+SEM_SCORE = ChatPrompt(
+    "sem_score", "v1",
+    "Text: {text}\n\n{rubric}\nRate the text on the scale from {lo} to {hi}. Answer with "
+    "the number only.",
+    ("text",), ("right",), (256,),
+    system="You rate texts. Reply with exactly one whole number on the scale given.")
+
+
 def option_list(options: tuple[str, ...]) -> str:
     """The options as the choice prompts list them: one per line, each after a dash."""
     return "\n".join(f"- {o}" for o in options)
