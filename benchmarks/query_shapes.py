@@ -17,7 +17,12 @@ Shapes measured (each ken and naive, ``--repeats`` times interleaved; medians re
   of each label and the ROC AUC of the score for the positive label. There is no cheaper plan
   for this shape (every row's score is needed), so only ken's run is reported.
 
-Not measured, because ken does not have them yet: semantic joins, top-k by score, sem_agg.
+- ``answer per group`` (when ``sem_agg`` is registered): ``SELECT label, sem_agg(review, I)
+  FROM reviews WHERE id < --agg-rows GROUP BY label`` with the instruction to name the overall
+  sentiment in one word. Quality: whether each group's answer names its label. Reported: the
+  LM calls of the reduction and the wall time (every text is read once; no cheaper plan).
+
+Not measured, because ken does not have them yet: semantic joins, top-k by score.
 
     python benchmarks/query_shapes.py --out DIR     # a few minutes on 2 cores
 """
@@ -40,6 +45,8 @@ from ken.models.datasets import load_sst2
 RESULTS = Path(__file__).parent / "results" / "query_shapes"
 POSITIVE = "the review is positive"
 NEGATIVE = "the review is negative"
+AGG_INSTRUCTION = ("What is the overall sentiment of these reviews? Answer with one word: "
+                   "positive or negative.")
 RUBRIC = "How positive is the review? 1 = very negative, 3 = mixed, 5 = very positive"
 
 
@@ -117,6 +124,20 @@ def score_shape(session: ken.Session, rows: int) -> dict:
             "auc_positive": auc(scores[ok], truth[ok]) if ok.any() else None}
 
 
+def agg_shape(session: ken.Session, rows: int) -> dict:
+    query = (f"SELECT label, sem_agg(review, '{AGG_INSTRUCTION}') AS answer, count(*) AS n "
+             f"FROM reviews WHERE id < {rows} GROUP BY label ORDER BY label")
+    bound = session.bind("sem_agg", (AGG_INSTRUCTION,))
+    models = [bound.models[m] for m in bound.cascade.models]
+    before = [m.calls for m in models]
+    result, seconds = timed(session, query)
+    groups = result.arrow().to_pylist()
+    return {"shape": "answer per group", "query": query, "seconds": seconds,
+            "groups": groups,
+            "lm_calls": {m.name: m.calls - b for m, b in zip(models, before, strict=True)},
+            "right": sum(g["label"] in str(g["answer"]).lower() for g in groups)}
+
+
 def plot(shapes: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -144,6 +165,8 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=5)
     ap.add_argument("--score-rows", type=int, default=60,
                     help="rows the sem_score shape scores (an LLM call each)")
+    ap.add_argument("--agg-rows", type=int, default=48,
+                    help="rows the sem_agg shape reads (in groups by label)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--data-dir", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -173,12 +196,17 @@ def main() -> int:
     ]
     if "sem_score" in session.operators:
         shapes.append(score_shape(session, args.score_rows))
+    if "sem_agg" in session.operators:
+        shapes.append(agg_shape(session, args.agg_rows))
     for s in shapes:
         if "ken" in s:
             print(f"{s['shape']}: model calls {s['ken']['model_calls']:.0f} vs naive "
                   f"{s['naive']['model_calls']:.0f} ({s['calls_ratio']:.0f}x fewer), "
                   f"{s['ken']['seconds']:.2f} s vs {s['naive']['seconds']:.2f} s, precision "
                   f"{s['ken']['precision']} vs {s['naive']['precision']}", file=sys.stderr)
+        elif "lm_calls" in s:
+            print(f"{s['shape']}: {s['groups']}, {s['right']} groups right, LM calls "
+                  f"{s['lm_calls']}, {s['seconds']:.1f} s", file=sys.stderr)
         else:
             print(f"{s['shape']}: {s['groups']}, AUC {s['auc_positive']}, "
                   f"{s['seconds']:.1f} s", file=sys.stderr)

@@ -44,7 +44,7 @@ def test_registry_has_every_builtin_with_a_signature() -> None:
     ops = builtin_operators()
     assert set(ops) == {"sentiment", "sem_filter", "sem_match", "sem_classify", "sem_choice",
                         "sem_score", "sem_complete", "sem_qa", "sem_extract", "sem_map",
-                        "sem_similarity"}
+                        "sem_agg", "sem_similarity"}
     assert len(BUILTIN_MODULES) == len(ops)
     assert ops["sem_classify"].signature() == "sem_classify(text, 'labels') -> VARCHAR"
     assert ops["sem_match"].signature() == "sem_match(text1, text2) -> BOOLEAN"
@@ -52,6 +52,7 @@ def test_registry_has_every_builtin_with_a_signature() -> None:
     assert ops["sem_extract"].signature() == "sem_extract(text, 'what') -> VARCHAR"
     assert ops["sem_similarity"].signature() == "sem_similarity(text1, text2) -> DOUBLE"
     assert ops["sem_score"].signature() == "sem_score(text, 'rubric') -> DOUBLE"
+    assert ops["sem_agg"].signature() == "sem_agg(text, 'instruction') -> VARCHAR"
     for op in ops.values():
         assert op.eval_description()
     # each call gives fresh instances: one session's choices never leak into another's
@@ -61,7 +62,8 @@ def test_registry_has_every_builtin_with_a_signature() -> None:
 def test_builtin_stages_are_named_and_pickle_without_loading_a_model(tmp_path) -> None:
     ctx = OpContext(DeviceConfig(), home=tmp_path)
     ops = builtin_operators()
-    for name in ("sem_choice", "sem_score", "sem_qa", "sem_complete", "sem_similarity"):
+    for name in ("sem_choice", "sem_score", "sem_agg", "sem_qa", "sem_complete",
+                 "sem_similarity"):
         op = ops[name]
         names = [s.name for s in op.declared_stages(ctx, op.eval_constants)]
         loaders = op.loaders(ctx, DeviceConfig(threads=1))

@@ -337,6 +337,10 @@ class Operator:
     #: SQL passes the column arguments as JSON text (``to_json``), so that a struct or a whole
     #: row arrives as an object and a text as a JSON string (``ken.models.records.as_record``)
     record_columns: bool = False
+    #: an aggregate (``sem_agg``): SQL passes each group's values of the column argument as one
+    #: sorted list (``list_sort(list(x))``, as JSON text with ``record_columns``), and the
+    #: operator answers once per group
+    aggregate: bool = False
     #: the escalation threshold between the stages of the default binding (uncalibrated;
     #: planning chooses thresholds on the evaluation sample)
     threshold: float = 0.5

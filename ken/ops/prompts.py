@@ -117,6 +117,21 @@ SEM_SCORE = ChatPrompt(
     ("text",), ("right",), (256,),
     system="You rate texts. Reply with exactly one whole number on the scale given.")
 
+#: sem_agg's prompts (``ken/ops/sem_agg.py``): a block of numbered texts, then a block of
+#: numbered partial answers; the texts are cut and packed by the operator, not here
+SEM_AGG_LEAF = ChatPrompt(
+    "sem_agg_leaf", "v1",
+    "Texts:\n{texts}\n\n{instruction}\nAnswer briefly, about all the texts together.",
+    ("texts",), ("right",), (1024,),
+    system="You answer an instruction about a list of texts.")
+
+SEM_AGG_REDUCE = ChatPrompt(
+    "sem_agg_reduce", "v1",
+    "Partial answers, each about one part of a list of texts:\n{texts}\n\nCombine them into "
+    "one brief answer to this instruction about the whole list: {instruction}",
+    ("texts",), ("right",), (1024,),
+    system="You combine partial answers into one answer.")
+
 
 def option_list(options: tuple[str, ...]) -> str:
     """The options as the choice prompts list them: one per line, each after a dash."""

@@ -205,6 +205,14 @@ def rewrite(statement: exp.Expression, functions: Mapping[str, Operator],
         clause = _clause(node)
         if clause not in clauses[key]:
             clauses[key].append(clause)
+        if getattr(fn, "aggregate", False) and _clause(node) in ("WHERE", "JOIN ON",
+                                                                  "GROUP BY"):
+            raise SqlError(f"{name}() is an aggregate: one answer per group, so it belongs "
+                           f"in SELECT, HAVING or ORDER BY (with GROUP BY for one answer per "
+                           f"group), not in {_clause(node)}: {node.sql(dialect='duckdb')}")
+        if getattr(fn, "aggregate", False):  # a group's values, sorted: one list per group
+            columns = [exp.Anonymous(this="list_sort", expressions=[
+                exp.Anonymous(this="list", expressions=[c.copy()])]) for c in columns]
         if getattr(fn, "record_columns", False):  # structs and rows travel as JSON objects
             columns = [exp.cast(exp.Anonymous(this="to_json", expressions=[c.copy()]), "VARCHAR")
                        for c in columns]
