@@ -103,3 +103,12 @@ def test_bad_calls_say_what_to_do() -> None:
         s.sql(f"SELECT t FROM r WHERE sem_agg(t, '{INSTRUCTION}') = 'x'")
     with pytest.raises(KenError, match="not in GROUP BY"):
         s.sql(f"SELECT count(*) FROM r GROUP BY sem_agg(t, '{INSTRUCTION}')")
+
+
+def test_label_named_wants_the_label_and_no_other() -> None:
+    from ken.models.quality import label_named
+
+    refs = ["positive", "negative", "neutral", "positive", "negative"]
+    values = ["The overall sentiment is Positive.", "positive, not negative", "neutral",
+              None, "nonnegative"]
+    assert label_named(values, refs).tolist() == [1.0, 0.0, 1.0, 0.0, 0.0]

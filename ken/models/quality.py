@@ -125,12 +125,30 @@ def scale_closeness(values: Sequence[Any], references: Sequence[Any]) -> np.ndar
     return np.array(out)
 
 
+def label_named(values: Sequence[Any], references: Sequence[Any]) -> np.ndarray:
+    """1 where a free-text answer names its reference label and no other label of the sample
+    (the distinct references), word for word after :func:`normalise_answer`; else 0
+    ("The overall sentiment is positive." names "positive"). For answers that are sentences
+    about a label, where exact match would score every one 0."""
+    labels = {normalise_answer(r) for r in references if r is not None}
+    out = []
+    for v, r in zip(values, references, strict=True):
+        if v is None or r is None:
+            out.append(0.0)
+            continue
+        words = f" {normalise_answer(v)} "
+        named = {label for label in labels if f" {label} " in words}
+        out.append(1.0 if named == {normalise_answer(r)} else 0.0)
+    return np.array(out)
+
+
 METRICS: dict[str, Callable[[Sequence[Any], Sequence[Any]], np.ndarray]] = {
     "accuracy": accuracy,
     "balanced_accuracy": balanced_accuracy,
     "exact_match": exact_match,
     "token_f1": token_f1,
     "scale_closeness": scale_closeness,
+    "label_named": label_named,
 }
 
 
