@@ -20,7 +20,7 @@ import numpy as np
 
 from ken.models import family
 from ken.models.model import DeviceConfig
-from ken.models.quality import balanced_accuracy
+from ken.models.quality import balanced_accuracy, roc_auc
 from ken.models.resources import Resources
 from ken.ops.filter_models import LLM_STAGES
 
@@ -41,18 +41,6 @@ OBVIOUS = {
         ("Paris is the capital of France.", True), ("I like to eat apples and bananas.", False)],
 }
 
-
-def auc(scores: np.ndarray, truth: np.ndarray) -> float:
-    """ROC AUC by the rank sum (ties get their mean rank)."""
-    order = np.argsort(scores, kind="mergesort")
-    ranks = np.empty(len(scores))
-    ranks[order] = np.arange(1, len(scores) + 1)
-    for value in np.unique(scores):
-        tied = scores == value
-        ranks[tied] = ranks[tied].mean()
-    pos = truth.sum()
-    neg = len(truth) - pos
-    return float((ranks[truth].sum() - pos * (pos + 1) / 2) / (pos * neg))
 
 
 def main() -> int:
@@ -85,7 +73,7 @@ def main() -> int:
             right += int(sum((qi > 0.5) == y for qi, (_, y) in zip(q, rows, strict=True)))
             total += len(rows)
         out["stages"][stage] = {
-            "auc": auc(p, truth), "ms_per_row": ms,
+            "auc": roc_auc(p, truth), "ms_per_row": ms,
             "balanced_accuracy": float(np.mean(balanced_accuracy((p > 0.5).tolist(),
                                                                  truth.tolist()))),
             "obvious_right": right, "obvious_rows": total}

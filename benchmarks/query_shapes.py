@@ -41,6 +41,7 @@ import pyarrow as pa
 
 import ken
 from ken.models.datasets import load_sst2
+from ken.models.quality import roc_auc
 
 RESULTS = Path(__file__).parent / "results" / "query_shapes"
 POSITIVE = "the review is positive"
@@ -95,18 +96,6 @@ def first_k(session: ken.Session, labels: dict[int, str], name: str, query: str,
     return out
 
 
-def auc(scores: np.ndarray, truth: np.ndarray) -> float:
-    """ROC AUC by the rank sum (ties get their mean rank)."""
-    order = np.argsort(scores, kind="mergesort")
-    ranks = np.empty(len(scores))
-    ranks[order] = np.arange(1, len(scores) + 1)
-    for value in np.unique(scores):
-        tied = scores == value
-        ranks[tied] = ranks[tied].mean()
-    pos = truth.sum()
-    neg = len(truth) - pos
-    return float((ranks[truth].sum() - pos * (pos + 1) / 2) / (pos * neg))
-
 
 def score_shape(session: ken.Session, rows: int) -> dict:
     query = (f"SELECT label, AVG(sem_score(review, '{RUBRIC}')) AS mean_score, count(*) AS n "
@@ -121,7 +110,7 @@ def score_shape(session: ken.Session, rows: int) -> dict:
     return {"shape": "score per group", "query": query, "seconds": seconds,
             "model_calls": model_calls(result),
             "groups": result.arrow().to_pylist(),
-            "auc_positive": auc(scores[ok], truth[ok]) if ok.any() else None}
+            "auc_positive": roc_auc(scores[ok], truth[ok]) if ok.any() else None}
 
 
 def agg_shape(session: ken.Session, rows: int) -> dict:

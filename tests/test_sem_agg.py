@@ -112,3 +112,20 @@ def test_label_named_wants_the_label_and_no_other() -> None:
     values = ["The overall sentiment is Positive.", "positive, not negative", "neutral",
               None, "nonnegative"]
     assert label_named(values, refs).tolist() == [1.0, 0.0, 1.0, 0.0, 0.0]
+
+
+@given(st.lists(st.tuples(st.integers(0, 5), st.booleans()), min_size=2, max_size=30))
+def test_roc_auc_against_every_pair(rows: list[tuple[int, bool]]) -> None:
+    from ken.errors import DataError
+    from ken.models.quality import roc_auc
+
+    scores = [float(s) for s, _ in rows]
+    truth = [t for _, t in rows]
+    pos = [s for s, t in zip(scores, truth, strict=True) if t]
+    neg = [s for s, t in zip(scores, truth, strict=True) if not t]
+    if not pos or not neg:
+        with pytest.raises(DataError):
+            roc_auc(scores, truth)
+        return
+    pairs = [1.0 if p > n else 0.5 if p == n else 0.0 for p in pos for n in neg]
+    assert roc_auc(scores, truth) == pytest.approx(sum(pairs) / len(pairs))

@@ -142,6 +142,25 @@ def label_named(values: Sequence[Any], references: Sequence[Any]) -> np.ndarray:
     return np.array(out)
 
 
+def roc_auc(scores: Sequence[float], truth: Sequence[bool]) -> float:
+    """ROC AUC of ``scores`` for the rows where ``truth`` holds, by the rank sum (tied scores
+    get their mean rank): the chance that a true row scores above a false one, ties counting
+    half. DataError unless both kinds of row are present."""
+    scores = np.asarray(scores, dtype=np.float64)
+    truth = np.asarray(truth, dtype=bool)
+    pos = int(truth.sum())
+    neg = len(truth) - pos
+    if pos == 0 or neg == 0:
+        raise DataError("ROC AUC needs both true and false rows")
+    order = np.argsort(scores, kind="mergesort")
+    ranks = np.empty(len(scores))
+    ranks[order] = np.arange(1, len(scores) + 1)
+    for value in np.unique(scores):
+        tied = scores == value
+        ranks[tied] = ranks[tied].mean()
+    return float((ranks[truth].sum() - pos * (pos + 1) / 2) / (pos * neg))
+
+
 METRICS: dict[str, Callable[[Sequence[Any], Sequence[Any]], np.ndarray]] = {
     "accuracy": accuracy,
     "balanced_accuracy": balanced_accuracy,
