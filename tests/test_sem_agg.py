@@ -4,6 +4,7 @@ through SQL on the packaged SmolLM2 against the model called on each group direc
 from __future__ import annotations
 
 import json
+import re
 
 import pyarrow as pa
 import pytest
@@ -89,6 +90,13 @@ def test_a_big_group_is_reduced_in_levels(session) -> None:  # noqa: ANN001
     leaves = -(-20 // FAN_IN)
     assert model.calls - calls == leaves + 1  # 3 blocks, then one call combines them
     assert model.levels >= 2 and isinstance(out.values[0], str)
+    # EXPLAIN gives the fan-in, EXPLAIN ANALYZE the LM calls of the reduction
+    # (big: 3 + 1, small: 1, empty: 0)
+    query = f"SELECT g, sem_agg(t, '{INSTRUCTION}') FROM reviews GROUP BY g"
+    assert f"at most {FAN_IN} texts" in s.explain(query)
+    text = s.explain(query, analyze=True)
+    assert re.search(r"3 in, 3 resolved, \d+ batches, 5 LM calls", text), text
+    assert "s0:sem_agg(t)" in text
     # a whole-table aggregate is one group
     one = s.sql(f"SELECT sem_agg(t, '{INSTRUCTION}') FROM reviews WHERE g = 'small'").fetchall()
     assert len(one) == 1 and isinstance(one[0][0], str)

@@ -57,6 +57,7 @@ class StageCounter:
     resolved_rows: int = 0
     num_batches: int = 0
     seconds: float = 0.0
+    lm_calls: int = 0  # prompts a model answered that are not rows (sem_agg's reduction)
 
 
 @dataclass
@@ -127,8 +128,13 @@ class SiteRunner:
         else:
             column = [pa.array([k[i] for k in inputs], pa.string())
                       for i in range(len(self.site.args))]
+        models = [self.bound.models[m] for m in self.bound.cascade.models]
+        calls = [getattr(m, "calls", None) for m in models]  # models that count their calls
         result = run_cascade(self.bound.cascade, self.bound.models, column, self.batch_size,
                              name=self.site.call_sql())
+        for counter, model, before in zip(self.stats.stages, models, calls, strict=True):
+            if isinstance(before, int):
+                counter.lm_calls += model.calls - before
         values = self.bound.to_sql_values(result.values)
         self.memo.update(zip(inputs, values, strict=True))
         self.stats.distinct_evaluated += len(inputs)

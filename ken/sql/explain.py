@@ -39,10 +39,15 @@ def has_site(node: exp.Expression) -> bool:
 
 def _as_written(arg: exp.Expression) -> exp.Expression:
     """A site argument without the ``CAST(to_json(x) AS VARCHAR)`` the rewrite wraps record
-    arguments in (``Operator.record_columns``)."""
+    arguments in (``Operator.record_columns``), and an aggregate's ``list_sort(list(x))``."""
     inner = arg.this if isinstance(arg, exp.Cast) else None
     if isinstance(inner, exp.Anonymous) and str(inner.this).lower() == "to_json":
-        return inner.expressions[0]
+        arg = inner.expressions[0]
+    # an aggregate's column (``Operator.aggregate``): list_sort(list(x)) -> x
+    if isinstance(arg, exp.Anonymous) and str(arg.this).lower() == "list_sort":
+        listed = arg.expressions[0]
+        if isinstance(listed, exp.Anonymous) and str(listed.this).lower() == "list":
+            return listed.expressions[0]
     return arg
 
 
@@ -233,8 +238,9 @@ def actual_lines(runner: SiteRunner) -> list[str]:
         return lines + [f"online engine: {st.online_rows:,} rows as requests, {st.bulk_rows:,} "
                         f"as bulk rows; answered by {answered}{retried}"]
     for stage in st.stages:
+        calls = f", {stage.lm_calls:,} LM calls" if stage.lm_calls else ""
         lines.append(f"stage {stage.model}: {stage.input_rows:,} in, {stage.resolved_rows:,} "
-                     f"resolved, {stage.num_batches} batches, {stage.seconds:.3f} s")
+                     f"resolved, {stage.num_batches} batches{calls}, {stage.seconds:.3f} s")
     return lines
 
 
