@@ -18,6 +18,7 @@ from ken.optimizer.perf import Catalog, ModelPerf
 from ken.optimizer.placement import search_placement
 from ken.optimizer.plan_context import one_cascade_context
 from ken.optimizer.planner import PlannerSettings, fill_gaps, plan_frontier, planning_context
+from ken.optimizer.scheduler import PlanningError
 from ken.optimizer.workload import Device, Hardware, gamma_trace
 from ken.policy.plan import Frontier
 
@@ -108,3 +109,52 @@ def test_gaps_between_frontier_neighbours_are_filled_where_their_gears_mix() -> 
     for p in added:
         assert set(p.cascades) <= set(ctx.cascades)
         assert min(accs) <= p.predicted.accuracy <= max(accs) + 0.05
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), n_models=st.integers(2, 3),
+       gap=st.sampled_from([0.0, 0.02, 0.2, 1.0]))
+def test_polish_swaps_each_gear_for_every_close_cheaper_cascade(seed: int, n_models: int,
+                                                                gap: float) -> None:
+    """``polish`` (one round) on a gear plan that runs the costliest ladder cascade below the
+    middle load and the cheapest above simulates exactly the swaps a brute-force enumeration
+    gives; and a polished frontier is at least as good as the unpolished one everywhere."""
+    from dataclasses import replace
+
+    from ken.optimizer.placement import adapt_placement, models_of
+    from ken.optimizer.planner import _assignment, polish
+
+    cat = random_catalog(seed, n_models)
+    cands = random_cascades(seed, sorted(cat.models))
+    hw = Hardware(tuple(Device(f"d{i}", "cpu", 700, 0) for i in range(2)))
+    tr = gamma_trace(200.0, 3.0, cv=3.0, seed=seed)
+    s = PlannerSettings(num_ranges=4, max_rounds=2, seed=seed, polish_gap=gap, polish_rounds=1)
+    ctx = planning_context("op", cands, cat, hw, tr, settings=s)
+    top = len(ctx.cascades) - 1
+    if top < 1:
+        return
+    a = (top, top, 0, 0)
+    try:
+        plan = search_placement(ctx, a)[0]
+    except PlanningError:  # the models do not fit on the two devices together
+        return
+    expected = set()
+    for c, cheaper in itertools.product(set(a), range(len(ctx.cascades))):
+        if cheaper < c and all(ctx.accuracy(x) >= ctx.accuracy(c) - gap
+                               for x in range(cheaper, c)):
+            cand = [cheaper if x == c else x for x in a]
+            cand = [min(cand[: i + 1]) for i in range(len(cand))]
+            if tuple(cand) != a and adapt_placement(ctx, plan.placement,
+                                                    models_of(ctx, cand)) is not None:
+                expected.add(tuple(cand))
+    rank = {c: i for i, c in enumerate(ctx.cascades)}
+    got = [_assignment(p, rank, ctx) for p in polish(ctx, [plan], s)]
+    assert sorted(got) == sorted(expected)
+    if gap == 1.0:  # every cheaper cascade is close enough: each gear tries them all
+        assert (0, 0, 0, 0) in got
+    plain, _ = plan_frontier("op", cands, cat, hw, tr, settings=replace(s, polish_rounds=0))
+    polished, _ = plan_frontier("op", cands, cat, hw, tr, settings=s)
+    for p in plain.plans:
+        assert any(q.predicted.accuracy >= p.predicted.accuracy - 1e-12
+                   and q.predicted.p95_ms <= p.predicted.p95_ms + 1e-9
+                   for q in polished.plans)

@@ -40,6 +40,11 @@ class PlannerSettings:
     # ``gap_searches`` more placement searches
     max_gap: float = 0.005
     gap_searches: int = 12
+    # after the search, each gear of a multi-gear frontier plan tries the ladder's cheaper
+    # cascades that are at most this much less accurate on the sample, on the plan's placement
+    # (``planner.polish``), for ``polish_rounds`` rounds (0: off)
+    polish_gap: float = 0.005
+    polish_rounds: int = 2
     screen: int = 3  # per iteration, candidates simulated after an analytic ranking; 0: all
     max_iterations: int | None = None  # stop the adapter early (None: at cheapest everywhere)
     placement_scoring: str = "simulate"  # or "estimate": see search_placement
@@ -63,6 +68,8 @@ class PlannerSettings:
                                 "expansions and max_rounds >= 0")
         if self.score not in ("ratio", "tradeoff"):
             raise PlanningError(f"score must be 'ratio' or 'tradeoff', got {self.score!r}")
+        if self.polish_gap < 0 or self.polish_rounds < 0:
+            raise PlanningError("polish_gap and polish_rounds must be >= 0")
         if self.min_accuracy_step < 0:
             raise PlanningError("min_accuracy_step must be >= 0")
         if self.placement_scoring not in ("simulate", "estimate"):

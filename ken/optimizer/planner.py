@@ -167,6 +167,7 @@ def _adapt(ctx: PlanningContext, candidates: tuple[Cascade, ...], trace: Trace,
     alternatives = one_gear_plans(ctx, candidates, reporter) if settings.include_static else []
     pool += alternatives
     pool += fill_gaps(ctx, pool, settings, reporter)
+    pool += polish(ctx, pool, settings, reporter)
     front = pareto_plans(pool)
     # the alternatives the Pareto cut dropped, each serving configuration once
     kept = {p.serving_key() for p in front}
@@ -259,6 +260,56 @@ def fill_gaps(ctx: PlanningContext, pool: Sequence[GearPlan], settings: PlannerS
     if added:
         reporter.note(f"{len(added)} gear plans placed to fill accuracy gaps over "
                       f"{settings.max_gap:.1%}")
+    return added
+
+
+def polish(ctx: PlanningContext, pool: Sequence[GearPlan], settings: PlannerSettings,
+           reporter: Reporter = QUIET) -> list[GearPlan]:
+    """Cheaper gears in place: for each frontier plan of two or more gears on the adapter's
+    ladder, each of its cascades is swapped, in the ranges that use it, for every cheaper
+    ladder cascade at most ``settings.polish_gap`` less accurate on the sample (kept monotone:
+    a higher load never gets a costlier cascade), on the plan's placement (adapted where the
+    new cascade needs a model it lacks), and simulated. ``settings.polish_rounds`` rounds,
+    each on the frontier the last one left.
+
+    The greedy adapter keeps the most accurate cascade in the low-load ranges as long as
+    dropping another range scores better, so a gear plan can keep a cascade that costs twice
+    as much as one 0.3 points less accurate; at low load that gear still sets the tail (a
+    burst catches the requests it admitted). The swaps cost one simulation each and no
+    placement search."""
+    rank = {c: i for i, c in enumerate(ctx.cascades)}
+    added: list[GearPlan] = []
+    tried: set[tuple] = set()
+    for _ in range(settings.polish_rounds):
+        pairs: list[tuple[tuple[int, ...], Placement]] = []
+        for plan in pareto_plans([*pool, *added]):
+            if len(plan.cascades) < 2:
+                continue
+            assignment = _assignment(plan, rank, ctx)
+            if assignment is None:
+                continue
+            for c in sorted(set(assignment)):
+                for cheaper in range(c - 1, -1, -1):
+                    if ctx.accuracy(cheaper) < ctx.accuracy(c) - settings.polish_gap:
+                        break
+                    cand = [cheaper if a == c else a for a in assignment]
+                    for r in range(1, len(cand)):
+                        cand[r] = min(cand[r], cand[r - 1])
+                    placement = adapt_placement(ctx, plan.placement, models_of(ctx, cand))
+                    key = (tuple(cand), placement)
+                    if placement is None or key in tried or tuple(cand) == assignment:
+                        continue
+                    tried.add(key)
+                    pairs.append((tuple(cand), placement))
+        if not pairs:
+            break
+        try:
+            added += [p for p, _ in evaluate_many(ctx, pairs)]
+        except PlanningError:
+            break
+    if added:
+        reporter.note(f"{len(added)} gear plans simulated with cheaper gears in place "
+                      f"(within {settings.polish_gap:.1%} accuracy)")
     return added
 
 
