@@ -16,7 +16,7 @@ import duckdb
 from sqlglot import exp
 
 from ken.ops.base import Bound
-from ken.sql.rewrite import CallSite, Rewritten
+from ken.sql.rewrite import CallSite, Rewritten, conjuncts
 
 if TYPE_CHECKING:
     from ken.engine.manager import ServingManager
@@ -59,16 +59,6 @@ def show(node: exp.Expression) -> str:
         if str(call.this).lower().startswith("__ken_s"):
             call.set("expressions", [_as_written(a) for a in call.expressions])
     return _SITE.sub(lambda m: f"s{m.group(1)}:{m.group(2).lower()}(", node.sql(dialect="duckdb"))
-
-
-def conjuncts(node: exp.Expression | None) -> list[exp.Expression]:
-    if node is None:
-        return []
-    if isinstance(node, exp.And):
-        return conjuncts(node.left) + conjuncts(node.right)
-    if isinstance(node, exp.Paren):
-        return conjuncts(node.this) if isinstance(node.this, exp.And) else [node]
-    return [node]
 
 
 def _filters(conds: list[exp.Expression], child: PlanNode, label: str) -> PlanNode:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 from sqlglot import exp
 
-from ken.sql.rewrite import Rewritten
+from ken.sql.rewrite import Rewritten, conjuncts
 
 #: rows of the first slice (at least; ``4 (k + m)`` when that is more)
 FIRST_CHUNK = 32
@@ -42,13 +42,15 @@ ROW_NUMBER = "__ken_rn"
 class EarlyLimit:
     """How a query's LIMIT stops early: ``limit`` rows after ``offset`` from the query on
     slices of ``source`` (named ``alias`` in it), whose rows first pass ``relational`` (the
-    WHERE clause's conjuncts without semantic calls, moved into the numbering)."""
+    WHERE clause's conjuncts without semantic calls, moved into the numbering); the slices
+    keep the WHERE clause's other conjuncts, ``kept``."""
 
     limit: int
     offset: int
     source: exp.Expression
     alias: str
     relational: tuple[exp.Expression, ...]
+    kept: tuple[exp.Expression, ...]
 
     @property
     def wanted(self) -> int:
@@ -95,16 +97,6 @@ def _site_calls(node: exp.Expression, rw: Rewritten) -> list[exp.Anonymous]:
     return [a for a in node.find_all(exp.Anonymous) if str(a.this) in names]
 
 
-def _conjuncts(node: exp.Expression | None) -> list[exp.Expression]:
-    if node is None:
-        return []
-    if isinstance(node, exp.Paren):
-        return _conjuncts(node.this)
-    if isinstance(node, exp.And):
-        return _conjuncts(node.left) + _conjuncts(node.right)
-    return [node]
-
-
 def early_limit(rw: Rewritten) -> tuple[EarlyLimit | None, str]:
     """The early-stopping plan of ``rw``'s LIMIT, or None and why not (an empty reason when
     the statement has no LIMIT over a semantic WHERE, where the question does not arise)."""
@@ -142,13 +134,15 @@ def early_limit(rw: Rewritten) -> tuple[EarlyLimit | None, str]:
         return None, "its FROM source has no name to refer to it by"
     # relational conjuncts move into the numbering, so every chunk holds rows that reach the
     # semantic predicate; not with parameters, whose order must stay the statement's
+    terms = conjuncts(where.this)
     pushable = not s.find(exp.Placeholder)
-    relational = tuple(c for c in _conjuncts(where.this) if not _site_calls(c, rw)) \
-        if pushable else ()
-    return EarlyLimit(limit, offset, source.copy(), alias, relational), ""
+    relational = [c for c in terms if pushable and not _site_calls(c, rw)]
+    kept = [c for c in terms if not any(c is r for r in relational)]
+    return EarlyLimit(limit, offset, source.copy(), alias,
+                      tuple(c.copy() for c in relational), tuple(c.copy() for c in kept)), ""
 
 
-def run_early_limit(sql: Callable[[str, bool], pa.Table | None], rw: Rewritten, plan: EarlyLimit,
+def run_early_limit(sql: Callable[[str, bool], pa.Table], rw: Rewritten, plan: EarlyLimit,
                     table_name: str) -> tuple[pa.Table, LimitRun]:
     """Run ``rw`` by ``plan``: number the source's rows once into the temporary table
     ``table_name``, then run the statement on slices of them until ``plan.wanted`` rows
@@ -163,42 +157,39 @@ def run_early_limit(sql: Callable[[str, bool], pa.Table | None], rw: Rewritten, 
         numbered = numbered.where(exp.and_(*[c.copy() for c in plan.relational]))
     sql(f"CREATE OR REPLACE TEMPORARY TABLE {quoted} AS {numbered.sql(dialect='duckdb')}", False)
     try:
-        count = sql(f"SELECT count(*) AS n FROM {quoted}", False)
-        total = int(count.column(0)[0].as_py()) if count is not None else 0
-        kept = [c for c in _conjuncts(s.args["where"].this)
-                if not any(c is r or c == r for r in plan.relational)]
+        total = int(sql(f"SELECT count(*) AS n FROM {quoted}", False).column(0)[0].as_py())
         parts: list[pa.Table] = []
         found = scanned = chunks = 0
         size = plan.first_chunk()
         while found < plan.wanted and scanned < total:
             size = min(size, total - scanned)
-            table = sql(_slice(s, plan, quoted, kept, scanned, scanned + size,
-                               plan.wanted - found), True)
+            table = sql(_slice(s, plan, quoted, scanned, scanned + size, plan.wanted - found),
+                        True)
             scanned += size
             chunks += 1
-            if table is not None and table.num_rows:
+            if table.num_rows:
                 parts.append(table)
                 found += table.num_rows
             size = next_chunk(plan.wanted - found, found, scanned)
         if not parts:  # no row passed: the statement's columns, from an empty slice
-            table = sql(_slice(s, plan, quoted, kept, 0, 0, 1), True)
-            parts.append(table if table is not None else pa.table({}))
+            parts.append(sql(_slice(s, plan, quoted, 0, 0, 1), True))
     finally:
         sql(f"DROP TABLE IF EXISTS {quoted}", False)
     rows = pa.concat_tables(parts).slice(plan.offset, plan.limit)
     return rows, LimitRun(plan.limit, total, scanned, chunks, rows.num_rows)
 
 
-def _slice(s: exp.Select, plan: EarlyLimit, quoted: str, kept: list[exp.Expression],
-           lo: int, hi: int, limit: int) -> str:
+def _slice(s: exp.Select, plan: EarlyLimit, quoted: str, lo: int, hi: int, limit: int) -> str:
     """The statement on the numbered rows ``[lo, hi)``: its FROM source replaced by them under
-    the source's name, its WHERE reduced to ``kept``, returning at most ``limit`` rows."""
+    the source's name, its WHERE reduced to ``plan.kept``, returning at most ``limit``
+    rows."""
     chunk = s.copy()
     rows = (f"SELECT * EXCLUDE ({ROW_NUMBER}) FROM {quoted} "
             f"WHERE {ROW_NUMBER} >= {lo} AND {ROW_NUMBER} < {hi}")
     chunk.set("from_", exp.From(this=exp.alias_(
         exp.Subquery(this=exp.maybe_parse(rows, dialect="duckdb")), plan.alias, table=True)))
-    chunk.set("where", exp.Where(this=exp.and_(*[c.copy() for c in kept])) if kept else None)
+    chunk.set("where", exp.Where(this=exp.and_(*[c.copy() for c in plan.kept]))
+              if plan.kept else None)
     chunk.set("offset", None)
     chunk.set("limit", exp.Limit(expression=exp.Literal.number(limit)))
     return chunk.sql(dialect="duckdb")

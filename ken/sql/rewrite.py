@@ -167,6 +167,17 @@ def _clause(node: exp.Expression) -> str:
     return "EXPRESSION"
 
 
+def conjuncts(node: exp.Expression | None) -> list[exp.Expression]:
+    """The terms of ``node``'s top-level ANDs (through parentheses around an AND)."""
+    if node is None:
+        return []
+    if isinstance(node, exp.And):
+        return conjuncts(node.left) + conjuncts(node.right)
+    if isinstance(node, exp.Paren):
+        return conjuncts(node.this) if isinstance(node.this, exp.And) else [node]
+    return [node]
+
+
 def rewrite(statement: exp.Expression, functions: Mapping[str, Operator],
             known: frozenset[str], first_id: int = 0, namespace: str = "") -> Rewritten:
     """Validate semantic calls and replace each by a call of its site's DuckDB function.
@@ -205,12 +216,11 @@ def rewrite(statement: exp.Expression, functions: Mapping[str, Operator],
         clause = _clause(node)
         if clause not in clauses[key]:
             clauses[key].append(clause)
-        if getattr(fn, "aggregate", False) and _clause(node) in ("WHERE", "JOIN ON",
-                                                                  "GROUP BY"):
-            raise SqlError(f"{name}() is an aggregate: one answer per group, so it belongs "
-                           f"in SELECT, HAVING or ORDER BY (with GROUP BY for one answer per "
-                           f"group), not in {_clause(node)}: {node.sql(dialect='duckdb')}")
         if getattr(fn, "aggregate", False):  # a group's values, sorted: one list per group
+            if clause in ("WHERE", "JOIN ON", "GROUP BY"):
+                raise SqlError(f"{name}() is an aggregate: one answer per group, so it belongs "
+                               f"in SELECT, HAVING or ORDER BY (with GROUP BY for one answer "
+                               f"per group), not in {clause}: {node.sql(dialect='duckdb')}")
             columns = [exp.Anonymous(this="list_sort", expressions=[
                 exp.Anonymous(this="list", expressions=[c.copy()])]) for c in columns]
         if getattr(fn, "record_columns", False):  # structs and rows travel as JSON objects

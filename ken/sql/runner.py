@@ -31,7 +31,7 @@ from ken.ops.training import Trained, TrainingData
 from ken.sql.database import Database
 from ken.sql.execute import SiteRunner, query_error, registered
 from ken.sql.explain import actual_lines, build, estimate, plan_lines, render, site_lines
-from ken.sql.limit import LimitRun, early_limit, run_early_limit
+from ken.sql.limit import EarlyLimit, LimitRun, early_limit, run_early_limit
 from ken.sql.ray_query import ray_choice, run_on_ray
 from ken.sql.result import Result
 from ken.sql.rewrite import Rewritten, SqlError, parse, rewrite, split_statements
@@ -99,8 +99,9 @@ class QueryRunner:
         if not any(rw.is_semantic for rw in rewritten):
             return self._run_unchanged(query, params)
         rw = rewritten[0]
-        if engine != "ray" and early_limit(rw)[0] is not None:
-            return self._run(rw, params)  # it stops early, so it evaluates few rows
+        limit = early_limit(rw)[0] if engine != "ray" else None
+        if limit is not None:
+            return self._run(rw, params, limit)  # it stops early, so it evaluates few rows
         if engine != "auto":
             return self._run_on_ray(rw, params) if engine == "ray" else self._run(rw, params)
         on_ray, why = ray_choice(rw, self.host.ray_min_rows)
@@ -206,22 +207,23 @@ class QueryRunner:
             raise KenError(str(error)) from None
         return self._result(relation=relation)
 
-    def _run(self, rw: Rewritten, params: Any) -> Result:
+    def _run(self, rw: Rewritten, params: Any, limit: EarlyLimit | None = None) -> Result:
+        """``rw`` on DuckDB; in slices by ``limit`` when its LIMIT stops early."""
         runners = self._site_runners(rw)
         con = self.host.db.connection()
         with registered(con, runners):
-            table, limited = self._execute(con, rw, params, runners)
+            table, limited = self._execute(con, rw, params, runners, limit)
         stats: dict[str, Any] = {r.site.label: r.stats for r in runners}
         if limited is not None:
             stats["limit"] = limited
         return self._result(table, stats=stats)
 
     def _execute(self, con: Any, rw: Rewritten, params: Any, runners: Sequence[SiteRunner],
-                 prefix: str = "") -> tuple[pa.Table, LimitRun | None]:
-        """``rw`` on ``con`` (its sites registered): the statement as DuckDB runs it, or in
-        chunks when its LIMIT stops early (``ken.sql.limit``); ``prefix`` goes before the
-        statement (``EXPLAIN ANALYZE``, which the chunked form does not take)."""
-        plan, _ = early_limit(rw) if not prefix else (None, "")
+                 limit: EarlyLimit | None = None, prefix: str = ""
+                 ) -> tuple[pa.Table, LimitRun | None]:
+        """``rw`` on ``con`` (its sites registered): the statement as DuckDB runs it with
+        ``prefix`` before it (``EXPLAIN ANALYZE ``), or in slices by ``limit``
+        (``ken.sql.limit``)."""
 
         def sql(text: str, with_params: bool = True) -> pa.Table:
             try:
@@ -230,9 +232,9 @@ class QueryRunner:
             except duckdb.Error as error:
                 raise query_error(error, runners) from None
 
-        if plan is None:
+        if limit is None:
             return sql(prefix + rw.sql), None
-        return run_early_limit(sql, rw, plan, f"__ken_{self.host.db.namespace()}limit")
+        return run_early_limit(sql, rw, limit, f"__ken_{self.host.db.namespace()}limit")
 
     def _run_on_ray(self, rw: Rewritten, params: Any) -> Result:
         host = self.host
@@ -277,7 +279,7 @@ class QueryRunner:
         runners = self._site_runners(rw)  # fresh memos and counts: the estimates ran some
         with registered(con, runners):
             if limit is not None:
-                _, run = self._execute(con, rw, params, runners)
+                _, run = self._execute(con, rw, params, runners, limit)
                 assert run is not None
                 limit_lines = [run.line()]
                 physical = (f"(not shown: the statement ran on {run.chunks} slice(s) of its "
