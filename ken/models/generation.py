@@ -74,15 +74,27 @@ def chat_prompt(lm: CausalLM, user: str, system: str | None = None,
     return list(tok.encode(text + answer_prefix, add_special_tokens=False))
 
 
+#: end-of-turn tokens of chat templates, most specific first
+END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>")
+
+
+def special_token_ids(lm: CausalLM, names: Sequence[str]) -> list[int]:
+    """The ids of those of the special tokens ``names`` the tokenizer has, in that order."""
+    tok = lm.tokenizer
+    out = []
+    for special in names:
+        token = tok.convert_tokens_to_ids(special)
+        if isinstance(token, int) and token != tok.unk_token_id and token >= 0:
+            out.append(token)
+    return out
+
+
 def end_token_ids(lm: CausalLM) -> frozenset[int]:
     """Tokens that end an answer: the tokenizer's end of sequence and, for chat models,
     the end-of-turn token."""
     tok = lm.tokenizer
     ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-    for special in ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>"):
-        token = tok.convert_tokens_to_ids(special)
-        if isinstance(token, int) and token != tok.unk_token_id and token >= 0:
-            ids.add(token)
+    ids.update(special_token_ids(lm, (*END_OF_TURN, "<|endoftext|>")))
     generation_config = getattr(lm.net, "generation_config", None)
     eos = getattr(generation_config, "eos_token_id", None)
     if isinstance(eos, int):

@@ -30,7 +30,14 @@ import numpy as np
 from ken import store
 from ken.errors import ModelError
 from ken.models.data_text import encode_row
-from ken.models.generation import Generation, generate, option_probabilities, score_options
+from ken.models.generation import (
+    END_OF_TURN,
+    Generation,
+    generate,
+    option_probabilities,
+    score_options,
+    special_token_ids,
+)
 from ken.models.model import Model, ModelSpec, Output
 from ken.models.resources import CausalLM, short_hash
 
@@ -229,22 +236,16 @@ class ChoiceModel(Model):
         return Output(values, certainty)
 
 
-#: end-of-turn tokens of chat templates, most specific first (:func:`end_of_turn_id`)
-END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>")
-
-
 def end_of_turn_id(lm: CausalLM) -> int:
     """The token that ends the assistant's turn: the chat template's end of turn, else the
     tokenizer's end of sequence."""
-    tok = lm.tokenizer
-    for special in END_OF_TURN:
-        token = tok.convert_tokens_to_ids(special)
-        if isinstance(token, int) and token >= 0 and token != tok.unk_token_id:
-            return token
-    if tok.eos_token_id is None:
+    turn = special_token_ids(lm, END_OF_TURN)
+    if turn:
+        return turn[0]
+    if lm.tokenizer.eos_token_id is None:
         raise ModelError(f"{lm.source}: the tokenizer has no end-of-turn or end-of-sequence "
                          "token, so an answer that is a prefix of another cannot be scored")
-    return int(tok.eos_token_id)
+    return int(lm.tokenizer.eos_token_id)
 
 
 def scale_certainty(p: np.ndarray, points: np.ndarray) -> float:

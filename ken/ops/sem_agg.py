@@ -97,8 +97,10 @@ class ReduceModel(Model):
 
     def __init__(self, lm: CausalLM, instruction: str, name: str, fan_in: int = FAN_IN,
                  budget: int = BLOCK_TOKENS) -> None:
-        if fan_in < 2:
-            raise DataError(f"sem_agg's fan-in must be at least 2, got {fan_in}")
+        if fan_in < 2 or budget < 2 * TEXT_TOKENS:
+            # each level must at least halve a group's items, or the reduction never ends
+            raise DataError(f"sem_agg needs a fan-in of at least 2 and a block budget of at "
+                            f"least {2 * TEXT_TOKENS} tokens, got {fan_in} and {budget}")
         self.lm = lm
         self.device = lm.device
         self.fan_in = fan_in
@@ -135,7 +137,7 @@ class ReduceModel(Model):
                               self.budget):
                 blocks.append((g, "\n".join(f"{n}. {cut[i][0]}"
                                             for n, i in enumerate(block, 1))))
-        out = model.predict([b for _, b in blocks], batch_size) if blocks else Output([], [])
+        out = model.predict([b for _, b in blocks], batch_size)  # every group has a block
         self.calls += len(blocks)
         answers: list[list[str]] = [[] for _ in groups]
         sure = [1.0] * len(groups)
