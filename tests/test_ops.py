@@ -44,7 +44,7 @@ def test_registry_has_every_builtin_with_a_signature() -> None:
     ops = builtin_operators()
     assert set(ops) == {"sentiment", "sem_filter", "sem_match", "sem_classify", "sem_choice",
                         "sem_score", "sem_complete", "sem_qa", "sem_extract", "sem_map",
-                        "sem_agg", "sem_similarity"}
+                        "sem_agg", "sem_similarity", "sem_join"}
     assert len(BUILTIN_MODULES) == len(ops)
     assert ops["sem_classify"].signature() == "sem_classify(text, 'labels') -> VARCHAR"
     assert ops["sem_match"].signature() == "sem_match(text1, text2) -> BOOLEAN"

@@ -17,7 +17,7 @@ from ken.ops.base import Operator
 
 BUILTIN_MODULES = ("sentiment", "sem_filter", "sem_match", "sem_classify", "sem_choice",
                    "sem_score", "sem_complete", "sem_qa", "sem_extract", "sem_map",
-                   "sem_agg", "sem_similarity")
+                   "sem_agg", "sem_similarity", "sem_join")
 
 
 def builtin_operators() -> dict[str, Operator]:

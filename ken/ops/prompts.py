@@ -85,6 +85,15 @@ SEM_FILTER_CHOICE = ChatPrompt(
     ("text",), ("right",), (256,),
     system="You judge statements about texts. Reply with exactly one of the options given.")
 
+#: sem_join's pair question (``ken/ops/sem_join.py``): the two sides, then the predicate
+SEM_JOIN = ChatPrompt(
+    "sem_join", "v1",
+    "Text A: {left}\n\nText B: {right}\n\nStatement: {predicate}.\nIs the statement true of "
+    "text A and text B?\n- yes\n- no\nAnswer with the option only.",
+    ("left", "right"), ("right", "right"), (192, 192),
+    system="You judge statements about pairs of texts. Reply with exactly one of the options "
+           "given.")
+
 SEM_MAP_TYPED = ChatPrompt(
     "sem_map_typed", "v1",
     "{instruction}\n\nText: {text}\n\n{answer_form}",

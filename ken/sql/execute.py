@@ -74,6 +74,7 @@ class SiteStats:
     bulk_rows: int = 0  # ... and as bulk rows
     resolved_by: dict[str, int] = field(default_factory=dict)  # engine rows per answering stage
     rejected_retries: int = 0  # online rows sent again after admission turned them away
+    shortcut_rows: int = 0  # distinct inputs a query plan answered without the models
 
     @property
     def model_calls(self) -> int:
@@ -98,6 +99,9 @@ class SiteRunner:
         self.engine = engine
         self.bulk_threshold = bulk_threshold
         self.error: KenError | None = None  # what failed inside a DuckDB call, if anything
+        # a query plan that answers some inputs without the models (sem_join's per-side
+        # rewrite and blocking, ``ken.sql.join``): ``shortcut.answer(keys) -> {key: value}``
+        self.shortcut: Any = None
 
     def __call__(self, *arrays: pa.Array) -> pa.Array:
         with self.lock:
@@ -107,6 +111,15 @@ class SiteRunner:
             if len(columns) > 1:  # a pair with a NULL side is NULL
                 keys = [None if any(v is None for v in k) else k for k in keys]
             new = list(dict.fromkeys(k for k in keys if k is not None and k not in self.memo))
+            if new and self.shortcut is not None:
+                try:
+                    answered = self.shortcut.answer(new)
+                except KenError as exc:
+                    self.error = exc
+                    raise
+                self.memo.update(answered)
+                self.stats.shortcut_rows += len(answered)
+                new = [k for k in new if k not in answered]
             if new:
                 try:
                     self._evaluate(new)
@@ -118,6 +131,16 @@ class SiteRunner:
             self.stats.chunks += 1
             self.stats.seconds += time.perf_counter() - started
             return pa.array([None if k is None else self.memo[k] for k in keys], self.arrow_type)
+
+    def ensure(self, keys: list) -> None:
+        """Answer the inputs ``keys`` not in the memo yet (before the statement runs: a plan's
+        samples), counted in the site's statistics like the statement's own."""
+        with self.lock:
+            new = list(dict.fromkeys(k for k in keys if k is not None and k not in self.memo))
+            if new:
+                started = time.perf_counter()
+                self._evaluate(new)
+                self.stats.seconds += time.perf_counter() - started
 
     def _evaluate(self, inputs: list) -> None:
         if self.engine is not None:

@@ -217,10 +217,12 @@ def estimate(con: Any, rw: Rewritten, site: CallSite, bound: Bound) -> str:
 def actual_lines(runner: SiteRunner) -> list[str]:
     """EXPLAIN ANALYZE lines of what one call site did."""
     st = runner.stats
-    repeats = st.rows_in - st.null_rows - st.distinct_evaluated
+    repeats = st.rows_in - st.null_rows - st.distinct_evaluated - st.shortcut_rows
+    planned = (f" + {st.shortcut_rows:,} answered by the join plan without the model"
+               if st.shortcut_rows else "")
     lines = [f"{st.rows_in:,} rows in = {st.null_rows:,} NULL + {st.distinct_evaluated:,} "
-             f"distinct evaluated + {repeats:,} repeats served by dedup; {st.chunks} chunks, "
-             f"{st.seconds:.3f} s"]
+             f"distinct evaluated{planned} + {repeats:,} repeats served by dedup; "
+             f"{st.chunks} chunks, {st.seconds:.3f} s"]
     if st.online_rows or st.bulk_rows:
         answered = ", ".join(f"{k} {v:,}" for k, v in st.resolved_by.items())
         retried = (f"; {st.rejected_retries:,} sent again after admission turned them away"

@@ -27,10 +27,12 @@ from ken.errors import KenError
 from ken.models.model import DeviceConfig
 from ken.ops.base import Bound, OpContext, Operator, suggest
 from ken.ops.llm_operator import LLMOperator
+from ken.ops.sem_join import SemJoin
 from ken.ops.training import Trained, TrainingData
 from ken.sql.database import Database
 from ken.sql.execute import SiteRunner, query_error, registered
 from ken.sql.explain import actual_lines, build, estimate, plan_lines, render, site_lines
+from ken.sql.join import JoinPlanner, JoinRun, distinct_values, explain_lines, join_sides
 from ken.sql.limit import EarlyLimit, LimitRun, early_limit, run_early_limit
 from ken.sql.ray_query import ray_choice, run_on_ray
 from ken.sql.result import Result
@@ -58,6 +60,16 @@ class QueryHost(Protocol):
 
     def forget(self, function: str) -> None:
         """Drop what was derived from ``function``'s operator (after it trained)."""
+
+
+def finished_joins(joins: list[JoinRun], runners: Sequence[SiteRunner]) -> list[JoinRun]:
+    """The join plans' records with what their sites did once the statement ran."""
+    by_label = {r.site.label: r for r in runners}
+    for run in joins:
+        stats = by_label[run.site].stats
+        run.pair_questions = stats.model_calls or stats.distinct_evaluated
+        run.shortcut_pairs = stats.shortcut_rows
+    return joins
 
 
 class QueryRunner:
@@ -212,11 +224,42 @@ class QueryRunner:
         runners = self._site_runners(rw)
         con = self.host.db.connection()
         with registered(con, runners):
+            joins = self._plan_joins(con, rw, runners)
             table, limited = self._execute(con, rw, params, runners, limit)
         stats: dict[str, Any] = {r.site.label: r.stats for r in runners}
         if limited is not None:
             stats["limit"] = limited
+        if joins:
+            stats["join"] = finished_joins(joins, runners)
         return self._result(table, stats=stats)
+
+    def _join_sides(self, con: Any, rw: Rewritten, runners: Sequence[SiteRunner]
+                    ) -> list[tuple[SiteRunner, Any, str]]:
+        """Each sem_join site's runner with its sides (``ken.sql.join``), or None and why it
+        runs as written."""
+        def columns_of(source: str) -> set[str]:
+            return {c.lower() for c in con.sql(f"SELECT * FROM {source} LIMIT 0").columns}
+
+        return [(r, *join_sides(rw, r.site, columns_of)) for r in runners
+                if isinstance(self.host.operators.get(r.site.function), SemJoin)]
+
+    def _plan_joins(self, con: Any, rw: Rewritten, runners: Sequence[SiteRunner]
+                    ) -> list[JoinRun]:
+        """Choose and prepare each sem_join site's plan before the statement runs."""
+        def sql(text: str) -> pa.Table:
+            try:
+                return con.sql(text).to_arrow_table()
+            except duckdb.Error as error:
+                raise query_error(error, list(runners)) from None
+
+        out = []
+        for runner, sides, _ in self._join_sides(con, rw, runners):
+            if sides is not None:
+                op = self.host.operators[runner.site.function]
+                out.append(JoinPlanner(op, self.host.ctx, runner, sides,
+                                       distinct_values(sql, sides.left_sql),
+                                       distinct_values(sql, sides.right_sql)).plan())
+        return out
 
     def _execute(self, con: Any, rw: Rewritten, params: Any, runners: Sequence[SiteRunner],
                  limit: EarlyLimit | None = None, prefix: str = ""
@@ -272,12 +315,14 @@ class QueryRunner:
         limit, why_not = early_limit(rw)
         limit_lines = ([limit.describe()] if limit is not None else
                        [f"LIMIT does not stop early: {why_not}"] if why_not else [])
+        join_lines = self._explain_joins(con, rw, runners)
         if not analyze:
             return "\n".join(lines + site_lines(rw.sites, describe, estimates, plans=plans)
-                             + limit_lines)
+                             + limit_lines + join_lines)
         started = time.perf_counter()
         runners = self._site_runners(rw)  # fresh memos and counts: the estimates ran some
         with registered(con, runners):
+            joins = self._plan_joins(con, rw, runners)
             if limit is not None:
                 _, run = self._execute(con, rw, params, runners, limit)
                 assert run is not None
@@ -288,11 +333,26 @@ class QueryRunner:
                 table, _ = self._execute(con, rw, params, runners, prefix="EXPLAIN ANALYZE ")
                 physical = table.column(1)[0].as_py() if table.num_rows else ""
         seconds = time.perf_counter() - started
+        limit_lines += [run.line() for run in finished_joins(joins, runners)]
         actual = {r.site.id: actual_lines(r) for r in runners}
         out = lines + site_lines(rw.sites, describe, estimates, actual, plans) + limit_lines
         out += ["", f"Total time: {seconds:.3f} s", "",
                 "DuckDB physical plan (actual rows and time per operator):", physical]
         return "\n".join(out)
+
+    def _explain_joins(self, con: Any, rw: Rewritten, runners: Sequence[SiteRunner]
+                       ) -> list[str]:
+        """EXPLAIN's lines for the sem_join sites: the plans with the questions each asks."""
+        out = []
+        for runner, sides, why in self._join_sides(con, rw, runners):
+            if sides is None:
+                out.append(f"sem_join {runner.site.label}: runs on every pair DuckDB hands it "
+                           f"({why})")
+                continue
+            n, m = (int(con.sql(f"SELECT count(v) FROM ({q})").fetchall()[0][0])
+                    for q in (sides.left_sql, sides.right_sql))
+            out += explain_lines(self.host.operators[runner.site.function], sides, n, m)
+        return out
 
     # -- TRAIN -------------------------------------------------------------------------------
 

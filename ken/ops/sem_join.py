@@ -1,0 +1,284 @@
+"""``sem_join(left, right, 'predicate') -> BOOLEAN``: is a predicate true of a pair of texts
+(or records), by an LLM. Written where a join condition goes:
+
+    SELECT m.title, r.review FROM movies m JOIN reviews r
+        ON sem_join(m.plot, r.review, 'the review discusses the plot')
+
+Each pair is asked as one yes/no question (prompt ``sem_join/v1``: text A, text B, the
+statement), scored by option likelihood and calibrated against content-free inputs like
+``sem_filter``'s ``choice-qwen`` stage (:class:`PairChoiceModel`); ``P(true)`` is the
+calibrated probability of "yes". Arguments are texts, structs or whole rows (a record is shown
+to the model as ``name: value; ...``, without ``id`` columns). A pair with a NULL side is
+NULL. By default Qwen2.5-Coder-0.5B answers alone (``llms``; SmolLM2-135M is near chance on
+yes/no questions, ``ken/ops/sem_filter.py``).
+
+How a join runs is the query's plan, not the operator's (``ken/sql/join.py``): every pair
+(the nested loop), the pairs that embedding similarity puts in each left row's top few
+(blocking, with the recall it loses estimated on a sample), or, when the predicate compares one
+property of each side, one call per row of each side (:func:`side_rewrite`: "both ...",
+"neither ...", "the same <property>", "different / opposite <property>"), trusted only when it
+agrees with the pair question on a sample of pairs.
+
+Evaluation sample (for planning): pairs of the family's held-out tweets with the predicate
+:data:`EVAL_PREDICATE`, true when both tweets are labelled positive, balanced accuracy.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ken.errors import DataError
+from ken.models import family
+from ken.models.llm import ChoiceModel
+from ken.models.model import BOOLEAN_LABELS, DeviceConfig, Model, Prediction
+from ken.models.quality import EvalSample
+from ken.models.records import PLAIN, as_record, check_pairs
+from ken.models.resources import CausalLM, Resources, boolean_probabilities, short_hash
+from ken.ops.base import OpContext, Stage
+from ken.ops.filter_models import ChoiceFilterModel
+from ken.ops.llm_operator import LLMOperator, stage_prefix
+from ken.ops.prompts import SEM_CHOICE, SEM_FILTER_CHOICE, SEM_JOIN
+from ken.ops.sem_choice import load_choice_stage
+
+FAMILY = "sem-join"
+EVAL_PREDICATE = "both texts express a positive opinion"
+#: pairs in the evaluation sample (half of them true)
+EVAL_PAIRS = 200
+#: properties compared per side without options in the predicate, and their values
+KNOWN_PROPERTIES = {"sentiment": ("positive", "negative"), "opinion": ("positive", "negative"),
+                    "polarity": ("positive", "negative"), "tone": ("positive", "negative")}
+
+
+def check_predicate(predicate: object) -> str:
+    """The predicate, one line; DataError unless it has words."""
+    text = " ".join(str(predicate).split()).rstrip("?.! ") if isinstance(predicate, str) else ""
+    if not text:
+        raise DataError("sem_join needs a predicate about the two texts, e.g. "
+                        "sem_join(l.review, r.review, 'both reviews praise the acting'); "
+                        f"got {predicate!r}")
+    return text
+
+
+def side_text(value: object) -> str | None:
+    """One side of a pair as the model reads it: a text as itself, a record (a JSON object, a
+    struct or row from SQL) as ``name: value; ...`` without its ``id`` columns."""
+    if value is None:
+        return None
+    record = as_record(value)
+    if list(record) == [PLAIN]:
+        return record[PLAIN]
+    return "; ".join(f"{k}: {v}" for k, v in record.items() if v)
+
+
+class PairChoiceModel(Model):
+    """``P(true)`` of the predicate for a pair: "yes" against "no" as the answer to the prompt
+    ``sem_join/v1``, calibrated against content-free inputs (:class:`ChoiceModel`)."""
+
+    def __init__(self, lm: CausalLM, predicate: str, name: str) -> None:
+        self.lm = lm
+        self.device = lm.device
+        self.predicate = predicate
+        prompt = SEM_JOIN.with_constants({"predicate": predicate})
+        self.choice = ChoiceModel(lm, ("yes", "no"), prompt, name, FAMILY, SEM_JOIN.key)
+        self.spec = replace(self.choice.spec, labels=BOOLEAN_LABELS, num_inputs=2)
+
+    def predict(self, texts: Sequence, batch_size: int = 8) -> Prediction:
+        rows = [(side_text(a), side_text(b)) for a, b in check_pairs(self.name, texts)]
+        p = self.choice.option_probabilities(rows, batch_size)
+        p_true = np.where(np.isnan(p[:, 0]), 0.5, p[:, 0])
+        probs = boolean_probabilities(p_true)
+        return Prediction(probs.argmax(axis=1).astype(np.int64), probs, BOOLEAN_LABELS)
+
+
+def load_pair_stage(resources: Resources, device: DeviceConfig, name: str, lm_name: str,
+                    predicate: str) -> Model:
+    return PairChoiceModel(resources.causal_lm(lm_name, device), predicate, name)
+
+
+# ------------------------------------------------------------------- the per-side rewrite
+
+_NEGATION = re.compile(r"\b(?:not|no|never|none|nor|without)\b|n't\b")
+_SIDES = (r"(?:(?:the\s+)?(?:two\s+)?(?:texts?|reviews?|sides?|items?|rows?|records?|"
+          r"documents?|sentences?|comments?|posts?|messages?|tweets?|them|a\s+and\s+b)\s+)?")
+_BOTH = re.compile(rf"^(?P<which>both|each)\s+(?:of\s+)?{_SIDES}(?P<rest>\S.*)$")
+_NEITHER = re.compile(rf"^neither\s+(?:of\s+)?{_SIDES}(?P<rest>\S.*)$")
+_SAME = re.compile(r"^(?P<lead>(?:[a-z]+\s+){0,5}?)(?:the\s+)?same\s+(?P<prop>[a-z][a-z ]*)$")
+_DIFFERENT = re.compile(r"^(?P<lead>(?:[a-z]+\s+){0,5}?)(?:(?P<kind>opposite|different|"
+                        r"contrasting)\s+(?P<prop>[a-z][a-z ]*)|differ\s+in\s+(?:their\s+)?"
+                        r"(?P<prop2>[a-z][a-z ]*))$")
+_OPTIONS = re.compile(r"\s*\((?P<options>[^()]*\|[^()]*)\)\s*$")
+#: a verb after "both ..." in its third person singular, for the per-side statement
+_BE = {"are": "is", "were": "was", "have": "has", "do": "does"}
+
+
+def _singular(verb: str) -> str:
+    if verb in _BE:
+        return _BE[verb]
+    if re.search(r"(?:s|sh|ch|x|z|o)$", verb):
+        return verb + "es"
+    if re.search(r"[^aeiou]y$", verb):
+        return verb[:-1] + "ies"
+    return verb + "s"
+
+
+@dataclass(frozen=True)
+class SideRewrite:
+    """A predicate that compares one property of each side, as one question per side:
+    ``both`` / ``neither`` (``statement`` true of both / of neither side) or ``same`` /
+    ``different`` / ``opposite`` (``prop``, one of ``options`` per side)."""
+
+    kind: str
+    statement: str = ""
+    prop: str = ""
+    options: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        if self.kind in ("both", "neither"):
+            return f"{self.kind} sides: {self.statement!r}"
+        return f"{self.kind} {self.prop} of each side, one of {'|'.join(self.options)}"
+
+    def combine(self, left: object, right: object) -> bool | None:
+        """The pair's value from the two sides' values (NULL when either side has none)."""
+        if left is None or right is None:
+            return None
+        if self.kind == "both":
+            return left == "true" and right == "true"
+        if self.kind == "neither":
+            return left == "false" and right == "false"
+        if self.kind == "same":
+            return left == right
+        return left != right  # different; opposite (two options)
+
+
+def side_rewrite(predicate: str) -> tuple[SideRewrite | None, str]:
+    """The per-side form of ``predicate``, or None and why there is none.
+
+    >>> side_rewrite("both reviews praise the acting")[0].statement
+    'the text praises the acting'
+    >>> side_rewrite("they express the same sentiment")[0].options
+    ('positive', 'negative')
+    """
+    original = check_predicate(predicate)
+    text = original.lower()
+    if _NEGATION.search(re.sub(r"^neither\b", "", text)):
+        return None, "the predicate has a negation, which a per-side rewrite could misread"
+    for pattern, kind in ((_BOTH, "both"), (_NEITHER, "neither")):
+        match = pattern.match(text)
+        if match:
+            verb, _, rest = match.group("rest").partition(" ")
+            if kind == "neither" or match.group("which") == "both":  # "both are": plural
+                verb = _BE.get(verb, verb) if kind == "neither" else _singular(verb)
+            statement = f"the text {verb} {rest}".strip()
+            return SideRewrite(kind, statement=statement), ""
+    options: tuple[str, ...] = ()
+    found = _OPTIONS.search(original)  # the values as the user wrote them
+    if found:
+        options = tuple(dict.fromkeys(o.strip() for o in found.group("options").split("|")
+                                      if o.strip()))
+        text = text[:found.start()]
+    match = _SAME.match(text)
+    kind, prop = ("same", match.group("prop").strip()) if match else ("", "")
+    if not match:
+        match = _DIFFERENT.match(text)
+        if match:
+            kind = match.group("kind") or "different"
+            kind = "different" if kind == "contrasting" else kind
+            prop = (match.group("prop") or match.group("prop2")).strip()
+    if not kind:
+        return None, ("the predicate does not compare one property of each side (a per-side "
+                      "rewrite needs 'both ...', 'neither ...', 'the same <property>' or "
+                      "'different / opposite <property>')")
+    if not options:
+        word = prop.split()[-1]
+        options = KNOWN_PROPERTIES.get(word) or KNOWN_PROPERTIES.get(word.removesuffix("s"), ())
+    if len(options) < 2:
+        return None, (f"the values of {prop!r} are not known; name them to compare per side, "
+                      f"e.g. '{kind} {prop} (a|b|c)'")
+    if kind == "opposite" and len(options) != 2:
+        return None, f"'opposite {prop}' needs exactly two values, not {'|'.join(options)}"
+    return SideRewrite(kind, prop=prop, options=options), ""
+
+
+def load_side_stage(resources: Resources, device: DeviceConfig, name: str, lm_name: str,
+                    rewrite: SideRewrite) -> Model:
+    """The per-side model of ``rewrite``: the statement as ``sem_filter``'s yes/no choice, or
+    the property's values as ``sem_choice``'s options."""
+    if rewrite.kind in ("both", "neither"):
+        return ChoiceFilterModel(resources.causal_lm(lm_name, device), rewrite.statement,
+                                 lm_name, name)
+    return load_choice_stage(resources, device, name, lm_name, rewrite.options)
+
+
+class SemJoin(LLMOperator):
+    name = "sem_join"
+    num_columns = 2
+    constants = ("predicate",)
+    output_type = "boolean"
+    record_columns = True
+    doc = ("whether a predicate holds of a pair of texts or records (LLM-scored); plans: "
+           "nested loop, embedding blocking, per-side rewrite")
+    llms = ("qwen2.5-coder-0.5b",)
+    eval_constants = (EVAL_PREDICATE,)
+    #: how a query runs its pairs: "auto" (the optimizer chooses), "nested", "blocking" or
+    #: "rewrite" (``ken/sql/join.py``)
+    plan = "auto"
+    #: blocking: the right rows each left row is paired with (by embedding similarity)
+    block_size = 5
+    #: "auto" runs every pair when there are at most this many
+    nested_max = 400
+    #: pairs the per-side rewrite is checked on, and the share that must agree
+    check_pairs = 32
+    check_agreement = 0.95
+    #: blocking: estimated recall below which "auto" does not block (it runs every pair)
+    recall_target = 0.9
+
+    def llm_stage(self, lm_name: str, constants: tuple[str, ...]) -> Stage:
+        predicate = check_predicate(constants[0])
+        name = f"{stage_prefix(self.name, lm_name)}[{short_hash(SEM_JOIN.key, predicate)}]"
+        return Stage(name, load_pair_stage, (name, lm_name, predicate))
+
+    def side_stage(self, rewrite: SideRewrite) -> Stage:
+        """The per-side model of ``rewrite`` on the cascade's last LM (the one whose pair
+        answers the rewrite is checked against)."""
+        lm_name = self.llms[-1]
+        key = (SEM_FILTER_CHOICE.key if rewrite.kind in ("both", "neither") else SEM_CHOICE.key)
+        name = (f"{stage_prefix('join_side', lm_name)}"
+                f"[{short_hash(key, rewrite.kind, rewrite.statement, rewrite.options)}]")
+        return Stage(name, load_side_stage, (name, lm_name, rewrite))
+
+    def binding_key(self) -> tuple:
+        return (*super().binding_key(), self.plan, self.block_size, self.nested_max,
+                self.check_pairs, self.check_agreement, self.recall_target)
+
+    def detail(self, constants: tuple[str, ...]) -> str:
+        return f"pairs asked yes/no by likelihood; {SEM_JOIN.describe_truncation()}"
+
+    def eval_sample(self, ctx: OpContext) -> EvalSample:
+        sample = family.heldout_sample(ctx.data or family.default_data())
+        names = [sample.label_names[i] for i in sample.labels.tolist()]
+        positive = [i for i, n in enumerate(names) if n == "positive"]
+        rng = np.random.default_rng(0)
+        pairs, truth = [], []
+        for k in range(EVAL_PAIRS):
+            if k % 2 == 0 and len(positive) >= 2:
+                a, b = rng.choice(positive, 2, replace=False)
+            else:
+                a, b = rng.choice(len(names), 2, replace=False)
+            pairs.append((sample.texts[a], sample.texts[b]))
+            truth.append(names[a] == "positive" and names[b] == "positive")
+        return EvalSample(f"{sample.name}-pairs", tuple(pairs), tuple(truth),
+                          "balanced_accuracy")
+
+    def plannable(self) -> bool:
+        return True
+
+    def eval_description(self) -> str:
+        return (f"{EVAL_PAIRS} pairs of the family's held-out tweets, {EVAL_PREDICATE!r}, "
+                "balanced accuracy")
+
+
+OPERATOR = SemJoin
