@@ -22,7 +22,15 @@ Shapes measured (each ken and naive, ``--repeats`` times interleaved; medians re
   sentiment in one word. Quality: whether each group's answer names its label. Reported: the
   LM calls of the reduction and the wall time (every text is read once; no cheaper plan).
 
-Not measured, because ken does not have them yet: semantic joins, top-k by score.
+- ``join``: ``reviews a JOIN reviews b ON <a: the first --join-rows> AND <b: the next
+  --join-rows> AND sem_join(a.review, b.review, P)`` for a predicate the per-side rewrite
+  applies to ("both reviews are positive"), one it applies to with a property's values ("the
+  same sentiment"), and one it does not. ken's plan (``ken.sql.join``) against the nested loop:
+  its questions are rows x rows by construction, and its answers (and time per pair) are
+  measured on ``--join-sample`` random pairs. Quality, where the labels decide the predicate:
+  accuracy over every pair (ken) and on the sampled pairs (both).
+
+Not measured, because ken does not have it yet: top-k by score.
 
     python benchmarks/query_shapes.py --out DIR     # a few minutes on 2 cores
 """
@@ -40,6 +48,7 @@ import numpy as np
 import pyarrow as pa
 
 import ken
+from ken.engine.batch import run_cascade
 from ken.models.datasets import load_sst2
 from ken.models.quality import roc_auc
 
@@ -49,6 +58,11 @@ NEGATIVE = "the review is negative"
 AGG_INSTRUCTION = ("What is the overall sentiment of these reviews? Answer with one word: "
                    "positive or negative.")
 RUBRIC = "How positive is the review? 1 = very negative, 3 = mixed, 5 = very positive"
+SHAPES = ("first-k", "score", "agg", "join")
+#: the sem_join shapes: a predicate, and how the labels decide it (None: they do not)
+JOINS = (("both reviews are positive", "both"),
+         ("the two reviews express the same sentiment", "same"),
+         ("the two reviews criticise the same aspect of a film", None))
 
 
 def model_calls(result: ken.Result) -> int:
@@ -127,6 +141,58 @@ def agg_shape(session: ken.Session, rows: int) -> dict:
             "right": sum(g["label"] in str(g["answer"]).lower() for g in groups)}
 
 
+def join_shape(session: ken.Session, labels: dict[int, str], predicate: str, rows: int,
+               sample_pairs: int, truth: str | None) -> dict:
+    """``reviews a JOIN reviews b ON <a's rows> AND <b's rows> AND sem_join(...)``: ken's plan
+    (``ken.sql.join``) against the nested loop, whose questions are ``rows x rows`` by
+    construction and whose answers are measured on ``sample_pairs`` random pairs (asking all
+    of them would take tens of minutes here). ``truth``: "both" (both labels positive) or
+    "same" (equal labels) when the labels decide the predicate."""
+    query = (f"SELECT a.id AS l, b.id AS r FROM reviews a JOIN reviews b ON a.id < {rows} AND "
+             f"b.id >= {rows} AND b.id < {2 * rows} AND sem_join(a.review, b.review, "
+             f"'{predicate}')")
+    session.bind("sem_join", (predicate,))  # the LM loads outside the timed run
+    result, seconds = timed(session, query)
+    run = result.stats["join"][0]
+    got = set(map(tuple, result.fetchall()))
+    rng = np.random.default_rng(0)
+    every = [(i, j) for i in range(rows) for j in range(rows, 2 * rows)]
+    picked = [every[k] for k in rng.choice(len(every), sample_pairs, replace=False)]
+    bound = session.bind("sem_join", (predicate,))
+    texts = session.sql(f"SELECT review FROM reviews WHERE id < {2 * rows} ORDER BY id"
+                        ).arrow().column(0).to_pylist()
+    started = time.perf_counter()
+    asked = run_cascade(bound.cascade, bound.models,
+                        [pa.array([texts[i] for i, _ in picked]),
+                         pa.array([texts[j] for _, j in picked])]).values
+    naive_s = (time.perf_counter() - started) / sample_pairs * len(every)
+    nested = [v == "true" for v in asked]
+    ken_says = [pair in got for pair in picked]
+    out = {"shape": f"join: {predicate}", "query": query, "plan": run.plan,
+           "reason": run.reason, "line": run.line(), "pairs": len(every),
+           "ken": {"model_calls": run.pair_questions + run.side_questions,
+                   "pair_questions": run.pair_questions, "side_questions": run.side_questions,
+                   "seconds": seconds, "pairs_returned": len(got)},
+           "naive": {"model_calls": len(every), "seconds": naive_s,
+                     "seconds_note": f"extrapolated from {sample_pairs} sampled pairs"},
+           "agreement_with_nested": float(np.mean([a == b for a, b in
+                                                  zip(ken_says, nested, strict=True)])),
+           "sample_pairs": sample_pairs, "nested_true_in_sample": int(sum(nested))}
+    out["calls_ratio"] = out["naive"]["model_calls"] / max(out["ken"]["model_calls"], 1)
+    if truth is not None:
+        def right(i: int, j: int, value: bool) -> bool:
+            want = (labels[i] == labels[j] == "positive" if truth == "both"
+                    else labels[i] == labels[j])
+            return value == want
+        out["ken"]["accuracy_all_pairs"] = float(np.mean([right(i, j, (i, j) in got)
+                                                          for i, j in every]))
+        out["ken"]["accuracy_sample"] = float(np.mean([right(i, j, v) for (i, j), v
+                                                       in zip(picked, ken_says, strict=True)]))
+        out["naive"]["accuracy_sample"] = float(np.mean([right(i, j, v) for (i, j), v
+                                                         in zip(picked, nested, strict=True)]))
+    return out
+
+
 def plot(shapes: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -156,10 +222,19 @@ def main() -> int:
                     help="rows the sem_score shape scores (an LLM call each)")
     ap.add_argument("--agg-rows", type=int, default=48,
                     help="rows the sem_agg shape reads (in groups by label)")
+    ap.add_argument("--shapes", default=",".join(SHAPES),
+                    help=f"comma list of the shapes to run, of {', '.join(SHAPES)}")
+    ap.add_argument("--join-rows", type=int, default=60,
+                    help="rows of each side of the sem_join shapes (0: skip them)")
+    ap.add_argument("--join-sample", type=int, default=400,
+                    help="random pairs the nested loop's answers are measured on")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--data-dir", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
+    wanted = {x.strip() for x in args.shapes.split(",") if x.strip()}
+    if not wanted or wanted - set(SHAPES):
+        ap.error(f"--shapes takes a comma list of {', '.join(SHAPES)}; got {args.shapes!r}")
     sample = load_sst2("dev", args.data_dir)
     if len(sample.texts) < args.rows:
         ap.error(f"SST-2 dev has {len(sample.texts)} sentences; --rows must be at most that")
@@ -175,7 +250,7 @@ def main() -> int:
     session.sql(f"SELECT sem_filter(review, '{POSITIVE}'), sem_filter(review, '{NEGATIVE}') "
                 "FROM reviews WHERE id < 4").arrow()
     k = args.limit
-    shapes = [
+    shapes = [] if "first-k" not in wanted else [
         first_k(session, labels, f"first {k}, half pass",
                 f"SELECT id, review FROM reviews WHERE sem_filter(review, '{POSITIVE}') "
                 f"LIMIT {k}", "positive", args.repeats),
@@ -183,12 +258,22 @@ def main() -> int:
                 f"SELECT id, review FROM reviews WHERE length(review) > 150 AND "
                 f"sem_filter(review, '{NEGATIVE}') LIMIT {k}", "negative", args.repeats),
     ]
-    if "sem_score" in session.operators:
+    if "sem_score" in session.operators and "score" in wanted:
         shapes.append(score_shape(session, args.score_rows))
-    if "sem_agg" in session.operators:
+    if "sem_agg" in session.operators and "agg" in wanted:
         shapes.append(agg_shape(session, args.agg_rows))
+    if "sem_join" in session.operators and args.join_rows and "join" in wanted:
+        for predicate, truth in JOINS:
+            shapes.append(join_shape(session, labels, predicate, args.join_rows,
+                                     args.join_sample, truth))
     for s in shapes:
-        if "ken" in s:
+        if "agreement_with_nested" in s:
+            print(f"{s['shape']}: {s['plan']}, {s['ken']['model_calls']} questions vs "
+                  f"{s['naive']['model_calls']} ({s['calls_ratio']:.1f}x fewer), "
+                  f"{s['ken']['seconds']:.1f} s vs ~{s['naive']['seconds']:.0f} s, agreement "
+                  f"with the nested loop {s['agreement_with_nested']:.3f} on "
+                  f"{s['sample_pairs']} pairs; {s['line']}", file=sys.stderr)
+        elif "ken" in s:
             print(f"{s['shape']}: model calls {s['ken']['model_calls']:.0f} vs naive "
                   f"{s['naive']['model_calls']:.0f} ({s['calls_ratio']:.0f}x fewer), "
                   f"{s['ken']['seconds']:.2f} s vs {s['naive']['seconds']:.2f} s, precision "
