@@ -24,11 +24,14 @@ Shapes measured (each ken and naive, ``--repeats`` times interleaved; medians re
 
 - ``join``: ``reviews a JOIN reviews b ON <a: the first --join-rows> AND <b: the next
   --join-rows> AND sem_join(a.review, b.review, P)`` for a predicate the per-side rewrite
-  applies to ("both reviews are positive"), one it applies to with a property's values ("the
-  same sentiment"), and one it does not. ken's plan (``ken.sql.join``) against the nested loop:
-  its questions are rows x rows by construction, and its answers (and time per pair) are
-  measured on ``--join-sample`` random pairs. Quality, where the labels decide the predicate:
-  accuracy over every pair (ken) and on the sampled pairs (both).
+  applies to ("both reviews are positive"), one it applies to through a property ("the same
+  sentiment"), and one it does not (blocking). The plan the predicate allows is forced (the
+  rewrite, else blocking), and what ``plan = "auto"`` would have chosen is reported from the
+  rewrite's check or blocking's recall estimate: a refused rewrite under ``auto`` asks every
+  pair, which takes tens of minutes here. The nested loop's questions are rows x rows by
+  construction; its answers (and time per pair) are measured on ``--join-sample`` random
+  pairs. Quality, where the labels decide the predicate: accuracy over every pair (ken's
+  plan) and on the sampled pairs (both).
 
 Not measured, because ken does not have it yet: top-k by score.
 
@@ -51,6 +54,7 @@ import ken
 from ken.engine.batch import run_cascade
 from ken.models.datasets import load_sst2
 from ken.models.quality import roc_auc
+from ken.ops.sem_join import side_rewrite
 
 RESULTS = Path(__file__).parent / "results" / "query_shapes"
 POSITIVE = "the review is positive"
@@ -143,17 +147,32 @@ def agg_shape(session: ken.Session, rows: int) -> dict:
 
 def join_shape(session: ken.Session, labels: dict[int, str], predicate: str, rows: int,
                sample_pairs: int, truth: str | None) -> dict:
-    """``reviews a JOIN reviews b ON <a's rows> AND <b's rows> AND sem_join(...)``: ken's plan
-    (``ken.sql.join``) against the nested loop, whose questions are ``rows x rows`` by
-    construction and whose answers are measured on ``sample_pairs`` random pairs (asking all
-    of them would take tens of minutes here). ``truth``: "both" (both labels positive) or
+    """``reviews a JOIN reviews b ON <a: ids below rows> AND <b: the next rows> AND
+    sem_join(...)`` run with the plan the predicate allows (the per-side rewrite, else
+    blocking), forced so that a refused rewrite does not turn into the nested loop's
+    ``rows x rows`` questions (tens of minutes here); what ``auto`` would have chosen follows
+    from the rewrite's check (or blocking's estimated recall) and is reported. The nested
+    loop's questions are ``rows x rows`` by construction; its answers and time per pair are
+    measured on ``sample_pairs`` random pairs. ``truth``: "both" (both labels positive) or
     "same" (equal labels) when the labels decide the predicate."""
+    op = session.operators["sem_join"]
+    rewritable = side_rewrite(predicate)[0] is not None
+    op.plan = "rewrite" if rewritable else "blocking"
     query = (f"SELECT a.id AS l, b.id AS r FROM reviews a JOIN reviews b ON a.id < {rows} AND "
              f"b.id >= {rows} AND b.id < {2 * rows} AND sem_join(a.review, b.review, "
              f"'{predicate}')")
     session.bind("sem_join", (predicate,))  # the LM loads outside the timed run
-    result, seconds = timed(session, query)
+    try:
+        result, seconds = timed(session, query)
+    finally:
+        op.plan = "auto"
     run = result.stats["join"][0]
+    if rewritable:
+        auto = ("per-side rewrite" if run.check_agreed >= op.check_agreement * run.check_pairs
+                else "blocking or nested loop (the rewrite's check failed)")
+    else:
+        auto = ("blocking" if run.recall is None or run.recall >= op.recall_target
+                else "nested loop (blocking's estimated recall is below the target)")
     got = set(map(tuple, result.fetchall()))
     rng = np.random.default_rng(0)
     every = [(i, j) for i in range(rows) for j in range(rows, 2 * rows)]
@@ -168,8 +187,8 @@ def join_shape(session: ken.Session, labels: dict[int, str], predicate: str, row
     naive_s = (time.perf_counter() - started) / sample_pairs * len(every)
     nested = [v == "true" for v in asked]
     ken_says = [pair in got for pair in picked]
-    out = {"shape": f"join: {predicate}", "query": query, "plan": run.plan,
-           "reason": run.reason, "line": run.line(), "pairs": len(every),
+    out = {"shape": f"join: {predicate}", "query": query, "plan": run.plan, "auto": auto,
+           "line": run.line(), "pairs": len(every),
            "ken": {"model_calls": run.pair_questions + run.side_questions,
                    "pair_questions": run.pair_questions, "side_questions": run.side_questions,
                    "seconds": seconds, "pairs_returned": len(got)},
@@ -177,19 +196,22 @@ def join_shape(session: ken.Session, labels: dict[int, str], predicate: str, row
                      "seconds_note": f"extrapolated from {sample_pairs} sampled pairs"},
            "agreement_with_nested": float(np.mean([a == b for a, b in
                                                   zip(ken_says, nested, strict=True)])),
-           "sample_pairs": sample_pairs, "nested_true_in_sample": int(sum(nested))}
+           "sample_pairs": sample_pairs, "nested_true_in_sample": int(sum(nested)),
+           "ken_true_in_sample": int(sum(ken_says))}
     out["calls_ratio"] = out["naive"]["model_calls"] / max(out["ken"]["model_calls"], 1)
     if truth is not None:
         def right(i: int, j: int, value: bool) -> bool:
             want = (labels[i] == labels[j] == "positive" if truth == "both"
                     else labels[i] == labels[j])
             return value == want
+        out["true_pairs"] = sum(right(i, j, True) for i, j in every)
         out["ken"]["accuracy_all_pairs"] = float(np.mean([right(i, j, (i, j) in got)
                                                           for i, j in every]))
         out["ken"]["accuracy_sample"] = float(np.mean([right(i, j, v) for (i, j), v
                                                        in zip(picked, ken_says, strict=True)]))
         out["naive"]["accuracy_sample"] = float(np.mean([right(i, j, v) for (i, j), v
                                                          in zip(picked, nested, strict=True)]))
+    print(f"{out['shape']}: {run.line()}; auto would run: {auto}", file=sys.stderr, flush=True)
     return out
 
 
@@ -224,9 +246,9 @@ def main() -> int:
                     help="rows the sem_agg shape reads (in groups by label)")
     ap.add_argument("--shapes", default=",".join(SHAPES),
                     help=f"comma list of the shapes to run, of {', '.join(SHAPES)}")
-    ap.add_argument("--join-rows", type=int, default=60,
+    ap.add_argument("--join-rows", type=int, default=40,
                     help="rows of each side of the sem_join shapes (0: skip them)")
-    ap.add_argument("--join-sample", type=int, default=400,
+    ap.add_argument("--join-sample", type=int, default=300,
                     help="random pairs the nested loop's answers are measured on")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--data-dir", type=Path, default=None)
@@ -268,7 +290,8 @@ def main() -> int:
                                      args.join_sample, truth))
     for s in shapes:
         if "agreement_with_nested" in s:
-            print(f"{s['shape']}: {s['plan']}, {s['ken']['model_calls']} questions vs "
+            print(f"{s['shape']}: {s['plan']} (auto: {s['auto']}), "
+                  f"{s['ken']['model_calls']} questions vs "
                   f"{s['naive']['model_calls']} ({s['calls_ratio']:.1f}x fewer), "
                   f"{s['ken']['seconds']:.1f} s vs ~{s['naive']['seconds']:.0f} s, agreement "
                   f"with the nested loop {s['agreement_with_nested']:.3f} on "
