@@ -276,6 +276,27 @@ def test_bad_arguments_are_clear_errors(session) -> None:  # noqa: ANN001
         session.sql("SELECT * FROM a JOIN b ON sem_join(a.text, b.text, '  ')")
 
 
+def test_the_plan_is_a_session_setting_in_sql() -> None:
+    s = ken.connect()
+    try:
+        assert s.sql("SET sem_join_plan = 'blocking'").fetchall() == [("sem_join_plan",
+                                                                       "blocking")]
+        assert s.sql("set sem_join_block_size to 8").fetchall()[0][1] == "8"
+        op = s.operators["sem_join"]
+        assert (op.plan, op.block_size) == ("blocking", 8)
+        s.sql("RESET sem_join_plan")
+        assert op.plan == "auto"
+        for bad, message in (("SET sem_join_plan = 'fast'", "one of auto, nested"),
+                             ("SET sem_join_colour = 3", "no setting 'colour'"),
+                             ("SET sem_join_recall_target = 2", "a number from 0.0 to 1.0"),
+                             ("SET sem_join_plan", "needs a value")):
+            with pytest.raises(SqlError, match=message):
+                s.sql(bad)
+        assert (op.plan, op.block_size, op.recall_target) == ("auto", 8, 0.9)
+    finally:
+        s.close()
+
+
 def test_the_evaluation_sample_is_balanced_pairs() -> None:
     sample = SemJoin().eval_sample(OpContext(data=SMALL_FAMILY))
     assert sample.metric == "balanced_accuracy" and len(sample) == 200

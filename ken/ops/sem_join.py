@@ -45,6 +45,12 @@ from ken.ops.prompts import SEM_CHOICE, SEM_FILTER_CHOICE, SEM_JOIN
 from ken.ops.sem_choice import load_choice_stage
 
 FAMILY = "sem-join"
+#: how a query may run its pairs (``ken/sql/join.py``)
+PLANS = ("auto", "nested", "blocking", "rewrite")
+#: the settings a session may change (``SET sem_join_<name> = ...``): type and range
+OPTIONS = {"plan": (str, None, None), "block_size": (int, 1, 1000),
+           "nested_max": (int, 0, 10**9), "check_pairs": (int, 2, 10_000),
+           "check_agreement": (float, 0.0, 1.0), "recall_target": (float, 0.0, 1.0)}
 EVAL_PREDICATE = "both texts express a positive opinion"
 #: pairs in the evaluation sample (half of them true)
 EVAL_PAIRS = 200
@@ -235,6 +241,30 @@ class SemJoin(LLMOperator):
     check_agreement = 0.95
     #: blocking: estimated recall below which "auto" does not block (it runs every pair)
     recall_target = 0.9
+
+    def set_option(self, name: str, value: str | None) -> object:
+        """Set one of :data:`OPTIONS` from its SQL text (``SET sem_join_plan = 'blocking'``),
+        or restore its default with None; returns the value now in force. DataError for a bad
+        name or value (nothing changes)."""
+        if name not in OPTIONS:
+            raise DataError(f"sem_join has no setting {name!r}; its settings are "
+                            f"{', '.join('sem_join_' + o for o in OPTIONS)}")
+        if value is None:
+            self.__dict__.pop(name, None)  # the class default
+            return getattr(self, name)
+        kind, low, high = OPTIONS[name]
+        try:
+            parsed = kind(value.strip().lower())
+        except ValueError:
+            parsed = None
+        if kind is str and parsed not in PLANS:
+            raise DataError(f"sem_join_plan must be one of {', '.join(PLANS)}, not {value!r}")
+        if kind is not str and (parsed is None or not low <= parsed <= high):
+            what = "an integer" if kind is int else "a number"
+            raise DataError(f"sem_join_{name} must be {what} from {low} to {high}, not "
+                            f"{value!r}")
+        setattr(self, name, parsed)
+        return parsed
 
     def llm_stage(self, lm_name: str, constants: tuple[str, ...]) -> Stage:
         predicate = check_predicate(constants[0])

@@ -43,11 +43,10 @@ from ken.errors import SqlError
 from ken.models.cascade import Cascade
 from ken.models.resources import normalise_rows
 from ken.ops.base import OpContext, shared_resources
-from ken.ops.sem_join import SemJoin, SideRewrite, side_rewrite, side_text
+from ken.ops.sem_join import PLANS, SemJoin, SideRewrite, side_rewrite, side_text
 from ken.sql.execute import SiteRunner
 from ken.sql.rewrite import CallSite, Rewritten, conjuncts
 
-PLANS = ("auto", "nested", "blocking", "rewrite")
 #: blocking's recall sample: left values, and pairs asked outside each one's block
 RECALL_LEFT = 8
 RECALL_OUTSIDE = 8

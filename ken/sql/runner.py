@@ -43,6 +43,9 @@ _EXPLAIN = re.compile(r"^\s*EXPLAIN(\s+ANALYZE)?\s+", re.IGNORECASE)
 #: ``SET sem_qa_llms = 'smollm2-135m, my-lm'`` / ``RESET sem_qa_llms``: an LLM operator's LMs
 _SET_LLMS = re.compile(r"^\s*(SET|RESET)\s+(?:SESSION\s+)?(\w+?)_llms\s*"
                        r"(?:(?:=|TO)\s*'((?:[^']|'')*)')?\s*$", re.IGNORECASE)
+#: ``SET sem_join_plan = 'blocking'`` / ``RESET sem_join_plan``: sem_join's plan settings
+_SET_JOIN = re.compile(r"^\s*(SET|RESET)\s+(?:SESSION\s+)?sem_join_(\w+)\s*"
+                       r"(?:(?:=|TO)\s*(?:'((?:[^']|'')*)'|([\w.]+)))?\s*$", re.IGNORECASE)
 ENGINES = ("auto", "duckdb", "ray")
 
 
@@ -101,6 +104,9 @@ class QueryRunner:
         setting = _SET_LLMS.match(query)
         if setting:
             return self._set_llms(*setting.groups())
+        setting = _SET_JOIN.match(query)
+        if setting and isinstance(self.host.operators.get("sem_join"), SemJoin):
+            return self._set_join(*setting.groups())
         if is_train(query):
             return self._train_statement(query)
         match = _EXPLAIN.match(query)
@@ -175,6 +181,20 @@ class QueryRunner:
             op.llms = names
         return self._result(pa.table({"setting": [f"{function}_llms"],
                                       "value": [", ".join(op.llms)]}))
+
+    def _set_join(self, verb: str, name: str, quoted: str | None, bare: str | None) -> Result:
+        """``SET sem_join_<setting> = value`` / ``RESET sem_join_<setting>``."""
+        value = quoted.replace("''", "'") if quoted is not None else bare
+        if verb.upper() == "SET" and value is None:
+            raise SqlError(f"SET sem_join_{name} needs a value, e.g. SET sem_join_plan = "
+                           "'blocking'")
+        op = self.host.operators["sem_join"]
+        try:
+            now = op.set_option(name.lower(), value if verb.upper() == "SET" else None)
+        except KenError as exc:
+            raise SqlError(str(exc)) from None
+        return self._result(pa.table({"setting": [f"sem_join_{name.lower()}"],
+                                      "value": [str(now)]}))
 
     # -- the front end and the bound sites -----------------------------------------------------
 
