@@ -217,10 +217,11 @@ def estimate(con: Any, rw: Rewritten, site: CallSite, bound: Bound) -> str:
 def actual_lines(runner: SiteRunner) -> list[str]:
     """EXPLAIN ANALYZE lines of what one call site did."""
     st = runner.stats
-    repeats = st.rows_in - st.null_rows - st.distinct_evaluated
+    repeats = st.rows_in - st.null_rows - st.distinct_evaluated - st.pruned
+    pruned = f"{st.pruned:,} pruned by the top-k plan + " if st.pruned else ""
     lines = [f"{st.rows_in:,} rows in = {st.null_rows:,} NULL + {st.distinct_evaluated:,} "
-             f"distinct evaluated + {repeats:,} repeats served by dedup; {st.chunks} chunks, "
-             f"{st.seconds:.3f} s"]
+             f"distinct evaluated + {pruned}{repeats:,} repeats served by dedup; {st.chunks} "
+             f"chunks, {st.seconds:.3f} s"]
     if st.online_rows or st.bulk_rows:
         answered = ", ".join(f"{k} {v:,}" for k, v in st.resolved_by.items())
         retried = (f"; {st.rejected_retries:,} sent again after admission turned them away"
