@@ -194,3 +194,24 @@ def test_one_stage_and_other_shapes_say_why_not() -> None:
     assert "cheap scores every row" in s.explain(query)
     with pytest.raises(SqlError, match="on or off"):
         s.sql("SET ken_topk = maybe")
+
+
+def test_a_registered_double_cascade_takes_the_plan_too() -> None:
+    """``session.register(name, Cascade, models=..., output_type="double")``: a user's DOUBLE
+    cascade of two stages (no constant argument) gets the plan; a VARCHAR one does not."""
+    rng = np.random.default_rng(3)
+    texts = [f"doc {i}" for i in range(120)]
+    cheap = {t: (float(rng.uniform(0, 1)), float(rng.uniform() < 0.3)) for t in texts}
+    expensive = {t: cheap[t][0] + 0.05 for t in texts}
+    s, models = make_session(texts, cheap, expensive)
+    s.register("relevance", Cascade(("cheap", "expensive"), (THRESHOLD,)), models=models,
+               output_type="double")
+    query = "SELECT id FROM t ORDER BY relevance(txt) ASC LIMIT 4"
+    result = s.sql(query)
+    assert result.stats["topk"].pruned > 0
+    final = {t: cheap[t][0] if cheap[t][1] >= THRESHOLD else expensive[t] for t in texts}
+    assert result.arrow().column("id").to_pylist() == sorted(
+        range(120), key=lambda i: final[texts[i]])[:4]
+    s.register("label", Cascade(("cheap", "expensive"), (THRESHOLD,)), models=models)
+    assert "label() returns VARCHAR, not a DOUBLE score" in s.explain(
+        "SELECT id FROM t ORDER BY label(txt) LIMIT 4")
