@@ -123,13 +123,21 @@ class TopkRun:
         """Share of the distinct inputs the expensive stages scored."""
         return self.expensive_rows / self.distinct_inputs if self.distinct_inputs else 0.0
 
+    @property
+    def expected_misses(self) -> float:
+        """The bound on the expected number of pruned rows whose expensive value is further
+        than the margin from their cheap one, ``pruned / (sampled + 1)`` (exchangeability)."""
+        return self.pruned / (self.sampled + 1) if self.sampled else 0.0
+
     def line(self) -> str:
         order = "DESC" if self.descending else "ASC"
         skip = f" OFFSET {self.offset:,}" if self.offset else ""
         margin = "none (no row escalated)" if self.margin is None else (
             f"{self.margin:.4g}, the largest |expensive - cheap| of {self.sampled} sampled "
             f"escalated row(s); each pruned row exceeds it with probability <= "
-            f"1/{self.sampled + 1} if exchangeable with the sample")
+            f"1/{self.sampled + 1} if exchangeable with the sample, so about "
+            f"{self.expected_misses:.1f} of the pruned rows may (each might belong in the "
+            "result)")
         return (f"top-k {order} LIMIT {self.limit:,}{skip}: {self.source_rows:,} rows, "
                 f"{self.distinct_inputs:,} distinct inputs; {self.cheap_model} scored "
                 f"{self.cheap_rows:,}, escalated {self.escalated:,}; the expensive stage(s) "
