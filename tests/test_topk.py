@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ken
-from ken.errors import SqlError
+from ken.errors import KenError, SqlError
 from ken.models.cascade import Cascade
 from ken.models.model import Output
 from ken.ops.base import ClassifierBinding, SemanticFunction
@@ -138,6 +138,14 @@ def test_top_10_of_400_sends_few_rows_to_the_expensive_stage() -> None:
     assert result.stats["s0"].stages[1].input_rows == run.expensive_rows
     best = sorted(texts, key=lambda t: -expensive[t])[:10]
     assert result.arrow().column("id").to_pylist() == [texts.index(t) for t in best]
+    s.topk_sample = 39
+    assert "only a sample of 39 escalated rows" in s.explain(query)
+    wider = s.sql(query).stats["topk"]
+    assert wider.sampled == 39 and wider.expensive_rows >= 39
+    s.topk_sample = 0
+    with pytest.raises(KenError, match="topk_sample"):
+        s.sql(query)
+    s.topk_sample = SAMPLE_ROWS
     text = s.explain(query, analyze=True)
     assert "top-k DESC LIMIT 10: 400 rows" in text and f"{run.pruned:,} pruned" in text
     assert "top-k: ORDER BY s DESC LIMIT 10: cheap scores every row" in s.explain(query)

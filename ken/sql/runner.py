@@ -11,6 +11,7 @@ functions (``ken.sql.execute``) or its semantic step on Ray Data (``ken.sql.ray_
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import threading
 import time
@@ -58,6 +59,7 @@ class QueryHost(Protocol):
     ray_actors: int  # actors of engine="ray", each of ctx.device.threads CPUs
     ray_min_rows: int | None  # engine="auto" goes to Ray Data from this many rows (None: never)
     topk: bool  # ORDER BY <score> LIMIT k by the top-k plan (ken.sql.topk)
+    topk_sample: int  # escalated rows that measure the top-k plan's margin
 
     def bind(self, function: str, constants: tuple[str, ...]) -> Bound: ...
 
@@ -230,7 +232,9 @@ class QueryRunner:
         why = cascade_reason(site, self.host.bind(site.function, site.constants), served)
         if not why and not self.host.topk:
             why = "the top-k plan is off (SET ken_topk = on)"
-        return (None, why) if why else (plan, "")
+        if why:
+            return None, why
+        return dataclasses.replace(plan, sample_rows=self.host.topk_sample), ""
 
     # -- running -----------------------------------------------------------------------------
 

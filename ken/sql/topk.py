@@ -14,7 +14,8 @@ more stages runs as follows (``k + m`` rows are *wanted*):
    temporary table), the other conjuncts run on them, and the cascade's first stage (the
    *cheap* stage) scores every distinct input. A row it is sure of (certainty at or above its
    threshold) has its final value: the cascade's answer is the cheap value.
-2. The other rows *escalate*. A sample of ``SAMPLE_ROWS`` of them (fixed seed) goes through
+2. The other rows *escalate*. A sample of ``SAMPLE_ROWS`` (19; ``session.topk_sample``) of
+   them (fixed seed) goes through
    the rest of the cascade (the *expensive* stages); the largest ``|expensive - cheap|`` among
    them is the *margin*.
 3. The remaining escalated rows go through the expensive stages in batches, most promising
@@ -50,6 +51,7 @@ import numpy as np
 import pyarrow as pa
 from sqlglot import exp
 
+from ken.errors import KenError
 from ken.models.cascade import Cascade
 from ken.ops.base import Bound, sql_type
 from ken.sql.execute import SiteRunner
@@ -64,7 +66,8 @@ from ken.sql.shape import (
     site_calls,
 )
 
-#: escalated rows whose expensive values measure the margin (1 / (n + 1) = 5%)
+#: escalated rows whose expensive values measure the margin by default (1 / (n + 1) = 5%;
+#: ``session.topk_sample`` sets another)
 SAMPLE_ROWS = 19
 #: the seed of the sample, so that a query repeats exactly
 SEED = 0
@@ -82,6 +85,13 @@ class TopK:
     site_id: int
     key_sql: str
     shape: OneSource
+    sample_rows: int = SAMPLE_ROWS  # escalated rows that measure the margin
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sample_rows, bool) or not isinstance(self.sample_rows, int) \
+                or self.sample_rows < 1:
+            raise KenError(f"the top-k plan's sample (session.topk_sample) must be a whole "
+                           f"number of rows, at least 1; got {self.sample_rows!r}")
 
     @property
     def wanted(self) -> int:
@@ -93,9 +103,9 @@ class TopK:
         skip = f" OFFSET {self.offset:,}" if self.offset else ""
         return (f"top-k: ORDER BY {self.key_sql} {order} LIMIT {self.limit:,}{skip}: "
                 f"{stages[0]} scores every row; {' -> '.join(stages[1:])} only a sample of "
-                f"{SAMPLE_ROWS} escalated rows (the margin: their largest |expensive - cheap|) "
-                f"and the escalated rows whose cheap score {near} margin can still reach the "
-                f"{self.wanted:,}th best")
+                f"{self.sample_rows} escalated rows (the margin: their largest |expensive - "
+                f"cheap|) and the escalated rows whose cheap score {near} margin can still "
+                f"reach the {self.wanted:,}th best")
 
 
 @dataclass(frozen=True)
@@ -298,7 +308,7 @@ def _choose(plan: TopK, runner: SiteRunner, keys: list) -> tuple[dict, dict]:
                 cheap[k] = float(v)
         pool = list(cheap)  # in the source's order
         rng = np.random.default_rng(SEED)
-        picked = rng.choice(len(pool), size=min(SAMPLE_ROWS, len(pool)), replace=False)
+        picked = rng.choice(len(pool), size=min(plan.sample_rows, len(pool)), replace=False)
         sample = [pool[i] for i in sorted(picked.tolist())]
 
         def expensive(batch: list) -> None:
