@@ -193,6 +193,8 @@ def test_one_stage_and_other_shapes_say_why_not() -> None:
         ("SELECT id % 2 AS g, max(id) FROM t GROUP BY g ORDER BY max(fscore(txt, 'r')) "
          "LIMIT 1", "not one semantic function's value"),
         ("SELECT id FROM t ORDER BY fscore(txt, 'r'), id LIMIT 3", "several keys"),
+        ("SELECT id, fscore(txt, 'r') AS s FROM t WHERE s > 2 ORDER BY s LIMIT 3",
+         "refers to a SELECT alias"),
         ("SELECT DISTINCT txt FROM t ORDER BY fscore(txt, 'r') LIMIT 3", "DISTINCT"),
     ]:
         assert "top-k plan does not apply: " in s.explain(q) and why in s.explain(q), q

@@ -85,14 +85,22 @@ def one_source(rw: Rewritten, allow_order: bool = False) -> tuple[OneSource | No
     if not alias:
         return None, "its FROM source has no name to refer to it by"
     # relational conjuncts move into the numbering, so every slice holds rows that reach the
-    # semantic calls; not with parameters, whose order must stay the statement's
+    # semantic calls; not with parameters, whose order must stay the statement's, nor those
+    # that name a SELECT alias (DuckDB resolves one in WHERE; the numbering has no select list)
     where = s.args.get("where")
     terms = conjuncts(where.this if where is not None else None)
     pushable = not s.find(exp.Placeholder)
-    relational = [c for c in terms if pushable and not site_calls(c, rw)]
+    relational = [c for c in terms if pushable and not site_calls(c, rw)
+                  and not names_alias(c, s)]
     kept = [c for c in terms if not any(c is r for r in relational)]
     return OneSource(source.copy(), alias, tuple(c.copy() for c in relational),
                      tuple(c.copy() for c in kept)), ""
+
+
+def names_alias(node: exp.Expression, s: exp.Select) -> bool:
+    """Whether ``node`` has an unqualified column named like one of ``s``'s SELECT aliases."""
+    aliases = {sel.alias for sel in s.expressions if isinstance(sel, exp.Alias)}
+    return any(not c.table and c.name in aliases for c in node.find_all(exp.Column))
 
 
 def numbering_sql(shape: OneSource, quoted: str) -> str:

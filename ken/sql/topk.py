@@ -7,8 +7,8 @@ A query of the shape
     ORDER BY <one semantic call, or a SELECT alias of one> [ASC|DESC] LIMIT k [OFFSET m]
 
 (the other conditions of ``ken.sql.shape``; no parameters, no NULLS FIRST, the ORDER BY's call
-not also in WHERE) whose call is a DOUBLE-valued operator with an in-process cascade of two or
-more stages runs as follows (``k + m`` rows are *wanted*):
+not also in WHERE, no SELECT alias in WHERE) whose call is a DOUBLE-valued operator with an
+in-process cascade of two or more stages runs as follows (``k + m`` rows are *wanted*):
 
 1. The source's rows that pass the relational conjuncts of WHERE are numbered once (a
    temporary table), the other conjuncts run on them, and the cascade's first stage (the
@@ -60,6 +60,7 @@ from ken.sql.shape import (
     ROW_NUMBER,
     OneSource,
     limit_offset,
+    names_alias,
     numbering_sql,
     on_rows,
     one_source,
@@ -198,6 +199,8 @@ def topk_shape(rw: Rewritten) -> tuple[TopK | None, str]:
     name = str(call.this)
     if any(str(c.this) == name for k in shape.kept for c in site_calls(k, rw)):
         return None, f"{key_sql} is also in WHERE, so every row gets its value there"
+    if any(names_alias(k, s) for k in shape.kept):
+        return None, "its WHERE refers to a SELECT alias"
     site = next(x for x in rw.sites if x.udf_name == name)
     return TopK(numbers[0], numbers[1], bool(ordered.args.get("desc")), site.id, key_sql,
                 shape), ""
