@@ -106,7 +106,7 @@ class TopK:
                 f"{stages[0]} scores every row; {' -> '.join(stages[1:])} only a sample of "
                 f"{self.sample_rows} escalated rows (the margin: their largest |expensive - "
                 f"cheap|) and the escalated rows whose cheap score {near} margin can still "
-                f"reach the {self.wanted:,}th best")
+                f"enter the best {self.wanted:,}")
 
 
 @dataclass(frozen=True)
