@@ -32,10 +32,17 @@ Shapes measured (each ken and naive, ``--repeats`` times interleaved; medians re
   construction; its answers (and time per pair) are measured on ``--join-sample`` random
   pairs. Quality, where the labels decide the predicate: accuracy over every pair (ken's
   plan) and on the sampled pairs (both).
+- ``top k by score`` (``--shapes topk``; when ``sem_score`` is registered): ``SELECT id,
+  sem_score(review, R) AS score FROM reviews WHERE id < --topk-rows ORDER BY score DESC LIMIT
+  --topk`` with the cascade SmolLM2-135M -> Qwen2.5-Coder-0.5B (``TOPK_LLMS``). ken's top-k plan
+  (``ken.sql.topk``: SmolLM2 scores every row, Qwen a sample and the rows near the k-th) against
+  the naive plan, the same query with ``SET ken_topk = off`` (every row through the whole
+  cascade). Reported: the rows each stage scored, Qwen's share of the rows (the goal: under
+  20%), wall time, the overlap of the two top-k lists, the labels of each, and the plan's
+  margin and pruned rows. It takes minutes: Qwen scores about 2 rows/s on 2 cores.
 
-Not measured, because ken does not have it yet: top-k by score.
-
-    python benchmarks/query_shapes.py --out DIR     # a few minutes on 2 cores
+    python benchmarks/query_shapes.py --out DIR     # about an hour on 2 cores
+    python benchmarks/query_shapes.py --shapes topk --out DIR   # the top-k shape alone
 """
 
 from __future__ import annotations
@@ -62,7 +69,9 @@ NEGATIVE = "the review is negative"
 AGG_INSTRUCTION = ("What is the overall sentiment of these reviews? Answer with one word: "
                    "positive or negative.")
 RUBRIC = "How positive is the review? 1 = very negative, 3 = mixed, 5 = very positive"
-SHAPES = ("first-k", "score", "agg", "join")
+#: the cascade of the top-k shape, cheap stage first
+TOPK_LLMS = ("smollm2-135m", "qwen2.5-coder-0.5b")
+SHAPES = ("first-k", "score", "agg", "join", "topk")
 #: the sem_join shapes: a predicate, and how the labels decide it (None: they do not)
 JOINS = (("both reviews are positive", "both"),
          ("the two reviews express the same sentiment", "same"),
@@ -71,7 +80,7 @@ JOINS = (("both reviews are positive", "both"),
 
 def model_calls(result: ken.Result) -> int:
     """Rows sent to models, over every call site and stage of a query."""
-    return sum(s.model_calls for k, s in result.stats.items() if k != "limit")
+    return sum(s.model_calls for k, s in result.stats.items() if k not in ("limit", "topk"))
 
 
 def timed(session: ken.Session, query: str) -> tuple[ken.Result, float]:
@@ -215,6 +224,89 @@ def join_shape(session: ken.Session, labels: dict[int, str], predicate: str, row
     return out
 
 
+def topk_shape(session: ken.Session, labels: dict[int, str], rows: int, k: int) -> dict:
+    """ORDER BY sem_score(...) DESC LIMIT k with the cascade ``TOPK_LLMS``: ken's top-k plan,
+    then the naive plan (``SET ken_topk = off``). The naive run asks for every row in order
+    (LIMIT = rows: the same model calls as LIMIT k, since it scores every row either way), so
+    its first k rows are its top k and the rank of each of ken's rows in it is known. Then the
+    rows of either top k are scored once more, alone (batch size 1), by each stage: their
+    cheap scores say which of the naive top k the plan pruned, and the scores alone how far a
+    row's score moves with the batch it is scored in."""
+    op = session.operators["sem_score"]
+    before = op.__dict__.get("llms")
+    op.llms = TOPK_LLMS
+    head = (f"SELECT id, sem_score(review, '{RUBRIC}') AS score FROM reviews WHERE id < {rows} "
+            "ORDER BY score DESC LIMIT ")
+    try:
+        # load both models outside the timed runs
+        session.sql("SET ken_topk = off")
+        session.sql(f"SELECT sem_score(review, '{RUBRIC}') FROM reviews WHERE id >= {rows} "
+                    f"LIMIT 2").arrow()
+        out: dict = {"shape": f"top {k} by score", "query": head + str(k), "rows": rows,
+                     "naive_query": "SET ken_topk = off; " + head + str(rows),
+                     "cascade": " -> ".join(TOPK_LLMS)}
+        for system, setting, limit in (("ken", "on", k), ("naive", "off", rows)):
+            session.sql(f"SET ken_topk = {setting}")
+            result, seconds = timed(session, head + str(limit))
+            site = next(v for key, v in result.stats.items() if key not in ("limit", "topk"))
+            table = result.arrow()
+            ids = table.column("id").to_pylist()
+            expensive = sum(st.input_rows for st in site.stages[1:])
+            out[system] = {
+                "seconds": seconds, "model_calls": site.model_calls,
+                "cheap_calls": site.stages[0].input_rows, "expensive_calls": expensive,
+                "expensive_share": expensive / rows, "ids": ids[:k],
+                "stage_seconds": [st.seconds for st in site.stages],
+                "scores": table.column("score").to_pylist()[:k],
+                "labels": [labels[i] for i in ids[:k]],
+                "precision": sum(labels[i] == "positive" for i in ids[:k]) / k if ids else None,
+                "rows": min(len(ids), k)}
+            run = result.stats.get("topk")
+            if run is not None:
+                out["plan"] = {key: getattr(run, key) for key in (
+                    "distinct_inputs", "cheap_rows", "escalated", "sampled", "expensive_rows",
+                    "pruned", "margin", "batches", "expected_misses")}
+                out["plan"]["line"] = run.line()
+            else:
+                naive_rank = {i: r for r, i in enumerate(ids)}
+                naive_score = dict(zip(ids, table.column("score").to_pylist(), strict=True))
+        out["ken"]["naive_ranks"] = [naive_rank[i] + 1 for i in out["ken"]["ids"]]
+        out["rows_of_either"] = _topk_rows(session, out, naive_score)
+    finally:
+        session.sql("RESET ken_topk")
+        if before is None:
+            op.__dict__.pop("llms", None)
+        else:
+            op.llms = before
+    out["overlap"] = len(set(out["ken"]["ids"]) & set(out["naive"]["ids"]))
+    out["same_order"] = out["ken"]["ids"] == out["naive"]["ids"]
+    out["calls_ratio"] = out["naive"]["model_calls"] / max(out["ken"]["model_calls"], 1)
+    out["time_ratio"] = out["naive"]["seconds"] / out["ken"]["seconds"]
+    return out
+
+
+def _topk_rows(session: ken.Session, out: dict, naive_score: dict[int, float]) -> list[dict]:
+    """The rows of ken's and the naive top k: their scores in both runs and scored alone by
+    each stage, and whether the plan pruned them (cheap score alone + margin below ken's k-th
+    score: an approximation, as the cheap score moves a little with its batch too)."""
+    bound = session.bind("sem_score", (RUBRIC,))
+    cheap_model, expensive_model = (bound.models[m] for m in bound.cascade.models)
+    ids = list(dict.fromkeys(out["naive"]["ids"] + out["ken"]["ids"]))
+    texts = session.sql(f"SELECT id, review FROM reviews WHERE id IN ({', '.join(map(str, ids))})"
+                        ).arrow().to_pydict()
+    text_of = dict(zip(texts["id"], texts["review"], strict=True))
+    batch = [text_of[i] for i in ids]
+    cheap = bound.to_sql_values(cheap_model.predict(batch, batch_size=1).values)
+    alone = bound.to_sql_values(expensive_model.predict(batch, batch_size=1).values)
+    ken_score = dict(zip(out["ken"]["ids"], out["ken"]["scores"], strict=True))
+    kth = out["ken"]["scores"][-1]
+    margin = out["plan"]["margin"] or 0.0
+    return [{"id": i, "in_ken": i in ken_score, "in_naive": i in out["naive"]["ids"],
+             "cheap_alone": c, "expensive_alone": e, "ken_score": ken_score.get(i),
+             "naive_score": naive_score[i], "pruned": i not in ken_score and c + margin < kth}
+            for i, c, e in zip(ids, cheap, alone, strict=True)]
+
+
 def plot(shapes: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -250,6 +342,9 @@ def main() -> int:
                     help="rows of each side of the sem_join shapes (0: skip them)")
     ap.add_argument("--join-sample", type=int, default=300,
                     help="random pairs the nested loop's answers are measured on")
+    ap.add_argument("--topk-rows", type=int, default=320,
+                    help="rows the top-k shape ranks (SmolLM2 scores each)")
+    ap.add_argument("--topk", type=int, default=10, help="k of the top-k shape")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--data-dir", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -258,8 +353,9 @@ def main() -> int:
     if not wanted or wanted - set(SHAPES):
         ap.error(f"--shapes takes a comma list of {', '.join(SHAPES)}; got {args.shapes!r}")
     sample = load_sst2("dev", args.data_dir)
-    if len(sample.texts) < args.rows:
-        ap.error(f"SST-2 dev has {len(sample.texts)} sentences; --rows must be at most that")
+    if len(sample.texts) < max(args.rows, args.topk_rows):
+        ap.error(f"SST-2 dev has {len(sample.texts)} sentences; --rows and --topk-rows must "
+                 "be at most that")
     names = [sample.label_names[i] for i in sample.labels[: args.rows]]
     table = pa.table({"id": list(range(args.rows)), "review": list(sample.texts[: args.rows]),
                       "label": names})
@@ -268,26 +364,30 @@ def main() -> int:
     session.register_table("reviews", table)
     started = time.perf_counter()
     print(f"{args.rows} reviews, {names.count('positive')} positive", file=sys.stderr)
-    # load the models and bind the predicates outside the timed runs
-    session.sql(f"SELECT sem_filter(review, '{POSITIVE}'), sem_filter(review, '{NEGATIVE}') "
-                "FROM reviews WHERE id < 4").arrow()
     k = args.limit
-    shapes = [] if "first-k" not in wanted else [
-        first_k(session, labels, f"first {k}, half pass",
-                f"SELECT id, review FROM reviews WHERE sem_filter(review, '{POSITIVE}') "
-                f"LIMIT {k}", "positive", args.repeats),
-        first_k(session, labels, f"first {k}, long negative",
-                f"SELECT id, review FROM reviews WHERE length(review) > 150 AND "
-                f"sem_filter(review, '{NEGATIVE}') LIMIT {k}", "negative", args.repeats),
-    ]
-    if "sem_score" in session.operators and "score" in wanted:
+    shapes = []
+    if "first-k" in wanted:
+        # load the models and bind the predicates outside the timed runs
+        session.sql(f"SELECT sem_filter(review, '{POSITIVE}'), sem_filter(review, "
+                    f"'{NEGATIVE}') FROM reviews WHERE id < 4").arrow()
+        shapes += [
+            first_k(session, labels, f"first {k}, half pass",
+                    f"SELECT id, review FROM reviews WHERE sem_filter(review, '{POSITIVE}') "
+                    f"LIMIT {k}", "positive", args.repeats),
+            first_k(session, labels, f"first {k}, long negative",
+                    f"SELECT id, review FROM reviews WHERE length(review) > 150 AND "
+                    f"sem_filter(review, '{NEGATIVE}') LIMIT {k}", "negative", args.repeats),
+        ]
+    if "score" in wanted and "sem_score" in session.operators:
         shapes.append(score_shape(session, args.score_rows))
-    if "sem_agg" in session.operators and "agg" in wanted:
+    if "agg" in wanted and "sem_agg" in session.operators:
         shapes.append(agg_shape(session, args.agg_rows))
-    if "sem_join" in session.operators and args.join_rows and "join" in wanted:
+    if "join" in wanted and "sem_join" in session.operators and args.join_rows:
         for predicate, truth in JOINS:
             shapes.append(join_shape(session, labels, predicate, args.join_rows,
                                      args.join_sample, truth))
+    if "topk" in wanted and "sem_score" in session.operators:
+        shapes.append(topk_shape(session, labels, args.topk_rows, args.topk))
     for s in shapes:
         if "agreement_with_nested" in s:
             print(f"{s['shape']}: {s['plan']} (auto: {s['auto']}), "
@@ -296,6 +396,17 @@ def main() -> int:
                   f"{s['ken']['seconds']:.1f} s vs ~{s['naive']['seconds']:.0f} s, agreement "
                   f"with the nested loop {s['agreement_with_nested']:.3f} on "
                   f"{s['sample_pairs']} pairs; {s['line']}", file=sys.stderr)
+        elif "rows_of_either" in s:
+            print(f"{s['shape']}: {s['plan']['line']}", file=sys.stderr)
+            print(f"{s['shape']}: expensive-stage calls {s['ken']['expensive_calls']} "
+                  f"({s['ken']['expensive_share']:.1%} of {s['rows']} rows) vs naive "
+                  f"{s['naive']['expensive_calls']}; {s['ken']['seconds']:.1f} s vs "
+                  f"{s['naive']['seconds']:.1f} s; top-k overlap {s['overlap']}/"
+                  f"{len(s['naive']['ids'])}; positive {s['ken']['precision']} vs "
+                  f"{s['naive']['precision']}; ken's rows rank {s['ken']['naive_ranks']} in "
+                  "the naive order", file=sys.stderr)
+            for r in s["rows_of_either"]:
+                print(f"  {r}", file=sys.stderr)
         elif "ken" in s:
             print(f"{s['shape']}: model calls {s['ken']['model_calls']:.0f} vs naive "
                   f"{s['naive']['model_calls']:.0f} ({s['calls_ratio']:.0f}x fewer), "

@@ -72,6 +72,12 @@ class Session:
         # sql(..., engine="auto") runs a query's semantic step on Ray Data when it reads one
         # Parquet dataset of at least this many rows (None: never; ken.sql.ray_query)
         self.ray_min_rows: int | None = 10_000_000
+        # ORDER BY <score> LIMIT k sends few rows to a cascade's expensive stages (ken.sql.topk;
+        # False, or SET ken_topk = off: every row through the whole cascade)
+        self.topk = True
+        # escalated rows whose expensive scores measure its margin (a pruned row exceeds the
+        # margin with probability <= 1 / (topk_sample + 1) if exchangeable with them)
+        self.topk_sample = 19
         self._queries = QueryRunner(self)
 
     @property

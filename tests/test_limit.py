@@ -156,6 +156,8 @@ def test_next_chunk_grows_at_most_geometrically() -> None:
     "SELECT a.id FROM t AS a WHERE a.id > 10 AND fsem(a.txt, 'good') LIMIT 3",
     "SELECT id FROM (SELECT * FROM t WHERE id % 2 = 1) AS sub WHERE fsem(txt, 'good') LIMIT 3",
     "SELECT id FROM t WHERE fsem(txt, 'good') OR id = 3 LIMIT 6",
+    # a conjunct naming a SELECT alias stays in the statement (not in the numbering)
+    "SELECT id, id * 2 AS twice FROM t WHERE twice > 10 AND fsem(txt, 'good') LIMIT 3",
 ])
 def test_shapes_that_stop_early(query: str) -> None:
     s, models = make_session(500)

@@ -20,9 +20,10 @@ import duckdb
 import pyarrow as pa
 from duckdb.sqltypes import BIGINT, BOOLEAN, DOUBLE, VARCHAR
 
-from ken.engine.batch import run_cascade
+from ken.engine.batch import CascadeResult, run_cascade
 from ken.engine.serving import Engine
 from ken.errors import EngineBusy, KenError
+from ken.models.cascade import Cascade
 from ken.ops.base import Bound, struct_fields
 from ken.sql.rewrite import CallSite
 
@@ -75,6 +76,7 @@ class SiteStats:
     resolved_by: dict[str, int] = field(default_factory=dict)  # engine rows per answering stage
     rejected_retries: int = 0  # online rows sent again after admission turned them away
     shortcut_rows: int = 0  # distinct inputs a query plan answered without the models
+    pruned: int = 0  # distinct inputs the top-k plan left after the first stage (ken.sql.topk)
 
     @property
     def model_calls(self) -> int:
@@ -146,27 +148,35 @@ class SiteRunner:
         if self.engine is not None:
             self._evaluate_online(inputs)
             return
+        models = [self.bound.models[m] for m in self.bound.cascade.models]
+        calls = [getattr(m, "calls", None) for m in models]  # models that count their calls
+        values, _ = self.run_stages(self.bound.cascade, inputs)
+        for counter, model, before in zip(self.stats.stages, models, calls, strict=True):
+            if isinstance(before, int):
+                counter.lm_calls += model.calls - before
+        self.memo.update(zip(inputs, values, strict=True))
+        self.stats.distinct_evaluated += len(inputs)
+
+    def run_stages(self, cascade: Cascade, inputs: list, first_stage: int = 0
+                   ) -> tuple[list, CascadeResult]:
+        """The SQL values of ``cascade`` on ``inputs`` (distinct, not NULL) and its run, in
+        process; ``cascade`` is the site's cascade or a run of its stages from
+        ``first_stage`` (the top-k plan, ``ken.sql.topk``), counted in the site's stage
+        counters from there. The memo is left as it was; the caller holds ``lock``."""
         if len(self.site.args) == 1:
             column: Any = pa.array(inputs, pa.string())
         else:
             column = [pa.array([k[i] for k in inputs], pa.string())
                       for i in range(len(self.site.args))]
-        models = [self.bound.models[m] for m in self.bound.cascade.models]
-        calls = [getattr(m, "calls", None) for m in models]  # models that count their calls
-        result = run_cascade(self.bound.cascade, self.bound.models, column, self.batch_size,
+        result = run_cascade(cascade, self.bound.models, column, self.batch_size,
                              name=self.site.call_sql())
-        for counter, model, before in zip(self.stats.stages, models, calls, strict=True):
-            if isinstance(before, int):
-                counter.lm_calls += model.calls - before
-        values = self.bound.to_sql_values(result.values)
-        self.memo.update(zip(inputs, values, strict=True))
-        self.stats.distinct_evaluated += len(inputs)
-        for counter, stage in zip(self.stats.stages, result.stages, strict=True):
+        counters = self.stats.stages[first_stage:first_stage + cascade.num_stages]
+        for counter, stage in zip(counters, result.stages, strict=True):
             counter.input_rows += stage.input_rows
             counter.resolved_rows += stage.resolved_rows
             counter.num_batches += stage.num_batches
             counter.seconds += stage.seconds
-
+        return self.bound.to_sql_values(result.values), result
 
     def _evaluate_online(self, inputs: list) -> None:
         """Send the inputs to the engine and wait: fewer than ``bulk_threshold`` as online

@@ -217,11 +217,13 @@ def estimate(con: Any, rw: Rewritten, site: CallSite, bound: Bound) -> str:
 def actual_lines(runner: SiteRunner) -> list[str]:
     """EXPLAIN ANALYZE lines of what one call site did."""
     st = runner.stats
-    repeats = st.rows_in - st.null_rows - st.distinct_evaluated - st.shortcut_rows
+    repeats = (st.rows_in - st.null_rows - st.distinct_evaluated - st.shortcut_rows
+               - st.pruned)
     planned = (f" + {st.shortcut_rows:,} answered by the join plan without the model"
                if st.shortcut_rows else "")
+    pruned = f" + {st.pruned:,} pruned by the top-k plan" if st.pruned else ""
     lines = [f"{st.rows_in:,} rows in = {st.null_rows:,} NULL + {st.distinct_evaluated:,} "
-             f"distinct evaluated{planned} + {repeats:,} repeats served by dedup; "
+             f"distinct evaluated{planned}{pruned} + {repeats:,} repeats served by dedup; "
              f"{st.chunks} chunks, {st.seconds:.3f} s"]
     if st.online_rows or st.bulk_rows:
         answered = ", ".join(f"{k} {v:,}" for k, v in st.resolved_by.items())

@@ -29,28 +29,33 @@ from dataclasses import dataclass
 import pyarrow as pa
 from sqlglot import exp
 
-from ken.sql.rewrite import Rewritten, conjuncts
+from ken.sql.rewrite import Rewritten
+from ken.sql.shape import (
+    BLOCKERS,
+    ROW_NUMBER,
+    OneSource,
+    limit_offset,
+    numbering_sql,
+    on_rows,
+    one_source,
+    site_calls,
+)
 
 #: rows of the first slice (at least; ``4 (k + m)`` when that is more)
 FIRST_CHUNK = 32
 #: the next slice is ``SAFETY`` times the rows expected to give the rows still missing
 SAFETY = 1.5
-ROW_NUMBER = "__ken_rn"
 
 
 @dataclass(frozen=True)
 class EarlyLimit:
     """How a query's LIMIT stops early: ``limit`` rows after ``offset`` from the query on
-    slices of ``source`` (named ``alias`` in it), whose rows first pass ``relational`` (the
-    WHERE clause's conjuncts without semantic calls, moved into the numbering); the slices
-    keep the WHERE clause's other conjuncts, ``kept``."""
+    slices of its one source (``shape``: the source, its name in the statement, the WHERE
+    clause's conjuncts moved into the numbering and those the slices keep)."""
 
     limit: int
     offset: int
-    source: exp.Expression
-    alias: str
-    relational: tuple[exp.Expression, ...]
-    kept: tuple[exp.Expression, ...]
+    shape: OneSource
 
     @property
     def wanted(self) -> int:
@@ -83,20 +88,6 @@ class LimitRun:
                 f"({share:.1%}) in {self.chunks} chunk(s); {self.returned:,} rows returned")
 
 
-def _int_literal(node: exp.Expression | None) -> int | None:
-    if node is None:
-        return None
-    value = node.args.get("expression") if isinstance(node, exp.Limit | exp.Offset) else node
-    if isinstance(value, exp.Literal) and not value.is_string and value.this.isdigit():
-        return int(value.this)
-    return None
-
-
-def _site_calls(node: exp.Expression, rw: Rewritten) -> list[exp.Anonymous]:
-    names = {s.udf_name for s in rw.sites}
-    return [a for a in node.find_all(exp.Anonymous) if str(a.this) in names]
-
-
 def early_limit(rw: Rewritten) -> tuple[EarlyLimit | None, str]:
     """The early-stopping plan of ``rw``'s LIMIT, or None and why not (an empty reason when
     the statement has no LIMIT over a semantic WHERE, where the question does not arise)."""
@@ -104,42 +95,17 @@ def early_limit(rw: Rewritten) -> tuple[EarlyLimit | None, str]:
     if not isinstance(s, exp.Select) or s.args.get("limit") is None:
         return None, ""
     where = s.args.get("where")
-    if where is None or not _site_calls(where, rw):
+    if where is None or not site_calls(where, rw):
         return None, ""
-    limit = _int_literal(s.args.get("limit"))
-    offset = _int_literal(s.args.get("offset")) if s.args.get("offset") is not None else 0
-    if limit is None or offset is None:
+    numbers = limit_offset(s)
+    if numbers is None:
         return None, "LIMIT and OFFSET are not plain numbers, so every row is evaluated"
-    blockers = [(key, text) for key, text in (
-        ("order", "ORDER BY needs every row"), ("group", "GROUP BY needs every row"),
-        ("having", "HAVING needs every group"), ("distinct", "DISTINCT needs every row"),
-        ("qualify", "QUALIFY needs every row"), ("joins", "joins are evaluated whole"),
-        ("with_", "a WITH clause is evaluated whole")) if s.args.get(key)]
-    if blockers:
-        return None, f"{blockers[0][1]}, so every row is evaluated before the LIMIT"
-    if any(isinstance(e, exp.AggFunc | exp.Window) for sel in s.expressions
-           for e in sel.find_all(exp.AggFunc, exp.Window)):
-        return None, "an aggregate or window function needs every row"
-    source_from = s.args.get("from_")
-    if source_from is None or not isinstance(source_from.this, exp.Table | exp.Subquery):
-        return None, "its FROM is not one table, view, file or subquery"
-    source = source_from.this
-    if _site_calls(source, rw) or source.find(exp.Placeholder):
-        return None, "its FROM source has semantic calls or parameters of its own"
-    outside = [c for c in _site_calls(s, rw) if c.find_ancestor(exp.Select) is not s]
-    if outside:
-        return None, "a semantic call sits in a subquery"
-    alias = source.alias_or_name
-    if not alias:
-        return None, "its FROM source has no name to refer to it by"
-    # relational conjuncts move into the numbering, so every chunk holds rows that reach the
-    # semantic predicate; not with parameters, whose order must stay the statement's
-    terms = conjuncts(where.this)
-    pushable = not s.find(exp.Placeholder)
-    relational = [c for c in terms if pushable and not _site_calls(c, rw)]
-    kept = [c for c in terms if not any(c is r for r in relational)]
-    return EarlyLimit(limit, offset, source.copy(), alias,
-                      tuple(c.copy() for c in relational), tuple(c.copy() for c in kept)), ""
+    shape, why = one_source(rw)
+    if shape is None:
+        if why in BLOCKERS.values():
+            why += ", so every row is evaluated before the LIMIT"
+        return None, why
+    return EarlyLimit(numbers[0], numbers[1], shape), ""
 
 
 def run_early_limit(sql: Callable[[str, bool], pa.Table], rw: Rewritten, plan: EarlyLimit,
@@ -151,11 +117,7 @@ def run_early_limit(sql: Callable[[str, bool], pa.Table], rw: Rewritten, plan: E
     the query's parameters for the statement's slices)."""
     s = rw.statement
     quoted = exp.to_identifier(table_name, quoted=True).sql(dialect="duckdb")
-    numbered = exp.select("*", f"(row_number() OVER ()) - 1 AS {ROW_NUMBER}",
-                          dialect="duckdb").from_(plan.source.copy())
-    if plan.relational:
-        numbered = numbered.where(exp.and_(*[c.copy() for c in plan.relational]))
-    sql(f"CREATE OR REPLACE TEMPORARY TABLE {quoted} AS {numbered.sql(dialect='duckdb')}", False)
+    sql(numbering_sql(plan.shape, quoted), False)
     try:
         total = int(sql(f"SELECT count(*) AS n FROM {quoted}", False).column(0)[0].as_py())
         parts: list[pa.Table] = []
@@ -181,15 +143,11 @@ def run_early_limit(sql: Callable[[str, bool], pa.Table], rw: Rewritten, plan: E
 
 def _slice(s: exp.Select, plan: EarlyLimit, quoted: str, lo: int, hi: int, limit: int) -> str:
     """The statement on the numbered rows ``[lo, hi)``: its FROM source replaced by them under
-    the source's name, its WHERE reduced to ``plan.kept``, returning at most ``limit``
+    the source's name, its WHERE reduced to ``plan.shape.kept``, returning at most ``limit``
     rows."""
-    chunk = s.copy()
     rows = (f"SELECT * EXCLUDE ({ROW_NUMBER}) FROM {quoted} "
             f"WHERE {ROW_NUMBER} >= {lo} AND {ROW_NUMBER} < {hi}")
-    chunk.set("from_", exp.From(this=exp.alias_(
-        exp.Subquery(this=exp.maybe_parse(rows, dialect="duckdb")), plan.alias, table=True)))
-    chunk.set("where", exp.Where(this=exp.and_(*[c.copy() for c in plan.kept]))
-              if plan.kept else None)
+    chunk = on_rows(s, plan.shape, rows)
     chunk.set("offset", None)
     chunk.set("limit", exp.Limit(expression=exp.Literal.number(limit)))
     return chunk.sql(dialect="duckdb")

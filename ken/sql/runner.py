@@ -11,6 +11,7 @@ functions (``ken.sql.execute``) or its semantic step on Ray Data (``ken.sql.ray_
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import threading
 import time
@@ -37,6 +38,7 @@ from ken.sql.limit import EarlyLimit, LimitRun, early_limit, run_early_limit
 from ken.sql.ray_query import ray_choice, run_on_ray
 from ken.sql.result import Result
 from ken.sql.rewrite import Rewritten, SqlError, parse, rewrite, split_statements
+from ken.sql.topk import TopK, TopkRun, cascade_reason, run_topk, topk_shape
 from ken.sql.train import is_train, parse_train, training_table
 
 _EXPLAIN = re.compile(r"^\s*EXPLAIN(\s+ANALYZE)?\s+", re.IGNORECASE)
@@ -46,6 +48,9 @@ _SET_LLMS = re.compile(r"^\s*(SET|RESET)\s+(?:SESSION\s+)?(\w+?)_llms\s*"
 #: ``SET sem_join_plan = 'blocking'`` / ``RESET sem_join_plan``: sem_join's plan settings
 _SET_JOIN = re.compile(r"^\s*(SET|RESET)\s+(?:SESSION\s+)?sem_join_(\w+)\s*"
                        r"(?:(?:=|TO)\s*(?:'((?:[^']|'')*)'|([\w.]+)))?\s*$", re.IGNORECASE)
+#: ``SET ken_topk = off`` / ``on`` / ``RESET ken_topk``: the top-k plan (``ken.sql.topk``)
+_SET_TOPK = re.compile(r"^\s*(SET|RESET)\s+(?:SESSION\s+)?ken_topk\s*"
+                       r"(?:(?:=|TO)\s*'?(\w+)'?)?\s*$", re.IGNORECASE)
 ENGINES = ("auto", "duckdb", "ray")
 
 
@@ -58,6 +63,8 @@ class QueryHost(Protocol):
     serving: ServingManager
     ray_actors: int  # actors of engine="ray", each of ctx.device.threads CPUs
     ray_min_rows: int | None  # engine="auto" goes to Ray Data from this many rows (None: never)
+    topk: bool  # ORDER BY <score> LIMIT k by the top-k plan (ken.sql.topk)
+    topk_sample: int  # escalated rows that measure the top-k plan's margin
 
     def bind(self, function: str, constants: tuple[str, ...]) -> Bound: ...
 
@@ -107,6 +114,9 @@ class QueryRunner:
         setting = _SET_JOIN.match(query)
         if setting and isinstance(self.host.operators.get("sem_join"), SemJoin):
             return self._set_join(*setting.groups())
+        setting = _SET_TOPK.match(query)
+        if setting:
+            return self._set_topk(*setting.groups())
         if is_train(query):
             return self._train_statement(query)
         match = _EXPLAIN.match(query)
@@ -120,6 +130,9 @@ class QueryRunner:
         limit = early_limit(rw)[0] if engine != "ray" else None
         if limit is not None:
             return self._run(rw, params, limit)  # it stops early, so it evaluates few rows
+        topk = self._topk(rw)[0] if engine != "ray" else None
+        if topk is not None:
+            return self._run(rw, params, topk)  # few rows reach the expensive stages
         if engine != "auto":
             return self._run_on_ray(rw, params) if engine == "ray" else self._run(rw, params)
         on_ray, why = ray_choice(rw, self.host.ray_min_rows)
@@ -196,6 +209,20 @@ class QueryRunner:
         return self._result(pa.table({"setting": [f"sem_join_{name.lower()}"],
                                       "value": [str(now)]}))
 
+    def _set_topk(self, verb: str, value: str | None) -> Result:
+        """``SET ken_topk = off``: ``ORDER BY <score> LIMIT k`` scores every row with the
+        whole cascade (the naive plan); ``on`` or ``RESET`` restores the top-k plan."""
+        if verb.upper() == "RESET":
+            self.host.topk = True
+        else:
+            word = (value or "").lower()
+            if word not in ("on", "off", "true", "false"):
+                raise SqlError(f"SET ken_topk takes on or off (got {value!r}): SET ken_topk = "
+                               "off runs ORDER BY <score> LIMIT k on every row")
+            self.host.topk = word in ("on", "true")
+        return self._result(pa.table({"setting": ["ken_topk"],
+                                      "value": ["on" if self.host.topk else "off"]}))
+
     # -- the front end and the bound sites -----------------------------------------------------
 
     def _rewrite(self, query: str) -> list[Rewritten]:
@@ -226,6 +253,21 @@ class QueryRunner:
                                   engine=engine, bulk_threshold=host.serving.bulk_threshold))
         return out
 
+    def _topk(self, rw: Rewritten) -> tuple[TopK | None, str]:
+        """The top-k plan of ``rw``, or None and why not ("" where the question does not
+        arise: no ORDER BY with a LIMIT)."""
+        plan, why = topk_shape(rw)
+        if plan is None:
+            return None, why
+        site = next(s for s in rw.sites if s.id == plan.site_id)
+        served = self.host.serving.engine_for(site.function, site.constants) is not None
+        why = cascade_reason(site, self.host.bind(site.function, site.constants), served)
+        if not why and not self.host.topk:
+            why = "the top-k plan is off (SET ken_topk = on)"
+        if why:
+            return None, why
+        return dataclasses.replace(plan, sample_rows=self.host.topk_sample), ""
+
     # -- running -----------------------------------------------------------------------------
 
     def _run_unchanged(self, query: str, params: Any) -> Result:
@@ -239,16 +281,20 @@ class QueryRunner:
             raise KenError(str(error)) from None
         return self._result(relation=relation)
 
-    def _run(self, rw: Rewritten, params: Any, limit: EarlyLimit | None = None) -> Result:
-        """``rw`` on DuckDB; in slices by ``limit`` when its LIMIT stops early."""
+    def _run(self, rw: Rewritten, params: Any, plan: EarlyLimit | TopK | None = None
+             ) -> Result:
+        """``rw`` on DuckDB; in slices by ``plan`` when its LIMIT stops early, or by the top-k
+        plan."""
         runners = self._site_runners(rw)
         con = self.host.db.connection()
         with registered(con, runners):
             joins = self._plan_joins(con, rw, runners)
-            table, limited = self._execute(con, rw, params, runners, limit)
+            table, run = self._execute(con, rw, params, runners, plan)
         stats: dict[str, Any] = {r.site.label: r.stats for r in runners}
-        if limited is not None:
-            stats["limit"] = limited
+        if isinstance(run, LimitRun):
+            stats["limit"] = run
+        elif isinstance(run, TopkRun):
+            stats["topk"] = run
         if joins:
             stats["join"] = finished_joins(joins, runners)
         return self._result(table, stats=stats)
@@ -282,22 +328,26 @@ class QueryRunner:
         return out
 
     def _execute(self, con: Any, rw: Rewritten, params: Any, runners: Sequence[SiteRunner],
-                 limit: EarlyLimit | None = None, prefix: str = ""
-                 ) -> tuple[pa.Table, LimitRun | None]:
+                 plan: EarlyLimit | TopK | None = None, prefix: str = ""
+                 ) -> tuple[pa.Table, LimitRun | TopkRun | None]:
         """``rw`` on ``con`` (its sites registered): the statement as DuckDB runs it with
-        ``prefix`` before it (``EXPLAIN ANALYZE ``), or in slices by ``limit``
-        (``ken.sql.limit``)."""
+        ``prefix`` before it (``EXPLAIN ANALYZE ``), or in slices by an early LIMIT
+        (``ken.sql.limit``), or by the top-k plan (``ken.sql.topk``)."""
 
         def sql(text: str, with_params: bool = True) -> pa.Table:
             try:
                 relation = con.sql(text, params=params if with_params else None)
                 return relation.to_arrow_table() if relation is not None else pa.table({})
             except duckdb.Error as error:
-                raise query_error(error, runners) from None
+                raise query_error(error, list(runners)) from None
 
-        if limit is None:
+        if plan is None:
             return sql(prefix + rw.sql), None
-        return run_early_limit(sql, rw, limit, f"__ken_{self.host.db.namespace()}limit")
+        table = f"__ken_{self.host.db.namespace()}"
+        if isinstance(plan, TopK):
+            runner = next(r for r in runners if r.site.id == plan.site_id)
+            return run_topk(lambda text: sql(text, False), rw, plan, runner, table + "topk")
+        return run_early_limit(sql, rw, plan, table + "limit")
 
     def _run_on_ray(self, rw: Rewritten, params: Any) -> Result:
         host = self.host
@@ -336,6 +386,13 @@ class QueryRunner:
         limit_lines = ([limit.describe()] if limit is not None else
                        [f"LIMIT does not stop early: {why_not}"] if why_not else [])
         join_lines = self._explain_joins(con, rw, runners)
+        topk, why_not = self._topk(rw)
+        if topk is not None:
+            site = next(r for r in runners if r.site.id == topk.site_id)
+            limit_lines.append(topk.describe(site.bound.cascade.models))
+        elif why_not:
+            limit_lines.append(f"top-k plan does not apply: {why_not}")
+        plan: EarlyLimit | TopK | None = limit if limit is not None else topk
         if not analyze:
             return "\n".join(lines + site_lines(rw.sites, describe, estimates, plans=plans)
                              + limit_lines + join_lines)
@@ -343,12 +400,15 @@ class QueryRunner:
         runners = self._site_runners(rw)  # fresh memos and counts: the estimates ran some
         with registered(con, runners):
             joins = self._plan_joins(con, rw, runners)
-            if limit is not None:
-                _, run = self._execute(con, rw, params, runners, limit)
+            if plan is not None:
+                _, run = self._execute(con, rw, params, runners, plan)
                 assert run is not None
                 limit_lines = [run.line()]
-                physical = (f"(not shown: the statement ran on {run.chunks} slice(s) of its "
-                            "source, each a DuckDB query of its own)")
+                physical = ("(not shown: the statement ran on "
+                            + (f"{run.chunks} slice(s) of its source, each a DuckDB query of "
+                               "its own)" if isinstance(run, LimitRun) else
+                               "the rows the top-k plan chose, a DuckDB query of its "
+                               "own)"))
             else:
                 table, _ = self._execute(con, rw, params, runners, prefix="EXPLAIN ANALYZE ")
                 physical = table.column(1)[0].as_py() if table.num_rows else ""
