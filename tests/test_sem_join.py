@@ -244,6 +244,11 @@ def test_a_small_join_runs_every_pair(session) -> None:  # noqa: ANN001
     # the one-side conjunct a.id < 8 limits the left values
     assert (run.plan, run.left_values, run.right_values) == ("nested loop", 8, 6)
     assert run.pair_questions == 48
+    # a VALUES list with an alias is a side too
+    result = session.sql("SELECT count(*) FROM a, (VALUES ('the food was good'), (NULL)) v(t) "
+                         "WHERE a.id < 3 AND sem_join(a.text, v.t, 'both are good')")
+    run = result.stats["join"][0]
+    assert (run.left_values, run.right_values, run.pair_questions) == (3, 1, 3)
 
 
 @pytest.mark.models

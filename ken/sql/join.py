@@ -138,8 +138,9 @@ def join_sides(rw: Rewritten, site: CallSite, columns_of: Callable[[str], set[st
     items += [j.this for j in s.args.get("joins") or []]
     sources: dict[str, exp.Expression] = {}
     for item in items:
-        if not isinstance(item, exp.Table | exp.Subquery) or not item.alias_or_name:
-            return None, "a FROM item is neither a named table nor a subquery with an alias"
+        if not isinstance(item, exp.Table | exp.Subquery | exp.Values) or not item.alias_or_name:
+            return None, ("a FROM item is not a named table, nor a subquery or VALUES list "
+                          "with an alias")
         if _calls(item) or item.find(exp.Placeholder):
             return None, "a FROM item has semantic calls of its own"
         sources[item.alias_or_name.lower()] = item
