@@ -112,7 +112,7 @@ class SiteRunner:
             keys = columns[0] if len(columns) == 1 else list(zip(*columns, strict=True))
             if len(columns) > 1:  # a pair with a NULL side is NULL
                 keys = [None if any(v is None for v in k) else k for k in keys]
-            new = list(dict.fromkeys(k for k in keys if k is not None and k not in self.memo))
+            new = self._unanswered(keys)
             if new and self.shortcut is not None:
                 try:
                     answered = self.shortcut.answer(new)
@@ -134,11 +134,15 @@ class SiteRunner:
             self.stats.seconds += time.perf_counter() - started
             return pa.array([None if k is None else self.memo[k] for k in keys], self.arrow_type)
 
+    def _unanswered(self, keys: list) -> list:
+        """The distinct non-NULL inputs among ``keys`` that the memo has no answer for."""
+        return list(dict.fromkeys(k for k in keys if k is not None and k not in self.memo))
+
     def ensure(self, keys: list) -> None:
         """Answer the inputs ``keys`` not in the memo yet (before the statement runs: a plan's
         samples), counted in the site's statistics like the statement's own."""
         with self.lock:
-            new = list(dict.fromkeys(k for k in keys if k is not None and k not in self.memo))
+            new = self._unanswered(keys)
             if new:
                 started = time.perf_counter()
                 self._evaluate(new)

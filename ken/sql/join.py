@@ -46,6 +46,7 @@ from ken.ops.base import OpContext, shared_resources
 from ken.ops.sem_join import PLANS, SemJoin, SideRewrite, side_rewrite, side_text
 from ken.sql.execute import SiteRunner
 from ken.sql.rewrite import CallSite, Rewritten, conjuncts
+from ken.sql.shape import site_calls
 
 #: blocking's recall sample: left values, and pairs asked outside each one's block
 RECALL_LEFT = 8
@@ -124,6 +125,13 @@ def join_sides(rw: Rewritten, site: CallSite, columns_of: Callable[[str], set[st
     it runs as written: every pair DuckDB hands it). ``columns_of(source_sql)`` names the
     columns of a FROM item (lower case), to place unqualified columns. SqlError when both
     arguments read the same table."""
+    asked: dict[str, set[str]] = {}  # each source's columns, asked of DuckDB once
+
+    def columns(source: str) -> set[str]:
+        if source not in asked:
+            asked[source] = columns_of(source)
+        return asked[source]
+
     s = rw.statement
     call = _site_call(s, site)
     if not isinstance(s, exp.Select) or call is None:
@@ -141,12 +149,12 @@ def join_sides(rw: Rewritten, site: CallSite, columns_of: Callable[[str], set[st
         if not isinstance(item, exp.Table | exp.Subquery | exp.Values) or not item.alias_or_name:
             return None, ("a FROM item is not a named table, nor a subquery or VALUES list "
                           "with an alias")
-        if _calls(item) or item.find(exp.Placeholder):
+        if site_calls(item, rw) or item.find(exp.Placeholder):
             return None, "a FROM item has semantic calls of its own"
         sources[item.alias_or_name.lower()] = item
     sides = []
     for arg in call.expressions:
-        owners = {_owner(c, sources, columns_of) for c in arg.find_all(exp.Column)}
+        owners = {_owner(c, sources, columns) for c in arg.find_all(exp.Column)}
         if not owners:
             return None, f"the argument {arg.sql(dialect='duckdb')} reads no column"
         if None in owners or len(owners) > 1:
@@ -164,19 +172,20 @@ def join_sides(rw: Rewritten, site: CallSite, columns_of: Callable[[str], set[st
     for join in s.args.get("joins") or []:
         if not join.side and join.args.get("on") is not None:  # inner joins only
             terms += conjuncts(join.args["on"])
+    # the terms that read one table alone (and call no model), each with that table
+    single = []
+    for term in terms:
+        owners = {_owner(c, sources, columns) for c in term.find_all(exp.Column)}
+        if len(owners) == 1 and not site_calls(term, rw):
+            single.append((term, owners.pop()))
     queries = []
     for alias, arg in zip(sides, call.expressions, strict=True):
-        own = [t for t in terms if not _calls(t) and {_owner(c, sources, columns_of)
-                                                      for c in t.find_all(exp.Column)} == {alias}]
+        own = [t for t, owner in single if owner == alias]
         query = exp.select(exp.alias_(arg.copy(), "v")).distinct().from_(sources[alias].copy())
         if own:
             query = query.where(exp.and_(*[t.copy() for t in own]))
         queries.append(query.sql(dialect="duckdb"))
     return JoinSides(site, left, right, *queries), ""
-
-
-def _calls(node: exp.Expression) -> bool:
-    return any(str(a.this).startswith("__ken_") for a in node.find_all(exp.Anonymous))
 
 
 def _owner(column: exp.Column, sources: dict[str, exp.Expression],

@@ -15,7 +15,7 @@ import dataclasses
 import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
@@ -70,6 +70,21 @@ class QueryHost(Protocol):
 
     def forget(self, function: str) -> None:
         """Drop what was derived from ``function``'s operator (after it trained)."""
+
+
+def statement_runner(con: Any, params: Any, runners: Sequence[SiteRunner]
+                     ) -> Callable[..., pa.Table]:
+    """``sql(text, with_params=True)``: one statement on ``con`` (with the query's ``params``,
+    or without), as an Arrow table; a DuckDB error becomes the error a call site raised, or
+    DuckDB's in the user's terms."""
+    def sql(text: str, with_params: bool = True) -> pa.Table:
+        try:
+            relation = con.sql(text, params=params if with_params else None)
+            return relation.to_arrow_table() if relation is not None else pa.table({})
+        except duckdb.Error as error:
+            raise query_error(error, list(runners)) from None
+
+    return sql
 
 
 def finished_joins(joins: list[JoinRun], runners: Sequence[SiteRunner]) -> list[JoinRun]:
@@ -312,11 +327,10 @@ class QueryRunner:
     def _plan_joins(self, con: Any, rw: Rewritten, runners: Sequence[SiteRunner]
                     ) -> list[JoinRun]:
         """Choose and prepare each sem_join site's plan before the statement runs."""
+        statement = statement_runner(con, None, runners)
+
         def sql(text: str) -> pa.Table:
-            try:
-                return con.sql(text).to_arrow_table()
-            except duckdb.Error as error:
-                raise query_error(error, list(runners)) from None
+            return statement(text, False)
 
         out = []
         for runner, sides, _ in self._join_sides(con, rw, runners):
@@ -333,14 +347,7 @@ class QueryRunner:
         """``rw`` on ``con`` (its sites registered): the statement as DuckDB runs it with
         ``prefix`` before it (``EXPLAIN ANALYZE ``), or in slices by an early LIMIT
         (``ken.sql.limit``), or by the top-k plan (``ken.sql.topk``)."""
-
-        def sql(text: str, with_params: bool = True) -> pa.Table:
-            try:
-                relation = con.sql(text, params=params if with_params else None)
-                return relation.to_arrow_table() if relation is not None else pa.table({})
-            except duckdb.Error as error:
-                raise query_error(error, list(runners)) from None
-
+        sql = statement_runner(con, params, runners)
         if plan is None:
             return sql(prefix + rw.sql), None
         table = f"__ken_{self.host.db.namespace()}"
