@@ -30,7 +30,7 @@ from ken.models.resources import (
     sigmoid,
 )
 from ken.models.transformers_backend import TransformersBody
-from ken.ops.prompts import SEM_FILTER_CHOICE
+from ken.ops.prompts import SEM_FILTER_CHOICE, ChatPrompt
 
 FAMILY = "sem-filter"
 SHORT_NAMES = {"minilm-l3": "l3", "minilm-l6": "l6"}
@@ -266,19 +266,23 @@ class ChoiceFilterModel(Model):
     :class:`~ken.models.llm.ChoiceModel` (prompt ``sem_filter_choice/v1``): ``P(true)`` is the
     probability of "yes" after each option's score on content-free inputs is subtracted, so a
     model that says "no" to everything (Qwen2.5-Coder-0.5B asked yes/no, ``YesNoLLMModel``)
-    does not answer false by default. NULL or blank texts get ``P(true) = 0.5``."""
+    does not answer false by default. NULL or blank texts get ``P(true) = 0.5``.
+
+    ``prompt`` (a template with a ``{predicate}`` field), ``family`` and ``num_inputs`` let
+    another yes/no question use the same scoring (``sem_join``'s pair question)."""
 
     def __init__(self, lm: CausalLM, predicate: str, lm_name: str = "qwen2.5-coder-0.5b",
-                 name: str | None = None) -> None:
+                 name: str | None = None, prompt: ChatPrompt = SEM_FILTER_CHOICE,
+                 family: str = FAMILY, num_inputs: int = 1) -> None:
         self.lm = lm
         self.predicate = predicate
         self.device = lm.device
         short = lm_name.split("-")[0]
-        key = short_hash(predicate, lm_name, SEM_FILTER_CHOICE.key)
-        prompt = SEM_FILTER_CHOICE.with_constants({"predicate": predicate})
-        self.choice = ChoiceModel(lm, ("yes", "no"), prompt, name or f"choice-{short}[{key}]",
-                                  FAMILY, SEM_FILTER_CHOICE.key)
-        self.spec = replace(self.choice.spec, labels=BOOLEAN_LABELS)
+        key = short_hash(predicate, lm_name, prompt.key)
+        self.choice = ChoiceModel(lm, ("yes", "no"),
+                                  prompt.with_constants({"predicate": predicate}),
+                                  name or f"choice-{short}[{key}]", family, prompt.key)
+        self.spec = replace(self.choice.spec, labels=BOOLEAN_LABELS, num_inputs=num_inputs)
 
     def predict(self, texts: Sequence[str], batch_size: int = 8) -> Prediction:
         p = self.choice.option_probabilities(list(texts), batch_size)

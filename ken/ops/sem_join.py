@@ -27,17 +27,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
 from ken.errors import DataError
 from ken.models import family
-from ken.models.llm import ChoiceModel
-from ken.models.model import BOOLEAN_LABELS, DeviceConfig, Model, Prediction
+from ken.models.model import DeviceConfig, Model, Prediction
 from ken.models.quality import EvalSample
 from ken.models.records import PLAIN, as_record, check_pairs
-from ken.models.resources import CausalLM, Resources, boolean_probabilities, short_hash
+from ken.models.resources import CausalLM, Resources, short_hash
 from ken.ops.base import OpContext, Stage
 from ken.ops.filter_models import ChoiceFilterModel
 from ken.ops.llm_operator import LLMOperator, stage_prefix
@@ -80,24 +79,17 @@ def side_text(value: object) -> str | None:
     return "; ".join(f"{k}: {v}" for k, v in record.items() if v)
 
 
-class PairChoiceModel(Model):
+class PairChoiceModel(ChoiceFilterModel):
     """``P(true)`` of the predicate for a pair: "yes" against "no" as the answer to the prompt
-    ``sem_join/v1``, calibrated against content-free inputs (:class:`ChoiceModel`)."""
+    ``sem_join/v1``, scored as ``sem_filter``'s yes/no choice is (calibrated against
+    content-free inputs); each side is shown as :func:`side_text` makes it."""
 
     def __init__(self, lm: CausalLM, predicate: str, name: str) -> None:
-        self.lm = lm
-        self.device = lm.device
-        self.predicate = predicate
-        prompt = SEM_JOIN.with_constants({"predicate": predicate})
-        self.choice = ChoiceModel(lm, ("yes", "no"), prompt, name, FAMILY, SEM_JOIN.key)
-        self.spec = replace(self.choice.spec, labels=BOOLEAN_LABELS, num_inputs=2)
+        super().__init__(lm, predicate, name=name, prompt=SEM_JOIN, family=FAMILY, num_inputs=2)
 
     def predict(self, texts: Sequence, batch_size: int = 8) -> Prediction:
         rows = [(side_text(a), side_text(b)) for a, b in check_pairs(self.name, texts)]
-        p = self.choice.option_probabilities(rows, batch_size)
-        p_true = np.where(np.isnan(p[:, 0]), 0.5, p[:, 0])
-        probs = boolean_probabilities(p_true)
-        return Prediction(probs.argmax(axis=1).astype(np.int64), probs, BOOLEAN_LABELS)
+        return super().predict(rows, batch_size)
 
 
 def load_pair_stage(resources: Resources, device: DeviceConfig, name: str, lm_name: str,
