@@ -83,6 +83,14 @@ class SiteStats:
         return sum(s.input_rows for s in self.stages)
 
 
+def row_keys(columns: list[list]) -> list:
+    """Each row's input as the memo keys it: the value of one column, or the tuple of several
+    (None when any of them is NULL: a pair with a NULL side is NULL)."""
+    if len(columns) == 1:
+        return columns[0]
+    return [None if any(v is None for v in k) else k for k in zip(*columns, strict=True)]
+
+
 class SiteRunner:
     """The Python function DuckDB calls for one call site; keeps the per-query memo."""
 
@@ -108,10 +116,7 @@ class SiteRunner:
     def __call__(self, *arrays: pa.Array) -> pa.Array:
         with self.lock:
             started = time.perf_counter()
-            columns = [a.to_pylist() for a in arrays]
-            keys = columns[0] if len(columns) == 1 else list(zip(*columns, strict=True))
-            if len(columns) > 1:  # a pair with a NULL side is NULL
-                keys = [None if any(v is None for v in k) else k for k in keys]
+            keys = row_keys([a.to_pylist() for a in arrays])
             new = self._unanswered(keys)
             if new and self.shortcut is not None:
                 try:

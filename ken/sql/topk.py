@@ -54,7 +54,7 @@ from sqlglot import exp
 from ken.errors import KenError
 from ken.models.cascade import Cascade
 from ken.ops.base import Bound, sql_type
-from ken.sql.execute import SiteRunner
+from ken.sql.execute import SiteRunner, row_keys
 from ken.sql.rewrite import CallSite, Rewritten
 from ken.sql.shape import (
     ROW_NUMBER,
@@ -249,10 +249,7 @@ def run_topk(sql: Callable[[str], pa.Table], rw: Rewritten, plan: TopK, runner: 
                                    *[a.copy() for a in call.expressions]])
         table = sql(inputs.sql(dialect="duckdb"))
         numbers = table.column(0).to_pylist()
-        columns = [table.column(i).to_pylist() for i in range(1, table.num_columns)]
-        keys: list = (columns[0] if len(columns) == 1 else
-                      [None if any(v is None for v in k) else k for k in zip(*columns,
-                                                                               strict=True)])
+        keys = row_keys([table.column(i).to_pylist() for i in range(1, table.num_columns)])
         known, run = _choose(plan, runner, keys)
         # the rows with a value (NULL input: NULL), best first, ties by the source's order
         valued = [i for i in range(len(keys)) if keys[i] is None or keys[i] in known]
