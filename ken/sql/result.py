@@ -21,7 +21,7 @@ class Result:
         self._table = table
         self._relation = relation
         self.stats = stats or {}  # call-site label -> SiteStats, for semantic queries
-        # (and "limit" -> LimitRun, "topk" -> TopkRun where those plans ran)
+        # (and "limit" -> LimitRun, "topk" -> TopkRun, "join" -> [JoinRun] where those ran)
 
     def arrow(self) -> pa.Table:
         if self._table is None:
