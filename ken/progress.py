@@ -37,6 +37,12 @@ class Reporter:
         if self.showing:
             self.console.print(message, markup=False, highlight=False)  # names hold brackets
 
+    def warn(self, message: str) -> None:
+        """Say something went wrong and was handled (shown unless quiet, also outside long
+        work)."""
+        if not self.quiet:
+            self.console.print(f"warning: {message}", markup=False, highlight=False)
+
     @contextmanager
     def long_work(self, message: str) -> Iterator[None]:
         """Say ``message`` (what is about to happen and roughly how long it takes) unless

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from ken.cache import ResultCache, cache_setting
+from ken.cache import default_path as default_cache_path
 from ken.engine.manager import ServingManager
 from ken.engine.ray_runner import RayCluster
 from ken.errors import KenError
@@ -50,11 +52,16 @@ class Session:
 
     def __init__(self, path: str | Path | None = None, device: DeviceConfig | None = None,
                  data: Any = None, home: Path | None = None, batch_size: int = 32,
-                 reporter: Reporter | None = None, builtins: bool = True) -> None:
+                 reporter: Reporter | None = None, builtins: bool = True,
+                 cache: bool | str | Path | ResultCache | None = None) -> None:
         """``reporter``: where progress goes. By default the session is silent except for
         long work (preparing the model family on first use, profiling): that says what it
         is about to do and roughly how long it takes, then shows its progress on stderr;
-        ``reporter=ken.progress.QUIET`` silences that too."""
+        ``reporter=ken.progress.QUIET`` silences that too.
+
+        ``cache``: where answers persist across queries and sessions (``ken.cache``): True for
+        ``KEN_HOME/cache/results.sqlite``, a path for another file, False for none. The
+        default is on, unless the environment sets ``KEN_CACHE=off`` (or a path)."""
         self.db = Database(path)
         self.con = self.db.con  # the connection of the thread that opened the session
         if reporter is None:
@@ -78,7 +85,23 @@ class Session:
         # escalated rows whose expensive scores measure its margin (a pruned row exceeds the
         # margin with probability <= 1 / (topk_sample + 1) if exchangeable with them)
         self.topk_sample = 19
+        # the result cache (opened on first use); cache_enabled = False (SET ken_cache = off)
+        # runs every query without it
+        self._cache_spec = cache_setting(cache)
+        self.cache_enabled = self._cache_spec is not False
+        self._cache: ResultCache | None = cache if isinstance(cache, ResultCache) else None
         self._queries = QueryRunner(self)
+
+    @property
+    def cache(self) -> ResultCache | None:
+        """The result cache queries read and write, or None while it is off."""
+        if not self.cache_enabled:
+            return None
+        if self._cache is None:
+            spec = self._cache_spec
+            path = default_cache_path(self.home) if spec in (True, None, False) else spec
+            self._cache = ResultCache(path, warn=self.reporter.warn)
+        return self._cache
 
     @property
     def device(self) -> DeviceConfig:
@@ -390,6 +413,8 @@ class Session:
         self.stop_serving()
         self._queries.close()
         self.db.close()
+        if self._cache is not None:
+            self._cache.close()
 
     def __enter__(self) -> Session:
         return self

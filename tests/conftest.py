@@ -1,5 +1,10 @@
+import os
 import sys
 from pathlib import Path
+
+# the result cache (ken.cache) would carry answers from one test to the next; its own tests
+# turn it on with a file of their own
+os.environ["KEN_CACHE"] = "off"
 
 sys.path.insert(0, str(Path(__file__).parent))
 

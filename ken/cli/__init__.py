@@ -322,6 +322,20 @@ def build_parser() -> argparse.ArgumentParser:
                             "what Qwen alone sustains (default 1.5)")
         qa.set_defaults(func=_command("ken.cli.qa", "cmd_qa"))
 
+    cache = sub.add_parser("cache", help="the result cache: answers kept across queries and "
+                           "sessions (KEN_HOME/cache/results.sqlite)")
+    csub = cache.add_subparsers(dest="cache_command", required=True)
+    for name, text in (("stats", "answers, size and use per operator"),
+                       ("clear", "delete the answers (of --operator only, if given)")):
+        c = csub.add_parser(name, help=text)
+        c.add_argument("--path", type=Path, default=None,
+                       help="the cache file (default: KEN_CACHE if it is a path, else "
+                            "KEN_HOME/cache/results.sqlite)")
+        if name == "clear":
+            c.add_argument("--operator", action="append", default=[], metavar="NAME",
+                           help="only this operator's answers (repeatable), e.g. sentiment")
+        c.set_defaults(func=_command("ken.cli.cache", f"cmd_cache_{name}"))
+
     demo = sub.add_parser("demo", help="the whole pipeline on the packaged models and data")
     family_args(demo)
     demo.add_argument("--quick", action="store_true",

@@ -20,11 +20,13 @@ import duckdb
 import pyarrow as pa
 from duckdb.sqltypes import BIGINT, BOOLEAN, DOUBLE, VARCHAR
 
+from ken.cache import ResultCache
 from ken.engine.batch import CascadeResult, run_cascade
 from ken.engine.serving import Engine
 from ken.errors import EngineBusy, KenError
 from ken.models.cascade import Cascade
 from ken.ops.base import Bound, struct_fields
+from ken.sql.cache_key import Namespace
 from ken.sql.rewrite import CallSite
 
 #: how long a query keeps sending rows that the engine's admission turns away (seconds)
@@ -77,6 +79,8 @@ class SiteStats:
     rejected_retries: int = 0  # online rows sent again after admission turned them away
     shortcut_rows: int = 0  # distinct inputs a query plan answered without the models
     pruned: int = 0  # distinct inputs the top-k plan left after the first stage (ken.sql.topk)
+    cache_hits: int = 0  # distinct inputs answered by the result cache (ken.cache)
+    cache_misses: int = 0  # distinct inputs looked up in the result cache and not found
 
     @property
     def model_calls(self) -> int:
@@ -96,7 +100,10 @@ class SiteRunner:
 
     def __init__(self, site: CallSite, bound: Bound, batch_size: int, lock: threading.Lock,
                  memo: dict[Any, Any] | None = None, engine: Engine | None = None,
-                 bulk_threshold: int = 64) -> None:
+                 bulk_threshold: int = 64, cache: ResultCache | None = None,
+                 namespace: Namespace | None = None) -> None:
+        """``cache`` and ``namespace``: where answers persist across queries (``ken.cache``;
+        both or neither)."""
         self.site = site
         self.bound = bound
         self.batch_size = batch_size
@@ -112,12 +119,14 @@ class SiteRunner:
         # a query plan that answers some inputs without the models (sem_join's per-side
         # rewrite and blocking, ``ken.sql.join``): ``shortcut.answer(keys) -> {key: value}``
         self.shortcut: Any = None
+        self.cache = cache if namespace is not None else None
+        self.namespace = namespace
 
     def __call__(self, *arrays: pa.Array) -> pa.Array:
         with self.lock:
             started = time.perf_counter()
             keys = row_keys([a.to_pylist() for a in arrays])
-            new = self._unanswered(keys)
+            new = self.unanswered(keys)
             if new and self.shortcut is not None:
                 try:
                     answered = self.shortcut.answer(new)
@@ -139,15 +148,31 @@ class SiteRunner:
             self.stats.seconds += time.perf_counter() - started
             return pa.array([None if k is None else self.memo[k] for k in keys], self.arrow_type)
 
-    def _unanswered(self, keys: list) -> list:
-        """The distinct non-NULL inputs among ``keys`` that the memo has no answer for."""
-        return list(dict.fromkeys(k for k in keys if k is not None and k not in self.memo))
+    def unanswered(self, keys: list) -> list:
+        """The distinct non-NULL inputs among ``keys`` that neither the memo nor the result
+        cache has an answer for; the cache's answers join the memo."""
+        new = list(dict.fromkeys(k for k in keys if k is not None and k not in self.memo))
+        if new and self.cache is not None and self.namespace is not None:
+            hits = self.cache.get_many(self.namespace.id, new)
+            self.memo.update(hits)
+            self.stats.cache_hits += len(hits)
+            new = [k for k in new if k not in hits]
+            self.stats.cache_misses += len(new)
+        return new
+
+    def keep(self, answers: dict[Any, Any]) -> None:
+        """Put the models' answers (input -> SQL value) in the memo and the result cache; only
+        answers of calls that returned reach here."""
+        self.memo.update(answers)
+        if answers and self.cache is not None and self.namespace is not None:
+            self.cache.put_many(self.namespace.id, self.namespace.operator,
+                                self.namespace.description, answers)
 
     def ensure(self, keys: list) -> None:
         """Answer the inputs ``keys`` not in the memo yet (before the statement runs: a plan's
         samples), counted in the site's statistics like the statement's own."""
         with self.lock:
-            new = self._unanswered(keys)
+            new = self.unanswered(keys)
             if new:
                 started = time.perf_counter()
                 self._evaluate(new)
@@ -163,7 +188,7 @@ class SiteRunner:
         for counter, model, before in zip(self.stats.stages, models, calls, strict=True):
             if isinstance(before, int):
                 counter.lm_calls += model.calls - before
-        self.memo.update(zip(inputs, values, strict=True))
+        self.keep(dict(zip(inputs, values, strict=True)))
         self.stats.distinct_evaluated += len(inputs)
 
     def run_stages(self, cascade: Cascade, inputs: list, first_stage: int = 0
@@ -220,7 +245,7 @@ class SiteRunner:
                 time.sleep(min(max(o.retry_after_s or 0.01 for o in rejected), 1.0))
         outcomes = [answered[i] for i in range(len(inputs))]
         values = self.bound.to_sql_values([o.value for o in outcomes])
-        self.memo.update(zip(inputs, values, strict=True))
+        self.keep(dict(zip(inputs, values, strict=True)))
         self.stats.distinct_evaluated += len(inputs)
         for o in outcomes:  # the gear plan's cascades may use other models than the site's
             key = f"{o.model} (stage {o.stage + 1})"

@@ -218,13 +218,16 @@ def actual_lines(runner: SiteRunner) -> list[str]:
     """EXPLAIN ANALYZE lines of what one call site did."""
     st = runner.stats
     repeats = (st.rows_in - st.null_rows - st.distinct_evaluated - st.shortcut_rows
-               - st.pruned)
+               - st.pruned - st.cache_hits)
     planned = (f" + {st.shortcut_rows:,} answered by the join plan without the model"
                if st.shortcut_rows else "")
     pruned = f" + {st.pruned:,} pruned by the top-k plan" if st.pruned else ""
+    cached = (f" + {st.cache_hits:,} from the result cache" if st.cache_hits else "")
     lines = [f"{st.rows_in:,} rows in = {st.null_rows:,} NULL + {st.distinct_evaluated:,} "
-             f"distinct evaluated{planned}{pruned} + {repeats:,} repeats served by dedup; "
-             f"{st.chunks} chunks, {st.seconds:.3f} s"]
+             f"distinct evaluated{cached}{planned}{pruned} + {repeats:,} repeats served by "
+             f"dedup; {st.chunks} chunks, {st.seconds:.3f} s"]
+    if runner.cache is not None:
+        lines.append(f"result cache: {st.cache_hits:,} hits, {st.cache_misses:,} misses")
     if st.online_rows or st.bulk_rows:
         answered = ", ".join(f"{k} {v:,}" for k, v in st.resolved_by.items())
         retried = (f"; {st.rejected_retries:,} sent again after admission turned them away"

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import duckdb
 import pyarrow as pa
 
+from ken.cache import ResultCache
 from ken.engine.manager import ServingManager
 from ken.errors import KenError
 from ken.models.model import DeviceConfig
@@ -30,6 +31,7 @@ from ken.ops.base import Bound, OpContext, Operator, suggest
 from ken.ops.llm_operator import LLMOperator
 from ken.ops.sem_join import SemJoin
 from ken.ops.training import Trained, TrainingData
+from ken.sql.cache_key import namespace
 from ken.sql.database import Database
 from ken.sql.execute import SiteRunner, query_error, registered
 from ken.sql.explain import actual_lines, build, estimate, plan_lines, render, site_lines
@@ -48,9 +50,14 @@ _SET_LLMS = re.compile(r"^\s*(SET|RESET)\s+(?:SESSION\s+)?(\w+?)_llms\s*"
 #: ``SET sem_join_plan = 'blocking'`` / ``RESET sem_join_plan``: sem_join's plan settings
 _SET_JOIN = re.compile(r"^\s*(SET|RESET)\s+(?:SESSION\s+)?sem_join_(\w+)\s*"
                        r"(?:(?:=|TO)\s*(?:'((?:[^']|'')*)'|([\w.]+)))?\s*$", re.IGNORECASE)
-#: ``SET ken_topk = off`` / ``on`` / ``RESET ken_topk``: the top-k plan (``ken.sql.topk``)
-_SET_TOPK = re.compile(r"^\s*(SET|RESET)\s+(?:SESSION\s+)?ken_topk\s*"
-                       r"(?:(?:=|TO)\s*'?(\w+)'?)?\s*$", re.IGNORECASE)
+#: ``SET ken_topk = off`` / ``on`` / ``RESET ken_topk``: the top-k plan (``ken.sql.topk``);
+#: ``SET ken_cache = off``: the result cache (``ken.cache``)
+_SET_SWITCH = re.compile(r"^\s*(SET|RESET)\s+(?:SESSION\s+)?ken_(topk|cache)\s*"
+                         r"(?:(?:=|TO)\s*'?(\w+)'?)?\s*$", re.IGNORECASE)
+#: what each switch does when off (for the error on a bad value)
+_SWITCH_OFF = {"topk": "runs ORDER BY <score> LIMIT k on every row",
+               "cache": "answers every query with the models, neither reading nor writing "
+                        "the result cache"}
 ENGINES = ("auto", "duckdb", "ray")
 
 
@@ -65,6 +72,11 @@ class QueryHost(Protocol):
     ray_min_rows: int | None  # engine="auto" goes to Ray Data from this many rows (None: never)
     topk: bool  # ORDER BY <score> LIMIT k by the top-k plan (ken.sql.topk)
     topk_sample: int  # escalated rows that measure the top-k plan's margin
+    cache_enabled: bool  # SET ken_cache = off turns the result cache off
+
+    @property
+    def cache(self) -> ResultCache | None:
+        """The result cache answers persist in (``ken.cache``); None when off."""
 
     def bind(self, function: str, constants: tuple[str, ...]) -> Bound: ...
 
@@ -129,9 +141,9 @@ class QueryRunner:
         setting = _SET_JOIN.match(query)
         if setting and isinstance(self.host.operators.get("sem_join"), SemJoin):
             return self._set_join(*setting.groups())
-        setting = _SET_TOPK.match(query)
+        setting = _SET_SWITCH.match(query)
         if setting:
-            return self._set_topk(*setting.groups())
+            return self._set_switch(*setting.groups())
         if is_train(query):
             return self._train_statement(query)
         match = _EXPLAIN.match(query)
@@ -224,19 +236,23 @@ class QueryRunner:
         return self._result(pa.table({"setting": [f"sem_join_{name.lower()}"],
                                       "value": [str(now)]}))
 
-    def _set_topk(self, verb: str, value: str | None) -> Result:
+    def _set_switch(self, verb: str, name: str, value: str | None) -> Result:
         """``SET ken_topk = off``: ``ORDER BY <score> LIMIT k`` scores every row with the
-        whole cascade (the naive plan); ``on`` or ``RESET`` restores the top-k plan."""
+        whole cascade (the naive plan); ``SET ken_cache = off``: no result cache. ``on`` or
+        ``RESET`` turns either back on."""
+        name = name.lower()
+        attribute = {"topk": "topk", "cache": "cache_enabled"}[name]
         if verb.upper() == "RESET":
-            self.host.topk = True
+            on = True
         else:
             word = (value or "").lower()
             if word not in ("on", "off", "true", "false"):
-                raise SqlError(f"SET ken_topk takes on or off (got {value!r}): SET ken_topk = "
-                               "off runs ORDER BY <score> LIMIT k on every row")
-            self.host.topk = word in ("on", "true")
-        return self._result(pa.table({"setting": ["ken_topk"],
-                                      "value": ["on" if self.host.topk else "off"]}))
+                raise SqlError(f"SET ken_{name} takes on or off (got {value!r}): SET "
+                               f"ken_{name} = off {_SWITCH_OFF[name]}")
+            on = word in ("on", "true")
+        setattr(self.host, attribute, on)
+        return self._result(pa.table({"setting": [f"ken_{name}"],
+                                      "value": ["on" if on else "off"]}))
 
     # -- the front end and the bound sites -----------------------------------------------------
 
@@ -261,11 +277,17 @@ class QueryRunner:
         out = []
         for site in rw.sites:
             engine = host.serving.engine_for(site.function, site.constants)
-            out.append(SiteRunner(site, host.bind(site.function, site.constants),
-                                  host.ctx.batch_size,
+            bound = host.bind(site.function, site.constants)
+            space = None
+            if host.cache is not None:
+                plan = host.serving.plans.get(site.function) if engine is not None else None
+                space = namespace(site.function, site.constants, bound,
+                                  plan.to_json() if plan is not None else None)
+            out.append(SiteRunner(site, bound, host.ctx.batch_size,
                                   query_lock if engine else self._models_lock,
                                   memos.setdefault((site.function, site.constants), {}),
-                                  engine=engine, bulk_threshold=host.serving.bulk_threshold))
+                                  engine=engine, bulk_threshold=host.serving.bulk_threshold,
+                                  cache=host.cache, namespace=space))
         return out
 
     def _topk(self, rw: Rewritten) -> tuple[TopK | None, str]:

@@ -256,7 +256,6 @@ def run_topk(sql: Callable[[str], pa.Table], rw: Rewritten, plan: TopK, runner: 
         valued.sort(key=lambda i: (-_rank(None if keys[i] is None else known[keys[i]],
                                           plan.descending), numbers[i]))
         chosen = [numbers[i] for i in valued[:plan.wanted]]
-        runner.memo.update((k, v) for k, v in known.items())
         rows = (f"SELECT * FROM {quoted} WHERE "
                 + (f"{ROW_NUMBER} IN ({', '.join(map(str, chosen))})" if chosen else "false"))
         final = on_rows(s, plan.shape, rows)
@@ -288,8 +287,9 @@ def _choose(plan: TopK, runner: SiteRunner, keys: list) -> tuple[dict, dict]:
     for k in keys:
         if k is not None:
             counts[k] = counts.get(k, 0) + 1
+    with runner.lock:
+        new = runner.unanswered(list(counts))  # the memo and the result cache answer the rest
     known = {k: runner.memo[k] for k in counts if k in runner.memo}
-    new = [k for k in counts if k not in known]
     first = Cascade(cascade.models[:1], (), cascade.certainty)
     rest = Cascade(cascade.models[1:], cascade.thresholds[1:], cascade.certainty)
     with runner.lock:
@@ -336,6 +336,7 @@ def _choose(plan: TopK, runner: SiteRunner, keys: list) -> tuple[dict, dict]:
                 batch.append(order.pop(0))
             expensive(batch)
             batches += 1
+        runner.keep({k: known[k] for k in new if k in known})  # final values only
     stats = runner.stats  # as if the rows had reached the site: EXPLAIN ANALYZE adds up
     stats.rows_in += len(keys)
     stats.null_rows += len(keys) - sum(counts.values())
