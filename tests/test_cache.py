@@ -317,3 +317,34 @@ def test_cli_stats_and_clear(tmp_path, capsys) -> None:
     assert "deleted 6 answers" in capsys.readouterr().out
     assert cli_main(["cache", "stats", "--path", str(tmp_path / "none.sqlite")]) == 0
     assert "no file yet" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------- served by a plan
+
+
+def test_a_served_function_caches_under_its_plan(tmp_path) -> None:
+    from test_serving_sql import mood_plan
+
+    path = tmp_path / "results.sqlite"
+    texts = [f"tweet {i} about the game" for i in range(40)]
+
+    def served(plan_cascade: Cascade) -> tuple[dict, dict[str, FakeModel]]:
+        models = {"a": FakeModel("a"), "b": FakeModel("b")}
+        with ken.connect(builtins=False, cache=path) as s:
+            s.register("mood", Cascade(("a", "b"), (0.6,)), models=models)
+            s.register_table("t", pa.table({"text": texts}))
+            s.use_plan(mood_plan(plan_cascade))
+            s.serve(workers="thread")
+            answers = dict(s.sql("SELECT text, mood(text) FROM t").fetchall())
+        return answers, models
+
+    first, models = served(Cascade(("a", "b"), (0.6,)))
+    assert calls(models) > 0
+    again, models = served(Cascade(("a", "b"), (0.6,)))
+    assert again == first and calls(models) == 0
+    _, models = served(Cascade(("a", "b"), (0.9,)))  # another plan: its own answers
+    assert calls(models) > 0
+    with session(path, {"a": FakeModel("a"), "b": FakeModel("b")}) as s:
+        # in-process, the same cascade as the plan's: a namespace of its own too
+        s.sql(QUERY)
+        assert s.cache is not None and s.cache.stats().operators[0].namespaces == 3

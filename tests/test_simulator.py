@@ -536,3 +536,30 @@ def test_simulate_many_routes_reject_bad_input() -> None:
         simulate_many(plans, cats, trace, routes=[(0,)], rows=[0])
     with pytest.raises(SimulationError, match="beyond"):
         simulate_many(plans, cats, trace, routes=[(0,)] * 50, rows=[45] * 4)
+
+
+@settings(max_examples=30, deadline=None)
+@given(random_plans(), random_traces(), st.data())
+def test_cache_hits_are_free_and_leave_the_other_requests_as_without_them(
+        plan: GearPlan, trace: Trace, data: st.DataObject) -> None:
+    n = len(trace)
+    hits = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    rows = simulator.sample_rows(n, CATALOG.num_rows, 7)
+    routes = [[0]] * CATALOG.num_rows
+    res = simulate_many([plan], [CATALOG], trace, routes=routes, rows=rows, hits=hits)
+    hit = np.asarray(hits, bool)
+    # a hit is answered at arrival, on no device, by no stage
+    assert np.all(res.latency_s[hit] == 0.0)
+    assert np.all(res.stage[0, hit] == -1) and np.all(np.isnan(res.quality[0, hit]))
+    # the rest are served exactly as if the hits had never arrived
+    misses = ~hit
+    if not misses.any():
+        assert res.batches == 0 and sum(res.stage_rows[0]) == 0
+        return
+    alone = simulate_many([plan], [CATALOG], Trace(trace.arrival_s[misses]),
+                          routes=routes, rows=rows[misses])
+    assert np.array_equal(res.completion_s[misses], alone.completion_s)
+    assert np.array_equal(res.stage[0, misses], alone.stage[0])
+    assert res.device_busy_s == alone.device_busy_s and res.batches == alone.batches
+    with pytest.raises(SimulationError, match="flags"):
+        simulate_many([plan], [CATALOG], trace, hits=hits + [True])

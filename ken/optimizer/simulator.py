@@ -95,9 +95,14 @@ def simulate(plan: GearPlan, catalog: Catalog, trace: Trace, seed: int = 0) -> S
 
 def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace: Trace,
                   seed: int = 0, routes: Sequence[Sequence[int]] | None = None,
-                  rows: Sequence[int] | None = None) -> SimResult:
+                  rows: Sequence[int] | None = None, hits: Sequence[bool] | None = None
+                  ) -> SimResult:
     """Replay ``trace`` through ``plans`` in order (request ``i`` enters plan ``k + 1`` when
     plan ``k`` resolved it); plans share devices with the same id.
+
+    ``hits`` (optional): request ``i`` is answered by the result cache when ``hits[i]``, as
+    the engine's call sites answer it (``ken.sql.execute``): at arrival, with no device
+    time, never entering a plan (its quality NaN and stage -1, like a request off its route).
 
     ``routes`` (optional, with ``rows``): request ``i`` is sample row ``rows[i]`` in every
     plan's catalog and passes through the plans ``routes[rows[i]]`` in that order (indices
@@ -123,7 +128,9 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
     record = Record(trace.arrival_s.copy(), len(plans))
     ops = [_Operator(k, p, c, clock, busy, record, seed + k, rows)
            for k, (p, c) in enumerate(zip(plans, catalogs, strict=True))]
-    loop = EventLoop(ops, path, clock, record)
+    if hits is not None and len(hits) != n:
+        raise SimulationError(f"hits gives {len(hits)} flags for {n} requests")
+    loop = EventLoop(ops, path, clock, record, hits)
     loop.run()
     return SimResult(
         arrival_s=record.arrival_s, completion_s=np.asarray(record.completion_s, np.float64),
