@@ -307,6 +307,21 @@ class ResultCache:
 
         return self._run(work)
 
+    def count(self, namespace: str, inputs: Sequence[Any]) -> int:
+        """How many of ``inputs`` (distinct) have an answer under ``namespace``; reads only
+        (answers are checked when they are read for use)."""
+        keys = [_key(namespace, v) for v in inputs]
+
+        def work(con: sqlite3.Connection) -> int:
+            found = 0
+            for i in range(0, len(keys), CHUNK):
+                part = keys[i:i + CHUNK]
+                found += con.execute(f"SELECT COUNT(*) FROM entries WHERE key IN "
+                                     f"({','.join('?' * len(part))})", part).fetchone()[0]
+            return found
+
+        return self._run(work) if keys else 0
+
     def put_many(self, namespace: str, operator: str, description: str,
                  answers: Mapping[Any, Any]) -> None:
         """Keep ``answers`` (input -> SQL value) under ``namespace``; ``operator`` and

@@ -90,6 +90,11 @@ class Session:
         self._cache_spec = cache_setting(cache)
         self.cache_enabled = self._cache_spec is not False
         self._cache: ResultCache | None = cache if isinstance(cache, ResultCache) else None
+        # a query estimated to make more model calls, or take more model time (seconds), is
+        # refused before it runs (ken.sql.cost; SET ken_max_model_calls / _seconds); None: no
+        # limit
+        self.max_model_calls: int | None = None
+        self.max_model_seconds: float | None = None
         self._queries = QueryRunner(self)
 
     @property

@@ -157,6 +157,7 @@ class ClassifierBinding:
     calibrated: bool = True
     stage_fractions: tuple[float, ...] | None = None  # expected, from the profile
     expected_accuracy: float | None = None
+    cost_ms_per_row: float | None = None  # expected model time per distinct input (profile)
     trained: str = ""  # Trained.describe() when the user trained the operator
 
     def describe(self) -> str:
@@ -275,6 +276,7 @@ class ChosenCascade:
     cascade: Cascade
     stage_fractions: tuple[float, ...] | None = None
     accuracy: float | None = None
+    cost_ms_per_row: float | None = None  # expected model time per row, all stages
 
 
 #: ``chooser(operator, ctx, user_cascade_or_None) -> ChosenCascade``: how a session picks an

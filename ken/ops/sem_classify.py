@@ -289,6 +289,7 @@ class SemClassify(Operator):
         return ClassifierBinding(self.name, chosen.cascade, models,
                                  stage_fractions=chosen.stage_fractions,
                                  expected_accuracy=chosen.accuracy,
+                                 cost_ms_per_row=chosen.cost_ms_per_row,
                                  trained=self.trained.describe())
 
     def train(self, ctx: OpContext, data: TrainingData, *, labels: str = "",

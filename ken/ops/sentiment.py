@@ -66,6 +66,7 @@ class Sentiment(Operator):
         return ClassifierBinding(self.name, chosen.cascade, models,
                                  stage_fractions=chosen.stage_fractions,
                                  expected_accuracy=chosen.accuracy,
+                                 cost_ms_per_row=chosen.cost_ms_per_row,
                                  trained=self.trained.describe() if self.trained else "")
 
     def eval_sample(self, ctx: OpContext) -> EvalSample:

@@ -160,7 +160,8 @@ def choose_cascade(op: Operator, ctx: OpContext, cascade: Cascade | None = None
         best_single = max(p.accuracy for p in profiles.values())
         good = [m for m in front if m.accuracy >= best_single]
         chosen = good[0] if good else front[-1]
-    return ChosenCascade(chosen.cascade, chosen.stage_fractions, chosen.accuracy)
+    return ChosenCascade(chosen.cascade, chosen.stage_fractions, chosen.accuracy,
+                         chosen.cost_ms_per_row)
 
 
 TRACE_KINDS = ("azure", "poisson", "gamma")

@@ -10,13 +10,11 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import duckdb
 from sqlglot import exp
 
-from ken.ops.base import Bound
-from ken.sql.rewrite import CallSite, Rewritten, conjuncts
+from ken.sql.rewrite import CallSite, conjuncts
 
 if TYPE_CHECKING:
     from ken.engine.manager import ServingManager
@@ -171,47 +169,6 @@ def site_lines(sites: Sequence[CallSite], describe: Mapping[int, str],
         for line in (actual or {}).get(site.id, []):
             lines.append(f"      actual: {line}")
     return lines
-
-
-def estimate(con: Any, rw: Rewritten, site: CallSite, bound: Bound) -> str:
-    """Rows and distinct inputs reaching a site, from a COUNT over its relational part."""
-    call = next((a for a in rw.statement.find_all(exp.Anonymous)
-                 if str(a.this) == site.udf_name), None)
-    scope = call.find_ancestor(exp.Select) if call is not None else None
-    if scope is None:
-        return "input rows unknown"
-    probe = scope.copy()
-    for key in ("group", "having", "order", "limit", "distinct", "offset"):
-        probe.set(key, None)
-    where = probe.args.get("where")
-    kept = [c for c in conjuncts(where.this if where is not None else None)
-            if not has_site(c)]
-    probe.set("where", exp.Where(this=exp.and_(*kept)) if kept else None)
-    for join in probe.args.get("joins") or []:
-        on = [c for c in conjuncts(join.args.get("on")) if not has_site(c)]
-        join.set("on", exp.and_(*on) if on else exp.true())
-    args = [exp.maybe_parse(a, dialect="duckdb") for a in site.args]
-    distinct_arg = args[0] if len(args) == 1 else exp.Array(expressions=args)
-    probe.set("expressions", [exp.Count(this=exp.Star()),
-                              exp.Count(this=exp.Distinct(expressions=[distinct_arg]))])
-    root_with = rw.statement.args.get("with_")
-    if root_with is not None and probe.args.get("with_") is None:
-        probe.set("with_", root_with.copy())
-    try:
-        rows, distinct = con.sql(probe.sql(dialect="duckdb")).fetchall()[0]
-    except duckdb.Error:
-        return "input rows unknown (correlated or nested scope)"
-    upper = "≤ " if site.clauses != ("WHERE",) or len(kept) != len(conjuncts(
-        where.this if where is not None else None)) else ""
-    text = f"{upper}{rows:,} input rows, {upper}{distinct:,} distinct non-NULL inputs"
-    fractions = getattr(bound, "stage_fractions", None)
-    if fractions:
-        calls = ", ".join(f"{m} {distinct * f:,.0f}"
-                          for m, f in zip(bound.cascade.models, fractions, strict=True))
-        text += f"; model calls ≈ {calls}"
-    else:
-        text += f"; model calls ≤ {distinct:,} per stage"
-    return text
 
 
 def actual_lines(runner: SiteRunner) -> list[str]:

@@ -32,9 +32,10 @@ from ken.ops.llm_operator import LLMOperator
 from ken.ops.sem_join import SemJoin
 from ken.ops.training import Trained, TrainingData
 from ken.sql.cache_key import namespace
+from ken.sql.cost import check_limits, estimate
 from ken.sql.database import Database
 from ken.sql.execute import SiteRunner, query_error, registered
-from ken.sql.explain import actual_lines, build, estimate, plan_lines, render, site_lines
+from ken.sql.explain import actual_lines, build, plan_lines, render, site_lines
 from ken.sql.join import JoinPlanner, JoinRun, distinct_values, explain_lines, join_sides
 from ken.sql.limit import EarlyLimit, LimitRun, early_limit, run_early_limit
 from ken.sql.ray_query import ray_choice, run_on_ray
@@ -58,6 +59,10 @@ _SET_SWITCH = re.compile(r"^\s*(SET|RESET)\s+(?:SESSION\s+)?ken_(topk|cache)\s*"
 _SWITCH_OFF = {"topk": "runs ORDER BY <score> LIMIT k on every row",
                "cache": "answers every query with the models, neither reading nor writing "
                         "the result cache"}
+#: ``SET ken_max_model_calls = 5000`` / ``ken_max_model_seconds = 60`` / ``RESET ...``: the
+#: session's limits on what one query may cost (``ken.sql.cost``)
+_SET_LIMIT = re.compile(r"^\s*(SET|RESET)\s+(?:SESSION\s+)?ken_max_model_(calls|seconds)\s*"
+                        r"(?:(?:=|TO)\s*'?([^'\s]*)'?)?\s*$", re.IGNORECASE)
 ENGINES = ("auto", "duckdb", "ray")
 
 
@@ -73,6 +78,8 @@ class QueryHost(Protocol):
     topk: bool  # ORDER BY <score> LIMIT k by the top-k plan (ken.sql.topk)
     topk_sample: int  # escalated rows that measure the top-k plan's margin
     cache_enabled: bool  # SET ken_cache = off turns the result cache off
+    max_model_calls: int | None  # a query estimated to make more is refused (ken.sql.cost)
+    max_model_seconds: float | None  # ... or to take more model time
 
     @property
     def cache(self) -> ResultCache | None:
@@ -144,6 +151,9 @@ class QueryRunner:
         setting = _SET_SWITCH.match(query)
         if setting:
             return self._set_switch(*setting.groups())
+        setting = _SET_LIMIT.match(query)
+        if setting:
+            return self._set_limit(*setting.groups())
         if is_train(query):
             return self._train_statement(query)
         match = _EXPLAIN.match(query)
@@ -154,6 +164,7 @@ class QueryRunner:
         if not any(rw.is_semantic for rw in rewritten):
             return self._run_unchanged(query, params)
         rw = rewritten[0]
+        self._check_cost(rw)
         limit = early_limit(rw)[0] if engine != "ray" else None
         if limit is not None:
             return self._run(rw, params, limit)  # it stops early, so it evaluates few rows
@@ -253,6 +264,26 @@ class QueryRunner:
         setattr(self.host, attribute, on)
         return self._result(pa.table({"setting": [f"ken_{name}"],
                                       "value": ["on" if on else "off"]}))
+
+    def _set_limit(self, verb: str, kind: str, value: str | None) -> Result:
+        """``SET ken_max_model_calls = N`` / ``ken_max_model_seconds = S``: refuse a query
+        estimated to cost more; ``RESET`` (or ``SET ... = none``) removes the limit."""
+        kind = kind.lower()
+        attribute = f"max_model_{kind}"
+        limit: float | None = None
+        text = (value or "").strip().lower()
+        if verb.upper() == "SET" and text not in ("none", "off"):
+            try:
+                limit = int(text) if kind == "calls" else float(text)
+            except ValueError:
+                limit = None
+            if limit is None or not limit > 0:
+                raise SqlError(f"SET ken_max_model_{kind} takes a number above 0 (or none), not "
+                               f"{value!r}: a query estimated to need more model "
+                               f"{kind} is refused before it runs")
+        setattr(self.host, attribute, limit)
+        return self._result(pa.table({"setting": [f"ken_max_model_{kind}"],
+                                      "value": ["none" if limit is None else f"{limit:g}"]}))
 
     # -- the front end and the bound sites -----------------------------------------------------
 
@@ -394,6 +425,19 @@ class QueryRunner:
                            duckdb_sql, actors=host.ray_actors, threads=threads)
         return self._result(table)
 
+    def _check_cost(self, rw: Rewritten) -> None:
+        """Refuse ``rw`` before it runs when its estimate exceeds the session's limits
+        (``ken.sql.cost``)."""
+        host = self.host
+        if host.max_model_calls is None and host.max_model_seconds is None:
+            return
+        runners = self._site_runners(rw)
+        con = host.db.connection()
+        with registered(con, runners):
+            estimates = [estimate(con, rw, r.site, r.bound, r.cache, r.namespace)
+                         for r in runners]
+        check_limits(estimates, host.max_model_calls, host.max_model_seconds)
+
     # -- EXPLAIN -----------------------------------------------------------------------------
 
     def explain(self, query: str, analyze: bool = False, params: Any = None) -> str:
@@ -408,7 +452,8 @@ class QueryRunner:
         describe = {r.site.id: r.bound.describe() for r in runners}
         con = self.host.db.connection()
         with registered(con, runners):  # nested calls may remain inside FROM subqueries
-            estimates = {r.site.id: estimate(con, rw, r.site, r.bound) for r in runners}
+            estimates = {r.site.id: estimate(con, rw, r.site, r.bound, r.cache,
+                                             r.namespace).text() for r in runners}
         plans = {s.id: plan_lines(self.host.serving, s.function, s.constants)
                  for s in rw.sites}
         limit, why_not = early_limit(rw)
