@@ -138,7 +138,7 @@ def extract_variants(threads: int) -> dict[str, list[str | None]]:
     answers: dict[str, list[str | None]] = {}
     for label, llms in (("SmolLM2 alone", LLMS[:1]), ("Qwen alone (default)", LLMS[1:]),
                         ("SmolLM2 -> Qwen", LLMS)):
-        with ken.connect(device=DeviceConfig(threads=threads)) as s:
+        with ken.connect(device=DeviceConfig(threads=threads), cache=False) as s:
             s.operators["sem_extract"].llms = llms
             s.register_table("t", pa.table({"i": list(range(len(EXTRACT_ROWS))),
                                             "x": [r[0] for r in EXTRACT_ROWS],
@@ -157,7 +157,7 @@ def map_variants(threads: int) -> dict[str, list]:
     answers: dict[str, list] = {}
     for label, llms in (("SmolLM2 alone", LLMS[:1]), ("Qwen alone", LLMS[1:]),
                         ("SmolLM2 -> Qwen (default)", LLMS)):
-        with ken.connect(device=DeviceConfig(threads=threads)) as s:
+        with ken.connect(device=DeviceConfig(threads=threads), cache=False) as s:
             s.operators["sem_map"].llms = llms
             got = []
             for text, instruction, _ in MAP_ROWS:

@@ -965,7 +965,7 @@ def part_serve(args: argparse.Namespace, ws: Workspace) -> dict:
             device = DeviceConfig(kind, 0, threads, precision)
             label = device.for_causal_lm().label + ("+cudnn" if cudnn else "")
             rows: dict[str, Any] = {}
-            with cudnn_attention(cudnn), connect(device=device) as session:
+            with cudnn_attention(cudnn), connect(device=device, cache=False) as session:
                 session.register_table("t", table)
                 for op, query in queries.items():
                     session.operators[op].llms = (added,)

@@ -65,7 +65,7 @@ def sql_run(model: str, precision: str, rows: list[tuple[str, str]], threads: in
     table = pa.table({"i": list(range(len(rows))), "question": [q for q, _ in rows],
                       "passage": [p for _, p in rows]})
     out: dict = {"path": "SQL"}
-    with ken.connect(device=DeviceConfig(threads=threads, precision=precision)) as s:
+    with ken.connect(device=DeviceConfig(threads=threads, precision=precision), cache=False) as s:
         s.register_table("t", table)
         s.register_table("warm", table.slice(0, 2))
         s.sql(f"SET sem_qa_llms = '{model}'")

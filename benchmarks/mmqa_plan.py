@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     reporter = Reporter()
     started = time.perf_counter()
     data = read_mmqa(args.data_dir or shared_data_dir() / "mmqa")
-    with ken.connect(device=DeviceConfig(threads=2), reporter=reporter) as session:
+    with ken.connect(device=DeviceConfig(threads=2), reporter=reporter, cache=False) as session:
         outcomes = load_or_measure(session, data, args.cache, LLMS, reporter,
                                    args.force)
     planner = PipelinePlanner(outcomes, args.devices, args.memory_gb, args.duration,

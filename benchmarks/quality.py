@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     data = default_data()
     if args.with_members:
         data = data.with_members(*args.with_members.split(","))
-    with ken.connect(device=device, data=data, reporter=reporter) as session:
+    with ken.connect(device=device, data=data, reporter=reporter, cache=False) as session:
         if "sentiment" not in skip:
             prepare(data, device, reporter=reporter)  # reuses what is prepared
             models = load_models(data, device)

@@ -37,7 +37,9 @@ def cmd_qa(args: argparse.Namespace) -> int:
     folder = args.data_dir or shared_data_dir() / args.command
     data = read_mmqa(folder) if args.command == "mmqa" else read_hybridqa(folder)
     reporter = Reporter(args.quiet)
-    with connect(device=DeviceConfig(threads=args.threads), reporter=reporter) as session:
+    # a measurement (answers' latency, the planned pipeline's replay): no result cache
+    with connect(device=DeviceConfig(threads=args.threads), reporter=reporter,
+                 cache=False) as session:
         if target is None:
             session.operators["sem_qa"].llms = tuple(args.llms.split(","))
             report = run_pipeline(session, data, args.limit, reporter)
