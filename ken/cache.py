@@ -167,13 +167,16 @@ class ResultCache:
     """Answers by (namespace, input); see the module docstring. Thread-safe."""
 
     def __init__(self, path: str | Path | None = None, max_bytes: int | None = None,
-                 warn: Any = None) -> None:
-        """``warn(message)`` is told when a corrupted file is set aside (default: stderr)."""
+                 warn: Any = None, busy_timeout_s: float = BUSY_TIMEOUT_S) -> None:
+        """``warn(message)`` is told when a corrupted file is set aside (default: stderr);
+        ``busy_timeout_s``: how long to wait for another process's write before the cache
+        gives up (``CacheError``; a query then goes on without the cache)."""
         self.path = Path(path) if path is not None else default_path()
         self.max_bytes = max_bytes_from_env() if max_bytes is None else int(max_bytes)
         if self.max_bytes <= 0:
             raise CacheError(f"the cache's max_bytes must be above 0, not {max_bytes}")
         self._warn = warn
+        self.busy_timeout_s = busy_timeout_s
         self._lock = threading.Lock()
         self._known_namespaces: set[str] = set()
         self.corrupt_entries = 0  # entries dropped by the read check since opening
@@ -190,13 +193,19 @@ class ResultCache:
                              f"{exc}") from None
         try:
             self._con = self._connect()
+        except sqlite3.OperationalError as exc:
+            if not _damaged(exc):
+                raise CacheError(f"the result cache {self.path} cannot be opened: {exc}"
+                                 ) from None
+            self._set_aside(exc)
+            self._con = self._connect()
         except sqlite3.DatabaseError as exc:
             self._set_aside(exc)
             self._con = self._connect()
 
     def _connect(self) -> sqlite3.Connection:
-        con = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, check_same_thread=False,
-                              isolation_level=None)
+        con = sqlite3.connect(self.path, timeout=self.busy_timeout_s,
+                              check_same_thread=False, isolation_level=None)
         try:
             con.execute("PRAGMA journal_mode=WAL")
             con.execute("PRAGMA synchronous=NORMAL")
@@ -248,13 +257,20 @@ class ResultCache:
                 raise CacheError(f"the result cache {self.path} is closed")
             try:
                 return work(self._con)
+            except sqlite3.OperationalError as exc:
+                # locked past the timeout, a full disk, a read-only file: not damage
+                if _damaged(exc):
+                    return self._rebuilt(work, exc)
+                raise CacheError(f"the result cache {self.path} cannot be used now: {exc}"
+                                 ) from None
             except sqlite3.DatabaseError as exc:
-                if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
-                    raise CacheError(f"the result cache {self.path} stayed locked by another "
-                                     f"process for {BUSY_TIMEOUT_S:.0f} s") from None
-                self._set_aside(exc)
-                self._con = self._connect()
-                return work(self._con)
+                return self._rebuilt(work, exc)
+
+    def _rebuilt(self, work: Any, exc: Exception) -> Any:
+        """Set the damaged file aside and do ``work`` on a new one (the lock is held)."""
+        self._set_aside(exc)
+        self._con = self._connect()
+        return work(self._con)
 
     def close(self) -> None:
         with self._lock:
@@ -414,6 +430,12 @@ class ResultCache:
         if not names:
             self._run(lambda con: con.execute("VACUUM"))
         return gone
+
+
+def _damaged(exc: sqlite3.OperationalError) -> bool:
+    """Whether an operational error means the file's contents are bad (a missing table), not
+    that the file cannot be written now."""
+    return "no such table" in str(exc) or "malformed" in str(exc)
 
 
 def _file_bytes(path: Path) -> int:

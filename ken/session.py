@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from ken.cache import ResultCache, cache_setting
+from ken.cache import CacheError, ResultCache, cache_setting
 from ken.cache import default_path as default_cache_path
 from ken.engine.manager import ServingManager
 from ken.engine.ray_runner import RayCluster
@@ -90,6 +90,7 @@ class Session:
         self._cache_spec = cache_setting(cache)
         self.cache_enabled = self._cache_spec is not False
         self._cache: ResultCache | None = cache if isinstance(cache, ResultCache) else None
+        self._owns_cache = self._cache is None  # a ResultCache given is the caller's to close
         # a query estimated to make more model calls, or take more model time (seconds), is
         # refused before it runs (ken.sql.cost; SET ken_max_model_calls / _seconds); None: no
         # limit
@@ -105,7 +106,12 @@ class Session:
         if self._cache is None:
             spec = self._cache_spec
             path = default_cache_path(self.home) if spec in (True, None, False) else spec
-            self._cache = ResultCache(path, warn=self.reporter.warn)
+            try:
+                self._cache = ResultCache(path, warn=self.reporter.warn)
+            except CacheError as exc:  # costs the cache's answers, not the session's queries
+                self.reporter.warn(f"{exc}; this session runs without the result cache")
+                self.cache_enabled = False
+                return None
         return self._cache
 
     @property
@@ -418,7 +424,7 @@ class Session:
         self.stop_serving()
         self._queries.close()
         self.db.close()
-        if self._cache is not None:
+        if self._cache is not None and self._owns_cache:
             self._cache.close()
 
     def __enter__(self) -> Session:

@@ -348,3 +348,31 @@ def test_a_served_function_caches_under_its_plan(tmp_path) -> None:
         # in-process, the same cascade as the plan's: a namespace of its own too
         s.sql(QUERY)
         assert s.cache is not None and s.cache.stats().operators[0].namespaces == 3
+
+
+def test_a_cache_another_process_holds_locked_costs_its_answers_not_the_query(tmp_path) -> None:
+    path = tmp_path / "results.sqlite"
+    ResultCache(path).close()
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")  # another process writing, for longer than we wait
+    try:
+        models = {"a": FakeModel("a"), "b": FakeModel("b")}
+        s = ken.connect(builtins=False, cache=ResultCache(path, busy_timeout_s=0.05))
+        s.register("mood", Cascade(("a", "b"), (0.5,)), models=models)
+        s.register_table("tweets", pa.table({"id": list(range(len(TEXTS))), "text": TEXTS}))
+        with session(tmp_path / "other.sqlite") as plain:
+            assert s.sql(QUERY).fetchall() == plain.sql(QUERY).fetchall()
+        text = s.explain(QUERY, analyze=True)
+        assert "then not used: the result cache" in text and "locked" in text
+        s.close()
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+
+
+def test_an_unusable_cache_path_leaves_the_session_working(tmp_path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with session(blocker / "results.sqlite") as s:  # its folder cannot be made
+        assert len(s.sql(QUERY).fetchall()) == len(TEXTS)
+        assert s.cache is None and not s.cache_enabled

@@ -20,7 +20,7 @@ import duckdb
 import pyarrow as pa
 from duckdb.sqltypes import BIGINT, BOOLEAN, DOUBLE, VARCHAR
 
-from ken.cache import ResultCache
+from ken.cache import CacheError, ResultCache
 from ken.engine.batch import CascadeResult, run_cascade
 from ken.engine.serving import Engine
 from ken.errors import EngineBusy, KenError
@@ -81,6 +81,7 @@ class SiteStats:
     pruned: int = 0  # distinct inputs the top-k plan left after the first stage (ken.sql.topk)
     cache_hits: int = 0  # distinct inputs answered by the result cache (ken.cache)
     cache_misses: int = 0  # distinct inputs looked up in the result cache and not found
+    cache_error: str = ""  # why the site stopped using the result cache (it answers anyway)
 
     @property
     def model_calls(self) -> int:
@@ -153,7 +154,11 @@ class SiteRunner:
         cache has an answer for; the cache's answers join the memo."""
         new = list(dict.fromkeys(k for k in keys if k is not None and k not in self.memo))
         if new and self.cache is not None and self.namespace is not None:
-            hits = self.cache.get_many(self.namespace.id, new)
+            try:
+                hits = self.cache.get_many(self.namespace.id, new)
+            except CacheError as exc:
+                self._cache_failed(exc)
+                return new
             self.memo.update(hits)
             self.stats.cache_hits += len(hits)
             new = [k for k in new if k not in hits]
@@ -165,8 +170,17 @@ class SiteRunner:
         answers of calls that returned reach here."""
         self.memo.update(answers)
         if answers and self.cache is not None and self.namespace is not None:
-            self.cache.put_many(self.namespace.id, self.namespace.operator,
-                                self.namespace.description, answers)
+            try:
+                self.cache.put_many(self.namespace.id, self.namespace.operator,
+                                    self.namespace.description, answers)
+            except CacheError as exc:
+                self._cache_failed(exc)
+
+    def _cache_failed(self, exc: CacheError) -> None:
+        """A cache that cannot be used (locked by another process past its timeout, a disk
+        that is full) costs its answers, not the query: the site goes on without it."""
+        self.cache = None
+        self.stats.cache_error = str(exc)
 
     def ensure(self, keys: list) -> None:
         """Answer the inputs ``keys`` not in the memo yet (before the statement runs: a plan's

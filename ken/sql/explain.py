@@ -183,8 +183,9 @@ def actual_lines(runner: SiteRunner) -> list[str]:
     lines = [f"{st.rows_in:,} rows in = {st.null_rows:,} NULL + {st.distinct_evaluated:,} "
              f"distinct evaluated{cached}{planned}{pruned} + {repeats:,} repeats served by "
              f"dedup; {st.chunks} chunks, {st.seconds:.3f} s"]
-    if runner.cache is not None:
-        lines.append(f"result cache: {st.cache_hits:,} hits, {st.cache_misses:,} misses")
+    if runner.cache is not None or st.cache_error:
+        failed = f" (then not used: {st.cache_error})" if st.cache_error else ""
+        lines.append(f"result cache: {st.cache_hits:,} hits, {st.cache_misses:,} misses{failed}")
     if st.online_rows or st.bulk_rows:
         answered = ", ".join(f"{k} {v:,}" for k, v in st.resolved_by.items())
         retried = (f"; {st.rejected_retries:,} sent again after admission turned them away"
