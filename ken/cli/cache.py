@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 from ken.cache import ResultCache, cache_setting, default_path
@@ -17,30 +18,29 @@ def _path(args: argparse.Namespace) -> Path:
     return setting if isinstance(setting, Path) else default_path()
 
 
-def cmd_cache_stats(args: argparse.Namespace) -> int:
+def _on_cache(args: argparse.Namespace, no_file: str,
+              work: Callable[[ResultCache, Path], list[str]]) -> int:
+    """Print ``work``'s lines for the cache file of ``args`` (``no_file`` when there is none:
+    nothing is created)."""
     path = _path(args)
     if not path.exists():
-        print(f"result cache {path}: empty (no file yet; queries create it)")
+        print(f"result cache {path}: {no_file}")
         return 0
     cache = ResultCache(path)
     try:
-        for line in cache.stats().lines():
-            print(line)
+        lines = work(cache, path)
     finally:
         cache.close()
+    print("\n".join(lines))
     return 0
+
+
+def cmd_cache_stats(args: argparse.Namespace) -> int:
+    return _on_cache(args, "empty (no file yet; queries create it)",
+                     lambda cache, _path: cache.stats().lines())
 
 
 def cmd_cache_clear(args: argparse.Namespace) -> int:
-    path = _path(args)
-    if not path.exists():
-        print(f"result cache {path}: nothing to clear (no file)")
-        return 0
-    cache = ResultCache(path)
-    try:
-        gone = cache.clear(args.operator)
-    finally:
-        cache.close()
     which = f" of {', '.join(args.operator)}" if args.operator else ""
-    print(f"deleted {gone:,} answers{which} from {path}")
-    return 0
+    return _on_cache(args, "nothing to clear (no file)", lambda cache, path: [
+        f"deleted {cache.clear(args.operator):,} answers{which} from {path}"])
