@@ -153,13 +153,14 @@ class CacheStats:
 
     def lines(self) -> list[str]:
         mib = 1024 * 1024
-        out = [f"result cache {self.path}: {self.entries:,} answers, "
+        out = [f"result cache {self.path}: {_answers(self.entries)}, "
                f"{self.bytes / mib:,.1f} MiB of {self.max_bytes / mib:,.0f} MiB allowed "
                f"(file {self.file_bytes / mib:,.1f} MiB)"]
         for u in self.operators:
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(u.last_used))
-            out.append(f"  {u.operator}: {u.entries:,} answers in {u.namespaces} "
-                       f"version(s), {u.bytes / mib:,.2f} MiB, last used {when}")
+            versions = "1 version" if u.namespaces == 1 else f"{u.namespaces} versions"
+            out.append(f"  {u.operator}: {_answers(u.entries)} in {versions}, "
+                       f"{u.bytes / mib:,.2f} MiB, last used {when}")
         return out
 
 
@@ -430,6 +431,10 @@ class ResultCache:
         if not names:
             self._run(lambda con: con.execute("VACUUM"))
         return gone
+
+
+def _answers(n: int) -> str:
+    return "1 answer" if n == 1 else f"{n:,} answers"
 
 
 def _damaged(exc: sqlite3.OperationalError) -> bool:
