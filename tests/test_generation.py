@@ -110,6 +110,27 @@ def test_option_scores_equal_brute_force_sums(lm) -> None:  # noqa: ANN001
         score_options(lm, ctx_ids[:1], [[]])
 
 
+def test_options_on_a_shared_context_equal_each_pair_run_whole(lm) -> None:  # noqa: ANN001
+    """``option_logprobs`` (each context once, its options on the cached keys and values)
+    against ``continuation_logprobs`` (each context + option run whole), over rows of
+    different lengths and option counts, one-token and longer options, several batch sizes."""
+    rng = np.random.default_rng(3)
+    contexts = [rng.integers(100, 5000, size=n).tolist() for n in (3, 17, 9, 1, 30)]
+    options = [[rng.integers(100, 5000, size=m).tolist() for m in ms]
+               for ms in ((1, 2), (4, 1, 3), (2,), (1, 1, 5, 2), (3, 3))]
+    flat_ctx = [c for c, opts in zip(contexts, options, strict=True) for _ in opts]
+    flat_opt = [o for opts in options for o in opts]
+    whole = lm.continuation_logprobs(flat_ctx, flat_opt, batch_size=4)
+    for batch_size in (1, 3, 16):
+        seen: list[int] = []
+        shared = lm.option_logprobs(contexts, options, batch_size=batch_size,
+                                    on_batch=seen.append)
+        assert np.allclose(np.concatenate(shared), whole, atol=2e-3)
+        assert sum(seen) == len(contexts)
+    with pytest.raises(ModelError, match="at least one option"):
+        lm.option_logprobs(contexts[:1], [[]])
+
+
 def test_generation_rejects_bad_arguments(lm) -> None:  # noqa: ANN001
     with pytest.raises(ModelError, match="at least one token"):
         generate(lm, [[]])

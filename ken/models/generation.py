@@ -351,8 +351,12 @@ def score_options(lm: CausalLM, contexts: Sequence[Sequence[int]],
                   on_batch: Callable[[int], None] | None = None) -> list[np.ndarray]:
     """``log P(option | context)`` of every option of every row: one array per row.
 
-    All (context, option) pairs run as one batched list of continuations, sorted by length.
+    Each context runs once, its options on its cached keys and values
+    (``CausalLM.option_logprobs``); an LM without that method runs every (context, option)
+    pair as one batched list of continuations, sorted by length.
     """
+    if hasattr(lm, "option_logprobs"):
+        return lm.option_logprobs(contexts, options, batch_size=batch_size, on_batch=on_batch)
     flat_ctx: list[Sequence[int]] = []
     flat_opt: list[Sequence[int]] = []
     for ctx, opts in zip(contexts, options, strict=True):

@@ -165,6 +165,83 @@ class CausalLM:
                     on_batch(len(rows))
         return out
 
+    def option_logprobs(self, contexts: Sequence[Sequence[int]],
+                        options: Sequence[Sequence[Sequence[int]]], batch_size: int = 16,
+                        on_batch: Callable[[int], None] | None = None) -> list[np.ndarray]:
+        """``log P(option | context)`` of every option of every row (one array per row), each
+        context run once: one pass over a batch of contexts (left-padded) keeps its KV cache
+        and gives every option's first token; the options' other tokens then run in one pass
+        on that cache, each (row, option) pair reading its row's cached keys and values. The
+        same sums as :meth:`continuation_logprobs` on ``context + option``, at the cost of one
+        context instead of one per option. ``batch_size`` bounds the (row, option) pairs per
+        pass; ``on_batch(rows)`` is told after each batch of contexts."""
+        import torch
+
+        if batch_size < 1:
+            raise ModelError(f"batch size must be at least 1, got {batch_size}")
+        if len(contexts) != len(options):
+            raise ModelError(f"{len(contexts)} contexts but {len(options)} option lists")
+        if any(not len(c) for c in contexts):
+            raise ModelError("every context needs at least one token")
+        if any(not len(o) for o in options):
+            raise ModelError("every row needs at least one option to score")
+        out = [np.zeros(len(o), dtype=np.float64) for o in options]
+        device = self.device.torch_device
+        torch.set_num_threads(self.device.threads)
+        order = np.argsort([len(c) for c in contexts], kind="stable").tolist()
+        with torch.inference_mode():
+            while order:
+                rows = [order.pop(0)]  # contexts whose options fit in one batch of pairs
+                pairs = len(options[rows[0]])
+                while order and pairs + len(options[order[0]]) <= batch_size:
+                    pairs += len(options[order[0]])
+                    rows.append(order.pop(0))
+                input_ids, mask = pad_batch([contexts[i] for i in rows], self.pad_id, left=True)
+                positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+                first = self.net(input_ids=input_ids.to(device),
+                                 attention_mask=mask.to(device),
+                                 position_ids=positions.to(device), use_cache=True,
+                                 logits_to_keep=1)
+                first_logp = torch.log_softmax(first.logits[:, -1].float(), dim=-1).cpu()
+                longer = []  # (row in batch, row, option) of options with more tokens
+                for j, i in enumerate(rows):
+                    for k, option in enumerate(options[i]):
+                        if len(option):
+                            out[i][k] = float(first_logp[j, option[0]])
+                        if len(option) > 1:
+                            longer.append((j, i, k))
+                if longer:
+                    self._rest_of_options(first.past_key_values, mask, longer, options, out)
+                if on_batch:
+                    on_batch(len(rows))
+        return out
+
+    def _rest_of_options(self, cache: Any, mask: Any, longer: list[tuple[int, int, int]],
+                         options: Sequence[Sequence[Sequence[int]]],
+                         out: list[np.ndarray]) -> None:
+        """Add the log-probabilities of the options' tokens after the first to ``out``: the
+        options' tokens but the last run on the contexts' cache, one (row, option) pair per
+        batch row, right-padded."""
+        import torch
+
+        device = self.device.torch_device
+        picks = torch.tensor([j for j, _, _ in longer], dtype=torch.long, device=device)
+        cache.batch_select_indices(picks)  # each pair's own copy of its row's keys and values
+        tails = [list(options[i][k][:-1]) for _, i, k in longer]
+        tail_ids, tail_mask = pad_batch(tails, self.pad_id, left=False)
+        context_mask = mask.to(device)[picks]
+        lengths = context_mask.sum(dim=1, keepdim=True)
+        positions = lengths + torch.arange(tail_ids.shape[1], device=device)[None, :]
+        logits = self.net(input_ids=tail_ids.to(device),
+                          attention_mask=torch.cat([context_mask, tail_mask.to(device)], dim=1),
+                          position_ids=positions, past_key_values=cache,
+                          use_cache=False).logits
+        logp = torch.log_softmax(logits.float(), dim=-1).cpu()
+        for p, (_, i, k) in enumerate(longer):
+            targets = torch.tensor(list(options[i][k][1:]), dtype=torch.long)
+            picked = logp[p, :len(targets)].gather(1, targets[:, None])
+            out[i][k] += float(picked.double().sum())
+
     def continuation_logprobs(self, contexts: Sequence[Sequence[int]],
                               continuations: Sequence[Sequence[int]], batch_size: int = 8,
                               on_batch: Callable[[int], None] | None = None) -> np.ndarray:
