@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ken.errors import ModelError
-from ken.models.transformers_backend import pad_batch
+from ken.models.transformers_backend import pad_batch, returned_cache, with_cache
 
 if TYPE_CHECKING:
     from ken.models.resources import CausalLM
@@ -231,10 +231,10 @@ class DecodeBatch:
         import torch
 
         result = self.lm.net(input_ids=input_ids, attention_mask=self._mask,
-                             position_ids=positions, past_key_values=self._past,
+                             position_ids=positions, **with_cache(self.lm.net, self._past),
                              use_cache=True, logits_to_keep=1)
         self.passes += 1
-        self._past = result.past_key_values
+        self._past = returned_cache(result)
         logp = torch.log_softmax(result.logits[:, -1, :].float(), dim=-1)
         best = logp.argmax(dim=-1)
         picked = logp.gather(1, best[:, None])[:, 0].cpu().tolist()

@@ -27,7 +27,9 @@ from ken.models.transformers_backend import (
     TransformersBody,
     count_params,
     pad_batch,
+    returned_cache,
     weight_bytes,
+    with_cache,
 )
 from ken.paths import ken_home
 from ken.progress import QUIET, Reporter
@@ -211,7 +213,7 @@ class CausalLM:
                         if len(option) > 1:
                             longer.append((j, i, k))
                 if longer:
-                    self._rest_of_options(first.past_key_values, mask, longer, options, out)
+                    self._rest_of_options(returned_cache(first), mask, longer, options, out)
                 if on_batch:
                     on_batch(len(rows))
         return out
@@ -234,7 +236,7 @@ class CausalLM:
         positions = lengths + torch.arange(tail_ids.shape[1], device=device)[None, :]
         logits = self.net(input_ids=tail_ids.to(device),
                           attention_mask=torch.cat([context_mask, tail_mask.to(device)], dim=1),
-                          position_ids=positions, past_key_values=cache,
+                          position_ids=positions, **with_cache(self.net, cache),
                           use_cache=False).logits
         logp = torch.log_softmax(logits.float(), dim=-1).cpu()
         for p, (_, i, k) in enumerate(longer):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import os
 from collections.abc import Callable, Sequence
@@ -117,6 +119,26 @@ def pad_arrays(sequences: Sequence[Sequence[int]], pad_id: int, left: bool = Fal
                                   count=int(lengths.sum()))
     mask[...] = real
     return input_ids, mask
+
+
+@functools.cache
+def _cache_argument(net_class: type) -> str:
+    """The name a causal LM's ``forward`` takes its KV cache by: ``cache`` since transformers
+    5.2x, ``past_key_values`` before (still accepted then, with a deprecation warning)."""
+    params = inspect.signature(net_class.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def with_cache(net: Any, cache: Any) -> dict[str, Any]:
+    """The keyword argument that hands ``cache`` to ``net``'s forward pass."""
+    return {_cache_argument(type(net)): cache}
+
+
+def returned_cache(result: Any) -> Any:
+    """The KV cache a forward pass with ``use_cache=True`` returned (``cache``, or
+    ``past_key_values`` in older transformers)."""
+    cache = getattr(result, "cache", None)
+    return cache if cache is not None else result.past_key_values
 
 
 def pad_batch(sequences: Sequence[Sequence[int]], pad_id: int, left: bool = False
