@@ -379,7 +379,7 @@ def plan_lines(con: Any, rw: Rewritten, site: CallSite, targets: Targets) -> lis
         inputs = ""
     what = ("oracle-labelled inputs" if target.metric == "accuracy" else
             f"inputs the {'cascade answers' if target.metric == 'precision' else 'oracle calls'}"
-            " true (so more sampled inputs: this many over the share of true answers)")
+            " true (the sample is that over their share)")
     if targets.sample_rows:
         what = "inputs (session.targets.sample_rows)"
     return [f"{head}: needs a sample of {needed:,} {what}{inputs}, plus up to "
