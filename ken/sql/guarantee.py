@@ -13,12 +13,13 @@ Before a statement with a targeted call site runs:
    semantic conditions filter before it).
 2. Up to ``PATH_ROWS`` of them, drawn uniformly, are answered by the stages before the oracle:
    their certainties set the threshold path (``quantile_path``; no oracle answer is involved).
-3. ``sample_size`` others, drawn uniformly, are answered by every stage up to the oracle; the
-   oracle's answers are those inputs' final answers (the query does not pay for them twice).
+3. ``sample_size`` of them, drawn uniformly and independently of the path's draw (so the
+   sample is uniform over every input and the path tells nothing of it), are answered by
+   every stage up to the oracle; the oracle's answers are those inputs' final answers (the
+   query does not pay for them twice).
 4. ``choose_thresholds`` picks the cheapest certified setting; the site runs that cascade on
    the remaining inputs, or the oracle alone when nothing cheaper is certified. When the
-   sample and the path would not leave fewer inputs than there are, the oracle answers every
-   input instead.
+   sample would hold every input, the oracle answers every input instead.
 
 The draw uses a fixed seed, so a query repeats exactly. The stages are the site's cascade, or
 when it has one stage (e.g. ``sentiment``'s default, MiniLM-L6 alone) or the oracle is not in
@@ -175,13 +176,13 @@ class TargetRun:
         head = f"target {self.site}: {self.target.metric} >= {self.target.target:g} against " \
                f"{self.oracle} (delta {self.target.delta:g})"
         if self.all_oracle:
-            return (f"{head}: the oracle answered all {self.inputs:,} distinct inputs (the "
-                    f"bound needs a sample of {self.needed:,} and the path {self.path_rows:,} "
-                    "more, which would leave none)")
+            why = ("only the oracle meets a target of 1" if self.needed == 0 else
+                   f"the bound needs a sample of {self.needed:,}")
+            return (f"{head}: the oracle answered all {self.inputs:,} distinct inputs ({why})")
         if self.guarantee is None:
             return f"{head}: {self.note}"
         g = self.guarantee
-        path = (f"; thresholds' path from {self.path_rows:,} other inputs"
+        path = (f"; thresholds' path from {self.path_rows:,} inputs drawn apart"
                 if self.path_rows else "")
         calls = ", ".join(f"{m} {c:,}" for m, c in self.stage_calls)
         if g.fell_back:
@@ -281,12 +282,12 @@ def prepare(con: Any, rw: Rewritten, runners: Sequence[SiteRunner], target: Guar
         if len(stages) == 1:
             _use_cascade(runners, (oracle,), ())
         return TargetRun(label, sites, target, oracle, len(population), 0, 0, 0, (), note=note)
-    rng = np.random.default_rng(SEED)
-    order = rng.permutation(len(population))
+    path_draw, sample_draw = (np.random.default_rng(SEED + k) for k in (0, 1))
     calls = {m: 0 for m in stages}
     # a target of 1 is met by the oracle alone: no path, no sample
     path_rows = min(targets.path_rows, len(population)) if target.target < 1.0 else 0
-    path_keys = [population[i] for i in order[len(population) - path_rows:]]
+    path_keys = [population[i] for i in path_draw.choice(len(population), path_rows,
+                                                         replace=False)]
     path_certs = []
     positive = 1.0
     for i, model in enumerate(stages[:-1]):
@@ -297,8 +298,9 @@ def prepare(con: Any, rw: Rewritten, runners: Sequence[SiteRunner], target: Guar
             positive = max(MIN_POSITIVE_SHARE, float(np.mean(np.array(values) == POSITIVE)))
     needed = targets.sample_rows or sample_size(target.metric, target.target, target.delta,
                                                 positive_share=positive)
-    every = needed == 0 or needed + path_rows >= len(population)
-    sample = population if every else [population[i] for i in order[:needed]]
+    every = needed == 0 or needed >= len(population)
+    sample = population if every else [population[i] for i in sample_draw.choice(
+        len(population), needed, replace=False)]
     outcomes = []
     for model in (oracle,) if every else stages:
         outcomes.append(_answers(bound, model, sample, certainty, ctx.batch_size))
@@ -382,7 +384,7 @@ def plan_lines(con: Any, rw: Rewritten, site: CallSite, targets: Targets) -> lis
             " true (the sample is that over their share)")
     if targets.sample_rows:
         what = "inputs (session.targets.sample_rows)"
-    return [f"{head}: needs a sample of {needed:,} {what}{inputs}, plus up to "
-            f"{targets.path_rows} for the thresholds' path; the oracle answers every input "
-            "when that leaves none"]
+    return [f"{head}: needs a sample of {needed:,} {what}{inputs}, and the stages before the "
+            f"oracle on up to {targets.path_rows} for the thresholds' path; the oracle answers "
+            "every input when the sample would hold them all"]
 
