@@ -496,6 +496,17 @@ def test_target_settings_and_their_errors() -> None:
         s.sql(QUERY, engine="ray")
 
 
+def test_aggregates_take_no_target() -> None:
+    s, _, _ = target_session(rows=20)
+    agg = SemanticFunction("fagg", 1, (), "varchar", lambda _c: ClassifierBinding(
+        "fagg", Cascade(("m1", "m2"), (0.5,)), {"m1": FakeModel("m1"), "m2": FakeModel("m2")}))
+    agg.aggregate = True
+    s.register("fagg", agg)
+    s.set_target("fagg", "accuracy", 0.9)
+    with pytest.raises(GuaranteeError, match="not to aggregates"):
+        s.sql("SELECT fagg(txt) FROM t")
+
+
 def test_a_target_of_one_is_the_oracle_alone() -> None:
     s, models, _ = target_session(rows=500)
     s.set_target("fsem", "accuracy", 1.0)

@@ -43,6 +43,7 @@ from sqlglot import exp
 
 from ken.errors import GuaranteeError, KenError
 from ken.ops.base import Bound, OpContext, Operator, suggest
+from ken.ops.sem_join import SemJoin
 from ken.optimizer.guarantee import (
     DEFAULT_DELTA,
     POSITIVE,
@@ -348,7 +349,12 @@ def apply_targets(con: Any, rw: Rewritten, runners: Sequence[SiteRunner], target
         function = group[0].site.function
         target = targets.for_function(function)
         assert target is not None
-        check_metric(target.metric, operators[function].output_type)
+        op = operators[function]
+        if op.aggregate or isinstance(op, SemJoin):
+            raise GuaranteeError(f"{function}() takes no target: targets apply to functions "
+                                 "that answer each input on its own, not to aggregates or "
+                                 "joins (whose plans answer some pairs without the models)")
+        check_metric(target.metric, op.output_type)
         out.append(prepare(con, rw, group, target, targets, ctx))
     return out
 

@@ -512,6 +512,7 @@ class QueryRunner:
         seconds = time.perf_counter() - started
         limit_lines += [run.line() for run in finished_joins(joins, runners)]
         limit_lines += [run.line() for run in finished(targets, runners)]
+        describe = {r.site.id: r.bound.describe() for r in runners}  # a target's cascade
         actual = {r.site.id: actual_lines(r) for r in runners}
         out = lines + site_lines(rw.sites, describe, estimates, actual, plans) + limit_lines
         out += ["", f"Total time: {seconds:.3f} s", "",
