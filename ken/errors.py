@@ -28,6 +28,11 @@ class CascadeError(KenError):
     """A cascade is malformed or does not match the models/profiles given."""
 
 
+class GuaranteeError(KenError):
+    """A statistical target (accuracy, precision or recall against an oracle) is malformed or
+    cannot be checked with the data given (``ken.optimizer.guarantee``)."""
+
+
 class EngineBusy(KenError):
     """The online engine rejected or failed rows of a query (overload, model failure)."""
 

@@ -37,6 +37,7 @@ from ken.paths import ken_home
 from ken.policy.plan import Frontier, Plan
 from ken.progress import Reporter
 from ken.sql.database import Database
+from ken.sql.guarantee import Targets
 from ken.sql.result import Result
 from ken.sql.runner import QueryRunner
 
@@ -96,6 +97,9 @@ class Session:
         # limit
         self.max_model_calls: int | None = None
         self.max_model_seconds: float | None = None
+        # accuracy / precision / recall targets against an oracle stage, with a guarantee
+        # (ken.sql.guarantee; set_target, SET ken_recall_target = 0.9)
+        self.targets = Targets()
         self._queries = QueryRunner(self)
 
     @property
@@ -352,6 +356,25 @@ class Session:
         many requests it cancelled."""
         return self.serving.stop(drain)
 
+
+    def set_target(self, function: str, metric: str = "accuracy", target: float = 0.9,
+                   delta: float = 0.05, oracle: str | None = None) -> None:
+        """Queries calling ``function`` meet ``metric`` >= ``target`` against ``oracle`` (a
+        model of its cascade; None: the last) with probability >= 1 - ``delta``: thresholds
+        chosen on a sample the oracle labels, sized by the bound (``ken.sql.guarantee``).
+        ``metric``: accuracy, or precision / recall of true for a boolean function.
+        ``clear_target`` removes it.
+
+        >>> session.set_target("sem_filter", "recall", 0.9)  # doctest: +SKIP
+        """
+        self.targets.set(self.operators, function, metric, target, delta, oracle)
+
+    def clear_target(self, function: str | None = None) -> None:
+        """Remove ``function``'s target (None: every target, the SQL one too)."""
+        if function is None:
+            self.targets = Targets()
+        else:
+            self.targets.by_function.pop(function.lower(), None)
 
     # -- statements (ken.sql.runner) ---------------------------------------------------------
 

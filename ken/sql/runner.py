@@ -36,6 +36,9 @@ from ken.sql.cost import check_limits, estimate
 from ken.sql.database import Database
 from ken.sql.execute import SiteRunner, query_error, registered
 from ken.sql.explain import actual_lines, build, plan_lines, render, site_lines
+from ken.sql.guarantee import SETTING as _SET_TARGET
+from ken.sql.guarantee import TargetRun, Targets, apply_targets, finished
+from ken.sql.guarantee import plan_lines as target_lines
 from ken.sql.join import JoinPlanner, JoinRun, distinct_values, explain_lines, join_sides
 from ken.sql.limit import EarlyLimit, LimitRun, early_limit, run_early_limit
 from ken.sql.ray_query import ray_choice, run_on_ray
@@ -80,6 +83,7 @@ class QueryHost(Protocol):
     cache_enabled: bool  # SET ken_cache = off turns the result cache off
     max_model_calls: int | None  # a query estimated to make more is refused (ken.sql.cost)
     max_model_seconds: float | None  # ... or to take more model time
+    targets: Targets  # accuracy / precision / recall targets with a guarantee
 
     @property
     def cache(self) -> ResultCache | None:
@@ -154,6 +158,9 @@ class QueryRunner:
         setting = _SET_LIMIT.match(query)
         if setting:
             return self._set_limit(*setting.groups())
+        setting = _SET_TARGET.match(query)
+        if setting:
+            return self._result(self.host.targets.statement(*setting.groups()))
         if is_train(query):
             return self._train_statement(query)
         match = _EXPLAIN.match(query)
@@ -165,6 +172,11 @@ class QueryRunner:
             return self._run_unchanged(query, params)
         rw = rewritten[0]
         self._check_cost(rw)
+        if self.host.targets.applies(rw):  # the target's sample needs every input listed
+            if engine == "ray":
+                raise KenError("a query with an accuracy/precision/recall target runs on "
+                               "DuckDB (engine='duckdb' or 'auto'), not on Ray")
+            return self._run(rw, params)
         limit = early_limit(rw)[0] if engine != "ray" else None
         if limit is not None:
             return self._run(rw, params, limit)  # it stops early, so it evaluates few rows
@@ -356,9 +368,12 @@ class QueryRunner:
         runners = self._site_runners(rw)
         con = self.host.db.connection()
         with registered(con, runners):
+            targets = self._targets(con, rw, runners)
             joins = self._plan_joins(con, rw, runners)
             table, run = self._execute(con, rw, params, runners, plan)
         stats: dict[str, Any] = {r.site.label: r.stats for r in runners}
+        if targets:
+            stats["targets"] = finished(targets, runners)
         if isinstance(run, LimitRun):
             stats["limit"] = run
         elif isinstance(run, TopkRun):
@@ -366,6 +381,12 @@ class QueryRunner:
         if joins:
             stats["join"] = finished_joins(joins, runners)
         return self._result(table, stats=stats)
+
+    def _targets(self, con: Any, rw: Rewritten, runners: Sequence[SiteRunner]
+                 ) -> list[TargetRun]:
+        """Choose the targeted sites' thresholds on their samples (``ken.sql.guarantee``)."""
+        return apply_targets(con, rw, runners, self.host.targets, self.host.operators,
+                             self.host.ctx)
 
     def _join_sides(self, con: Any, rw: Rewritten, runners: Sequence[SiteRunner]
                     ) -> list[tuple[SiteRunner, Any, str]]:
@@ -454,13 +475,14 @@ class QueryRunner:
         with registered(con, runners):  # nested calls may remain inside FROM subqueries
             estimates = {r.site.id: estimate(con, rw, r.site, r.bound, r.cache,
                                              r.namespace).text() for r in runners}
-        plans = {s.id: plan_lines(self.host.serving, s.function, s.constants)
-                 for s in rw.sites}
-        limit, why_not = early_limit(rw)
+            plans = {s.id: plan_lines(self.host.serving, s.function, s.constants)
+                     + target_lines(con, rw, s, self.host.targets) for s in rw.sites}
+        targeted = self.host.targets.applies(rw)
+        limit, why_not = early_limit(rw) if not targeted else (None, "")
         limit_lines = ([limit.describe()] if limit is not None else
                        [f"LIMIT does not stop early: {why_not}"] if why_not else [])
         join_lines = self._explain_joins(con, rw, runners)
-        topk, why_not = self._topk(rw)
+        topk, why_not = self._topk(rw) if not targeted else (None, "")
         if topk is not None:
             site = next(r for r in runners if r.site.id == topk.site_id)
             limit_lines.append(topk.describe(site.bound.cascade.models))
@@ -473,6 +495,7 @@ class QueryRunner:
         started = time.perf_counter()
         runners = self._site_runners(rw)  # fresh memos and counts: the estimates ran some
         with registered(con, runners):
+            targets = self._targets(con, rw, runners)
             joins = self._plan_joins(con, rw, runners)
             if plan is not None:
                 _, run = self._execute(con, rw, params, runners, plan)
@@ -488,6 +511,8 @@ class QueryRunner:
                 physical = table.column(1)[0].as_py() if table.num_rows else ""
         seconds = time.perf_counter() - started
         limit_lines += [run.line() for run in finished_joins(joins, runners)]
+        limit_lines += [run.line() for run in finished(targets, runners)]
+        describe = {r.site.id: r.bound.describe() for r in runners}  # a target's cascade
         actual = {r.site.id: actual_lines(r) for r in runners}
         out = lines + site_lines(rw.sites, describe, estimates, actual, plans) + limit_lines
         out += ["", f"Total time: {seconds:.3f} s", "",
