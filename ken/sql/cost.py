@@ -67,18 +67,16 @@ class SiteEstimate:
         return text
 
 
-def estimate(con: Any, rw: Rewritten, site: CallSite, bound: Bound,
-             cache: ResultCache | None = None, namespace: Namespace | None = None
-             ) -> SiteEstimate:
-    """The estimate of one call site of ``rw`` (run on ``con`` with the site functions
-    registered: nested calls may remain inside FROM subqueries)."""
-    label = f"{site.label} {site.call_sql()}"
-    unknown = SiteEstimate(label, None, None, True, 0, (), False, None)
+def site_scope(rw: Rewritten, site: CallSite) -> tuple[exp.Select, bool] | None:
+    """The SELECT that lists what reaches ``site`` with its semantic conditions dropped (its
+    relational WHERE and ON terms kept; ordering, grouping and limits removed), and whether
+    that over-counts (a semantic term dropped, or the site outside WHERE); None when the call
+    has no SELECT scope."""
     call = next((a for a in rw.statement.find_all(exp.Anonymous)
                  if str(a.this) == site.udf_name), None)
     scope = call.find_ancestor(exp.Select) if call is not None else None
     if scope is None:
-        return _unknown(unknown, "input rows unknown")
+        return None
     probe = scope.copy()
     for key in ("group", "having", "order", "limit", "distinct", "offset"):
         probe.set(key, None)
@@ -92,6 +90,31 @@ def estimate(con: Any, rw: Rewritten, site: CallSite, bound: Bound,
     root_with = rw.statement.args.get("with_")
     if root_with is not None and probe.args.get("with_") is None:
         probe.set("with_", root_with.copy())
+    return probe, site.clauses != ("WHERE",) or len(kept) != len(every)
+
+
+def distinct_inputs(con: Any, probe: exp.Select, site: CallSite) -> list:
+    """The distinct non-NULL inputs (memo keys) that ``probe`` (:func:`site_scope`) lists;
+    ``duckdb.Error`` when it cannot run (parameters, a correlated scope)."""
+    values = probe.copy()
+    values.set("expressions", [exp.cast(exp.maybe_parse(a, dialect="duckdb"), "VARCHAR")
+                               for a in site.args])
+    values.set("distinct", exp.Distinct())
+    table = con.sql(values.sql(dialect="duckdb")).to_arrow_table()
+    return [k for k in row_keys([c.to_pylist() for c in table.columns]) if k is not None]
+
+
+def estimate(con: Any, rw: Rewritten, site: CallSite, bound: Bound,
+             cache: ResultCache | None = None, namespace: Namespace | None = None
+             ) -> SiteEstimate:
+    """The estimate of one call site of ``rw`` (run on ``con`` with the site functions
+    registered: nested calls may remain inside FROM subqueries)."""
+    label = f"{site.label} {site.call_sql()}"
+    unknown = SiteEstimate(label, None, None, True, 0, (), False, None)
+    scoped = site_scope(rw, site)
+    if scoped is None:
+        return _unknown(unknown, "input rows unknown")
+    probe, bounded = scoped
     args = [exp.maybe_parse(a, dialect="duckdb") for a in site.args]
     distinct_arg = args[0] if len(args) == 1 else exp.Array(expressions=args)
     counts = probe.copy()
@@ -101,15 +124,9 @@ def estimate(con: Any, rw: Rewritten, site: CallSite, bound: Bound,
         rows, distinct = con.sql(counts.sql(dialect="duckdb")).fetchall()[0]
         cached = 0
         if cache is not None and namespace is not None and distinct:
-            values = probe.copy()
-            values.set("expressions", [exp.cast(a, "VARCHAR") for a in args])
-            values.set("distinct", exp.Distinct())
-            table = con.sql(values.sql(dialect="duckdb")).to_arrow_table()
-            keys = row_keys([c.to_pylist() for c in table.columns])
-            cached = cache.count(namespace.id, [k for k in keys if k is not None])
+            cached = cache.count(namespace.id, distinct_inputs(con, probe, site))
     except duckdb.Error:
         return _unknown(unknown, "input rows unknown (correlated or nested scope)")
-    bounded = site.clauses != ("WHERE",) or len(kept) != len(every)
     todo = distinct - cached
     fractions = getattr(bound, "stage_fractions", None)
     models = bound.cascade.models

@@ -39,7 +39,6 @@ from typing import Any
 import duckdb
 import numpy as np
 import pyarrow as pa
-from sqlglot import exp
 
 from ken.errors import GuaranteeError, KenError
 from ken.ops.base import Bound, OpContext, Operator, suggest
@@ -56,9 +55,9 @@ from ken.optimizer.guarantee import (
     quantile_path,
     sample_size,
 )
-from ken.sql.execute import SiteRunner, StageCounter, row_keys
-from ken.sql.explain import has_site
-from ken.sql.rewrite import CallSite, Rewritten, conjuncts
+from ken.sql.cost import distinct_inputs, site_scope
+from ken.sql.execute import SiteRunner, StageCounter
+from ken.sql.rewrite import CallSite, Rewritten
 
 #: ``SET ken_recall_target = 0.9`` / ``ken_precision_target`` / ``ken_accuracy_target`` /
 #: ``ken_delta`` / ``RESET ...``
@@ -218,33 +217,15 @@ def target_stages(bound: Bound, oracle: str | None) -> tuple[str, ...]:
 def site_inputs(con: Any, rw: Rewritten, site: CallSite) -> list:
     """The distinct non-NULL inputs of ``site`` under the relational conditions of its SELECT
     (the semantic ones dropped), in a fixed order."""
-    call = next((a for a in rw.statement.find_all(exp.Anonymous)
-                 if str(a.this) == site.udf_name), None)
-    scope = call.find_ancestor(exp.Select) if call is not None else None
-    if scope is None:
+    scoped = site_scope(rw, site)
+    if scoped is None:
         raise GuaranteeError(f"{site.call_sql()}: a target needs the call's inputs listed "
                              "before the statement runs, and this call has no SELECT scope")
-    probe = scope.copy()
-    for key in ("group", "having", "order", "limit", "distinct", "offset"):
-        probe.set(key, None)
-    where = probe.args.get("where")
-    kept = [c for c in conjuncts(where.this if where is not None else None) if not has_site(c)]
-    probe.set("where", exp.Where(this=exp.and_(*kept)) if kept else None)
-    for join in probe.args.get("joins") or []:
-        on = [c for c in conjuncts(join.args.get("on")) if not has_site(c)]
-        join.set("on", exp.and_(*on) if on else exp.true())
-    root_with = rw.statement.args.get("with_")
-    if root_with is not None and probe.args.get("with_") is None:
-        probe.set("with_", root_with.copy())
-    args = [exp.maybe_parse(a, dialect="duckdb") for a in site.args]
-    probe.set("expressions", [exp.cast(a, "VARCHAR") for a in args])
-    probe.set("distinct", exp.Distinct())
     try:
-        table = con.sql(probe.sql(dialect="duckdb")).to_arrow_table()
+        keys = distinct_inputs(con, scoped[0], site)
     except duckdb.Error as exc:
         raise GuaranteeError(f"{site.call_sql()}: a target needs the call's inputs listed "
                              f"before the statement runs, which failed here ({exc})") from None
-    keys = [k for k in row_keys([c.to_pylist() for c in table.columns]) if k is not None]
     return sorted(set(keys), key=repr)
 
 

@@ -322,7 +322,8 @@ class QueryRunner:
             engine = host.serving.engine_for(site.function, site.constants)
             bound = host.bind(site.function, site.constants)
             space = None
-            if host.cache is not None:
+            # a targeted site's answers depend on its sample (ken.sql.guarantee): not cached
+            if host.cache is not None and host.targets.for_function(site.function) is None:
                 plan = host.serving.plans.get(site.function) if engine is not None else None
                 space = namespace(site.function, site.constants, bound,
                                   plan.to_json() if plan is not None else None)
