@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import sqlite3
 import threading
 import time
@@ -205,6 +206,19 @@ class ResultCache:
             self._con = self._connect()
 
     def _connect(self) -> sqlite3.Connection:
+        """A connection with the schema in place. Switching a new file to the write-ahead log
+        takes a lock SQLite's busy timeout does not wait for, so a process that finds another
+        setting the file up tries again until ``busy_timeout_s`` has passed."""
+        give_up = time.monotonic() + self.busy_timeout_s
+        while True:
+            try:
+                return self._set_up()
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() >= give_up:
+                    raise
+                time.sleep(0.02 + 0.08 * random.random())
+
+    def _set_up(self) -> sqlite3.Connection:
         con = sqlite3.connect(self.path, timeout=self.busy_timeout_s,
                               check_same_thread=False, isolation_level=None)
         try:

@@ -376,3 +376,29 @@ def test_an_unusable_cache_path_leaves_the_session_working(tmp_path) -> None:
     with session(blocker / "results.sqlite") as s:  # its folder cannot be made
         assert len(s.sql(QUERY).fetchall()) == len(TEXTS)
         assert s.cache is None and not s.cache_enabled
+
+
+def _opener(path: str, worker: int, start) -> None:  # noqa: ANN001
+    start.wait()
+    cache = ResultCache(path)
+    cache.put_many("ns", "op", "", {f"{worker}-{i}": i for i in range(20)})
+    cache.close()
+
+
+def test_processes_opening_a_new_cache_at_the_same_moment_all_succeed(tmp_path) -> None:
+    """Setting up a new file (its write-ahead log) takes a lock the busy timeout does not wait
+    for; without the retry about one open in a hundred failed ("database is locked")."""
+    ctx = multiprocessing.get_context("fork")
+    for attempt in range(5):
+        path = str(tmp_path / f"r{attempt}.sqlite")
+        start = ctx.Event()
+        procs = [ctx.Process(target=_opener, args=(path, w, start)) for w in range(6)]
+        for p in procs:
+            p.start()
+        start.set()
+        for p in procs:
+            p.join(60)
+        assert [p.exitcode for p in procs] == [0] * 6
+        cache = ResultCache(path)
+        assert cache.stats().entries == 6 * 20
+        cache.close()
