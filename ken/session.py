@@ -109,7 +109,7 @@ class Session:
             return None
         if self._cache is None:
             spec = self._cache_spec
-            path = default_cache_path(self.home) if spec in (True, None, False) else spec
+            path = spec if isinstance(spec, Path) else default_cache_path(self.home)
             try:
                 self._cache = ResultCache(path, warn=self.reporter.warn)
             except CacheError as exc:  # costs the cache's answers, not the session's queries
