@@ -273,6 +273,12 @@ class Session:
         ``trace``). ``PlanningError`` says how close the closest plan came when none meets
         the target.
 
+        A classifier function with an accuracy, precision or recall target
+        (``set_target``, or ``SET ken_<metric>_target`` for every function) is planned from
+        cascades certified against it on its profile sample (``ken.optimizer.certified``):
+        every gear of its plans, and of the plans re-planning swaps in while it is served,
+        keeps the target, so a served query with that target runs (EXPLAIN says so).
+
         >>> qp = session.plan("accuracy >= 0.7")              # doctest: +SKIP
         >>> qp.plan_for("sentiment").describe()               # doctest: +SKIP
         >>> session.plan("tgt_p95 <= 20s", functions=["sem_qa"], qps=0.3)  # doctest: +SKIP
@@ -286,13 +292,19 @@ class Session:
         if cluster is not None:
             hardware = RayCluster.connect(cluster).hardware(
                 threads_per_device, memory_bytes=int(memory_gb * 2**30))
-        chosen, frontiers, replans = plan_functions(
-            self.operators, self.ctx, [f.lower() for f in functions], target, trace, devices,
+        names = [f.lower() for f in functions]
+        guarantees = {n: t for n in names if (t := self.targets.for_function(n)) is not None}
+        chosen, frontiers, replans, certified = plan_functions(
+            self.operators, self.ctx, names, target, trace, devices,
             memory_gb, threads_per_device, peak_qps, duration_s, num_ranges, settings, force,
             cache_dir=(self.home or ken_home()) / "plans", hardware=hardware, gpus=gpus,
-            gpu_memory_gb=gpu_memory_gb, qps=qps, rows=rows, requests=requests)
+            gpu_memory_gb=gpu_memory_gb, qps=qps, rows=rows, requests=requests,
+            guarantees=guarantees)
         self.frontiers.update(frontiers)
         self.replans.update(replans)
+        for n in names:  # what the new plans were certified for (nothing, without a target)
+            self.targets.certified.pop(n, None)
+        self.targets.certified.update(certified)
         for p in chosen.plans:
             self.serving.set_plan(p.operator, p)
         return chosen
@@ -363,7 +375,8 @@ class Session:
         model of its cascade; None: the last) with probability >= 1 - ``delta``: thresholds
         chosen on a sample the oracle labels, sized by the bound (``ken.sql.guarantee``).
         ``metric``: accuracy, or precision / recall of true for a boolean function.
-        ``clear_target`` removes it.
+        ``clear_target`` removes it. A function an online engine serves keeps its target
+        only when it was planned under it: set the target before ``plan``.
 
         >>> session.set_target("sem_filter", "recall", 0.9)  # doctest: +SKIP
         """
@@ -371,8 +384,8 @@ class Session:
 
     def clear_target(self, function: str | None = None) -> None:
         """Remove ``function``'s target (None: every target, the SQL one too)."""
-        if function is None:
-            self.targets = Targets()
+        if function is None:  # the plans stay what they were certified for
+            self.targets = Targets(certified=self.targets.certified)
         else:
             self.targets.by_function.pop(function.lower(), None)
 

@@ -8,7 +8,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ken.models.cascade import Cascade
 from ken.models.model import WARM_UP_TEXT, DeviceConfig, Model, ModelSpec, Output, Prediction
+from ken.ops.base import ModelOperator
 
 LABELS = ("negative", "neutral", "positive")
 
@@ -114,3 +116,18 @@ class EnvModel(Model):
 
         seen = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
         return Output([seen] * len(texts), np.ones(len(texts)))
+
+
+class Profiled(ModelOperator):
+    """A cascade operator whose profiles were measured elsewhere: ``source(threads)`` returns
+    them (synthetic profiles with known runtimes and per-row outcomes)."""
+
+    def __init__(self, name: str, cascade: Cascade, models: dict, source, **kwargs) -> None:  # noqa: ANN001, ANN003
+        super().__init__(name, cascade, models, **kwargs)
+        self.source = source
+
+    def plannable(self) -> bool:
+        return True
+
+    def profiles(self, ctx, threads):  # noqa: ANN001, ANN201
+        return self.source(threads)

@@ -13,13 +13,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
-from fakes import LABELS, FakeModel
+from fakes import LABELS, FakeModel, Profiled
 
 import ken
 from ken.cli import main
 from ken.errors import KenError
 from ken.models.cascade import Cascade
-from ken.ops.base import ModelOperator
 from ken.optimizer.planner import PlannerSettings
 from ken.optimizer.planning import (
     default_peak_qps,
@@ -332,23 +331,9 @@ def fake_session() -> ken.Session:
 QUERY = "SELECT id, mood(text) AS m FROM tweets WHERE other(text) = 'positive'"
 
 
-class Profiled(ModelOperator):
-    """A cascade operator whose profiles were measured elsewhere (``PROFILES``)."""
-
-    def __init__(self, cascade: Cascade, models: dict, source) -> None:  # noqa: ANN001
-        super().__init__("mood", cascade, models)
-        self.source = source
-
-    def plannable(self) -> bool:
-        return True
-
-    def profiles(self, ctx, threads):  # noqa: ANN001, ANN201
-        return self.source(threads)
-
-
 def with_profiles(s: ken.Session, source) -> None:  # noqa: ANN001
     old = s.operators["mood"]
-    s.register("mood", Profiled(old.cascade, old.models, source))
+    s.register("mood", Profiled("mood", old.cascade, old.models, source))
 
 
 def test_explain_without_plan() -> None:

@@ -494,6 +494,65 @@ def _labels(outcomes: StageOutcomes, upto: int, metric: str) -> np.ndarray:
     return values
 
 
+@dataclass(frozen=True)
+class _PathTest:
+    """Every setting of a path tested on a sample: ``stage`` (settings x rows) answers each
+    row, ``successes`` / ``trials`` / ``bounds`` per setting, ``first_failure`` the index of
+    the first setting whose bound is below the target (the number of settings when none)."""
+
+    oracle: int
+    grid: np.ndarray
+    stage: np.ndarray
+    successes: np.ndarray
+    trials: np.ndarray
+    bounds: np.ndarray
+    first_failure: int
+
+
+def _test_path(outcomes: StageOutcomes, target: GuaranteeTarget, path: ThresholdPath,
+               oracle: int, values: np.ndarray) -> _PathTest:
+    """The fixed-sequence test of ``path`` on the sample ``outcomes`` (``oracle`` > 0)."""
+    if path.width != oracle:
+        raise GuaranteeError(f"the path sets {path.width} thresholds per step, but "
+                             f"{oracle} stage(s) come before the oracle "
+                             f"{outcomes.models[oracle]!r}")
+    n = outcomes.num_rows
+    grid = path.array()
+    stage = answering_stage(outcomes.certainties[:oracle], grid)
+    answers = values[stage, np.arange(n)[None, :]]
+    successes, trials = metric_counts(target.metric, answers, values[oracle])
+    bounds = clopper_pearson_lower(successes, trials, target.delta)
+    passed = bounds >= target.target
+    first_failure = int(np.argmin(passed)) if not passed.all() else len(passed)
+    return _PathTest(oracle, grid, stage, successes, trials, bounds, first_failure)
+
+
+def _checked_sample(outcomes: StageOutcomes, target: GuaranteeTarget
+                    ) -> tuple[int, np.ndarray]:
+    """The oracle's stage index and the stages' values up to it (refusing an empty sample)."""
+    if outcomes.num_rows == 0:
+        raise GuaranteeError("the sample is empty: a guarantee needs oracle-labelled rows "
+                             "(sample_size() says how many)")
+    oracle = outcomes.oracle_stage(target.oracle)
+    return oracle, _labels(outcomes, oracle, target.metric)
+
+
+def certified_settings(outcomes: StageOutcomes, target: GuaranteeTarget, path: ThresholdPath
+                       ) -> list[tuple[tuple[float, ...], float]]:
+    """Every setting of ``path`` the fixed-sequence test certifies on ``outcomes``, safest
+    first, each with its lower bound: the settings before the first that fails. Fixed-sequence
+    testing controls the chance that *any* of them misses the target at ``delta`` (a miss
+    needs the first setting whose true metric is below the target to pass), so all of them
+    hold together, and a planner may use any of them. Empty when the oracle is the first stage
+    or the first setting fails."""
+    oracle, values = _checked_sample(outcomes, target)
+    if oracle == 0:
+        return []
+    test = _test_path(outcomes, target, path, oracle, values)
+    return [(tuple(float(t) for t in test.grid[j]), float(test.bounds[j]))
+            for j in range(test.first_failure)]
+
+
 def choose_thresholds(outcomes: StageOutcomes, target: GuaranteeTarget,
                       path: ThresholdPath) -> Guarantee:
     """The cheapest setting of ``path`` certified to meet ``target`` on the sample
@@ -501,12 +560,8 @@ def choose_thresholds(outcomes: StageOutcomes, target: GuaranteeTarget,
     stage up to the oracle run on each), by fixed-sequence testing of the exact lower bounds;
     the oracle alone (``fell_back``) when the first setting already fails. See the module
     docstring for why this holds with probability ``1 - delta``."""
+    oracle, values = _checked_sample(outcomes, target)
     n = outcomes.num_rows
-    if n == 0:
-        raise GuaranteeError("the sample is empty: a guarantee needs oracle-labelled rows "
-                             "(sample_size() says how many)")
-    oracle = outcomes.oracle_stage(target.oracle)
-    values = _labels(outcomes, oracle, target.metric)
     models = outcomes.models[: oracle + 1]
     costs = outcomes.ms_per_row[: oracle + 1] if outcomes.ms_per_row else ()
     common = dict(metric=target.metric, target=target.target, delta=target.delta,
@@ -523,26 +578,19 @@ def choose_thresholds(outcomes: StageOutcomes, target: GuaranteeTarget,
 
     if oracle == 0:
         return oracle_alone(None, 0)
-    if path.width != oracle:
-        raise GuaranteeError(f"the path sets {path.width} thresholds per step, but "
-                             f"{oracle} stage(s) come before the oracle {models[-1]!r}")
-    grid = path.array()
-    stage = answering_stage(outcomes.certainties[:oracle], grid)
-    answers = values[stage, np.arange(n)[None, :]]
-    successes, trials = metric_counts(target.metric, answers, values[oracle])
-    bounds = clopper_pearson_lower(successes, trials, target.delta)
-    passed = bounds >= target.target
-    first_failure = int(np.argmin(passed)) if not passed.all() else len(passed)
-    failed = float(bounds[first_failure]) if first_failure < len(passed) else None
+    test = _test_path(outcomes, target, path, oracle, values)
+    first_failure = test.first_failure
+    failed = (float(test.bounds[first_failure]) if first_failure < len(test.bounds)
+              else None)
     if first_failure == 0:
         return oracle_alone(failed, 0)
     j = first_failure - 1
-    shares = tuple(float(np.mean(stage[j] == i)) for i in range(oracle + 1))
-    return Guarantee(**common, thresholds=tuple(float(t) for t in grid[j]),
-                     estimate=float(successes[j] / trials[j]), lower_bound=float(bounds[j]),
-                     trials=int(trials[j]), answered_shares=shares, fell_back=False,
-                     steps_passed=first_failure, failed_bound=failed,
-                     cost_ms_per_row=_cost(shares, costs))
+    shares = tuple(float(np.mean(test.stage[j] == i)) for i in range(oracle + 1))
+    return Guarantee(**common, thresholds=tuple(float(t) for t in test.grid[j]),
+                     estimate=float(test.successes[j] / test.trials[j]),
+                     lower_bound=float(test.bounds[j]), trials=int(test.trials[j]),
+                     answered_shares=shares, fell_back=False, steps_passed=first_failure,
+                     failed_bound=failed, cost_ms_per_row=_cost(shares, costs))
 
 
 def _cost(answered: Sequence[float], ms_per_row: Sequence[float]) -> float | None:

@@ -36,6 +36,9 @@ class PlannerSettings:
     # model with tuned dynamic batching; ``planner.one_gear_plans``): the greedy adapter does
     # not visit every such plan, and one of them can beat its gear plans at their accuracy
     include_static: bool = True
+    # serve nothing but the candidate cascades: no single model alone unless it is one of them
+    # (a target's certified candidates, ``ken.optimizer.certified``)
+    only_candidates: bool = False
     # fill frontier gaps wider than this accuracy (``planner.fill_gaps``), with at most
     # ``gap_searches`` more placement searches
     max_gap: float = 0.005

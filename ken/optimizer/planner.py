@@ -196,6 +196,8 @@ def one_gear_plans(ctx: PlanningContext, candidates: Sequence[Cascade],
     accuracy the frontier's simulated p95 is at most theirs."""
     certainty = candidates[0].certainty
     singles = [Cascade((m,), (), certainty) for m in sorted(ctx.catalog.models)]
+    if ctx.settings.only_candidates:  # e.g. a target's certified cascades: nothing else
+        singles = [s for s in singles if s in candidates]
     one = one_cascade_context(ctx, [*candidates, *singles])
     ranges = ctx.settings.num_ranges
     out: list[GearPlan] = []

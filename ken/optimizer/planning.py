@@ -11,6 +11,7 @@ import math
 import re
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from ken import store
@@ -21,7 +22,9 @@ from ken.models.model import DeviceConfig, Model
 from ken.models.quality import EvalSample
 from ken.ops.base import ChosenCascade, OpContext, Operator
 from ken.optimizer.cascades import evaluate, pareto_cascades
+from ken.optimizer.certified import CertifiedCandidates, certify_candidates
 from ken.optimizer.gen_planner import plan_generating
+from ken.optimizer.guarantee import GuaranteeTarget
 from ken.optimizer.perf import Catalog, ModelPerf
 from ken.optimizer.planner import PlannerSettings, PlannerStats, plan_frontier
 from ken.optimizer.profile import (
@@ -431,13 +434,16 @@ def device_profiles(op: Operator, ctx: OpContext, threads: int, gpu: DeviceConfi
 
 
 def _profiled(operators: Mapping[str, Operator], ctx: OpContext, names: Sequence[str],
-              hardware: Hardware, threads: int
+              hardware: Hardware, threads: int,
+              guarantees: Mapping[str, GuaranteeTarget] | None = None,
               ) -> tuple[dict[str, dict[str, Profile]],
-                         dict[str, tuple[Catalog, tuple[Cascade, ...]]]]:
+                         dict[str, tuple[Catalog, tuple[Cascade, ...]]],
+                         dict[str, CertifiedCandidates]]:
     """Profiles per function (they key the cached frontiers) and each function's catalog and
     candidate cascades, for ``hardware``: one profile per model and kind of device, the CPU
     workers' (outcomes, cascades) and, on a mixed machine, the GPU's runtimes and memory beside
-    (``Catalog.gpu_perf``)."""
+    (``Catalog.gpu_perf``). A function with a target in ``guarantees`` gets the cascades
+    certified against it (``certified.certify_candidates``, returned too) as candidates."""
     gpu = gpu_device(hardware, threads)
     if gpu is not None:
         mixed = "cpu" in hardware.kinds
@@ -445,8 +451,13 @@ def _profiled(operators: Mapping[str, Operator], ctx: OpContext, names: Sequence
                           f"{gpu.torch_device}" + (" and on a CPU worker" if mixed else ""))
     found = {n: device_profiles(operators[n], ctx, threads, gpu, "cpu" in hardware.kinds)
              for n in names}
-    return ({n: keyed_profiles(*found[n]) for n in names},
-            {n: planning_inputs(found[n][0], gpu_profiles=found[n][1]) for n in names})
+    prepared = {n: planning_inputs(found[n][0], gpu_profiles=found[n][1]) for n in names}
+    certified = {n: certify_candidates(found[n][0], t)
+                 for n, t in (guarantees or {}).items() if n in names}
+    for n, c in certified.items():
+        prepared[n] = (prepared[n][0], c.cascades)
+        ctx.reporter.note(f"{n}: {c.describe()}")
+    return {n: keyed_profiles(*found[n]) for n in names}, prepared, certified
 
 
 def _check_plannable(operators: Mapping[str, Operator], names: Sequence[str]) -> None:
@@ -478,7 +489,9 @@ def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Seq
                    hardware: Hardware | None = None, gpus: int | None = None,
                    gpu_memory_gb: float | None = None, qps: float | None = None,
                    rows: int = 64, requests: int = 120,
-                   ) -> tuple[QueryPlan, dict[str, Frontier], dict[str, GearReplan]]:
+                   guarantees: Mapping[str, GuaranteeTarget] | None = None,
+                   ) -> tuple[QueryPlan, dict[str, Frontier], dict[str, GearReplan],
+                              dict[str, CertifiedCandidates]]:
     """The one planning entry (``Session.plan``): a plan for each function of ``names`` that
     meets ``target``, by the kind of plan its operator declares (``Operator.plan_kind``).
 
@@ -489,9 +502,11 @@ def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Seq
     Generating functions ("generation") get a generation plan each for online requests at a
     mean rate of ``qps`` (``gen_planner.plan_generating``: ``rows`` evaluation rows answered,
     ``requests`` arrivals per planning window of ``trace``, the Azure trace by default).
-    Returns the chosen plans, the classifier functions' frontiers, and for each of them how
+    Returns the chosen plans, the classifier functions' frontiers, for each of them how
     to re-plan it while it is served (``GearReplan``: its catalog, cascades, devices and the
-    target)."""
+    target), and the certified candidates of those with a target in ``guarantees`` (an
+    accuracy, precision or recall target against an oracle model, ``ken.optimizer.certified``):
+    their frontiers and re-plans serve nothing else, so every gear keeps the target."""
     _check_plannable(operators, names)
     generating = [n for n in names if operators[n].plan_kind == "generation"]
     names = [n for n in names if n not in generating]  # classifier functions, together
@@ -511,18 +526,20 @@ def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Seq
             for n in generating]
     made_accuracy = [p.predicted.accuracy for p in made]
     if not names:
-        return QueryPlan(target, tuple(made), tuple(made_accuracy), None), {}, {}
+        return QueryPlan(target, tuple(made), tuple(made_accuracy), None), {}, {}, {}
     chose_gpus = hardware is None and gpus is None and devices is None  # found by itself
     hardware = hardware or local_hardware(devices, memory_gb, gpus, gpu_memory_gb)
     try:
-        profiles, prepared = _profiled(operators, ctx, names, hardware, threads_per_device)
+        profiles, prepared, certified = _profiled(operators, ctx, names, hardware,
+                                                  threads_per_device, guarantees)
     except DeviceProfileError as exc:
         if not chose_gpus:
             raise
         # GPUs the user did not ask for: plan the CPU workers a machine without them gets
         ctx.reporter.note(f"{exc}; planning for 2 CPU workers instead of the GPUs")
         hardware = local_hardware(None, memory_gb, gpus=0)
-        profiles, prepared = _profiled(operators, ctx, names, hardware, threads_per_device)
+        profiles, prepared, certified = _profiled(operators, ctx, names, hardware,
+                                                  threads_per_device, guarantees)
     settings = settings or PlannerSettings(num_ranges=num_ranges)
     catalogs = {n: prepared[n][0] for n in names}
     if peak_qps is None:  # the slowest operator sets the load the query can be planned for
@@ -537,11 +554,15 @@ def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Seq
     for n in names:
         catalog, cascades = prepared[n]
         frontiers[n], _stats = plan_operator(
-            n, profiles[n], catalog, cascades, hardware, plan_trace, peak_qps, settings,
+            n, profiles[n], catalog, cascades, hardware, plan_trace, peak_qps,
+            replace(settings, only_candidates=True) if n in certified else settings,
             cache_dir=cache_dir, reporter=ctx.reporter, force=force)
     # the query optimizer simulates with the runtimes the frontiers were planned with
     charged = {n: c.with_overhead(hardware.dispatch_s) for n, c in catalogs.items()}
     replans = {n: GearReplan(n, catalogs[n], prepared[n][1], hardware, target)
                for n in names}
+    for n in certified:  # re-planning online serves the certified cascades only, too
+        replans[n] = replace(replans[n], settings=replace(replans[n].settings,
+                                                          only_candidates=True))
     return (choose_plans(frontiers, charged, plan_trace, target).with_plans(made, made_accuracy),
-            frontiers, replans)
+            frontiers, replans, certified)

@@ -24,8 +24,13 @@ Before a statement with a targeted call site runs:
 The draw uses a fixed seed, so a query repeats exactly. The stages are the site's cascade, or
 when it has one stage (e.g. ``sentiment``'s default, MiniLM-L6 alone) or the oracle is not in
 it, every model the binding holds, cheapest first. A targeted site neither reads nor writes the
-result cache (its answers depend on the sample); one served by an online engine, on Ray, or by
-the early-LIMIT and top-k plans is not supported (an error, or those plans step aside).
+result cache (its answers depend on the sample); one on Ray or in the early-LIMIT and top-k
+plans is not supported (an error, or those plans step aside).
+
+A site an online engine serves samples nothing: its gear plan keeps the target when the
+function was planned under it (``Session.plan`` with the target set certifies every cascade
+its plans may serve, ``ken.optimizer.certified``) and every gear served is one of those
+cascades (``served_guarantee``); otherwise the statement fails and says how to plan for it.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import pyarrow as pa
 from ken.errors import GuaranteeError, KenError
 from ken.ops.base import Bound, OpContext, Operator, suggest
 from ken.ops.sem_join import SemJoin
+from ken.optimizer.certified import CertifiedCandidates
 from ken.optimizer.guarantee import (
     DEFAULT_DELTA,
     POSITIVE,
@@ -85,6 +91,9 @@ class Targets:
     #: guarantee, a smaller one falls back to the oracle more often
     sample_rows: int | None = None
     path_rows: int = PATH_ROWS  # inputs whose certainties set the threshold path
+    #: per function planned under a target (``Session.plan``): the cascades certified for
+    #: it, which are all its gear plans serve (``ken.optimizer.certified``)
+    certified: dict[str, CertifiedCandidates] = field(default_factory=dict)
 
     def for_function(self, function: str) -> GuaranteeTarget | None:
         return self.by_function.get(function, self.default)
@@ -246,10 +255,12 @@ def prepare(con: Any, rw: Rewritten, runners: Sequence[SiteRunner], target: Guar
     first = runners[0]
     bound = first.bound
     label = f"{first.site.label} {first.site.call_sql()}"
-    if any(r.engine is not None for r in runners):
-        raise GuaranteeError(f"{label}: a target chooses the cascade's thresholds on a sample, "
-                             "but an online engine serves this function with its gear plan; "
-                             "stop serving it (session.stop()) or remove the target")
+    sites = tuple(r.site.id for r in runners)
+    served = [r.engine for r in runners if r.engine is not None]
+    if served:
+        note = served_guarantee(label, first.site.function, served, target, targets)
+        return TargetRun(label, sites, target, targets.certified[first.site.function].oracle,
+                         0, 0, 0, 0, (), note=note)
     if not dataclasses.is_dataclass(bound) or not hasattr(bound, "models"):
         raise GuaranteeError(f"{label}: a target needs a cascade of the function's models; "
                              f"{first.site.function}() binds none")
@@ -257,7 +268,6 @@ def prepare(con: Any, rw: Rewritten, runners: Sequence[SiteRunner], target: Guar
     oracle = stages[-1]
     certainty = bound.cascade.certainty
     population = list(dict.fromkeys(k for r in runners for k in site_inputs(con, rw, r.site)))
-    sites = tuple(r.site.id for r in runners)
     if not population or len(stages) == 1:
         note = ("no input to answer" if not population else
                 "the oracle is the cascade's first stage: it answers every input")
@@ -301,6 +311,34 @@ def prepare(con: Any, rw: Rewritten, runners: Sequence[SiteRunner], target: Guar
     first.stats.distinct_evaluated += len(sample)
     return TargetRun(label, sites, target, oracle, len(population), needed, len(sample),
                      path_rows, tuple((m, c) for m, c in calls.items() if c), guarantee, every)
+
+
+def served_guarantee(label: str, function: str, engines: Sequence[Any],
+                     target: GuaranteeTarget, targets: Targets) -> str:
+    """The line of a targeted site an online engine serves: its gear plan keeps the target
+    when the function was planned under it (or a stricter one) and every gear the engine
+    serves now is one of the certified cascades; otherwise a ``GuaranteeError`` that says
+    how to get there."""
+    certified = targets.certified.get(function)
+    how = (f"plan it under the target (session.set_target('{function}', "
+           f"'{target.metric}', {target.target:g}) or SET ken_{target.metric}_target, then "
+           "session.plan(...)), stop serving it (session.stop()), or remove the target")
+    if certified is None:
+        raise GuaranteeError(f"{label}: an online engine serves this function with a gear plan "
+                             f"that was not planned under {target.describe()}; {how}")
+    if not certified.covers(target):
+        raise GuaranteeError(f"{label}: the served gear plan was planned under "
+                             f"{certified.target.describe()}, which does not keep "
+                             f"{target.describe()}; {how}")
+    for engine in engines:
+        plan = engine.plans.get(function)
+        other = [c.describe() for c in (plan.cascades if plan is not None else ())
+                 if c not in certified.cascades]
+        if plan is None or other:
+            raise GuaranteeError(f"{label}: the served gear plan runs cascades that were not "
+                                 f"certified for {target.describe()} ({', '.join(other[:2])}): "
+                                 f"it was set by hand or planned without the target; {how}")
+    return f"served by its gear plan, {certified.describe()}"
 
 
 def _use_cascade(runners: Sequence[SiteRunner], models: tuple[str, ...],
@@ -351,11 +389,19 @@ def finished(runs: Sequence[TargetRun], runners: Sequence[SiteRunner]) -> list[T
     return out
 
 
-def plan_lines(con: Any, rw: Rewritten, site: CallSite, targets: Targets) -> list[str]:
-    """EXPLAIN's line for a targeted call site: the target and the sample it needs."""
+def plan_lines(con: Any, rw: Rewritten, site: CallSite, targets: Targets,
+               engine: Any = None) -> list[str]:
+    """EXPLAIN's line for a targeted call site: the target and the sample it needs, or for a
+    site ``engine`` serves, whether its gear plan keeps the target."""
     target = targets.for_function(site.function)
     if target is None:
         return []
+    if engine is not None:
+        try:
+            line = served_guarantee(site.call_sql(), site.function, [engine], target, targets)
+        except GuaranteeError as exc:
+            line = f"the statement will fail: {exc}"
+        return [f"target: {target.describe()}: {line}"]
     needed = targets.sample_rows or sample_size(target.metric, target.target, target.delta)
     against = target.oracle or "the last stage"
     head = (f"target: {target.metric} >= {target.target:g} against {against} (delta "

@@ -477,7 +477,8 @@ class QueryRunner:
             estimates = {r.site.id: estimate(con, rw, r.site, r.bound, r.cache,
                                              r.namespace).text() for r in runners}
             plans = {s.id: plan_lines(self.host.serving, s.function, s.constants)
-                     + target_lines(con, rw, s, self.host.targets) for s in rw.sites}
+                     + target_lines(con, rw, s, self.host.targets, r.engine)
+                     for s, r in zip(rw.sites, runners, strict=True)}
         targeted = self.host.targets.applies(rw)
         limit, why_not = early_limit(rw) if not targeted else (None, "")
         limit_lines = ([limit.describe()] if limit is not None else
