@@ -22,6 +22,7 @@ from ken.policy.decoding import (
     ServiceTargets,
     choose_joiners,
     joiner_value,
+    trim_joiners,
 )
 
 LOOSE = ServiceTargets(ttft_s=1000.0, tbt_s=1000.0)  # every deadline can be met
@@ -81,6 +82,22 @@ def test_requests_that_missed_their_deadline_join_only_when_room_is_left() -> No
     assert choose_joiners([late, fresh], 0, 0, 1, None) == (1,)
     assert choose_joiners([late, fresh], 0, 0, 2, None) == (0, 1)
     assert choose_joiners([late], 0, 0, 1, None) == (0,)  # alone, it still runs
+
+
+def test_a_prefill_is_cut_until_the_joiners_that_can_meet_their_deadline_do() -> None:
+    """A prefill costs 1 s per row here. Four joiners at 0 s: A (deadline 1.5 s), B (2.5 s),
+    C (9 s) and D (already late, the longest prompt). All four: the pass ends at 4 s and A
+    and B miss. D goes first (late anyway), then C (latest deadline): A and B end at 2 s —
+    B makes it, A (1.5 s) still misses, so B goes too and A runs alone, ending at 1 s."""
+    cost = TokenCost("m", "hw", (), (), (0.0, 1.0, 0.0), (0.1, 0.0, 0.0), 0, 1)
+    a = Candidate(0, 20, 1.0, True, 10, 1.5)
+    b = Candidate(1, 20, 1.0, True, 10, 2.5)
+    c = Candidate(2, 20, 1.0, True, 10, 9.0)
+    d = Candidate(3, 40, 5.0, False, 30, -1.0)
+    assert trim_joiners([a, b, c, d], cost, 0.0) == (0,)
+    assert trim_joiners([b, c, d], cost, 0.0) == (1, 2)  # both end at 2 s
+    assert trim_joiners([c, d], cost, 0.0) == (2, 3)  # C meets it beside D: nothing to cut
+    assert trim_joiners([d], cost, 0.0) == (3,)
 
 
 # -- the scheduler ------------------------------------------------------------------------------

@@ -35,6 +35,12 @@ a time to first token and a time between tokens per served function):
   many as the budget and ``max_running`` leave room for). ``choose_joiners`` tries every width
   the joiners can set and keeps the best set, so the choice is the exact optimum of the
   objective (``joiner_value``), not an approximation.
+- *Prefill size*: a prefill's rows get their first token when the whole pass ends, and on a
+  CPU a pass costs about its tokens, so a big prefill can make every joiner miss a deadline
+  each would meet alone. With a ``cost`` estimate, ``trim_joiners`` drops joiners (those past
+  their deadline anyway first, then the ones with the latest deadline) until every joiner
+  that can meet its deadline does; the dropped ones wait for the next prefill. (Apt-Serve's
+  value ignores the pass time: on its GPUs a prefill's time grows little with its rows.)
 - *Prefill or decode*: inserting a prefill stalls the running requests for its duration. With
   a ``cost`` estimate the scheduler counts the running requests whose total-generation-time
   deadline (``ServiceTargets.tgt_s``) holds if they decode now but breaks if the prefill goes
@@ -99,6 +105,8 @@ class Candidate:
     final_tokens: int
     pending_s: float
     meetable: bool
+    prompt_tokens: int = 1
+    ttft_deadline_s: float = math.inf
 
 
 def joiner_value(chosen: Iterable[Candidate]) -> tuple[float, int, float, int]:
@@ -144,6 +152,27 @@ def choose_joiners(candidates: Sequence[Candidate], rows: int, longest: int, max
         if best is None or score > best:
             best, best_pick = score, pick
     return tuple(candidates[k].request_id for k in sorted(best_pick))
+
+
+def trim_joiners(joiners: Sequence[Candidate], cost: PassCost, now: float
+                 ) -> tuple[int, ...]:
+    """Drop joiners while the prefill of them all would make one that can meet its TTFT
+    deadline alone miss it (a prefill's rows get their first token when the whole pass
+    ends): first a joiner past its deadline anyway (the longest prompt: it lengthens the
+    pass most), else the one with the latest deadline (it can best wait for the next
+    prefill). The dropped ones stay queued. Returns the ids kept, in the given order."""
+    kept = list(joiners)
+    while len(kept) > 1:
+        end = now + cost.prefill_s(len(kept), max(c.prompt_tokens for c in kept))
+        if all(not c.meetable or end <= c.ttft_deadline_s for c in kept):
+            break
+        late = [c for c in kept if not c.meetable]
+        if late:
+            drop = max(late, key=lambda c: (c.prompt_tokens, c.request_id))
+        else:
+            drop = max(kept, key=lambda c: (c.ttft_deadline_s, c.request_id))
+        kept.remove(drop)
+    return tuple(c.request_id for c in kept)
 
 
 @dataclass(frozen=True)
@@ -336,15 +365,20 @@ class DecodeScheduler:
             return ()
         cands = [self._candidate(rid, now) for rid in self._waiting]
         longest = max((r.final_length for r in self._running.values()), default=0)
-        return choose_joiners(cands, len(self._running), longest, self.max_running,
+        join = choose_joiners(cands, len(self._running), longest, self.max_running,
                               self.kv_budget_tokens)
+        if self.cost is None or len(join) < 2:
+            return join
+        chosen = set(join)
+        return trim_joiners([c for c in cands if c.request_id in chosen], self.cost, now)
 
     def _candidate(self, rid: int, now: float) -> Candidate:
         req, targets = self._requests[rid], self.targets
         assert targets is not None  # checked in __init__
         alone = self.cost.prefill_s(1, req.prompt_tokens) if self.cost is not None else 0.0
-        meetable = now + alone <= req.arrival_s + targets.ttft_s
-        return Candidate(rid, req.final_length, max(0.0, now - req.arrival_s), meetable)
+        deadline = req.arrival_s + targets.ttft_s
+        return Candidate(rid, req.final_length, max(0.0, now - req.arrival_s),
+                         now + alone <= deadline, req.prompt_tokens, deadline)
 
     def _decode_first(self, join: tuple[int, ...], now: float) -> bool:
         """Whether to decode the running requests before the prefill of ``join`` (which then
