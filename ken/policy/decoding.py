@@ -97,9 +97,9 @@ class PassCost(Protocol):
 
 @dataclass(frozen=True)
 class Candidate:
-    """A waiting request as ``choose_joiners`` sees it: its row's final length (prompt plus
-    token budget: its KV-cache row once done), its pending time and whether its TTFT deadline
-    can still be met."""
+    """A waiting request as ``choose_joiners`` and ``trim_joiners`` see it: its row's final
+    length (prompt plus token budget: its KV-cache row once done), its pending time, whether
+    its TTFT deadline can still be met, its prompt length and that deadline."""
 
     request_id: int
     final_tokens: int
