@@ -20,7 +20,9 @@ served on ``sem_qa`` with SmolLM2-135M, and whether a hidden-state cache would p
 5. **Engine**: ``--engine-replays`` of the ``--engine-load`` point replayed through the
    engine's ``DecodeServer`` (wall clock, real passes, answers run to their recorded length)
    in both orders, against the simulator on the same arrivals.
-6. **Hidden-state cache**: SmolLM2's KV bytes per token against a hidden-state cache's
+6. **Ablation**: the simulated sweep of the deadline order with its prefill cut
+   (``trim_joiners``) or its decode-first check switched off (patched for the measurement).
+7. **Hidden-state cache**: SmolLM2's KV bytes per token against a hidden-state cache's
    (Apt-Serve stores each layer's input hidden vector instead of its keys and values), the
    largest KV cache the runs could hold against this machine's memory, and the decode
    throughput the cost model gives for larger batches (what more rows in the same memory
@@ -102,6 +104,29 @@ def arrivals_for(trace_s: np.ndarray, minute: float, window_s: float, requests: 
 
     return trace_window(trace_s, minute * 60.0, window_s, requests, span_s,
                         np.random.default_rng(seed))
+
+
+def ablate(loads: list[float], deadline_run) -> list[dict]:  # noqa: ANN001
+    """The deadline order with one of its steps switched off, for measurement only: the
+    prefill never cut (``trim_joiners`` keeps every joiner), or never deferred for the running
+    requests (``_decode_first`` always False)."""
+    from unittest import mock
+
+    from ken.policy import decoding
+
+    def keep_all(joiners, cost, now):  # noqa: ANN001, ANN202
+        return tuple(c.request_id for c in joiners)
+
+    out = []
+    for load in loads:
+        row: dict = {"load": load}
+        with mock.patch.object(decoding, "trim_joiners", keep_all):
+            row["no_trim"] = deadline_run(load)
+        with mock.patch.object(decoding.DecodeScheduler, "_decode_first",
+                               lambda self, join, now: False):
+            row["no_decode_first"] = deadline_run(load)
+        out.append(row)
+    return out
 
 
 def hidden_cache_case(lm, cost, prompts: np.ndarray, outputs: np.ndarray,  # noqa: ANN001
@@ -226,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"{point['fcfs_x2_rows']['goodput']['median']:.0%} and "
                       f"{point['deadline_x2_rows']['goodput']['median']:.0%}")
 
+    ablation = ablate(loads, lambda load: simulated(load, "deadline", args.max_running))
+    reporter.note("  deadline order without cutting prefills / without decoding first: " + ", "
+                  .join(f"{a['load']:g}x {a['no_trim']['goodput']['median']:.0%} / "
+                        f"{a['no_decode_first']['goodput']['median']:.0%}" for a in ablation))
+
     engine: dict = {}
     if args.engine_replays:
         n = args.engine_requests
@@ -258,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         "answer_passes": {"median": float(np.median(outputs)), "max": int(outputs.max())},
         "token_cost": json.loads(cost.to_json()), "fcfs_sustained_qps": rate,
         "targets": {"ttft_s": targets.ttft_s, "tbt_s": targets.tbt_s},
-        "sweep": sweep, "engine": engine, "hidden_cache": hidden,
+        "sweep": sweep, "ablation": ablation, "engine": engine, "hidden_cache": hidden,
         "wall_s": time.perf_counter() - started,
     }
     (args.out / "decode_deadlines.json").write_text(json.dumps(result, indent=1))
