@@ -44,7 +44,14 @@ from ken.models.resources import CausalLM
 from ken.models.transformers_backend import weight_bytes
 from ken.optimizer.decode_sim import DecodeRun, GenRun
 from ken.optimizer.tokens import kv_bytes_per_token
-from ken.policy.decoding import DecodeScheduler, DecodeStep, Mode
+from ken.policy.decoding import (
+    DecodeScheduler,
+    DecodeStep,
+    Mode,
+    Order,
+    PassCost,
+    ServiceTargets,
+)
 from ken.policy.generating import GenDispatcher, pick_lane
 from ken.policy.plan import GenPlan
 from ken.policy.scheduling import WallClock
@@ -69,9 +76,14 @@ class _Lane:
     """One model's decoding on the server's device: its scheduler and its running batch."""
 
     def __init__(self, lm: CausalLM, max_running: int, kv_budget_tokens: int | None,
-                 mode: Mode, stop: Sequence[str], ignore_eos: bool) -> None:
+                 mode: Mode, stop: Sequence[str], ignore_eos: bool, order: Order = "fcfs",
+                 targets: ServiceTargets | None = None, cost: PassCost | None = None) -> None:
         self.lm = lm
-        self.scheduler = DecodeScheduler(max_running, kv_budget_tokens, mode)
+        try:
+            self.scheduler = DecodeScheduler(max_running, kv_budget_tokens, mode, order,
+                                             targets, cost)
+        except PolicyError as exc:
+            raise EngineError(str(exc)) from None
         self.stop = tuple(stop)
         self.ignore_eos = ignore_eos
         self.ends = end_token_ids(lm)
@@ -97,12 +109,12 @@ class _Lane:
         return (f"{prompt_tokens} prompt + {max_new_tokens} new tokens exceed the KV budget "
                 f"of {self.scheduler.kv_budget_tokens} tokens")
 
-    def run(self, pending: dict[int, _Pending]
+    def run(self, pending: dict[int, _Pending], clock: WallClock
             ) -> tuple[DecodeStep, list[tuple[int, Generation]], dict[int, str]]:
         """Run the lane's next pass: the pass, the requests it finished and the joiners whose
         prefill failed (with the error). A failed pass raises (the caller then fails the
         running requests: ``drop_running``)."""
-        step = self.scheduler.next_step()
+        step = self.scheduler.next_step(clock.now())
         if step is None:
             raise PolicyError("a lane with requests has no pass; this is a bug")
         failed: dict[int, str] = {}
@@ -114,7 +126,8 @@ class _Lane:
             self.batch.step()
         finished = [(int(k), g) for k, g in self.batch.pop_finished()] \
             if self.batch is not None else []
-        self.scheduler.step_done(step, [rid for rid, _ in finished] + list(failed))
+        self.scheduler.step_done(step, [rid for rid, _ in finished] + list(failed),
+                                 clock.now())
         return step, finished, failed
 
     def _prefill(self, ids: tuple[int, ...], pending: dict[int, _Pending]) -> dict[int, str]:
@@ -152,14 +165,23 @@ class DecodeServer:
 
     def __init__(self, lm: CausalLM, max_running: int = 8, kv_budget_tokens: int | None = None,
                  mode: Mode = "continuous", stop: Sequence[str] = (),
-                 ignore_eos: bool = False, memory_budget_bytes: int | None = None) -> None:
+                 ignore_eos: bool = False, memory_budget_bytes: int | None = None,
+                 order: Order = "fcfs", targets: ServiceTargets | None = None,
+                 pass_cost: PassCost | None = None) -> None:
         """``memory_budget_bytes``: the device memory for weights plus KV cache; the cache gets
-        what the weights leave (``kv_budget_tokens`` slots, whichever is smaller)."""
+        what the weights leave (``kv_budget_tokens`` slots, whichever is smaller).
+
+        ``order="deadline"`` with ``targets`` (TTFT and time between tokens): each prefill's
+        joiners are chosen by Apt-Serve's rule (``ken.policy.decoding``), passes estimated by
+        ``pass_cost`` (e.g. the model's ``TokenCost``; None: joiners only); the default
+        ``"fcfs"`` joins in arrival order. ``EngineError`` for an unknown order or missing
+        targets."""
         if memory_budget_bytes is not None:
             room = kv_tokens_in(lm, memory_budget_bytes)
             kv_budget_tokens = room if kv_budget_tokens is None else min(kv_budget_tokens, room)
         self._lanes: dict[str, _Lane] = {
-            "": _Lane(lm, max_running, kv_budget_tokens, mode, stop, ignore_eos)}
+            "": _Lane(lm, max_running, kv_budget_tokens, mode, stop, ignore_eos, order,
+                      targets, pass_cost)}
         self._init_loop()
 
     def _init_loop(self) -> None:
@@ -346,7 +368,7 @@ class DecodeServer:
             name, lane = self._lane_names[k], lanes[k]
             start = self.clock.now()
             try:
-                step, finished, failed = lane.run(self._pending)
+                step, finished, failed = lane.run(self._pending, self.clock)
             except Exception as exc:  # noqa: BLE001 - a failed decode fails its batch only
                 now = self.clock.now()
                 for rid in lane.drop_running():
@@ -385,7 +407,11 @@ class CascadeServer(DecodeServer):
     ``Outcome`` carries the SQL value, the answering model, stage and gear. A row with no
     prompt (NULL or blank input) is answered at once with ``None``."""
 
-    def __init__(self, models: Mapping[str, GenerativeModel], plan: GenPlan) -> None:
+    def __init__(self, models: Mapping[str, GenerativeModel], plan: GenPlan,
+                 order: Order = "fcfs", targets: ServiceTargets | None = None,
+                 pass_costs: Mapping[str, PassCost] | None = None) -> None:
+        """``order``, ``targets`` and ``pass_costs`` (per model): each lane's order of joiners,
+        as in ``DecodeServer`` (the function's targets hold on every lane)."""
         missing = [m for m in plan.models if m not in models]
         if missing:
             raise EngineError(f"the plan uses models {missing} that were not given")
@@ -393,8 +419,9 @@ class CascadeServer(DecodeServer):
         self.plan = plan
         self.dispatcher = GenDispatcher(plan)
         self.tokens = dict.fromkeys(plan.models, 0)  # generated per model, every stage
+        costs = pass_costs or {}
         self._lanes = {m: _Lane(model.lm, plan.max_running, plan.kv_budget_tokens,
-                                plan.mode, model.stop, False)
+                                plan.mode, model.stop, False, order, targets, costs.get(m))
                        for m, model in self.models.items()}
         self._init_loop()
 

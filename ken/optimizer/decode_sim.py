@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ken.errors import SimulationError
+from ken.errors import PolicyError, SimulationError
 from ken.models.cascade import Cascade
 from ken.optimizer.sim_core import EventLoop, Record, run_metrics
 from ken.optimizer.tokens import TokenCost
-from ken.policy.decoding import DecodeScheduler, DecodeStep, Mode
+from ken.policy.decoding import DecodeScheduler, DecodeStep, Mode, Order, ServiceTargets
 from ken.policy.generating import GenDispatcher, pick_lane
 from ken.policy.metrics import PlanMetrics
 from ken.policy.plan import GenPlan, single_gear
@@ -64,6 +64,31 @@ class DecodeRun:
             first_token_s=self.first_token_s, tokens=int(self.output_tokens.sum()),
             passes=self.passes, prefill_passes=self.prefill_passes,
             time_per_token_ms=float(np.median(per_token)) if per_token.size else 0.0)
+
+    def meets(self, targets: ServiceTargets) -> np.ndarray:
+        """Per request: first token within ``targets.ttft_s`` of arrival and the last within
+        ``targets.tgt_s(tokens)`` (the TTFT target plus a TBT target per further token)."""
+        return meets_targets(self.arrival_s, self.first_token_s, self.completion_s,
+                             self.output_tokens, targets)
+
+    def goodput(self, targets: ServiceTargets, requests: int | None = None) -> float:
+        """Share of the requests that met both targets (``meets``); ``requests``: how many
+        were sent, when some failed and are not in the run (they count as missed)."""
+        total = self.arrival_s.size if requests is None else requests
+        if total < self.arrival_s.size:
+            raise SimulationError(f"{self.arrival_s.size} requests ran but only {total} "
+                                  "were sent")
+        return float(self.meets(targets).sum() / total) if total else 0.0
+
+
+def meets_targets(arrival_s: np.ndarray, first_token_s: np.ndarray, completion_s: np.ndarray,
+                  output_tokens: np.ndarray, targets: ServiceTargets) -> np.ndarray:
+    """Which requests met their TTFT and TGT targets (``DecodeRun.meets``)."""
+    ttft = np.asarray(first_token_s, np.float64) - arrival_s
+    tgt = np.asarray(completion_s, np.float64) - arrival_s
+    tgt_target = targets.ttft_s + targets.tbt_s * np.maximum(
+        np.asarray(output_tokens, np.int64) - 1, 0)
+    return (ttft <= targets.ttft_s) & (tgt <= tgt_target)
 
 
 @dataclass(frozen=True, eq=False)
@@ -126,8 +151,11 @@ def _check_trace(arrivals: np.ndarray, rows: np.ndarray, num_rows: int) -> None:
 
 def simulate_gen_plan(plan: GenPlan, costs: Mapping[str, TokenCost],
                       stages: Mapping[str, StageRows], arrival_s: Sequence[float] | np.ndarray,
-                      rows: Sequence[int] | np.ndarray) -> GenRun:
-    """Serve the trace with ``plan`` on one device, each pass charged by ``costs``."""
+                      rows: Sequence[int] | np.ndarray, order: Order = "fcfs",
+                      targets: ServiceTargets | None = None) -> GenRun:
+    """Serve the trace with ``plan`` on one device, each pass charged by ``costs``.
+    ``order`` and ``targets``: how each lane's ``DecodeScheduler`` orders joiners (the
+    deadline order estimates passes with the same ``costs``)."""
     models = plan.models
     missing = [m for m in models if m not in costs or m not in stages]
     if missing:
@@ -137,7 +165,7 @@ def simulate_gen_plan(plan: GenPlan, costs: Mapping[str, TokenCost],
     _check_trace(arrivals, rows, min(len(stages[m].prompt_tokens) for m in models))
     n = arrivals.size
     record = Record(arrivals.copy(), 1)
-    server = _DecodeServer(plan, costs, stages, rows, record)
+    server = _DecodeServer(plan, costs, stages, rows, record, order, targets)
     loop = EventLoop([server], [(0,)] * n, VirtualClock(), record)
     loop.run()
     return GenRun(record.arrival_s, np.asarray(record.first_token_s, np.float64),
@@ -151,10 +179,12 @@ def simulate_gen_plan(plan: GenPlan, costs: Mapping[str, TokenCost],
 def simulate_decoding(cost: TokenCost, arrival_s: Sequence[float] | np.ndarray,
                       prompt_tokens: Sequence[int] | np.ndarray,
                       output_tokens: Sequence[int] | np.ndarray, max_running: int,
-                      kv_budget_tokens: int | None = None, mode: Mode = "continuous"
+                      kv_budget_tokens: int | None = None, mode: Mode = "continuous",
+                      order: Order = "fcfs", targets: ServiceTargets | None = None
                       ) -> DecodeRun:
     """Serve the requests through ``DecodeScheduler`` with passes timed by ``cost`` (one
-    model: a one-gear plan whose sample rows are the requests)."""
+    model: a one-gear plan whose sample rows are the requests); ``order="deadline"`` with
+    ``targets``: Apt-Serve's choice of joiners (``ken.policy.decoding``)."""
     arrivals = np.asarray(arrival_s, dtype=np.float64)
     prompts = np.asarray(prompt_tokens, dtype=np.int64)
     outputs = np.asarray(output_tokens, dtype=np.int64)
@@ -167,7 +197,8 @@ def simulate_decoding(cost: TokenCost, arrival_s: Sequence[float] | np.ndarray,
     except SimulationError as exc:
         raise SimulationError(f"arrivals must be finite and sorted, prompts >= 1 token, "
                               f"outputs >= 0 tokens ({exc})") from None
-    run = simulate_gen_plan(plan, {"model": cost}, {"model": stage}, arrivals, np.arange(n))
+    run = simulate_gen_plan(plan, {"model": cost}, {"model": stage}, arrivals, np.arange(n),
+                            order, targets)
     if run.tokens["model"] != int(outputs.sum()):
         raise SimulationError("some requests did not get all their tokens; this is a bug")
     return DecodeRun(arrivals.copy(), run.first_token_s, run.completion_s, prompts.copy(),
@@ -192,10 +223,15 @@ class _DecodeServer:
     and the lane holding the earliest request runs the next pass."""
 
     def __init__(self, plan: GenPlan, costs: Mapping[str, TokenCost],
-                 stages: Mapping[str, StageRows], rows: np.ndarray, record: Record) -> None:
+                 stages: Mapping[str, StageRows], rows: np.ndarray, record: Record,
+                 order: Order = "fcfs", targets: ServiceTargets | None = None) -> None:
         self.models, self.costs, self.stages, self.rows = plan.models, costs, stages, rows
-        self.lanes = {m: DecodeScheduler(plan.max_running, plan.kv_budget_tokens, plan.mode)
-                      for m in self.models}
+        try:
+            self.lanes = {m: DecodeScheduler(plan.max_running, plan.kv_budget_tokens,
+                                             plan.mode, order, targets, costs[m])
+                          for m in self.models}
+        except PolicyError as exc:
+            raise SimulationError(str(exc)) from None
         for m in self.models:
             st = stages[m]
             too_long = [int(r) for r in set(rows.tolist()) if not self.lanes[m].fits(
@@ -242,7 +278,7 @@ class _DecodeServer:
             return []
         m = self.models[k]
         sched = self.lanes[m]
-        step = sched.next_step()
+        step = sched.next_step(now)
         if step is None:
             raise SimulationError(f"lane {m} holds requests but has no pass; this is a bug")
         self._running = True
@@ -272,7 +308,7 @@ class _DecodeServer:
                 first[rid] = now
             if made[rid] >= st.output_tokens[rows[rid]]:
                 finished.append(rid)
-        self.lanes[m].step_done(p.step, finished)
+        self.lanes[m].step_done(p.step, finished, now)
         answered = []
         for rid in finished:
             stage = self.dispatcher.stage_of(rid)
