@@ -14,11 +14,13 @@ from ken.models.quality import EvalSample
 from ken.ops.base import Operator, SemanticFunction
 from ken.optimizer.query import QueryPlan, Target
 from ken.optimizer.workload import Hardware, Workload
+from ken.policy.decoding import ServiceTargets
 from ken.policy.plan import Frontier, GearPlan, GenPlan, Plan
 from ken.session import Session, connect
 from ken.sql.result import Result
 
 __all__ = ["Cascade", "DeviceConfig", "EvalSample", "Frame", "Frontier", "GearPlan", "GenPlan",
            "Hardware", "KenError", "Operator", "Output", "Plan", "QueryPlan", "Result",
-           "SemanticFunction", "Session", "Target", "Workload", "call", "col", "connect"]
+           "SemanticFunction", "ServiceTargets", "Session", "Target", "Workload", "call", "col",
+           "connect"]
 __version__ = "0.1.0"

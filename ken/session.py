@@ -34,6 +34,7 @@ from ken.optimizer.planning import choose_cascade, plan_functions
 from ken.optimizer.query import QueryPlan, Target
 from ken.optimizer.replan import GearReplan
 from ken.paths import ken_home
+from ken.policy.decoding import ServiceTargets
 from ken.policy.plan import Frontier, Plan
 from ken.progress import Reporter
 from ken.sql.database import Database
@@ -323,7 +324,8 @@ class Session:
               max_in_flight: int = 10_000, bulk_threshold: int | None = None,
               memory_gb: float | None = None, admission: str = "plan",
               latency_target_s: float | None = None, cluster: str | None = None,
-              replan: bool = True) -> dict[str, LoadReport]:
+              replan: bool = True, decode_targets: ServiceTargets | None = None
+              ) -> dict[str, LoadReport]:
         """Serve the functions with a gear plan (all of them by default) on one online engine.
 
         From then on every query's calls of a served function go through its engine, from any
@@ -349,13 +351,19 @@ class Session:
         when and why (``ken.engine.replanning``). A plan set with ``use_plan`` is kept as
         given. Returns the model load times (and worker memory) per function.
 
+        A generating function with a generation plan gets a decode server; with
+        ``decode_targets`` (``ken.ServiceTargets(ttft_s, tbt_s)``: the first token within
+        ``ttft_s`` of arrival, then one every ``tbt_s``) its prefills take the waiting requests
+        by deadline and pending time (Apt-Serve's rule, ``ken.policy.decoding``) rather than in
+        arrival order, with each model's passes estimated by its measured token cost.
+
         >>> session.plan("p95 <= 50")                   # doctest: +SKIP
         >>> session.serve()                             # doctest: +SKIP
         >>> session.sql("SELECT sentiment(?)", ["great game!"]).fetchall()   # doctest: +SKIP
         """
         reports = self.serving.serve(functions, workers, threads_per_device, max_in_flight,
                                      bulk_threshold, memory_gb, admission, latency_target_s,
-                                     cluster)
+                                     cluster, decode_targets)
         if replan:
             for name in reports:
                 recipe = self.replans.get(name)

@@ -11,12 +11,14 @@ import pytest
 from conftest import REFERENCE_DEVICE, SMALL_FAMILY
 
 import ken
+from ken.engine import manager
 from ken.errors import DataError, KenError
 from ken.models.resources import Resources
 from ken.ops.prompts import SEM_QA, extracted_value
 from ken.ops.sem_choice import parse_options
 from ken.ops.sem_complete import hellaswag_path, hellaswag_sample, load_hellaswag
 from ken.ops.sem_qa import hybridqa_dir, hybridqa_passage_sample
+from ken.optimizer.tokens import TokenCost
 
 LLM_OPS = ("sem_choice", "sem_complete", "sem_qa", "sem_extract", "sem_map")
 
@@ -138,7 +140,7 @@ def test_hybridqa_passage_sample() -> None:
 
 
 @pytest.mark.models
-def test_sem_qa_served_by_a_decode_server(session) -> None:  # noqa: ANN001
+def test_sem_qa_served_by_a_decode_server(session, monkeypatch) -> None:  # noqa: ANN001
     """A generation plan given to the session: serve() answers sem_qa's SQL calls from a
     decode server (online chunks and bulk rows), with the values of the in-process cascade."""
     from ken.models.cascade import Cascade
@@ -165,6 +167,22 @@ def test_sem_qa_served_by_a_decode_server(session) -> None:  # noqa: ANN001
             assert (st.bulk_rows if bulk_threshold == 1 else st.online_rows) == 4
         with pytest.raises(KenError, match="stop serving"):
             s.use_plan(_a_gear_plan(stage))
+        # by deadline (Apt-Serve's joiners), the token cost stood in for: the same answers
+        s.stop_serving()
+        measured: list[str] = []
+
+        def cost(lm, model: str, **_kwargs) -> TokenCost:  # noqa: ANN001
+            measured.append(model)
+            return TokenCost(model, "hw", (), (), (0.05, 0.001, 0.0), (0.02, 0.0, 0.0), 0, 1)
+
+        monkeypatch.setattr(manager, "load_or_measure_token_cost", cost)
+        with pytest.raises(KenError, match="ServiceTargets"):
+            s.serve(["sem_qa"], decode_targets=(60.0, 5.0))  # type: ignore[arg-type]
+        s.serve(["sem_qa"], decode_targets=ken.ServiceTargets(60.0, 5.0))
+        lanes = s.engines["sem_qa"].server._lanes.values()
+        assert measured and all(lane.scheduler.order == "deadline" for lane in lanes)
+        result = s.sql("SELECT id, sem_qa(q, x) FROM t ORDER BY id")
+        assert [r[1] for r in result.fetchall()] == expected
     finally:
         s.stop_serving()
         s.bulk_threshold = 64

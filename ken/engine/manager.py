@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, cast
 
@@ -31,6 +32,8 @@ from ken.errors import KenError
 from ken.models.model import DeviceConfig, Model
 from ken.ops.base import Bound, OpContext, Operator
 from ken.optimizer.replan import GearReplan
+from ken.optimizer.tokens import load_or_measure_token_cost
+from ken.policy.decoding import ServiceTargets
 from ken.policy.plan import GearPlan, GenPlan, Plan
 
 
@@ -166,7 +169,8 @@ class ServingManager:
               threads_per_device: int = 1, max_in_flight: int = 10_000,
               bulk_threshold: int | None = None, memory_gb: float | None = None,
               admission: str = "plan", latency_target_s: float | None = None,
-              cluster: str | None = None) -> dict[str, LoadReport]:
+              cluster: str | None = None, decode_targets: ServiceTargets | None = None
+              ) -> dict[str, LoadReport]:
         """Serve ``functions`` (every function with a plan by default): the gear plans on one
         engine, each generation plan on a decode server; see ``Session.serve``."""
         if bulk_threshold is not None:
@@ -180,6 +184,9 @@ class ServingManager:
             raise KenError(f"a Ray cluster serves with workers='ray', not {workers!r}")
         if admission not in ("plan", "max_in_flight"):
             raise KenError(f"admission must be 'plan' or 'max_in_flight' (got {admission!r})")
+        if decode_targets is not None and not isinstance(decode_targets, ServiceTargets):
+            raise KenError("decode_targets must be ken.ServiceTargets(ttft_s, tbt_s), not "
+                           f"{decode_targets!r}")
         names = list(self._plans) if functions is None else [f.lower() for f in functions]
         if not names:
             raise KenError("nothing to serve: no function has a plan yet; run "
@@ -196,7 +203,7 @@ class ServingManager:
                 by_kind.setdefault(self._plans[n].kind, []).append(n)
         reports: dict[str, LoadReport] = {}
         for n in by_kind.pop(GenPlan.kind, []):
-            reports[n] = self._start_generation(n)
+            reports[n] = self._start_generation(n, decode_targets)
         names = by_kind.pop(GearPlan.kind, [])
         if not names:
             return reports
@@ -238,9 +245,12 @@ class ServingManager:
         self._servers.update(dict.fromkeys(names, engine))
         return reports | dict.fromkeys(names, report)
 
-    def _start_generation(self, name: str) -> LoadReport:
+    def _start_generation(self, name: str, targets: ServiceTargets | None = None
+                          ) -> LoadReport:
         """A decode server for a generating function's plan, on the session's models (loaded
-        in this process; the server's thread runs every pass)."""
+        in this process; the server's thread runs every pass); with ``targets``, joiners by
+        deadline, each model's passes estimated by its token cost (measured once per
+        machine)."""
         plan = cast(GenPlan, self._plans[name])
         op = self.operators[name]
         started = time.perf_counter()
@@ -253,7 +263,13 @@ class ServingManager:
                            f"{name}() does not have; it has {sorted(models)}")
         with self.ctx.reporter.task(f"start a decode server for {name}(): "
                                     f"{plan.summary()}", 1) as advance:
-            server = CascadeServer({m: models[m] for m in plan.models}, plan).start()
+            costs = None if targets is None else {
+                m: load_or_measure_token_cost(models[m].lm, Path(models[m].lm.source).name,
+                                              home=self.ctx.home, reporter=self.ctx.reporter)
+                for m in plan.models}
+            server = CascadeServer({m: models[m] for m in plan.models}, plan,
+                                   "fcfs" if targets is None else "deadline", targets,
+                                   costs).start()
             advance(1)
         self._servers[name] = GenerationEngine(server)
         return LoadReport({}, time.perf_counter() - started, "thread")
