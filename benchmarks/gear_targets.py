@@ -30,6 +30,7 @@ Writes ``gear_targets.json`` and ``gear_targets.png`` to ``--out``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -74,7 +75,8 @@ def rows_of(profile: Profile, rows: np.ndarray) -> Profile:
     sizes = profile.row_sizes[rows] if profile.row_sizes.size else profile.row_sizes
     return replace(profile, quality=profile.quality[rows], scores=profile.scores[rows],
                    values=values, row_sizes=sizes,
-                   sample_hash=f"{profile.sample_hash}-{hash(rows.tobytes()) & 0xffffffff:x}")
+                   sample_hash=f"{profile.sample_hash}-"
+                               f"{hashlib.sha256(rows.tobytes()).hexdigest()[:12]}")
 
 
 # -- 1. every candidate, by Monte Carlo ---------------------------------------------------------
