@@ -86,9 +86,7 @@ def meets_targets(arrival_s: np.ndarray, first_token_s: np.ndarray, completion_s
     """Which requests met their TTFT and TGT targets (``DecodeRun.meets``)."""
     ttft = np.asarray(first_token_s, np.float64) - arrival_s
     tgt = np.asarray(completion_s, np.float64) - arrival_s
-    tgt_target = targets.ttft_s + targets.tbt_s * np.maximum(
-        np.asarray(output_tokens, np.int64) - 1, 0)
-    return (ttft <= targets.ttft_s) & (tgt <= tgt_target)
+    return (ttft <= targets.ttft_s) & (tgt <= targets.tgt_s(np.asarray(output_tokens)))
 
 
 @dataclass(frozen=True, eq=False)

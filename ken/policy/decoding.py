@@ -60,6 +60,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+import numpy as np
+
 from ken.errors import PolicyError
 
 Mode = Literal["continuous", "static"]
@@ -82,8 +84,11 @@ class ServiceTargets:
                 raise PolicyError(f"ServiceTargets.{name} must be a finite number of seconds "
                                   f"> 0, got {value!r}")
 
-    def tgt_s(self, tokens: int) -> float:
-        """Total generation time target (arrival to last token) of an answer of ``tokens``."""
+    def tgt_s(self, tokens: int | np.ndarray) -> float | np.ndarray:
+        """Total generation time target (arrival to last token) of an answer of ``tokens``
+        (a count, or an array of counts: the targets of each)."""
+        if isinstance(tokens, np.ndarray):
+            return self.ttft_s + self.tbt_s * np.maximum(tokens.astype(np.int64) - 1, 0)
         return self.ttft_s + self.tbt_s * max(0, tokens - 1)
 
 
