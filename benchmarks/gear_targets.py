@@ -161,14 +161,14 @@ def frontiers(session: ken.Session, target: float, replay_s: float, replays: int
                "frontier_plans": {"unconstrained": len(free), "under the target": len(kept)},
                "plans": {}}
     for label, plan in systems.items():
+        least = agreement(plan, held_out)
         summary["plans"][label] = {
             "plan": plan.headline(), "gears": [c.describe() for c in plan.cascades],
             "simulated_p95_ms": plan.predicted.p95_ms,
             "accuracy_on_labels": plan.predicted.accuracy,
-            "least_gear_agreement_held_out": agreement(plan, held_out)}
+            "least_gear_agreement_held_out": least}
         print(f"  {label}: {plan.headline()}; p95 {plan.predicted.p95_ms:.0f} ms simulated; "
-              f"least gear agreement with the oracle on held-out rows "
-              f"{agreement(plan, held_out):.3f}", flush=True)
+              f"least gear agreement with the oracle on held-out rows {least:.3f}", flush=True)
     # through the engine, on held-out rows, the oracle's answers as references
     op = session.operators[name]
     loaders = op.loaders(session.ctx, DeviceConfig(threads=1))
