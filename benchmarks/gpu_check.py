@@ -1059,7 +1059,42 @@ def serve_decode(args: argparse.Namespace, folder: Path, name: str, precision: s
            "simulated": {k: getattr(sim, k) for k in keys}}
     note(f"  decode server {name} {lm.device.label}{'+cudnn' if cudnn else ''}: " + ", ".join(
         f"{k} {row['engine'][k]:.1f} (sim {row['simulated'][k]:.1f})" for k in keys))
+    row["orders"] = deadline_orders(args, lm, cost, got, arrivals, prompts, prompt_len, out_len)
     return row
+
+
+def deadline_orders(args: argparse.Namespace, lm: Any, cost: Any, base: Any,
+                    arrivals: np.ndarray, prompts: Sequence[Sequence[int]],
+                    prompt_len: np.ndarray, out_len: np.ndarray) -> dict:
+    """Issue 37 item 3 on this device: the same requests at ``args.decode_overload`` times
+    the rate, served first-come-first-served and by deadline (Apt-Serve's greedy), measured and
+    simulated. Targets come from the run at the base rate: TTFT twice its median, time between
+    tokens 1.5 times its time per token. Goodput: the share of requests meeting both."""
+    from ken.engine.decode import DecodeServer, as_run, replay
+    from ken.optimizer.decode_sim import simulate_decoding
+    from ken.policy.decoding import ServiceTargets
+
+    targets = ServiceTargets(2e-3 * base.ttft_p50_ms, 1.5e-3 * base.time_per_token_ms)
+    fast = arrivals / args.decode_overload
+    out: dict[str, Any] = {"load": args.decode_overload, "ttft_s": targets.ttft_s,
+                           "tbt_s": targets.tbt_s}
+    for order in ("fcfs", "deadline"):
+        server = DecodeServer(lm, args.decode_running, ignore_eos=True, order=order,
+                              targets=targets, pass_cost=cost).start()
+        outcomes = replay(server, fast, prompts, out_len)
+        server.shutdown()
+        run = as_run(outcomes, server.passes, server.prefill_passes, server.busy_s)
+        sim = simulate_decoding(cost, fast, prompt_len, out_len, args.decode_running,
+                                order=order, targets=targets)
+        out[order] = {"goodput": run.goodput(targets, len(outcomes)),
+                      "simulated_goodput": sim.goodput(targets),
+                      "ttft_p95_ms": run.metrics().ttft_p95_ms,
+                      "simulated_ttft_p95_ms": sim.metrics().ttft_p95_ms}
+    note(f"    at {args.decode_overload:g}x the rate (TTFT {targets.ttft_s * 1e3:.0f} ms, TBT "
+         f"{targets.tbt_s * 1e3:.1f} ms): goodput FCFS {out['fcfs']['goodput']:.0%} (sim "
+         f"{out['fcfs']['simulated_goodput']:.0%}), deadline {out['deadline']['goodput']:.0%} "
+         f"(sim {out['deadline']['simulated_goodput']:.0%})")
+    return out
 
 
 def part_pytest(args: argparse.Namespace, ws: Workspace) -> dict:
@@ -1183,6 +1218,14 @@ def summary_md(result: dict) -> str:
                                    f"{dec['device_label']}: " + ", ".join(
                                        f"{k} {v:.1f} (sim {dec['simulated'][k]:.1f})"
                                        for k, v in dec["engine"].items()))
+                    od = dec.get("orders", {})
+                    if "deadline" in od:
+                        decoded.append(
+                            f"  - at {od['load']:g}x the rate: goodput FCFS "
+                            f"{od['fcfs']['goodput']:.0%} (sim "
+                            f"{od['fcfs']['simulated_goodput']:.0%}), deadline "
+                            f"{od['deadline']['goodput']:.0%} (sim "
+                            f"{od['deadline']['simulated_goodput']:.0%})")
         lines += ["", *decoded]
     pt = parts.get("pytest", {}).get("result")
     if pt:
@@ -1284,6 +1327,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.decode_requests = 48 if cuda else 8
     args.decode_qps = 8.0 if cuda else 1.0
     args.decode_running = 16 if cuda else 4
+    args.decode_overload = 3.0
     return args
 
 
