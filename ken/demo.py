@@ -33,7 +33,12 @@ from ken.optimizer.cascades import evaluate, pareto_cascades
 from ken.optimizer.decode_sim import simulate_decoding
 from ken.optimizer.plan_context import one_cascade_context
 from ken.optimizer.planner import PlannerSettings, pareto_plans, planning_context
-from ken.optimizer.planning import default_peak_qps, planning_inputs, planning_trace
+from ken.optimizer.planning import (
+    default_peak_qps,
+    held_out_window,
+    planning_inputs,
+    planning_trace,
+)
 from ken.optimizer.plotting import plot_frontier
 from ken.optimizer.profile import load_or_run_profile
 from ken.optimizer.simulator import simulate
@@ -108,7 +113,8 @@ def run_demo(args: argparse.Namespace) -> int:
         # a target between the best single model and the best cascade: a single model cannot
         # reach it, and the most accurate cascade is too slow for the bursts
         target = (alone.accuracy + best.accuracy) / 2
-        plan, statics, catalog, trace = _gear_plans(session, profiles, target, plan_s, out)
+        plan, statics, catalog, window = _gear_plans(session, profiles, target, plan_s,
+                                                     replay_s, out)
         session_frontier = session.frontiers["sentiment"]
 
         console.rule("5. semantic SQL served by the online engine: EXPLAIN, then the query")
@@ -142,7 +148,7 @@ def run_demo(args: argparse.Namespace) -> int:
         console.rule(f"6. a {replay_s:.0f}-s bursty trace through the engine, {REPLAYS} times: "
                      "ken against the static cascade a user would pick on the planning trace")
         loaders = session.operators["sentiment"].loaders(session.ctx, worker)
-    _compare(session_frontier, statics, catalog, trace, target, replay_s, loaders, sample, out,
+    _compare(session_frontier, statics, catalog, window, target, loaders, sample, out,
              reporter)
 
     console.rule("7. LLM operators: answers from SQL, a HellaSwag cascade, continuous batching")
@@ -152,9 +158,10 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _gear_plans(session: Session, profiles, target: float, duration_s: float,  # noqa: ANN001
-                out: Path) -> tuple:
+                replay_s: float, out: Path) -> tuple:
     """Plan the sentiment function for an accuracy target on a bursty trace; the static
-    cascades (each alone at every load, placed and scheduled by ken) for comparison."""
+    cascades (each alone at every load, placed and scheduled by ken) for comparison; and the
+    held-out ``replay_s`` window of the same arrival process that step 6 replays."""
     catalog, cascades = planning_inputs(profiles)
     peak = default_peak_qps(catalog, cascades, 2)
     trace = planning_trace("gamma", peak, duration_s, seed=0)
@@ -195,17 +202,17 @@ def _gear_plans(session: Session, profiles, target: float, duration_s: float,  #
     for line in plan.describe():
         console.print(f"  {line}", highlight=False, markup=False)
     console.print(f"wrote {png}", highlight=False)
-    return plan, statics, catalog, trace
+    return plan, statics, catalog, held_out_window("gamma", peak, duration_s, replay_s)
 
 
-def _compare(frontier, statics, catalog, planning, target: float, replay_s: float,  # noqa: ANN001
-             loaders, sample, out: Path, reporter: Reporter) -> None:
+def _compare(frontier, statics, catalog, trace, target: float, loaders,  # noqa: ANN001
+             sample, out: Path, reporter: Reporter) -> None:
     """Replay a fresh window of bursty arrivals through the engine, by the out-of-sample rule
     of ``benchmarks/e2e.py``: the static cascade a user would pick on the planning trace for
     the target (the fastest there at least that accurate), against ken's matched plan (the
     fastest frontier plan on the planning trace at least as accurate as it on the replayed
-    rows, its one-gear alternatives included); each served ``REPLAYS`` times, interleaved."""
-    trace = planning_trace("gamma", planning.qps_max(), replay_s, seed=1)
+    rows, its one-gear alternatives included); each served ``REPLAYS`` times, interleaved.
+    ``trace``: a held-out window of the planning trace's arrival process."""
     ok = [p for p in statics if p.predicted.accuracy >= target]
     static = (min(ok, key=lambda p: p.predicted.p95_ms) if ok
               else max(statics, key=lambda p: p.predicted.accuracy))
@@ -214,7 +221,8 @@ def _compare(frontier, statics, catalog, planning, target: float, replay_s: floa
     k = matched_plan(candidates, goal, catalog, trace)
     plan = candidates[k] if k is not None else frontier.plans[-1]
     same = plan.serves_like(static)
-    console.print(f"{len(trace)} requests over {trace.duration_s:.0f} s (another seed), 1-s "
+    console.print(f"{len(trace)} requests over {trace.duration_s:.0f} s (the planning trace's "
+                  f"arrival process drawn again: same mean rate, another seed), 1-s "
                   f"peak {trace.qps_max():g} qps. Static cascade picked on the planning trace "
                   f"for accuracy >= {target:.1%}: {static.cascades[0].describe()}; ken's "
                   "matched plan (the fastest of its frontier and the one-gear plans beside it "

@@ -22,6 +22,7 @@ from ken.models.cascade import Cascade
 from ken.optimizer.planner import PlannerSettings
 from ken.optimizer.planning import (
     default_peak_qps,
+    held_out_window,
     plan_operator,
     planning_inputs,
     planning_trace,
@@ -147,6 +148,24 @@ def test_synthetic_planning_traces_hit_the_peak(kind: str) -> None:
     trace = planning_trace(kind, 40.0, 30.0, seed=3)
     assert abs(trace.qps_max() - 40.0) <= 1.0
     assert trace.duration_s <= 30.0
+
+
+@pytest.mark.parametrize("kind", ["poisson", "gamma"])
+def test_held_out_window_is_the_planning_process_drawn_again(kind: str) -> None:
+    planning = planning_trace(kind, 60.0, 60.0, seed=0)
+    window = held_out_window(kind, 60.0, 60.0, 15.0)
+    assert window.name == planning.name  # the name carries the mean rate (and CV)
+    assert window.duration_s <= 15.0
+    assert not np.array_equal(window.arrival_s[:10], planning.arrival_s[:10])
+    # fitting a 15-s window to the 60-s trace's 1-s peak raises its mean rate instead
+    refitted = planning_trace(kind, planning.qps_max(), 15.0, seed=1)
+    assert refitted.name != planning.name
+    many = [held_out_window(kind, 60.0, 60.0, 60.0, window_seed=s) for s in range(1, 9)]
+    assert np.mean([len(w) for w in many]) == pytest.approx(len(planning), rel=0.35)
+    with pytest.raises(KenError, match="another seed"):
+        held_out_window(kind, 60.0, 60.0, 15.0, seed=2, window_seed=2)
+    with pytest.raises(KenError, match="Trace.window"):
+        held_out_window("azure", 60.0, 60.0, 15.0)
 
 
 def test_azure_planning_trace_is_a_window_around_the_peak() -> None:

@@ -42,6 +42,7 @@ from ken.optimizer.workload import (
     Trace,
     WorkloadError,
     fit_peak,
+    fit_peak_scale,
     gamma_trace,
     load_azure_trace,
     poisson_trace,
@@ -264,12 +265,40 @@ def planning_trace(kind: str | Trace, peak_qps: float, duration_s: float, seed: 
                                 "gamma (trace='poisson' in session.plan)") from None
         return fit_peak(lambda f: full.rate_scaled(f).around_peak(duration_s),
                          peak_qps / full.qps_max(), peak_qps)
-    if kind == "poisson":
-        return fit_peak(lambda r: poisson_trace(r, duration_s, seed), peak_qps * 0.8, peak_qps)
-    if kind == "gamma":
-        return fit_peak(lambda r: gamma_trace(r, duration_s, cv, seed), peak_qps / 4, peak_qps)
+    if kind in ("poisson", "gamma"):
+        return _synthetic(kind, peak_qps, duration_s, seed, cv)[1]
     raise WorkloadError(f"unknown trace {kind!r}; use one of {', '.join(TRACE_KINDS)} or pass "
                         "a ken.optimizer.workload.Trace")
+
+
+def _synthetic(kind: str, peak_qps: float, duration_s: float, seed: int, cv: float
+               ) -> tuple[float, Trace]:
+    """The mean rate of the synthetic ``kind`` trace whose 1-s peak is ``peak_qps``, and the
+    trace."""
+    if kind == "poisson":
+        return fit_peak_scale(lambda r: poisson_trace(r, duration_s, seed), peak_qps * 0.8,
+                              peak_qps)
+    return fit_peak_scale(lambda r: gamma_trace(r, duration_s, cv, seed), peak_qps / 4,
+                          peak_qps)
+
+
+def held_out_window(kind: str, peak_qps: float, duration_s: float, window_s: float,
+                    seed: int = 0, window_seed: int = 1, cv: float = 4.0) -> Trace:
+    """Another draw of the arrival process ``planning_trace(kind, peak_qps, duration_s,
+    seed)`` came from: ``window_s`` seconds at the same mean rate (and CV), seeded with
+    ``window_seed``. Its own 1-s peak is whatever the draw gives; fitting it to the planning
+    trace's peak instead would raise the mean rate of a shorter window (fewer seconds to
+    reach the peak), a heavier workload than the one planned for."""
+    if kind not in ("poisson", "gamma"):
+        raise WorkloadError(f"a held-out window of {kind!r}: only the synthetic traces "
+                            "(poisson, gamma) are a process to draw again; for a recorded "
+                            "trace take another window of it (Trace.window)")
+    if window_seed == seed:
+        raise WorkloadError("the held-out window needs another seed than the planning trace")
+    rate, _ = _synthetic(kind, peak_qps, duration_s, seed, cv)
+    if kind == "poisson":
+        return poisson_trace(rate, window_s, window_seed)
+    return gamma_trace(rate, window_s, cv, window_seed)
 
 
 def _planner_code_hash() -> str:

@@ -311,23 +311,30 @@ class Trace:
 def fit_peak(make: Callable[[float], Trace], start: float, peak_qps: float,
              window_s: float = 1.0) -> Trace:
     """``make(x)`` for the ``x`` whose trace has a peak rate (arrivals in the busiest fixed
-    ``window_s`` bucket, per second) closest to ``peak_qps``.
+    ``window_s`` bucket, per second) closest to ``peak_qps`` (``fit_peak_scale``)."""
+    return fit_peak_scale(make, start, peak_qps, window_s)[1]
+
+
+def fit_peak_scale(make: Callable[[float], Trace], start: float, peak_qps: float,
+                   window_s: float = 1.0) -> tuple[float, Trace]:
+    """The ``x`` whose trace ``make(x)`` has a peak rate (arrivals in the busiest fixed
+    ``window_s`` bucket, per second) closest to ``peak_qps``, and that trace.
 
     Peaks are counts in fixed buckets, so they move in steps as ``x`` scales the rate; a few
     multiplicative corrections get within one step. For low rates (a few requests per second)
     a 1-s bucket holds one or two arrivals whatever the scale: measure over a longer window.
     """
-    x, best = start, None
+    x, best, best_x = start, None, start
     for _ in range(12):
         trace = make(x)
         got = trace.qps_max(window_s)
         if best is None or abs(got - peak_qps) < abs(best.qps_max(window_s) - peak_qps):
-            best = trace
+            best, best_x = trace, x
         if abs(got - peak_qps) * window_s < 1.0:
             break
         x *= peak_qps / got
     assert best is not None
-    return best
+    return best_x, best
 
 
 def load_azure_trace(path: str | Path | None = None) -> Trace:
