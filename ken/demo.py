@@ -243,6 +243,7 @@ def _compare(frontier, statics, catalog, trace, target: float, loaders,  # noqa:
         plot_replay(served[-1].replay, p, out / f"replay-{name.split()[0]}.png",
                     title=f"{name}: measured (last replay)")
     medians = {name: float(np.median([m.p95_ms for m in ms])) for name, ms in measured.items()}
+    accuracy = {name: float(np.median([m.accuracy for m in ms])) for name, ms in measured.items()}
     console.print(latency_table("measured on the engine (2 worker processes x 1 thread)", rows,
                                 "system"))
     if same:
@@ -256,8 +257,11 @@ def _compare(frontier, statics, catalog, trace, target: float, loaders,  # noqa:
                   f"static cascade {medians['static cascade']:.0f} ms; the static cascade's p95 "
                   f"is {np.median(ratios):.2f}x ken's (per replay: "
                   f"{', '.join(f'{x:.2f}x' for x in ratios)}). Every request was served (none "
-                  f"turned away); accuracy: rows answered correctly of the same {len(trace)} "
-                  f"requests. Latency plots in {out}/",
+                  f"turned away); accuracy, rows answered correctly of the same {len(trace)} "
+                  f"requests, median of the replays: ken {accuracy['ken gear plan']:.1%}, static "
+                  f"cascade {accuracy['static cascade']:.1%} (ken's gears follow the load each "
+                  f"replay meets, so its accuracy moves between replays). Latency plots in "
+                  f"{out}/",
                   highlight=False)
 
 
