@@ -243,12 +243,14 @@ def _compare(frontier, statics, catalog, trace, target: float, loaders,  # noqa:
         plot_replay(served[-1].replay, p, out / f"replay-{name.split()[0]}.png",
                     title=f"{name}: measured (last replay)")
     medians = {name: float(np.median([m.p95_ms for m in ms])) for name, ms in measured.items()}
+    simulated = {name: simulate(p, catalog, trace).metrics(0, p).p95_ms for name, p in systems}
     accuracy = {name: float(np.median([m.accuracy for m in ms])) for name, ms in measured.items()}
     console.print(latency_table("measured on the engine (2 worker processes x 1 thread)", rows,
                                 "system"))
     if same:
         console.print(f"ken's frontier serves the static cascade itself at this accuracy: "
-                      f"p95 {medians['ken gear plan']:.0f} ms (median of {REPLAYS} replays). "
+                      f"p95 {medians['ken gear plan']:.0f} ms (median of {REPLAYS} replays; "
+                      f"simulated {simulated['ken gear plan']:.0f} ms). "
                       f"Latency plots in {out}/", highlight=False)
         return
     ratios = [b.p95_ms / a.p95_ms
@@ -260,7 +262,9 @@ def _compare(frontier, statics, catalog, trace, target: float, loaders,  # noqa:
                   f"turned away); accuracy, rows answered correctly of the same {len(trace)} "
                   f"requests, median of the replays: ken {accuracy['ken gear plan']:.1%}, static "
                   f"cascade {accuracy['static cascade']:.1%} (ken's gears follow the load each "
-                  f"replay meets, so its accuracy moves between replays). Latency plots in "
+                  f"replay meets, so its accuracy moves between replays). Simulated p95 of "
+                  f"this window (profiled runtimes): ken {simulated['ken gear plan']:.0f} ms, "
+                  f"static cascade {simulated['static cascade']:.0f} ms. Latency plots in "
                   f"{out}/",
                   highlight=False)
 
