@@ -296,3 +296,26 @@ def test_evaluate_pipeline_reports_deadline_metrics() -> None:
     # a dropped request has no answer: quality 0
     assert point.quality == pytest.approx(1.0 - m.drop_rate)
     assert point.metrics.num_requests == m.requests - m.dropped
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.floats(0.002, 0.2), min_size=1, max_size=8),
+       st.sampled_from(["reactive", "proactive"]), st.sampled_from(["fcfs", "lbf", "hbf",
+                                                                     "adaptive"]))
+def test_every_request_is_answered_or_dropped_once_whatever_the_policy(
+        budgets: list[float], rule: str, priority: str) -> None:
+    """Per-request deadlines (cycled over the trace), every rule and order: the event loop's
+    own check (each request resolved once per operator before its drop) passes, and the
+    outcomes partition the requests."""
+    plans, routes, trace, rows = three_stage()
+    deadline = np.resize(np.asarray(budgets), len(trace))
+    res = simulate_many(plans, [CAT] * 3, trace, seed=5, routes=routes, rows=rows,
+                        deadline_s=deadline,
+                        dropping=DropPolicy(rule, priority))  # type: ignore[arg-type]
+    m = res.deadline_metrics()
+    dropped = {d.request_id for d in res.drops}
+    assert len(dropped) == len(res.drops) == m.dropped
+    assert np.all(np.isnan(res.completion_s[list(dropped)]))
+    assert m.on_time + m.dropped + m.late == len(trace)
+    if rule == "reactive":  # a reactive drop is always of a request already late
+        assert all(d.at_s > d.deadline_s for d in res.drops)
