@@ -245,7 +245,14 @@ class PipelineForecast:
 class PipelineDropper:
     """The dropping policy of one pipeline: requests' deadlines and routes, the forecast, one
     adaptive priority per stage and every drop made. ``enter`` is asked when a request reaches
-    a stage; ``select`` when a stage forms a batch from its queue."""
+    a stage; ``select`` when a stage forms a batch from its queue.
+
+    >>> dropper = PipelineDropper(DropPolicy.named("proactive"),
+    ...                           [StageProfile("a", (0.01,)), StageProfile("b", (0.02,))])
+    >>> dropper.register(0, deadline_s=0.025, route=(0, 1))
+    >>> dropper.enter(0, 0, now=0.0).reason  # 10 ms at a, 20 ms at b: 30 ms > 25 ms
+    'at a: predicted finish 0.0300 s > deadline 0.0250 s'
+    """
 
     def __init__(self, policy: DropPolicy, stages: Sequence[StageProfile]) -> None:
         self.policy = policy
