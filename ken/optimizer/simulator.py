@@ -167,8 +167,11 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
             dropper.register(i, float(absolute[i]), path[i])
     elif dropping is not None:
         raise SimulationError("a dropping policy needs deadlines (deadline_s)")
+    # a policy that never drops nor reorders needs no gate (its queues stay the dispatcher's)
+    gated = dropper is not None and (dropper.policy.rule, dropper.policy.priority) != \
+        ("none", "fcfs")
     ops = [_Operator(k, p, c, clock, busy, record, seed + k, rows,
-                     dropper.gate(k) if dropper is not None else None)
+                     dropper.gate(k) if gated and dropper is not None else None)
            for k, (p, c) in enumerate(zip(plans, catalogs, strict=True))]
     if hits is not None and len(hits) != n:
         raise SimulationError(f"hits gives {len(hits)} flags for {n} requests")
