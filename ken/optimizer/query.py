@@ -23,6 +23,7 @@ together to find the fastest that meets ``quality >= x`` or the best within ``p9
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from ken.errors import KenError, QueryPlanError
 from ken.optimizer.perf import Catalog
 from ken.optimizer.simulator import SimResult, latency_percentiles, sample_rows, simulate_many
 from ken.optimizer.workload import Trace
+from ken.policy.dropping import DeadlineMetrics, DropPolicy
 from ken.policy.plan import Frontier, GearPlan, Plan, PlanMetrics
 
 #: latency bounds a target may set: the request latency percentile every plan has (``p95``; for
@@ -234,9 +236,14 @@ class PipelineSample:
     def request_quality(self, result: SimResult, plans: Sequence[GearPlan],
                         rows: Sequence[int]) -> np.ndarray:
         """The end-to-end quality of each simulated request (request ``i`` is row
-        ``rows[i]``), from the models that resolved its hops."""
+        ``rows[i]``), from the models that resolved its hops; 0 for a dropped request (no
+        answer)."""
         out = np.empty(len(rows))
+        dropped = {d.request_id for d in result.drops}
         for i, q in enumerate(rows):
+            if i in dropped:
+                out[i] = 0.0
+                continue
             models = []
             for k in self.routes[q]:
                 plan = plans[k]
@@ -259,6 +266,9 @@ class PipelinePoint:
     quality: float
     metrics: PlanMetrics  # end-to-end latency (its accuracy is the end-to-end quality)
     operator_p95_ms: tuple[float, ...]
+    # with end-to-end deadlines: goodput, drops and wasted device time (latency percentiles
+    # are then over the answered requests, quality counts a dropped request as 0)
+    deadline: DeadlineMetrics | None = None
 
 
 @dataclass(frozen=True)
@@ -274,19 +284,38 @@ class PipelinePlan:
 
 def evaluate_pipeline(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace: Trace,
                       sample: PipelineSample, seed: int = 0,
-                      rows: Sequence[int] | None = None) -> PipelinePoint:
+                      rows: Sequence[int] | None = None,
+                      deadline_s: float | Sequence[float] | np.ndarray | None = None,
+                      dropping: DropPolicy | None = None) -> PipelinePoint:
     """Simulate ``plans`` (one per operator of ``sample``) together on ``trace``; request
-    ``i`` is sample row ``rows[i]`` (default: a permutation of the rows drawn by ``seed``)."""
+    ``i`` is sample row ``rows[i]`` (default: a permutation of the rows drawn by ``seed``).
+
+    ``deadline_s``: end-to-end deadlines (seconds after arrival; one for all or one per
+    request) and ``dropping`` the policy dropping requests that cannot make them
+    (``ken.policy.dropping``); the point then carries their ``DeadlineMetrics``."""
     if len(plans) != len(sample.operators):
         raise QueryPlanError(f"give one plan per operator {sample.operators}")
     if rows is None:
         rows = sample_rows(len(trace), sample.num_rows, seed)
     elif len(rows) != len(trace):
         raise QueryPlanError(f"{len(rows)} sample rows for {len(trace)} requests")
-    result = simulate_many(plans, catalogs, trace, seed, routes=sample.routes, rows=rows)
+    result = simulate_many(plans, catalogs, trace, seed, routes=sample.routes, rows=rows,
+                           deadline_s=deadline_s, dropping=dropping)
     quality = sample.request_quality(result, plans, rows)
-    metrics = result.metrics(0)
-    p50, p95, p99 = latency_percentiles(result.latency_s * 1000.0)
+    deadline = None
+    if deadline_s is None:
+        metrics = result.metrics(0)
+        p50, p95, p99 = latency_percentiles(result.latency_s * 1000.0)
+    else:
+        deadline = result.deadline_metrics()
+        answered = ~np.isnan(result.completion_s)
+        kept = SimResult(result.arrival_s[answered], result.completion_s[answered],
+                         result.quality[:, answered], result.stage[:, answered],
+                         result.range_index[:, answered], result.gear_switches,
+                         result.device_busy_s, result.batches, result.stage_rows)
+        metrics = kept.metrics(0) if answered.any() else result.metrics(0)
+        p50, p95, p99 = (latency_percentiles(kept.latency_s * 1000.0) if answered.any()
+                         else (math.nan,) * 3)
     per_op = []
     for k in range(len(plans)):
         held = []
@@ -295,13 +324,14 @@ def evaluate_pipeline(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], tr
             if k in route:
                 j = route.index(k)
                 entered = result.arrival_s[i] if j == 0 else result.resolved_s[route[j - 1], i]
-                held.append(result.resolved_s[k, i] - entered)
+                if not math.isnan(result.resolved_s[k, i]):  # NaN: dropped before it
+                    held.append(result.resolved_s[k, i] - entered)
         per_op.append(float(np.percentile(held, 95)) * 1000.0 if held else 0.0)
     joint = PlanMetrics(accuracy=float(quality.mean()), p50_ms=p50, p95_ms=p95, p99_ms=p99,
                         mean_ms=metrics.mean_ms, num_requests=metrics.num_requests,
                         gear_switches=sum(len(g) for g in result.gear_switches),
                         duration_s=metrics.duration_s, utilisation=metrics.utilisation)
-    return PipelinePoint(tuple(plans), float(quality.mean()), joint, tuple(per_op))
+    return PipelinePoint(tuple(plans), float(quality.mean()), joint, tuple(per_op), deadline)
 
 
 def spread_plans(plans: Sequence[GearPlan], keep: int) -> list[GearPlan]:

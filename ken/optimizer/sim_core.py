@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ken.errors import SimulationError
+from ken.policy.dropping import Drop, PipelineDropper
 from ken.policy.metrics import PlanMetrics, RangeMetrics, latency_percentiles
 from ken.policy.scheduling import VirtualClock
 
@@ -82,6 +83,8 @@ class Record:
         self.gear = [[-1] * n for _ in range(operators)]
         self.quality = [[math.nan] * n for _ in range(operators)]
         self.resolutions = [[0] * n for _ in range(operators)]
+        self.dropped: dict[int, Drop] = {}  # with deadlines: the requests dropped, and why
+        self.device_s: list[float] | None = None  # with deadlines: device seconds per request
 
 
 class EventLoop:
@@ -89,12 +92,22 @@ class EventLoop:
     request ``i`` passes, in order) and fills ``record``."""
 
     def __init__(self, runners: Sequence[Runner], routes: Sequence[tuple[int, ...]],
-                 clock: VirtualClock, record: Record, hits: Sequence[bool] | None = None
-                 ) -> None:
+                 clock: VirtualClock, record: Record, hits: Sequence[bool] | None = None,
+                 dropper: PipelineDropper | None = None) -> None:
         """``hits[i]``: request ``i`` is answered by the result cache (``ken.cache``) before
-        any runner sees it, as a query's call site does: done at arrival, free."""
+        any runner sees it, as a query's call site does: done at arrival, free.
+
+        ``dropper``: requests carry end-to-end deadlines (registered with it) and may be
+        dropped when they reach an operator or when an operator forms a batch (its runners'
+        dispatchers ask the dropper's gates; a runner hands those drops back through
+        ``take_dropped``). A dropped request is resolved once, in ``record.dropped``, and
+        its completion stays NaN; each request is charged its share of every batch's device
+        time (``record.device_s``)."""
         self.runners, self.routes, self.clock, self.record = runners, routes, clock, record
         self.hits = hits
+        self.dropper = dropper
+        if dropper is not None:
+            record.device_s = [0.0] * len(routes)
         self.device_busy_s: dict[str, float] = {}
         self.started = 0  # pieces of work started (batches, forward passes)
         self._events: list[tuple[float, int, int, Any]] = []  # (end, seq, runner, work)
@@ -102,12 +115,39 @@ class EventLoop:
     def start(self, k: int, works: Iterable[Any], now: float) -> None:
         """Charge each piece of work its runtime on its devices and schedule its end."""
         runner, busy = self.runners[k], self.device_busy_s
+        per_request = self.record.device_s
         for w in works:
             dt = runner.runtime_s(w)
             for d in w.devices:
                 busy[d] = busy.get(d, 0.0) + dt
+            if per_request is not None:
+                ids = w.request_ids
+                share = dt * len(w.devices) / len(ids)
+                for rid in ids:
+                    per_request[rid] += share
             self.started += 1
             heapq.heappush(self._events, (now + dt, self.started, k, w))
+        if self.dropper is not None:
+            self._collect(k)
+
+    def enter(self, k: int, rid: int, now: float) -> None:
+        """Request ``rid`` reaches runner ``k`` (unless the dropper drops it there)."""
+        if self.dropper is not None:
+            drop = self.dropper.enter(rid, k, now)
+            if drop is not None:
+                self._dropped(drop)
+                return
+        self.start(k, self.runners[k].arrive(rid, now), now)
+
+    def _collect(self, k: int) -> None:
+        """The requests runner ``k``'s dispatcher dropped while forming batches."""
+        for drop in self.runners[k].take_dropped():  # type: ignore[attr-defined]
+            self._dropped(drop)
+
+    def _dropped(self, drop: Drop) -> None:
+        if drop.request_id in self.record.dropped:
+            raise SimulationError(f"request {drop.request_id} was dropped twice; this is a bug")
+        self.record.dropped[drop.request_id] = drop
 
     def run(self) -> Record:
         runners, routes, clock, record, events = \
@@ -140,8 +180,7 @@ class EventLoop:
                 if self.hits is not None and self.hits[i]:
                     record.completion_s[i] = t_arrival
                 else:
-                    first = routes[i][0]
-                    self.start(first, runners[first].arrive(i, t_arrival), t_arrival)
+                    self.enter(routes[i][0], i, t_arrival)
                 i += 1
             else:  # a deadline already past (queue left behind by a full batch) fires now
                 clock.t = max(clock.t, t_deadline)
@@ -158,17 +197,32 @@ class EventLoop:
         if step == len(route):
             self.record.completion_s[rid] = now
         else:
-            nxt = route[step]
-            self.start(nxt, self.runners[nxt].arrive(rid, now), now)
+            self.enter(route[step], rid, now)
 
     def _check(self) -> None:
-        unfinished = sum(1 for t in self.record.completion_s if math.isnan(t))
+        dropped = self.record.dropped
+        unfinished = sum(1 for i, t in enumerate(self.record.completion_s)
+                         if math.isnan(t) and i not in dropped)
         if unfinished:  # cannot happen: every queue eventually triggers by its max wait
             raise SimulationError(f"{unfinished} requests never completed; this is a bug")
+        if any(not math.isnan(self.record.completion_s[i]) for i in dropped):
+            raise SimulationError("a dropped request also completed; this is a bug")
         hits = self.hits if self.hits is not None else [False] * len(self.routes)
+
+        def expected(k: int, i: int, route: tuple[int, ...], hit: bool) -> int:
+            if k not in route or hit:
+                return 0
+            drop = dropped.get(i)  # operators before the one that dropped it resolved it
+            return int(drop is None or route.index(k) < route.index(drop.stage))
+
         for k, counts in enumerate(self.record.resolutions):
-            bad = sum(1 for c, route, hit in zip(counts, self.routes, hits, strict=True)
-                      if c != int(k in route and not hit))
+            if not dropped:
+                bad = sum(1 for c, route, hit in zip(counts, self.routes, hits, strict=True)
+                          if c != int(k in route and not hit))
+            else:
+                bad = sum(1 for i, (c, route, hit) in enumerate(zip(counts, self.routes, hits,
+                                                                    strict=True))
+                          if c != expected(k, i, route, hit))
             if bad:
                 raise SimulationError(f"{bad} requests were not resolved exactly once; "
                                       "this is a bug")

@@ -27,6 +27,15 @@ from ken.errors import SimulationError
 from ken.optimizer.perf import Catalog, sized_runtime
 from ken.optimizer.sim_core import EventLoop, Record, run_metrics
 from ken.optimizer.workload import Trace
+from ken.policy.dropping import (
+    DeadlineMetrics,
+    Drop,
+    DropPolicy,
+    PipelineDropper,
+    StageGate,
+    StageProfile,
+    deadline_metrics,
+)
 from ken.policy.metrics import PlanMetrics, RangeMetrics, latency_percentiles
 from ken.policy.plan import GearPlan
 from ken.policy.scheduling import Batch, Dispatcher, VirtualClock
@@ -47,6 +56,20 @@ class SimResult:
     stage_rows: tuple[tuple[int, ...], ...]  # per operator: rows processed at each stage
     # (operators, requests): when the operator resolved the request (NaN: not on its route)
     resolved_s: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)), repr=False)
+    # with end-to-end deadlines (``simulate_many(deadline_s=...)``): each request's absolute
+    # deadline, the drops (completion NaN for those) and the device seconds each was charged
+    deadline_s: np.ndarray | None = field(default=None, repr=False)
+    drops: tuple[Drop, ...] = field(default=(), repr=False)
+    device_s: np.ndarray | None = field(default=None, repr=False)
+    operators: tuple[str, ...] = ()
+
+    def deadline_metrics(self) -> DeadlineMetrics:
+        """Goodput, drop rate and wasted device time of a run with deadlines."""
+        if self.deadline_s is None or self.device_s is None:
+            raise SimulationError("this run had no deadlines (simulate_many(deadline_s=...))")
+        return deadline_metrics(self.arrival_s.tolist(), self.completion_s.tolist(),
+                                self.deadline_s.tolist(), self.drops, self.device_s.tolist(),
+                                self.operators)
 
     @property
     def latency_s(self) -> np.ndarray:
@@ -95,8 +118,9 @@ def simulate(plan: GearPlan, catalog: Catalog, trace: Trace, seed: int = 0) -> S
 
 def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace: Trace,
                   seed: int = 0, routes: Sequence[Sequence[int]] | None = None,
-                  rows: Sequence[int] | None = None, hits: Sequence[bool] | None = None
-                  ) -> SimResult:
+                  rows: Sequence[int] | None = None, hits: Sequence[bool] | None = None,
+                  deadline_s: np.ndarray | Sequence[float] | float | None = None,
+                  dropping: DropPolicy | None = None) -> SimResult:
     """Replay ``trace`` through ``plans`` in order (request ``i`` enters plan ``k + 1`` when
     plan ``k`` resolved it); plans share devices with the same id.
 
@@ -107,7 +131,12 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
     ``routes`` (optional, with ``rows``): request ``i`` is sample row ``rows[i]`` in every
     plan's catalog and passes through the plans ``routes[rows[i]]`` in that order (indices
     into ``plans``; each at most once). Plans a request's route leaves out never see it: its
-    quality there is NaN and its stage -1."""
+    quality there is NaN and its stage -1.
+
+    ``deadline_s`` (optional): each request's end-to-end deadline in seconds after its
+    arrival (one number for all, or one per request), and ``dropping`` the policy that drops
+    requests which cannot make it (``ken.policy.dropping``; default: never drop). Without
+    deadlines the run is exactly what it was before deadlines existed."""
     if not plans or len(plans) != len(catalogs):
         raise SimulationError("give one catalog per plan (and at least one plan)")
     n = len(trace)
@@ -126,12 +155,34 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
     clock = VirtualClock()
     busy: set[str] = set()
     record = Record(trace.arrival_s.copy(), len(plans))
-    ops = [_Operator(k, p, c, clock, busy, record, seed + k, rows)
+    dropper, absolute = None, None
+    if deadline_s is not None:
+        budget = np.broadcast_to(np.asarray(deadline_s, dtype=np.float64), (n,))
+        if not np.all(budget > 0):
+            raise SimulationError("deadlines are seconds after arrival, > 0")
+        absolute = record.arrival_s + budget
+        dropper = PipelineDropper(dropping or DropPolicy(), [
+            _stage_profile(p, c) for p, c in zip(plans, catalogs, strict=True)])
+        for i in range(n):
+            dropper.register(i, float(absolute[i]), path[i])
+    elif dropping is not None:
+        raise SimulationError("a dropping policy needs deadlines (deadline_s)")
+    # a policy that never drops nor reorders needs no gate (its queues stay the dispatcher's)
+    gated = dropper is not None and (dropper.policy.rule, dropper.policy.priority) != \
+        ("none", "fcfs")
+    ops = [_Operator(k, p, c, clock, busy, record, seed + k, rows,
+                     dropper.gate(k) if gated and dropper is not None else None)
            for k, (p, c) in enumerate(zip(plans, catalogs, strict=True))]
     if hits is not None and len(hits) != n:
         raise SimulationError(f"hits gives {len(hits)} flags for {n} requests")
-    loop = EventLoop(ops, path, clock, record, hits)
+    loop = EventLoop(ops, path, clock, record, hits, dropper)
     loop.run()
+    extra: dict = {}
+    if dropper is not None:
+        assert record.device_s is not None
+        extra = dict(deadline_s=absolute, device_s=np.asarray(record.device_s),
+                     drops=tuple(sorted(record.dropped.values(), key=lambda d: d.request_id)),
+                     operators=tuple(p.operator for p in plans))
     return SimResult(
         arrival_s=record.arrival_s, completion_s=np.asarray(record.completion_s, np.float64),
         quality=np.array(record.quality, dtype=np.float64),
@@ -142,7 +193,18 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
         batches=loop.started,
         stage_rows=tuple(op.stage_rows() for op in ops),
         resolved_s=np.array(record.resolved_s, dtype=np.float64),
+        **extra,
     )
+
+
+def _stage_profile(plan: GearPlan, catalog: Catalog) -> StageProfile:
+    """What the dropping forecast knows of an operator: the profiled batch runtimes of one
+    replica of its first model (gear 0) and how many replicas that model has."""
+    first = plan.cascades[plan.ranges[0].cascade].models[0]
+    reps = plan.replicas_of(first)
+    r = plan.placement[reps[0]]
+    table = catalog.perf_on(r.model, r.devices).runtime_table(r.degree, plan.max_batch[reps[0]])
+    return StageProfile(plan.operator, tuple(float(t) for t in table[1:]), len(reps))
 
 
 class _Operator:
@@ -151,12 +213,13 @@ class _Operator:
 
     def __init__(self, index: int, plan: GearPlan, catalog: Catalog, clock: VirtualClock,
                  busy: set[str], record: Record, seed: int,
-                 rows: Sequence[int] | None = None) -> None:
+                 rows: Sequence[int] | None = None, gate: StageGate | None = None) -> None:
         missing = sorted({r.model for r in plan.placement} - set(catalog.perf))
         if missing:
             raise SimulationError(f"plan {plan.operator!r} places {missing}, which have no "
                                   f"profile in the catalog ({list(catalog.models)})")
-        self.dispatcher = Dispatcher(plan, clock, busy)
+        self.dispatcher = Dispatcher(plan, clock, busy, gate)
+        self._gate = gate
         kind = plan.certainty
         if rows is None:
             rows = sample_rows(record.arrival_s.size, catalog.num_rows, seed)
@@ -209,6 +272,14 @@ class _Operator:
             ok[rid] = quality[rid]
             stage[rid] = st
         return done.started, done.resolved
+
+    def take_dropped(self) -> list[Drop]:
+        """The requests the dispatcher's gate dropped since the last call."""
+        if self._gate is None or not self._gate.dropped:
+            return []
+        out, self._gate.dropped = self._gate.dropped, []
+        self.dispatcher.dropped.clear()
+        return out
 
     def freed(self, devices: tuple[str, ...], now: float) -> list[Batch]:
         return self.dispatcher.poll(devices)

@@ -232,13 +232,26 @@ class Finished:
     started: tuple[Batch, ...]
 
 
+class BatchGate(Protocol):
+    """Chooses a batch's rows (at most ``take``, in serving order) from a queue's request ids
+    (arrival order, queued since ``since``) and the requests to drop now."""
+
+    def select(self, queued: Sequence[int], since: Sequence[float], now: float, take: int
+               ) -> tuple[list[int], list[int]]: ...
+
+
 class Dispatcher:
     """Queues, devices and per-request state of one gear plan (see the module docstring)."""
 
-    def __init__(self, plan: GearPlan, clock: Clock, busy: set[str] | None = None) -> None:
+    def __init__(self, plan: GearPlan, clock: Clock, busy: set[str] | None = None,
+                 gate: BatchGate | None = None) -> None:
         """``busy``: the set of busy device ids, shared with other dispatchers whose plans
-        place replicas on the same devices (a device still runs one batch at a time)."""
+        place replicas on the same devices (a device still runs one batch at a time).
+        ``gate``: when a batch is formed, chooses its rows from the whole queue and drops
+        requests (``ken.policy.dropping``); None: the oldest rows, nothing dropped."""
         self.plan = plan
+        self.gate = gate
+        self.dropped: list[int] = []  # requests the gate dropped, for the caller to collect
         self.clock = clock
         self.meter = RateMeter(plan.rate_window_s)
         self.gears = GearSelector(plan)
@@ -439,6 +452,24 @@ class Dispatcher:
         if len(q) == 1:
             heapq.heappush(self._deadlines, (self.trigger.deadline(now), rep))
 
+    def _gated(self, rep: int, now: float) -> tuple[int, ...]:
+        """The gate's rows of replica ``rep``'s queue; the ones it dropped leave the queue
+        and this dispatcher, the rest keep waiting in arrival order."""
+        assert self.gate is not None
+        q, s = self._queue[rep], self._since[rep]
+        ids, dropped = self.gate.select(list(q), list(s), now, self._max_batch[rep])
+        gone = set(ids) | set(dropped)
+        rest = [(r, t) for r, t in zip(q, s, strict=True) if r not in gone]
+        q.clear()
+        s.clear()
+        for r, t in rest:
+            q.append(r)
+            s.append(t)
+        for rid in dropped:
+            del self._req_stage[rid], self._req_cascade[rid], self._req_range[rid]
+        self.dropped.extend(dropped)
+        return tuple(ids)
+
     def _start_ready(self, candidates: Iterable[int], now: float) -> list[Batch]:
         """Start, oldest queue head first, every candidate replica whose trigger fired and
         whose devices are all free."""
@@ -464,12 +495,17 @@ class Dispatcher:
             if any(d in busy for d in devs):
                 continue  # an older queue just took a shared device
             q, s = queue[rep], since[rep]
-            take = min(len(q), self._max_batch[rep])
-            ids = tuple(q.popleft() for _ in range(take))
-            for _ in range(take):
-                s.popleft()
+            if self.gate is None:
+                take = min(len(q), self._max_batch[rep])
+                ids = tuple(q.popleft() for _ in range(take))
+                for _ in range(take):
+                    s.popleft()
+            else:
+                ids = self._gated(rep, now)
             if s:  # the rest keeps waiting: its new head gets a deadline
                 heapq.heappush(self._deadlines, (self.trigger.deadline(s[0]), rep))
+            if not ids:
+                continue
             busy.update(devs)
             batch = Batch(rep, self._model[rep], devs, ids, now)
             self._running[rep] = batch

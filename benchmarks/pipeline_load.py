@@ -1,0 +1,310 @@
+"""Deadlines through a pipeline under load: no dropping, reactive dropping and ken's proactive
+dropping (PARD) in SIMULATION (issue 37, item 1).
+
+The policies are ``ken.policy.dropping`` (``none``: never drop; ``reactive``: drop a request
+only once it is already past its end-to-end deadline, FIFO queues; ``proactive``: drop it as
+soon as ``now + predicted time of this and the remaining stages > deadline``, queues ordered by
+remaining budget with PARD's adaptive LBF/HBF priority), run by the discrete-event simulator
+(``simulate_many(deadline_s=..., dropping=...)``) on arrivals of the Azure LLM code trace
+(its inter-arrival gaps in order, repeated as needed for ``--duration-s``, scaled so their
+mean rate is ``load`` x what the pipeline sustains; the bursts keep their shape). Ablations (not in
+``--quick``): ``proactive-fifo``, ``proactive-lbf`` and ``proactive-hbf`` drop proactively
+but serve queues in arrival order, always least budget first or always most budget first
+(what the adaptive priority adds); ``proactive-d0.3`` widens the adaptive priority's
+narrowest band from 0.1 to 0.3.
+
+1. **QA-like pipeline** (``qa``): the shape of the MultiModalQA/HybridQA question stream that
+   ``ken/multihop_plan.py`` plans — a question-type classifier, then a text hop, a table hop or
+   both, then one reading call — built from the measured V100 BERT profiles of
+   ``../shared/data/ken-artifact/`` (tiny, small, medium; BERT-large as the reader, the
+   expensive stage, on 4 GPUs). ``PipelinePlanner`` needs the measured QA outcomes (every
+   question answered by every LM assignment: tens of minutes of CPU LMs), which are not
+   available offline, so this pipeline's stages and placement are fixed by hand and answer
+   quality (F1) is not reported.
+2. **64-GPU cluster** (``cluster``): a four-stage pipeline of the V100 profiles (BERT-tiny ->
+   BERT-base -> BERT-large -> BERT-small, every request through all four) on 64 V100s, the
+   GPUs split so that the stages' profiled capacities are as even as whole GPUs allow — the
+   scale of PARD's evaluation.
+
+"What the pipeline sustains" (1x) is the highest rate (bisection up to its profiled capacity:
+the smallest over stages of the stage's rows per second at full batches on all its replicas,
+divided by the share of requests that visit it) at which serving every request, no dropping,
+answers 95% of them within the deadline on these arrivals. The trace is very bursty (its
+busiest second holds 26x its mean rate), so on the QA pipeline's short window this is far below
+the profiled capacity; the cluster's longer window sustains its capacity.
+
+Per point: goodput (answers within the deadline per second of the trace), drop
+rate, late rate (answered after the deadline), wasted model seconds (device seconds spent on
+requests dropped later or answered late) and where the drops happened.
+
+The engine part (the same policies on the online engine's dispatchers, wall clock, CPU) is for
+a later session: nothing here runs a model.
+
+Writes ``--out``/pipeline_load.json and pipeline_load.png.
+
+    python benchmarks/pipeline_load.py --out benchmarks/results/pipeline_load
+    python benchmarks/pipeline_load.py --quick   # under a minute: fewer requests
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = Path(__file__).parent / "results" / "pipeline_load"
+POLICIES = ("none", "reactive", "proactive", "proactive-fifo", "proactive-lbf",
+            "proactive-hbf", "proactive-d0.3")
+LOADS = (1.0, 1.5, 2.0, 3.0)
+
+
+def stage_plan(name: str, model: str, devices: list[str], max_batch: int, max_wait_s: float):  # noqa: ANN201
+    from ken.models.cascade import Cascade
+    from ken.policy.plan import GearPlan, RangeSchedule, Replica
+
+    n = len(devices)
+    model = f"bert-{model}"
+    return GearPlan(name, (0.0, 1e9), (Cascade((model,)),),
+                    tuple(Replica(model, (d,)) for d in devices),
+                    (RangeSchedule(0, (1.0 / n,) * n, (1,) * n),), (max_batch,) * n,
+                    max_wait_s=max_wait_s)
+
+
+def capacity_qps(catalog, plans, visits: list[float]) -> tuple[float, list[float]]:  # noqa: ANN001
+    """The pipeline's profiled capacity and each stage's (rows/s at full batches)."""
+    per_stage = []
+    for p in plans:
+        r = p.placement[0]
+        table = catalog.perf_on(r.model, r.devices).runtime_table(1, p.max_batch[0])
+        per_stage.append(len(p.placement) * p.max_batch[0] / table[-1])
+    return min(c / v for c, v in zip(per_stage, visits, strict=True) if v > 0), per_stage
+
+
+def qa_pipeline(catalog):  # noqa: ANN001, ANN201
+    """question type -> text hop and/or table hop -> reader; routes by question kind."""
+    plans = [stage_plan("question_type", "tiny", ["gpu0"], 32, 0.002),
+             stage_plan("text_hop", "small", ["gpu0"], 32, 0.002),
+             stage_plan("table_hop", "medium", ["gpu0"], 32, 0.002),
+             stage_plan("reader", "large", [f"gpu{i}" for i in range(1, 5)], 8, 0.002)]
+    kinds = {(0, 1, 3): 0.4, (0, 2, 3): 0.3, (0, 1, 2, 3): 0.3}  # text, table, both
+    return plans, kinds
+
+
+def cluster_pipeline(catalog, gpus: int = 64):  # noqa: ANN001, ANN201
+    """tiny -> base -> large -> small on ``gpus`` V100s, split by profiled per-GPU rates."""
+    stages = [("detect", "tiny", 32), ("classify", "base", 16), ("rerank", "large", 8),
+              ("tag", "small", 32)]
+    rate = []
+    for _, model, b in stages:
+        table = catalog.perf_on(f"bert-{model}", ("gpu0",)).runtime_table(1, b)
+        rate.append(b / table[-1])
+    need = np.array([1.0 / r for r in rate])
+    count = np.maximum(1, np.floor(gpus * need / need.sum())).astype(int)
+    while count.sum() < gpus:  # hand the rest to the stage with the lowest capacity
+        count[int(np.argmin(count * np.array(rate)))] += 1
+    plans, first = [], 0
+    for (name, model, b), c in zip(stages, count.tolist(), strict=True):
+        plans.append(stage_plan(name, model, [f"gpu{first + i}" for i in range(c)], b, 0.002))
+        first += c
+    return plans, {(0, 1, 2, 3): 1.0}
+
+
+def arrivals(gaps: np.ndarray, duration_s: float, qps: float):  # noqa: ANN201
+    """``duration_s`` of arrivals at mean rate ``qps`` with the Azure trace's gaps (in its
+    order, repeated as needed), scaled."""
+    from ken.optimizer.workload import Trace
+
+    n = max(2, int(round(duration_s * qps)))
+    g = np.resize(gaps, n - 1)
+    a = np.concatenate([[0.0], np.cumsum(g)])
+    return Trace(a * ((n - 1) / qps / a[-1]), f"azure-code x{qps:.0f}qps")
+
+
+def on_time_share(catalog, plans, routes, gaps, duration_s, qps, deadline_s, seed) -> float:  # noqa: ANN001
+    from ken.optimizer.simulator import sample_rows, simulate_many
+    from ken.policy.dropping import DropPolicy
+
+    trace = arrivals(gaps, duration_s, qps)
+    rows = sample_rows(len(trace), catalog.num_rows, seed)
+    res = simulate_many(plans, [catalog] * len(plans), trace, seed, routes=routes, rows=rows,
+                        deadline_s=deadline_s, dropping=DropPolicy.named("none"))
+    m = res.deadline_metrics()
+    return m.on_time / m.requests
+
+
+def sustained_qps(catalog, plans, routes, gaps, duration_s, cap, deadline_s, seed,  # noqa: ANN001
+                  share: float = 0.95, steps: int = 8) -> float:
+    """The highest rate (bisection between 0 and the profiled capacity) at which serving
+    every request (no dropping) answers ``share`` of them within the deadline."""
+    lo, hi = 0.0, cap
+    if on_time_share(catalog, plans, routes, gaps, duration_s, hi, deadline_s, seed) >= share:
+        return hi
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        ok = on_time_share(catalog, plans, routes, gaps, duration_s, mid, deadline_s, seed)
+        lo, hi = (mid, hi) if ok >= share else (lo, mid)
+    return lo
+
+
+def run_case(name: str, catalog, plans, kinds: dict, gaps: np.ndarray, duration_s: float,  # noqa: ANN001
+             deadline_s: float, loads: list[float], policies: list[str], seed: int) -> dict:
+    from ken.optimizer.simulator import sample_rows, simulate_many
+    from ken.policy.dropping import DropPolicy
+
+    rng = np.random.default_rng(seed)
+    route_list = list(kinds)
+    num_rows = catalog.num_rows
+    routes = [route_list[i] for i in rng.choice(len(route_list), num_rows,
+                                                p=list(kinds.values()))]
+    visits = [sum(p for r, p in kinds.items() if k in r) for k in range(len(plans))]
+    cap, per_stage = capacity_qps(catalog, plans, visits)
+    sustained = sustained_qps(catalog, plans, routes, gaps, duration_s, cap, deadline_s, seed)
+    out = {"pipeline": name, "stages": [
+        {"name": p.operator, "model": p.placement[0].model, "replicas": len(p.placement),
+         "max_batch": p.max_batch[0], "capacity_qps": c, "visit_share": v}
+        for p, c, v in zip(plans, per_stage, visits, strict=True)],
+        "routes": {"-".join(plans[k].operator for k in r): s for r, s in kinds.items()},
+        "capacity_qps": cap, "sustained_qps": sustained, "deadline_s": deadline_s,
+        "duration_s": duration_s, "points": []}
+    policy_of = {"none": DropPolicy.named("none"), "reactive": DropPolicy.named("reactive"),
+                 "proactive": DropPolicy.named("proactive"),
+                 "proactive-fifo": DropPolicy("proactive", "fcfs"),
+                 "proactive-lbf": DropPolicy("proactive", "lbf"),
+                 "proactive-hbf": DropPolicy("proactive", "hbf"),
+                 "proactive-d0.3": DropPolicy("proactive", "adaptive", delta_min=0.3)}
+    for load in loads:
+        trace = arrivals(gaps, duration_s, load * sustained)
+        rows = sample_rows(len(trace), num_rows, seed)
+        for pol in policies:
+            t0 = time.perf_counter()
+            res = simulate_many(plans, [catalog] * len(plans), trace, seed, routes=routes,
+                                rows=rows, deadline_s=deadline_s, dropping=policy_of[pol])
+            m = res.deadline_metrics()
+            answered = ~np.isnan(res.completion_s)
+            lat = res.latency_s[answered] * 1000.0
+            point = {"load": load, "policy": pol, "requests": len(trace),
+                     "offered_qps": len(trace) / trace.duration_s,
+                     "goodput_qps": m.goodput_qps, "on_time": m.on_time,
+                     "drop_rate": m.drop_rate, "late_rate": m.late_rate,
+                     "wasted_model_s": m.wasted_device_s, "model_s": m.device_s,
+                     "wasted_share": m.wasted_share, "drops_by_stage": dict(m.drops_by_stage),
+                     "p95_answered_ms": float(np.percentile(lat, 95)) if lat.size else None,
+                     "sim_s": time.perf_counter() - t0}
+            out["points"].append(point)
+            print(f"{name} {load:>3}x {pol:>14}: goodput {m.goodput_qps:8.1f}/s "
+                  f"drop {m.drop_rate:6.1%} late {m.late_rate:6.1%} wasted "
+                  f"{m.wasted_device_s:8.2f} of {m.device_s:8.2f} model s  "
+                  f"({point['sim_s']:.1f} s)", flush=True)
+    return out
+
+
+def compare(case: dict) -> dict:
+    """Proactive against reactive at each load: goodput ratio, wasted-time ratio."""
+    by = {(p["load"], p["policy"]): p for p in case["points"]}
+    rows = {}
+    for load in sorted({p["load"] for p in case["points"]}):
+        pro, rea = by.get((load, "proactive")), by.get((load, "reactive"))
+        if pro is None or rea is None:
+            continue
+        rows[str(load)] = {
+            "goodput_vs_reactive": pro["goodput_qps"] / rea["goodput_qps"]
+            if rea["goodput_qps"] else None,
+            "wasted_vs_reactive": pro["wasted_model_s"] / rea["wasted_model_s"]
+            if rea["wasted_model_s"] else None}
+    return rows
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = result["cases"]
+    fig, axes = plt.subplots(len(cases), 3, figsize=(13, 3.6 * len(cases)), squeeze=False)
+    for row, case in zip(axes, cases, strict=True):
+        for pol in POLICIES:
+            pts = [p for p in case["points"] if p["policy"] == pol]
+            if not pts:
+                continue
+            x = [p["load"] for p in pts]
+            row[0].plot(x, [p["goodput_qps"] for p in pts], "o-", label=pol)
+            row[1].plot(x, [100 * p["drop_rate"] for p in pts], "o-", label=pol)
+            row[2].plot(x, [p["wasted_model_s"] for p in pts], "o-", label=pol)
+        title = f"{case['pipeline']} (1x = {case['sustained_qps']:.0f} q/s, deadline " \
+                f"{case['deadline_s'] * 1000:.0f} ms)"
+        for ax, what in zip(row, ("goodput (answers in time / s)", "drop rate (%)",
+                                  "wasted model seconds"), strict=True):
+            ax.set_xlabel("load (x what the pipeline sustains)")
+            ax.set_ylabel(what)
+            ax.grid(alpha=0.3)
+        row[0].set_title(title, fontsize=9, loc="left")
+        row[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--quick", action="store_true", help="fewer requests: under a minute")
+    ap.add_argument("--duration-s", type=float, default=None,
+                    help="seconds of arrivals per point (default 30 QA / 4 cluster; quick: "
+                         "10 / 1.5)")
+    ap.add_argument("--loads", default=",".join(map(str, LOADS)))
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--qa-deadline-ms", type=float, default=300.0)
+    ap.add_argument("--cluster-deadline-ms", type=float, default=400.0)
+    ap.add_argument("--gpus", type=int, default=64)
+    ap.add_argument("--cases", default="qa,cluster")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from ken.optimizer.artifact import bert_catalog
+    from ken.optimizer.workload import load_azure_trace
+
+    loads = [float(x) for x in args.loads.split(",")]
+    policies = args.policies.split(",")
+    if args.quick:
+        policies = [p for p in policies if not p.startswith("proactive-")]
+    catalog = bert_catalog(num_rows=2000,
+                           models=("tiny", "mini", "small", "medium", "base", "large"))
+    gaps = np.diff(load_azure_trace().arrival_s)
+    started = time.perf_counter()
+    cases = []
+    for case in args.cases.split(","):
+        if case == "qa":
+            plans, kinds = qa_pipeline(catalog)
+            d = args.duration_s or (10.0 if args.quick else 30.0)
+            cases.append(run_case("qa", catalog, plans, kinds, gaps, d,
+                                  args.qa_deadline_ms / 1000, loads, policies, args.seed))
+        elif case == "cluster":
+            plans, kinds = cluster_pipeline(catalog, args.gpus)
+            d = args.duration_s or (1.5 if args.quick else 4.0)
+            cases.append(run_case(f"cluster-{args.gpus}gpu", catalog, plans, kinds, gaps, d,
+                                  args.cluster_deadline_ms / 1000, loads, policies,
+                                  args.seed))
+        else:
+            ap.error(f"unknown case {case!r}")
+    for c in cases:
+        c["proactive_vs_reactive"] = compare(c)
+    result = {"command": "python benchmarks/pipeline_load.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]), "quick": args.quick,
+        "seconds": time.perf_counter() - started, "cases": cases}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "pipeline_load.json").write_text(json.dumps(result, indent=1))
+    plot(result, args.out / "pipeline_load.png")
+    for c in cases:
+        print(c["pipeline"], "proactive vs reactive:", json.dumps(c["proactive_vs_reactive"]))
+    print(f"wrote {args.out}/pipeline_load.json and .png in {result['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

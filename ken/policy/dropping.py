@@ -1,0 +1,409 @@
+"""Deadlines through a pipeline: proactive request dropping and adaptive priority (PARD), shared
+by the simulator and (later) the online engine — the same rule on a virtual or a wall clock.
+
+A request to a pipeline of operators (stages) carries an end-to-end deadline. Each time a
+stage is about to spend model time on it — when it enters the stage, and when the stage forms a
+batch from its queue — the policy decides whether it is still worth serving:
+
+- ``none``: never drop (today's behaviour: every admitted request runs every stage);
+- ``reactive``: drop only a request already late (``now > deadline``), in arrival order — what
+  Clipper-like systems do;
+- ``proactive`` (PARD, section 4.2): drop a request whose *predicted* finish is past its
+  deadline: ``now + (this stage's time) + (predicted time of the stages still ahead on its
+  route) > deadline``. The time of a stage ahead is its recent measured wait (PARD's queueing
+  delay and batch wait: in ken's dispatcher both are the time a row spends in a queue, so they
+  are measured together, as a sliding-window mean) plus its profiled execution time at its
+  recent mean batch size. With no recent measurement (idle stages) the prediction is the
+  profiled time of a batch of one per stage, so a request that can make its deadline on idle
+  stages is never dropped.
+
+**Which requests a batch takes** (PARD section 4.3). Under ``proactive`` the requests a stage
+keeps are ordered by their remaining budget (deadline minus now minus the predicted time left,
+this stage included): *Low Budget First* (least slack first, EDF-like) while the stage keeps up
+with its load, *High Budget First* (most slack first) when it is overloaded, so that queueing
+does not eat the budget of every request. The stage's load factor ``rho = lambda / mu``
+(arrival rate over the last window / profiled throughput) picks the mode with a delayed
+transition: HBF once ``rho >= 1 + delta``, LBF once ``rho <= 1 - delta``, unchanged in between,
+with ``delta = max(delta_min, |lambda_short - lambda| / mu)`` wider when the load moves fast
+(our reading of the paper's dynamic boundary; its symbols are lost in our copy of the text).
+``none`` and ``reactive`` take requests in arrival order (FIFO).
+
+Every drop is a :class:`Drop`: the stage, when, the predicted finish and the deadline, so an
+outcome can say where and why. Nothing here reads a clock: callers pass ``now``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from ken.errors import PolicyError
+
+DropRule = Literal["none", "reactive", "proactive"]
+PriorityRule = Literal["fcfs", "lbf", "hbf", "adaptive"]
+DROP_RULES: tuple[DropRule, ...] = ("none", "reactive", "proactive")
+PRIORITIES: tuple[PriorityRule, ...] = ("fcfs", "lbf", "hbf", "adaptive")
+
+
+@dataclass(frozen=True)
+class DropPolicy:
+    """When to drop (``rule``) and in which order a stage serves its queue (``priority``);
+    ``window_s``: the sliding window of the measured waits, batch sizes and arrival rates;
+    ``delta_min``: the narrowest band of the adaptive priority's delayed transition."""
+
+    rule: DropRule = "none"
+    priority: PriorityRule = "fcfs"
+    window_s: float = 1.0
+    delta_min: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.rule not in DROP_RULES:
+            raise PolicyError(f"drop rule must be one of {DROP_RULES}, got {self.rule!r}")
+        if self.priority not in PRIORITIES:
+            raise PolicyError(f"priority must be one of {PRIORITIES}, got {self.priority!r}")
+        if not (math.isfinite(self.window_s) and self.window_s > 0
+                and 0 <= self.delta_min < 1):
+            raise PolicyError("window_s must be > 0 and delta_min in [0, 1)")
+
+    @classmethod
+    def named(cls, name: str, **kwargs: float) -> DropPolicy:
+        """The three policies compared: ``none`` and ``reactive`` (FIFO) and ``proactive``
+        (PARD: predicted finish and adaptive priority)."""
+        if name == "proactive":
+            return cls("proactive", "adaptive", **kwargs)
+        if name in ("none", "reactive"):
+            return cls(name, "fcfs", **kwargs)  # type: ignore[arg-type]
+        raise PolicyError(f"no dropping policy {name!r}; use one of {DROP_RULES}")
+
+
+@dataclass(frozen=True)
+class Drop:
+    """A request dropped at ``stage`` (index into the pipeline's stages) at ``at_s``: its
+    predicted finish (``at_s`` itself for a reactive drop) was past ``deadline_s``."""
+
+    request_id: int
+    stage: int
+    stage_name: str
+    at_s: float
+    predicted_finish_s: float
+    deadline_s: float
+    rule: DropRule
+
+    @property
+    def reason(self) -> str:
+        if self.rule == "reactive":
+            return (f"late at {self.stage_name}: {self.at_s - self.deadline_s:.4f} s past its "
+                    f"deadline")
+        return (f"at {self.stage_name}: predicted finish {self.predicted_finish_s:.4f} s > "
+                f"deadline {self.deadline_s:.4f} s")
+
+
+def should_drop(rule: DropRule, deadline_s: float, now: float, remaining_s: float) -> bool:
+    """The drop rule: ``remaining_s`` is the predicted time still needed (this stage and the
+    ones ahead)."""
+    if rule == "none":
+        return False
+    if rule == "reactive":
+        return now > deadline_s
+    return now + remaining_s > deadline_s
+
+
+def priority_order(budgets: Sequence[float], mode: Literal["fcfs", "lbf", "hbf"]
+                   ) -> list[int]:
+    """Indices of ``budgets`` (remaining latency budgets, in arrival order) in serving order:
+    arrival order, least budget first or most budget first (ties: arrival order)."""
+    idx = range(len(budgets))
+    if mode == "fcfs":
+        return list(idx)
+    if mode == "lbf":
+        return sorted(idx, key=lambda i: (budgets[i], i))
+    return sorted(idx, key=lambda i: (-budgets[i], i))
+
+
+class AdaptivePriority:
+    """PARD's delayed transition between LBF and HBF on a stage's load factor ``rho``."""
+
+    def __init__(self, mode: Literal["lbf", "hbf"] = "lbf") -> None:
+        self.mode: Literal["lbf", "hbf"] = mode
+        self.switches = 0
+
+    def update(self, rho: float, delta: float) -> Literal["lbf", "hbf"]:
+        new = "hbf" if rho >= 1 + delta else "lbf" if rho <= 1 - delta else self.mode
+        if new != self.mode:
+            self.mode = new  # type: ignore[assignment]
+            self.switches += 1
+        return self.mode
+
+
+class _Window:
+    """Samples of the last ``span_s`` seconds (time-ordered): mean value and rate."""
+
+    __slots__ = ("span_s", "_t", "_v", "_sum")
+
+    def __init__(self, span_s: float) -> None:
+        self.span_s = span_s
+        self._t: deque[float] = deque()
+        self._v: deque[float] = deque()
+        self._sum = 0.0
+
+    def add(self, now: float, value: float = 1.0) -> None:
+        self._t.append(now)
+        self._v.append(value)
+        self._sum += value
+
+    def _roll(self, now: float) -> None:
+        t, v = self._t, self._v
+        while t and t[0] <= now - self.span_s:
+            t.popleft()
+            self._sum -= v.popleft()
+        if not t:
+            self._sum = 0.0
+
+    def mean(self, now: float, empty: float) -> float:
+        self._roll(now)
+        return self._sum / len(self._t) if self._t else empty
+
+    def rate(self, now: float) -> float:
+        self._roll(now)
+        return self._sum / self.span_s
+
+
+@dataclass(frozen=True)
+class StageProfile:
+    """What the forecast knows of a stage from its profile: seconds of a batch of 1, 2, ...,
+    ``max_batch`` rows on one replica, and how many replicas share its load."""
+
+    name: str
+    batch_runtime_s: tuple[float, ...]
+    replicas: int = 1
+
+    def __post_init__(self) -> None:
+        rt = self.batch_runtime_s
+        if not rt or not all(math.isfinite(t) and t > 0 for t in rt) or self.replicas < 1:
+            raise PolicyError(f"stage {self.name!r}: need positive batch runtimes and >= 1 "
+                              "replica")
+
+    def exec_s(self, batch: float) -> float:
+        """Profiled seconds of a batch of ``batch`` rows (rounded, within 1..max batch)."""
+        rt = self.batch_runtime_s
+        return rt[min(max(int(round(batch)), 1), len(rt)) - 1]
+
+    @property
+    def capacity_qps(self) -> float:
+        """Rows per second the stage sustains with full batches on every replica."""
+        rt = self.batch_runtime_s
+        return self.replicas * len(rt) / rt[-1]
+
+
+class PipelineForecast:
+    """Per stage, its profile and what was measured in the last ``window_s``: rows' waits in
+    the queue, batch sizes and arrivals; predicts the time a request still needs."""
+
+    def __init__(self, stages: Sequence[StageProfile], window_s: float = 1.0) -> None:
+        self.stages = tuple(stages)
+        self._wait = [_Window(window_s) for _ in self.stages]
+        self._batch = [_Window(window_s) for _ in self.stages]
+        self._arrive = [_Window(window_s) for _ in self.stages]
+        self._arrive_short = [_Window(window_s / 5) for _ in self.stages]
+
+    def observe_arrival(self, stage: int, now: float) -> None:
+        self._arrive[stage].add(now)
+        self._arrive_short[stage].add(now)
+
+    def observe_batch(self, stage: int, now: float, waits: Sequence[float]) -> None:
+        """A batch started at ``stage``: its rows waited ``waits`` seconds in the queue."""
+        w = self._wait[stage]
+        for x in waits:
+            w.add(now, x)
+        self._batch[stage].add(now, float(len(waits)))
+
+    def exec_s(self, stage: int, now: float) -> float:
+        """Profiled execution at the stage's recent mean batch size (1 when idle)."""
+        return self.stages[stage].exec_s(self._batch[stage].mean(now, 1.0))
+
+    def stage_s(self, stage: int, now: float) -> float:
+        """Predicted time a request arriving now spends at ``stage``: recent mean wait plus
+        execution at the recent mean batch size."""
+        return self._wait[stage].mean(now, 0.0) + self.exec_s(stage, now)
+
+    def remaining_s(self, ahead: Sequence[int], now: float) -> float:
+        """Predicted time of the stages ``ahead``, in route order."""
+        return math.fsum(self.stage_s(k, now) for k in ahead)
+
+    def load(self, stage: int, now: float) -> tuple[float, float]:
+        """The stage's load factor ``rho`` and the delayed-transition band ``delta`` (without
+        its floor)."""
+        mu = self.stages[stage].capacity_qps
+        lam = self._arrive[stage].rate(now)
+        short = self._arrive_short[stage].rate(now)
+        return lam / mu, abs(short - lam) / mu
+
+
+class PipelineDropper:
+    """The dropping policy of one pipeline: requests' deadlines and routes, the forecast, one
+    adaptive priority per stage and every drop made. ``enter`` is asked when a request reaches
+    a stage; ``select`` when a stage forms a batch from its queue.
+
+    >>> dropper = PipelineDropper(DropPolicy.named("proactive"),
+    ...                           [StageProfile("a", (0.01,)), StageProfile("b", (0.02,))])
+    >>> dropper.register(0, deadline_s=0.025, route=(0, 1))
+    >>> dropper.enter(0, 0, now=0.0).reason  # 10 ms at a, 20 ms at b: 30 ms > 25 ms
+    'at a: predicted finish 0.0300 s > deadline 0.0250 s'
+    """
+
+    def __init__(self, policy: DropPolicy, stages: Sequence[StageProfile]) -> None:
+        self.policy = policy
+        self.forecast = PipelineForecast(stages, policy.window_s)
+        self.priority = [AdaptivePriority() for _ in stages]
+        self.drops: dict[int, Drop] = {}
+        self._deadline: dict[int, float] = {}
+        self._route: dict[int, tuple[int, ...]] = {}
+
+    def register(self, request_id: int, deadline_s: float, route: Sequence[int]) -> None:
+        """A request of the pipeline: its absolute deadline and the stages it passes."""
+        self._deadline[request_id] = deadline_s
+        self._route[request_id] = tuple(route)
+
+    def deadline_s(self, request_id: int) -> float:
+        return self._deadline[request_id]
+
+    def _ahead(self, request_id: int, stage: int) -> tuple[int, ...]:
+        route = self._route[request_id]
+        return route[route.index(stage) + 1:]
+
+    def _drop(self, rid: int, stage: int, now: float, predicted: float) -> Drop:
+        if rid in self.drops:
+            raise PolicyError(f"request {rid} was already dropped")
+        rule = self.policy.rule
+        d = Drop(rid, stage, self.forecast.stages[stage].name, now,
+                 now if rule == "reactive" else predicted, self._deadline[rid], rule)
+        self.drops[rid] = d
+        return d
+
+    def enter(self, request_id: int, stage: int, now: float) -> Drop | None:
+        """``request_id`` reaches ``stage``: the drop if it is dropped here, else None."""
+        self.forecast.observe_arrival(stage, now)
+        rule = self.policy.rule
+        if rule == "none":
+            return None
+        f = self.forecast
+        left = f.stage_s(stage, now) + f.remaining_s(self._ahead(request_id, stage), now) \
+            if rule == "proactive" else 0.0
+        if should_drop(rule, self._deadline[request_id], now, left):
+            return self._drop(request_id, stage, now, now + left)
+        return None
+
+    def mode(self, stage: int, now: float) -> Literal["fcfs", "lbf", "hbf"]:
+        """The order ``stage`` serves its queue in now (updating the adaptive priority)."""
+        prio = self.policy.priority
+        if prio != "adaptive":
+            return prio
+        rho, spread = self.forecast.load(stage, now)
+        return self.priority[stage].update(rho, max(self.policy.delta_min, spread))
+
+    def select(self, stage: int, queued: Sequence[int], since: Sequence[float], now: float,
+               take: int) -> tuple[list[int], list[Drop]]:
+        """``stage`` forms a batch of at most ``take`` rows from ``queued`` (request ids in
+        arrival order, queued since ``since``): the rows it runs, in serving order, and the
+        requests dropped now (the whole queue is checked)."""
+        rule, f = self.policy.rule, self.forecast
+        kept: list[int] = []
+        budgets: list[float] = []
+        drops: list[Drop] = []
+        if rule == "none" and self.policy.priority == "fcfs":
+            kept = list(queued[:take])
+        else:
+            exec_now = f.stages[stage].exec_s(min(len(queued), take))
+            ahead_cache: dict[tuple[int, ...], float] = {}
+            for rid in queued:
+                ahead = self._ahead(rid, stage)
+                rest = ahead_cache.get(ahead)
+                if rest is None:
+                    rest = ahead_cache[ahead] = f.remaining_s(ahead, now)
+                left = exec_now + rest
+                deadline = self._deadline[rid]
+                if should_drop(rule, deadline, now, left):
+                    drops.append(self._drop(rid, stage, now, now + left))
+                else:
+                    kept.append(rid)
+                    budgets.append(deadline - now - left)
+            order = priority_order(budgets, self.mode(stage, now))
+            kept = [kept[i] for i in order[:take]]
+        if kept:
+            pos = {rid: i for i, rid in enumerate(queued)}
+            f.observe_batch(stage, now, [now - since[pos[r]] for r in kept])
+        return kept, drops
+
+    def gate(self, stage: int) -> StageGate:
+        return StageGate(self, stage)
+
+
+class StageGate:
+    """What one stage's dispatcher asks when it forms a batch (``PipelineDropper.select``
+    bound to the stage); the drops wait in ``dropped`` for the caller to collect."""
+
+    def __init__(self, dropper: PipelineDropper, stage: int) -> None:
+        self.dropper, self.stage = dropper, stage
+        self.dropped: list[Drop] = []
+
+    def select(self, queued: Sequence[int], since: Sequence[float], now: float, take: int
+               ) -> tuple[list[int], list[int]]:
+        kept, drops = self.dropper.select(self.stage, queued, since, now, take)
+        self.dropped.extend(drops)
+        return kept, [d.request_id for d in drops]
+
+
+@dataclass(frozen=True)
+class DeadlineMetrics:
+    """What a run with end-to-end deadlines did: answers within their deadline per second of
+    the trace (goodput), the shares dropped and answered late, the device seconds spent on
+    requests dropped later or answered late (wasted) out of all, and the drops per stage."""
+
+    requests: int
+    on_time: int
+    dropped: int
+    late: int
+    duration_s: float
+    goodput_qps: float
+    drop_rate: float
+    late_rate: float
+    wasted_device_s: float
+    device_s: float
+    drops_by_stage: tuple[tuple[str, int], ...]
+
+    @property
+    def wasted_share(self) -> float:
+        return self.wasted_device_s / self.device_s if self.device_s > 0 else 0.0
+
+
+def deadline_metrics(arrival_s: Sequence[float], completion_s: Sequence[float],
+                     deadline_s: Sequence[float], drops: Sequence[Drop],
+                     device_s: Sequence[float], stage_names: Sequence[str]
+                     ) -> DeadlineMetrics:
+    """``completion_s[i]``: NaN for a dropped request; ``device_s[i]``: the device seconds
+    charged to request ``i`` (its share of each batch it ran in)."""
+    n = len(arrival_s)
+    dropped = {d.request_id for d in drops}
+    on_time = late = 0
+    wasted = 0.0
+    for i in range(n):
+        if i in dropped:
+            wasted += device_s[i]
+        elif completion_s[i] <= deadline_s[i]:
+            on_time += 1
+        else:
+            late += 1
+            wasted += device_s[i]
+    span = (max(arrival_s) - min(arrival_s)) if n else 0.0
+    by_stage = {name: 0 for name in stage_names}
+    for d in drops:
+        by_stage[d.stage_name] = by_stage.get(d.stage_name, 0) + 1
+    return DeadlineMetrics(
+        requests=n, on_time=on_time, dropped=len(dropped), late=late, duration_s=span,
+        goodput_qps=on_time / span if span > 0 else float(on_time),
+        drop_rate=len(dropped) / n if n else 0.0, late_rate=late / n if n else 0.0,
+        wasted_device_s=wasted, device_s=math.fsum(device_s),
+        drops_by_stage=tuple(by_stage.items()))
