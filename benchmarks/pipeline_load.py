@@ -26,6 +26,20 @@ narrowest band from 0.1 to 0.3.
    GPUs split so that the stages' profiled capacities are as even as whole GPUs allow — the
    scale of PARD's evaluation.
 
+3. **Joint allocation** (``allocation``, issue 37 item 2): a three-task pipeline (detect:
+   BERT tiny/mini/small; classify: small/medium/base/large; tag: tiny/small/medium; every
+   request through detect and classify, 60% also through tag) on ``--gpus`` V100s with a
+   ``--alloc-slo-ms`` SLO. Three allocations, each re-solved for the demand of each point and
+   served by the simulator (``ken.optimizer.allocation.serve_allocation``: hosted variants as
+   one-gear plans, paths as routes) on Poisson arrivals: ``joint (Loki)`` (``allocate``: the
+   pipeline's MILP), ``per-operator`` (pipeline-agnostic, Proteus-style: the GPUs split by what
+   each task's most accurate variant needs, each task maximising its own accuracy within a
+   third of the SLO, variants taken independently per task) and ``most accurate only``
+   (serve what the most accurate variants can, turn the rest away). 1x is the most demand the
+   most accurate variants serve within the SLO on all GPUs. A path's accuracy is the product of
+   its variants' single accuracies (the artifact catalog's, ``ARTIFACT_ACCURACY``; independent
+   tasks): quality per request counts late and turned-away requests as 0.
+
 "What the pipeline sustains" (1x) is the highest rate (bisection up to its profiled capacity:
 the smallest over stages of the stage's rows per second at full batches on all its replicas,
 divided by the share of requests that visit it) at which serving every request, no dropping,
@@ -49,6 +63,7 @@ Writes ``--out``/pipeline_load.json and pipeline_load.png.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -202,6 +217,154 @@ def run_case(name: str, catalog, plans, kinds: dict, gaps: np.ndarray, duration_
     return out
 
 
+#: the allocation case: each task's variants (BERT sizes of the V100 artifact)
+ALLOC_TASKS = (("detect", ("tiny", "mini", "small")),
+               ("classify", ("small", "medium", "base", "large")),
+               ("tag", ("tiny", "small", "medium")))
+#: its route classes: every request through detect and classify, 60% also through tag
+ALLOC_ROUTES = {(0, 1, 2): 0.6, (0, 1): 0.4}
+ALLOC_BATCHES = (1, 4, 8, 16, 32)
+ALLOC_LOADS = (0.5, 1.0, 1.5, 2.0, 3.0)
+
+
+def allocation_problem(catalog, demand: float, gpus: int, slo_s: float,  # noqa: ANN001, ANN201
+                       only_best: bool = False):
+    """The allocation case as a ``ken.optimizer.allocation`` problem: variants' per-GPU
+    throughput from the V100 profiles, single accuracies the artifact catalog's
+    (``ARTIFACT_ACCURACY``), a path's accuracy the product of its variants' (independent
+    tasks, Loki's assumption)."""
+    from ken.optimizer.allocation import AllocationProblem, Variant
+    from ken.optimizer.artifact import ARTIFACT_ACCURACY
+
+    variants = []
+    for _, models in ALLOC_TASKS:
+        vs = []
+        for m in models:
+            table = catalog.perf_on(f"bert-{m}", ("gpu0",)).runtime_table(1, max(ALLOC_BATCHES))
+            vs.append(Variant(f"bert-{m}", ARTIFACT_ACCURACY[m],
+                              {b: b / table[b] for b in ALLOC_BATCHES}))
+        if only_best:
+            vs = [max(vs, key=lambda v: v.accuracy)]
+        variants.append(tuple(vs))
+    routes = tuple(ALLOC_ROUTES)
+    accuracy = {}
+    for r, route in enumerate(routes):
+        for combo in itertools.product(*(variants[k] for k in route)):
+            accuracy[(r, tuple(v.name for v in combo))] = float(
+                np.prod([v.accuracy for v in combo]))
+    return AllocationProblem(tuple(t for t, _ in ALLOC_TASKS), tuple(variants), routes,
+                             tuple(ALLOC_ROUTES.values()), accuracy, demand, gpus, slo_s)
+
+
+def per_operator_allocation(catalog, demand: float, gpus: int, slo_s: float):  # noqa: ANN001, ANN201
+    """Pipeline-agnostic accuracy scaling (Proteus-style): the GPUs split among the tasks in
+    proportion to what their most accurate variants need, then each task alone maximises its
+    own accuracy for the demand that reaches it, with half the SLO per task split evenly
+    (the task does not know what the others run); requests take each task's variants
+    independently."""
+    from ken.optimizer.allocation import Allocation, AllocationProblem, allocate
+
+    whole = allocation_problem(catalog, demand, gpus, slo_s)
+    visits = [sum(s for r, s in zip(whole.routes, whole.shares, strict=True) if k in r)
+              for k in range(len(whole.operators))]
+    best = [max(vs, key=lambda v: v.accuracy) for vs in whole.variants]
+    need = np.array([v * demand / max(b.qps.values()) for v, b in zip(visits, best,
+                                                                       strict=True)])
+    count = np.maximum(1, np.floor(gpus * need / need.sum())).astype(int)
+    while count.sum() > gpus:
+        count[int(np.argmax(count))] -= 1
+    while count.sum() < gpus:
+        count[int(np.argmax(need / count))] += 1
+    hosts, task_share = {}, []
+    per_task_slo = slo_s / len(whole.operators)  # each task's share of the end-to-end SLO
+    for k, vs in enumerate(whole.variants):
+        alone = AllocationProblem((whole.operators[k],), (vs,), ((0,),), (1.0,),
+                                  {(0, (v.name,)): v.accuracy for v in vs},
+                                  demand * visits[k], int(count[k]), per_task_slo)
+        got = allocate(alone)
+        for (_, name), hb in got.hosts.items():
+            hosts[(k, name)] = hb
+        task_share.append({names[0]: share for (_, names), share in got.shares.items()})
+    shares = {}
+    for r, (route, share) in enumerate(zip(whole.routes, whole.shares, strict=True)):
+        for combo in itertools.product(*(task_share[k].items() for k in route)):
+            frac = share * float(np.prod([f for _, f in combo]))
+            if frac > 1e-12:
+                shares[(r, tuple(n for n, _ in combo))] = frac
+    quality = sum(f * whole.accuracy[p] for p, f in shares.items())
+    return whole, Allocation(hosts, shares, float(quality), float(sum(shares.values())),
+                             "per-operator")
+
+
+def run_allocation_case(catalog, gpus: int, slo_s: float, duration_s: float,  # noqa: ANN001
+                        loads: list[float], seed: int) -> dict:
+    """Joint (Loki) against per-operator and most-accurate-only allocations, each served by
+    the simulator (``serve_allocation``: its hosted variants as one-gear plans, its paths as
+    routes) on Poisson arrivals at each demand; 1x = the most demand the most accurate
+    variants serve within the SLO on all GPUs (bisection on Loki's step 1)."""
+    from ken.optimizer.allocation import allocate, serve_allocation
+    from ken.optimizer.simulator import simulate_many
+    from ken.optimizer.workload import poisson_trace
+
+    lo, hi = 1.0, 1e6
+    for _ in range(40):
+        mid = (lo * hi) ** 0.5
+        ok = allocate(allocation_problem(catalog, mid, gpus, slo_s)).step == "hardware"
+        lo, hi = (mid, hi) if ok else (lo, mid)
+    base = lo
+    devices = [f"gpu{i}" for i in range(gpus)]
+    out = {"pipeline": f"allocation-{gpus}gpu", "tasks": [
+        {"task": t, "variants": list(m)} for t, m in ALLOC_TASKS],
+        "routes": {"-".join(ALLOC_TASKS[k][0] for k in r): s for r, s in
+                   ALLOC_ROUTES.items()},
+        "slo_s": slo_s, "one_x_qps": base, "duration_s": duration_s, "points": []}
+    for load in loads:
+        demand = load * base
+        rng = np.random.default_rng(seed)
+        trace = poisson_trace(demand, duration_s, seed)
+        systems = {}
+        t0 = time.perf_counter()
+        joint_problem = allocation_problem(catalog, demand, gpus, slo_s)
+        systems["joint (Loki)"] = (joint_problem, allocate(joint_problem))
+        best_problem = allocation_problem(catalog, demand, gpus, slo_s, only_best=True)
+        systems["most accurate only"] = (best_problem, allocate(best_problem))
+        systems["per-operator"] = per_operator_allocation(catalog, demand, gpus, slo_s)
+        solve_s = time.perf_counter() - t0
+        for name, (problem, alloc) in systems.items():
+            served = serve_allocation(problem, alloc, devices)
+            picks = served.draw(problem, alloc, len(trace), rng)
+            kept = picks >= 0
+            point = {"load": load, "demand_qps": demand, "system": name, "step": alloc.step,
+                     "workers": alloc.workers_used, "predicted_quality": alloc.quality,
+                     "predicted_served": alloc.served, "solve_s": solve_s,
+                     "hosts": {f"{problem.operators[k]}:{n}": list(hb)
+                               for (k, n), hb in sorted(alloc.hosts.items())}}
+            quality = np.zeros(len(trace))
+            on_time = np.zeros(len(trace), dtype=bool)
+            if kept.any():
+                from ken.optimizer.workload import Trace
+
+                sub = Trace(trace.arrival_s[kept], trace.name)
+                res = simulate_many(served.plans, [catalog] * len(served.plans), sub, seed,
+                                    routes=served.routes, rows=picks[kept].tolist())
+                lat = res.latency_s
+                ok = lat <= slo_s
+                idx = np.flatnonzero(kept)
+                on_time[idx] = ok
+                acc = np.array([problem.accuracy[served.paths[j]] for j in picks[kept]])
+                quality[idx] = np.where(ok, acc, 0.0)
+                point["p95_ms"] = float(np.percentile(lat, 95) * 1000.0)
+            point["goodput_qps"] = float(on_time.sum() / duration_s)
+            point["on_time"] = float(on_time.mean())
+            point["quality"] = float(quality.mean())  # late and turned away count 0
+            out["points"].append(point)
+            print(f"allocation {load:>3}x ({demand:7.0f} q/s) {name:>18}: predicted quality "
+                  f"{alloc.quality:.3f} ({alloc.served:.0%} served, {alloc.workers_used} "
+                  f"GPUs), simulated {point['quality']:.3f} with {point['on_time']:.1%} on "
+                  f"time, p95 {point.get('p95_ms', float('nan')):.0f} ms", flush=True)
+    return out
+
+
 def compare(case: dict) -> dict:
     """Proactive against reactive at each load: goodput ratio, wasted-time ratio."""
     by = {(p["load"], p["policy"]): p for p in case["points"]}
@@ -218,6 +381,25 @@ def compare(case: dict) -> dict:
     return rows
 
 
+def plot_allocation(row, case: dict) -> None:  # noqa: ANN001
+    systems = sorted({p["system"] for p in case["points"]})
+    for name in systems:
+        pts = [p for p in case["points"] if p["system"] == name]
+        x = [p["load"] for p in pts]
+        row[0].plot(x, [p["goodput_qps"] for p in pts], "o-", label=name)
+        row[1].plot(x, [p["quality"] for p in pts], "o-", label=name)
+        row[2].plot(x, [p["predicted_quality"] for p in pts], "o-", label=name)
+    for ax, what in zip(row, ("goodput (answers in time / s)",
+                              "quality per request (simulated; late, dropped = 0)",
+                              "quality the allocation predicts"), strict=True):
+        ax.set_xlabel("demand (x what the most accurate variants serve)")
+        ax.set_ylabel(what, fontsize=8)
+        ax.grid(alpha=0.3)
+    row[0].set_title(f"{case['pipeline']} (1x = {case['one_x_qps']:.0f} q/s, SLO "
+                     f"{case['slo_s'] * 1000:.0f} ms)", fontsize=9, loc="left")
+    row[0].legend(fontsize=8)
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -227,6 +409,9 @@ def plot(result: dict, path: Path) -> None:
     cases = result["cases"]
     fig, axes = plt.subplots(len(cases), 3, figsize=(13, 3.6 * len(cases)), squeeze=False)
     for row, case in zip(axes, cases, strict=True):
+        if case["pipeline"].startswith("allocation"):
+            plot_allocation(row, case)
+            continue
         for pol in POLICIES:
             pts = [p for p in case["points"] if p["policy"] == pol]
             if not pts:
@@ -261,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--qa-deadline-ms", type=float, default=300.0)
     ap.add_argument("--cluster-deadline-ms", type=float, default=400.0)
     ap.add_argument("--gpus", type=int, default=64)
-    ap.add_argument("--cases", default="qa,cluster")
+    ap.add_argument("--cases", default="qa,cluster,allocation")
+    ap.add_argument("--alloc-slo-ms", type=float, default=200.0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
@@ -290,10 +476,15 @@ def main(argv: list[str] | None = None) -> int:
             cases.append(run_case(f"cluster-{args.gpus}gpu", catalog, plans, kinds, gaps, d,
                                   args.cluster_deadline_ms / 1000, loads, policies,
                                   args.seed))
+        elif case == "allocation":
+            d = args.duration_s or (1.0 if args.quick else 3.0)
+            cases.append(run_allocation_case(catalog, args.gpus, args.alloc_slo_ms / 1000, d,
+                                             list(ALLOC_LOADS), args.seed))
         else:
             ap.error(f"unknown case {case!r}")
     for c in cases:
-        c["proactive_vs_reactive"] = compare(c)
+        if not c["pipeline"].startswith("allocation"):
+            c["proactive_vs_reactive"] = compare(c)
     result = {"command": "python benchmarks/pipeline_load.py " + " ".join(
         argv if argv is not None else sys.argv[1:]), "quick": args.quick,
         "seconds": time.perf_counter() - started, "cases": cases}
@@ -301,7 +492,9 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "pipeline_load.json").write_text(json.dumps(result, indent=1))
     plot(result, args.out / "pipeline_load.png")
     for c in cases:
-        print(c["pipeline"], "proactive vs reactive:", json.dumps(c["proactive_vs_reactive"]))
+        if "proactive_vs_reactive" in c:
+            print(c["pipeline"], "proactive vs reactive:",
+                  json.dumps(c["proactive_vs_reactive"]))
     print(f"wrote {args.out}/pipeline_load.json and .png in {result['seconds']:.0f} s")
     return 0
 

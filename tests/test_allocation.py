@@ -226,3 +226,23 @@ def test_hardware_scaling_takes_the_larger_batch_to_save_a_worker() -> None:
     tight = AllocationProblem(("m",), ((small, large),), ((0,),), (1.0,),
                               {(0, ("small",)): 0.5, (0, ("large",)): 0.8}, 8.0, 6, 1.0)
     assert allocate(tight).hosts == {(0, "large"): (2, 1)}  # batch 8 takes 0.8 s > 0.5 s
+
+
+def test_served_allocation_routes_requests_along_the_paths_it_hosts() -> None:
+    from ken.optimizer.allocation import serve_allocation
+
+    problem = two_stage(demand=30.0)
+    got = allocate(problem)
+    served = serve_allocation(problem, got, [f"gpu{i}" for i in range(4)])
+    assert len(served.plans) == len(got.hosts)
+    assert sum(len(p.placement) for p in served.plans) == got.workers_used
+    for route, (r, names) in zip(served.routes, served.paths, strict=True):
+        assert [served.plans[k].operator for k in route] == [
+            f"{problem.operators[op]}:{n}" for op, n in zip(problem.routes[r], names,
+                                                            strict=True)]
+    picks = served.draw(problem, got, 20000, np.random.default_rng(0))
+    for j, path in enumerate(served.paths):
+        assert np.mean(picks == j) == pytest.approx(got.shares[path], abs=0.02)
+    assert np.mean(picks == -1) == pytest.approx(1 - got.served, abs=0.02)
+    with pytest.raises(KenError, match="devices given"):
+        serve_allocation(problem, got, ["gpu0"])

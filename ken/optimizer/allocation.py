@@ -40,7 +40,9 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from ken.errors import QueryPlanError
+from ken.models.cascade import Cascade
 from ken.optimizer.query import PipelineSample
+from ken.policy.plan import GearPlan, RangeSchedule, Replica
 
 #: a path: a route class (index) and one variant name per operator of its route
 Path = tuple[int, tuple[str, ...]]
@@ -237,6 +239,12 @@ def _milp(problem: AllocationProblem, maximise_quality: bool) -> Allocation | No
     if res.x is None or res.status not in (0,):
         return None
     x = res.x
+    a = np.array(rows)
+    scale = 1e-6 * (1.0 + np.abs(a).sum(axis=1) * max(1.0, float(np.abs(x).max())))
+    if np.any(a @ x < np.array(lo) - scale) or np.any(a @ x > np.array(hi) + scale):
+        # HiGHS has been seen to report optimality for a point outside its constraints
+        raise QueryPlanError("the allocation MILP returned a solution that breaks its own "
+                             "constraints (a solver fault); retry, or allocate by hand")
     chosen: dict[tuple[int, str], tuple[int, int]] = {}
     for h, (k, name, b) in enumerate(hosts):
         workers = int(round(x[w0 + h]))
@@ -313,6 +321,66 @@ def most_accurate_first(problem: AllocationProblem, allocation: Allocation,
     return out
 
 
+@dataclass(frozen=True)
+class ServedAllocation:
+    """An allocation as the simulator and the engine serve it: one one-gear plan per hosted
+    variant (operator ``"<operator>:<variant>"``, one replica per worker, batches up to the
+    allocated size) and every path with traffic as a route through those plans.
+    ``paths[j]`` is the path ``routes[j]`` serves."""
+
+    plans: tuple[GearPlan, ...]
+    routes: tuple[tuple[int, ...], ...]
+    paths: tuple[Path, ...]
+
+    def draw(self, problem: AllocationProblem, allocation: Allocation, n: int,
+             rng: np.random.Generator) -> np.ndarray:
+        """Route ``n`` requests: each falls in a route class by the classes' shares, then
+        takes a path of its class with the allocation's probability (``route_table``). The
+        index into ``routes`` of each request's path, -1 where its class's share that no path
+        carries turned it away."""
+        table = route_table(problem, allocation)
+        index = {p: j for j, p in enumerate(self.paths)}
+        classes = rng.choice(len(problem.routes), size=n, p=np.asarray(problem.shares))
+        out = np.full(n, -1, dtype=np.int64)
+        for r in range(len(problem.routes)):
+            mine = np.flatnonzero(classes == r)
+            options = table.get(r, [])
+            if not mine.size or not options:
+                continue
+            weights = np.array([q for _, q in options] + [0.0])
+            weights[-1] = max(0.0, 1.0 - weights.sum())  # turned away
+            pick = rng.choice(len(options) + 1, size=mine.size, p=weights / weights.sum())
+            for i, k in zip(mine, pick, strict=True):
+                if k < len(options):
+                    out[i] = index[(r, options[k][0])]
+        return out
+
+
+def serve_allocation(problem: AllocationProblem, allocation: Allocation,
+                     devices: Sequence[str], max_wait_s: float = 0.005) -> ServedAllocation:
+    """``allocation`` on ``devices`` (one per worker, handed out in operator order; at least
+    ``allocation.workers_used``) as one-gear plans and routes (``ServedAllocation``)."""
+    if len(devices) < allocation.workers_used:
+        raise QueryPlanError(f"the allocation uses {allocation.workers_used} workers; "
+                             f"{len(devices)} devices given")
+    plans: list[GearPlan] = []
+    where: dict[tuple[int, str], int] = {}
+    free = list(devices)
+    for (op, name), (workers, batch) in sorted(allocation.hosts.items()):
+        mine, free = free[:workers], free[workers:]
+        plans.append(GearPlan(
+            f"{problem.operators[op]}:{name}", (0.0, 1e9), (Cascade((name,)),),
+            tuple(Replica(name, (d,)) for d in mine),
+            (RangeSchedule(0, (1.0 / workers,) * workers, (1,) * workers),),
+            (batch,) * workers, max_wait_s=max_wait_s))
+        where[(op, name)] = len(plans) - 1
+    paths = tuple(sorted(allocation.shares))
+    routes = tuple(tuple(where[(op, n)] for op, n in zip(problem.routes[r], names,
+                                                        strict=True))
+                   for r, names in paths)
+    return ServedAllocation(tuple(plans), routes, paths)
+
+
 def problem_from_sample(sample: PipelineSample, variants: Sequence[Sequence[Variant]],
                         demand_qps: float, workers: int, slo_s: float) -> AllocationProblem:
     """The allocation problem of a measured pipeline sample (``query.PipelineSample``): its
@@ -337,5 +405,5 @@ def problem_from_sample(sample: PipelineSample, variants: Sequence[Sequence[Vari
                              tuple(routes), shares, accuracy, demand_qps, workers, slo_s)
 
 
-__all__ = ["Allocation", "AllocationProblem", "Variant", "allocate", "most_accurate_first",
-           "problem_from_sample", "route_table"]
+__all__ = ["Allocation", "AllocationProblem", "ServedAllocation", "Variant", "allocate",
+           "most_accurate_first", "problem_from_sample", "route_table", "serve_allocation"]
