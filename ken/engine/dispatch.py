@@ -15,7 +15,7 @@ import math
 import queue
 import threading
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -24,9 +24,11 @@ import numpy as np
 
 from ken.engine.admission import Admission
 from ken.engine.bulk import BulkBatch, BulkRows
+from ken.engine.deadlines import EngineDeadlines
 from ken.engine.outcome import Outcome, Status
 from ken.engine.supervision import Breaker, DevicePool, RunnableBatch
 from ken.models.certainty import certainty_of
+from ken.policy.dropping import StageGate
 from ken.policy.plan import GearPlan
 from ken.policy.scheduling import Batch, Dispatcher, WallClock
 
@@ -37,6 +39,9 @@ class _Request:
     future: Future
     arrival_s: float
     online: str = ""  # the operator of an online request ("" for a bulk row)
+    deadline_s: float | None = None  # end-to-end deadline (engine clock), if any
+    route: tuple[str, ...] = ()  # operators still ahead of it after this one
+    job: Hashable | None = None  # the pipeline request its hops share (None: its own)
 
 
 #: online submits and answers ``Requests`` keeps for re-planning (``Engine.recent_arrivals``,
@@ -58,6 +63,7 @@ class Requests:
         # (completion time, latency s, operator) of those answered "ok"; both in time order
         self.arrived: deque[tuple[float, str]] = deque(maxlen=ARRIVAL_LOG)
         self.answered: deque[tuple[float, float, str]] = deque(maxlen=ANSWER_LOG)
+        self.deadlines: EngineDeadlines | None = None  # with a dropping policy
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -65,9 +71,16 @@ class Requests:
     def next_id(self) -> int:
         return next(self._ids)
 
-    def add(self, rid: int, text: Any, future: Future, now: float, online: str = "") -> None:
-        """(Under ``lock``.) ``online``: the operator of an online request (not a bulk row)."""
-        self._requests[rid] = _Request(text, future, now, online)
+    def add(self, rid: int, text: Any, future: Future, now: float, online: str = "",
+            deadline_s: float | None = None, route: tuple[str, ...] = (),
+            job: Hashable | None = None) -> None:
+        """(Under ``lock``.) ``online``: the operator of an online request (not a bulk row);
+        ``deadline_s``, ``route``, ``job``: its end-to-end deadline, the operators ahead of it
+        and its pipeline request (``deadlines.EngineDeadlines``)."""
+        self._requests[rid] = _Request(text, future, now, online, deadline_s, route, job)
+
+    def get(self, rid: int) -> _Request:
+        return self._requests[rid]
 
     def recent_arrivals(self, operator: str, since_s: float) -> list[float]:
         """Submit times of ``operator``'s online requests since ``since_s``, oldest first."""
@@ -96,6 +109,8 @@ class Requests:
         req = self._requests.pop(rid)
         now = self.clock.now() if now is None else now
         req.future.set_result(Outcome(rid, status, req.arrival_s, now, **fields))
+        if req.online and self.deadlines is not None:
+            self.deadlines.resolved(rid, status, now)
         if req.online and status == "ok":
             with self.lock:
                 self.answered.append((now, now - req.arrival_s, req.online))
@@ -129,7 +144,8 @@ class Scheduler:
 
     def __init__(self, plans: dict[str, GearPlan], clock: WallClock, requests: Requests,
                  events: queue.Queue, pool: DevicePool, breaker: Breaker,
-                 admission: Admission, bulk_batch_size: int) -> None:
+                 admission: Admission, bulk_batch_size: int,
+                 deadlines: EngineDeadlines | None = None) -> None:
         self.plans = plans
         self.clock = clock
         self.requests = requests
@@ -138,10 +154,11 @@ class Scheduler:
         self.breaker = breaker
         self.admission = admission
         self.bulk_batch_size = bulk_batch_size
+        self.deadlines = deadlines  # the dropping policy, if any (``deadlines.py``)
         self._busy: set[str] = set()  # devices running a batch, shared by all dispatchers
-        # the dispatcher of each operator's active plan
+        # the dispatcher of each operator's active plan (with its stage gate, if any)
         self._active: dict[str, Dispatcher] = {
-            op: Dispatcher(p, clock, self._busy) for op, p in plans.items()}
+            op: Dispatcher(p, clock, self._busy, self._gate(op)) for op, p in plans.items()}
         self._retiring: list[Dispatcher] = []  # swapped-out plans finishing running batches
         self._owner: dict[int, Dispatcher] = {}  # id(batch) -> dispatcher that started it
         self._past_switches: dict[str, list[tuple[float, int, int]]] = {}
@@ -151,6 +168,9 @@ class Scheduler:
 
     def dispatcher(self, operator: str) -> Dispatcher:
         return self._active[operator]
+
+    def _gate(self, operator: str) -> StageGate | None:
+        return None if self.deadlines is None else self.deadlines.gate(operator)
 
     def gear_switches_of(self, operator: str) -> list[tuple[float, int, int]]:
         return (self._past_switches.get(operator, [])
@@ -214,6 +234,13 @@ class Scheduler:
             if reason is not None:
                 self.requests.resolve(rid, "error", model=first, gear=rng, error=reason)
                 continue
+            if self.deadlines is not None:
+                req = self.requests.get(rid)
+                drop = self.deadlines.arrive(rid, disp.plan.operator, self.clock.now(),
+                                             req.arrival_s, req.deadline_s, req.route, req.job)
+                if drop is not None:
+                    self.requests.resolve(rid, "dropped", gear=rng, error=drop.reason)
+                    continue
             replica = disp.route()
             over = self.admission.check(disp, rid, replica, self._device_work)
             if over is not None:
@@ -236,9 +263,17 @@ class Scheduler:
         return work
 
     def _launch(self, disp: Dispatcher, batches: Iterable[Batch]) -> None:
+        """Run the batches a dispatcher call started; answer the requests its stage gate
+        dropped meanwhile (at once, with the drop's reason)."""
         for b in batches:
             self._owner[id(b)] = disp
             self.pool.run(b, disp.plan.batch_seconds(b.replica, len(b.request_ids)))
+        if self.deadlines is not None and disp.dropped:
+            disp.dropped.clear()
+            now = self.clock.now()
+            for drop in self.deadlines.take_dropped(disp.plan.operator):
+                self.admission.forget(drop.request_id)
+                self.requests.resolve(drop.request_id, "dropped", now, error=drop.reason)
 
     def _freed(self, devices: tuple[str, ...]) -> None:
         """Devices came free: online queues first, then bulk rows."""
@@ -261,9 +296,13 @@ class Scheduler:
         disp = self._owner.pop(id(batch))
         certs = certainty_of(scores, disp.plan.certainty)
         gears = {rid: disp.range_of(rid) for rid in batch.request_ids}
+        now = self.clock.now()
+        if self.deadlines is not None:  # each row's share of the batch's device time
+            share = (now - batch.started_s) * len(batch.devices) / len(batch.request_ids)
+            for rid in batch.request_ids:
+                self.deadlines.charge(rid, share)
         fin = disp.finish(batch, certs)
         self.admission.count_escalations(disp.plan, batch.model, gears, fin.escalated)
-        now = self.clock.now()
         row = {rid: j for j, rid in enumerate(batch.request_ids)}
         for rid, stage in zip(fin.resolved, fin.resolved_stages, strict=True):
             j = row[rid]
@@ -313,7 +352,7 @@ class Scheduler:
             moved = sorted(old.drain())  # request ids grow with arrival: oldest first
             if old.in_flight:
                 self._retiring.append(old)
-        new = Dispatcher(plan, self.clock, self._busy)
+        new = Dispatcher(plan, self.clock, self._busy, self._gate(op))
         self._active[op] = new
         self.plans[op] = plan
         for rid in moved:

@@ -13,8 +13,9 @@ from ken.models.generation import Generation
 #: ``ok``: answered (``value``); ``null``: a NULL input, answered NULL without a model;
 #: ``rejected``: admission turned it away (``error`` says why, ``retry_after_s`` when to
 #: retry); ``error``: its model call failed (``error``); ``cancelled``: the server shut down
-#: before it ran
-Status = Literal["ok", "null", "rejected", "error", "cancelled"]
+#: before it ran; ``dropped``: it could no longer make its end-to-end deadline, so the engine's
+#: dropping policy dropped it (``error`` says where and why: ``ken.engine.deadlines``)
+Status = Literal["ok", "null", "rejected", "error", "cancelled", "dropped"]
 
 
 @dataclass(frozen=True)

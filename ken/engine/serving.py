@@ -52,6 +52,13 @@ Two kinds of work share the devices:
   plan's lowest-load cascade (its most accurate gear) in throughput-sized batches on devices the
   online queues leave idle; they are not metered, so they never move the gear.
 
+*Deadlines through a pipeline* (``deadlines.py``): with a ``dropping`` policy an online request
+may carry an end-to-end deadline and the operators still ahead of it (``submit(...,
+deadline_s=, route=, job=)``); one ``PipelineDropper`` (``ken.policy.dropping``, the
+simulator's) over the served operators drops, when a request reaches an operator or when an
+operator forms a batch, a request that can no longer make it: it ends ``dropped`` at once,
+``error`` saying where and why. ``deadline_metrics()``: goodput, drop rate, wasted model time.
+
 ``swap_plan`` installs a new gear plan while serving: rows still queued under the old plan are
 moved to the new one's first stage, batches already running finish (and escalate) under the
 old plan, nothing is lost.
@@ -63,11 +70,12 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Literal
 
 from ken.engine.admission import Admission, AdmissionMode
+from ken.engine.deadlines import EngineDeadlines, drop_policy
 from ken.engine.dispatch import Requests, Scheduler
 from ken.engine.outcome import Outcome
 from ken.engine.ray_runner import RayCluster
@@ -82,6 +90,7 @@ from ken.engine.supervision import (
 )
 from ken.errors import EngineError
 from ken.models.model import Model
+from ken.policy.dropping import DeadlineMetrics, DropPolicy
 from ken.policy.plan import GearPlan
 from ken.policy.scheduling import Dispatcher, WallClock
 
@@ -122,6 +131,11 @@ class Engine:
     ``deadline`` bounds each batch; ``max_retries`` re-runs a failed batch; ``max_crashes``
     crashes or hangs in a row mark a model failed; ``drain_on_sigterm`` drains for up to
     ``drain_timeout_s`` on SIGTERM, then exits.
+
+    ``dropping`` (``"none"``, ``"reactive"``, ``"proactive"`` or a ``DropPolicy``): serve the
+    operators as stages of a pipeline whose requests carry end-to-end deadlines (see the
+    module docstring; the plans need profiled runtimes); None (the default): deadlines given
+    to ``submit`` are ignored and nothing is dropped.
     """
 
     def __init__(self, plan: GearPlan | Sequence[GearPlan], models: Mapping[str, Source],
@@ -135,7 +149,8 @@ class Engine:
                  deadline: BatchDeadline | None = None,
                  max_crashes: int = 3, drain_on_sigterm: bool = True,
                  drain_timeout_s: float = 30.0, ray_cluster: RayCluster | None = None,
-                 gpu_models: Mapping[str, Source] | None = None) -> None:
+                 gpu_models: Mapping[str, Source] | None = None,
+                 dropping: DropPolicy | str | None = None) -> None:
         plans = [plan] if isinstance(plan, GearPlan) else list(plan)
         if not plans:
             raise EngineError("an engine needs at least one gear plan")
@@ -172,13 +187,17 @@ class Engine:
         self.pool.check_plans(plans)
         self.plans: dict[str, GearPlan] = {p.operator: p for p in plans}
         self.admission = Admission(self.clock, admission, latency_target_s)
+        self.deadlines = None if dropping is None else \
+            EngineDeadlines(drop_policy(dropping), self.plans)
+        self._requests.deadlines = self.deadlines
         self.max_in_flight = max_in_flight
         self.memory_budget_bytes = memory_budget_bytes
         self.drain_on_sigterm = drain_on_sigterm
         self.drain_timeout_s = drain_timeout_s
         self.scheduler = Scheduler(
             self.plans, self.clock, self._requests, self._events, self.pool, self.breaker,
-            self.admission, bulk_batch_size or max(b for p in plans for b in p.max_batch))
+            self.admission, bulk_batch_size or max(b for p in plans for b in p.max_batch),
+            self.deadlines)
         self._thread: threading.Thread | None = None
         self._accepting = False
         self._shutdown_lock = threading.Lock()
@@ -320,14 +339,30 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def submit(self, text: str | tuple[str, ...] | None, operator: str | None = None
-               ) -> Future:
+    def submit(self, text: str | tuple[str, ...] | None, operator: str | None = None, *,
+               deadline_s: float | None = None, route: Sequence[str] = (),
+               job: Hashable | None = None) -> Future:
         """Queue one input row (online) for ``operator`` (needed when the engine serves
         several): a text, or a tuple of texts for models over several columns; the future
-        resolves to its ``Outcome``."""
+        resolves to its ``Outcome``.
+
+        With a dropping policy (``Engine(..., dropping=...)``): ``deadline_s``, the request's
+        absolute end-to-end deadline on the engine's clock (``engine.clock.now()`` plus its
+        budget); ``route``, the served operators still ahead of it after this one, in order;
+        ``job``, a key its pipeline's hops share (a pipeline request is one job in
+        ``deadline_metrics``; default: this request alone)."""
         if text is not None and not _is_row(text):
             raise EngineError(f"the engine answers text rows; got {type(text).__name__}")
-        return self._admit([text], bulk=False, operator=self._operator(operator))[0]
+        op = self._operator(operator)
+        if deadline_s is not None and math.isnan(deadline_s):
+            raise EngineError("a deadline is a time on the engine's clock, not NaN")
+        ahead: tuple[str, ...] = ()
+        if self.deadlines is not None:
+            ahead = self.deadlines.check_route(op, route)
+        else:
+            deadline_s, job = None, None
+        return self._admit([text], bulk=False, operator=op, deadline_s=deadline_s,
+                           route=ahead, job=job)[0]
 
     def submit_many(self, texts: Iterable[str | tuple[str, ...] | None], bulk: bool = False,
                     operator: str | None = None) -> list[Future]:
@@ -335,7 +370,9 @@ class Engine:
         module docstring) and are not bounded by ``max_in_flight``: the caller holds them."""
         return self._admit(list(texts), bulk=bulk, operator=self._operator(operator))
 
-    def _admit(self, texts: Sequence, bulk: bool, operator: str) -> list[Future]:
+    def _admit(self, texts: Sequence, bulk: bool, operator: str,
+               deadline_s: float | None = None, route: tuple[str, ...] = (),
+               job: Hashable | None = None) -> list[Future]:
         futures = []
         admitted = []
         now = self.clock.now()
@@ -362,7 +399,8 @@ class Engine:
                         f"{self.max_in_flight} requests in flight (the engine's max_in_flight); "
                         "retry later"), retry_after_s=self.plans[operator].rate_window_s))
                 else:
-                    requests.add(rid, text, future, now, "" if bulk else operator)
+                    requests.add(rid, text, future, now, "" if bulk else operator,
+                                 deadline_s, route, job)
                     admitted.append(rid)
         if admitted:
             self._events.put(("bulk" if bulk else "arrive", operator, admitted))
@@ -389,6 +427,17 @@ class Engine:
         """Latencies (seconds) of ``operator``'s online requests answered ``ok`` since
         ``since_s`` (engine clock) that arrived after ``arrived_after_s``."""
         return self._requests.recent_latencies(operator, since_s, arrived_after_s)
+
+    def deadline_metrics(self, since_s: float = -math.inf) -> DeadlineMetrics:
+        """What the deadlines did to the jobs (pipeline requests with a deadline) that arrived
+        since ``since_s`` (engine clock) and have ended: goodput (answered by their last hop
+        within the deadline, per second of their arrivals), drop rate, late rate (rejected,
+        failed and cancelled jobs count late) and the device seconds measured on jobs dropped
+        or late (wasted) out of all."""
+        if self.deadlines is None:
+            raise EngineError("this engine serves without a dropping policy; start it with "
+                              "Engine(..., dropping='none' | 'reactive' | 'proactive')")
+        return self.deadlines.ledger.metrics(since_s)
 
     @property
     def plan_swaps(self) -> list[tuple[float, int]]:

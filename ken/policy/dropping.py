@@ -1,5 +1,6 @@
 """Deadlines through a pipeline: proactive request dropping and adaptive priority (PARD), shared
-by the simulator and (later) the online engine — the same rule on a virtual or a wall clock.
+by the simulator and the online engine (``ken.engine.deadlines``) — the same rule on a virtual
+or a wall clock.
 
 A request to a pipeline of operators (stages) carries an end-to-end deadline. Each time a
 stage is about to spend model time on it — when it enters the stage, and when the stage forms a
@@ -269,6 +270,12 @@ class PipelineDropper:
 
     def deadline_s(self, request_id: int) -> float:
         return self._deadline[request_id]
+
+    def forget(self, request_id: int) -> None:
+        """``request_id`` got its outcome (a long-running engine keeps no state of it)."""
+        self._deadline.pop(request_id, None)
+        self._route.pop(request_id, None)
+        self.drops.pop(request_id, None)
 
     def _ahead(self, request_id: int, stage: int) -> tuple[int, ...]:
         route = self._route[request_id]
