@@ -51,13 +51,27 @@ Per point: goodput (answers within the deadline per second of the trace), drop
 rate, late rate (answered after the deadline), wasted model seconds (device seconds spent on
 requests dropped later or answered late) and where the drops happened.
 
-The engine part (the same policies on the online engine's dispatchers, wall clock, CPU) is for
-a later session: nothing here runs a model.
+4. **Measured on the engine** (``engine``): the same policies on the online engine
+   (``Engine(..., dropping=...)``: the same ``PipelineDropper`` on the wall clock, its stage
+   gates on the operators' dispatchers) serving a two-operator pipeline of the packaged
+   sentiment models on this CPU, one worker process per device: ``detect`` (MiniLM-L3 on
+   ``cpu0``) then ``classify`` (MiniLM-L6 on ``cpu1``), every request through both, each hop
+   submitted when the previous one answered, with the request's end-to-end deadline
+   (``--engine-deadline-ms``) and the rest of its route. The texts are the family's held-out
+   tweets; arrivals the Azure trace's gaps as above, ``--engine-duration-s`` per point, at
+   1x..3x what the pipeline sustains *in simulation* (the bisection above, on the profiles);
+   one engine per policy serves the loads in turn. Per point the engine's
+   ``deadline_metrics()`` (goodput, drop rate, late rate, wasted model seconds: the measured
+   wall time of each batch, shared by its rows) beside the simulator's prediction for the same
+   plans, trace and rows. Admission is ``max_in_flight`` (no latency-target rejections), so
+   the policies alone decide what is dropped.
 
 Writes ``--out``/pipeline_load.json and pipeline_load.png.
 
     python benchmarks/pipeline_load.py --out benchmarks/results/pipeline_load
     python benchmarks/pipeline_load.py --quick   # under a minute: fewer requests
+    python benchmarks/pipeline_load.py --cases engine --out benchmarks/results/pipeline_engine
+        # about 2.5 minutes: the packaged models served on 2 worker processes
 """
 
 from __future__ import annotations
@@ -365,6 +379,145 @@ def run_allocation_case(catalog, gpus: int, slo_s: float, duration_s: float,  # 
     return out
 
 
+ENGINE_STAGES = (("detect", "minilm-l3", "cpu0"), ("classify", "minilm-l6", "cpu1"))
+
+
+def engine_plans(catalog, max_batch: int):  # noqa: ANN001, ANN201
+    """One single-model plan per stage, with the profiled runtimes the engine's dropper
+    reads (``ken.engine.deadlines.stage_profile``) and the simulator charges."""
+    from ken.models.cascade import Cascade
+    from ken.policy.plan import GearPlan, RangeSchedule, Replica
+
+    plans = []
+    for op, model, device in ENGINE_STAGES:
+        table = catalog.perf_on(model, device).runtime_table(1, max_batch)
+        plans.append(GearPlan(op, (0.0, 1e9), (Cascade((model,)),), (Replica(model, (device,)),),
+                              (RangeSchedule(0, (1.0,), (1,)),), (max_batch,),
+                              max_wait_s=0.002, batch_runtime_s=(tuple(table[1:]),)))
+    return plans
+
+
+def serve_pipeline(engine, texts: list[str], arrival_s: np.ndarray, budget_s: float,  # noqa: ANN001
+                   ops: list[str], tag: str) -> float:
+    """Offer the requests at their arrival times (engine clock from now), each hop submitted
+    when the previous one answered, with its end-to-end deadline and the rest of its route;
+    returns once every request has its last outcome. Returns the start (engine clock)."""
+    import queue
+    import threading
+
+    left = [len(texts)]
+    cond = threading.Condition()
+    forward: queue.Queue = queue.Queue()
+
+    def finished() -> None:
+        with cond:
+            left[0] -= 1
+            cond.notify_all()
+
+    def on_outcome(i: int, hop: int, deadline: float):  # noqa: ANN202
+        def done(fut) -> None:  # noqa: ANN001
+            if fut.result().status == "ok" and hop + 1 < len(ops):
+                forward.put((i, hop + 1, deadline))
+            else:
+                finished()
+        return done
+
+    def submit(i: int, hop: int, deadline: float) -> None:
+        fut = engine.submit(texts[i], ops[hop], deadline_s=deadline, route=ops[hop + 1:],
+                            job=(tag, i))
+        fut.add_done_callback(on_outcome(i, hop, deadline))
+
+    def forwarder() -> None:  # later hops, off the scheduler thread
+        while (item := forward.get()) is not None:
+            submit(*item)
+
+    thread = threading.Thread(target=forwarder, daemon=True)
+    thread.start()
+    t0 = engine.clock.now() + 0.05
+    for i, a in enumerate(arrival_s.tolist()):
+        wait = t0 + a - engine.clock.now()
+        if wait > 0:
+            time.sleep(wait)
+        submit(i, 0, t0 + a + budget_s)
+    with cond:
+        cond.wait_for(lambda: left[0] == 0, timeout=120)
+    forward.put(None)
+    thread.join(5)
+    return t0
+
+
+def run_engine_case(gaps: np.ndarray, duration_s: float, deadline_s: float,  # noqa: ANN001
+                    loads: list[float], policies: list[str], max_batch: int, seed: int) -> dict:
+    """The measured part (see the module docstring, item 4)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from e2e import family_setup
+
+    from ken.engine.serving import Engine
+    from ken.models import family
+    from ken.models.model import DeviceConfig
+    from ken.optimizer.perf import Catalog
+    from ken.optimizer.simulator import sample_rows, simulate_many
+    from ken.policy.dropping import DropPolicy
+    from ken.progress import Reporter
+
+    sample, models, loaders, profiles = family_setup(
+        family.FamilyData("mixed", 6000, 1500), DeviceConfig(threads=1), "process",
+        Reporter(quiet=True))
+    del models
+    catalog = Catalog.from_profiles(profiles)
+    plans = engine_plans(catalog, max_batch)
+    routes = [(0, 1)] * catalog.num_rows
+    cap, per_stage = capacity_qps(catalog, plans, [1.0, 1.0])
+    sustained = sustained_qps(catalog, plans, routes, gaps, duration_s, cap, deadline_s, seed)
+    ops = [p.operator for p in plans]
+    out = {"pipeline": "engine-cpu", "stages": [
+        {"name": op, "model": m, "device": d, "max_batch": max_batch, "capacity_qps": c}
+        for (op, m, d), c in zip(ENGINE_STAGES, per_stage, strict=True)],
+        "capacity_qps": cap, "sustained_qps": sustained, "deadline_s": deadline_s,
+        "duration_s": duration_s, "workers": "process (1 torch thread each)", "points": []}
+    traces = {load: arrivals(gaps, duration_s, load * sustained) for load in loads}
+    for pol in policies:
+        policy = DropPolicy.named(pol)
+        engine = Engine(plans, loaders, workers="process", threads_per_device=1,
+                        admission="max_in_flight", drain_on_sigterm=False, dropping=policy)
+        engine.start()
+        try:
+            for load in loads:
+                trace = traces[load]
+                rows = sample_rows(len(trace), catalog.num_rows, seed)
+                texts = [sample.texts[r] for r in rows]
+                t_wall = time.perf_counter()
+                t0 = serve_pipeline(engine, texts, trace.arrival_s, deadline_s, ops,
+                                    f"{pol}-{load}")
+                m = engine.deadline_metrics(since_s=t0 - 1e-6)
+                wall = time.perf_counter() - t_wall
+                sim = simulate_many(plans, [catalog] * len(plans), trace, seed,
+                                    routes=routes, rows=rows.tolist(), deadline_s=deadline_s,
+                                    dropping=policy).deadline_metrics()
+                point = {"load": load, "policy": pol, "requests": len(trace),
+                         "offered_qps": len(trace) / trace.duration_s,
+                         "goodput_qps": m.goodput_qps, "on_time": m.on_time,
+                         "drop_rate": m.drop_rate, "late_rate": m.late_rate,
+                         "wasted_model_s": m.wasted_device_s, "model_s": m.device_s,
+                         "wasted_share": m.wasted_share, "drops_by_stage": dict(m.drops_by_stage),
+                         "ended": m.requests, "wall_s": wall,
+                         "simulated": {"goodput_qps": sim.goodput_qps,
+                                       "drop_rate": sim.drop_rate, "late_rate": sim.late_rate,
+                                       "wasted_model_s": sim.wasted_device_s,
+                                       "model_s": sim.device_s}}
+                out["points"].append(point)
+                print(f"engine {load:>3}x {pol:>10}: goodput {m.goodput_qps:6.1f}/s (sim "
+                      f"{sim.goodput_qps:6.1f}) drop {m.drop_rate:6.1%} ({sim.drop_rate:6.1%}) "
+                      f"late {m.late_rate:6.1%} ({sim.late_rate:6.1%}) wasted "
+                      f"{m.wasted_device_s:6.2f} of {m.device_s:6.2f} model s "
+                      f"({sim.wasted_device_s:6.2f} of {sim.device_s:6.2f})  [{wall:.1f} s]",
+                      flush=True)
+                time.sleep(1.2)  # the forecast's 1-s windows forget this load
+        finally:
+            engine.shutdown(drain=True, timeout_s=10)
+    return out
+
+
 def compare(case: dict) -> dict:
     """Proactive against reactive at each load: goodput ratio, wasted-time ratio."""
     by = {(p["load"], p["policy"]): p for p in case["points"]}
@@ -448,6 +601,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus", type=int, default=64)
     ap.add_argument("--cases", default="qa,cluster,allocation")
     ap.add_argument("--alloc-slo-ms", type=float, default=200.0)
+    ap.add_argument("--engine-deadline-ms", type=float, default=300.0)
+    ap.add_argument("--engine-duration-s", type=float, default=None,
+                    help="seconds of arrivals per engine point (default 6; quick: 4)")
+    ap.add_argument("--engine-max-batch", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
@@ -476,6 +633,12 @@ def main(argv: list[str] | None = None) -> int:
             cases.append(run_case(f"cluster-{args.gpus}gpu", catalog, plans, kinds, gaps, d,
                                   args.cluster_deadline_ms / 1000, loads, policies,
                                   args.seed))
+        elif case == "engine":
+            d = args.engine_duration_s or (4.0 if args.quick else 6.0)
+            cases.append(run_engine_case(gaps, d, args.engine_deadline_ms / 1000, loads,
+                                         [p for p in policies if p in ("none", "reactive",
+                                                                       "proactive")],
+                                         args.engine_max_batch, args.seed))
         elif case == "allocation":
             d = args.duration_s or (1.0 if args.quick else 3.0)
             cases.append(run_allocation_case(catalog, args.gpus, args.alloc_slo_ms / 1000, d,

@@ -324,8 +324,8 @@ class Session:
               max_in_flight: int = 10_000, bulk_threshold: int | None = None,
               memory_gb: float | None = None, admission: str = "plan",
               latency_target_s: float | None = None, cluster: str | None = None,
-              replan: bool = True, decode_targets: ServiceTargets | None = None
-              ) -> dict[str, LoadReport]:
+              replan: bool = True, decode_targets: ServiceTargets | None = None,
+              dropping: str | None = None) -> dict[str, LoadReport]:
         """Serve the functions with a gear plan (all of them by default) on one online engine.
 
         From then on every query's calls of a served function go through its engine, from any
@@ -357,13 +357,19 @@ class Session:
         by deadline and pending time (Apt-Serve's rule, ``ken.policy.decoding``) rather than in
         arrival order, with each model's passes estimated by its measured token cost.
 
+        ``dropping`` (``"none"``, ``"reactive"``, ``"proactive"``): the served functions are
+        the stages of a pipeline whose requests carry end-to-end deadlines
+        (``engine.submit(..., deadline_s=, route=)``, e.g. ``ken.multihop.answer_stream``); the
+        engine drops, at once and with the reason, a request that can no longer make its
+        deadline (``ken.engine.deadlines``; PARD's proactive dropping). Default: never drop.
+
         >>> session.plan("p95 <= 50")                   # doctest: +SKIP
         >>> session.serve()                             # doctest: +SKIP
         >>> session.sql("SELECT sentiment(?)", ["great game!"]).fetchall()   # doctest: +SKIP
         """
         reports = self.serving.serve(functions, workers, threads_per_device, max_in_flight,
                                      bulk_threshold, memory_gb, admission, latency_target_s,
-                                     cluster, decode_targets)
+                                     cluster, decode_targets, dropping)
         if replan:
             for name in reports:
                 recipe = self.replans.get(name)

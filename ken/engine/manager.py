@@ -169,8 +169,8 @@ class ServingManager:
               threads_per_device: int = 1, max_in_flight: int = 10_000,
               bulk_threshold: int | None = None, memory_gb: float | None = None,
               admission: str = "plan", latency_target_s: float | None = None,
-              cluster: str | None = None, decode_targets: ServiceTargets | None = None
-              ) -> dict[str, LoadReport]:
+              cluster: str | None = None, decode_targets: ServiceTargets | None = None,
+              dropping: str | None = None) -> dict[str, LoadReport]:
         """Serve ``functions`` (every function with a plan by default): the gear plans on one
         engine, each generation plan on a decode server; see ``Session.serve``."""
         if bulk_threshold is not None:
@@ -184,6 +184,9 @@ class ServingManager:
             raise KenError(f"a Ray cluster serves with workers='ray', not {workers!r}")
         if admission not in ("plan", "max_in_flight"):
             raise KenError(f"admission must be 'plan' or 'max_in_flight' (got {admission!r})")
+        if dropping not in (None, "none", "reactive", "proactive"):
+            raise KenError("dropping must be 'none', 'reactive' or 'proactive' (got "
+                           f"{dropping!r})")
         if decode_targets is not None and not isinstance(decode_targets, ServiceTargets):
             raise KenError("decode_targets must be ken.ServiceTargets(ttft_s, tbt_s), not "
                            f"{decode_targets!r}")
@@ -235,7 +238,8 @@ class ServingManager:
                         else int(memory_gb * 2**30),
                         admission=admission,  # type: ignore[arg-type]
                         latency_target_s=latency_target_s, drain_on_sigterm=False,
-                        ray_cluster=None if cluster is None else RayCluster.connect(cluster))
+                        ray_cluster=None if cluster is None else RayCluster.connect(cluster),
+                        dropping=dropping)
         devices = sorted({d for n in names for d in self._gear_plan(n).devices})
         with self.ctx.reporter.task(f"start the engine for {', '.join(f'{n}()' for n in names)}"
                                     f": {kind} workers on {', '.join(devices)}", 1) as advance:
