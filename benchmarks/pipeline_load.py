@@ -447,7 +447,8 @@ def serve_pipeline(engine, texts: list[str], arrival_s: np.ndarray, budget_s: fl
 
 
 def run_engine_case(gaps: np.ndarray, duration_s: float, deadline_s: float,  # noqa: ANN001
-                    loads: list[float], policies: list[str], max_batch: int, seed: int) -> dict:
+                    loads: list[float], policies: list[str], max_batch: int, seed: int,
+                    calibrate: bool = True) -> dict:
     """The measured part (see the module docstring, item 4)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from e2e import family_setup
@@ -465,6 +466,17 @@ def run_engine_case(gaps: np.ndarray, duration_s: float, deadline_s: float,  # n
         Reporter(quiet=True))
     del models
     catalog = Catalog.from_profiles(profiles)
+    calibration = None
+    if calibrate:  # what ``ken plan`` does by default: profiles fitted to serving calls
+        from ken.engine.calibrate import measure_calibration
+        from ken.optimizer.workload import Hardware
+
+        used = {m: loaders[m] for _, m, _ in ENGINE_STAGES}
+        calibration = measure_calibration(catalog, used, sample,
+                                          Hardware.cpu_workers(2, 4 * 10**9), seconds=8.0,
+                                          workers="process")
+        catalog = calibration.apply(catalog)
+        print(f"engine: calibrated runtimes, {calibration.describe()}", flush=True)
     plans = engine_plans(catalog, max_batch)
     routes = [(0, 1)] * catalog.num_rows
     cap, per_stage = capacity_qps(catalog, plans, [1.0, 1.0])
@@ -474,7 +486,9 @@ def run_engine_case(gaps: np.ndarray, duration_s: float, deadline_s: float,  # n
         {"name": op, "model": m, "device": d, "max_batch": max_batch, "capacity_qps": c}
         for (op, m, d), c in zip(ENGINE_STAGES, per_stage, strict=True)],
         "capacity_qps": cap, "sustained_qps": sustained, "deadline_s": deadline_s,
-        "duration_s": duration_s, "workers": "process (1 torch thread each)", "points": []}
+        "duration_s": duration_s, "workers": "process (1 torch thread each)",
+        "calibration": None if calibration is None else calibration.describe(),
+        "points": []}
     traces = {load: arrivals(gaps, duration_s, load * sustained) for load in loads}
     for pol in policies:
         policy = DropPolicy.named(pol)
@@ -482,6 +496,9 @@ def run_engine_case(gaps: np.ndarray, duration_s: float, deadline_s: float,  # n
                         admission="max_in_flight", drain_on_sigterm=False, dropping=policy)
         engine.start()
         try:
+            for text in sample.texts[:20]:  # warm the workers (no deadline: not counted)
+                for op in ops:
+                    engine.submit(text, op).result(timeout=30)
             for load in loads:
                 trace = traces[load]
                 rows = sample_rows(len(trace), catalog.num_rows, seed)
@@ -605,6 +622,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-duration-s", type=float, default=None,
                     help="seconds of arrivals per engine point (default 6; quick: 4)")
     ap.add_argument("--engine-max-batch", type=int, default=8)
+    ap.add_argument("--engine-profiles-only", action="store_true",
+                    help="plan the engine case on the raw profiles (no serving calibration)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
@@ -638,7 +657,8 @@ def main(argv: list[str] | None = None) -> int:
             cases.append(run_engine_case(gaps, d, args.engine_deadline_ms / 1000, loads,
                                          [p for p in policies if p in ("none", "reactive",
                                                                        "proactive")],
-                                         args.engine_max_batch, args.seed))
+                                         args.engine_max_batch, args.seed,
+                                         not args.engine_profiles_only))
         elif case == "allocation":
             d = args.duration_s or (1.0 if args.quick else 3.0)
             cases.append(run_allocation_case(catalog, args.gpus, args.alloc_slo_ms / 1000, d,
