@@ -144,3 +144,22 @@ def test_routes_and_plans_are_checked() -> None:
                           (RangeSchedule(0, (1.0,), (1,)),), (4,))
     with pytest.raises(EngineError, match="profiled batch runtimes"):
         Engine(unprofiled, models, dropping="proactive")
+
+
+def test_a_job_whose_next_hop_is_turned_away_ends_unanswered() -> None:
+    mb = BlockingModel("mb")
+    models = {"ma": FakeModel("ma"), "mb": mb}
+    with Engine(PLANS, models, dropping="proactive", deadline=NO_DEADLINE,
+                max_in_flight=1) as engine:
+        deadline = engine.clock.now() + 100.0
+        hop_a = engine.submit("row", "a", deadline_s=deadline, route=("b",), job="q")
+        assert hop_a.result(timeout=10).status == "ok"
+        blocker = engine.submit("block", "b")
+        assert mb.started.wait(10)
+        hop_b = engine.submit("row", "b", deadline_s=deadline, job="q").result(timeout=10)
+        mb.release.set()
+        assert blocker.result(timeout=10).status == "ok"
+        metrics = engine.deadline_metrics()
+    assert hop_b.status == "rejected"
+    assert (metrics.requests, metrics.on_time, metrics.late, metrics.dropped) == (1, 0, 1, 0)
+    assert metrics.wasted_device_s == metrics.device_s > 0

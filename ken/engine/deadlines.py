@@ -70,6 +70,11 @@ def drop_policy(dropping: DropPolicy | str) -> DropPolicy:
     return dropping if isinstance(dropping, DropPolicy) else DropPolicy.named(dropping)
 
 
+def job_key(rid: int, job: Hashable | None) -> Hashable:
+    """The job a request belongs to: the caller's key, else the request alone."""
+    return ("request", rid) if job is None else job
+
+
 @dataclass
 class _Job:
     arrival_s: float
@@ -105,6 +110,13 @@ class DeadlineLedger:
             j = self._open.pop(job, None)
             if j is not None:
                 self._done.append((j.arrival_s, completion_s, j.deadline_s, j.device_s, drop))
+
+    def refused(self, job: Hashable, arrival_s: float, deadline_s: float) -> None:
+        """A hop of ``job`` was turned away before the scheduler saw it (the engine's
+        ``max_in_flight``, or not accepting): the job ends unanswered."""
+        with self._lock:
+            j = self._open.pop(job, None) or _Job(arrival_s, deadline_s)
+            self._done.append((j.arrival_s, math.inf, j.deadline_s, j.device_s, None))
 
     @property
     def open_jobs(self) -> int:
@@ -163,7 +175,7 @@ class EngineDeadlines:
         self.dropper.register(rid, math.inf if deadline_s is None else deadline_s,
                               (stage, *(self.stage_of[r] for r in route)))
         if deadline_s is not None:
-            key = ("request", rid) if job is None else job
+            key = job_key(rid, job)
             self._job[rid] = (key, not route)
             self.ledger.opened(key, arrival_s, deadline_s)
         return self.dropper.enter(rid, stage, now)

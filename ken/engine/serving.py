@@ -75,7 +75,7 @@ from concurrent.futures import Future
 from typing import Literal
 
 from ken.engine.admission import Admission, AdmissionMode
-from ken.engine.deadlines import EngineDeadlines, drop_policy
+from ken.engine.deadlines import EngineDeadlines, drop_policy, job_key
 from ken.engine.dispatch import Requests, Scheduler
 from ken.engine.outcome import Outcome
 from ken.engine.ray_runner import RayCluster
@@ -398,6 +398,8 @@ class Engine:
                     future.set_result(Outcome(rid, "rejected", now, now, error=(
                         f"{self.max_in_flight} requests in flight (the engine's max_in_flight); "
                         "retry later"), retry_after_s=self.plans[operator].rate_window_s))
+                    if self.deadlines is not None and deadline_s is not None:
+                        self.deadlines.ledger.refused(job_key(rid, job), now, deadline_s)
                 else:
                     requests.add(rid, text, future, now, "" if bulk else operator,
                                  deadline_s, route, job)
