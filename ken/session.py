@@ -359,9 +359,10 @@ class Session:
 
         ``dropping`` (``"none"``, ``"reactive"``, ``"proactive"``): the served functions are
         the stages of a pipeline whose requests carry end-to-end deadlines
-        (``engine.submit(..., deadline_s=, route=)``, e.g. ``ken.multihop.answer_stream``); the
-        engine drops, at once and with the reason, a request that can no longer make its
-        deadline (``ken.engine.deadlines``; PARD's proactive dropping). Default: never drop.
+        (``session.engines[function].submit(..., deadline_s=, route=)``; SQL calls
+        carry no deadline yet); the engine drops, at once and with the reason, a request that
+        can no longer make its deadline (``ken.engine.deadlines``; PARD's proactive dropping).
+        Default: never drop.
 
         >>> session.plan("p95 <= 50")                   # doctest: +SKIP
         >>> session.serve()                             # doctest: +SKIP

@@ -163,3 +163,20 @@ def test_a_job_whose_next_hop_is_turned_away_ends_unanswered() -> None:
     assert hop_b.status == "rejected"
     assert (metrics.requests, metrics.on_time, metrics.late, metrics.dropped) == (1, 0, 1, 0)
     assert metrics.wasted_device_s == metrics.device_s > 0
+
+
+def test_session_serve_passes_the_dropping_policy() -> None:
+    import ken
+    from ken.errors import KenError
+
+    with ken.connect(builtins=False) as s:
+        s.register("mood", Cascade(("ma",)), models={"ma": FakeModel("ma")})
+        s.use_plan(stage("mood", "ma", "cpu0"))
+        with pytest.raises(KenError, match="dropping must be"):
+            s.serve(workers="thread", dropping="sometimes")
+        s.serve(workers="thread", dropping="proactive")
+        engine = s.engines["mood"]
+        out = engine.submit("x", deadline_s=engine.clock.now()).result(timeout=10)
+        assert out.status == "dropped" and out.error.startswith("at mood")
+        assert s.sql("SELECT mood('fine')").fetchall()[0][0] in ("negative", "neutral",
+                                                                 "positive")
