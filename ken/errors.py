@@ -37,6 +37,11 @@ class EngineBusy(KenError):
     """The online engine rejected or failed rows of a query (overload, model failure)."""
 
 
+class RequestDropped(EngineBusy):
+    """The online engine dropped a row of a query: it could no longer make the end-to-end
+    deadline it carried (``ken.engine.deadlines.within``); the message says where and why."""
+
+
 class SqlError(KenError):
     """The query is not valid SQL, or uses a function wrongly."""
 

@@ -50,7 +50,8 @@ import numpy as np
 import pyarrow as pa
 
 from ken import store
-from ken.errors import DataError
+from ken.engine.deadlines import within
+from ken.errors import DataError, RequestDropped
 from ken.models import retrieval
 from ken.models.model import Model
 from ken.models.ngram import NgramClassifier, fit_ngram_classifier
@@ -133,7 +134,7 @@ class Answered:
     question: str
     qtype: str  # gold type (HybridQA: where the answer is)
     route: str  # the route the pipeline took
-    status: str  # ok | image | missing context
+    status: str  # ok | image | missing context | dropped (answer_stream with a budget)
     predicted: str | None
     gold: tuple[str, ...]
     em: float
@@ -145,6 +146,7 @@ class Answered:
     #: a gold answer appears in the last hop's whole context (case and spacing ignored):
     #: retrieval's recall, whatever the reader made of it
     answer_in_context: bool = False
+    reason: str = ""  # dropped: where and why the engine dropped one of its hops
 
 
 @dataclass(frozen=True)
@@ -385,19 +387,22 @@ def retrieval_summary(answers: Sequence[Answered]) -> tuple[float, float] | None
 def run_pipeline(session: Session, data: QAData, limit: int | None = None,
                  reporter: Reporter | None = None, type_model: Model | None = None,
                  pipeline: Pipeline | None = None,
-                 stream: tuple[Sequence[QAQuestion], Sequence[float]] | None = None
-                 ) -> RunReport:
+                 stream: tuple[Sequence[QAQuestion], Sequence[float]] | None = None,
+                 budget_s: float | None = None) -> RunReport:
     """Answer the first ``limit`` questions of ``data`` (all by default), one at a time, and
     score them; or, with ``stream=(questions, arrival_s)``, answer those questions as they
     arrive (:func:`answer_stream`).
 
-    ``type_model`` replaces the trained question-type classifier (MultiModalQA);
+    ``budget_s`` (with ``stream``): each question's end-to-end latency budget
+    (:func:`answer_stream`). ``type_model`` replaces the trained question-type classifier
+    (MultiModalQA);
     ``pipeline`` is one already set up on ``session``."""
     reporter = reporter or Reporter(quiet=True)
     started = time.perf_counter()
     pipeline = pipeline or Pipeline(session, data, reporter, type_model)
     if stream is not None:
-        answered = answer_stream(pipeline, stream[0], stream[1], reporter)
+        answered = answer_stream(pipeline, stream[0], stream[1], reporter,
+                                 budget_s=budget_s)
     else:
         questions = data.questions[:limit] if limit else data.questions
         answered = []
@@ -415,12 +420,23 @@ def run_pipeline(session: Session, data: QAData, limit: int | None = None,
                      time.perf_counter() - started)
 
 
+#: the status of a question whose hop an engine's dropping policy dropped (``answer_stream``)
+DROPPED = "dropped"
+
+
 def answer_stream(pipeline: Pipeline, questions: Sequence[QAQuestion],
                   arrival_s: Sequence[float], reporter: Reporter | None = None,
-                  max_threads: int = 64) -> list[Answered]:
+                  max_threads: int = 64, budget_s: float | None = None) -> list[Answered]:
     """Answer ``questions[i]`` when it arrives at ``arrival_s[i]`` seconds from now, each in
     its own thread (so the served operators batch the calls of questions in flight); a
-    question's latency runs from its arrival to its answer."""
+    question's latency runs from its arrival to its answer.
+
+    ``budget_s``: each question's end-to-end deadline is its arrival plus ``budget_s``; every
+    hop's served calls carry it (``ken.engine.deadlines.within``), so an engine served with a
+    dropping policy (``session.serve(dropping=...)``) drops a hop that can no longer make it,
+    and the question ends at once with status ``dropped`` and the drop's ``reason`` (not
+    scored, like image questions: ``summary.statuses`` counts them). Each call is its own
+    request to the engine, with no route ahead (SQL calls do not say which hops follow)."""
     import dataclasses
     from concurrent.futures import ThreadPoolExecutor
 
@@ -428,9 +444,20 @@ def answer_stream(pipeline: Pipeline, questions: Sequence[QAQuestion],
         raise DataError(f"{len(questions)} questions for {len(arrival_s)} arrival times")
     reporter = reporter or Reporter(quiet=True)
     start = time.perf_counter()
+    start_monotonic = time.monotonic()
 
     def run(i: int) -> Answered:
-        a = pipeline.answer(questions[i])
+        if budget_s is None:
+            a = pipeline.answer(questions[i])
+        else:
+            q = questions[i]
+            with within(start_monotonic + arrival_s[i] + budget_s):
+                try:
+                    a = pipeline.answer(q)
+                except RequestDropped as exc:
+                    return Answered(q.qid, q.question, q.qtype, "", DROPPED, None, q.answers,
+                                    0.0, 0.0, time.perf_counter() - start - arrival_s[i],
+                                    reason=str(exc))
         if a.status != OK:
             return a
         return dataclasses.replace(a, latency_s=time.perf_counter() - start - arrival_s[i])

@@ -200,3 +200,31 @@ def test_sem_similarity_ranks_by_meaning(home) -> None:  # noqa: ANN001
         got = s.sql("SELECT sem_similarity('Where was the actress born?', "
                     "'She was born in Turin, Italy.') AS s").fetchall()[0][0]
     assert got == pytest.approx(out.values[0], abs=1e-5)
+
+
+def test_a_stream_with_a_budget_ends_a_question_whose_hop_is_dropped(session) -> None:  # noqa: ANN001
+    from ken.models.cascade import Cascade
+    from ken.multihop import Pipeline, answer_stream
+    from ken.policy.plan import GearPlan, RangeSchedule, Replica
+    from ken.progress import Reporter
+
+    data = read_hybridqa(FIXTURES / "hybridqa")
+    pipeline = Pipeline(session, data, Reporter(quiet=True))
+    session.use_plan(GearPlan("sem_qa", (0.0, 1e6), (Cascade(("reader",)),),
+                              (Replica("reader", ("cpu0",)),), (RangeSchedule(0, (1.0,), (1,)),),
+                              (4,), max_wait_s=0.005,
+                              batch_runtime_s=((0.05, 0.06, 0.07, 0.08),)))
+    session.serve(workers="thread", dropping="proactive", replan=False)
+    questions = list(data.questions)
+    at = [0.0] * len(questions)
+    # tight first: answers are cached, so a later run would not ask the engine again
+    tight = {a.qid: a for a in answer_stream(pipeline, questions, at, budget_s=0.01)}
+    roomy = {a.qid: a for a in answer_stream(pipeline, questions, at, budget_s=60.0)}
+    for qid, a in roomy.items():  # the reader's profile (50 ms) fits 60 s: nothing dropped
+        assert a.status in ("ok", "missing context")
+        if a.status == "ok":  # ... but not 10 ms: dropped on arrival at the reader
+            assert tight[qid].status == "dropped" and tight[qid].predicted is None
+            assert "at sem_qa: predicted finish" in tight[qid].reason
+        else:
+            assert tight[qid].status == a.status
+    assert any(a.status == "ok" for a in roomy.values())

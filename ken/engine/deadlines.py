@@ -32,8 +32,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import time
 from collections import deque
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from ken.errors import EngineError
@@ -50,6 +53,39 @@ from ken.policy.plan import GearPlan
 
 #: finished jobs the ledger keeps for ``deadline_metrics``
 JOB_LOG = 100_000
+
+
+@dataclass(frozen=True)
+class CallDeadline:
+    """The end-to-end deadline of the online calls made in a context (``within``), on the
+    monotonic clock (``time.monotonic()``): a query's served calls carry it to the engine,
+    converted to the engine's clock (``engine_deadline_s``)."""
+
+    monotonic_s: float
+
+    def engine_deadline_s(self, engine_now_s: float) -> float:
+        return self.monotonic_s - time.monotonic() + engine_now_s
+
+
+_CALL_DEADLINE: ContextVar[CallDeadline | None] = ContextVar("ken_call_deadline", default=None)
+
+
+@contextmanager
+def within(monotonic_s: float) -> Iterator[CallDeadline]:
+    """Online engine calls made in this block (this thread or task; a SQL query's served
+    function calls included) carry the end-to-end deadline ``monotonic_s``; under a dropping
+    policy a call that can no longer make it is dropped (``ken.errors.RequestDropped``)."""
+    deadline = CallDeadline(monotonic_s)
+    token = _CALL_DEADLINE.set(deadline)
+    try:
+        yield deadline
+    finally:
+        _CALL_DEADLINE.reset(token)
+
+
+def call_deadline() -> CallDeadline | None:
+    """The deadline of the enclosing ``within`` block, if any."""
+    return _CALL_DEADLINE.get()
 
 
 def stage_profile(plan: GearPlan) -> StageProfile:

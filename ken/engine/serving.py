@@ -365,10 +365,16 @@ class Engine:
                            route=ahead, job=job)[0]
 
     def submit_many(self, texts: Iterable[str | tuple[str, ...] | None], bulk: bool = False,
-                    operator: str | None = None) -> list[Future]:
+                    operator: str | None = None, *, deadline_s: float | None = None
+                    ) -> list[Future]:
         """Queue many rows at once; ``bulk`` rows run in throughput-sized batches (see the
-        module docstring) and are not bounded by ``max_in_flight``: the caller holds them."""
-        return self._admit(list(texts), bulk=bulk, operator=self._operator(operator))
+        module docstring) and are not bounded by ``max_in_flight``: the caller holds them.
+        ``deadline_s``: online rows' end-to-end deadline (engine clock), as ``submit``'s
+        (each row its own job, no route ahead); ignored for bulk rows."""
+        if bulk or self.deadlines is None:
+            deadline_s = None
+        return self._admit(list(texts), bulk=bulk, operator=self._operator(operator),
+                           deadline_s=deadline_s)
 
     def _admit(self, texts: Sequence, bulk: bool, operator: str,
                deadline_s: float | None = None, route: tuple[str, ...] = (),

@@ -22,8 +22,9 @@ from duckdb.sqltypes import BIGINT, BOOLEAN, DOUBLE, VARCHAR
 
 from ken.cache import CacheError, ResultCache
 from ken.engine.batch import CascadeResult, run_cascade
+from ken.engine.deadlines import call_deadline
 from ken.engine.serving import Engine
-from ken.errors import EngineBusy, KenError
+from ken.errors import EngineBusy, KenError, RequestDropped
 from ken.models.cascade import Cascade
 from ken.ops.base import Bound, struct_fields
 from ken.sql.cache_key import Namespace
@@ -117,6 +118,9 @@ class SiteRunner:
         self.engine = engine
         self.bulk_threshold = bulk_threshold
         self.error: KenError | None = None  # what failed inside a DuckDB call, if anything
+        # the end-to-end deadline the query's online calls carry (``deadlines.within`` around
+        # the query; read here, in the querying thread: DuckDB may call from its own threads)
+        self.deadline = call_deadline()
         # a query plan that answers some inputs without the models (sem_join's per-side
         # rewrite and blocking, ``ken.sql.join``): ``shortcut.answer(keys) -> {key: value}``
         self.shortcut: Any = None
@@ -237,10 +241,20 @@ class SiteRunner:
         answered: dict[int, Any] = {}  # index in inputs -> ok outcome
         pending = list(range(len(inputs)))
         give_up = time.monotonic() + REJECTED_RETRY_S
+        carried = self.deadline
         while pending:
-            futures = self.engine.submit_many([inputs[i] for i in pending], bulk=bulk,
-                                              operator=self.site.function)
+            rows = [inputs[i] for i in pending]
+            if carried is not None and isinstance(self.engine, Engine):
+                futures = self.engine.submit_many(
+                    rows, bulk=bulk, operator=self.site.function,
+                    deadline_s=carried.engine_deadline_s(self.engine.clock.now()))
+            else:
+                futures = self.engine.submit_many(rows, bulk=bulk, operator=self.site.function)
             outcomes = [f.result() for f in futures]
+            dropped = [o for o in outcomes if o.status == "dropped"]
+            if dropped:
+                raise RequestDropped(f"{self.site.call_sql()}: {len(dropped)} of {len(inputs)} "
+                                     f"rows were dropped ({dropped[0].error})")
             failed = [o for o in outcomes if o.status not in ("ok", "rejected")]
             rejected = [o for o in outcomes if o.status == "rejected"]
             if failed or (rejected and time.monotonic() >= give_up):
