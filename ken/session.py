@@ -359,10 +359,12 @@ class Session:
 
         ``dropping`` (``"none"``, ``"reactive"``, ``"proactive"``): the served functions are
         the stages of a pipeline whose requests carry end-to-end deadlines
-        (``session.engines[function].submit(..., deadline_s=, route=)``; SQL calls
-        carry no deadline yet); the engine drops, at once and with the reason, a request that
-        can no longer make its deadline (``ken.engine.deadlines``; PARD's proactive dropping).
-        Default: never drop.
+        (``session.engines[function].submit(..., deadline_s=, route=)``, or the calls of the
+        queries run inside ``with ken.engine.deadlines.within(deadline):``, e.g.
+        ``ken.multihop.answer_stream(..., budget_s=)``); the engine drops, at once and with
+        the reason, a request that can no longer make its deadline (``ken.engine.deadlines``;
+        PARD's proactive dropping; a query whose row is dropped raises
+        ``ken.errors.RequestDropped``). Default: never drop.
 
         >>> session.plan("p95 <= 50")                   # doctest: +SKIP
         >>> session.serve()                             # doctest: +SKIP
