@@ -79,6 +79,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -518,6 +519,7 @@ def run_engine_case(gaps: np.ndarray, duration_s: float, deadline_s: float,  # n
                          "wasted_model_s": m.wasted_device_s, "model_s": m.device_s,
                          "wasted_share": m.wasted_share, "drops_by_stage": dict(m.drops_by_stage),
                          "ended": m.requests, "wall_s": wall,
+                         "loadavg_1min": os.getloadavg()[0],  # the machine is shared
                          "simulated": {"goodput_qps": sim.goodput_qps,
                                        "drop_rate": sim.drop_rate, "late_rate": sim.late_rate,
                                        "wasted_model_s": sim.wasted_device_s,
@@ -527,7 +529,8 @@ def run_engine_case(gaps: np.ndarray, duration_s: float, deadline_s: float,  # n
                       f"{sim.goodput_qps:6.1f}) drop {m.drop_rate:6.1%} ({sim.drop_rate:6.1%}) "
                       f"late {m.late_rate:6.1%} ({sim.late_rate:6.1%}) wasted "
                       f"{m.wasted_device_s:6.2f} of {m.device_s:6.2f} model s "
-                      f"({sim.wasted_device_s:6.2f} of {sim.device_s:6.2f})  [{wall:.1f} s]",
+                      f"({sim.wasted_device_s:6.2f} of {sim.device_s:6.2f})  [{wall:.1f} s, "
+                      f"load {os.getloadavg()[0]:.1f}]",
                       flush=True)
                 time.sleep(1.2)  # the forecast's 1-s windows forget this load
         finally:
