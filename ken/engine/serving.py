@@ -19,8 +19,9 @@ submission; admission is ``admission.py``, the bulk path ``bulk.py``.
 
 Every submitted request gets exactly one ``Outcome``: a result, ``null`` for a NULL input,
 ``rejected`` when admission turned it away (with the reason and a retry hint), ``error`` when
-its batch failed ``max_retries + 1`` times or its model is marked failed, or ``cancelled`` when
-the engine shut down before it ran. Failure behaviour (DESIGN.md section 14):
+its batch failed ``max_retries + 1`` times or its model is marked failed, ``cancelled`` when
+the engine shut down before it ran, or ``dropped`` when a dropping policy found it could no
+longer make its end-to-end deadline (below). Failure behaviour (DESIGN.md section 14):
 
 - *admission*: an online request is admitted only while the gear plan can serve it within its
   latency target (by default the p99 the plan's simulation predicted, at least
