@@ -586,7 +586,9 @@ def main() -> int:
                   "devices": "2 CPU workers x 1 thread", "workers": args.workers,
                   "calibration": {m: {"overhead_s": a, "factor": b}
                                   for m, (a, b) in calibration.fits.items()},
-                  "calibration_source": calibration.source, "most_accurate_model": accurate,
+                  "calibration_source": calibration.source,
+                  "calibration_other_cores": calibration.other_cores,
+                  "most_accurate_model": accurate,
                   "most_accurate_model_qps": model_qps,
                   "most_accurate_cascade": top.describe(),
                   "most_accurate_cascade_qps": capacity,

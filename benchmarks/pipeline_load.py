@@ -34,7 +34,8 @@ narrowest band from 0.1 to 0.3.
    one-gear plans, paths as routes) on Poisson arrivals: ``joint (Loki)`` (``allocate``: the
    pipeline's MILP), ``per-operator`` (pipeline-agnostic, Proteus-style: the GPUs split by what
    each task's most accurate variant needs, each task maximising its own accuracy within a
-   third of the SLO, variants taken independently per task) and ``most accurate only``
+   third of the SLO, variants taken independently per task; ``per-operator, proportional SLO``
+   splits the SLO by each task's most accurate variant's time per row) and ``most accurate only``
    (serve what the most accurate variants can, turn the rest away). 1x is the most demand the
    most accurate variants serve within the SLO on all GPUs. A path's accuracy is the product of
    its variants' single accuracies (the artifact catalog's, ``ARTIFACT_ACCURACY``; independent
@@ -271,11 +272,13 @@ def allocation_problem(catalog, demand: float, gpus: int, slo_s: float,  # noqa:
                              tuple(ALLOC_ROUTES.values()), accuracy, demand, gpus, slo_s)
 
 
-def per_operator_allocation(catalog, demand: float, gpus: int, slo_s: float):  # noqa: ANN001, ANN201
+def per_operator_allocation(catalog, demand: float, gpus: int, slo_s: float,  # noqa: ANN001, ANN201
+                            budget: str = "even"):
     """Pipeline-agnostic accuracy scaling (Proteus-style): the GPUs split among the tasks in
     proportion to what their most accurate variants need, then each task alone maximises its
-    own accuracy for the demand that reaches it, with half the SLO per task split evenly
-    (the task does not know what the others run); requests take each task's variants
+    own accuracy for the demand that reaches it within its share of the SLO (``budget``:
+    ``"even"``, a third each; ``"proportional"``, in proportion to the most accurate variant's
+    time for one row, the better-informed split); requests take each task's variants
     independently."""
     from ken.optimizer.allocation import Allocation, AllocationProblem, allocate
 
@@ -291,8 +294,12 @@ def per_operator_allocation(catalog, demand: float, gpus: int, slo_s: float):  #
     while count.sum() < gpus:
         count[int(np.argmax(need / count))] += 1
     hosts, task_share = {}, []
-    per_task_slo = slo_s / len(whole.operators)  # each task's share of the end-to-end SLO
+    if budget == "even":
+        weights = np.ones(len(best))
+    else:
+        weights = np.array([v.batch_latency_s(min(v.qps)) for v in best])
     for k, vs in enumerate(whole.variants):
+        per_task_slo = slo_s * weights[k] / weights.sum()  # its share of the end-to-end SLO
         alone = AllocationProblem((whole.operators[k],), (vs,), ((0,),), (1.0,),
                                   {(0, (v.name,)): v.accuracy for v in vs},
                                   demand * visits[k], int(count[k]), per_task_slo)
@@ -344,6 +351,8 @@ def run_allocation_case(catalog, gpus: int, slo_s: float, duration_s: float,  # 
         best_problem = allocation_problem(catalog, demand, gpus, slo_s, only_best=True)
         systems["most accurate only"] = (best_problem, allocate(best_problem))
         systems["per-operator"] = per_operator_allocation(catalog, demand, gpus, slo_s)
+        systems["per-operator, proportional SLO"] = per_operator_allocation(
+            catalog, demand, gpus, slo_s, budget="proportional")
         solve_s = time.perf_counter() - t0
         for name, (problem, alloc) in systems.items():
             served = serve_allocation(problem, alloc, devices)
@@ -373,7 +382,7 @@ def run_allocation_case(catalog, gpus: int, slo_s: float, duration_s: float,  # 
             point["on_time"] = float(on_time.mean())
             point["quality"] = float(quality.mean())  # late and turned away count 0
             out["points"].append(point)
-            print(f"allocation {load:>3}x ({demand:7.0f} q/s) {name:>18}: predicted quality "
+            print(f"allocation {load:>3}x ({demand:7.0f} q/s) {name:>30}: predicted quality "
                   f"{alloc.quality:.3f} ({alloc.served:.0%} served, {alloc.workers_used} "
                   f"GPUs), simulated {point['quality']:.3f} with {point['on_time']:.1%} on "
                   f"time, p95 {point.get('p95_ms', float('nan')):.0f} ms", flush=True)

@@ -21,7 +21,7 @@ import pyarrow as pa
 from ken.cache import CacheError, ResultCache, cache_setting
 from ken.cache import default_path as default_cache_path
 from ken.engine.manager import ServingManager
-from ken.engine.ray_runner import RayCluster
+from ken.engine.ray_runner import RayCluster, stop_local_ray
 from ken.errors import KenError
 from ken.frame import Frame
 from ken.models.cascade import Cascade
@@ -102,6 +102,8 @@ class Session:
         # (ken.sql.guarantee; set_target, SET ken_recall_target = 0.9)
         self.targets = Targets()
         self._queries = QueryRunner(self)
+        self._closed = False
+        _OPEN[0] += 1
 
     @property
     def cache(self) -> ResultCache | None:
@@ -473,18 +475,30 @@ class Session:
         return Frame.from_table(self, name)
 
     def close(self) -> None:
-        """Stop serving (draining), close worker threads, cursors and the connection."""
+        """Stop serving (draining), close worker threads, cursors and the connection; the
+        last open session to close also stops a local Ray that ken started for it (serving
+        on Ray, ``engine="ray"``)."""
+        if self._closed:
+            return
+        self._closed = True
         self.stop_serving()
         self._queries.close()
         self.db.close()
         if self._cache is not None and self._owns_cache:
             self._cache.close()
+        _OPEN[0] -= 1
+        if _OPEN[0] == 0:
+            stop_local_ray()
 
     def __enter__(self) -> Session:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: sessions open in this process (the last to close stops a local Ray ken started)
+_OPEN = [0]
 
 
 def connect(path: str | Path | None = None, **options: Any) -> Session:

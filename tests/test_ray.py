@@ -324,3 +324,28 @@ def test_engine_auto_sends_only_big_unpruned_datasets_to_ray_data(local_ray, tmp
         s.ray_min_rows = None
         assert s.sql(query).fetchall() == expected
         assert "engine='auto'" not in said()
+
+
+def test_the_last_session_to_close_stops_the_local_ray_ken_started(monkeypatch) -> None:
+    import ken
+    import ken.session
+    from ken.engine.ray_runner import ensure_ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    monkeypatch.setattr(ken.session, "_OPEN", [0])  # sessions other tests left open
+    first, second = ken.connect(cache=False), ken.connect(cache=False)
+    ensure_ray()  # what serving on Ray or engine="ray" does: a local Ray for this process
+    first.close()
+    first.close()  # closing twice counts once
+    assert ray.is_initialized()  # another session is open
+    second.close()
+    assert not ray.is_initialized()
+    # a Ray the user started (or joined) is theirs: left running
+    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        with ken.connect(cache=False):
+            ensure_ray()
+        assert ray.is_initialized()
+    finally:
+        ray.shutdown()

@@ -62,6 +62,12 @@ TEXTS = ["I absolutely love this phone, best purchase ever!", None,
     ("Does it mention COVID-19?", (1, 5)),
     ("Step 7: rate how positive it is", (1, 5)),
     ("How helpful is it? Rate 1-5. Step 2: be strict", (1, 5)),
+    ("Did the team that won 3-1 play well?", (1, 5)),  # a score line, not a scale
+    ("Is the cast of 2-3 actors convincing?", (1, 5)),
+    ("Does it name 1-2 causes?", (1, 5)),
+    ("How good is it, 0-10?", (0, 10)),  # a bare range that reads as a scale
+    ("Score it 1 to 7", (1, 7)),
+    ("Graded from 2 to 6, how clear is it?", (2, 6)),
 ])
 def test_the_scale_is_read_from_the_rubric(rubric: str, scale: tuple[int, int]) -> None:
     assert parse_scale(rubric) == scale
@@ -119,7 +125,7 @@ def test_stages_are_named_per_rubric_and_scale_and_pickle(tmp_path) -> None:
     assert all(callable(pickle.loads(pickle.dumps(f))) for f in loaders.values())
     assert "scale 0 to 10" in op.detail(("Rate it (0-10)",))
     with pytest.raises(DataError, match="runs backwards"):
-        op.stage_name(QWEN, ("5 to 1",))
+        op.stage_name(QWEN, ("Rate it 5 to 1",))
 
 
 def test_the_evaluation_sample_scores_sentiment_on_one_to_five() -> None:

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from ken import store
+from ken.engine.machine import OtherLoad
 from ken.engine.supervision import BatchRecord
 from ken.errors import KenError
 from ken.models.cascade import Cascade
@@ -97,6 +98,9 @@ class Calibration:
     fits: Mapping[str, tuple[float, float]]
     calls: Mapping[str, int] = field(default_factory=dict)
     source: str = ""
+    #: cores other programs kept busy while it was measured (``machine.OtherLoad``; None:
+    #: not measured, e.g. loaded from a file written before it was recorded)
+    other_cores: float | None = None
 
     def __post_init__(self) -> None:
         fits = {str(m): (float(a), float(b)) for m, (a, b) in self.fits.items()}
@@ -136,6 +140,7 @@ class Calibration:
         """Write it as JSON, atomically (``Calibration.load`` reads it)."""
         return store.write_text(Path(path), json.dumps({
             "kind": CALIBRATION_KIND, "version": 2, "source": self.source,
+            "other_cores": self.other_cores,
             "fits": {m: {"overhead_s": a, "factor": b, "calls": self.calls.get(m, 0)}
                      for m, (a, b) in self.fits.items()}}, indent=1))
 
@@ -155,7 +160,9 @@ class Calibration:
                                  "written before issue 33); run `ken replay` again")
             fits = {m: (f["overhead_s"], f["factor"]) for m, f in data["fits"].items()}
             calls = {m: f.get("calls", 0) for m, f in data["fits"].items()}
-            return cls(fits, calls, str(data.get("source", "")))
+            other = data.get("other_cores")
+            return cls(fits, calls, str(data.get("source", "")),
+                       None if other is None else float(other))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise KenError(f"{path} is not a runtime calibration file: {exc}") from None
 
@@ -230,11 +237,19 @@ def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: An
     trace = gamma_trace(rate, seconds, 2.0, seed=seed)
     reporter.note(f"calibrating runtimes: {len(trace)} rows through {' -> '.join(models)} "
                   f"on {len(plan.devices)} workers, {rate:.1f} rows/s for {seconds:g} s")
-    served = serve_trace(plan, loaders, trace, sample, seed=seed, reporter=reporter,
-                         admission="max_in_flight", **engine_options)
-    return fit_calibration(served.batch_log, catalog,
-                           f"{len(trace)} rows at {rate:.1f}/s through every model, "
-                           f"{len(served.batch_log)} calls")
+    with OtherLoad() as load:
+        served = serve_trace(plan, loaders, trace, sample, seed=seed, reporter=reporter,
+                             admission="max_in_flight", **engine_options)
+    warning = load.warning("calibrating")
+    if warning:
+        reporter.warn(f"{warning}: calibrate again on a quiet machine, or plan with "
+                      "--no-calibration")
+    fitted = fit_calibration(served.batch_log, catalog,
+                             f"{len(trace)} rows at {rate:.1f}/s through every model, "
+                             f"{len(served.batch_log)} calls"
+                             + ("" if load.cores is None else
+                                f", other programs {load.cores:.2f} cores"))
+    return replace(fitted, other_cores=load.cores)
 
 
 CALIBRATION_KIND = "ken-runtime-calibration"

@@ -82,7 +82,26 @@ def ensure_ray(address: str | None = None) -> Any:
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise KenError(f"cannot connect to the Ray cluster at {address!r}: {exc}; start "
                            "one with `ray start --head` or pass its address") from None
+        _STARTED["local"] = address is None
     return ray
+
+
+#: whether ken itself started the local Ray this process is connected to (``ensure_ray`` with
+#: no address), so that it stops it when the last session closes (``stop_local_ray``)
+_STARTED = {"local": False}
+
+
+def stop_local_ray() -> bool:
+    """Shut down the local Ray ``ensure_ray`` started, if it did and it still runs (a Ray the
+    user started or joined is left alone); True when it stopped one."""
+    if not _STARTED["local"]:
+        return False
+    _STARTED["local"] = False
+    ray = sys.modules.get("ray")  # imported by ensure_ray (None: hidden, as tests do)
+    if ray is None or not ray.is_initialized():
+        return False
+    ray.shutdown()
+    return True
 
 
 class _DeviceActor:

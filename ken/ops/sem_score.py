@@ -66,6 +66,12 @@ _SCALE_AFTER = re.compile(rf"^\s*(?:{_DASH}\s*)?(?:points?\s*)?scale\b", re.IGNO
 _ANCHORS = (re.compile(rf"{_START}(?P<n>\d+)\s*=\s*(?=[^\W\d_]|[\"'(])"),
             re.compile(r"(?:^|[\n,;(]|\b(?:score|point|rating|grade)s?\b)\s*(?P<n>\d+)\s*:\s*"
                        r"(?=[^\W\d_]|[\"'(])", re.IGNORECASE))
+#: a range after "rate", "score", "grade" or "from" is meant as the scale ("Rate it 1-5"), as
+#: is one that anchors a description ("1-2 = poor"); any other starts at 0 or 1 and spans 3
+#: points or more to be read as one ("won 3-1", "2-3 actors" are not scales)
+_RATE_BEFORE = re.compile(r"\b(?:rate[ds]?|rating|score[ds]?|grade[ds]?|from)\b[^.?!;\n\d]{0,20}$",
+                          re.IGNORECASE)
+_ANCHOR_AFTER = re.compile(r"\s*[=:]")
 #: at most this many digits in a range that no "scale" names (years are not scale bounds)
 _BARE_DIGITS = 3
 
@@ -96,7 +102,9 @@ def parse_scale(rubric: object) -> tuple[int, int]:
     """The integer scale ``(lo, hi)`` a rubric names; ``(1, 5)`` when it names none.
 
     Read are ranges ("1-5", "1 to 5", "1–5", "from 1 to 10", "between 1 and 7", "on a scale of
-    0 to 10", "(1-7)", "a 1-10 scale") and anchors of points ("1 = not at all, 5 = very
+    0 to 10", "(1-7)", "a 1-10 scale"; a range no rating word, "scale" or "=" marks must start at
+    0 or 1 and span three points or more, so "won 3-1" and "2-3 actors" are not scales) and
+    anchors of points ("1 = not at all, 5 = very
     much"; "0: none" at the start of a line or list item, or after "score", "point", "rating"
     or "grade"). A range after or before the word
     "scale", or alone in parentheses, is the scale (the first such). Otherwise the scale spans
@@ -124,8 +132,12 @@ def parse_scale(rubric: object) -> tuple[int, int]:
                          and re.match(r"\s*\)", text[match.end():]) is not None)
         scale = (parenthesised or _SCALE_BEFORE.search(text[:match.start()]) is not None
                  or _SCALE_AFTER.match(text[match.end():]) is not None)
+        meant = (scale or _RATE_BEFORE.search(text[:match.start()]) is not None
+                 or _ANCHOR_AFTER.match(text[match.end():]) is not None)
         if not scale and max(len(lo_text.lstrip("-")), len(hi_text.lstrip("-"))) > _BARE_DIGITS:
             continue
+        if not meant and (lo > 1 or hi - lo < 2):
+            continue  # a range of numbers, not a scale: "won 3-1", "2-3 actors"
         _check_range(lo, hi, text)
         if scale:
             named = (lo, hi)

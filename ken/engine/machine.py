@@ -1,0 +1,113 @@
+"""How much of the machine other programs used while ken measured something (issue 33).
+
+A runtime calibration (``calibrate.measure_calibration``) fits what serving calls take on this
+machine; when another program shares the cores meanwhile, every call is slower and the plans
+made from the fit are for a busier machine than the one they will run on (measured: factors of
+x1.70-2.05 against x1.03-1.17 on a quiet machine, ``docs/results.md``). ``OtherLoad`` reads
+Linux's ``/proc``: the CPU time the whole machine spent busy over an interval, less the CPU time
+of this process and its descendants (ken's worker processes), in cores. Elsewhere (no
+``/proc``) it measures nothing and says so.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+_PROC = Path("/proc")
+
+
+@dataclass(frozen=True)
+class CpuReading:
+    """Busy jiffies of the whole machine and of this process tree, and when."""
+
+    machine: int
+    ours: int
+    wall_s: float
+
+
+def _machine_busy(proc: Path) -> int:
+    fields = (proc / "stat").read_text().splitlines()[0].split()
+    values = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    return sum(values) - values[3] - values[4]
+
+
+def _tree_busy(proc: Path, root: int) -> int:
+    """utime + stime + the reaped children's cutime + cstime of ``root`` and of every live
+    process below it (jiffies)."""
+    parent, busy = {}, {}
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            text = (entry / "stat").read_text()
+        except OSError:  # it exited meanwhile
+            continue
+        rest = text[text.rfind(")") + 2:].split()  # the name may hold spaces and ")"
+        pid = int(entry.name)
+        parent[pid] = int(rest[1])
+        # its own time and its reaped children's (a worker that exited moves there)
+        busy[pid] = sum(int(v) for v in rest[11:15])
+    total, todo = 0, [root]
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent.items():
+        children.setdefault(ppid, []).append(pid)
+    while todo:
+        pid = todo.pop()
+        total += busy.get(pid, 0)
+        todo.extend(children.get(pid, ()))
+    return total
+
+
+def cpu_reading(proc: Path = _PROC) -> CpuReading | None:
+    """The machine's and this process tree's busy CPU time now; None without ``/proc``."""
+    try:
+        return CpuReading(_machine_busy(proc), _tree_busy(proc, os.getpid()),
+                          time.monotonic())
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def other_cores(before: CpuReading, after: CpuReading, ticks_per_s: float | None = None
+                ) -> float:
+    """Cores other programs kept busy, on average, between two readings."""
+    ticks = ticks_per_s or float(os.sysconf("SC_CLK_TCK"))
+    wall = after.wall_s - before.wall_s
+    if wall <= 0:
+        return 0.0
+    others = (after.machine - before.machine) - (after.ours - before.ours)
+    return max(0.0, others / ticks / wall)
+
+
+#: other programs' share above which a measurement is reported as taken on a busy machine
+BUSY_CORES = 0.25
+
+
+class OtherLoad:
+    """``with OtherLoad() as load: ...`` then ``load.cores`` (None where it cannot tell)."""
+
+    def __init__(self, proc: Path = _PROC) -> None:
+        self.proc = proc
+        self.cores: float | None = None
+        self._before: CpuReading | None = None
+
+    def __enter__(self) -> OtherLoad:
+        self._before = cpu_reading(self.proc)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        after = cpu_reading(self.proc)
+        if self._before is not None and after is not None:
+            self.cores = other_cores(self._before, after)
+
+    def warning(self, what: str) -> str | None:
+        """A sentence for the user when other programs used at least ``BUSY_CORES``."""
+        if self.cores is None or self.cores < BUSY_CORES:
+            return None
+        return (f"other programs kept {self.cores:.2f} cores busy while {what}; the "
+                f"runtimes measured are for a busier machine than an idle one")
+
+
+__all__ = ["BUSY_CORES", "CpuReading", "OtherLoad", "cpu_reading", "other_cores"]

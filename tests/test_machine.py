@@ -1,0 +1,66 @@
+"""Other programs' share of the machine while ken measures (``ken.engine.machine``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ken.engine.calibrate import Calibration
+from ken.engine.machine import BUSY_CORES, CpuReading, OtherLoad, _tree_busy, other_cores
+
+SPIN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0: pass\n"
+
+
+def test_other_cores_is_the_machine_less_this_process_tree() -> None:
+    before = CpuReading(machine=1000, ours=400, wall_s=10.0)
+    after = CpuReading(machine=1400, ours=600, wall_s=12.0)  # 400 busy, 200 ours, in 2 s
+    assert other_cores(before, after, ticks_per_s=100) == pytest.approx(1.0)
+    assert other_cores(before, CpuReading(1100, 600, 12.0), ticks_per_s=100) == 0.0
+    assert other_cores(before, CpuReading(1400, 600, 10.0), ticks_per_s=100) == 0.0
+
+
+def test_tree_sums_descendants_and_reads_names_with_parentheses(tmp_path: Path) -> None:
+    def proc(pid: int, name: str, ppid: int, utime: int, stime: int, reaped: int = 0) -> None:
+        (tmp_path / str(pid)).mkdir()
+        fields = ["S", str(ppid)] + ["0"] * 9 + [str(utime), str(stime), str(reaped), "0"] + \
+            ["0"] * 3
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} ({name}) {' '.join(fields)}\n")
+
+    proc(10, "ken", 1, 5, 5, reaped=7)  # a worker that exited
+    proc(11, "worker (1) x", 10, 20, 2)  # a child whose name holds ") "
+    proc(12, "grandchild", 11, 3, 0)
+    proc(13, "other", 1, 100, 100)  # not ours
+    (tmp_path / "self").mkdir()  # not a pid: ignored
+    assert _tree_busy(tmp_path, 10) == 42
+    assert _tree_busy(tmp_path, 13) == 200
+
+
+@pytest.mark.skipif(not Path("/proc/stat").is_file(), reason="needs Linux's /proc")
+def test_a_program_outside_the_tree_counts_and_a_worker_of_ours_does_not() -> None:
+    # ours: a child process spinning for 1 s of CPU; read its output to wait for its end
+    with OtherLoad() as ours:
+        subprocess.run([sys.executable, "-c", SPIN], check=True)
+    # another program's: the same spinner, started through a shell that exits at once, so
+    # the spinner is re-parented away from this process; its stdout closes when it ends
+    with OtherLoad() as others:
+        shell = subprocess.Popen(["sh", "-c", f"{sys.executable} -c '{SPIN}' &"],
+                                 stdout=subprocess.PIPE)
+        shell.wait()
+        assert shell.stdout is not None
+        shell.stdout.read()  # EOF once the spinner exits
+    assert ours.cores is not None and others.cores is not None
+    assert others.cores >= ours.cores + 0.5
+    assert others.warning("testing") is not None and "cores busy while testing" in \
+        others.warning("testing")
+    assert BUSY_CORES > 0
+
+
+def test_calibration_records_the_other_load(tmp_path: Path) -> None:
+    cal = Calibration({"m": (0.001, 1.2)}, {"m": 40}, "probe", other_cores=0.8)
+    again = Calibration.load(cal.save(tmp_path / "calibration.json"))
+    assert again.other_cores == pytest.approx(0.8)
+    old = Calibration({"m": (0.001, 1.2)})
+    assert Calibration.load(old.save(tmp_path / "old.json")).other_cores is None
