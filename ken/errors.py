@@ -37,6 +37,11 @@ class EngineBusy(KenError):
     """The online engine rejected or failed rows of a query (overload, model failure)."""
 
 
+class ModelCallFailed(EngineBusy):
+    """The served model itself failed on rows of a query (it raised, crashed or hung through
+    the engine's retries): a fault of the model, not of the load."""
+
+
 class RequestDropped(EngineBusy):
     """The online engine dropped a row of a query: it could no longer make the end-to-end
     deadline it carried (``ken.engine.deadlines.within``); the message says where and why."""

@@ -11,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 import pytest
-from fakes import LABELS, FakeModel, SlowModel
+from fakes import LABELS, WARM_UP_TEXT, FakeModel, SlowModel
 
 import ken
-from ken.errors import KenError
+from ken.errors import KenError, ModelCallFailed
 from ken.models.cascade import Cascade
 from ken.policy.plan import GearPlan, RangeSchedule, Replica
 from ken.sql.execute import EngineBusy
@@ -154,6 +154,26 @@ def test_a_query_sends_rejected_rows_again_then_fails_with_an_explicit_error(mon
         with pytest.raises(EngineBusy, match="rejected.*retry later"):
             s.sql("SELECT mood('third')")
         busy.join()
+
+
+class _Raising(FakeModel):
+    """Raises on every batch but the engine's warm-up (a user model with a bug)."""
+
+    def predict(self, texts, batch_size: int = 32):  # noqa: ANN001, ANN201
+        if WARM_UP_TEXT not in texts:
+            raise ValueError("tokenizer exploded")
+        return super().predict(texts, batch_size)
+
+
+def test_a_model_that_fails_every_batch_is_named_as_the_cause_not_the_load() -> None:
+    with session_with({"a": _Raising("a"), "b": FakeModel("b")}) as s:
+        s.use_plan(mood_plan())
+        s.serve(workers="thread")
+        for text in ("x", "y"):  # also once the model is marked failed
+            with pytest.raises(ModelCallFailed, match="tokenizer exploded.*not the load") as e:
+                s.sql(f"SELECT mood('{text}')")
+            assert "latency_target_s" not in str(e.value)
+            assert isinstance(e.value, EngineBusy)  # callers catching EngineBusy still do
 
 
 def test_serve_needs_a_gear_plan() -> None:

@@ -24,7 +24,7 @@ from ken.cache import CacheError, ResultCache
 from ken.engine.batch import CascadeResult, run_cascade
 from ken.engine.deadlines import call_deadline
 from ken.engine.serving import Engine
-from ken.errors import EngineBusy, KenError, RequestDropped
+from ken.errors import EngineBusy, KenError, ModelCallFailed, RequestDropped
 from ken.models.cascade import Cascade
 from ken.ops.base import Bound, struct_fields
 from ken.sql.cache_key import Namespace
@@ -255,15 +255,25 @@ class SiteRunner:
             if dropped:
                 raise RequestDropped(f"{self.site.call_sql()}: {len(dropped)} of {len(inputs)} "
                                      f"rows were dropped ({dropped[0].error})")
+            errors = [o for o in outcomes if o.status == "error"]
+            if errors:  # the model's fault: retrying or a looser target would not help
+                raise ModelCallFailed(
+                    f"{self.site.call_sql()}: the served model failed on {len(errors)} of "
+                    f"{len(inputs)} rows ({errors[0].error}); this is the model, not the "
+                    "load: fix the model or its loader and serve again")
             failed = [o for o in outcomes if o.status not in ("ok", "rejected")]
             rejected = [o for o in outcomes if o.status == "rejected"]
-            if failed or (rejected and time.monotonic() >= give_up):
-                first = (failed or rejected)[0]
+            if failed:  # cancelled: the engine stopped before they ran
                 raise EngineBusy(
-                    f"{self.site.call_sql()}: {len(failed) + len(rejected)} of {len(inputs)} "
-                    f"rows were not answered by the online engine ({first.status}: "
-                    f"{first.error}); retry later, or serve with a larger latency_target_s "
-                    "or a lower bulk_threshold (bulk rows are not turned away)")
+                    f"{self.site.call_sql()}: {len(failed)} of {len(inputs)} rows were not "
+                    f"run ({failed[0].status}: {failed[0].error or 'the engine stopped'})")
+            if rejected and time.monotonic() >= give_up:
+                raise EngineBusy(
+                    f"{self.site.call_sql()}: {len(rejected)} of {len(inputs)} rows were "
+                    f"turned away by the online engine for {REJECTED_RETRY_S:g} s (rejected: "
+                    f"{rejected[0].error}); retry later, or serve with a larger "
+                    "latency_target_s or a lower bulk_threshold (bulk rows are not turned "
+                    "away)")
             answered.update((i, o) for i, o in zip(pending, outcomes, strict=True)
                             if o.status == "ok")
             pending = [i for i, o in zip(pending, outcomes, strict=True)
