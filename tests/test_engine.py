@@ -260,6 +260,11 @@ def test_gear_switches_follow_the_measured_rate_with_hysteresis() -> None:
         burst = send(engine, 300, 0.5, start=1000)  # 150 rows: a backlog builds on a
         burst_end = engine.clock.now()
         after = send(engine, 20, 2.0, start=2000)
+        # the move down waits for the burst's backlog: on a busy machine serving it takes
+        # longer, so the calm traffic goes on (up to 20 s more) until the gear has come down
+        give_up = time.monotonic() + 20.0
+        while len(engine.gear_switches) < 2 and time.monotonic() < give_up:
+            after += send(engine, 20, 0.5, start=3000 + len(after))
         outcomes = {f.result(timeout=30).request_id: (t, f.result()) for t, f in
                     calm + burst + after}
         held = engine.dispatcher().gears.held
