@@ -181,6 +181,14 @@ def sustained_qps(catalog, plans, routes, gaps, duration_s, cap, deadline_s, see
     return lo
 
 
+def metric_fields(m) -> dict:  # noqa: ANN001
+    """A point's figures from ``DeadlineMetrics`` (simulated or measured)."""
+    return {"goodput_qps": m.goodput_qps, "on_time": m.on_time, "drop_rate": m.drop_rate,
+            "late_rate": m.late_rate, "wasted_model_s": m.wasted_device_s,
+            "model_s": m.device_s, "wasted_share": m.wasted_share,
+            "drops_by_stage": dict(m.drops_by_stage)}
+
+
 def run_case(name: str, catalog, plans, kinds: dict, gaps: np.ndarray, duration_s: float,  # noqa: ANN001
              deadline_s: float, loads: list[float], policies: list[str], seed: int) -> dict:
     from ken.optimizer.simulator import sample_rows, simulate_many
@@ -218,11 +226,7 @@ def run_case(name: str, catalog, plans, kinds: dict, gaps: np.ndarray, duration_
             answered = ~np.isnan(res.completion_s)
             lat = res.latency_s[answered] * 1000.0
             point = {"load": load, "policy": pol, "requests": len(trace),
-                     "offered_qps": len(trace) / trace.duration_s,
-                     "goodput_qps": m.goodput_qps, "on_time": m.on_time,
-                     "drop_rate": m.drop_rate, "late_rate": m.late_rate,
-                     "wasted_model_s": m.wasted_device_s, "model_s": m.device_s,
-                     "wasted_share": m.wasted_share, "drops_by_stage": dict(m.drops_by_stage),
+                     "offered_qps": len(trace) / trace.duration_s, **metric_fields(m),
                      "p95_answered_ms": float(np.percentile(lat, 95)) if lat.size else None,
                      "sim_s": time.perf_counter() - t0}
             out["points"].append(point)
@@ -522,11 +526,7 @@ def run_engine_case(gaps: np.ndarray, duration_s: float, deadline_s: float,  # n
                                     routes=routes, rows=rows.tolist(), deadline_s=deadline_s,
                                     dropping=policy).deadline_metrics()
                 point = {"load": load, "policy": pol, "requests": len(trace),
-                         "offered_qps": len(trace) / trace.duration_s,
-                         "goodput_qps": m.goodput_qps, "on_time": m.on_time,
-                         "drop_rate": m.drop_rate, "late_rate": m.late_rate,
-                         "wasted_model_s": m.wasted_device_s, "model_s": m.device_s,
-                         "wasted_share": m.wasted_share, "drops_by_stage": dict(m.drops_by_stage),
+                         "offered_qps": len(trace) / trace.duration_s, **metric_fields(m),
                          "ended": m.requests, "wall_s": wall,
                          "loadavg_1min": os.getloadavg()[0],  # the machine is shared
                          "simulated": {"goodput_qps": sim.goodput_qps,
