@@ -49,6 +49,9 @@ from ken.policy.dropping import (
     StageProfile,
     deadline_metrics,
 )
+from ken.policy.dropping import (
+    stage_profile as dropping_stage_profile,
+)
 from ken.policy.plan import GearPlan
 
 #: finished jobs the ledger keeps for ``deadline_metrics``
@@ -95,9 +98,7 @@ def stage_profile(plan: GearPlan) -> StageProfile:
     if not plan.batch_runtime_s:
         raise EngineError(f"dropping needs profiled batch runtimes; the plan of "
                           f"{plan.operator!r} carries none")
-    first = plan.cascade_of(0).models[0]
-    reps = plan.replicas_of(first)
-    return StageProfile(plan.operator, plan.batch_runtime_s[reps[0]], len(reps))
+    return dropping_stage_profile(plan, lambda rep: plan.batch_runtime_s[rep])
 
 
 def drop_policy(dropping: DropPolicy | str) -> DropPolicy:
@@ -219,10 +220,7 @@ class EngineDeadlines:
     def take_dropped(self, operator: str) -> list[Drop]:
         """The requests ``operator``'s gate dropped since the last call."""
         gate = self._gates.get(operator)
-        if gate is None or not gate.dropped:
-            return []
-        out, gate.dropped = gate.dropped, []
-        return out
+        return [] if gate is None else gate.take()
 
     def charge(self, rid: int, seconds: float) -> None:
         """Request ``rid`` ran ``seconds`` of device time (its share of a batch)."""

@@ -268,10 +268,10 @@ class Scheduler:
         for b in batches:
             self._owner[id(b)] = disp
             self.pool.run(b, disp.plan.batch_seconds(b.replica, len(b.request_ids)))
-        if self.deadlines is not None and disp.dropped:
-            disp.dropped.clear()
-            now = self.clock.now()
-            for drop in self.deadlines.take_dropped(disp.plan.operator):
+        if self.deadlines is not None:
+            drops = self.deadlines.take_dropped(disp.plan.operator)
+            now = self.clock.now() if drops else 0.0
+            for drop in drops:
                 self.admission.forget(drop.request_id)
                 self.requests.resolve(drop.request_id, "dropped", now, error=drop.reason)
 

@@ -35,6 +35,7 @@ from ken.policy.dropping import (
     StageGate,
     StageProfile,
     deadline_metrics,
+    stage_profile,
 )
 from ken.policy.metrics import PlanMetrics, RangeMetrics, latency_percentiles
 from ken.policy.plan import GearPlan
@@ -198,13 +199,13 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
 
 
 def _stage_profile(plan: GearPlan, catalog: Catalog) -> StageProfile:
-    """What the dropping forecast knows of an operator: the profiled batch runtimes of one
-    replica of its first model (gear 0) and how many replicas that model has."""
-    first = plan.cascades[plan.ranges[0].cascade].models[0]
-    reps = plan.replicas_of(first)
-    r = plan.placement[reps[0]]
-    table = catalog.perf_on(r.model, r.devices).runtime_table(r.degree, plan.max_batch[reps[0]])
-    return StageProfile(plan.operator, tuple(float(t) for t in table[1:]), len(reps))
+    """``dropping.stage_profile`` with the catalog's profiled runtimes."""
+    def runtimes(rep: int) -> list[float]:
+        r = plan.placement[rep]
+        return catalog.perf_on(r.model, r.devices).runtime_table(
+            r.degree, plan.max_batch[rep])[1:]
+
+    return stage_profile(plan, runtimes)
 
 
 class _Operator:
@@ -275,11 +276,7 @@ class _Operator:
 
     def take_dropped(self) -> list[Drop]:
         """The requests the dispatcher's gate dropped since the last call."""
-        if self._gate is None or not self._gate.dropped:
-            return []
-        out, self._gate.dropped = self._gate.dropped, []
-        self.dispatcher.dropped.clear()
-        return out
+        return [] if self._gate is None else self._gate.take()
 
     def freed(self, devices: tuple[str, ...], now: float) -> list[Batch]:
         return self.dispatcher.poll(devices)

@@ -37,11 +37,12 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from ken.errors import PolicyError
+from ken.policy.plan import GearPlan
 
 DropRule = Literal["none", "reactive", "proactive"]
 PriorityRule = Literal["fcfs", "lbf", "hbf", "adaptive"]
@@ -197,6 +198,15 @@ class StageProfile:
         """Rows per second the stage sustains with full batches on every replica."""
         rt = self.batch_runtime_s
         return self.replicas * len(rt) / rt[-1]
+
+
+def stage_profile(plan: GearPlan, runtimes: Callable[[int], Sequence[float]]) -> StageProfile:
+    """What the forecast knows of an operator served by ``plan``: the batch runtimes
+    (``runtimes(replica)``: seconds of a batch of 1, 2, ... rows) of one replica of the first
+    model of its first gear, and how many replicas that model has."""
+    first = plan.cascade_of(0).models[0]
+    reps = plan.replicas_of(first)
+    return StageProfile(plan.operator, tuple(float(t) for t in runtimes(reps[0])), len(reps))
 
 
 class PipelineForecast:
@@ -361,6 +371,11 @@ class StageGate:
         kept, drops = self.dropper.select(self.stage, queued, since, now, take)
         self.dropped.extend(drops)
         return kept, [d.request_id for d in drops]
+
+    def take(self) -> list[Drop]:
+        """The drops made since the last call (the caller answers them)."""
+        out, self.dropped = self.dropped, []
+        return out
 
 
 @dataclass(frozen=True)

@@ -251,7 +251,6 @@ class Dispatcher:
         requests (``ken.policy.dropping``); None: the oldest rows, nothing dropped."""
         self.plan = plan
         self.gate = gate
-        self.dropped: list[int] = []  # requests the gate dropped, for the caller to collect
         self.clock = clock
         self.meter = RateMeter(plan.rate_window_s)
         self.gears = GearSelector(plan)
@@ -465,9 +464,8 @@ class Dispatcher:
         for r, t in rest:
             q.append(r)
             s.append(t)
-        for rid in dropped:
+        for rid in dropped:  # the gate keeps their drops for the caller (``StageGate.take``)
             del self._req_stage[rid], self._req_cascade[rid], self._req_range[rid]
-        self.dropped.extend(dropped)
         return tuple(ids)
 
     def _start_ready(self, candidates: Iterable[int], now: float) -> list[Batch]:
