@@ -293,9 +293,8 @@ def most_accurate_first(problem: AllocationProblem, allocation: Allocation,
         for k in route:
             if k not in order:
                 order.append(k)
-    first = {route[0] for route in problem.routes}
-    for r, route in enumerate(problem.routes):
-        incoming[route[0]] += demand_qps * problem.shares[r] if route[0] in first else 0.0
+    for r, route in enumerate(problem.routes):  # each class enters at its first operator
+        incoming[route[0]] += demand_qps * problem.shares[r]
     for k in order:
         hosted = sorted((v for v in problem.variants[k] if (k, v.name) in allocation.hosts),
                         key=lambda v: -v.accuracy)
@@ -311,13 +310,12 @@ def most_accurate_first(problem: AllocationProblem, allocation: Allocation,
         out[k] = sent
         served = incoming[k] - max(left, 0.0)
         ratio = factor_out / served if served > 0 else 0.0
+        # the classes through k split what it served by their shares of its traffic
+        reach = sum(problem.shares[r] for r, route in enumerate(problem.routes) if k in route)
         for r, route in enumerate(problem.routes):  # pass the served requests on
-            if k in route and route.index(k) + 1 < len(route):
+            if k in route and route.index(k) + 1 < len(route) and reach > 0:
                 nxt = route[route.index(k) + 1]
-                reach = sum(problem.shares[s] for s, rr in enumerate(problem.routes)
-                            if k in rr)
-                part = problem.shares[r] / reach if reach > 0 else 0.0
-                incoming[nxt] += served * ratio * part
+                incoming[nxt] += served * ratio * problem.shares[r] / reach
     return out
 
 
