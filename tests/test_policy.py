@@ -52,25 +52,36 @@ def simple_plan(min_queue: int = 1, max_batch: int = 4, max_wait_s: float = 0.05
 # -- RateMeter ---------------------------------------------------------------------------------
 
 
-def test_rate_meter_counts_fixed_windows() -> None:
+def test_rate_meter_counts_fixed_windows_from_its_first_arrival() -> None:
     m = RateMeter(0.25)
-    assert m.record(0.01) is True  # opened window 0
-    assert m.record(0.05) is False
-    assert m.record(0.2, n=2) is False  # window 0 now holds 4
-    assert m.rate(0.24) == 0.0  # no complete window yet
-    assert m.record(0.3) is True  # window 1 opens
-    assert m.rate(0.3) == 4 / 0.25  # rate of the last complete window
-    m.record(0.4)
-    assert m.rate(0.49) == 16.0  # still window 1: unchanged
-    assert m.rate(0.55) == 2 / 0.25  # window 2: window 1 held 2
-    assert m.rate(0.8) == 0.0  # window 3: window 2 was empty
-    m.record(0.9)
-    assert m.rate(1.0) == 4.0  # window 4: window 3 held 1
-    m.record(1.1)
-    m.record(1.2)
-    assert m.rate(3.0) == 0.0  # idle gap: the last complete window (11) was empty
-    assert m.record(3.01) is False  # rate() already opened window 12
-    assert m.rate(3.3) == 4.0
+    assert m.record(0.11) is True  # opened window 0: [0.11, 0.36)
+    assert m.record(0.15) is False
+    assert m.record(0.31, n=2) is False  # window 0 now holds 4
+    assert m.rate(0.35) == 0.0  # no complete window yet
+    assert m.record(0.41) is True  # window 1 opens
+    assert m.rate(0.41) == 4 / 0.25  # rate of the last complete window
+    m.record(0.51)
+    assert m.rate(0.6) == 16.0  # still window 1: unchanged
+    assert m.rate(0.66) == 2 / 0.25  # window 2: window 1 held 2
+    assert m.rate(0.91) == 0.0  # window 3: window 2 was empty
+    m.record(1.01)
+    assert m.rate(1.11) == 4.0  # window 4: window 3 held 1
+    m.record(1.21)
+    m.record(1.31)
+    assert m.rate(3.11) == 0.0  # idle gap: the last complete window (11) was empty
+    assert m.record(3.12) is False  # rate() already opened window 12
+    assert m.rate(3.41) == 4.0
+
+
+def test_rate_meter_windows_do_not_depend_on_the_clock_origin() -> None:
+    """The same arrivals on clocks with other origins (the simulator's trace time, the
+    engine's wall clock started before its models loaded) measure the same rates."""
+    times = np.cumsum(np.random.default_rng(3).exponential(0.01, 400))
+    seen = []
+    for origin in (0.0, 0.037, 12.5):
+        m = RateMeter(0.1)
+        seen.append([(m.record(origin + t), m.rate(origin + t)) for t in times])
+    assert seen[0] == seen[1] == seen[2]
 
 
 def test_rate_meter_rejects_bad_window() -> None:
@@ -83,6 +94,7 @@ def test_rate_meter_rejects_bad_window() -> None:
        st.sampled_from([0.125, 0.25, 0.5]))
 def test_rate_meter_property(times: list[float], window: float) -> None:
     times.sort()
+    times = [t - times[0] for t in times]  # windows start at the first arrival
     windows = [math.floor(t / window) for t in times]  # exact: window is a power of two
     per_window = Counter(windows)
     m = RateMeter(window)

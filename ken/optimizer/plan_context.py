@@ -155,8 +155,8 @@ def qps_edges(qps_max: float, num_ranges: int) -> tuple[float, ...]:
 
 def range_weights(trace: Trace, edges: Sequence[float], window_s: float) -> np.ndarray:
     """Fraction of the trace's requests that arrive in a rate-meter window whose rate falls
-    in each QPS range."""
-    buckets = np.floor(trace.arrival_s / window_s).astype(np.int64)
+    in each QPS range (windows from the first arrival, as ``RateMeter`` cuts them)."""
+    buckets = np.floor((trace.arrival_s - trace.arrival_s[0]) / window_s).astype(np.int64)
     counts = np.bincount(buckets)
     rates = counts / window_s
     k = np.clip(np.searchsorted(np.asarray(edges), rates, side="right") - 1, 0, len(edges) - 2)

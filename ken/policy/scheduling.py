@@ -67,22 +67,31 @@ class WallClock:
 class RateMeter:
     """Arrivals per second in the last complete window of ``window_s`` seconds.
 
-    Windows are fixed buckets ``[k * window_s, (k + 1) * window_s)``. ``record`` returns True
-    when it opened a new window, i.e. when the measured rate may have changed.
+    Windows are fixed buckets ``[t0 + k * window_s, t0 + (k + 1) * window_s)`` from the first
+    time ``t0`` the meter is asked (its first arrival, in a dispatcher). Anchored there, the
+    simulator and the engine cut one trace into the same windows, whatever their clocks'
+    origins: with windows anchored at each clock's zero, the engine's (started before its
+    models load) fell at a random phase of the trace, and the gears of demo step 6's plan
+    moved by 0.4 points of accuracy (sd) and its simulated p95 from 375 to 507 ms (median)
+    with the phase alone. ``record`` returns True when it opened a new window, i.e. when the
+    measured rate may have changed.
     """
 
-    __slots__ = ("window_s", "_window", "_count", "_last")
+    __slots__ = ("window_s", "_origin", "_window", "_count", "_last")
 
     def __init__(self, window_s: float = 0.1) -> None:
         if window_s <= 0:
             raise PolicyError(f"rate window must be > 0 s, got {window_s}")
         self.window_s = window_s
+        self._origin: float | None = None
         self._window = -1
         self._count = 0
         self._last = 0
 
     def _roll(self, now: float) -> bool:
-        w = int(now // self.window_s)
+        if self._origin is None:
+            self._origin = now
+        w = int((now - self._origin) // self.window_s)
         if w == self._window:
             return False
         self._last = self._count if w == self._window + 1 else 0
