@@ -179,3 +179,63 @@ def test_measure_calibration_serves_every_model_and_fits_what_it_saw() -> None:
         # measured = overhead + factor x profile: about 2x, with the round trip as overhead
         assert 1.6 < b + a / perf[m].batch_runtime(1) < 2.8, cal.describe()
     assert "every model" in cal.source
+
+
+def test_a_busy_machine_is_measured_again_and_the_quietest_fit_kept() -> None:
+    """Other programs' cores, as a fake ``OtherLoad`` reports them per attempt: calibration
+    measures again while they are at ``BUSY_CORES`` or more, keeps the fit measured beside
+    the least of them, and warns only when every attempt was busy."""
+    import functools
+
+    import fakes
+
+    from ken.engine.calibrate import measure_calibration
+    from ken.engine.machine import BUSY_CORES, OtherLoad
+    from ken.models.datasets import LabelledSample
+    from ken.optimizer.workload import Hardware
+    from ken.progress import Reporter
+
+    rows = 20
+    sample = LabelledSample("t", tuple(f"row {i}" for i in range(rows)), np.arange(rows) % 3,
+                            fakes.LABELS)
+    perf = {"a": ModelPerf("a", (1, 8), ((0.003, 0.006),), (1000,))}
+    cat = Catalog(perf, {"a": np.ones(rows)}, {"a": np.full((rows, 3), 1 / 3)}, "t")
+    loaders = {"a": functools.partial(fakes.SlowModel, "a", 0.003, 0.001)}
+
+    class Said(Reporter):
+        def __init__(self) -> None:
+            super().__init__(quiet=True)
+            self.warnings: list[str] = []
+
+        def warn(self, message: str) -> None:
+            self.warnings.append(message)
+
+    def other_loads(cores: list[float]):  # noqa: ANN202
+        seen = iter(cores)
+
+        class Fake(OtherLoad):
+            def __exit__(self, *exc: object) -> None:
+                self.cores = next(seen)
+
+        return Fake
+
+    said = Said()
+    quiet_at_last = [BUSY_CORES + 0.6, BUSY_CORES + 0.1, 0.05]
+    cal = measure_calibration(cat, loaders, sample, Hardware.cpu_workers(1, 2**30),
+                              seconds=1.0, workers="thread", reporter=said,
+                              other_load=other_loads(quiet_at_last))
+    assert cal.other_cores == 0.05 and "attempt 3" in cal.source
+    assert said.warnings == []
+
+    said = Said()
+    busy = [BUSY_CORES + 0.5, BUSY_CORES + 0.2, BUSY_CORES + 0.7]
+    cal = measure_calibration(cat, loaders, sample, Hardware.cpu_workers(1, 2**30),
+                              seconds=1.0, workers="thread", reporter=said,
+                              other_load=other_loads(busy))
+    assert cal.other_cores == busy[1] and "attempt 2" in cal.source
+    assert len(said.warnings) == 1 and "least of 3 attempts" in said.warnings[0]
+
+    quiet = measure_calibration(cat, loaders, sample, Hardware.cpu_workers(1, 2**30),
+                                seconds=1.0, workers="thread",
+                                other_load=other_loads([0.0]))  # one attempt, nothing more
+    assert quiet.other_cores == 0.0 and "attempt" not in quiet.source
