@@ -41,6 +41,16 @@ narrowest band from 0.1 to 0.3.
    its variants' single accuracies (the artifact catalog's, ``ARTIFACT_ACCURACY``; independent
    tasks): quality per request counts late and turned-away requests as 0.
 
+5. **Re-solved online** (``online``, issue 37 item 2): the allocation case's pipeline and GPUs
+   on a step in demand (``--online-phase-s`` seconds at 1x, then 3x, then 1x again; Poisson),
+   served by the simulator through ``ken.optimizer.reallocation``: an allocation fixed for the
+   planned demand (1x), one fixed for the peak (3x), Loki's controller (re-solved every
+   ``--online-every-s`` seconds for 1.1x an EWMA, weight 0.5, of the demand measured so far;
+   at a change the requests inside the pipeline take a path of the new allocation from where
+   they are) and an oracle that solves each period for its own measured demand in advance.
+   Per system: quality per request (late and turned away = 0), the share on time, and both per
+   period; the MILPs' count and time.
+
 "What the pipeline sustains" (1x) is the highest rate (bisection up to its profiled capacity:
 the smallest over stages of the stage's rows per second at full batches on all its replicas,
 divided by the share of requests that visit it) at which serving every request, no dropping,
@@ -332,12 +342,7 @@ def run_allocation_case(catalog, gpus: int, slo_s: float, duration_s: float,  # 
     from ken.optimizer.simulator import simulate_many
     from ken.optimizer.workload import poisson_trace
 
-    lo, hi = 1.0, 1e6
-    for _ in range(40):
-        mid = (lo * hi) ** 0.5
-        ok = allocate(allocation_problem(catalog, mid, gpus, slo_s)).step == "hardware"
-        lo, hi = (mid, hi) if ok else (lo, mid)
-    base = lo
+    base = one_x_demand(catalog, gpus, slo_s)
     devices = [f"gpu{i}" for i in range(gpus)]
     out = {"pipeline": f"allocation-{gpus}gpu", "tasks": [
         {"task": t, "variants": list(m)} for t, m in ALLOC_TASKS],
@@ -391,6 +396,93 @@ def run_allocation_case(catalog, gpus: int, slo_s: float, duration_s: float,  # 
                   f"GPUs), simulated {point['quality']:.3f} with {point['on_time']:.1%} on "
                   f"time, p95 {point.get('p95_ms', float('nan')):.0f} ms", flush=True)
     return out
+
+
+ONLINE_LOADS = (1.0, 3.0, 1.0)  # the online case's demand in each phase
+
+
+def run_online_case(catalog, gpus: int, slo_s: float, phase_s: float, every_s: float,  # noqa: ANN001
+                    seed: int, drops: tuple[str, ...] = ("none", "proactive")) -> dict:
+    """Allocations fixed for 1x and for the peak, re-solved online (EWMA) and by an oracle,
+    served by the simulator on a step in demand (``ken.optimizer.reallocation``)."""
+    from ken.optimizer.reallocation import (
+        Resolving,
+        fixed_schedule,
+        measured_rates,
+        online_schedule,
+        periods_of,
+        schedule_for,
+        serve_schedule,
+        simulate_schedule,
+    )
+    from ken.optimizer.workload import Trace, poisson_trace
+    from ken.policy.dropping import DropPolicy
+
+    base = one_x_demand(catalog, gpus, slo_s)
+    parts = [poisson_trace(load * base, phase_s, seed + k).arrival_s + k * phase_s
+             for k, load in enumerate(ONLINE_LOADS)]
+    trace = Trace(np.concatenate(parts), "step")
+    duration = phase_s * len(ONLINE_LOADS)
+    devices = [f"gpu{i}" for i in range(gpus)]
+    resolving = Resolving(every_s=every_s)
+    periods = periods_of(trace.arrival_s, duration, every_s)
+
+    def problem_for(demand: float):  # noqa: ANN202
+        return allocation_problem(catalog, demand, gpus, slo_s)
+
+    started = time.perf_counter()
+    systems = {
+        "fixed for 1x": fixed_schedule(problem_for(base), periods, every_s),
+        f"fixed for {max(ONLINE_LOADS):g}x": fixed_schedule(
+            problem_for(max(ONLINE_LOADS) * base), periods, every_s),
+        f"online (EWMA, every {every_s:g} s)": online_schedule(problem_for, trace, duration,
+                                                               base, resolving),
+        "oracle (each period's own demand)": schedule_for(
+            problem_for, measured_rates(trace.arrival_s, periods, every_s), every_s),
+    }
+    solve_s = time.perf_counter() - started
+    out = {"pipeline": f"online-{gpus}gpu", "slo_s": slo_s, "one_x_qps": base,
+           "phase_s": phase_s, "loads": list(ONLINE_LOADS), "every_s": every_s,
+           "alpha": resolving.alpha, "headroom": resolving.headroom,
+           "requests": len(trace), "solve_s": solve_s, "systems": []}
+    for (name, schedule), drop in itertools.product(systems.items(), drops):
+        t0 = time.perf_counter()
+        served = serve_schedule(schedule, devices)
+        run = simulate_schedule(schedule, served, catalog, trace, slo_s, seed,
+                                None if drop == "none" else DropPolicy.named(drop))
+        phases = []
+        for k in range(len(ONLINE_LOADS)):
+            mine = (trace.arrival_s >= k * phase_s) & (trace.arrival_s < (k + 1) * phase_s)
+            phases.append({"load": ONLINE_LOADS[k], "quality": float(run.quality[mine].mean()),
+                           "on_time": float(run.on_time[mine].mean())})
+        row = {"system": name, "dropping": drop, "quality": float(run.quality.mean()),
+               "on_time": float(run.on_time.mean()),
+               "turned_away": float((run.path < 0).mean()), "moved": int(run.moved.sum()),
+               "allocations": len(schedule.allocations), "changes": schedule.changes,
+               "demands": list(schedule.demands), "phases": phases,
+               "per_period": run.per_period(schedule.periods),
+               "predicted_quality": [schedule.allocations[a].quality for a in schedule.which],
+               "sim_s": time.perf_counter() - t0}
+        out["systems"].append(row)
+        by_phase = ", ".join(f"{p['quality']:.3f}" for p in phases)
+        print(f"online {name:>36}, dropping {drop:>9}: quality {row['quality']:.3f}, "
+              f"{row['on_time']:.1%} on time ({by_phase} by phase), "
+              f"{row['allocations']} allocations, {row['changes']} changes, {row['moved']} "
+              f"requests moved", flush=True)
+    return out
+
+
+def one_x_demand(catalog, gpus: int, slo_s: float) -> float:  # noqa: ANN001
+    """1x: the most demand the most accurate variants serve within the SLO on all GPUs
+    (bisection on Loki's step 1)."""
+    from ken.optimizer.allocation import allocate
+
+    lo, hi = 1.0, 1e6
+    for _ in range(40):
+        mid = (lo * hi) ** 0.5
+        ok = allocate(allocation_problem(catalog, mid, gpus, slo_s)).step == "hardware"
+        lo, hi = (mid, hi) if ok else (lo, mid)
+    return lo
 
 
 ENGINE_STAGES = (("detect", "minilm-l3", "cpu0"), ("classify", "minilm-l6", "cpu1"))
@@ -582,6 +674,26 @@ def plot_allocation(row, case: dict) -> None:  # noqa: ANN001
     row[0].legend(fontsize=8)
 
 
+def plot_online(row, case: dict) -> None:  # noqa: ANN001
+    for sys_ in case["systems"]:
+        t = [(p["period"] + 0.5) * case["every_s"] for p in sys_["per_period"]]
+        label = f"{sys_['system']}, dropping {sys_['dropping']}"
+        style = ".-" if sys_["dropping"] == "none" else ".--"
+        row[0].plot(t, [p["quality"] for p in sys_["per_period"]], style, label=label)
+        row[1].plot(t, [100 * p["on_time"] for p in sys_["per_period"]], style, label=label)
+        if sys_["dropping"] == "none":
+            row[2].plot(t, [d / case["one_x_qps"] for d in sys_["demands"]], style,
+                        label=sys_["system"])
+    for ax, what in zip(row, ("quality per request (late, turned away = 0)", "on time (%)",
+                              "demand solved for (x 1x)"), strict=True):
+        ax.set_xlabel("time (s)")
+        ax.set_ylabel(what, fontsize=8)
+        ax.grid(alpha=0.3)
+    row[0].set_title(f"{case['pipeline']}: demand {case['loads']} x {case['one_x_qps']:.0f} "
+                     f"q/s, {case['phase_s']:g} s each", fontsize=9, loc="left")
+    row[0].legend(fontsize=7)
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -593,6 +705,9 @@ def plot(result: dict, path: Path) -> None:
     for row, case in zip(axes, cases, strict=True):
         if case["pipeline"].startswith("allocation"):
             plot_allocation(row, case)
+            continue
+        if case["pipeline"].startswith("online"):
+            plot_online(row, case)
             continue
         for pol in POLICIES:
             pts = [p for p in case["points"] if p["policy"] == pol]
@@ -628,8 +743,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--qa-deadline-ms", type=float, default=300.0)
     ap.add_argument("--cluster-deadline-ms", type=float, default=400.0)
     ap.add_argument("--gpus", type=int, default=64)
-    ap.add_argument("--cases", default="qa,cluster,allocation")
+    ap.add_argument("--cases", default="qa,cluster,allocation,online")
     ap.add_argument("--alloc-slo-ms", type=float, default=200.0)
+    ap.add_argument("--online-phase-s", type=float, default=None,
+                    help="seconds of each demand phase of the online case (default 20; "
+                         "quick: 6)")
+    ap.add_argument("--online-every-s", type=float, default=2.0,
+                    help="the online controller's re-solve period")
     ap.add_argument("--engine-deadline-ms", type=float, default=300.0)
     ap.add_argument("--engine-duration-s", type=float, default=None,
                     help="seconds of arrivals per engine point (default 6; quick: 4)")
@@ -671,6 +791,10 @@ def main(argv: list[str] | None = None) -> int:
                                                                        "proactive")],
                                          args.engine_max_batch, args.seed,
                                          not args.engine_profiles_only))
+        elif case == "online":
+            cases.append(run_online_case(catalog, args.gpus, args.alloc_slo_ms / 1000,
+                                         args.online_phase_s or (6.0 if args.quick else 20.0),
+                                         args.online_every_s, args.seed))
         elif case == "allocation":
             d = args.duration_s or (1.0 if args.quick else 3.0)
             cases.append(run_allocation_case(catalog, args.gpus, args.alloc_slo_ms / 1000, d,
@@ -678,7 +802,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             ap.error(f"unknown case {case!r}")
     for c in cases:
-        if not c["pipeline"].startswith("allocation"):
+        if not c["pipeline"].startswith(("allocation", "online")):
             c["proactive_vs_reactive"] = compare(c)
     result = {"command": "python benchmarks/pipeline_load.py " + " ".join(
         argv if argv is not None else sys.argv[1:]), "quick": args.quick,

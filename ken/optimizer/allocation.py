@@ -332,26 +332,32 @@ class ServedAllocation:
 
     def draw(self, problem: AllocationProblem, allocation: Allocation, n: int,
              rng: np.random.Generator) -> np.ndarray:
-        """Route ``n`` requests: each falls in a route class by the classes' shares, then
-        takes a path of its class with the allocation's probability (``route_table``). The
-        index into ``routes`` of each request's path, -1 where its class's share that no path
-        carries turned it away."""
-        table = route_table(problem, allocation)
-        index = {p: j for j, p in enumerate(self.paths)}
-        classes = rng.choice(len(problem.routes), size=n, p=np.asarray(problem.shares))
-        out = np.full(n, -1, dtype=np.int64)
-        for r in range(len(problem.routes)):
-            mine = np.flatnonzero(classes == r)
-            options = table.get(r, [])
-            if not mine.size or not options:
-                continue
-            weights = np.array([q for _, q in options] + [0.0])
-            weights[-1] = max(0.0, 1.0 - weights.sum())  # turned away
-            pick = rng.choice(len(options) + 1, size=mine.size, p=weights / weights.sum())
-            for i, k in zip(mine, pick, strict=True):
-                if k < len(options):
-                    out[i] = index[(r, options[k][0])]
-        return out
+        """Route ``n`` requests (``draw_paths`` over this allocation's ``paths``)."""
+        return draw_paths(problem, allocation, self.paths, n, rng)
+
+
+def draw_paths(problem: AllocationProblem, allocation: Allocation, paths: Sequence[Path],
+               n: int, rng: np.random.Generator) -> np.ndarray:
+    """Route ``n`` requests: each falls in a route class by the classes' shares, then takes a
+    path of its class with the allocation's probability (``route_table``). The index into
+    ``paths`` of each request's path, -1 where its class's share that no path carries turned
+    it away."""
+    table = route_table(problem, allocation)
+    index = {p: j for j, p in enumerate(paths)}
+    classes = rng.choice(len(problem.routes), size=n, p=np.asarray(problem.shares))
+    out = np.full(n, -1, dtype=np.int64)
+    for r in range(len(problem.routes)):
+        mine = np.flatnonzero(classes == r)
+        options = table.get(r, [])
+        if not mine.size or not options:
+            continue
+        weights = np.array([q for _, q in options] + [0.0])
+        weights[-1] = max(0.0, 1.0 - weights.sum())  # turned away
+        pick = rng.choice(len(options) + 1, size=mine.size, p=weights / weights.sum())
+        for i, k in zip(mine, pick, strict=True):
+            if k < len(options):
+                out[i] = index[(r, options[k][0])]
+    return out
 
 
 def serve_allocation(problem: AllocationProblem, allocation: Allocation,
@@ -404,4 +410,5 @@ def problem_from_sample(sample: PipelineSample, variants: Sequence[Sequence[Vari
 
 
 __all__ = ["Allocation", "AllocationProblem", "ServedAllocation", "Variant", "allocate",
-           "most_accurate_first", "problem_from_sample", "route_table", "serve_allocation"]
+           "draw_paths", "most_accurate_first", "problem_from_sample", "route_table",
+           "serve_allocation"]

@@ -10,9 +10,11 @@ through is a ``Runner``, which holds what differs by kind of cascade: the classi
 place work is charged to its devices, so a change to how time is charged (an overhead per batch
 or per hop) is made there.
 
-At one instant the loop handles completions first, then arrivals, then deadlines: a decode
-lane, whose next pass is a deadline at the time its last pass ended, chooses that pass after
-every request that arrived by then.
+At one instant the loop handles timers first (``EventLoop(timers=...)``: a change made at a
+time, such as a new allocation whose plans take the requests still queued, through ``drain``,
+``reroute`` and ``retarget``), then completions, then arrivals, then deadlines: a decode lane,
+whose next pass is a deadline at the time its last pass ended, chooses that pass after every
+request that arrived by then.
 
 ``Record`` is what a run leaves per request (arrival, first token, completion) and per operator
 and request (when it resolved the request, the cascade stage that answered, the gear at
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -93,7 +95,9 @@ class EventLoop:
 
     def __init__(self, runners: Sequence[Runner], routes: Sequence[tuple[int, ...]],
                  clock: VirtualClock, record: Record, hits: Sequence[bool] | None = None,
-                 dropper: PipelineDropper | None = None) -> None:
+                 dropper: PipelineDropper | None = None,
+                 timers: Sequence[tuple[float, Callable[[EventLoop, float], None]]] = ()
+                 ) -> None:
         """``hits[i]``: request ``i`` is answered by the result cache (``ken.cache``) before
         any runner sees it, as a query's call site does: done at arrival, free.
 
@@ -102,8 +106,16 @@ class EventLoop:
         dispatchers ask the dropper's gates; a runner hands those drops back through
         ``take_dropped``). A dropped request is resolved once, in ``record.dropped``, and
         its completion stays NaN; each request is charged its share of every batch's device
-        time (``record.device_s``)."""
-        self.runners, self.routes, self.clock, self.record = runners, routes, clock, record
+        time (``record.device_s``).
+
+        ``timers``: ``(t, fn)``, ``fn(loop, t)`` called once the clock reaches ``t``, before
+        anything else that happens at ``t``; it may move requests between runners (``drain``,
+        ``reroute``, ``retarget``; the dropper learns the new routes)."""
+        self.runners, self.clock, self.record = runners, clock, record
+        self.routes = list(routes)  # a request's route, rewritten by reroute and retarget
+        self._timers = sorted(timers, key=lambda t: t[0])
+        self._at: dict[int, int] = {}  # with timers: request -> the runner it is in now
+        self._track = bool(self._timers)
         self.hits = hits
         self.dropper = dropper
         if dropper is not None:
@@ -137,7 +149,43 @@ class EventLoop:
             if drop is not None:
                 self._dropped(drop)
                 return
+        if self._track:
+            self._at[rid] = k
         self.start(k, self.runners[k].arrive(rid, now), now)
+
+    # -- moving requests (from timers) -----------------------------------------------------
+
+    def inside(self) -> dict[int, int]:
+        """The requests inside a runner now (queued or being served) and which runner (kept
+        only when the loop has timers)."""
+        return dict(self._at)
+
+    def drain(self, k: int) -> list[int]:
+        """Take every request queued (not being served) at runner ``k`` out of it; each must
+        then be sent on with ``reroute``."""
+        out = self.runners[k].drain()  # type: ignore[attr-defined]
+        for rid in out:
+            del self._at[rid]
+        return out
+
+    def reroute(self, rid: int, ahead: Sequence[int], k: int, now: float) -> None:
+        """Request ``rid``, drained from runner ``k``, goes on through the runners ``ahead``
+        (its route keeps the runners before ``k``, which resolved it)."""
+        route = self.routes[rid]
+        self.routes[rid] = route[:route.index(k)] + tuple(ahead)
+        self._rerouted(rid)
+        self.enter(ahead[0], rid, now)
+
+    def retarget(self, rid: int, after: Sequence[int]) -> None:
+        """Request ``rid``, being served at its runner, goes on through ``after`` once that
+        runner resolves it."""
+        route = self.routes[rid]
+        self.routes[rid] = route[:route.index(self._at[rid]) + 1] + tuple(after)
+        self._rerouted(rid)
+
+    def _rerouted(self, rid: int) -> None:
+        if self.dropper is not None:
+            self.dropper.register(rid, self.dropper.deadline_s(rid), self.routes[rid])
 
     def _collect(self, k: int) -> None:
         """The requests runner ``k``'s dispatcher dropped while forming batches."""
@@ -148,12 +196,14 @@ class EventLoop:
         if drop.request_id in self.record.dropped:
             raise SimulationError(f"request {drop.request_id} was dropped twice; this is a bug")
         self.record.dropped[drop.request_id] = drop
+        self._at.pop(drop.request_id, None)
 
     def run(self) -> Record:
         runners, routes, clock, record, events = \
             self.runners, self.routes, self.clock, self.record, self._events
         arrivals = record.arrival_s.tolist()
         n, i, inf = len(arrivals), 0, math.inf
+        timers, ti = self._timers, 0
         while True:
             t_arrival = arrivals[i] if i < n else inf
             t_event = events[0][0] if events else inf
@@ -162,6 +212,11 @@ class EventLoop:
                 d = runner.next_deadline()
                 if d is not None and d < t_deadline:
                     t_deadline, deadline_k = d, k
+            if ti < len(timers) and timers[ti][0] <= min(t_arrival, t_event, t_deadline) < inf:
+                clock.t = max(clock.t, timers[ti][0])
+                timers[ti][1](self, clock.t)
+                ti += 1
+                continue
             if t_event <= t_arrival and t_event <= t_deadline:
                 if t_event == inf:
                     break
@@ -195,6 +250,8 @@ class EventLoop:
         route = self.routes[rid]
         step = route.index(k) + 1
         if step == len(route):
+            if self._track:
+                del self._at[rid]
             self.record.completion_s[rid] = now
         else:
             self.enter(route[step], rid, now)

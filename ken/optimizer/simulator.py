@@ -18,7 +18,7 @@ work is a batch on a replica's devices, charged its profiled runtime.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -121,7 +121,9 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
                   seed: int = 0, routes: Sequence[Sequence[int]] | None = None,
                   rows: Sequence[int] | None = None, hits: Sequence[bool] | None = None,
                   deadline_s: np.ndarray | Sequence[float] | float | None = None,
-                  dropping: DropPolicy | None = None) -> SimResult:
+                  dropping: DropPolicy | None = None,
+                  timers: Sequence[tuple[float, Callable[[EventLoop, float], None]]] = ()
+                  ) -> SimResult:
     """Replay ``trace`` through ``plans`` in order (request ``i`` enters plan ``k + 1`` when
     plan ``k`` resolved it); plans share devices with the same id.
 
@@ -137,7 +139,11 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
     ``deadline_s`` (optional): each request's end-to-end deadline in seconds after its
     arrival (one number for all, or one per request), and ``dropping`` the policy that drops
     requests which cannot make it (``ken.policy.dropping``; default: never drop). Without
-    deadlines the run is exactly what it was before deadlines existed."""
+    deadlines the run is exactly what it was before deadlines existed.
+
+    ``timers`` (optional): changes made at given times (``sim_core.EventLoop``), e.g. a new
+    allocation of a pipeline's devices that takes the queued requests
+    (``ken.optimizer.reallocation``)."""
     if not plans or len(plans) != len(catalogs):
         raise SimulationError("give one catalog per plan (and at least one plan)")
     n = len(trace)
@@ -176,7 +182,7 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
            for k, (p, c) in enumerate(zip(plans, catalogs, strict=True))]
     if hits is not None and len(hits) != n:
         raise SimulationError(f"hits gives {len(hits)} flags for {n} requests")
-    loop = EventLoop(ops, path, clock, record, hits, dropper)
+    loop = EventLoop(ops, path, clock, record, hits, dropper, timers)
     loop.run()
     extra: dict = {}
     if dropper is not None:
@@ -273,6 +279,10 @@ class _Operator:
             ok[rid] = quality[rid]
             stage[rid] = st
         return done.started, done.resolved
+
+    def drain(self) -> list[int]:
+        """Take the queued (not running) requests out (``EventLoop.drain``)."""
+        return self.dispatcher.drain()
 
     def take_dropped(self) -> list[Drop]:
         """The requests the dispatcher's gate dropped since the last call."""
