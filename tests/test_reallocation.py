@@ -6,6 +6,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ken.errors import KenError
 from ken.optimizer.allocation import AllocationProblem, Variant, allocate, serve_allocation
@@ -130,8 +132,8 @@ def test_re_solving_follows_a_step_in_demand_and_loses_no_request() -> None:
 
 
 def test_bad_settings_are_refused() -> None:
-    for bad in ({"every_s": 0.0}, {"alpha": 0.0}, {"alpha": 1.5}, {"step": -0.1}, {"headroom": -0.5},
-                {"every_s": math.inf}):
+    for bad in ({"every_s": 0.0}, {"alpha": 0.0}, {"alpha": 1.5}, {"step": -0.1},
+                {"headroom": -0.5}, {"every_s": math.inf}):
         with pytest.raises(KenError):
             Resolving(**bad)
     schedule = fixed_schedule(problem_for(13.9), 1, 10.0)  # four paths
@@ -139,3 +141,42 @@ def test_bad_settings_are_refused() -> None:
     assert len(served.routes) > 1
     with pytest.raises(KenError, match="sample rows"):
         simulate_schedule(schedule, served, catalog(rows=1), poisson_trace(5.0, 1.0, 0), SLO_S)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.floats(3.0, 20.0), st.floats(3.0, 40.0), st.sampled_from([0.5, 1.0, 3.0]),
+       st.floats(0.2, 1.0), st.sampled_from([None, "reactive", "proactive"]),
+       st.integers(0, 1000))
+def test_any_schedule_answers_each_request_once_or_turns_it_away(low: float, high: float,
+                                                                  every_s: float, alpha: float,
+                                                                  drop: str | None,
+                                                                  seed: int) -> None:
+    """Whatever the demand and the controller: every request is turned away at arrival,
+    dropped, or answered exactly once (the event loop checks the last itself, along each
+    request's route as the changes rewrote it); quality never exceeds the best path's."""
+    from ken.policy.dropping import DropPolicy
+
+    trace = step_trace(low, high, 3.0, 3.0, seed)  # >= 3 req/s: some arrive in 3 s
+    schedule = online_schedule(problem_for, trace, 6.0, low, Resolving(every_s, alpha))
+    served = serve_schedule(schedule, [f"gpu{i}" for i in range(4)])
+    run = simulate_schedule(schedule, served, catalog(), trace, SLO_S, seed,
+                            None if drop is None else DropPolicy.named(drop))
+    assert not run.moved[run.path < 0].any()
+    assert (run.quality <= 0.8 * 0.7 + 1e-12).all()
+    assert (run.quality[~run.on_time] == 0).all()
+    if drop is None:
+        assert np.isfinite(run.latency_s[run.path >= 0]).all()
+
+
+def test_a_period_with_next_to_no_demand_keeps_the_allocation_it_had() -> None:
+    """An idle period would solve for (nearly) nothing: the MILP hosted no variant for 1e-7
+    requests/s and still routed the share (fixed: a path with traffic needs a worker per
+    variant), and a demand of 0 is no problem at all; such a period keeps the last demand."""
+    arrivals = np.array([0.1, 0.2, 0.3, 5.1, 5.2])
+    demands = ewma_demands(arrivals, 6, 10.0, Resolving(1.0, alpha=1.0, step=0.0,
+                                                        headroom=0.0))
+    assert demands.tolist() == [10.0, 3.0, 3.0, 3.0, 3.0, 3.0]  # periods 2-4 saw nothing
+    tiny = allocate(problem_for(1.3e-7))
+    assert all((0, n) in tiny.hosts and (1, m) in tiny.hosts for _, (n, m) in tiny.shares)
+    with pytest.raises(KenError, match="planned demand"):
+        ewma_demands(arrivals, 6, 0.0, Resolving())

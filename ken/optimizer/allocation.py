@@ -218,6 +218,11 @@ def _milp(problem: AllocationProblem, maximise_quality: bool) -> Allocation | No
                 row[z0 + h] += problem.variant(op, vname).batch_latency_s(hosts[h][2])
         row[i0 + j] = big
         add(row, -np.inf, budget + big)
+        for op, vname in zip(route, p[1], strict=True):
+            row = np.zeros(n)  # a path with traffic has a worker for each of its variants
+            row[i0 + j] = 1.0
+            row[[w0 + h for h in by_variant[(op, vname)]]] = -1.0
+            add(row, -np.inf, 0.0)
     for r, share in enumerate(problem.shares):
         row = np.zeros(n)
         row[[c0 + j for j, p in enumerate(paths) if p[0] == r]] = 1.0

@@ -44,6 +44,9 @@ from ken.optimizer.workload import Trace
 from ken.policy.dropping import DropPolicy
 from ken.policy.plan import GearPlan
 
+#: below this share of the planned demand, a period keeps the last allocation
+MIN_DEMAND_SHARE = 0.01
+
 
 @dataclass(frozen=True)
 class Resolving:
@@ -92,12 +95,19 @@ def ewma_demands(arrival_s: np.ndarray, periods: int, start_qps: float,
                  resolving: Resolving) -> np.ndarray:
     """Per period, the demand its allocation is solved for: ``start_qps`` (what the pipeline
     was planned for) in the first, then the EWMA of the rates measured in the periods before
-    (known at the period's start), with the headroom, rounded (``Resolving.rounded``)."""
+    (known at the period's start), with the headroom, rounded (``Resolving.rounded``); a
+    period whose estimate fell below ``MIN_DEMAND_SHARE`` of ``start_qps`` keeps the demand
+    of the period before."""
+    if not start_qps > 0:
+        raise QueryPlanError(f"the planned demand must be > 0 requests/s, got {start_qps}")
     rates = measured_rates(arrival_s, periods, resolving.every_s)
     out = np.empty(periods)
     estimate = start_qps
     for k in range(periods):
-        out[k] = resolving.rounded(estimate * (1 + resolving.headroom) if k else estimate)
+        want = resolving.rounded(estimate * (1 + resolving.headroom) if k else estimate)
+        # a demand that fell to (nearly) nothing keeps the allocation it had: there is
+        # nothing to re-solve for, and the next requests need somewhere to go
+        out[k] = want if want >= MIN_DEMAND_SHARE * start_qps or not k else out[k - 1]
         estimate = resolving.alpha * rates[k] + (1 - resolving.alpha) * estimate
     return out
 
