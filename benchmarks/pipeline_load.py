@@ -675,15 +675,17 @@ def plot_allocation(row, case: dict) -> None:  # noqa: ANN001
 
 
 def plot_online(row, case: dict) -> None:  # noqa: ANN001
+    names = list(dict.fromkeys(sys_["system"] for sys_ in case["systems"]))
     for sys_ in case["systems"]:
         t = [(p["period"] + 0.5) * case["every_s"] for p in sys_["per_period"]]
         label = f"{sys_['system']}, dropping {sys_['dropping']}"
-        style = ".-" if sys_["dropping"] == "none" else ".--"
-        row[0].plot(t, [p["quality"] for p in sys_["per_period"]], style, label=label)
-        row[1].plot(t, [100 * p["on_time"] for p in sys_["per_period"]], style, label=label)
+        style = dict(color=f"C{names.index(sys_['system'])}", marker=".",
+                     linestyle="-" if sys_["dropping"] == "none" else "--")
+        row[0].plot(t, [p["quality"] for p in sys_["per_period"]], label=label, **style)
+        row[1].plot(t, [100 * p["on_time"] for p in sys_["per_period"]], label=label, **style)
         if sys_["dropping"] == "none":
-            row[2].plot(t, [d / case["one_x_qps"] for d in sys_["demands"]], style,
-                        label=sys_["system"])
+            row[2].plot(t, [d / case["one_x_qps"] for d in sys_["demands"]],
+                        label=sys_["system"], **style)
     for ax, what in zip(row, ("quality per request (late, turned away = 0)", "on time (%)",
                               "demand solved for (x 1x)"), strict=True):
         ax.set_xlabel("time (s)")
