@@ -655,6 +655,13 @@ def compare(case: dict) -> dict:
     return rows
 
 
+def label_axes(row, xlabel: str, ylabels: tuple[str, ...]) -> None:  # noqa: ANN001
+    for ax, what in zip(row, ylabels, strict=True):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(what, fontsize=8)
+        ax.grid(alpha=0.3)
+
+
 def plot_allocation(row, case: dict) -> None:  # noqa: ANN001
     systems = sorted({p["system"] for p in case["points"]})
     for name in systems:
@@ -663,12 +670,10 @@ def plot_allocation(row, case: dict) -> None:  # noqa: ANN001
         row[0].plot(x, [p["goodput_qps"] for p in pts], "o-", label=name)
         row[1].plot(x, [p["quality"] for p in pts], "o-", label=name)
         row[2].plot(x, [p["predicted_quality"] for p in pts], "o-", label=name)
-    for ax, what in zip(row, ("goodput (answers in time / s)",
-                              "quality per request (simulated; late, dropped = 0)",
-                              "quality the allocation predicts"), strict=True):
-        ax.set_xlabel("demand (x what the most accurate variants serve)")
-        ax.set_ylabel(what, fontsize=8)
-        ax.grid(alpha=0.3)
+    label_axes(row, "demand (x what the most accurate variants serve)",
+               ("goodput (answers in time / s)",
+                "quality per request (simulated; late, dropped = 0)",
+                "quality the allocation predicts"))
     row[0].set_title(f"{case['pipeline']} (1x = {case['one_x_qps']:.0f} q/s, SLO "
                      f"{case['slo_s'] * 1000:.0f} ms)", fontsize=9, loc="left")
     row[0].legend(fontsize=8)
@@ -686,11 +691,8 @@ def plot_online(row, case: dict) -> None:  # noqa: ANN001
         if sys_["dropping"] == "none":
             row[2].plot(t, [d / case["one_x_qps"] for d in sys_["demands"]],
                         label=sys_["system"], **style)
-    for ax, what in zip(row, ("quality per request (late, turned away = 0)", "on time (%)",
-                              "demand solved for (x 1x)"), strict=True):
-        ax.set_xlabel("time (s)")
-        ax.set_ylabel(what, fontsize=8)
-        ax.grid(alpha=0.3)
+    label_axes(row, "time (s)", ("quality per request (late, turned away = 0)",
+                                 "on time (%)", "demand solved for (x 1x)"))
     row[0].set_title(f"{case['pipeline']}: demand {case['loads']} x {case['one_x_qps']:.0f} "
                      f"q/s, {case['phase_s']:g} s each", fontsize=9, loc="left")
     row[0].legend(fontsize=7)
