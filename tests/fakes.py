@@ -91,6 +91,27 @@ class HangingModel(FakeModel):
         return super().predict(texts, batch_size)
 
 
+class AnswersOnceThenHangs(FakeModel):
+    """Answers its first call at once (it leaves ``flag``, so in every process), then hangs
+    ``seconds`` on each later one (the warm-up excepted): a model that was seen to be fast,
+    then stopped returning."""
+
+    def __init__(self, name: str, flag: str, seconds: float = 86_400.0) -> None:
+        super().__init__(name)
+        self.flag = flag
+        self.seconds = seconds
+
+    def predict(self, texts: Sequence[str], batch_size: int = 32) -> Prediction:
+        if WARM_UP_TEXT not in texts:
+            from pathlib import Path
+
+            if Path(self.flag).exists():
+                time.sleep(self.seconds)
+            else:
+                Path(self.flag).write_text("answered once")
+        return super().predict(texts, batch_size)
+
+
 class CrashingModel(FakeModel):
     """A model whose every call (the warm-up excepted) ends its process at once, the way a
     crash in native code does."""

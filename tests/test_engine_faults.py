@@ -101,7 +101,7 @@ def test_a_stuck_batch_is_killed_replaced_retried_once_then_fails_its_rows() -> 
         timeouts, restarts = engine.timeouts, engine.worker_restarts
     assert [o.status for o in outcomes] == ["error"] * 4
     for o in outcomes:
-        assert "failed 2 times" in o.error and "ran past its deadline of 0.5 s" in o.error
+        assert "failed 2 times" in o.error and "a did not return within 0.5 s" in o.error
         assert "worker process" in o.error and "was killed" in o.error
     assert timeouts == 2 and restarts == 1  # killed twice; replaced for the one retry
     assert not alive(first_pid)
@@ -134,6 +134,31 @@ def test_a_thread_worker_past_its_deadline_fails_the_call_and_goes_on_with_a_fre
         outcome = engine.submit("hangs every time").result(timeout=4)
     assert outcome.status == "error"
     assert "thread worker cannot be stopped" in outcome.error and "failed 2 times" in outcome.error
+
+
+def test_an_unprofiled_model_seen_fast_then_stuck_gets_a_deadline_from_its_observed_calls(
+        tmp_path: Path) -> None:
+    """A hand-written plan (no runtimes), the model on two worker processes: its first call
+    returns at once, so a later call that hangs is killed at the 2-s floor over its observed
+    runtime, not the 20-s first-call bound (the old default waited 60 s, twice)."""
+    sources = {"a": functools.partial(fakes.AnswersOnceThenHangs, "a", str(tmp_path / "once"))}
+    two = GearPlan("op", (0.0, 1e6), (Cascade(("a",)),),
+                   (Replica("a", ("cpu0",)), Replica("a", ("cpu1",))),
+                   (RangeSchedule(0, (0.5, 0.5), (1, 1)),), (4, 4), max_wait_s=0.005)
+    deadline = BatchDeadline()
+    assert deadline.first_call_s == 20.0 and deadline.floor_s == 2.0
+    with Engine(two, sources, workers="process") as engine:
+        assert engine.admission_target_s() is None and engine.deadline == deadline
+        first = engine.submit("answered at once").result(timeout=60)
+        assert first.status == "ok"
+        started = time.monotonic()
+        stuck = engine.submit("never returns").result(timeout=60)
+        took = time.monotonic() - started
+        assert engine.timeouts == 2
+    assert stuck.status == "error" and stuck.model == "a"
+    assert "a did not return within 2.0 s" in stuck.error and "failed 2 times" in stuck.error
+    assert "its observed" in stuck.error  # where the 2 s came from
+    assert took < deadline.first_call_s  # two 2-s deadlines and a restart, not 2 x 20 s
 
 
 # -- crashes -----------------------------------------------------------------------------------

@@ -248,8 +248,8 @@ class RayRunner:
         except ray.exceptions.GetTimeoutError:
             self._kill(restart=not self.closing)
             raise BatchTimeout(
-                f"{model} on {len(texts)} rows ran past its deadline of {timeout_s:.1f} s on "
-                f"{self.device}: its Ray actor was killed"
+                f"{model} did not return within {timeout_s:.1f} s (its batch deadline) on "
+                f"{len(texts)} rows on {self.device}: its Ray actor was killed"
                 + ("" if self.closing else " and is restarted")) from None
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if isinstance(exc.cause, Exception) else exc

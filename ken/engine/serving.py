@@ -35,10 +35,12 @@ longer make its end-to-end deadline (below). Failure behaviour (DESIGN.md sectio
   estimate in the last 5 s, for requests admitted near the limit). Over the target it is
   rejected at once, with the reason and a retry hint (a SQL query sends such rows again
   after the hint). ``max_in_flight`` stays as a hard cap on memory.
-- *deadlines*: every batch has one, ``BatchDeadline.seconds`` of its profiled runtime. A
-  process worker that misses it is killed and replaced; a thread worker's call is abandoned
-  (threads cannot be killed) and the device gets a fresh thread. The batch runs once more
-  (``max_retries``), then its rows end in ``error``.
+- *deadlines*: every batch has one, ``BatchDeadline.seconds`` of its profiled runtime (a
+  plan without runtimes: of what its model's calls took while serving, or the first-call
+  bound, 20 s by default, until one returned). A process worker that misses it is killed and
+  replaced; a thread worker's call is abandoned (threads cannot be killed) and the device
+  gets a fresh thread. The batch runs once more (``max_retries``), then its rows end in
+  ``error`` saying the model did not return within the deadline.
 - *crashes*: a model whose calls crash or hang their worker ``max_crashes`` times in a row is
   marked failed: its queued rows and later requests end in ``error`` at once, with the reason.
 - *shutdown*: admission stops, nothing is restarted, admitted requests drain (up to a

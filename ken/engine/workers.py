@@ -196,9 +196,10 @@ class ThreadRunner:
             self._caller = None
             self.restarts += 1
             raise BatchTimeout(
-                f"{model} on {len(texts)} rows ran past its deadline of {timeout_s:.1f} s on "
-                f"{self.device}; a thread worker cannot be stopped: the call was abandoned (it "
-                "may still be running) and the device goes on with a fresh thread") from None
+                f"{model} did not return within {timeout_s:.1f} s (its batch deadline) on "
+                f"{len(texts)} rows on {self.device}; a thread worker cannot be stopped: the "
+                "call was abandoned (it may still be running) and the device goes on with a "
+                "fresh thread") from None
 
     def close(self) -> None:
         self.closing = True
@@ -369,8 +370,9 @@ class ProcessRunner:
                 proc.kill()
                 self._reap(proc)
                 raise BatchTimeout(
-                    f"{model} on {len(texts)} rows ran past its deadline of {timeout_s:.1f} s on "
-                    f"{self.device}: its worker process (pid {proc.pid}) was killed"
+                    f"{model} did not return within {timeout_s:.1f} s (its batch deadline) on "
+                    f"{len(texts)} rows on {self.device}: its worker process (pid {proc.pid}) "
+                    "was killed"
                     + ("" if self.closing else " and is replaced"))
             msg = recv.recv()
         except (EOFError, OSError):
