@@ -492,6 +492,80 @@ def test_admission_counts_the_later_stages_work_at_the_measured_escalation_rate(
     assert admission.downstream_row_s(disp) == pytest.approx(0.0025)
 
 
+def two_replica_plan() -> GearPlan:
+    """a on cpu0 and on cpu1, half the rows each; 10 ms a batch of <= 4 rows; target 50 ms."""
+    return GearPlan("op", (0.0, 1e6), (Cascade(("a",)),),
+                    (Replica("a", ("cpu0",)), Replica("a", ("cpu1",))),
+                    (RangeSchedule(0, (0.5, 0.5), (1, 1)),), (4, 4), max_wait_s=0.005,
+                    predicted=PlanMetrics(1.0, 25.0, 45.0, 50.0, 25.0, 1000, 0, 10.0),
+                    batch_runtime_s=((0.01,) * 4, (0.01,) * 4))
+
+
+def test_admission_asks_every_replica_of_the_stage_and_routes_around_a_reloading_one() -> None:
+    from ken.engine.admission import Admission
+
+    two = two_replica_plan()
+    admission = Admission(VirtualClock(0.0))
+    disp = Dispatcher(two, admission.clock)
+    # the routed replica can answer in time: the plan's shares are kept
+    assert admission.place(disp, 0, 0, lambda: {"cpu1": 1.0}).replica == 0
+    # a second of work queued on cpu0: the request goes to cpu1, not away
+    placed = admission.place(disp, 1, 0, lambda: {"cpu0": 1.0, "cpu1": 0.02})
+    assert placed.reason is None and placed.replica == 1
+    # every replica over the target: turned away, naming the least loaded one
+    placed = admission.place(disp, 2, 0, lambda: {"cpu0": 1.0, "cpu1": 0.5})
+    assert placed.reason is not None and placed.retry_after_s is not None
+    assert "cpu1 (the least loaded of its 2 replicas)" in placed.reason
+    assert f"retry in {placed.retry_after_s * 1000:.0f} ms" in placed.reason
+    # a reloading replica is routed around, idle as its profile says it is ...
+    assert admission.place(disp, 3, 0, dict, reloading={"cpu0"}).replica == 1
+    placed = admission.place(disp, 4, 0, lambda: {"cpu1": 1.0}, reloading={"cpu0"})
+    assert placed.reason is not None and "its queue on cpu1 holds" in placed.reason
+    # ... unless every replica reloads; and by plans admission does not check too
+    assert admission.place(disp, 5, 1, dict, reloading={"cpu0", "cpu1"}).replica == 1
+    unchecked = Admission(VirtualClock(0.0), mode="max_in_flight")
+    assert unchecked.place(disp, 6, 0, dict, reloading={"cpu0"}).replica == 1
+
+
+def wait_for(path: Path, timeout_s: float = 60.0) -> str:
+    """The text of ``path`` once a worker process has written it."""
+    deadline = time.monotonic() + timeout_s
+    while not (path.exists() and path.read_text()):
+        assert time.monotonic() < deadline, f"{path.name} was never written"
+        time.sleep(0.01)
+    return path.read_text()
+
+
+def test_requests_are_served_by_the_other_replica_while_a_killed_worker_reloads(
+        tmp_path: Path) -> None:
+    """Two replicas of one stage in worker processes; one is SIGKILLed with a batch in flight
+    and takes 8 s to reload. The requests that arrive meanwhile are admitted and answered by
+    the other replica (before: half were queued behind the reload, and the slowdown they
+    measured turned the plan's own load away)."""
+    reload_s = 8.0
+    hung = tmp_path / "hung"
+    sources = {"a": functools.partial(fakes.reloads_slowly, "a", str(tmp_path), 2, reload_s,
+                                      str(hung))}
+    patient = BatchDeadline(floor_s=120.0)  # the kill, not the deadline, ends the held call
+    with Engine(two_replica_plan(), sources, workers="process", deadline=patient) as engine:
+        held = engine.submit("held until its worker is killed")
+        pid = int(wait_for(hung))
+        killed = next(d for d, p in engine.pids().items() if p == pid)
+        os.kill(pid, signal.SIGKILL)
+        wait_for(tmp_path / "reloading")  # the retry's fresh worker is loading
+        futures = [engine.submit(t) for t in texts(6)]
+        # answered by the other replica: well before the reload ends (which they would wait
+        # for behind the held batch, on the replica the router picked for half of them)
+        meanwhile = [f.result(timeout=reload_s / 2) for f in futures]
+        assert not held.done()  # the reload is not over: they did not wait for it
+        assert engine.pids()[killed] != pid
+        outcome = held.result(timeout=60)
+        rejected, restarts = engine.rejected, engine.worker_restarts
+    assert [o.status for o in meanwhile] == ["ok"] * 6 and rejected == 0
+    assert [o.value for o in meanwhile] == labels("a", texts(6))
+    assert outcome.status == "ok" and restarts == 1  # the held row, retried after the reload
+
+
 # -- generating functions drain like classifiers ------------------------------------------------
 
 

@@ -176,6 +176,9 @@ class RayRunner:
         self.start_timeout_s = start_timeout_s
         self.restarts = 0  # actors that died or were killed and came back (Ray's or ours)
         self.closing = False
+        # Ray restarts a killed actor on its own; the engine counts the retry that follows
+        # as the reload (``Scheduler``), nothing to track here
+        self.restarting = False
         self.node_id: str | None = None  # where the actor runs (after start)
         self._actor: Any = None
         self._pid: int | None = None

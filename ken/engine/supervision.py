@@ -372,6 +372,10 @@ class DevicePool:
         """Devices that have ``model`` loaded."""
         return [d for d, ms in self._loaded_on.items() if model in ms]
 
+    def restarting(self) -> set[str]:
+        """Devices whose worker process is being started afresh (loading its models) now."""
+        return {d for d, r in list(self._runners.items()) if r.restarting}
+
     def running_work(self) -> dict[str, float]:
         """Profiled seconds left of the batch each busy device runs."""
         now = self.clock.now()

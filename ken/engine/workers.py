@@ -165,6 +165,7 @@ class ThreadRunner:
         self.pid: int | None = None
         self.restarts = 0  # call threads abandoned at a deadline and replaced
         self.closing = False  # nothing to restart for threads; kept for the engine's sake
+        self.restarting = False  # a fresh thread has nothing to load
         self._caller: _CallThread | None = None
 
     def start(self) -> dict[str, float]:
@@ -281,6 +282,7 @@ class ProcessRunner:
         self._recv: Connection | None = None
         self.restarts = 0  # fresh processes started after the first
         self.closing = False  # set when the engine shuts down: nothing is restarted then
+        self.restarting = False  # a fresh process loads its models (read by admission)
 
     @property
     def pid(self) -> int | None:
@@ -356,11 +358,14 @@ class ProcessRunner:
                 raise WorkerDied(f"the worker process of {self.device} is gone and the engine "
                                  "is shutting down: it is not restarted")
             self.restarts += 1
+            self.restarting = True
             try:
                 self.start()
             except WorkerError as exc:
                 raise WorkerDied(f"the worker process of {self.device} had died; restarting "
                                  f"it failed: {exc}") from None
+            finally:
+                self.restarting = False
             proc = self._proc
         send, recv = self._send, self._recv
         assert proc is not None and send is not None and recv is not None
