@@ -25,14 +25,15 @@ longer make its end-to-end deadline (below). Failure behaviour (DESIGN.md sectio
 
 - *admission*: an online request is admitted only while the gear plan can serve it within its
   latency target (by default the p99 the plan's simulation predicted, at least
-  ``MIN_PLAN_TARGET_S``). The scheduler routes it to a first-stage replica and estimates its
-  latency as the profiled work queued on that replica's devices (``Dispatcher.queued_work_s``:
-  the runtimes the simulator charges), plus what is left of the batch running there, its own
-  row and the later-stage work it and the rows ahead will bring (escalation rates measured
-  while serving, per cascade and stage; every row escalates until 20 have been answered),
-  times the slowdown it
-  measures while serving (``admission.Slowdown``: the 95th percentile of answered latency over
-  estimate in the last 5 s, for requests admitted near the limit). Over the target it is
+  ``MIN_PLAN_TARGET_S``) at some replica of its first stage (``Admission.place``: the one
+  the router picks when it can, else the one that would answer soonest; a replica whose
+  worker reloads is routed around). A replica's estimate is the profiled work queued on its
+  devices (``Dispatcher.queued_work_s``: the runtimes the simulator charges), plus what is
+  left of the batch running there, its own row and the later-stage work it and the rows ahead
+  will bring (escalation rates measured while serving, per cascade and stage; every row
+  escalates until 20 have been answered), times the slowdown it measures while serving
+  (``admission.Slowdown``: the 95th percentile of answered latency over estimate in the last
+  5 s, for requests admitted near the limit). Over the target at every replica it is
   rejected at once, with the reason and a retry hint (a SQL query sends such rows again
   after the hint). ``max_in_flight`` stays as a hard cap on memory.
 - *deadlines*: every batch has one, ``BatchDeadline.seconds`` of its profiled runtime (a
