@@ -96,11 +96,13 @@ class BatchDeadline:
     core) from killing a healthy worker, whose restart costs more than the wait.
 
     ``first_call_s`` = 20 s: models are loaded and warmed up before serving starts (a
-    restarted worker loads before its clock starts too), so a first call pays only what a
-    model does lazily on its first real batch (allocator and kernel choice, caches, pages of
-    mapped weights), which the packaged models do in well under a second on a CPU; 20 s is
-    ten times a slow first batch of a large user model on a busy machine, and bounds a model
-    that never returns at 2 x 20 s (the batch is retried once) rather than two minutes.
+    restarted worker loads before its clock starts too), so a first call pays only its own
+    work and what a model does lazily on its first real batch (allocator and kernel choice,
+    caches, pages of mapped weights): 20 s leaves room for that on a large user model on a
+    busy machine, and bounds a model that never returns at 2 x 20 s (the batch is retried
+    once) rather than the two minutes of the old 60-s default. A model known to take longer
+    on its first batch needs ``BatchDeadline(first_call_s=...)`` (``Engine(deadline=)``,
+    ``Session.serve(deadline=)``) or a profile.
     """
 
     factor: float = 10.0
