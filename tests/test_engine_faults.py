@@ -394,8 +394,12 @@ def test_session_serve_passes_the_admission_options() -> None:
     with ken.connect(builtins=False) as s:
         s.register("mood", Cascade(("a",)), models={"a": FakeModel("a")})
         s.use_plan(plan(operator="mood"))
-        s.serve(workers="thread", latency_target_s=0.25)
+        with pytest.raises(ken.KenError, match="deadline must be .*BatchDeadline"):
+            s.serve(workers="thread", deadline=30.0)  # type: ignore[arg-type]
+        s.serve(workers="thread", latency_target_s=0.25,
+                deadline=BatchDeadline(first_call_s=5.0))
         assert s.engines["mood"].admission_target_s() == 0.25
+        assert s.engines["mood"].deadline == BatchDeadline(first_call_s=5.0)
         assert s.sql("SELECT mood('fine')").fetchall()[0][0] in fakes.LABELS
 
 
