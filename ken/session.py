@@ -44,7 +44,7 @@ from ken.sql.runner import QueryRunner
 
 if TYPE_CHECKING:
     from ken.engine.server import Server
-    from ken.engine.supervision import LoadReport
+    from ken.engine.supervision import BatchDeadline, LoadReport
     from ken.optimizer.plan_context import PlannerSettings
     from ken.optimizer.workload import Trace
 
@@ -327,7 +327,8 @@ class Session:
               memory_gb: float | None = None, admission: str = "plan",
               latency_target_s: float | None = None, cluster: str | None = None,
               replan: bool = True, decode_targets: ServiceTargets | None = None,
-              dropping: str | None = None) -> dict[str, LoadReport]:
+              dropping: str | None = None, deadline: BatchDeadline | None = None
+              ) -> dict[str, LoadReport]:
         """Serve the functions with a gear plan (all of them by default) on one online engine.
 
         From then on every query's calls of a served function go through its engine, from any
@@ -368,13 +369,20 @@ class Session:
         PARD's proactive dropping; a query whose row is dropped raises
         ``ken.errors.RequestDropped``). Default: never drop.
 
+        ``deadline`` (``ken.engine.supervision.BatchDeadline``) bounds each model call: 10x
+        its profiled runtime (at least 2 s); for a plan without runtimes (``use_plan`` of a
+        plan written by hand), 10x what the model's calls took while serving, and
+        ``first_call_s`` (20 s) until one returned. A call past it is retried once on a fresh
+        worker, then its query raises ``ken.errors.ModelCallFailed`` saying the model did not
+        return within the deadline.
+
         >>> session.plan("p95 <= 50")                   # doctest: +SKIP
         >>> session.serve()                             # doctest: +SKIP
         >>> session.sql("SELECT sentiment(?)", ["great game!"]).fetchall()   # doctest: +SKIP
         """
         reports = self.serving.serve(functions, workers, threads_per_device, max_in_flight,
                                      bulk_threshold, memory_gb, admission, latency_target_s,
-                                     cluster, decode_targets, dropping)
+                                     cluster, decode_targets, dropping, deadline)
         if replan:
             for name in reports:
                 recipe = self.replans.get(name)

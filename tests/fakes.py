@@ -70,6 +70,27 @@ def load_once(name: str, flag: str, seconds: float = 0.0) -> Model:
     return SlowModel(name, seconds)
 
 
+def reloads_slowly(name: str, folder: str, first_loads: int, seconds: float,
+                   hang_flag: str) -> Model:
+    """A loader of ``HangingModel(name, flag=hang_flag)`` (its first call hangs) whose first
+    ``first_loads`` loads (the engine's start) are quick and each later one (a worker
+    restarted after a kill) takes ``seconds``, leaving ``reloading`` in ``folder`` first."""
+    import os
+    from pathlib import Path
+
+    n = 0
+    while True:  # count the loads across processes: one file each, created exclusively
+        try:
+            os.close(os.open(os.path.join(folder, f"load-{n}"), os.O_CREAT | os.O_EXCL))
+            break
+        except FileExistsError:
+            n += 1
+    if n >= first_loads:
+        Path(folder, "reloading").write_text(str(os.getpid()))
+        time.sleep(seconds)
+    return HangingModel(name, flag=hang_flag)
+
+
 class HangingModel(FakeModel):
     """A model call that does not return for ``seconds`` (a day by default: for ever, for a
     test), the warm-up excepted; with ``flag``, only the first call hangs (it leaves the flag
@@ -85,9 +106,32 @@ class HangingModel(FakeModel):
             from pathlib import Path
 
             if self.flag is None or not Path(self.flag).exists():
-                if self.flag is not None:
-                    Path(self.flag).write_text("hung once")
+                if self.flag is not None:  # says which process hangs
+                    import os
+
+                    Path(self.flag).write_text(str(os.getpid()))
                 time.sleep(self.seconds)
+        return super().predict(texts, batch_size)
+
+
+class AnswersOnceThenHangs(FakeModel):
+    """Answers its first call at once (it leaves ``flag``, so in every process), then hangs
+    ``seconds`` on each later one (the warm-up excepted): a model that was seen to be fast,
+    then stopped returning."""
+
+    def __init__(self, name: str, flag: str, seconds: float = 86_400.0) -> None:
+        super().__init__(name)
+        self.flag = flag
+        self.seconds = seconds
+
+    def predict(self, texts: Sequence[str], batch_size: int = 32) -> Prediction:
+        if WARM_UP_TEXT not in texts:
+            from pathlib import Path
+
+            if Path(self.flag).exists():
+                time.sleep(self.seconds)
+            else:
+                Path(self.flag).write_text("answered once")
         return super().predict(texts, batch_size)
 
 

@@ -101,7 +101,7 @@ def test_a_stuck_batch_is_killed_replaced_retried_once_then_fails_its_rows() -> 
         timeouts, restarts = engine.timeouts, engine.worker_restarts
     assert [o.status for o in outcomes] == ["error"] * 4
     for o in outcomes:
-        assert "failed 2 times" in o.error and "ran past its deadline of 0.5 s" in o.error
+        assert "failed 2 times" in o.error and "a did not return within 0.5 s" in o.error
         assert "worker process" in o.error and "was killed" in o.error
     assert timeouts == 2 and restarts == 1  # killed twice; replaced for the one retry
     assert not alive(first_pid)
@@ -134,6 +134,31 @@ def test_a_thread_worker_past_its_deadline_fails_the_call_and_goes_on_with_a_fre
         outcome = engine.submit("hangs every time").result(timeout=4)
     assert outcome.status == "error"
     assert "thread worker cannot be stopped" in outcome.error and "failed 2 times" in outcome.error
+
+
+def test_an_unprofiled_model_seen_fast_then_stuck_gets_a_deadline_from_its_observed_calls(
+        tmp_path: Path) -> None:
+    """A hand-written plan (no runtimes), the model on two worker processes: its first call
+    returns at once, so a later call that hangs is killed at the 2-s floor over its observed
+    runtime, not the 20-s first-call bound (the old default waited 60 s, twice)."""
+    sources = {"a": functools.partial(fakes.AnswersOnceThenHangs, "a", str(tmp_path / "once"))}
+    two = GearPlan("op", (0.0, 1e6), (Cascade(("a",)),),
+                   (Replica("a", ("cpu0",)), Replica("a", ("cpu1",))),
+                   (RangeSchedule(0, (0.5, 0.5), (1, 1)),), (4, 4), max_wait_s=0.005)
+    deadline = BatchDeadline()
+    assert deadline.first_call_s == 20.0 and deadline.floor_s == 2.0
+    with Engine(two, sources, workers="process") as engine:
+        assert engine.admission_target_s() is None and engine.deadline == deadline
+        first = engine.submit("answered at once").result(timeout=60)
+        assert first.status == "ok"
+        started = time.monotonic()
+        stuck = engine.submit("never returns").result(timeout=60)
+        took = time.monotonic() - started
+        assert engine.timeouts == 2
+    assert stuck.status == "error" and stuck.model == "a"
+    assert "a did not return within 2.0 s" in stuck.error and "failed 2 times" in stuck.error
+    assert "its observed" in stuck.error  # where the 2 s came from
+    assert took < deadline.first_call_s  # two 2-s deadlines and a restart, not 2 x 20 s
 
 
 # -- crashes -----------------------------------------------------------------------------------
@@ -369,8 +394,12 @@ def test_session_serve_passes_the_admission_options() -> None:
     with ken.connect(builtins=False) as s:
         s.register("mood", Cascade(("a",)), models={"a": FakeModel("a")})
         s.use_plan(plan(operator="mood"))
-        s.serve(workers="thread", latency_target_s=0.25)
+        with pytest.raises(ken.KenError, match="deadline must be .*BatchDeadline"):
+            s.serve(workers="thread", deadline=30.0)  # type: ignore[arg-type]
+        s.serve(workers="thread", latency_target_s=0.25,
+                deadline=BatchDeadline(first_call_s=5.0))
         assert s.engines["mood"].admission_target_s() == 0.25
+        assert s.engines["mood"].deadline == BatchDeadline(first_call_s=5.0)
         assert s.sql("SELECT mood('fine')").fetchall()[0][0] in fakes.LABELS
 
 
@@ -465,6 +494,80 @@ def test_admission_counts_the_later_stages_work_at_the_measured_escalation_rate(
     answered(two, "a", 96, 23)
     assert admission.escalations[first] == (100, 25)
     assert admission.downstream_row_s(disp) == pytest.approx(0.0025)
+
+
+def two_replica_plan() -> GearPlan:
+    """a on cpu0 and on cpu1, half the rows each; 10 ms a batch of <= 4 rows; target 50 ms."""
+    return GearPlan("op", (0.0, 1e6), (Cascade(("a",)),),
+                    (Replica("a", ("cpu0",)), Replica("a", ("cpu1",))),
+                    (RangeSchedule(0, (0.5, 0.5), (1, 1)),), (4, 4), max_wait_s=0.005,
+                    predicted=PlanMetrics(1.0, 25.0, 45.0, 50.0, 25.0, 1000, 0, 10.0),
+                    batch_runtime_s=((0.01,) * 4, (0.01,) * 4))
+
+
+def test_admission_asks_every_replica_of_the_stage_and_routes_around_a_reloading_one() -> None:
+    from ken.engine.admission import Admission
+
+    two = two_replica_plan()
+    admission = Admission(VirtualClock(0.0))
+    disp = Dispatcher(two, admission.clock)
+    # the routed replica can answer in time: the plan's shares are kept
+    assert admission.place(disp, 0, 0, lambda: {"cpu1": 1.0}).replica == 0
+    # a second of work queued on cpu0: the request goes to cpu1, not away
+    placed = admission.place(disp, 1, 0, lambda: {"cpu0": 1.0, "cpu1": 0.02})
+    assert placed.reason is None and placed.replica == 1
+    # every replica over the target: turned away, naming the least loaded one
+    placed = admission.place(disp, 2, 0, lambda: {"cpu0": 1.0, "cpu1": 0.5})
+    assert placed.reason is not None and placed.retry_after_s is not None
+    assert "cpu1 (the least loaded of its 2 replicas)" in placed.reason
+    assert f"retry in {placed.retry_after_s * 1000:.0f} ms" in placed.reason
+    # a reloading replica is routed around, idle as its profile says it is ...
+    assert admission.place(disp, 3, 0, dict, reloading={"cpu0"}).replica == 1
+    placed = admission.place(disp, 4, 0, lambda: {"cpu1": 1.0}, reloading={"cpu0"})
+    assert placed.reason is not None and "its queue on cpu1 holds" in placed.reason
+    # ... unless every replica reloads; and by plans admission does not check too
+    assert admission.place(disp, 5, 1, dict, reloading={"cpu0", "cpu1"}).replica == 1
+    unchecked = Admission(VirtualClock(0.0), mode="max_in_flight")
+    assert unchecked.place(disp, 6, 0, dict, reloading={"cpu0"}).replica == 1
+
+
+def wait_for(path: Path, timeout_s: float = 60.0) -> str:
+    """The text of ``path`` once a worker process has written it."""
+    deadline = time.monotonic() + timeout_s
+    while not (path.exists() and path.read_text()):
+        assert time.monotonic() < deadline, f"{path.name} was never written"
+        time.sleep(0.01)
+    return path.read_text()
+
+
+def test_requests_are_served_by_the_other_replica_while_a_killed_worker_reloads(
+        tmp_path: Path) -> None:
+    """Two replicas of one stage in worker processes; one is SIGKILLed with a batch in flight
+    and takes 8 s to reload. The requests that arrive meanwhile are admitted and answered by
+    the other replica (before: half were queued behind the reload, and the slowdown they
+    measured turned the plan's own load away)."""
+    reload_s = 8.0
+    hung = tmp_path / "hung"
+    sources = {"a": functools.partial(fakes.reloads_slowly, "a", str(tmp_path), 2, reload_s,
+                                      str(hung))}
+    patient = BatchDeadline(floor_s=120.0)  # the kill, not the deadline, ends the held call
+    with Engine(two_replica_plan(), sources, workers="process", deadline=patient) as engine:
+        held = engine.submit("held until its worker is killed")
+        pid = int(wait_for(hung))
+        killed = next(d for d, p in engine.pids().items() if p == pid)
+        os.kill(pid, signal.SIGKILL)
+        wait_for(tmp_path / "reloading")  # the retry's fresh worker is loading
+        futures = [engine.submit(t) for t in texts(6)]
+        # answered by the other replica: well before the reload ends (which they would wait
+        # for behind the held batch, on the replica the router picked for half of them)
+        meanwhile = [f.result(timeout=reload_s / 2) for f in futures]
+        assert not held.done()  # the reload is not over: they did not wait for it
+        assert engine.pids()[killed] != pid
+        outcome = held.result(timeout=60)
+        rejected, restarts = engine.rejected, engine.worker_restarts
+    assert [o.status for o in meanwhile] == ["ok"] * 6 and rejected == 0
+    assert [o.value for o in meanwhile] == labels("a", texts(6))
+    assert outcome.status == "ok" and restarts == 1  # the held row, retried after the reload
 
 
 # -- generating functions drain like classifiers ------------------------------------------------

@@ -11,9 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 import pytest
-from fakes import LABELS, WARM_UP_TEXT, FakeModel, SlowModel
+from fakes import LABELS, WARM_UP_TEXT, FakeModel, HangingModel, SlowModel
 
 import ken
+from ken.engine.supervision import BatchDeadline
 from ken.errors import KenError, ModelCallFailed
 from ken.models.cascade import Cascade
 from ken.policy.plan import GearPlan, RangeSchedule, Replica
@@ -174,6 +175,26 @@ def test_a_model_that_fails_every_batch_is_named_as_the_cause_not_the_load() -> 
                 s.sql(f"SELECT mood('{text}')")
             assert "latency_target_s" not in str(e.value)
             assert isinstance(e.value, EngineBusy)  # callers catching EngineBusy still do
+
+
+def test_a_model_that_never_returns_fails_its_query_within_the_first_call_bound() -> None:
+    """A hand-written plan (no runtimes) over a user's model whose call blocks: the query
+    fails with the model named and the bound it missed, after two 20-s first-call deadlines
+    (the batch is retried once), not 2 x 60 s and not as load."""
+    first_call_s = BatchDeadline().first_call_s
+    with session_with({"a": HangingModel("a", seconds=3 * first_call_s),
+                       "b": FakeModel("b")}) as s:
+        s.use_plan(mood_plan())
+        s.serve(workers="thread")
+        started = time.monotonic()
+        with pytest.raises(ModelCallFailed, match=rf"a did not return within "
+                                                  rf"{first_call_s:.1f} s") as e:
+            s.sql("SELECT mood('blocks for ever')")
+        took = time.monotonic() - started
+        assert s.engines["mood"].timeouts == 2
+    assert "first-call bound" in str(e.value) and "not the load" in str(e.value)
+    assert "latency_target_s" not in str(e.value)
+    assert 2 * first_call_s <= took < 2 * first_call_s + 10
 
 
 def test_serve_needs_a_gear_plan() -> None:

@@ -1,16 +1,19 @@
 """Admission by latency target (DESIGN.md section 14): whether an online request can still be
-answered within its plan's latency target, from the profiled work queued ahead of it, the
-later stages' work it will bring, and how much slower than its profile serving runs.
+answered within its plan's latency target by some replica of its first stage, from the
+profiled work queued ahead of it there, the later stages' work it will bring, and how much
+slower than its profile serving runs; and which replica it goes to (a reloading one is routed
+around).
 
 ``Admission`` holds what it learns while serving — escalation rates per (cascade, stage) and
-the slowdown per operator — and answers ``check`` for the engine's scheduler thread (one
+the slowdown per operator — and answers ``place`` for the engine's scheduler thread (one
 thread: nothing here is locked).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
@@ -28,6 +31,29 @@ MIN_ESCALATION_ROWS = 20
 MIN_PLAN_TARGET_S = 0.02
 
 AdmissionMode = Literal["plan", "max_in_flight"]
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Where admission queues a request (a first-stage replica), or, with ``reason``, why it
+    turned the request away and after how many seconds to retry."""
+
+    replica: int
+    reason: str | None = None
+    retry_after_s: float | None = None
+
+
+@dataclass(frozen=True)
+class _Estimate:
+    """A request's latency at one replica: the busiest of its devices, the profiled work
+    waiting there, one row's own cost, all of it without and with the measured slowdown."""
+
+    replica: int
+    device: str
+    wait_s: float
+    row_s: float
+    raw_s: float
+    expected_s: float
 
 
 class Slowdown:
@@ -103,40 +129,67 @@ class Admission:
         target = plan.latency_target_s()
         return None if target is None else max(target, MIN_PLAN_TARGET_S)
 
-    def check(self, disp: Dispatcher, rid: int, replica: int,
-              device_work: Callable[[], Mapping[str, float]]) -> tuple[str, float] | None:
-        """Why request ``rid``, routed to first-stage ``replica`` of ``disp``'s plan, cannot
-        be answered within the latency target, and when to retry; None when it can (or when
-        the plan is not checked).
+    def place(self, disp: Dispatcher, rid: int, routed: int,
+              device_work: Callable[[], Mapping[str, float]],
+              reloading: Collection[str] = frozenset()) -> Placed:
+        """The first-stage replica of ``disp``'s plan to queue request ``rid`` at, or why no
+        replica can answer it within the latency target and when to retry.
 
-        Its latency is estimated as the profiled work queued on (and running on) the
-        replica's devices (``device_work``: seconds per device) plus its own row, plus the
-        later stages' work that it and the rows queued ahead of it will bring
-        (``downstream_row_s``), times the slowdown measured while serving (``answered``):
-        profiles time each model alone, and serving runs the same batches slower on a busy
-        machine."""
+        ``routed`` (the router's pick, which keeps the plan's shares) when it can; else the
+        replica of the stage that would answer soonest, when that one can: a request is
+        turned away only while no replica of the stage could serve it in time. Replicas on
+        ``reloading`` devices (a worker loading its models afresh after a crash or a kill:
+        seconds the profile does not know) are routed around while another replica
+        remains. A plan admission does not check gets ``routed``, or another replica when
+        ``routed`` is reloading.
+
+        A replica's latency for the request is estimated as the profiled work queued on
+        (and running on) its devices (``device_work``: seconds per device) plus the
+        request's own row, plus the later stages' work that it and the rows queued ahead of
+        it will bring (``downstream_row_s``), times the slowdown measured while serving
+        (``answered``): profiles time each model alone, and serving runs the same batches
+        slower on a busy machine."""
         plan = disp.plan
+        ready = [r for r in disp.first_stage_replicas()
+                 if reloading.isdisjoint(plan.placement[r].devices)]
+        if routed not in ready:
+            ready = ready or [routed]
+            routed = ready[0]
         target = self.target_s(plan)
         if target is None:
-            return None
+            return Placed(routed)
         work = device_work()
+        slowdown = self._slowdown[plan.operator].value(self.clock.now())
+
+        def fits(e: _Estimate) -> bool:  # an idle replica admits whatever the target says
+            return e.wait_s <= 0.0 or e.expected_s <= target
+
+        best = self._estimate(disp, routed, work, slowdown)
+        if not fits(best):
+            others = [self._estimate(disp, r, work, slowdown) for r in ready if r != routed]
+            best = min([best, *others], key=lambda e: (not fits(e), e.expected_s))
+        if fits(best):
+            if best.wait_s > 0.0 and best.expected_s >= target / 2:
+                # near the limit: learn how far off the estimate is
+                self._estimated[rid] = (plan.operator, best.raw_s)
+            return Placed(best.replica)
+        retry = max(best.expected_s - target, best.row_s * slowdown)
+        where = best.device if len(ready) == 1 else \
+            f"{best.device} (the least loaded of its {len(ready)} replicas)"
+        return Placed(routed, (
+            f"{plan.operator}() is over capacity: its queue on {where} holds about "
+            f"{best.wait_s * 1000:.0f} ms of profiled work (x{slowdown:.1f} as measured while "
+            f"serving), so this request would miss the latency target of "
+            f"{target * 1000:.0f} ms; retry in {retry * 1000:.0f} ms"), retry)
+
+    def _estimate(self, disp: Dispatcher, replica: int, work: Mapping[str, float],
+                  slowdown: float) -> _Estimate:
+        plan = disp.plan
         device = max(plan.placement[replica].devices, key=lambda d: work.get(d, 0.0))
         wait = work.get(device, 0.0)
-        if wait <= 0.0:
-            return None  # an idle replica admits whatever the target says
         row = plan.batch_seconds(replica, 1) or 0.0  # one more row costs at most a batch of 1
         raw = wait + row + (disp.queued(replica) + 1) * self.downstream_row_s(disp)
-        slowdown = self._slowdown[plan.operator].value(self.clock.now())
-        expected = raw * slowdown
-        if expected <= target:
-            if expected >= target / 2:  # near the limit: learn how far off the estimate is
-                self._estimated[rid] = (plan.operator, raw)
-            return None
-        retry = max(expected - target, row * slowdown)
-        return (f"{plan.operator}() is over capacity: its queue on {device} holds about "
-                f"{wait * 1000:.0f} ms of profiled work (x{slowdown:.1f} as measured while "
-                f"serving), so this request would miss the latency target of "
-                f"{target * 1000:.0f} ms; retry in {retry * 1000:.0f} ms", retry)
+        return _Estimate(replica, device, wait, row, raw, raw * slowdown)
 
     def downstream_row_s(self, disp: Dispatcher) -> float:
         """Expected profiled work a row admitted now brings to the later stages of the

@@ -164,6 +164,9 @@ class Scheduler:
         self._past_switches: dict[str, list[tuple[float, int, int]]] = {}
         self.plan_swaps: list[tuple[float, int]] = []  # (time, queued rows moved)
         self._bulk = BulkRows()
+        # devices whose worker crashed or hung and reloads for the retry of its batch:
+        # admission routes around them until that batch is back
+        self._reloading: set[str] = set()
         self.rejected = 0  # online requests admission turned away (under requests.lock)
 
     def dispatcher(self, operator: str) -> Dispatcher:
@@ -241,15 +244,15 @@ class Scheduler:
                 if drop is not None:
                     self.requests.resolve(rid, "dropped", gear=rng, error=drop.reason)
                     continue
-            replica = disp.route()
-            over = self.admission.check(disp, rid, replica, self._device_work)
-            if over is not None:
+            placed = self.admission.place(disp, rid, disp.route(), self._device_work,
+                                          self._reloading | self.pool.restarting())
+            if placed.reason is not None:
                 with self.requests.lock:
                     self.rejected += 1
-                self.requests.resolve(rid, "rejected", gear=rng, error=over[0],
-                                      retry_after_s=over[1])
+                self.requests.resolve(rid, "rejected", gear=rng, error=placed.reason,
+                                      retry_after_s=placed.retry_after_s)
                 continue
-            self._launch(disp, disp.admit(rid, metered=False, replica=replica))
+            self._launch(disp, disp.admit(rid, metered=False, replica=placed.replica))
 
     def _device_work(self) -> dict[str, float]:
         """Profiled seconds of work each device has ahead of a new row: the rows queued on it
@@ -284,6 +287,7 @@ class Scheduler:
 
     def _finished(self, batch: Batch | BulkBatch, values: list, scores: np.ndarray) -> None:
         self.breaker.ran(batch)
+        self._reloading.difference_update(batch.devices)
         if isinstance(batch, BulkBatch):
             for d in batch.devices:
                 self._busy.discard(d)
@@ -321,8 +325,11 @@ class Scheduler:
         for rid in batch.request_ids:  # a failed attempt says nothing about queueing
             self.admission.forget(rid)
         if error is None:  # run the same batch again (the device stays busy)
+            if crashed:
+                self._reload(batch.devices)
             self.pool.run(batch, expected_s)
             return
+        self._reloading.difference_update(batch.devices)
         if isinstance(batch, BulkBatch):
             for d in batch.devices:
                 self._busy.discard(d)
@@ -342,6 +349,16 @@ class Scheduler:
                                   error=error)
         self._launch(disp, fin.started)
         self._freed(batch.devices)
+
+    def _reload(self, devices: tuple[str, ...]) -> None:
+        """A fresh worker on ``devices`` reloads its models for the retry of a batch: route
+        new requests around it, and do not learn the slowdown from the rows already queued
+        there (their wait is the reload's, not the load's)."""
+        self._reloading.update(devices)
+        for disp in self._dispatchers():
+            for rep in disp.replicas_on(devices):
+                for rid in disp.queued_ids(rep):
+                    self.admission.forget(rid)
 
     def _swap(self, plan: GearPlan, done: Future) -> None:
         op = plan.operator

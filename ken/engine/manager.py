@@ -26,7 +26,7 @@ from ken.engine.replanning import ReplanEvent, Replanner
 from ken.engine.server import Server
 from ken.engine.serving import Engine
 from ken.engine.sigterm import SigtermDrain
-from ken.engine.supervision import LoadReport
+from ken.engine.supervision import BatchDeadline, LoadReport
 from ken.engine.workers import gpu_index
 from ken.errors import KenError
 from ken.models.model import DeviceConfig, Model
@@ -170,7 +170,8 @@ class ServingManager:
               bulk_threshold: int | None = None, memory_gb: float | None = None,
               admission: str = "plan", latency_target_s: float | None = None,
               cluster: str | None = None, decode_targets: ServiceTargets | None = None,
-              dropping: str | None = None) -> dict[str, LoadReport]:
+              dropping: str | None = None, deadline: BatchDeadline | None = None
+              ) -> dict[str, LoadReport]:
         """Serve ``functions`` (every function with a plan by default): the gear plans on one
         engine, each generation plan on a decode server; see ``Session.serve``."""
         if bulk_threshold is not None:
@@ -187,6 +188,9 @@ class ServingManager:
         if dropping not in (None, "none", "reactive", "proactive"):
             raise KenError("dropping must be 'none', 'reactive' or 'proactive' (got "
                            f"{dropping!r})")
+        if deadline is not None and not isinstance(deadline, BatchDeadline):
+            raise KenError("deadline must be ken.engine.supervision.BatchDeadline(factor, "
+                           f"floor_s, first_call_s), not {deadline!r}")
         if decode_targets is not None and not isinstance(decode_targets, ServiceTargets):
             raise KenError("decode_targets must be ken.ServiceTargets(ttft_s, tbt_s), not "
                            f"{decode_targets!r}")
@@ -239,7 +243,7 @@ class ServingManager:
                         admission=admission,  # type: ignore[arg-type]
                         latency_target_s=latency_target_s, drain_on_sigterm=False,
                         ray_cluster=None if cluster is None else RayCluster.connect(cluster),
-                        dropping=dropping)
+                        dropping=dropping, deadline=deadline)
         devices = sorted({d for n in names for d in self._gear_plan(n).devices})
         with self.ctx.reporter.task(f"start the engine for {', '.join(f'{n}()' for n in names)}"
                                     f": {kind} workers on {', '.join(devices)}", 1) as advance:

@@ -176,6 +176,9 @@ class RayRunner:
         self.start_timeout_s = start_timeout_s
         self.restarts = 0  # actors that died or were killed and came back (Ray's or ours)
         self.closing = False
+        # Ray restarts a killed actor on its own; the engine counts the retry that follows
+        # as the reload (``Scheduler``), nothing to track here
+        self.restarting = False
         self.node_id: str | None = None  # where the actor runs (after start)
         self._actor: Any = None
         self._pid: int | None = None
@@ -248,8 +251,8 @@ class RayRunner:
         except ray.exceptions.GetTimeoutError:
             self._kill(restart=not self.closing)
             raise BatchTimeout(
-                f"{model} on {len(texts)} rows ran past its deadline of {timeout_s:.1f} s on "
-                f"{self.device}: its Ray actor was killed"
+                f"{model} did not return within {timeout_s:.1f} s (its batch deadline) on "
+                f"{len(texts)} rows on {self.device}: its Ray actor was killed"
                 + ("" if self.closing else " and is restarted")) from None
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if isinstance(exc.cause, Exception) else exc

@@ -25,20 +25,23 @@ longer make its end-to-end deadline (below). Failure behaviour (DESIGN.md sectio
 
 - *admission*: an online request is admitted only while the gear plan can serve it within its
   latency target (by default the p99 the plan's simulation predicted, at least
-  ``MIN_PLAN_TARGET_S``). The scheduler routes it to a first-stage replica and estimates its
-  latency as the profiled work queued on that replica's devices (``Dispatcher.queued_work_s``:
-  the runtimes the simulator charges), plus what is left of the batch running there, its own
-  row and the later-stage work it and the rows ahead will bring (escalation rates measured
-  while serving, per cascade and stage; every row escalates until 20 have been answered),
-  times the slowdown it
-  measures while serving (``admission.Slowdown``: the 95th percentile of answered latency over
-  estimate in the last 5 s, for requests admitted near the limit). Over the target it is
+  ``MIN_PLAN_TARGET_S``) at some replica of its first stage (``Admission.place``: the one
+  the router picks when it can, else the one that would answer soonest; a replica whose
+  worker reloads is routed around). A replica's estimate is the profiled work queued on its
+  devices (``Dispatcher.queued_work_s``: the runtimes the simulator charges), plus what is
+  left of the batch running there, its own row and the later-stage work it and the rows ahead
+  will bring (escalation rates measured while serving, per cascade and stage; every row
+  escalates until 20 have been answered), times the slowdown it measures while serving
+  (``admission.Slowdown``: the 95th percentile of answered latency over estimate in the last
+  5 s, for requests admitted near the limit). Over the target at every replica it is
   rejected at once, with the reason and a retry hint (a SQL query sends such rows again
   after the hint). ``max_in_flight`` stays as a hard cap on memory.
-- *deadlines*: every batch has one, ``BatchDeadline.seconds`` of its profiled runtime. A
-  process worker that misses it is killed and replaced; a thread worker's call is abandoned
-  (threads cannot be killed) and the device gets a fresh thread. The batch runs once more
-  (``max_retries``), then its rows end in ``error``.
+- *deadlines*: every batch has one, ``BatchDeadline.seconds`` of its profiled runtime (a
+  plan without runtimes: of what its model's calls took while serving, or the first-call
+  bound, 20 s by default, until one returned). A process worker that misses it is killed and
+  replaced; a thread worker's call is abandoned (threads cannot be killed) and the device
+  gets a fresh thread. The batch runs once more (``max_retries``), then its rows end in
+  ``error`` saying the model did not return within the deadline.
 - *crashes*: a model whose calls crash or hang their worker ``max_crashes`` times in a row is
   marked failed: its queued rows and later requests end in ``error`` at once, with the reason.
 - *shutdown*: admission stops, nothing is restarted, admitted requests drain (up to a

@@ -4,8 +4,10 @@ batches, their deadlines, retries, the crash-loop breaker, restarts and memory c
 - ``DevicePool``: one *device worker* per device — its own process by default
   (``ProcessRunner``), a thread of this process for models given already loaded
   (``ThreadRunner``), or a Ray actor (``RayRunner``) — fed by a queue that a thread of this
-  process reads, one batch at a time. Each batch runs under a deadline (``BatchDeadline``);
-  a worker that dies or misses it is replaced by its runner (``workers.py``). What a batch
+  process reads, one batch at a time. Each batch runs under a deadline (``BatchDeadline``:
+  from its profiled runtime, else from what its model's calls took while serving,
+  ``ObservedRuntimes``, else a first-call bound); a worker that dies or misses it is
+  replaced by its runner (``workers.py``). What a batch
   did is reported as an event: ``("done", batch, values, scores)`` or ``("failed", batch,
   message, crashed, expected_s)``.
 - ``Breaker``: whether a failed batch runs again (``max_retries``) and which models are
@@ -18,6 +20,7 @@ import math
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -82,29 +85,77 @@ class BatchRecord:
 
 @dataclass(frozen=True)
 class BatchDeadline:
-    """How long a batch may run: ``factor`` times its profiled runtime, at least ``floor_s``;
-    ``unprofiled_s`` when the plan carries no runtimes.
+    """How long a batch may run: ``factor`` times what it is expected to take, at least
+    ``floor_s``. Expected is its profiled runtime when the plan carries runtimes; else what
+    its model was seen to take while serving (``ObservedRuntimes``: a plan written by hand, a
+    user's model); ``first_call_s`` while no call of the model has returned yet.
 
     10x leaves room for what serving adds to a profile (the worker round trip, a device that
     idled, a long row; benchmarks/e2e measured serving calls at 1.0-1.2x their profile at the
     median); the 2 s floor keeps a busy machine's stalls (page faults, another process on the
     core) from killing a healthy worker, whose restart costs more than the wait.
+
+    ``first_call_s`` = 20 s: models are loaded and warmed up before serving starts (a
+    restarted worker loads before its clock starts too), so a first call pays only its own
+    work and what a model does lazily on its first real batch (allocator and kernel choice,
+    caches, pages of mapped weights): 20 s leaves room for that on a large user model on a
+    busy machine, and bounds a model that never returns at 2 x 20 s (the batch is retried
+    once) rather than the two minutes of the old 60-s default. A model known to take longer
+    on its first batch needs ``BatchDeadline(first_call_s=...)`` (``Engine(deadline=)``,
+    ``Session.serve(deadline=)``) or a profile.
     """
 
     factor: float = 10.0
     floor_s: float = 2.0
-    unprofiled_s: float = 60.0
+    first_call_s: float = 20.0
 
     def __post_init__(self) -> None:
         if not all(math.isfinite(v) and v > 0
-                   for v in (self.factor, self.floor_s, self.unprofiled_s)):
-            raise EngineError("a batch deadline needs a factor, a floor and an unprofiled "
-                              "deadline that are finite and > 0")
+                   for v in (self.factor, self.floor_s, self.first_call_s)):
+            raise EngineError("a batch deadline needs a factor, a floor and a first-call "
+                              "bound that are finite and > 0")
 
-    def seconds(self, profiled_s: float | None) -> float:
-        if profiled_s is None:
-            return self.unprofiled_s
-        return max(self.factor * profiled_s, self.floor_s)
+    def seconds(self, profiled_s: float | None, observed_s: float | None = None) -> float:
+        """The deadline of a batch profiled at ``profiled_s`` (None: not profiled) whose
+        model was seen to take ``observed_s`` on such a batch (None: never returned yet)."""
+        return self.explain(profiled_s, observed_s)[0]
+
+    def explain(self, profiled_s: float | None, observed_s: float | None = None
+                ) -> tuple[float, str]:
+        """``seconds``, and where the figure comes from (for the error of a batch past it)."""
+        for expected, what in ((profiled_s, "profiled"), (observed_s, "observed")):
+            if expected is not None:
+                bound = max(self.factor * expected, self.floor_s)
+                return bound, (f"{self.factor:g}x its {what} {expected:.3g} s a batch, at "
+                               f"least {self.floor_s:g} s")
+        return self.first_call_s, ("the first-call bound: no call of it had returned yet; "
+                                   "set it with BatchDeadline(first_call_s=...)")
+
+
+class ObservedRuntimes:
+    """Seconds the completed calls of each model took while serving (the latest ``window``
+    per model), for the deadlines of models without profiled runtimes. Called from every
+    device thread, hence the lock."""
+
+    def __init__(self, window: int = 32) -> None:
+        self.window = window
+        self._calls: dict[str, deque[tuple[int, float]]] = {}  # model -> (rows, seconds)
+        self._lock = threading.Lock()
+
+    def add(self, model: str, rows: int, seconds: float) -> None:
+        with self._lock:
+            calls = self._calls.setdefault(model, deque(maxlen=self.window))
+            calls.append((max(rows, 1), max(seconds, 0.0)))
+
+    def expected_s(self, model: str, rows: int) -> float | None:
+        """What a call of ``model`` on ``rows`` rows is expected to take: the slowest recent
+        call, scaled up linearly to ``rows`` where it had fewer (a batch costs at most that;
+        batching makes rows cheaper, not dearer); None before any call returned."""
+        with self._lock:
+            calls = list(self._calls.get(model, ()))
+        if not calls:
+            return None
+        return max(s * max(1.0, rows / r) for r, s in calls)
 
 
 class Breaker:
@@ -190,6 +241,7 @@ class DevicePool:
         # the latest model calls (bounded: the oldest half is dropped at the limit)
         self.batch_log: list[BatchRecord] = []
         self.batch_log_limit = 200_000
+        self.observed = ObservedRuntimes()  # what each model's calls took while serving
         self.failed_attempts = 0  # model calls that raised, hung or whose worker died
         self.timeouts = 0  # batches that ran past their deadline
 
@@ -322,6 +374,10 @@ class DevicePool:
         """Devices that have ``model`` loaded."""
         return [d for d, ms in self._loaded_on.items() if model in ms]
 
+    def restarting(self) -> set[str]:
+        """Devices whose worker process is being started afresh (loading its models) now."""
+        return {d for d, r in list(self._runners.items()) if r.restarting}
+
     def running_work(self) -> dict[str, float]:
         """Profiled seconds left of the batch each busy device runs."""
         now = self.clock.now()
@@ -379,19 +435,24 @@ class DevicePool:
             started = self.clock.now()
             if expected_s is not None:
                 self._running_until[device] = started + expected_s
+            timeout_s, why = self.deadline.explain(
+                expected_s, self.observed.expected_s(batch.model, len(texts)))
             try:
-                values, scores = runner.run(batch.model, texts, self.deadline.seconds(expected_s))
+                values, scores = runner.run(batch.model, texts, timeout_s)
             except Exception as exc:  # noqa: BLE001 - this thread must never die with a batch
                 self._running_until.pop(device, None)
                 self.failed_attempts += 1
                 self.timeouts += isinstance(exc, BatchTimeout)
                 message = str(exc) if isinstance(exc, WorkerError) else \
                     f"{type(exc).__name__}: {exc}"
+                if isinstance(exc, BatchTimeout):
+                    message += f" (the deadline: {why})"
                 self._report(("failed", batch, message,
                               isinstance(exc, WorkerDied | BatchTimeout), expected_s))
                 continue
             self._running_until.pop(device, None)
             idle_since, idle_s = self.clock.now(), started - idle_since
+            self.observed.add(batch.model, len(texts), idle_since - started)
             self.batch_log.append(BatchRecord(device, batch.model, len(texts), started,
                                               idle_since, idle_s, isinstance(batch, BulkBatch),
                                               max(map(row_size, texts), default=0)))

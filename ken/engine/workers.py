@@ -165,6 +165,7 @@ class ThreadRunner:
         self.pid: int | None = None
         self.restarts = 0  # call threads abandoned at a deadline and replaced
         self.closing = False  # nothing to restart for threads; kept for the engine's sake
+        self.restarting = False  # a fresh thread has nothing to load
         self._caller: _CallThread | None = None
 
     def start(self) -> dict[str, float]:
@@ -196,9 +197,10 @@ class ThreadRunner:
             self._caller = None
             self.restarts += 1
             raise BatchTimeout(
-                f"{model} on {len(texts)} rows ran past its deadline of {timeout_s:.1f} s on "
-                f"{self.device}; a thread worker cannot be stopped: the call was abandoned (it "
-                "may still be running) and the device goes on with a fresh thread") from None
+                f"{model} did not return within {timeout_s:.1f} s (its batch deadline) on "
+                f"{len(texts)} rows on {self.device}; a thread worker cannot be stopped: the "
+                "call was abandoned (it may still be running) and the device goes on with a "
+                "fresh thread") from None
 
     def close(self) -> None:
         self.closing = True
@@ -280,6 +282,7 @@ class ProcessRunner:
         self._recv: Connection | None = None
         self.restarts = 0  # fresh processes started after the first
         self.closing = False  # set when the engine shuts down: nothing is restarted then
+        self.restarting = False  # a fresh process loads its models (read by admission)
 
     @property
     def pid(self) -> int | None:
@@ -355,11 +358,14 @@ class ProcessRunner:
                 raise WorkerDied(f"the worker process of {self.device} is gone and the engine "
                                  "is shutting down: it is not restarted")
             self.restarts += 1
+            self.restarting = True
             try:
                 self.start()
             except WorkerError as exc:
                 raise WorkerDied(f"the worker process of {self.device} had died; restarting "
                                  f"it failed: {exc}") from None
+            finally:
+                self.restarting = False
             proc = self._proc
         send, recv = self._send, self._recv
         assert proc is not None and send is not None and recv is not None
@@ -369,8 +375,9 @@ class ProcessRunner:
                 proc.kill()
                 self._reap(proc)
                 raise BatchTimeout(
-                    f"{model} on {len(texts)} rows ran past its deadline of {timeout_s:.1f} s on "
-                    f"{self.device}: its worker process (pid {proc.pid}) was killed"
+                    f"{model} did not return within {timeout_s:.1f} s (its batch deadline) on "
+                    f"{len(texts)} rows on {self.device}: its worker process (pid {proc.pid}) "
+                    "was killed"
                     + ("" if self.closing else " and is replaced"))
             msg = recv.recv()
         except (EOFError, OSError):

@@ -344,6 +344,22 @@ class Dispatcher:
             self.gears.update(now, self.meter.rate(now), backlog)
         return self.gears.current
 
+    def first_stage_replicas(self) -> tuple[int, ...]:
+        """The replicas a new request may be queued at: those of the current range's first
+        model that the range gives a share (all of them when it gives none, as ``route``)."""
+        rng = self.gears.current
+        replicas = self._replicas_of[self._first_model[rng]]
+        shares = self.plan.ranges[rng].shares
+        return tuple(r for r in replicas if shares[r] > 0) or tuple(replicas)
+
+    def queued_ids(self, replica: int) -> tuple[int, ...]:
+        """The requests waiting in ``replica``'s queue, oldest first."""
+        return tuple(self._queue[replica])
+
+    def replicas_on(self, devices: Iterable[str]) -> tuple[int, ...]:
+        """The replicas placed on any of ``devices``."""
+        return tuple(dict.fromkeys(r for d in devices for r in self._on_device.get(d, ())))
+
     def route(self) -> int:
         """The first-stage replica of the current range that the next request goes to (the
         router's turn is taken: an engine that rejects the request after looking at that

@@ -129,6 +129,11 @@ class SiteRunner:
 
     def __call__(self, *arrays: pa.Array) -> pa.Array:
         with self.lock:
+            if isinstance(self.error, ModelCallFailed):
+                # DuckDB calls a function of constants again after it raised (once to fold
+                # it, then to run it): a model that failed through the engine's retries
+                # would be run, and waited for, once more per call
+                raise self.error
             started = time.perf_counter()
             keys = row_keys([a.to_pylist() for a in arrays])
             new = self.unanswered(keys)
