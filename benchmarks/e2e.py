@@ -74,7 +74,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ken.engine.calibrate import measure_calibration
+from ken.engine.calibrate import Calibration, measure_calibration
 from ken.engine.replay import replay_rounds
 from ken.errors import WorkloadError
 from ken.models import family
@@ -522,6 +522,9 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=3,
                     help="replays of every point, interleaved; ratios are their median")
     ap.add_argument("--calibration-s", type=float, default=30.0)
+    ap.add_argument("--calibration", type=Path, default=None, metavar="FILE",
+                    help="reuse the calibration.json another run wrote (same runtimes, so the "
+                         "same workloads and plans: an A/B of code on one machine's figures)")
     ap.add_argument("--plan-workers", type=int, default=2)
     ap.add_argument("--workers", choices=("process", "thread"), default="process")
     ap.add_argument("--seed", type=int, default=0)
@@ -568,9 +571,15 @@ def main() -> int:
     cascades = [m.cascade for m in pareto_cascades(profiles)]
     hardware = Hardware.cpu_workers(2, 4 * 10**9)
     used = {m for c in cascades for m in c.models}
-    calibration = measure_calibration(catalog, {m: f for m, f in loaders.items() if m in used},
-                                      sample, hardware, args.calibration_s, seed=args.seed + 1,
-                                      reporter=reporter, workers=args.workers)
+    if args.calibration is not None:  # the same runtimes as another run: compare code, not luck
+        calibration = Calibration.load(args.calibration)
+    else:
+        calibration = measure_calibration(catalog, {m: f for m, f in loaders.items()
+                                                    if m in used},
+                                          sample, hardware, args.calibration_s,
+                                          seed=args.seed + 1, reporter=reporter,
+                                          workers=args.workers)
+    calibration.save(args.out / "calibration.json")
     cal = calibration.apply(catalog)
     reporter.note(f"runtimes calibrated: {calibration.describe()} ({calibration.source})")
     accurate = max(catalog.models, key=lambda m: (cal.accuracy(Cascade((m,))), m))
