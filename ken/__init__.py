@@ -6,6 +6,7 @@
 [(2,)]
 """
 
+from ken.engine.supervision import BatchDeadline
 from ken.errors import KenError
 from ken.frame import Frame, call, col
 from ken.models.cascade import Cascade
@@ -19,8 +20,8 @@ from ken.policy.plan import Frontier, GearPlan, GenPlan, Plan
 from ken.session import Session, connect
 from ken.sql.result import Result
 
-__all__ = ["Cascade", "DeviceConfig", "EvalSample", "Frame", "Frontier", "GearPlan", "GenPlan",
-           "Hardware", "KenError", "Operator", "Output", "Plan", "QueryPlan", "Result",
-           "SemanticFunction", "ServiceTargets", "Session", "Target", "Workload", "call", "col",
-           "connect"]
+__all__ = ["BatchDeadline", "Cascade", "DeviceConfig", "EvalSample", "Frame", "Frontier",
+           "GearPlan", "GenPlan", "Hardware", "KenError", "Operator", "Output", "Plan",
+           "QueryPlan", "Result", "SemanticFunction", "ServiceTargets", "Session", "Target",
+           "Workload", "call", "col", "connect"]
 __version__ = "0.1.0"
