@@ -64,3 +64,28 @@ def test_calibration_records_the_other_load(tmp_path: Path) -> None:
     assert again.other_cores == pytest.approx(0.8)
     old = Calibration({"m": (0.001, 1.2)})
     assert Calibration.load(old.save(tmp_path / "old.json")).other_cores is None
+
+
+@pytest.mark.skipif(not Path("/proc/stat").is_file(), reason="needs Linux's /proc")
+def test_tree_usage_counts_a_child_its_threads_and_its_open_files() -> None:
+    """A child holding 20 extra open files: it is one process with at least those 20
+    descriptors and a thread, and this process's tree holds at least as much as the child."""
+    from ken.engine.machine import tree_usage
+
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import sys\nfiles = [open(sys.executable, 'rb') for _ in "
+                              "range(20)]\nprint('ready', flush=True)\nsys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        alone = tree_usage(child.pid)
+        tree = tree_usage()
+        assert alone is not None and tree is not None
+        assert alone.processes == 1 and alone.open_files >= 20 + 3 and alone.threads >= 1
+        assert alone.rss_bytes > 2**20
+        assert tree.processes >= 2 and tree.open_files >= alone.open_files + 3
+        assert tree.rss_bytes > alone.rss_bytes
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(timeout=30)

@@ -34,10 +34,10 @@ def _machine_busy(proc: Path) -> int:
     return sum(values) - values[3] - values[4]
 
 
-def _tree_busy(proc: Path, root: int) -> int:
-    """utime + stime + the reaped children's cutime + cstime of ``root`` and of every live
-    process below it (jiffies)."""
-    parent, busy = {}, {}
+def _processes(proc: Path) -> dict[int, list[str]]:
+    """Every live process: its ``stat`` fields after the name (the name may hold spaces and
+    ")")."""
+    out = {}
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
@@ -45,20 +45,63 @@ def _tree_busy(proc: Path, root: int) -> int:
             text = (entry / "stat").read_text()
         except OSError:  # it exited meanwhile
             continue
-        rest = text[text.rfind(")") + 2:].split()  # the name may hold spaces and ")"
-        pid = int(entry.name)
-        parent[pid] = int(rest[1])
-        # its own time and its reaped children's (a worker that exited moves there)
-        busy[pid] = sum(int(v) for v in rest[11:15])
-    total, todo = 0, [root]
+        out[int(entry.name)] = text[text.rfind(")") + 2:].split()
+    return out
+
+
+def _tree(processes: dict[int, list[str]], root: int) -> list[int]:
+    """``root`` and every live process below it."""
     children: dict[int, list[int]] = {}
-    for pid, ppid in parent.items():
-        children.setdefault(ppid, []).append(pid)
+    for pid, rest in processes.items():
+        children.setdefault(int(rest[1]), []).append(pid)
+    out, todo = [], [root]
     while todo:
         pid = todo.pop()
-        total += busy.get(pid, 0)
+        out.append(pid)
         todo.extend(children.get(pid, ()))
-    return total
+    return out
+
+
+def _tree_busy(proc: Path, root: int) -> int:
+    """utime + stime + the reaped children's cutime + cstime of ``root`` and of every live
+    process below it (jiffies)."""
+    processes = _processes(proc)
+    # its own time and its reaped children's (a worker that exited moves there)
+    return sum(sum(int(v) for v in processes[pid][11:15])
+               for pid in _tree(processes, root) if pid in processes)
+
+
+@dataclass(frozen=True)
+class TreeUsage:
+    """What a process and its descendants (ken's workers) hold now."""
+
+    processes: int
+    rss_bytes: int
+    threads: int
+    open_files: int
+
+
+def tree_usage(root: int | None = None, proc: Path = _PROC) -> TreeUsage | None:
+    """Resident memory, threads and open file descriptors of ``root`` (default: this
+    process) and every process below it; None without ``/proc``."""
+    root = os.getpid() if root is None else root
+    try:
+        processes = _processes(proc)
+    except OSError:
+        return None
+    count = rss = threads = files = 0
+    for pid in _tree(processes, root):
+        try:
+            status = (proc / str(pid) / "status").read_text()
+            fds = sum(1 for _ in (proc / str(pid) / "fd").iterdir())
+        except OSError:  # it exited meanwhile
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        count += 1
+        rss += int(fields.get("VmRSS", "0 kB").split()[0]) * 1024
+        threads += int(fields.get("Threads", "0"))
+        files += fds
+    return TreeUsage(count, rss, threads, files)
 
 
 def cpu_reading(proc: Path = _PROC) -> CpuReading | None:
@@ -110,4 +153,5 @@ class OtherLoad:
                 f"runtimes measured are for a busier machine than an idle one")
 
 
-__all__ = ["BUSY_CORES", "CpuReading", "OtherLoad", "cpu_reading", "other_cores"]
+__all__ = ["BUSY_CORES", "CpuReading", "OtherLoad", "TreeUsage", "cpu_reading", "other_cores",
+           "tree_usage"]
