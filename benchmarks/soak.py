@@ -1,0 +1,303 @@
+"""Soak: serve a plan for an hour and watch what grows (issue 38, item 4).
+
+The packaged sentiment family, planned for 2 CPU workers x 1 thread on Poisson arrivals (as
+``benchmarks/reliability.py``): the middle plan of the frontier and the fastest are served in
+worker processes (the online engine, default admission), swapped every ``--replan-every-s``
+(the plan-swap path a re-plan takes); a generating function beside it in this process
+(SmolLM2-135M on a continuous-batching decode server, a short answer every
+``--gen-every-s``). Arrivals are Poisson at ``--load`` (0.8) x the plan's peak, with a burst at
+``--burst`` (1.5) x the peak for ``--burst-s`` every ``--burst-every-s``; a worker is
+SIGKILLed every ``--kill-every-s`` (the devices in turn).
+
+Every ``--sample-s`` it records the resident memory, threads and open files of this process
+and its workers (``ken.engine.machine.tree_usage``), the classifier's p99 over the window
+(answered requests), and outcomes so far. At the end every request must have exactly one
+outcome. Goals (docs/reliability.md): RSS growth < 50 MB after warm-up (the first
+``--warmup-s``), no growth in open files or threads, p99 within 2x the plan's latency target in
+the windows outside bursts and kills (the target of the plan serving then), 0 lost.
+
+    python benchmarks/soak.py                       # an hour, ~62 min with setup
+    python benchmarks/soak.py --minutes 5 --out DIR  # the short version (tests/test_soak.py)
+
+Writes DIR/soak.json and DIR/soak.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ken.engine.decode import DecodeServer  # noqa: E402
+from ken.engine.machine import tree_usage  # noqa: E402
+from ken.engine.serving import Engine  # noqa: E402
+from ken.models import family  # noqa: E402
+from ken.models.model import DeviceConfig  # noqa: E402
+from ken.ops.base import shared_resources  # noqa: E402
+from ken.optimizer.planner import PlannerSettings, plan_frontier  # noqa: E402
+from ken.optimizer.planning import default_peak_qps, planning_inputs, planning_trace  # noqa: E402
+from ken.optimizer.profile import DEFAULT_BATCH_SIZES, load_or_run_profile  # noqa: E402
+from ken.optimizer.tokens import random_prompts  # noqa: E402
+from ken.optimizer.workload import Hardware  # noqa: E402
+from ken.progress import Reporter  # noqa: E402
+from ken.session import connect  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results" / "soak"
+GOALS = {"rss_growth_mb": 50.0, "p99_over_target": 2.0, "lost": 0}
+
+
+def plans_to_serve(reporter: Reporter, seed: int):  # noqa: ANN201
+    """The family's frontier on Poisson arrivals; the middle plan (under 1 s) and the
+    fastest, with loaders for every model either places."""
+    data = family.default_data()
+    device = DeviceConfig(threads=1)
+    cards = family.prepare(data, device, reporter=reporter)
+    sample = family.heldout_sample(data)
+    profiles = {c.name: load_or_run_profile(family.load_model(c, device, data=data), sample,
+                                            DEFAULT_BATCH_SIZES) for c in cards}
+    catalog, cascades = planning_inputs(profiles)
+    peak = default_peak_qps(catalog, cascades, 2)
+    trace = planning_trace("poisson", peak, 60.0, seed=seed)
+    frontier, _ = plan_frontier("sentiment", cascades, catalog,
+                                Hardware.cpu_workers(2, 4 * 2**30), trace,
+                                settings=PlannerSettings(num_ranges=4, seed=seed),
+                                reporter=reporter)
+    usable = [p for p in frontier.plans if p.predicted.p95_ms < 1000.0]
+    main, other = usable[len(usable) // 2], usable[0]
+    used = {r.model for p in (main, other) for r in p.placement}
+    loaders = {c.name: functools.partial(family.load_model, c, device, None, data)
+               for c in cards if c.name in used}
+    return main, other, loaders, sample
+
+
+class Window:
+    """Outcomes since the last sample (the futures' callbacks add, the sampler takes)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.latency_ms: list[float] = []
+        self.status: dict[str, int] = {}
+
+    def add(self, kind: str, future: Future) -> None:
+        o = future.result()
+        with self.lock:
+            key = f"{kind}:{o.status}"
+            self.status[key] = self.status.get(key, 0) + 1
+            if kind == "classify" and o.status == "ok":
+                self.latency_ms.append(1000 * o.latency_s)
+
+    def take(self) -> tuple[list[float], dict[str, int]]:
+        with self.lock:
+            out = self.latency_ms, self.status
+            self.latency_ms, self.status = [], {}
+        return out
+
+
+def run(args: argparse.Namespace, reporter: Reporter) -> dict:
+    main, other, loaders, sample = plans_to_serve(reporter, args.seed)
+    target_s = main.latency_target_s()
+    assert target_s is not None
+    with connect(device=DeviceConfig(threads=1)) as session:
+        lm = shared_resources(session.ctx).causal_lm("smollm2-135m")
+    texts = list(sample.texts)
+    rng = np.random.default_rng(args.seed)
+    prompts = [random_prompts(lm, 1, int(k), rng)[0] for k in rng.integers(16, 64, 32)]
+    peak = main.qps_max
+    duration = 60.0 * args.minutes
+    window = Window()
+    futures: list[tuple[str, Future]] = []
+    samples, events = [], []
+    reporter.note(f"soak: {args.minutes:g} min at {args.load:g}x the plan's peak "
+                  f"({peak:g} qps), bursts {args.burst:g}x for {args.burst_s:g} s every "
+                  f"{args.burst_every_s:g} s, a worker killed every {args.kill_every_s:g} s, "
+                  f"the plan swapped every {args.replan_every_s:g} s, a generation every "
+                  f"{args.gen_every_s:g} s; target p99 {1000 * target_s:.0f} ms")
+    server = DecodeServer(lm, 4, ignore_eos=True).start()
+    with Engine(main, loaders, workers="process") as engine:
+        devices = sorted(engine.pids())
+        plans = [main, other]
+        serving = main
+        t0 = time.monotonic()
+        next_at = {"sample": args.sample_s, "kill": args.kill_every_s,
+                   "replan": args.replan_every_s, "gen": 0.0}
+        kills = swaps = 0
+        arrival = 0.0
+        while (now := time.monotonic() - t0) < duration:
+            if now >= next_at["sample"]:
+                lat, status = window.take()
+                use = tree_usage()
+                samples.append({
+                    "t_s": round(now, 1), "rss_mb": use.rss_bytes / 2**20 if use else None,
+                    "threads": use.threads if use else None,
+                    "open_files": use.open_files if use else None,
+                    "processes": use.processes if use else None,
+                    "answered": len(lat),
+                    "p99_ms": float(np.percentile(lat, 99)) if lat else None,
+                    "status": status, "in_burst": in_burst(now - args.sample_s, now, args),
+                    "target_ms": 1000 * (serving.latency_target_s() or target_s)})
+                next_at["sample"] += args.sample_s
+            if now >= next_at["kill"]:
+                device = devices[kills % len(devices)]
+                pid = engine.pids().get(device)
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    events.append({"t_s": round(now, 1), "event": f"SIGKILL {device}"})
+                kills += 1
+                next_at["kill"] += args.kill_every_s
+            if now >= next_at["replan"]:
+                swaps += 1
+                serving = plans[swaps % 2]
+                moved = engine.swap_plan(serving)
+                events.append({"t_s": round(now, 1),
+                               "event": f"plan swap ({moved} queued rows moved)"})
+                next_at["replan"] += args.replan_every_s
+            if now >= next_at["gen"]:
+                prompt = prompts[int(rng.integers(len(prompts)))]
+                f = server.submit(prompt, int(rng.integers(4, 12)))
+                f.add_done_callback(functools.partial(window.add, "generate"))
+                futures.append(("generate", f))
+                next_at["gen"] += args.gen_every_s
+            if now >= arrival:
+                f = engine.submit(texts[int(rng.integers(len(texts)))])
+                f.add_done_callback(functools.partial(window.add, "classify"))
+                futures.append(("classify", f))
+                rate = peak * (args.burst if in_burst(now, now, args) else args.load)
+                arrival += rng.exponential(1.0 / rate)
+            time.sleep(max(0.0, min(arrival, *next_at.values()) - (time.monotonic() - t0)))
+        done_by = time.monotonic() + 120.0
+        while not all(f.done() for _, f in futures) and time.monotonic() < done_by:
+            time.sleep(0.1)
+        restarts = engine.worker_restarts
+    server.shutdown()
+    lost = sum(not f.done() for _, f in futures)
+    return summarise(args, samples, events, futures, lost, restarts, target_s, main, other)
+
+
+def in_burst(start: float, end: float, args: argparse.Namespace) -> bool:
+    """Whether ``[start, end]`` meets a burst (each starts at a multiple of the period)."""
+    period = args.burst_every_s
+    first = np.floor(max(start, 0.0) / period) * period
+    return any(b < end + 1e-9 and b + args.burst_s > start
+               for b in (first, first + period) if b > 0)
+
+
+def summarise(args, samples, events, futures, lost, restarts, target_s, main, other) -> dict:  # noqa: ANN001
+    warm = [s for s in samples if s["t_s"] >= args.warmup_s and s["rss_mb"] is not None]
+
+    def growth(key: str) -> float | None:
+        if len(warm) < 6:
+            return None
+        return float(np.median([s[key] for s in warm[-3:]]) -
+                     np.median([s[key] for s in warm[:3]]))
+
+    kill_times = [e["t_s"] for e in events if e["event"].startswith("SIGKILL")]
+    calm = [s for s in warm if not s["in_burst"] and s["p99_ms"] is not None and
+            not any(0 <= s["t_s"] - k <= 2 * args.sample_s for k in kill_times)]
+    within = [s["p99_ms"] <= GOALS["p99_over_target"] * s["target_ms"] for s in calm]
+    status: dict[str, int] = {}
+    for kind, f in futures:
+        if f.done():
+            key = f"{kind}:{f.result().status}"
+            status[key] = status.get(key, 0) + 1
+    out = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "plans": [main.headline(), other.headline()], "peak_qps": main.qps_max,
+        "latency_target_ms": 1000 * target_s, "requests": len(futures), "lost": lost,
+        "distinct_outcomes": len({(kind, f.result().request_id) for kind, f in futures
+                                  if f.done()}),
+        "status": status, "worker_restarts": restarts, "events": events,
+        "rss_growth_mb": growth("rss_mb"), "open_files_growth": growth("open_files"),
+        "threads_growth": growth("threads"),
+        "calm_windows": len(calm), "calm_windows_p99_within_2x": int(sum(within)),
+        "calm_p99_ms_max": max((s["p99_ms"] for s in calm), default=None),
+        "samples": samples}
+    out["goals"] = {
+        "rss_growth_under_50mb": out["rss_growth_mb"] is not None and
+        out["rss_growth_mb"] < GOALS["rss_growth_mb"],
+        "no_growth_in_open_files": out["open_files_growth"] is not None and
+        out["open_files_growth"] <= 0,
+        "no_growth_in_threads": out["threads_growth"] is not None and
+        out["threads_growth"] <= 0,
+        "calm_p99_within_2x": bool(calm) and all(within), "none_lost": lost == 0}
+    return out
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = result["samples"]
+    t = [x["t_s"] / 60 for x in s]
+    fig, ax = plt.subplots(1, 3, figsize=(14, 3.6))
+    ax[0].plot(t, [x["rss_mb"] for x in s], ".-")
+    ax[0].set_ylabel("RSS of ken and its workers (MB)")
+    ax[1].plot(t, [x["threads"] for x in s], ".-", label="threads")
+    ax[1].plot(t, [x["open_files"] for x in s], ".-", label="open files")
+    ax[1].legend(fontsize=8)
+    ax[2].plot(t, [x["p99_ms"] for x in s], ".-", label="p99 of the window")
+    ax[2].plot(t, [x["target_ms"] for x in s], color="k", lw=0.8,
+               label="the serving plan's target")
+    ax[2].plot(t, [2 * x["target_ms"] for x in s], color="r", lw=0.8, ls="--", label="2x")
+    ax[2].set_yscale("log")
+    ax[2].set_ylabel("ms")
+    ax[2].legend(fontsize=8)
+    for a in ax:
+        a.set_xlabel("minutes")
+        a.grid(alpha=0.3)
+        for e in result["events"]:
+            a.axvline(e["t_s"] / 60, color="0.8", lw=0.6, zorder=0)
+    fig.suptitle(f"soak: {result['requests']:,} requests, {result['lost']} lost "
+                 "(grey lines: worker kills and plan swaps)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--minutes", type=float, default=60.0)
+    ap.add_argument("--load", type=float, default=0.8)
+    ap.add_argument("--burst", type=float, default=1.5)
+    ap.add_argument("--burst-s", type=float, default=5.0)
+    ap.add_argument("--burst-every-s", type=float, default=60.0)
+    ap.add_argument("--kill-every-s", type=float, default=120.0)
+    ap.add_argument("--replan-every-s", type=float, default=300.0)
+    ap.add_argument("--gen-every-s", type=float, default=2.0)
+    ap.add_argument("--sample-s", type=float, default=5.0)
+    ap.add_argument("--warmup-s", type=float, default=60.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args(argv)
+    if args.minutes <= 0 or args.load <= 0 or args.sample_s <= 0:
+        ap.error("--minutes, --load and --sample-s must be > 0")
+    reporter = Reporter(args.quiet)
+    started = time.perf_counter()
+    result = run(args, reporter)
+    result["seconds"] = time.perf_counter() - started
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "soak.json").write_text(json.dumps(result, indent=1))
+    plot(result, args.out / "soak.png")
+    print(json.dumps({k: result[k] for k in ("requests", "lost", "status", "worker_restarts",
+                                              "rss_growth_mb", "open_files_growth",
+                                              "threads_growth", "calm_windows",
+                                              "calm_windows_p99_within_2x", "goals")}))
+    print(f"wrote {args.out}/soak.json and soak.png in {result['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
