@@ -59,6 +59,16 @@ def broken_loader(name: str) -> Model:
     raise FileNotFoundError(f"no weights for {name}")
 
 
+def loads_slowly(name: str, flag: str, seconds: float) -> Model:
+    """A loader that leaves ``flag`` and then takes ``seconds`` to load (a model a swapped-in
+    plan adds to a running worker)."""
+    from pathlib import Path
+
+    Path(flag).write_text("loading")
+    time.sleep(seconds)
+    return FakeModel(name)
+
+
 def load_once(name: str, flag: str, seconds: float = 0.0) -> Model:
     """A loader that works once (it leaves ``flag``) and fails every later time: a worker
     that cannot come back after dying."""

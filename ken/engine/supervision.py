@@ -242,6 +242,7 @@ class DevicePool:
         self.batch_log: list[BatchRecord] = []
         self.batch_log_limit = 200_000
         self.observed = ObservedRuntimes()  # what each model's calls took while serving
+        self._loading: set[str] = set()  # devices loading a model for a swapped-in plan
         self.failed_attempts = 0  # model calls that raised, hung or whose worker died
         self.timeouts = 0  # batches that ran past their deadline
 
@@ -338,8 +339,12 @@ class DevicePool:
                 if m in self._loaded_on[d]:
                     continue
                 done: Future = Future()
-                self._queues[d].put(("load", m, self._source(d, m), done))
-                seconds[f"{d}/{m}"] = done.result()
+                self._loading.add(d)  # admission routes around it meanwhile
+                try:
+                    self._queues[d].put(("load", m, self._source(d, m), done))
+                    seconds[f"{d}/{m}"] = done.result()
+                finally:
+                    self._loading.discard(d)
                 self._loaded_on[d].add(m)
         return seconds
 
@@ -375,8 +380,10 @@ class DevicePool:
         return [d for d, ms in self._loaded_on.items() if model in ms]
 
     def restarting(self) -> set[str]:
-        """Devices whose worker process is being started afresh (loading its models) now."""
-        return {d for d, r in list(self._runners.items()) if r.restarting}
+        """Devices loading models now: a worker process started afresh, or a model a swapped-in
+        plan adds to a running device (the load runs between its batches: seconds in which
+        the rows queued there wait)."""
+        return {d for d, r in list(self._runners.items()) if r.restarting} | set(self._loading)
 
     def running_work(self) -> dict[str, float]:
         """Profiled seconds left of the batch each busy device runs."""
