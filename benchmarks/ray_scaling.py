@@ -56,8 +56,12 @@ from ken.optimizer.artifact import bert_profiles, v100_hardware  # noqa: E402
 from ken.optimizer.cascades import pareto_cascades  # noqa: E402
 from ken.optimizer.perf import Catalog  # noqa: E402
 from ken.optimizer.planner import PlannerSettings, plan_frontier  # noqa: E402
-from ken.optimizer.planning import default_peak_qps, planning_inputs, planning_trace  # noqa: E402
-from ken.optimizer.profile import DEFAULT_BATCH_SIZES, load_or_run_profile  # noqa: E402
+from ken.optimizer.planning import (  # noqa: E402
+    default_peak_qps,
+    family_profiles,
+    planning_inputs,
+    planning_trace,
+)
 from ken.optimizer.scale import cluster_trace, replicate_plan  # noqa: E402
 from ken.optimizer.simulator import SimResult, simulate  # noqa: E402
 from ken.optimizer.workload import Hardware, poisson_trace  # noqa: E402
@@ -125,12 +129,8 @@ def router_part(reporter: Reporter, requests: int) -> dict:
 
 def measured_part(reporter: Reporter, hop_s: float, seconds: float, plan_s: float,
                   seed: int) -> dict:
-    data = family.default_data()
+    data, cards, sample, profiles = family_profiles(reporter)
     device = DeviceConfig(threads=1)
-    cards = family.prepare(data, device, reporter=reporter)
-    sample = family.heldout_sample(data)
-    profiles = {c.name: load_or_run_profile(family.load_model(c, device, data=data), sample,
-                                            DEFAULT_BATCH_SIZES) for c in cards}
     catalog, cascades = planning_inputs(profiles)
     node = with_hop(Hardware.cpu_workers(1, 4 * 2**30), hop_s)
     peak = default_peak_qps(catalog, cascades, 1)

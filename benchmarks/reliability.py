@@ -53,8 +53,12 @@ from ken.models import family
 from ken.models.cascade import Cascade
 from ken.models.model import DeviceConfig
 from ken.optimizer.planner import PlannerSettings, plan_frontier
-from ken.optimizer.planning import default_peak_qps, planning_inputs, planning_trace
-from ken.optimizer.profile import DEFAULT_BATCH_SIZES, load_or_run_profile
+from ken.optimizer.planning import (
+    default_peak_qps,
+    family_profiles,
+    planning_inputs,
+    planning_trace,
+)
 from ken.optimizer.workload import Hardware, poisson_trace
 from ken.policy.plan import GearPlan, PlanMetrics, RangeSchedule, Replica
 from ken.progress import Reporter
@@ -357,12 +361,8 @@ def main() -> int:
     reporter.note(f"SIGTERM: {out['sigterm']['sent']} sent, {out['sigterm']['lost']} lost, "
                   f"status {out['sigterm']['status']}, exit {out['sigterm']['exit_status']}")
 
-    data = family.default_data()
+    data, cards, sample, profiles = family_profiles(reporter)
     device = DeviceConfig(threads=1)
-    cards = family.prepare(data, device, reporter=reporter)
-    sample = family.heldout_sample(data)
-    profiles = {c.name: load_or_run_profile(family.load_model(c, device, data=data), sample,
-                                            DEFAULT_BATCH_SIZES) for c in cards}
     catalog, cascades = planning_inputs(profiles)
     peak = default_peak_qps(catalog, cascades, 2)
     trace = planning_trace("poisson", peak, args.plan_s, seed=args.seed)

@@ -46,8 +46,12 @@ from ken.models import family  # noqa: E402
 from ken.models.model import DeviceConfig  # noqa: E402
 from ken.ops.base import shared_resources  # noqa: E402
 from ken.optimizer.planner import PlannerSettings, plan_frontier  # noqa: E402
-from ken.optimizer.planning import default_peak_qps, planning_inputs, planning_trace  # noqa: E402
-from ken.optimizer.profile import DEFAULT_BATCH_SIZES, load_or_run_profile  # noqa: E402
+from ken.optimizer.planning import (  # noqa: E402
+    default_peak_qps,
+    family_profiles,
+    planning_inputs,
+    planning_trace,
+)
 from ken.optimizer.tokens import random_prompts  # noqa: E402
 from ken.optimizer.workload import Hardware  # noqa: E402
 from ken.progress import Reporter  # noqa: E402
@@ -60,12 +64,8 @@ GOALS = {"rss_growth_mb": 50.0, "p99_over_target": 2.0, "lost": 0}
 def plans_to_serve(reporter: Reporter, seed: int):  # noqa: ANN201
     """The family's frontier on Poisson arrivals; the middle plan (under 1 s) and the
     fastest, with loaders for every model either places."""
-    data = family.default_data()
+    data, cards, sample, profiles = family_profiles(reporter)
     device = DeviceConfig(threads=1)
-    cards = family.prepare(data, device, reporter=reporter)
-    sample = family.heldout_sample(data)
-    profiles = {c.name: load_or_run_profile(family.load_model(c, device, data=data), sample,
-                                            DEFAULT_BATCH_SIZES) for c in cards}
     catalog, cascades = planning_inputs(profiles)
     peak = default_peak_qps(catalog, cascades, 2)
     trace = planning_trace("poisson", peak, 60.0, seed=seed)

@@ -16,7 +16,10 @@ from pathlib import Path
 
 from ken import store
 from ken.errors import DeviceProfileError, KenError, PlanError, StoreError, UsageError
+from ken.models import family
 from ken.models.cascade import Cascade
+from ken.models.datasets import LabelledSample
+from ken.models.family import ModelCard
 from ken.models.gpus import Gpu, choose_gpus, gpu_budget_bytes, visible_gpus
 from ken.models.model import DeviceConfig, Model
 from ken.models.quality import EvalSample
@@ -191,6 +194,21 @@ def check_planning_args(devices: int | None, memory_gb: float, threads_per_devic
         problems.append(f"the number of QPS ranges must be >= 1 (got {num_ranges})")
     if problems:
         raise UsageError("cannot plan: " + "; ".join(problems))
+
+
+def family_profiles(reporter: Reporter = QUIET, threads: int = 1
+                    ) -> tuple[family.FamilyData, list[ModelCard], LabelledSample,
+                               dict[str, Profile]]:
+    """The packaged sentiment family on its default data, prepared (on first use), its
+    held-out sample, and each member profiled on ``threads`` threads (one of the engine's
+    CPU devices): what the benchmarks that serve the family plan from."""
+    data = family.default_data()
+    device = DeviceConfig(threads=threads)
+    cards = family.prepare(data, device, reporter=reporter)
+    sample = family.heldout_sample(data)
+    profiles = {c.name: load_or_run_profile(family.load_model(c, device, data=data), sample,
+                                            DEFAULT_BATCH_SIZES) for c in cards}
+    return data, cards, sample, profiles
 
 
 def planning_inputs(profiles: Mapping[str, Profile], max_stages: int = 3,
