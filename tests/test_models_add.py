@@ -104,6 +104,36 @@ def test_refused_before_anything_is_written(tmp_path: Path) -> None:
     assert not (home / "models" / "x").exists()
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+#: a template that loops 10^10 times: it must not hang ken
+LOOP_BOMB = ("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}"
+             "{% endfor %}")
+
+
+def test_chat_templates_are_programs_checked_before_they_are_used(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model's chat template is Jinja that ken renders: a long one, one that loops for
+    ever, one that renders a flood, one that reaches for Python's internals and one that
+    does not parse are each refused with the reason; a real one passes."""
+    monkeypatch.setattr(registry, "TEMPLATE_SECONDS", 1.0)  # the default 5 s, sooner
+    registry.check_chat_template(CHATML, {"bos_token": "<s>"})
+    registry.check_chat_template({"default": CHATML, "tool_use": CHATML})
+    registry.check_chat_template(None)
+    cases = [
+        ("x" * (registry.MAX_TEMPLATE_CHARS + 1), "over ken's limit of 65,536"),
+        (LOOP_BOMB, "did not render a four-message conversation within 1 s of CPU"),
+        ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
+         "renders a four-message conversation as 100,000,000 characters"),
+        ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "SecurityError"),
+        ("{% for %}", "TemplateSyntaxError"),
+        ({"default": CHATML, "evil": LOOP_BOMB}, "chat template 'evil' did not render"),
+    ]
+    for template, reason in cases:
+        with pytest.raises(ModelError, match=reason):
+            registry.check_chat_template(template)
+
+
 # --------------------------------------------------------------------------- with SmolLM2
 
 
@@ -226,3 +256,22 @@ def test_sql_sets_an_operators_llms_and_queries_bind_again(home) -> None:  # noq
             s.sql("SET sentiment_llms = 'smollm2-135m'")
     finally:
         s.close()
+
+
+@pytest.mark.models
+def test_a_folder_whose_chat_template_never_finishes_is_refused(home: Path,
+                                                                 tmp_path: Path) -> None:
+    """SmolLM2's folder with its chat template replaced by a loop that never ends: the model
+    itself loads and scores, the template is what is refused, and nothing is written."""
+    folder = tmp_path / "loops"
+    shutil.copytree(smol_dir(home), folder,
+                    ignore=shutil.ignore_patterns(".*", registry.CARD))
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = LOOP_BOMB
+    config_path.write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)  # where newer files keep it
+    with pytest.raises(ModelError, match="chat template did not render") as info:
+        registry.add("loops", folder, home=home)
+    assert f"cannot add {folder}" in str(info.value)
+    assert not (home / "models" / "loops").exists() and not leftovers(home)

@@ -296,7 +296,80 @@ def check_causal_lm(folder: Path) -> tuple[int, str]:
         raise ModelError(f"it fails to score a continuation ({_short(exc)})") from None
     if not math.isfinite(logp):
         raise ModelError(f"it scores a continuation as {logp} (its weights hold NaN or inf?)")
+    check_chat_template(getattr(tokenizer, "chat_template", None),
+                        dict(getattr(tokenizer, "special_tokens_map", {}) or {}))
     return count_params(net), type(net).__name__
+
+
+#: a chat template is a program (Jinja) the model's files carry; ken renders it only if it is
+#: at most this long, renders a probe conversation within ``TEMPLATE_SECONDS`` in a separate
+#: process (the sandboxed renderer transformers uses, under a memory limit) and produces at
+#: most ``MAX_RENDERED_CHARS`` for it. Real templates are 1-5 KB and render in milliseconds.
+MAX_TEMPLATE_CHARS = 64 * 1024
+TEMPLATE_SECONDS = 5.0
+MAX_RENDERED_CHARS = 64 * 1024
+TEMPLATE_MEMORY_BYTES = 2 * 2**30
+PROBE_CHAT = [{"role": "system", "content": "Answer in a few words."},
+              {"role": "user", "content": "Which city is the capital of France? " * 4},
+              {"role": "assistant", "content": "Paris."},
+              {"role": "user", "content": "And of Italy?"}]
+_RENDER = """
+import json, math, resource, sys
+memory, seconds = int(sys.argv[1]), float(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+job = json.loads(sys.stdin.read())
+from transformers.utils.chat_template_utils import render_jinja_template
+use = resource.getrusage(resource.RUSAGE_SELF)
+cpu = math.ceil(use.ru_utime + use.ru_stime + seconds)  # the imports, then the render's own
+resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+out, _ = render_jinja_template(conversations=[job["chat"]], chat_template=job["template"],
+                               add_generation_prompt=True, **job["special"])
+print(len(out[0]))
+"""
+
+
+def check_chat_template(template: str | dict | None, special: dict | None = None) -> None:
+    """Refuse a chat template ken should not render (ModelError saying why): one longer than
+    ``MAX_TEMPLATE_CHARS``, one that does not render the probe conversation (a syntax
+    error, something the sandbox forbids), takes more than ``TEMPLATE_SECONDS`` or more
+    memory than ``TEMPLATE_MEMORY_BYTES`` doing so, or renders more than
+    ``MAX_RENDERED_CHARS``. A model without a template passes. Each named template of a
+    dict is checked."""
+    import signal
+    import subprocess
+    import sys
+
+    if template is None:
+        return
+    named = template if isinstance(template, dict) else {"": template}
+    for name, text in named.items():
+        what = f"its chat template{f' {name!r}' if name else ''}"
+        if not isinstance(text, str):
+            raise ModelError(f"{what} is not text")
+        if len(text) > MAX_TEMPLATE_CHARS:
+            raise ModelError(f"{what} is {len(text):,} characters, over ken's limit of "
+                             f"{MAX_TEMPLATE_CHARS:,} (real templates are a few thousand)")
+        job = json.dumps({"chat": PROBE_CHAT, "template": text, "special": {
+            k: v for k, v in (special or {}).items() if isinstance(v, str)}})
+        slow = ModelError(f"{what} did not render a four-message conversation within "
+                          f"{TEMPLATE_SECONDS:g} s of CPU; ken does not use it")
+        try:
+            done = subprocess.run([sys.executable, "-c", _RENDER, str(TEMPLATE_MEMORY_BYTES),
+                                   str(TEMPLATE_SECONDS)], input=job, capture_output=True,
+                                  text=True, timeout=60.0)  # a stall the CPU limit misses
+        except subprocess.TimeoutExpired:
+            raise slow from None
+        if done.returncode in (-signal.SIGXCPU, -signal.SIGKILL):  # past its CPU limit
+            raise slow
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no error message"])[-1]
+            if "MemoryError" in done.stderr:
+                last = f"more than {TEMPLATE_MEMORY_BYTES / 2**30:g} GB of memory"
+            raise ModelError(f"{what} cannot render a four-message conversation ({last[:300]})")
+        rendered = int(done.stdout.strip().splitlines()[-1])
+        if rendered > MAX_RENDERED_CHARS:
+            raise ModelError(f"{what} renders a four-message conversation as {rendered:,} "
+                             f"characters, over ken's limit of {MAX_RENDERED_CHARS:,}")
 
 
 def _short(exc: BaseException, limit: int = 400) -> str:
