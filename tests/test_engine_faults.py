@@ -668,6 +668,36 @@ def gen_plan(function: str = "gen"):  # noqa: ANN201
     return single_gear(function, Cascade(("g",)), max_running=2)
 
 
+def test_a_forward_pass_that_never_returns_fails_its_requests_within_the_pass_timeout(
+        ) -> None:
+    """A generating model stuck in a forward pass (its gate never opens): after
+    ``pass_timeout_s`` every request in the server, running or waiting, ends ``error`` saying
+    the model did not return, new submissions are refused with that reason, and shutdown
+    returns at once (the stuck thread is left behind, as a thread worker's call is)."""
+    from ken.engine.decode import CascadeServer
+    from ken.errors import EngineError
+
+    lm = GatedLM()
+    server = CascadeServer({"g": StandInGenerator(lm)}, gen_plan(),
+                           pass_timeout_s=1.0).start()
+    try:
+        t0 = time.monotonic()
+        futures = [server.submit_row(r) for r in ("abc", "de", "fgh", "ij")]  # 2 run, 2 wait
+        assert lm.entered.wait(timeout=30)
+        outcomes = [f.result(timeout=30) for f in futures]
+        waited = time.monotonic() - t0
+        assert [o.status for o in outcomes] == ["error"] * 4
+        assert all("did not return from a forward pass within 1 s" in o.error
+                   for o in outcomes)
+        assert waited < 10.0  # the 1-s timeout, not the gate's 60 s
+        with pytest.raises(EngineError, match="did not return"):
+            server.submit_row("late")
+        assert server.shutdown() == 0
+    finally:
+        lm.gate.set()  # let the abandoned pass finish; its results are not delivered twice
+    assert all(f.result().status == "error" for f in futures)
+
+
 def test_a_decode_server_drains_or_cancels_like_the_engine() -> None:
     """shutdown(drain=True) answers every submitted request; shutdown(drain=False) with a pass
     under way cancels the rest, each request gets exactly one outcome, and the count of

@@ -56,6 +56,10 @@ from ken.policy.generating import GenDispatcher, pick_lane
 from ken.policy.plan import GenPlan
 from ken.policy.scheduling import WallClock
 
+#: how long a forward pass may run before the server gives up on it (a CPU prefill of eight long
+#: prompts on the 0.5B model takes seconds; 60 s is an order of magnitude above that)
+PASS_TIMEOUT_S = 60.0
+
 #: inbox markers of ``shutdown``: stop once idle; cancel what is left at the next pass boundary
 _STOP = object()
 _CANCEL = object()
@@ -167,9 +171,12 @@ class DecodeServer:
                  mode: Mode = "continuous", stop: Sequence[str] = (),
                  ignore_eos: bool = False, memory_budget_bytes: int | None = None,
                  order: Order = "fcfs", targets: ServiceTargets | None = None,
-                 pass_cost: PassCost | None = None) -> None:
+                 pass_cost: PassCost | None = None,
+                 pass_timeout_s: float = PASS_TIMEOUT_S) -> None:
         """``memory_budget_bytes``: the device memory for weights plus KV cache; the cache gets
         what the weights leave (``kv_budget_tokens`` slots, whichever is smaller).
+        ``pass_timeout_s``: a forward pass that has not returned by then abandons the server
+        (every request in it or waiting ends ``error``, saying the model did not return).
 
         ``order="deadline"`` with ``targets`` (TTFT and time between tokens): each prefill's
         joiners are chosen by Apt-Serve's rule (``ken.policy.decoding``), passes estimated by
@@ -182,9 +189,16 @@ class DecodeServer:
         self._lanes: dict[str, _Lane] = {
             "": _Lane(lm, max_running, kv_budget_tokens, mode, stop, ignore_eos, order,
                       targets, pass_cost)}
-        self._init_loop()
+        self._init_loop(pass_timeout_s)
 
-    def _init_loop(self) -> None:
+    def _init_loop(self, pass_timeout_s: float = 0.0) -> None:
+        pass_timeout_s = pass_timeout_s or PASS_TIMEOUT_S
+        if not (pass_timeout_s > 0 and pass_timeout_s < float("inf")):
+            raise EngineError(f"pass_timeout_s must be finite and > 0, got {pass_timeout_s}")
+        self.pass_timeout_s = pass_timeout_s
+        self._pass_lock = threading.Lock()  # the loop's pass against the watchdog's verdict
+        self._pass_started: float | None = None  # when the pass under way began
+        self._abandoned = False  # the watchdog gave up on a pass that never returned
         self.clock = WallClock()
         self._lane_names = list(self._lanes)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -224,6 +238,7 @@ class DecodeServer:
         self._thread = threading.Thread(target=self._guarded_loop, name="ken-decode",
                                         daemon=True)
         self._thread.start()
+        threading.Thread(target=self._watch, name="ken-decode-watchdog", daemon=True).start()
         return self
 
     def submit(self, prompt: Sequence[int], max_new_tokens: int) -> Future:
@@ -241,6 +256,8 @@ class DecodeServer:
         fut: Future = Future()
         fut.set_running_or_notify_cancel()  # an outcome always comes; it cannot be cancelled
         with self._lock:
+            if self._abandoned:
+                raise EngineError(f"the decode server stopped: {self._crashed}")
             if self._thread is None or not self._thread.is_alive():
                 raise EngineError("the decode server is not running; call start() first"
                                   + (f" (it stopped: {self._crashed})" if self._crashed else ""))
@@ -259,8 +276,9 @@ class DecodeServer:
         the pass under way is done (``EngineError`` if it is not within ``pass_timeout_s``).
         Returns how many were cancelled. Safe to call twice and from any thread."""
         with self._shutdown_lock:
-            if self._thread is None or (self.closing.is_set() and not self._thread.is_alive()):
-                return 0
+            if self._thread is None or self._abandoned or (
+                    self.closing.is_set() and not self._thread.is_alive()):
+                return 0  # (an abandoned server failed every request when it gave up)
             with self._lock:
                 if not self.closing.is_set():
                     self.closing.set()
@@ -367,13 +385,23 @@ class DecodeServer:
                 continue
             name, lane = self._lane_names[k], lanes[k]
             start = self.clock.now()
+            with self._pass_lock:
+                self._pass_started = start
             try:
                 step, finished, failed = lane.run(self._pending, self.clock)
             except Exception as exc:  # noqa: BLE001 - a failed decode fails its batch only
+                with self._pass_lock:
+                    self._pass_started = None
+                    if self._abandoned:
+                        return
                 now = self.clock.now()
                 for rid in lane.drop_running():
                     self._failed(rid, f"{type(exc).__name__}: {exc}", now)
                 continue
+            with self._pass_lock:
+                self._pass_started = None
+                if self._abandoned:  # too late: every request already has its outcome
+                    return
             now = self.clock.now()
             self.busy_s += now - start
             self.passes += 1
@@ -387,6 +415,33 @@ class DecodeServer:
             for rid, message in failed.items():
                 self._failed(rid, message, now)
 
+
+    def _watch(self) -> None:
+        """Give up on a pass that has not returned within ``pass_timeout_s`` (a stuck model:
+        its thread cannot be stopped, so it is left behind, as a thread worker's call is):
+        every request in the server ends ``error`` at once, and ``submit`` refuses more."""
+        thread = self._thread
+        while thread is not None and thread.is_alive():
+            time.sleep(min(0.1, self.pass_timeout_s / 10))
+            with self._pass_lock:
+                started = self._pass_started
+                if started is None or self.clock.now() - started <= self.pass_timeout_s:
+                    continue
+                self._abandoned = True
+                self._crashed = (f"{self.lm_name()} did not return from a forward pass within "
+                                 f"{self.pass_timeout_s:g} s (pass_timeout_s); its requests "
+                                 "were failed and the server stopped")
+                with self._lock:
+                    self.closing.set()
+                now = self.clock.now()
+                for rid in list(self._pending):
+                    self._failed(rid, self._crashed, now)
+                self._reject_inbox(self._crashed, "error")
+            return
+
+    def lm_name(self) -> str:
+        """The model the server runs, for messages."""
+        return str(getattr(self.lm, "name", None) or "the model")
 
     def _cancel_pending(self) -> None:
         """Shutdown without drain: every request still queued or running ends cancelled."""
@@ -409,9 +464,11 @@ class CascadeServer(DecodeServer):
 
     def __init__(self, models: Mapping[str, GenerativeModel], plan: GenPlan,
                  order: Order = "fcfs", targets: ServiceTargets | None = None,
-                 pass_costs: Mapping[str, PassCost] | None = None) -> None:
+                 pass_costs: Mapping[str, PassCost] | None = None,
+                 pass_timeout_s: float = PASS_TIMEOUT_S) -> None:
         """``order``, ``targets`` and ``pass_costs`` (per model): each lane's order of joiners,
-        as in ``DecodeServer`` (the function's targets hold on every lane)."""
+        as in ``DecodeServer`` (the function's targets hold on every lane); ``pass_timeout_s``
+        as there."""
         missing = [m for m in plan.models if m not in models]
         if missing:
             raise EngineError(f"the plan uses models {missing} that were not given")
@@ -423,7 +480,7 @@ class CascadeServer(DecodeServer):
         self._lanes = {m: _Lane(model.lm, plan.max_running, plan.kv_budget_tokens,
                                 plan.mode, model.stop, False, order, targets, costs.get(m))
                        for m, model in self.models.items()}
-        self._init_loop()
+        self._init_loop(pass_timeout_s)
 
     @property
     def lm(self) -> CausalLM:
