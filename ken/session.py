@@ -76,7 +76,7 @@ class Session:
         # how to re-plan each function session.plan planned, while it is served
         self.replans: dict[str, GearReplan] = {}
         # gear plans and the one online engine serving them on the session's devices
-        self.serving = ServingManager(self.operators, self.ctx, self.bind)
+        self.serving = ServingManager(self.operators, self.ctx, self.bind, self.db)
         self.ray_actors = 2  # actors of sql(..., engine="ray"), each of device.threads CPUs
         # sql(..., engine="auto") runs a query's semantic step on Ray Data when it reads one
         # Parquet dataset of at least this many rows (None: never; ken.sql.ray_query)
