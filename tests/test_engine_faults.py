@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import fakes
@@ -431,6 +432,69 @@ def test_sigterm_answers_every_sql_query_in_flight_then_exits_143(tmp_path: Path
                for e in errors), errors
     assert sum(o[0].startswith("rows") for o in outcomes.values()) >= 20
     assert "Traceback" not in err.read_text(), err.read_text()
+
+
+class GatedModel(FakeModel):
+    """A fake model whose calls (the warm-up excepted) say they began, then wait for
+    ``gate``."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def predict(self, texts, batch_size=32):  # noqa: ANN001, ANN201
+        self.entered.set()
+        assert self.gate.wait(timeout=60)
+        return super().predict(texts, batch_size)
+
+
+def test_a_statement_still_running_when_the_shutdown_settles_is_interrupted() -> None:
+    """After ``refuse`` the session turns new statements away; ``settle`` interrupts a
+    statement that has not ended within its grace (here one inside a model call that waits),
+    which then ends in ShuttingDown, not in rows after the process has gone; a result read
+    after that is read without DuckDB."""
+    import pyarrow as pa
+
+    import ken
+    from ken.errors import ShuttingDown
+
+    model = GatedModel("a")
+    session = ken.connect(builtins=False)
+    try:
+        session.register("mood", model)
+        session.register_table("t", pa.table({"text": [f"tweet {i}" for i in range(10_000)]}))
+        pool = ThreadPoolExecutor(1)
+        # finished before the shutdown: in another thread (its rows are read), and in the
+        # thread that opened the session (DuckDB's relation, not read yet)
+        done = pool.submit(session.sql, "SELECT 41 + 1 AS answer").result(timeout=30)
+        lazy = session.sql("SELECT 41 + 1 AS answer")
+        running = pool.submit(lambda: session.sql("SELECT count(mood(text)) FROM t"))
+        assert model.entered.wait(timeout=30)
+        session.db.refuse("a test")
+        with pytest.raises(ShuttingDown, match="shutting down .a test.*no more statements"):
+            session.sql("SELECT 1")
+        settling = pool_of_one(session.db.settle, 0.05, 30.0)
+        assert session.db.closed.wait(timeout=30)  # it interrupted the statement
+        model.gate.set()
+        assert settling.result(timeout=30) == 1
+        with pytest.raises(ShuttingDown, match="interrupted.*shutting down"):
+            running.result(timeout=30)
+        assert done.fetchall() == [(42,)]  # read without DuckDB
+        with pytest.raises(ShuttingDown, match="cannot be read"):
+            lazy.fetchall()
+        pool.shutdown()
+    finally:
+        model.gate.set()
+        session.close()
+
+
+def pool_of_one(fn, *args):  # noqa: ANN001, ANN002, ANN201
+    """``fn(*args)`` in a thread; a future of what it returns."""
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(fn, *args)
+    pool.shutdown(wait=False)
+    return future
 
 
 # -- admission ---------------------------------------------------------------------------------

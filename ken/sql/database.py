@@ -52,7 +52,8 @@ class Database:
         self._running: dict[int, list] = {}
         self._changed = threading.Condition()
         self._refusing: str | None = None  # why new statements are turned away
-        self._closed = False  # after ``settle``: nothing enters DuckDB any more
+        # set by ``settle`` once it has interrupted what still ran: nothing enters DuckDB
+        self.closed = threading.Event()
         self._interrupted: set[int] = set()  # threads whose statement ``settle`` interrupted
 
     def connection(self) -> duckdb.DuckDBPyConnection:
@@ -141,7 +142,7 @@ class Database:
         statement that finished are still the caller's)."""
         me = threading.get_ident()
         with self._changed:
-            if self._closed:
+            if self.closed.is_set():
                 entry = None
             else:
                 entry = self._running.setdefault(me, [0, None])
@@ -178,14 +179,14 @@ class Database:
         nothing enters DuckDB (results are read without it). Returns how many statements it
         interrupted."""
         with self._changed:
+            self._refusing = self._refusing or "it was closed"
             self._wait_idle(grace_s)
             interrupted = [(me, entry[1]) for me, entry in self._running.items()
                            if entry[1] is not None]
-            self._interrupted.update(me for me, _ in interrupted)
-            self._closed = True
-        for _, con in interrupted:
-            con.interrupt()
-        with self._changed:
+            for me, con in interrupted:
+                self._interrupted.add(me)
+                con.interrupt()  # DuckDB stops the query at its next check
+            self.closed.set()
             self._wait_idle(interrupted_s)
         return len(interrupted)
 
