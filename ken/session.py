@@ -369,6 +369,11 @@ class Session:
         PARD's proactive dropping; a query whose row is dropped raises
         ``ken.errors.RequestDropped``). Default: never drop.
 
+        SIGTERM drains what is served, then exits with status 143: from the signal on, new
+        statements raise ``ken.errors.ShuttingDown``; a query waiting on a server gets its rows,
+        or ``ken.errors.ServingStopped`` for rows sent after the drain began; a statement still
+        running 5 s after the drain is interrupted (``ShuttingDown``).
+
         ``deadline`` (``ken.engine.supervision.BatchDeadline``) bounds each model call: 10x
         its profiled runtime (at least 2 s); for a plan without runtimes (``use_plan`` of a
         plan written by hand), 10x what the model's calls took while serving, and

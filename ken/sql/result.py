@@ -61,7 +61,7 @@ class Result:
             return []
         with self._duckdb() as con:
             if con is None:
-                return [tuple(row.values()) for row in table.to_pylist()]
+                return list(zip(*(column.to_pylist() for column in table.columns)))
             return con.from_arrow(table).fetchall()
 
     @property
