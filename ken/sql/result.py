@@ -61,7 +61,7 @@ class Result:
             return []
         with self._duckdb() as con:
             if con is None:
-                return list(zip(*(column.to_pylist() for column in table.columns)))
+                return list(zip(*(column.to_pylist() for column in table.columns), strict=True))
             return con.from_arrow(table).fetchall()
 
     @property
