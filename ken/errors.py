@@ -47,6 +47,16 @@ class RequestDropped(EngineBusy):
     deadline it carried (``ken.engine.deadlines.within``); the message says where and why."""
 
 
+class ServingStopped(EngineBusy):
+    """The online engine shut down (``stop_serving``, the session's close, SIGTERM) before it
+    ran rows of a query: nothing was answered for them."""
+
+
+class ShuttingDown(KenError):
+    """The session is shutting down (the process got SIGTERM): it takes no more statements,
+    and a statement still running at the end of the drain was interrupted."""
+
+
 class SqlError(KenError):
     """The query is not valid SQL, or uses a function wrongly."""
 

@@ -76,7 +76,7 @@ class Session:
         # how to re-plan each function session.plan planned, while it is served
         self.replans: dict[str, GearReplan] = {}
         # gear plans and the one online engine serving them on the session's devices
-        self.serving = ServingManager(self.operators, self.ctx, self.bind)
+        self.serving = ServingManager(self.operators, self.ctx, self.bind, self.db)
         self.ray_actors = 2  # actors of sql(..., engine="ray"), each of device.threads CPUs
         # sql(..., engine="auto") runs a query's semantic step on Ray Data when it reads one
         # Parquet dataset of at least this many rows (None: never; ken.sql.ray_query)
@@ -368,6 +368,11 @@ class Session:
         the reason, a request that can no longer make its deadline (``ken.engine.deadlines``;
         PARD's proactive dropping; a query whose row is dropped raises
         ``ken.errors.RequestDropped``). Default: never drop.
+
+        SIGTERM drains what is served, then exits with status 143: from the signal on, new
+        statements raise ``ken.errors.ShuttingDown``; a query waiting on a server gets its rows,
+        or ``ken.errors.ServingStopped`` for rows sent after the drain began; a statement still
+        running 5 s after the drain is interrupted (``ShuttingDown``).
 
         ``deadline`` (``ken.engine.supervision.BatchDeadline``) bounds each model call: 10x
         its profiled runtime (at least 2 s); for a plan without runtimes (``use_plan`` of a

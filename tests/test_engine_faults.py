@@ -326,6 +326,177 @@ def test_sigterm_drains_every_admitted_request_then_exits(tmp_path: Path) -> Non
     assert not any(alive(p) for p in pids.values())
 
 
+SQL_SERVER = """
+import sys, threading, time
+import pyarrow as pa
+from fakes import SlowModel
+import ken
+from ken.errors import KenError
+from ken.models.cascade import Cascade
+from ken.policy.plan import GearPlan, RangeSchedule, Replica
+
+session = ken.connect(builtins=False)
+session.register("sentiment", Cascade(("a",)), models={"a": SlowModel("a", 0.05)})
+session.register_table("t", pa.table({"text": [f"tweet {i}" for i in range(200)]}))
+session.use_plan(GearPlan("sentiment", (0.0, 1e6), (Cascade(("a",)),),
+                          (Replica("a", ("cpu0",)),), (RangeSchedule(0, (1.0,), (1,)),), (8,),
+                          max_wait_s=0.005))
+session.serve(workers="thread", bulk_threshold=1000)
+out = threading.Lock()
+saw_shutdown = [threading.Event() for _ in range(4)]
+
+def say(line):
+    with out:
+        print(line, flush=True)
+
+def query(c, i):
+    if i % 2:  # a scan whose rows reach the served function as a batch of requests
+        return session.sql("SELECT sentiment(text) FROM t WHERE text LIKE ?",
+                           [f"tweet {(c + i) % 10}%"]).fetchall()
+    return session.sql("SELECT sentiment(?)", [f"client {c} query {i}"]).fetchall()
+
+def client(c):
+    # clients 0 and 1 (threads the interpreter waits for) stop at the shutdown error;
+    # clients 2 and 3 (daemon threads) carry on sending queries, unanswered, until the end
+    i = 0
+    while True:
+        say(f"start {c} {i}")
+        try:
+            rows = query(c, i)
+        except KenError as exc:
+            say(f"outcome {c} {i} {type(exc).__name__}: {exc}")
+            if "shut" in str(exc):
+                break
+        else:
+            say(f"outcome {c} {i} rows {len(rows)}")
+        i += 1
+    saw_shutdown[c].set()
+    while c >= 2:
+        try:
+            query(c, i)
+        except KenError:
+            pass
+
+clients = [threading.Thread(target=client, args=(c,), daemon=c >= 2) for c in range(4)]
+for t in clients:
+    t.start()
+say("ready")
+try:
+    threading.Event().wait()
+finally:  # SystemExit(143) after the drain: the daemon clients have printed their last line
+    for seen in saw_shutdown:
+        seen.wait(timeout=20)
+"""
+
+
+def test_sigterm_answers_every_sql_query_in_flight_then_exits_143(tmp_path: Path) -> None:
+    """A program serving sentiment() to SQL client threads gets SIGTERM: every query a client
+    started ends with its rows or a KenError naming the shutdown (none lost), the clients that
+    keep sending queries are turned away, and the process exits 143 within seconds: not by
+    abort (a thread inside DuckDB while the interpreter finalizes), not hanging."""
+    err = tmp_path / "stderr"
+    with open(err, "w") as stderr:
+        server = subprocess.Popen([sys.executable, "-c", SQL_SERVER], stdout=subprocess.PIPE,
+                                  stderr=stderr, text=True, env=child_env())
+    try:
+        lines = []
+        while sum(line.startswith("outcome") for line in lines) < 20:
+            line = server.stdout.readline()
+            assert line, f"the program ended early: {err.read_text()}"
+            lines.append(line)
+        server.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        try:
+            rest, _ = server.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            rest, _ = server.communicate()
+        exit_s = time.monotonic() - signalled
+    finally:
+        server.kill()
+    lines += rest.splitlines()
+    assert "ready" in {line.strip() for line in lines}
+    started = [tuple(line.split()[1:3]) for line in lines if line.startswith("start")]
+    outcomes: dict[tuple[str, ...], list[str]] = {}
+    for line in lines:
+        if line.startswith("outcome"):
+            outcomes.setdefault(tuple(line.split()[1:3]), []).append(line.split(" ", 3)[3])
+    assert server.returncode == 128 + signal.SIGTERM, (server.returncode, exit_s,
+                                                       err.read_text()[-2000:])
+    assert exit_s < 20.0
+    assert [q for q in started if q not in outcomes] == []  # none lost
+    assert all(len(o) == 1 for o in outcomes.values())  # never two outcomes
+    errors = [o[0] for o in outcomes.values() if not o[0].startswith("rows")]
+    assert len(errors) >= 4  # each client's last query at least
+    assert all(e.split(":")[0] in ("ShuttingDown", "ServingStopped") and "shut" in e
+               for e in errors), errors
+    assert sum(o[0].startswith("rows") for o in outcomes.values()) >= 20
+    assert "Traceback" not in err.read_text(), err.read_text()
+
+
+class GatedModel(FakeModel):
+    """A fake model whose calls (the warm-up excepted) say they began, then wait for
+    ``gate``."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def predict(self, texts, batch_size=32):  # noqa: ANN001, ANN201
+        self.entered.set()
+        assert self.gate.wait(timeout=60)
+        return super().predict(texts, batch_size)
+
+
+def test_a_statement_still_running_when_the_shutdown_settles_is_interrupted() -> None:
+    """After ``refuse`` the session turns new statements away; ``settle`` interrupts a
+    statement that has not ended within its grace (here one inside a model call that waits),
+    which then ends in ShuttingDown, not in rows after the process has gone; a result read
+    after that is read without DuckDB."""
+    import pyarrow as pa
+
+    import ken
+    from ken.errors import ShuttingDown
+
+    model = GatedModel("a")
+    session = ken.connect(builtins=False)
+    try:
+        session.register("mood", model)
+        session.register_table("t", pa.table({"text": [f"tweet {i}" for i in range(10_000)]}))
+        pool = ThreadPoolExecutor(1)
+        # finished before the shutdown: in another thread (its rows are read), and in the
+        # thread that opened the session (DuckDB's relation, not read yet)
+        done = pool.submit(session.sql, "SELECT 41 + 1 AS answer").result(timeout=30)
+        lazy = session.sql("SELECT 41 + 1 AS answer")
+        running = pool.submit(lambda: session.sql("SELECT count(mood(text)) FROM t"))
+        assert model.entered.wait(timeout=30)
+        session.db.refuse("a test")
+        with pytest.raises(ShuttingDown, match="shutting down .a test.*no more statements"):
+            session.sql("SELECT 1")
+        settling = pool_of_one(session.db.settle, 0.05, 30.0)
+        assert session.db.closed.wait(timeout=30)  # it interrupted the statement
+        model.gate.set()
+        assert settling.result(timeout=30) == 1
+        with pytest.raises(ShuttingDown, match="interrupted.*shutting down"):
+            running.result(timeout=30)
+        assert done.fetchall() == [(42,)]  # read without DuckDB
+        with pytest.raises(ShuttingDown, match="cannot be read"):
+            lazy.fetchall()
+        pool.shutdown()
+    finally:
+        model.gate.set()
+        session.close()
+
+
+def pool_of_one(fn, *args):  # noqa: ANN001, ANN002, ANN201
+    """``fn(*args)`` in a thread; a future of what it returns."""
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(fn, *args)
+    pool.shutdown(wait=False)
+    return future
+
+
 # -- admission ---------------------------------------------------------------------------------
 
 

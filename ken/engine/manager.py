@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from ken.engine.decode import CascadeServer, GenerationEngine
 from ken.engine.ray_runner import RayCluster
@@ -37,19 +37,34 @@ from ken.policy.decoding import ServiceTargets
 from ken.policy.plan import GearPlan, GenPlan, Plan
 
 
+class Statements(Protocol):
+    """The statements a session runs on its database (``ken.sql.database.Database``), as
+    SIGTERM ends them."""
+
+    def refuse(self, reason: str) -> None:
+        """Turn new statements away from now on; those running go on."""
+
+    def settle(self) -> int:
+        """Wait for the running statements to end (interrupting those that do not in time);
+        then nothing enters the database any more."""
+
+
 class ServingManager:
     """Plans per function and the servers of the functions that ``serve`` named.
 
     ``operators`` is the session's registry (read live), ``bind`` its cache of bound
     operators: thread workers and decode servers run the very models the session's
-    in-process calls use.
+    in-process calls use. ``statements``: the session's, which SIGTERM ends too (see
+    ``drain_on_sigterm``).
     """
 
     def __init__(self, operators: Mapping[str, Operator], ctx: OpContext,
-                 bind: Callable[[str, tuple[str, ...]], Bound]) -> None:
+                 bind: Callable[[str, tuple[str, ...]], Bound],
+                 statements: Statements | None = None) -> None:
         self.operators = operators
         self.ctx = ctx
         self._bind = bind
+        self.statements = statements
         self._plans: dict[str, Plan] = {}
         self._servers: dict[str, Server] = {}  # served function -> its server
         self._engine: Engine | None = None  # the one engine of the gear plans, once started
@@ -203,7 +218,7 @@ class ServingManager:
             raise KenError(f"{', '.join(f'{n}()' for n in missing)} has no plan; run "
                            "session.plan(...) or session.use_plan(...) first")
         if self._sigterm is None:
-            self._sigterm = SigtermDrain.install(lambda: self.stop(drain=True))
+            self._sigterm = SigtermDrain.install(self.drain_on_sigterm)
         by_kind: dict[str, list[str]] = {}
         for n in dict.fromkeys(names):
             if n not in self._servers:
@@ -324,6 +339,19 @@ class ServingManager:
                                "process that loads its models there")
             out.update(loaders)
         return out
+
+    def drain_on_sigterm(self) -> None:
+        """SIGTERM's drain: the session turns new statements away, every server drains (the
+        queries waiting on it get their rows, or ``cancelled`` rows and an error naming the
+        shutdown), then the statements still running end, before the process exits: a
+        thread left inside DuckDB as the interpreter finalizes aborts the process."""
+        if self.statements is not None:
+            self.statements.refuse("the process got SIGTERM")
+        try:
+            self.stop(drain=True)
+        finally:
+            if self.statements is not None:
+                self.statements.settle()
 
     def stop(self, drain: bool = True) -> int:
         """Shut every server down (the decode servers, then the engine; draining admitted

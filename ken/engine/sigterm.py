@@ -3,7 +3,8 @@
 One handler for every server: a standalone ``Engine`` started in the main thread installs one
 for itself (``drain_on_sigterm``); the serving manager installs one for every server it runs
 (the classifier engine and each generating function's decode server), so a served generating
-function drains exactly as a classifier does.
+function drains exactly as a classifier does, and ends the session's SQL statements before
+the process exits (``ServingManager.drain_on_sigterm``).
 """
 
 from __future__ import annotations

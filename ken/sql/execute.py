@@ -24,7 +24,13 @@ from ken.cache import CacheError, ResultCache
 from ken.engine.batch import CascadeResult, run_cascade
 from ken.engine.deadlines import call_deadline
 from ken.engine.serving import Engine
-from ken.errors import EngineBusy, KenError, ModelCallFailed, RequestDropped
+from ken.errors import (
+    EngineBusy,
+    KenError,
+    ModelCallFailed,
+    RequestDropped,
+    ServingStopped,
+)
 from ken.models.cascade import Cascade
 from ken.ops.base import Bound, struct_fields
 from ken.sql.cache_key import Namespace
@@ -269,9 +275,11 @@ class SiteRunner:
             failed = [o for o in outcomes if o.status not in ("ok", "rejected")]
             rejected = [o for o in outcomes if o.status == "rejected"]
             if failed:  # cancelled: the engine stopped before they ran
-                raise EngineBusy(
+                raise ServingStopped(
                     f"{self.site.call_sql()}: {len(failed)} of {len(inputs)} rows were not "
-                    f"run ({failed[0].status}: {failed[0].error or 'the engine stopped'})")
+                    "run: the online engine shut down before they ran (stop_serving, the "
+                    f"session's close, or SIGTERM; {failed[0].status}: "
+                    f"{failed[0].error or 'the engine stopped'})")
             if rejected and time.monotonic() >= give_up:
                 raise EngineBusy(
                     f"{self.site.call_sql()}: {len(rejected)} of {len(inputs)} rows were "

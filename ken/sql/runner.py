@@ -25,7 +25,7 @@ import pyarrow as pa
 
 from ken.cache import ResultCache
 from ken.engine.manager import ServingManager
-from ken.errors import KenError
+from ken.errors import KenError, ShuttingDown
 from ken.models.model import DeviceConfig
 from ken.ops.base import Bound, OpContext, Operator, suggest
 from ken.ops.llm_operator import LLMOperator
@@ -130,10 +130,16 @@ class QueryRunner:
 
     def _result(self, table: pa.Table | None = None, relation: Any = None,
                 stats: dict | None = None) -> Result:
-        return Result(self.host.db.connection, table, relation, stats)
+        return Result(self.host.db.connection, table, relation, stats,
+                      reading=self.host.db.reading)
 
     def sql(self, query: str, params: Any = None, engine: str = "auto") -> Result:
-        """One statement's result (``Session.sql``)."""
+        """One statement's result (``Session.sql``); ``ShuttingDown`` once the session is
+        shutting down (``Database.statement``)."""
+        with self.host.db.statement():
+            return self._statement(query, params, engine)
+
+    def _statement(self, query: str, params: Any, engine: str) -> Result:
         if engine not in ENGINES:
             raise KenError(f"engine must be 'auto', 'duckdb' or 'ray' (got {engine!r})")
         statements = split_statements(query)
@@ -320,6 +326,11 @@ class QueryRunner:
         out = []
         for site in rw.sites:
             engine = host.serving.engine_for(site.function, site.constants)
+            if engine is None and host.db.refusing is not None:
+                # the servers have stopped: a model is not started in-process as the
+                # process exits
+                raise ShuttingDown(f"{site.call_sql()} was not run: the session is shutting "
+                                   f"down ({host.db.refusing})")
             bound = host.bind(site.function, site.constants)
             space = None
             # a targeted site's answers depend on its sample (ken.sql.guarantee): not cached
@@ -465,6 +476,10 @@ class QueryRunner:
     def explain(self, query: str, analyze: bool = False, params: Any = None) -> str:
         """The plan of ``query`` (``Session.explain``): its bound sites rendered, with
         estimates; with ``analyze`` it runs them too and adds what they did."""
+        with self.host.db.statement():
+            return self._explain(query, analyze, params)
+
+    def _explain(self, query: str, analyze: bool, params: Any) -> str:
         statements = self._rewrite(query)
         if len(statements) != 1:
             raise SqlError("EXPLAIN takes exactly one statement")
@@ -540,6 +555,11 @@ class QueryRunner:
     def train(self, function: str, table: str | Path | pa.Table | Any, label: str,
               columns: Sequence[str] | None = None, **options: Any) -> Trained:
         """Train ``function`` on labelled rows (``Session.train``)."""
+        with self.host.db.statement():
+            return self._train(function, table, label, columns, **options)
+
+    def _train(self, function: str, table: str | Path | pa.Table | Any, label: str,
+               columns: Sequence[str] | None, **options: Any) -> Trained:
         name = function.lower()
         if name not in self.host.operators:
             raise KenError(f"no semantic function {function}() to train."
