@@ -82,18 +82,31 @@ def plans_to_serve(reporter: Reporter, seed: int):  # noqa: ANN201
 
 
 class Window:
-    """Outcomes since the last sample (the futures' callbacks add, the sampler takes)."""
+    """Outcomes since the last sample (the futures' callbacks add, the sampler takes), and
+    every outcome's count. Only the requests in flight are held (``pending``): a soak that
+    kept every future would measure its own bookkeeping as growth."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.latency_ms: list[float] = []
         self.status: dict[str, int] = {}
+        self.total: dict[str, int] = {}
+        self.pending: set[Future] = set()
+        self.submitted = 0
+
+    def track(self, kind: str, future: Future) -> None:
+        with self.lock:
+            self.pending.add(future)
+            self.submitted += 1
+        future.add_done_callback(functools.partial(self.add, kind))
 
     def add(self, kind: str, future: Future) -> None:
         o = future.result()
         with self.lock:
+            self.pending.discard(future)
             key = f"{kind}:{o.status}"
             self.status[key] = self.status.get(key, 0) + 1
+            self.total[key] = self.total.get(key, 0) + 1
             if kind == "classify" and o.status == "ok":
                 self.latency_ms.append(1000 * o.latency_s)
 
@@ -116,7 +129,6 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
     peak = main.qps_max
     duration = 60.0 * args.minutes
     window = Window()
-    futures: list[tuple[str, Future]] = []
     samples, events = [], []
     reporter.note(f"soak: {args.minutes:g} min at {args.load:g}x the plan's peak "
                   f"({peak:g} qps), bursts {args.burst:g}x for {args.burst_s:g} s every "
@@ -137,8 +149,10 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
             if now >= next_at["sample"]:
                 lat, status = window.take()
                 use = tree_usage()
+                host = tree_usage(os.getpid(), alone=True)
                 samples.append({
                     "t_s": round(now, 1), "rss_mb": use.rss_bytes / 2**20 if use else None,
+                    "host_rss_mb": host.rss_bytes / 2**20 if host else None,
                     "threads": use.threads if use else None,
                     "open_files": use.open_files if use else None,
                     "processes": use.processes if use else None,
@@ -164,24 +178,23 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
                 next_at["replan"] += args.replan_every_s
             if now >= next_at["gen"]:
                 prompt = prompts[int(rng.integers(len(prompts)))]
-                f = server.submit(prompt, int(rng.integers(4, 12)))
-                f.add_done_callback(functools.partial(window.add, "generate"))
-                futures.append(("generate", f))
+                window.track("generate", server.submit(prompt, int(rng.integers(4, 12))))
                 next_at["gen"] += args.gen_every_s
             if now >= arrival:
-                f = engine.submit(texts[int(rng.integers(len(texts)))])
-                f.add_done_callback(functools.partial(window.add, "classify"))
-                futures.append(("classify", f))
+                window.track("classify", engine.submit(texts[int(rng.integers(len(texts)))]))
                 rate = peak * (args.burst if in_burst(now, now, args) else args.load)
                 arrival += rng.exponential(1.0 / rate)
             time.sleep(max(0.0, min(arrival, *next_at.values()) - (time.monotonic() - t0)))
         done_by = time.monotonic() + 120.0
-        while not all(f.done() for _, f in futures) and time.monotonic() < done_by:
+        while window.pending and time.monotonic() < done_by:
             time.sleep(0.1)
         restarts = engine.worker_restarts
     server.shutdown()
-    lost = sum(not f.done() for _, f in futures)
-    return summarise(args, samples, events, futures, lost, restarts, target_s, main, other)
+    with window.lock:
+        lost = len(window.pending)
+        outcomes = dict(window.total)
+    return summarise(args, samples, events, window.submitted, outcomes, lost, restarts,
+                     target_s, main, other)
 
 
 def in_burst(start: float, end: float, args: argparse.Namespace) -> bool:
@@ -192,7 +205,8 @@ def in_burst(start: float, end: float, args: argparse.Namespace) -> bool:
                for b in (first, first + period) if b > 0)
 
 
-def summarise(args, samples, events, futures, lost, restarts, target_s, main, other) -> dict:  # noqa: ANN001
+def summarise(args, samples, events, submitted, outcomes, lost, restarts, target_s,  # noqa: ANN001
+              main, other) -> dict:
     warm = [s for s in samples if s["t_s"] >= args.warmup_s and s["rss_mb"] is not None]
 
     def growth(key: str) -> float | None:
@@ -205,19 +219,14 @@ def summarise(args, samples, events, futures, lost, restarts, target_s, main, ot
     calm = [s for s in warm if not s["in_burst"] and s["p99_ms"] is not None and
             not any(0 <= s["t_s"] - k <= 2 * args.sample_s for k in kill_times)]
     within = [s["p99_ms"] <= GOALS["p99_over_target"] * s["target_ms"] for s in calm]
-    status: dict[str, int] = {}
-    for kind, f in futures:
-        if f.done():
-            key = f"{kind}:{f.result().status}"
-            status[key] = status.get(key, 0) + 1
     out = {
         "args": {k: str(v) for k, v in vars(args).items()},
         "plans": [main.headline(), other.headline()], "peak_qps": main.qps_max,
-        "latency_target_ms": 1000 * target_s, "requests": len(futures), "lost": lost,
-        "distinct_outcomes": len({(kind, f.result().request_id) for kind, f in futures
-                                  if f.done()}),
-        "status": status, "worker_restarts": restarts, "events": events,
-        "rss_growth_mb": growth("rss_mb"), "open_files_growth": growth("open_files"),
+        "latency_target_ms": 1000 * target_s, "requests": submitted, "lost": lost,
+        "outcomes": sum(outcomes.values()), "status": outcomes, "worker_restarts": restarts,
+        "events": events,
+        "rss_growth_mb": growth("rss_mb"), "host_rss_growth_mb": growth("host_rss_mb"),
+        "open_files_growth": growth("open_files"),
         "threads_growth": growth("threads"),
         "calm_windows": len(calm), "calm_windows_p99_within_2x": int(sum(within)),
         "calm_p99_ms_max": max((s["p99_ms"] for s in calm), default=None),
@@ -242,8 +251,10 @@ def plot(result: dict, path: Path) -> None:
     s = result["samples"]
     t = [x["t_s"] / 60 for x in s]
     fig, ax = plt.subplots(1, 3, figsize=(14, 3.6))
-    ax[0].plot(t, [x["rss_mb"] for x in s], ".-")
-    ax[0].set_ylabel("RSS of ken and its workers (MB)")
+    ax[0].plot(t, [x["rss_mb"] for x in s], ".-", label="ken and its workers")
+    ax[0].plot(t, [x["host_rss_mb"] for x in s], ".-", label="ken's process")
+    ax[0].set_ylabel("RSS (MB)")
+    ax[0].legend(fontsize=8)
     ax[1].plot(t, [x["threads"] for x in s], ".-", label="threads")
     ax[1].plot(t, [x["open_files"] for x in s], ".-", label="open files")
     ax[1].legend(fontsize=8)
@@ -292,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "soak.json").write_text(json.dumps(result, indent=1))
     plot(result, args.out / "soak.png")
     print(json.dumps({k: result[k] for k in ("requests", "lost", "status", "worker_restarts",
-                                              "rss_growth_mb", "open_files_growth",
+                                              "rss_growth_mb", "host_rss_growth_mb",
+                                              "open_files_growth",
                                               "threads_growth", "calm_windows",
                                               "calm_windows_p99_within_2x", "goals")}))
     print(f"wrote {args.out}/soak.json and soak.png in {result['seconds']:.0f} s")

@@ -81,16 +81,18 @@ class TreeUsage:
     open_files: int
 
 
-def tree_usage(root: int | None = None, proc: Path = _PROC) -> TreeUsage | None:
+def tree_usage(root: int | None = None, proc: Path = _PROC, alone: bool = False
+               ) -> TreeUsage | None:
     """Resident memory, threads and open file descriptors of ``root`` (default: this
-    process) and every process below it; None without ``/proc``."""
+    process) and every process below it (``alone``: ``root`` only); None without
+    ``/proc``."""
     root = os.getpid() if root is None else root
     try:
-        processes = _processes(proc)
+        pids = [root] if alone else _tree(_processes(proc), root)
     except OSError:
         return None
     count = rss = threads = files = 0
-    for pid in _tree(processes, root):
+    for pid in pids:
         try:
             status = (proc / str(pid) / "status").read_text()
             fds = sum(1 for _ in (proc / str(pid) / "fd").iterdir())
