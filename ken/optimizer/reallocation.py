@@ -12,10 +12,10 @@ one set of hosted plans.
 A ``Schedule`` is the allocation of every period; ``serve_schedule`` turns it into the plans
 and routes the simulator serves (each distinct set of hosts once, as
 ``allocation.serve_allocation`` places it), ``simulate_schedule`` routes each request by the
-allocation of the period it arrives in and simulates the whole trace at once: requests queued
-under an old allocation finish on its plans while the new one takes the new arrivals, so a
-change of allocation loses nothing (its variants stay loaded: no model-load time is charged,
-as on devices with memory for every variant).
+allocation of the period it arrives in and simulates the whole trace at once; when the
+allocation changes, the requests inside the pipeline move onto paths of the new one from the
+hop they are at, so a change loses nothing (variants stay loaded: no model-load time is
+charged, as on devices with memory for every variant).
 """
 
 from __future__ import annotations
@@ -191,6 +191,12 @@ class ServedSchedule:
     paths: tuple[tuple[int, Path], ...]
     first: tuple[int, ...]
 
+    def paths_of(self, allocation: int) -> list[Path]:
+        """Allocation ``allocation``'s paths, in order (global index: ``first[allocation]``
+        plus the position here)."""
+        end = self.first[allocation + 1] if allocation + 1 < len(self.first) else len(self.paths)
+        return [p for _, p in self.paths[self.first[allocation]:end]]
+
 
 def serve_schedule(schedule: Schedule, devices: Sequence[str],
                    max_wait_s: float = 0.005) -> ServedSchedule:
@@ -262,8 +268,8 @@ def simulate_schedule(schedule: Schedule, served: ServedSchedule, catalog: Catal
                              f"this schedule needs at least {len(served.routes)} (one per "
                              "path)")
     rng = np.random.default_rng(seed)
-    bounds = list(served.first) + [len(served.paths)]
-    period = np.array([schedule.at(float(t)) for t in trace.arrival_s], dtype=np.int64)
+    period = np.minimum((trace.arrival_s // schedule.period_s).astype(np.int64),
+                        schedule.periods - 1)  # ``Schedule.at`` of every arrival
     path = np.full(n, -1, dtype=np.int64)
     for k in range(schedule.periods):
         mine = np.flatnonzero(period == k)
@@ -271,16 +277,15 @@ def simulate_schedule(schedule: Schedule, served: ServedSchedule, catalog: Catal
             continue
         a = schedule.which[k]
         problem, alloc = schedule.problems[a], schedule.allocations[a]
-        local = draw_paths(problem, alloc, [p for _, p in served.paths[bounds[a]:bounds[a + 1]]],
-                           mine.size, rng)
+        local = draw_paths(problem, alloc, served.paths_of(a), mine.size, rng)
         path[mine] = np.where(local >= 0, local + served.first[a], -1)
     kept = np.flatnonzero(path >= 0)
     # per request inside the simulation (ids 0..len(kept)-1): its route class and the
     # variants that answer it, rewritten when a change moves it
     names = [served.paths[j][1][1] for j in path[kept]]
     moved = np.zeros(n, dtype=bool)
-    timers = [(k * schedule.period_s, _change(schedule, served, bounds, path[kept], names,
-                                              moved, kept, rng, schedule.which[k]))
+    timers = [(k * schedule.period_s, _change(schedule, served, path[kept], names, moved, kept,
+                                              rng, schedule.which[k]))
               for k in range(1, schedule.periods) if schedule.which[k] != schedule.which[k - 1]]
     latency = np.full(n, np.nan)
     if kept.size:
@@ -298,16 +303,16 @@ def simulate_schedule(schedule: Schedule, served: ServedSchedule, catalog: Catal
     return ScheduleRun(period, path, moved, latency, np.where(on_time, accuracy, 0.0), on_time)
 
 
-def _change(schedule: Schedule, served: ServedSchedule, bounds: list[int], drawn: np.ndarray,
+def _change(schedule: Schedule, served: ServedSchedule, drawn: np.ndarray,
             names: list[tuple[str, ...]], moved: np.ndarray, kept: np.ndarray,
             rng: np.random.Generator, new: int) -> Callable[[EventLoop, float], None]:
     """The timer that puts allocation ``new`` in place: every request inside the pipeline
     goes on along a path of ``new`` drawn for its class, from the hop it is at."""
     problem, alloc = schedule.problems[new], schedule.allocations[new]
+    position = {p: served.first[new] + j for j, p in enumerate(served.paths_of(new))}
     options: dict[int, tuple[list[int], np.ndarray]] = {}
     for r, paths in route_table(problem, alloc).items():
-        index = [bounds[new] + [p for _, p in served.paths[bounds[new]:bounds[new + 1]]].index(
-            (r, ns)) for ns, _ in paths]
+        index = [position[(r, ns)] for ns, _ in paths]
         weights = np.array([q for _, q in paths])
         options[r] = (index, weights / weights.sum())
 
