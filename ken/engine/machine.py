@@ -93,17 +93,35 @@ def tree_usage(root: int | None = None, proc: Path = _PROC, alone: bool = False
         return None
     count = rss = threads = files = 0
     for pid in pids:
+        fields = _status(proc, pid)
         try:
-            status = (proc / str(pid) / "status").read_text()
             fds = sum(1 for _ in (proc / str(pid) / "fd").iterdir())
         except OSError:  # it exited meanwhile
             continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if fields is None:
+            continue
         count += 1
         rss += int(fields.get("VmRSS", "0 kB").split()[0]) * 1024
         threads += int(fields.get("Threads", "0"))
         files += fds
     return TreeUsage(count, rss, threads, files)
+
+
+def _status(proc: Path, pid: int) -> dict[str, str] | None:
+    """The fields of ``/proc/<pid>/status``; None when the process is gone."""
+    try:
+        text = (proc / str(pid) / "status").read_text()
+    except OSError:
+        return None
+    return dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+
+
+def process_rss_bytes(pid: int | None, proc: Path = _PROC) -> int | None:
+    """Resident memory of process ``pid`` of this machine (None if unknown or gone)."""
+    fields = None if pid is None else _status(proc, pid)
+    if fields is None or "VmRSS" not in fields:
+        return None
+    return int(fields["VmRSS"].split()[0]) * 1024
 
 
 def cpu_reading(proc: Path = _PROC) -> CpuReading | None:
@@ -156,4 +174,4 @@ class OtherLoad:
 
 
 __all__ = ["BUSY_CORES", "CpuReading", "OtherLoad", "TreeUsage", "cpu_reading", "other_cores",
-           "tree_usage"]
+           "process_rss_bytes", "tree_usage"]

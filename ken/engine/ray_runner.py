@@ -39,13 +39,13 @@ from typing import Any
 
 import numpy as np
 
+from ken.engine.machine import process_rss_bytes
 from ken.engine.workers import (
     Answers,
     Loader,
     answers,
     gpu_index,
     load_models,
-    process_rss_bytes,
 )
 from ken.errors import BatchTimeout, KenError, WorkerDied, WorkerError
 from ken.models.model import Model

@@ -42,6 +42,7 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
+from ken.engine.machine import process_rss_bytes
 from ken.errors import BatchTimeout, WorkerDied, WorkerError
 from ken.models.model import Model, ModelOutput
 from ken.optimizer.workload import GPU_ID
@@ -112,20 +113,6 @@ def worker_env(device: str, threads: int, base: Mapping[str, str] | None = None
                           f"{env['CUDA_VISIBLE_DEVICES']!r})")
     env["CUDA_VISIBLE_DEVICES"] = visible[index] if visible else str(index)
     return env
-
-
-def process_rss_bytes(pid: int | None) -> int | None:
-    """Resident memory of process ``pid`` of this machine (None if unknown or gone)."""
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 class _CallThread:
