@@ -25,6 +25,7 @@ uncertain answers, ``pick_lane`` picks the lane of each pass — the rules
 from __future__ import annotations
 
 import itertools
+import math
 import queue
 import threading
 import time
@@ -191,9 +192,8 @@ class DecodeServer:
                       targets, pass_cost)}
         self._init_loop(pass_timeout_s)
 
-    def _init_loop(self, pass_timeout_s: float = 0.0) -> None:
-        pass_timeout_s = pass_timeout_s or PASS_TIMEOUT_S
-        if not (pass_timeout_s > 0 and pass_timeout_s < float("inf")):
+    def _init_loop(self, pass_timeout_s: float) -> None:
+        if not (math.isfinite(pass_timeout_s) and pass_timeout_s > 0):
             raise EngineError(f"pass_timeout_s must be finite and > 0, got {pass_timeout_s}")
         self.pass_timeout_s = pass_timeout_s
         self._pass_lock = threading.Lock()  # the loop's pass against the watchdog's verdict
@@ -428,7 +428,7 @@ class DecodeServer:
                 if started is None or self.clock.now() - started <= self.pass_timeout_s:
                     continue
                 self._abandoned = True
-                self._crashed = (f"{self.lm_name()} did not return from a forward pass within "
+                self._crashed = (f"{self._lm_name()} did not return from a forward pass within "
                                  f"{self.pass_timeout_s:g} s (pass_timeout_s); its requests "
                                  "were failed and the server stopped")
                 with self._lock:
@@ -439,7 +439,7 @@ class DecodeServer:
                 self._reject_inbox(self._crashed, "error")
             return
 
-    def lm_name(self) -> str:
+    def _lm_name(self) -> str:
         """The model the server runs, for messages."""
         return str(getattr(self.lm, "name", None) or "the model")
 

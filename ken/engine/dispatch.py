@@ -245,7 +245,7 @@ class Scheduler:
                     self.requests.resolve(rid, "dropped", gear=rng, error=drop.reason)
                     continue
             placed = self.admission.place(disp, rid, disp.route(), self._device_work,
-                                          self._reloading | self.pool.restarting())
+                                          self._reloading | self.pool.loading())
             if placed.reason is not None:
                 with self.requests.lock:
                     self.rejected += 1

@@ -379,7 +379,7 @@ class DevicePool:
         """Devices that have ``model`` loaded."""
         return [d for d, ms in self._loaded_on.items() if model in ms]
 
-    def restarting(self) -> set[str]:
+    def loading(self) -> set[str]:
         """Devices loading models now: a worker process started afresh, or a model a swapped-in
         plan adds to a running device (the load runs between its batches: seconds in which
         the rows queued there wait)."""
