@@ -70,11 +70,10 @@ class RateMeter:
     Windows are fixed buckets ``[t0 + k * window_s, t0 + (k + 1) * window_s)`` from the first
     time ``t0`` the meter is asked (its first arrival, in a dispatcher). Anchored there, the
     simulator and the engine cut one trace into the same windows, whatever their clocks'
-    origins: with windows anchored at each clock's zero, the engine's (started before its
-    models load) fell at a random phase of the trace, and the gears of demo step 6's plan
-    moved by 0.4 points of accuracy (sd) and its simulated p95 from 375 to 507 ms (median)
-    with the phase alone. ``record`` returns True when it opened a new window, i.e. when the
-    measured rate may have changed.
+    origins (anchored at each clock's zero, the engine's windows fell at a random phase of
+    the trace and its gears were not the simulated ones: ``docs/results.md``, "The rate meter
+    cut the engine's trace at another phase"). ``record`` returns True when it opened a new
+    window, i.e. when the measured rate may have changed.
     """
 
     __slots__ = ("window_s", "_origin", "_window", "_count", "_last")
