@@ -47,7 +47,7 @@ sentiment family trained on that data; ``--data hellaswag``: the paper's §5.1 w
 
 Runtimes: before planning, the runtimes are calibrated as ``ken plan`` does by default
 (``ken.engine.calibrate.measure_calibration``: every model served for ``--calibration-s``, each
-call fitted as ``overhead + factor x`` its size-scaled profiled runtime); every system is planned
+call's ratio to its size-scaled profiled runtime fitted per batch size); every system is planned
 and simulated with the calibrated catalog.
 
 Writes ``OUT/summary.json`` (``points``: workload, baseline, accuracies, measured and simulated
@@ -593,8 +593,8 @@ def main() -> int:
     results: dict = {
         "setup": {"data": tag, "operator": args.operator, "sample_rows": len(sample),
                   "devices": "2 CPU workers x 1 thread", "workers": args.workers,
-                  "calibration": {m: {"overhead_s": a, "factor": b}
-                                  for m, (a, b) in calibration.fits.items()},
+                  "calibration": {m: [list(x) for x in pairs]
+                                  for m, pairs in calibration.fits.items()},
                   "calibration_source": calibration.source,
                   "calibration_other_cores": calibration.other_cores,
                   "most_accurate_model": accurate,

@@ -8,7 +8,7 @@ window is also simulated three ways:
 - ``profiles``: every batch charged the profiled runtime of its size (what ken did before);
 - ``sized``: scaled by the size of the batch's largest row (``Catalog.size_factors``): rows
   that escalate to a cascade's later stages are longer than the average profiled row;
-- ``calibrated``: sized, plus the per-model ``overhead + factor x`` fit that ``ken plan`` now
+- ``calibrated``: sized, plus the per-model, per-batch-size factors that ``ken plan`` now
   measures by default (``ken.engine.calibrate.measure_calibration``, 10 s of serving before the
   runs; the fit is not made on the windows it is judged on).
 

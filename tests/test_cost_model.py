@@ -102,9 +102,9 @@ def test_the_simulator_charges_long_rows_more_and_knows_nothing_without_sizes() 
     assert np.allclose(unshared, RT)
 
 
-def _log(a: float, b: float, n: int = 300, seed: int = 0) -> list[BatchRecord]:
-    """Calls of model "a" of 1-4 rows, each ``a + b x predicted`` long times a noise factor
-    (median 1), with two stalls of a second."""
+def _log(factors: dict[int, float], n: int = 300, seed: int = 0) -> list[BatchRecord]:
+    """Calls of model "a" of 1-4 rows, each ``factors[rows] x predicted`` long times a noise
+    factor (median 1), with two stalls of a second."""
     rng = np.random.default_rng(seed)
     cat = catalog(None)
     out = []
@@ -112,41 +112,53 @@ def _log(a: float, b: float, n: int = 300, seed: int = 0) -> list[BatchRecord]:
         r = BatchRecord("d0", "a", int(rng.integers(1, 5)), i * 1.0, i * 1.0, 0.0)
         noise = 1.0 + 0.05 * rng.standard_normal() + (100.0 if i in (7, 90) else 0.0)
         out.append(BatchRecord("d0", "a", r.rows, r.start_s,
-                               r.start_s + (a + b * predicted_s(r, cat)) * noise, 0.0))
+                               r.start_s + factors[r.rows] * predicted_s(r, cat) * noise, 0.0))
     return out
 
 
-def test_fit_calibration_recovers_overhead_and_factor() -> None:
-    log = _log(0.002, 1.1)
+def test_fit_calibration_recovers_a_factor_per_batch_size() -> None:
+    """One-row calls faster than profiled, larger ones slower (as the packaged encoders
+    serve): a factor per power-of-two bin (3 rows fall in the 4-row bin), stalls left out."""
+    log = _log({1: 0.85, 2: 1.1, 3: 1.3, 4: 1.3})
     cal = fit_calibration(log, catalog(None), source="synthetic")
-    a, b = cal.fits["a"]
-    assert a == pytest.approx(0.002, abs=5e-4)  # the stalls are left out of the fit
-    assert b == pytest.approx(1.1, rel=0.05)
+    assert [b for b, _ in cal.fits["a"]] == [1, 2, 4]
+    for (_, got), want in zip(cal.fits["a"], (0.85, 1.1, 1.3), strict=True):
+        assert got == pytest.approx(want, rel=0.03)  # the stalls are left out of the fit
+    assert cal.factor("a", 1) == pytest.approx(0.85, rel=0.03)
+    assert cal.factor("a", 64) == cal.factor("a", 4)  # the nearest fitted size outside them
+    assert cal.factor("b", 4) == 1.0  # not covered
     assert cal.calls["a"] == len(log)
     assert "b" not in cal.fits  # never called: left as profiled
     assert fit_calibration(log[:5], catalog(None)).fits == {}  # too few calls
+    # too few calls of any one size: one factor from all of them
+    few = fit_calibration(log[:12], catalog(None), min_size_calls=20)
+    assert len(few.fits["a"]) == 1
 
 
 def test_calibration_applies_round_trips_and_refuses_bad_files(tmp_path) -> None:  # noqa: ANN001
-    cal = Calibration({"a": (0.001, 1.2)}, {"a": 50}, "test")
+    cal = Calibration({"a": ((1, 0.8), (4, 1.2))}, {"a": 50}, "test")
+    assert cal.factor("a", 2) == pytest.approx(1.0)  # halfway in log2 of the rows
     cat = cal.apply(catalog([5, 6, 7, 8, 9, 10], share=0.4))
-    assert cat.perf["a"].batch_runtime(1) == pytest.approx(0.001 + 1.2 * RT)
+    assert cat.perf["a"].batch_runtime(1) == pytest.approx(0.8 * RT)
     assert cat.perf["b"].batch_runtime(1) == RT
     assert cat.perf["a"].size_share == 0.4 and cat.row_sizes is not None  # kept
-    assert "minilm" not in cal.describe() and "+1.0 ms x1.20" in cal.describe()
+    assert "minilm" not in cal.describe() and "a x0.80@1 x1.20@4" in cal.describe()
     path = cal.save(tmp_path / "calibration.json")
     again = Calibration.load(path)
     assert again.fits == cal.fits and again.calls == cal.calls and again.source == "test"
     with pytest.raises(KenError, match="ken replay"):
         Calibration.load(tmp_path / "missing.json")
-    (tmp_path / "v1.json").write_text(json.dumps(
-        {"kind": "ken-runtime-calibration", "version": 1, "spreads": {"a": [1.0]}}))
-    with pytest.raises(KenError, match="version 1"):
-        Calibration.load(tmp_path / "v1.json")
+    for version, old in ((1, {"spreads": {"a": [1.0]}}),
+                         (2, {"fits": {"a": {"overhead_s": 0.0, "factor": 1.0}}})):
+        (tmp_path / "old.json").write_text(json.dumps(
+            {"kind": "ken-runtime-calibration", "version": version, **old}))
+        with pytest.raises(KenError, match=f"version {version}"):
+            Calibration.load(tmp_path / "old.json")
     with pytest.raises(KenError, match="covers"):
-        Calibration({"zz": (0.0, 1.0)}).apply(catalog(None))
-    with pytest.raises(KenError, match="overhead"):
-        Calibration({"a": (-1.0, 1.0)})
+        Calibration({"zz": ((1, 1.0),)}).apply(catalog(None))
+    for bad in ((), ((1, -1.0),), ((0, 1.0),), ((2, 1.0), (2, 1.1))):
+        with pytest.raises(KenError, match="one factor > 0 per batch size"):
+            Calibration({"a": bad})
 
 
 def test_measure_calibration_serves_every_model_and_fits_what_it_saw() -> None:
@@ -174,10 +186,10 @@ def test_measure_calibration_serves_every_model_and_fits_what_it_saw() -> None:
                               seconds=3.0, workers="process")
     assert set(cal.fits) == {"a", "b"}
     for m in ("a", "b"):
-        a, b = cal.fits[m]
         assert cal.calls[m] >= 10
-        # measured = overhead + factor x profile: about 2x, with the round trip as overhead
-        assert 1.6 < b + a / perf[m].batch_runtime(1) < 2.8, cal.describe()
+        # about 2x, with the round trip; the bursts made batches of more than one row
+        assert 1.6 < cal.factor(m, 1) < 2.8, cal.describe()
+        assert max(b for b, _ in cal.fits[m]) > 1, cal.describe()
     assert "every model" in cal.source
 
 

@@ -59,10 +59,10 @@ def test_a_program_outside_the_tree_counts_and_a_worker_of_ours_does_not() -> No
 
 
 def test_calibration_records_the_other_load(tmp_path: Path) -> None:
-    cal = Calibration({"m": (0.001, 1.2)}, {"m": 40}, "probe", other_cores=0.8)
+    cal = Calibration({"m": ((1, 1.2),)}, {"m": 40}, "probe", other_cores=0.8)
     again = Calibration.load(cal.save(tmp_path / "calibration.json"))
     assert again.other_cores == pytest.approx(0.8)
-    old = Calibration({"m": (0.001, 1.2)})
+    old = Calibration({"m": ((1, 1.2),)})
     assert Calibration.load(old.save(tmp_path / "old.json")).other_cores is None
 
 

@@ -245,7 +245,7 @@ def test_ken_plan_calibrates_by_default_and_records_it(home, fake_profiles, tmp_
     def measure(catalog: Any, loaders: Any, sample: Any, hardware: Any, seconds: float,
                 **_kw: Any) -> Calibration:
         measured.append((sorted(loaders), seconds, hardware.ids))
-        return Calibration({m: (0.002, 1.5) for m in loaders}, {m: 40 for m in loaders},
+        return Calibration({m: ((1, 1.5),) for m in loaders}, {m: 40 for m in loaders},
                            "stand-in replay")
 
     monkeypatch.setattr("ken.cli.plan.measure_calibration", measure)
@@ -258,11 +258,11 @@ def test_ken_plan_calibrates_by_default_and_records_it(home, fake_profiles, tmp_
     assert main([*base, "--calibration-seconds", "3", "--out", str(out)]) == 0
     assert measured == [(sorted(PROFILES), 3.0, ("cpu0", "cpu1"))]
     text = " ".join(capsys.readouterr().out.split())
-    assert "runtimes: calibrated:" in text and "+2.0 ms x1.50" in text
+    assert "runtimes: calibrated:" in text and "x1.50@1" in text
     front = Frontier.load(out / "frontier-sentiment.json")
     assert all(dict(p.provenance)["runtimes"].startswith("calibrated: ") for p in front.plans)
     saved = Calibration.load(out / "calibration.json")
-    assert saved.fits == {m: (0.002, 1.5) for m in PROFILES}
+    assert saved.fits == {m: ((1, 1.5),) for m in PROFILES}
     # slower runtimes: the calibrated frontier predicts more latency than the uncalibrated
     plain = tmp_path / "plain"
     assert main([*base, "--no-calibration", "--out", str(plain)]) == 0

@@ -1,9 +1,10 @@
 """Calibrating the simulator's runtimes to what serving measures (issues 5 and 33, fidelity).
 
-Two calibrations. ``Calibration`` (what ``ken plan`` measures by default, issue 33): per model,
-a serving call takes ``overhead_s + factor x`` what the simulator charges it (the profiled
+Two calibrations. ``Calibration`` (what ``ken plan`` measures by default, issue 33): per model
+and batch size, a serving call takes ``factor x`` what the simulator charges it (the profiled
 runtime of its size, scaled by its largest row's size: ``predicted_s``), fitted on the calls of
-a short replay (``measure_calibration``) and folded into the runtime tables (``apply``). The
+a short replay with bursts (``measure_calibration``) and folded into the runtime tables
+(``apply``). The
 older runtime *spread* (below) draws a measured ratio per batch instead; it charges the round
 trip of small batches to large ones too, and was no closer than the profiles in
 ``benchmarks/serving_time.py``.
@@ -91,11 +92,18 @@ def calibrated(catalog: Catalog, spreads: Mapping[str, tuple[float, ...]]) -> Ca
 
 @dataclass(frozen=True)
 class Calibration:
-    """Per model ``(overhead_s, factor)``: a serving call of it takes ``overhead_s + factor
-    x`` its predicted runtime (``predicted_s``); ``calls`` per model it was fitted on, and
-    where the calls came from."""
+    """Per model, how much longer than its predicted runtime (``predicted_s``) a serving call
+    takes, by batch size: ``fits[model]`` is ``((rows, factor), ...)`` in ascending rows, and a
+    batch of ``b`` rows is charged ``factor(model, b)`` x its prediction (interpolated in
+    log2 of the rows between fitted sizes, the nearest one's outside them); ``calls`` per model
+    it was fitted on, and where the calls came from.
 
-    fits: Mapping[str, tuple[float, float]]
+    Per size, not one line through all calls: the packaged encoders' one-row calls ran at
+    0.85x their profile while their four-row calls ran at 1.15-1.35x (``docs/results.md``,
+    "Batch sizes"), so a line fitted on a quiet replay's one-row calls undercharged the
+    batches a burst forms."""
+
+    fits: Mapping[str, tuple[tuple[int, float], ...]]
     calls: Mapping[str, int] = field(default_factory=dict)
     source: str = ""
     #: cores other programs kept busy while it was measured (``machine.OtherLoad``; None:
@@ -103,46 +111,59 @@ class Calibration:
     other_cores: float | None = None
 
     def __post_init__(self) -> None:
-        fits = {str(m): (float(a), float(b)) for m, (a, b) in self.fits.items()}
-        bad = [m for m, (a, b) in fits.items()
-               if not (np.isfinite([a, b]).all() and a >= 0 and b > 0)]
-        if bad:
-            raise KenError(f"runtime calibration of {bad}: an overhead must be >= 0 s and a "
-                           "factor > 0")
+        fits = {}
+        for m, pairs in self.fits.items():
+            pairs = tuple(sorted((int(b), float(f)) for b, f in pairs))
+            rows = [b for b, _ in pairs]
+            if not pairs or len(set(rows)) != len(rows) or rows[0] < 1 or not all(
+                    np.isfinite(f) and f > 0 for _, f in pairs):
+                raise KenError(f"runtime calibration of {m}: give one factor > 0 per batch "
+                               f"size >= 1, got {list(pairs)}")
+            fits[str(m)] = pairs
         object.__setattr__(self, "fits", MappingProxyType(fits))
         object.__setattr__(self, "calls", MappingProxyType(
             {str(m): int(n) for m, n in self.calls.items()}))
 
+    def factor(self, model: str, rows: int) -> float:
+        """What a call of ``model`` on ``rows`` rows takes over its prediction (1.0 for a
+        model the calibration does not cover)."""
+        pairs = self.fits.get(model)
+        if not pairs:
+            return 1.0
+        return float(np.interp(np.log2(max(rows, 1)), [np.log2(b) for b, _ in pairs],
+                               [f for _, f in pairs]))
+
     def apply(self, catalog: Catalog) -> Catalog:
-        """``catalog`` with each fitted model's CPU runtimes ``overhead + factor x`` the
-        profiled ones (GPU runtimes are kept: the calls were CPU workers')."""
+        """``catalog`` with each fitted model's CPU runtimes scaled per batch size
+        (``factor``); GPU runtimes are kept: the calls were CPU workers'."""
         unknown = sorted(set(self.fits) - set(catalog.perf))
         if unknown:
             raise KenError(f"the calibration covers {unknown}, which the catalog does not "
                            f"have ({', '.join(catalog.models)})")
         perf = dict(catalog.perf)
-        for m, (a, b) in self.fits.items():
+        for m in self.fits:
             p = perf[m]
-            perf[m] = replace(p, runtime_s=tuple(tuple(a + b * t for t in row)
-                                                 for row in p.runtime_s))
+            scale = [self.factor(m, b) for b in p.batch_sizes]
+            perf[m] = replace(p, runtime_s=tuple(
+                tuple(k * t for k, t in zip(scale, row, strict=True)) for row in p.runtime_s))
         return catalog.with_perf(perf)
 
     def describe(self) -> str:
-        """One line: ``model +overhead ms x factor`` per model."""
-        return ", ".join(f"{m} +{1000 * a:.1f} ms x{b:.2f}"
-                         for m, (a, b) in sorted(self.fits.items())) or "no model calls"
+        """One line: ``model x factor@rows ...`` per model."""
+        return ", ".join(f"{m} " + " ".join(f"x{f:.2f}@{b}" for b, f in pairs)
+                         for m, pairs in sorted(self.fits.items())) or "no model calls"
 
-    def key(self) -> dict[str, tuple[float, ...]]:
+    def key(self) -> dict[str, tuple[tuple[int, float], ...]]:
         """What a cached frontier planned with it depends on."""
-        return {m: (round(a, 6), round(b, 4)) for m, (a, b) in self.fits.items()}
+        return {m: tuple((b, round(f, 4)) for b, f in pairs) for m, pairs in self.fits.items()}
 
     def save(self, path: str | Path) -> Path:
         """Write it as JSON, atomically (``Calibration.load`` reads it)."""
         return store.write_text(Path(path), json.dumps({
-            "kind": CALIBRATION_KIND, "version": 2, "source": self.source,
+            "kind": CALIBRATION_KIND, "version": 3, "source": self.source,
             "other_cores": self.other_cores,
-            "fits": {m: {"overhead_s": a, "factor": b, "calls": self.calls.get(m, 0)}
-                     for m, (a, b) in self.fits.items()}}, indent=1))
+            "fits": {m: {"factors": [[b, f] for b, f in pairs], "calls": self.calls.get(m, 0)}
+                     for m, pairs in self.fits.items()}}, indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
@@ -155,10 +176,11 @@ class Calibration:
             data = json.loads(path.read_text())
             if data.get("kind") != CALIBRATION_KIND:
                 raise ValueError(f"kind is {data.get('kind')!r}")
-            if data.get("version") != 2:
-                raise ValueError(f"it is version {data.get('version')} (runtime spreads, "
-                                 "written before issue 33); run `ken replay` again")
-            fits = {m: (f["overhead_s"], f["factor"]) for m, f in data["fits"].items()}
+            if data.get("version") != 3:
+                raise ValueError(f"it is version {data.get('version')} (one factor for all "
+                                 "batch sizes or runtime spreads, written before the fit per "
+                                 "batch size); run `ken replay` or `ken plan` again")
+            fits = {m: tuple(tuple(x) for x in f["factors"]) for m, f in data["fits"].items()}
             calls = {m: f.get("calls", 0) for m, f in data["fits"].items()}
             other = data.get("other_cores")
             return cls(fits, calls, str(data.get("source", "")),
@@ -169,36 +191,41 @@ class Calibration:
 
 #: calls of a model a fit needs; a model with fewer is left as profiled
 MIN_FIT_CALLS = 10
+#: calls of one batch-size bin (powers of two) a factor needs; bins with fewer are
+#: interpolated from their neighbours
+MIN_SIZE_CALLS = 3
 #: the bounds a fitted factor is held to (a fit outside them is a broken measurement)
 FACTOR_RANGE = (0.5, 4.0)
 
 
 def fit_calibration(log: Iterable[BatchRecord], catalog: Catalog, source: str = "",
-                    min_calls: int = MIN_FIT_CALLS) -> Calibration:
-    """Per model with at least ``min_calls`` online calls in ``log``: the non-negative
-    least-squares line ``measured = overhead + factor x predicted`` through them, the slowest
-    1% left out (a stall of the machine is not a property of the model); through the origin
-    when no positive factor fits. Bulk calls are left out.
+                    min_calls: int = MIN_FIT_CALLS, min_size_calls: int = MIN_SIZE_CALLS
+                    ) -> Calibration:
+    """Per model with at least ``min_calls`` online calls in ``log``: its calls binned by
+    batch size (the nearest power of two) and, per bin with ``min_size_calls`` calls or more,
+    the mean ratio measured / predicted runtime (``runtime_ratios``), the model's slowest 1%
+    of calls left out (a stall of the machine is not a property of the model); with no bin
+    that full, one factor from all its calls. Bulk calls are left out.
 
     Richer forms were tried on the same logs (``docs/results.md``, "A simulator that predicts
     the engine"): a slowdown while the other devices are busy, and the residual spread drawn
-    per batch. Neither predicted held-out replays better on this machine, whose replays of one
-    window differ by 20-40% at p95; their fits moved from run to run."""
-    from scipy.optimize import nnls
-
+    per batch. Neither predicted held-out replays better on this machine; a line through all
+    calls (``overhead + factor x predicted``, the previous form) fitted one-row calls and
+    undercharged larger batches."""
     fits, calls = {}, {}
     for m, pairs in runtime_ratios(log, catalog).items():
         if len(pairs) < min_calls:
             continue
-        y = np.array([r.seconds for r, _ in pairs])
         ratio = np.array([q for _, q in pairs])
-        x = y / ratio  # the predicted runtimes ``runtime_ratios`` divided by
+        size = np.array([2 ** round(np.log2(max(r.rows, 1))) for r, _ in pairs])
         keep = ratio <= np.percentile(ratio, 99)
-        x, y = x[keep], y[keep]
-        (a, b), _ = nnls(np.column_stack([np.ones_like(x), x]), y)
-        if b <= 0:
-            a, b = 0.0, float(np.dot(x, y) / np.dot(x, x))
-        fits[m], calls[m] = (float(a), float(np.clip(b, *FACTOR_RANGE))), len(pairs)
+        ratio, size = ratio[keep], size[keep]
+        bins = [(int(b), float(ratio[size == b].mean())) for b in np.unique(size)
+                if (size == b).sum() >= min_size_calls]
+        if not bins:
+            bins = [(int(np.median(size)), float(ratio.mean()))]
+        fits[m] = tuple((b, float(np.clip(f, *FACTOR_RANGE))) for b, f in bins)
+        calls[m] = len(pairs)
     return Calibration(fits, calls, source)
 
 
@@ -219,6 +246,21 @@ PASS_ALL = 2.0
 #: the share of the calibration plan's capacity its replay offers (0.5 and 0.8 were tried:
 #: the fits at 0.5 predicted held-out replays as well or better)
 CALIBRATION_LOAD = 0.5
+#: rows arriving at once, in turn, every ``BURST_EVERY_S`` on top of the steady arrivals: so
+#: that queues form and the fit sees the batch sizes a burst makes, not one-row calls only
+BURSTS = (2, 4, 8, 16)
+BURST_EVERY_S = 2.0
+
+
+def calibration_trace(rate: float, seconds: float, seed: int = 0) -> Trace:
+    """Bursty arrivals (Gamma, CV 2) at ``rate`` for ``seconds``, with ``BURSTS`` rows
+    arriving at once in turn every ``BURST_EVERY_S`` (the first after one interval)."""
+    steady = gamma_trace(rate, seconds, 2.0, seed=seed)
+    at = np.arange(BURST_EVERY_S, seconds, BURST_EVERY_S)
+    bursts = [np.full(BURSTS[i % len(BURSTS)], t) for i, t in enumerate(at)]
+    return Trace(np.sort(np.concatenate([steady.arrival_s, *bursts])),
+                 f"{steady.name} + bursts of {'/'.join(map(str, BURSTS))} rows every "
+                 f"{BURST_EVERY_S:g} s")
 
 
 def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: Any,
@@ -227,8 +269,9 @@ def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: An
                         other_load: Callable[[], OtherLoad] = OtherLoad,
                         **engine_options: Any) -> Calibration:
     """Serve ``calibration_plan`` of every model in ``loaders`` with the online engine on
-    bursty arrivals (Gamma, CV 2) at ``CALIBRATION_LOAD`` of its capacity for ``seconds``, and fit
-    the serving calls against the simulator's charges (``fit_calibration``).
+    bursty arrivals at ``CALIBRATION_LOAD`` of its capacity for ``seconds``, with bursts of
+    rows arriving at once (``calibration_trace``), and fit the serving calls against the
+    simulator's charges per batch size (``fit_calibration``).
 
     While it serves, ``other_load`` (``machine.OtherLoad``) reads how many cores other programs
     kept busy. At ``machine.BUSY_CORES`` or more the fit is for a busier machine than the one
@@ -243,17 +286,19 @@ def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: An
     plan = calibration_plan(catalog, models, hardware, probe)
     per_row = sum(catalog.perf_on(m, plan.devices[0]).batch_runtime(1) for m in models)
     rate = CALIBRATION_LOAD * len(plan.devices) / per_row
-    trace = gamma_trace(rate, seconds, 2.0, seed=seed)
+    trace = calibration_trace(rate, seconds, seed=seed)
     best: tuple[Calibration, OtherLoad] | None = None
     for attempt in range(1, attempts + 1):
         reporter.note(f"calibrating runtimes: {len(trace)} rows through {' -> '.join(models)} "
-                      f"on {len(plan.devices)} workers, {rate:.1f} rows/s for {seconds:g} s"
+                      f"on {len(plan.devices)} workers, {rate:.1f} rows/s and bursts for "
+                      f"{seconds:g} s"
                       + ("" if attempt == 1 else f" (attempt {attempt} of {attempts})"))
         with other_load() as load:
             served = serve_trace(plan, loaders, trace, sample, seed=seed, reporter=reporter,
                                  admission="max_in_flight", **engine_options)
         fitted = fit_calibration(served.batch_log, catalog,
-                                 f"{len(trace)} rows at {rate:.1f}/s through every model, "
+                                 f"{len(trace)} rows at {rate:.1f}/s and bursts through "
+                                 "every model, "
                                  f"{len(served.batch_log)} calls"
                                  + ("" if load.cores is None else
                                     f", other programs {load.cores:.2f} cores")
