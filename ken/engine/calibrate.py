@@ -4,10 +4,9 @@ Two calibrations. ``Calibration`` (what ``ken plan`` measures by default, issue 
 and batch size, a serving call takes ``factor x`` what the simulator charges it (the profiled
 runtime of its size, scaled by its largest row's size: ``predicted_s``), fitted on the calls of
 a short replay with bursts (``measure_calibration``) and folded into the runtime tables
-(``apply``). The
-older runtime *spread* (below) draws a measured ratio per batch instead; it charges the round
-trip of small batches to large ones too, and was no closer than the profiles in
-``benchmarks/serving_time.py``.
+(``apply``). The older runtime *spread* (below) draws a measured ratio per batch instead; it
+charges the round trip of small batches to large ones too, and was no closer than the
+profiles in ``benchmarks/serving_time.py``.
 
 Profiles time each model back to back, alone, in the profiling process. Serving differs: the
 engine's calls include the worker round trip, a device may have idled before a call (cold
@@ -99,8 +98,8 @@ class Calibration:
     it was fitted on, and where the calls came from.
 
     Per size, not one line through all calls: the packaged encoders' one-row calls ran at
-    0.85x their profile while their four-row calls ran at 1.15-1.35x (``docs/results.md``,
-    "Batch sizes"), so a line fitted on a quiet replay's one-row calls undercharged the
+    0.8-0.9x their profile while their four-row calls ran at 1.1-1.2x (``docs/results.md``,
+    "Calibration per batch size"), so a line fitted on a quiet replay's one-row calls undercharged the
     batches a burst forms."""
 
     fits: Mapping[str, tuple[tuple[int, float], ...]]
@@ -191,21 +190,22 @@ class Calibration:
 
 #: calls of a model a fit needs; a model with fewer is left as profiled
 MIN_FIT_CALLS = 10
-#: calls of one batch-size bin (powers of two) a factor needs; bins with fewer are
-#: interpolated from their neighbours
-MIN_SIZE_CALLS = 3
+#: how many calls' weight the model's factor over all its calls has in each batch-size bin's
+#: factor (partial pooling: a bin of a few calls, noisy in a 10-s calibration, stays near the
+#: model's factor; a bin of many calls keeps its own)
+PRIOR_CALLS = 8
 #: the bounds a fitted factor is held to (a fit outside them is a broken measurement)
 FACTOR_RANGE = (0.5, 4.0)
 
 
 def fit_calibration(log: Iterable[BatchRecord], catalog: Catalog, source: str = "",
-                    min_calls: int = MIN_FIT_CALLS, min_size_calls: int = MIN_SIZE_CALLS
+                    min_calls: int = MIN_FIT_CALLS, prior_calls: float = PRIOR_CALLS
                     ) -> Calibration:
     """Per model with at least ``min_calls`` online calls in ``log``: its calls binned by
-    batch size (the nearest power of two) and, per bin with ``min_size_calls`` calls or more,
-    the mean ratio measured / predicted runtime (``runtime_ratios``), the model's slowest 1%
-    of calls left out (a stall of the machine is not a property of the model); with no bin
-    that full, one factor from all its calls. Bulk calls are left out.
+    batch size (the nearest power of two) and, per bin, the mean ratio measured / predicted
+    runtime (``runtime_ratios``) pooled with the model's mean ratio over all its calls, which
+    counts as ``prior_calls`` calls; the model's slowest 1% of calls left out (a stall of the
+    machine is not a property of the model). Bulk calls are left out.
 
     Richer forms were tried on the same logs (``docs/results.md``, "A simulator that predicts
     the engine"): a slowdown while the other devices are busy, and the residual spread drawn
@@ -220,10 +220,10 @@ def fit_calibration(log: Iterable[BatchRecord], catalog: Catalog, source: str = 
         size = np.array([2 ** round(np.log2(max(r.rows, 1))) for r, _ in pairs])
         keep = ratio <= np.percentile(ratio, 99)
         ratio, size = ratio[keep], size[keep]
-        bins = [(int(b), float(ratio[size == b].mean())) for b in np.unique(size)
-                if (size == b).sum() >= min_size_calls]
-        if not bins:
-            bins = [(int(np.median(size)), float(ratio.mean()))]
+        overall = float(ratio.mean())
+        bins = [(int(b), float((ratio[size == b].sum() + prior_calls * overall)
+                               / ((size == b).sum() + prior_calls)))
+                for b in np.unique(size)]
         fits[m] = tuple((b, float(np.clip(f, *FACTOR_RANGE))) for b, f in bins)
         calls[m] = len(pairs)
     return Calibration(fits, calls, source)
