@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import tempfile
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -102,18 +105,56 @@ def test_the_simulator_charges_long_rows_more_and_knows_nothing_without_sizes() 
     assert np.allclose(unshared, RT)
 
 
-def _log(factors: dict[int, float], n: int = 300, seed: int = 0) -> list[BatchRecord]:
+def _log(factors: dict[int, float], n: int = 300, seed: int = 0, wake: float = 1.0
+         ) -> list[BatchRecord]:
     """Calls of model "a" of 1-4 rows, each ``factors[rows] x predicted`` long times a noise
-    factor (median 1), with two stalls of a second."""
+    factor (median 1), with two stalls of a second; every other call after 0.2 s of idle
+    and ``wake`` times longer, the rest back to back."""
     rng = np.random.default_rng(seed)
     cat = catalog(None)
     out = []
     for i in range(n):
-        r = BatchRecord("d0", "a", int(rng.integers(1, 5)), i * 1.0, i * 1.0, 0.0)
+        idle = 0.2 if i % 2 else 0.0
+        r = BatchRecord("d0", "a", int(rng.integers(1, 5)), i * 1.0, i * 1.0, idle)
         noise = 1.0 + 0.05 * rng.standard_normal() + (100.0 if i in (7, 90) else 0.0)
+        noise *= wake if idle else 1.0
         out.append(BatchRecord("d0", "a", r.rows, r.start_s,
-                               r.start_s + factors[r.rows] * predicted_s(r, cat) * noise, 0.0))
+                               r.start_s + factors[r.rows] * predicted_s(r, cat) * noise, idle))
     return out
+
+
+def test_fit_calibration_separates_the_wake_up_after_idle() -> None:
+    """Calls after idle 10% slower: the wake-up factor is found from the one-row calls, and
+    the size factors are the back-to-back ones; without idle calls it is 1."""
+    log = _log({1: 0.9, 2: 1.0, 3: 1.2, 4: 1.2}, n=600, wake=1.1)
+    cal = fit_calibration(log, catalog(None), prior_calls=0)
+    assert cal.wake == pytest.approx(1.1, rel=0.03)
+    for (_, got), want in zip(cal.fits["a"], (0.9, 1.0, 1.2), strict=True):
+        assert got == pytest.approx(want, rel=0.03)
+    busy = [r for r in log if r.idle_before_s == 0.0]
+    assert fit_calibration(busy, catalog(None)).wake == 1.0
+    assert "x1.10 after 50 ms idle" in cal.describe()
+    again = Calibration.load(cal.save(Path(tempfile.mkdtemp()) / "c.json"))
+    assert again.wake == pytest.approx(cal.wake)
+    assert cal.apply(catalog(None)).perf["a"].wake == pytest.approx(cal.wake)
+    with pytest.raises(KenError, match="wake-up factor"):
+        Calibration({}, wake=0.0)
+
+
+def test_the_simulator_charges_a_wake_up_after_idle_only() -> None:
+    """Requests 1 s apart each find the device idle (wake x the runtime); a burst's second
+    batch starts back to back (its plain runtime)."""
+    woken = catalog(None)
+    woken = woken.with_perf({m: replace(p, wake=1.5) for m, p in woken.perf.items()})
+    apart = simulate_many([one_model(max_batch=1)], [woken], Trace([0.0, 1.0, 2.0]),
+                          rows=[0, 1, 2], routes=[(0,)] * 3).latency_s
+    assert np.allclose(apart, 1.5 * RT)
+    burst = simulate_many([one_model(max_batch=1)], [woken], Trace([0.0, 0.0]),
+                          rows=[0, 1], routes=[(0,)] * 2).latency_s
+    assert burst[0] == pytest.approx(1.5 * RT)  # the first batch wakes the device
+    assert burst[1] == pytest.approx(1.5 * RT + RT)  # the second runs back to back
+    with pytest.raises(ProfileError, match="wake-up"):
+        ModelPerf("x", (1,), ((0.1,),), (1,), wake=0.0)
 
 
 def test_fit_calibration_recovers_a_factor_per_batch_size() -> None:

@@ -37,7 +37,7 @@ from ken.engine.supervision import BatchRecord
 from ken.errors import KenError
 from ken.models.cascade import Cascade
 from ken.optimizer.baselines import static_plans
-from ken.optimizer.perf import Catalog, ModelPerf, sized_runtime
+from ken.optimizer.perf import WAKE_IDLE_S, Catalog, ModelPerf, sized_runtime
 from ken.optimizer.plan_context import PlannerSettings, planning_context
 from ken.optimizer.workload import Hardware, Trace, gamma_trace
 from ken.policy.plan import GearPlan
@@ -99,8 +99,8 @@ class Calibration:
 
     Per size, not one line through all calls: the packaged encoders' one-row calls ran at
     0.8-0.9x their profile while their four-row calls ran at 1.1-1.2x (``docs/results.md``,
-    "Calibration per batch size"), so a line fitted on a quiet replay's one-row calls undercharged the
-    batches a burst forms."""
+    "Calibration per batch size"), so a line fitted on a quiet replay's one-row calls
+    undercharged the batches a burst forms."""
 
     fits: Mapping[str, tuple[tuple[int, float], ...]]
     calls: Mapping[str, int] = field(default_factory=dict)
@@ -108,8 +108,13 @@ class Calibration:
     #: cores other programs kept busy while it was measured (``machine.OtherLoad``; None:
     #: not measured, e.g. loaded from a file written before it was recorded)
     other_cores: float | None = None
+    #: how much longer a call runs after its device idled ``perf.WAKE_IDLE_S`` or more than
+    #: back to back (the ``fits`` are back-to-back factors); every fitted model's ``wake``
+    wake: float = 1.0
 
     def __post_init__(self) -> None:
+        if not (np.isfinite(self.wake) and self.wake > 0):
+            raise KenError(f"a wake-up factor must be > 0, got {self.wake}")
         fits = {}
         for m, pairs in self.fits.items():
             pairs = tuple(sorted((int(b), float(f)) for b, f in pairs))
@@ -134,7 +139,8 @@ class Calibration:
 
     def apply(self, catalog: Catalog) -> Catalog:
         """``catalog`` with each fitted model's CPU runtimes scaled per batch size
-        (``factor``); GPU runtimes are kept: the calls were CPU workers'."""
+        (``factor``) and its ``wake`` set; GPU runtimes are kept: the calls were CPU
+        workers'."""
         unknown = sorted(set(self.fits) - set(catalog.perf))
         if unknown:
             raise KenError(f"the calibration covers {unknown}, which the catalog does not "
@@ -144,23 +150,29 @@ class Calibration:
             p = perf[m]
             scale = [self.factor(m, b) for b in p.batch_sizes]
             perf[m] = replace(p, runtime_s=tuple(
-                tuple(k * t for k, t in zip(scale, row, strict=True)) for row in p.runtime_s))
+                tuple(k * t for k, t in zip(scale, row, strict=True)) for row in p.runtime_s),
+                wake=self.wake)
         return catalog.with_perf(perf)
 
     def describe(self) -> str:
-        """One line: ``model x factor@rows ...`` per model."""
+        """One line: ``model x factor@rows ...`` per model, then the wake-up factor."""
+        if not self.fits:
+            return "no model calls"
         return ", ".join(f"{m} " + " ".join(f"x{f:.2f}@{b}" for b, f in pairs)
-                         for m, pairs in sorted(self.fits.items())) or "no model calls"
+                         for m, pairs in sorted(self.fits.items())) + \
+            f"; x{self.wake:.2f} after {1000 * WAKE_IDLE_S:g} ms idle"
 
-    def key(self) -> dict[str, tuple[tuple[int, float], ...]]:
+    def key(self) -> dict[str, Any]:
         """What a cached frontier planned with it depends on."""
-        return {m: tuple((b, round(f, 4)) for b, f in pairs) for m, pairs in self.fits.items()}
+        return {"wake": round(self.wake, 4),
+                **{m: tuple((b, round(f, 4)) for b, f in pairs)
+                   for m, pairs in self.fits.items()}}
 
     def save(self, path: str | Path) -> Path:
         """Write it as JSON, atomically (``Calibration.load`` reads it)."""
         return store.write_text(Path(path), json.dumps({
             "kind": CALIBRATION_KIND, "version": 3, "source": self.source,
-            "other_cores": self.other_cores,
+            "other_cores": self.other_cores, "wake": self.wake,
             "fits": {m: {"factors": [[b, f] for b, f in pairs], "calls": self.calls.get(m, 0)}
                      for m, pairs in self.fits.items()}}, indent=1))
 
@@ -183,7 +195,7 @@ class Calibration:
             calls = {m: f.get("calls", 0) for m, f in data["fits"].items()}
             other = data.get("other_cores")
             return cls(fits, calls, str(data.get("source", "")),
-                       None if other is None else float(other))
+                       None if other is None else float(other), float(data.get("wake", 1.0)))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise KenError(f"{path} is not a runtime calibration file: {exc}") from None
 
@@ -213,10 +225,13 @@ def fit_calibration(log: Iterable[BatchRecord], catalog: Catalog, source: str = 
     calls (``overhead + factor x predicted``, the previous form) fitted one-row calls and
     undercharged larger batches."""
     fits, calls = {}, {}
-    for m, pairs in runtime_ratios(log, catalog).items():
-        if len(pairs) < min_calls:
-            continue
-        ratio = np.array([q for _, q in pairs])
+    ratios = {m: pairs for m, pairs in runtime_ratios(log, catalog).items()
+              if len(pairs) >= min_calls}
+    wake = wake_factor(ratios)
+    for m, pairs in ratios.items():
+        # back-to-back factors: a call after idle counts as ``wake`` times its own
+        ratio = np.array([q / (wake if r.idle_before_s >= WAKE_IDLE_S else 1.0)
+                          for r, q in pairs])
         size = np.array([2 ** round(np.log2(max(r.rows, 1))) for r, _ in pairs])
         keep = ratio <= np.percentile(ratio, 99)
         ratio, size = ratio[keep], size[keep]
@@ -226,7 +241,35 @@ def fit_calibration(log: Iterable[BatchRecord], catalog: Catalog, source: str = 
                 for b in np.unique(size)]
         fits[m] = tuple((b, float(np.clip(f, *FACTOR_RANGE))) for b, f in bins)
         calls[m] = len(pairs)
-    return Calibration(fits, calls, source)
+    return Calibration(fits, calls, source, wake=wake)
+
+
+#: one-row calls of a model after idle and back to back that its wake-up ratio needs
+MIN_WAKE_CALLS = 5
+#: the bounds the wake-up factor is held to
+WAKE_RANGE = (0.8, 1.5)
+
+
+def wake_factor(ratios: Mapping[str, list[tuple[BatchRecord, float]]],
+                min_calls: int = MIN_WAKE_CALLS) -> float:
+    """How much longer a one-row call runs after its device idled ``WAKE_IDLE_S`` or more
+    than back to back: per model with ``min_calls`` one-row calls of each kind, the ratio of
+    their mean ratios to the prediction (``runtime_ratios``, each kind's slowest 1% left
+    out); averaged over models weighted by the smaller count; 1.0 where no model has both.
+    One factor for the machine, not per model: the calibration replay runs a later stage
+    right after an earlier one, so most models show only one kind of call."""
+    num = den = 0.0
+    for pairs in ratios.values():
+        one = [(r.idle_before_s >= WAKE_IDLE_S, q) for r, q in pairs if r.rows == 1]
+        idle = np.array([q for woke, q in one if woke])
+        busy = np.array([q for woke, q in one if not woke])
+        n = min(idle.size, busy.size)
+        if n < min_calls:
+            continue
+        trim = [x[x <= np.percentile(x, 99)] for x in (idle, busy)]
+        num += n * float(trim[0].mean() / trim[1].mean())
+        den += n
+    return float(np.clip(num / den, *WAKE_RANGE)) if den else 1.0
 
 
 def calibration_plan(catalog: Catalog, models: Sequence[str], hardware: Hardware,

@@ -285,7 +285,7 @@ class _DecodeServer:
             self.prefills[m] += 1
         return [_Pass(m, step, sched.width())]
 
-    def runtime_s(self, p: _Pass) -> float:
+    def runtime_s(self, p: _Pass, now: float) -> float:
         ids, cost = p.step.request_ids, self.costs[p.model]
         if p.step.kind == "prefill":
             longest = int(self.stages[p.model].prompt_tokens[self.rows[list(ids)]].max())

@@ -23,6 +23,10 @@ from ken.optimizer.workload import is_gpu_id
 
 #: tensor-parallel degrees a replica may span (one node)
 PARALLEL_DEGREES = (1, 2, 4, 8)
+#: a batch that starts on devices idle for this long or more pays its model's ``wake`` factor:
+#: one-row calls after 50 ms or more of idle ran 7-8% slower than back-to-back ones on this
+#: machine's workers (docs/results.md, "Calibration per batch size")
+WAKE_IDLE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,9 @@ class ModelPerf:
     # the share of a batch's runtime that grows with the size of its largest row
     # (``Profile.size_share``); the simulator scales a batch by its rows' sizes (``size_factor``)
     size_share: float = 0.0
+    # how much longer a batch runs when its devices were idle for ``WAKE_IDLE_S`` or more
+    # before it (measured by ``ken.engine.calibrate``; 1.0: no difference)
+    wake: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "batch_sizes", tuple(int(b) for b in self.batch_sizes))
@@ -66,6 +73,8 @@ class ModelPerf:
             raise ProfileError(f"{where}: need one runtime row and one memory size per degree")
         if not 0.0 <= self.size_share <= 1.0:
             raise ProfileError(f"{where}: size_share must be in [0, 1], got {self.size_share}")
+        if not (np.isfinite(self.wake) and self.wake > 0):
+            raise ProfileError(f"{where}: the wake-up factor must be positive, got {self.wake}")
         if any(not np.isfinite(f) or f <= 0 for f in self.spread):
             raise ProfileError(f"{where}: runtime spread factors must be positive")
         for row in self.runtime_s:

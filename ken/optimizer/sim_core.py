@@ -51,8 +51,8 @@ class Runner(Protocol):
         """A request reaches this operator (from the trace or from the previous operator)."""
         ...
 
-    def runtime_s(self, work: Any) -> float:
-        """How long ``work`` occupies its devices; called once, as it starts."""
+    def runtime_s(self, work: Any, now: float) -> float:
+        """How long ``work`` occupies its devices; called once, as it starts at ``now``."""
         ...
 
     def complete(self, work: Any, now: float) -> tuple[Iterable[Any], Sequence[int]]:
@@ -129,7 +129,7 @@ class EventLoop:
         runner, busy = self.runners[k], self.device_busy_s
         per_request = self.record.device_s
         for w in works:
-            dt = runner.runtime_s(w)
+            dt = runner.runtime_s(w, now)
             for d in w.devices:
                 busy[d] = busy.get(d, 0.0) + dt
             if per_request is not None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ken.errors import SimulationError
-from ken.optimizer.perf import Catalog, sized_runtime
+from ken.optimizer.perf import WAKE_IDLE_S, Catalog, sized_runtime
 from ken.optimizer.sim_core import EventLoop, Record, run_metrics
 from ken.optimizer.workload import Trace
 from ken.policy.dropping import (
@@ -242,6 +242,9 @@ class _Operator:
         self._runtime = [p.runtime_table(r.degree, plan.max_batch[i])
                          for i, (p, r) in enumerate(zip(perf, plan.placement, strict=True))]
         self._spread = [p.spread for p in perf]
+        self._wake = [p.wake for p in perf]
+        self._woken = any(w != 1.0 for w in self._wake)  # else idle times are not tracked
+        self._free_at: dict[str, float] = {}  # device -> when its last batch ends
         # per replica: its size share and the expected largest row size per batch size
         self._sizing = [catalog.size_factors(r.model, r.devices, plan.max_batch[i])
                         for i, r in enumerate(plan.placement)]
@@ -257,10 +260,12 @@ class _Operator:
         self._gear[request_id] = self.dispatcher.current_range
         return started
 
-    def runtime_s(self, batch: Batch) -> float:
+    def runtime_s(self, batch: Batch, now: float) -> float:
         """The profiled runtime of the batch's size on its replica, scaled by the size of
         its largest row against an average batch's (``perf.size_factor``, where the profile
-        measured a size share), times a drawn spread factor where the profile has them."""
+        measured a size share), times a drawn spread factor where the profile has them, times
+        the model's ``wake`` factor when its devices idled ``WAKE_IDLE_S`` or more before it
+        (a device's first batch too: the engine's workers idle from warm-up to the first)."""
         b = len(batch.request_ids)
         dt = self._runtime[batch.replica][b]
         if self._size is not None:
@@ -269,6 +274,12 @@ class _Operator:
         factors = self._spread[batch.replica]
         if factors:
             dt *= factors[self._rng.randrange(len(factors))]
+        if self._woken:
+            free = self._free_at
+            if now - max(free.get(d, -np.inf) for d in batch.devices) >= WAKE_IDLE_S:
+                dt *= self._wake[batch.replica]
+            for d in batch.devices:
+                free[d] = now + dt
         return dt
 
     def complete(self, batch: Batch, now: float) -> tuple[tuple[Batch, ...], tuple[int, ...]]:
