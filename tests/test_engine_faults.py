@@ -162,6 +162,26 @@ def test_an_unprofiled_model_seen_fast_then_stuck_gets_a_deadline_from_its_obser
     assert took < deadline.first_call_s  # two 2-s deadlines and a restart, not 2 x 20 s
 
 
+def test_a_model_that_never_returned_is_marked_failed_after_its_first_batch() -> None:
+    """A plan without runtimes over a model whose every call hangs, four one-row batches
+    queued: the first batch misses the first-call bound twice (it is retried once), then the
+    model is marked failed and the three queued batches fail at once (before: one more
+    first-call bound each until three hangs in a row)."""
+    always = HangingModel("a", seconds=3.0)
+    deadline = BatchDeadline(floor_s=0.2, first_call_s=0.3)
+    with Engine(plan(runtime_s=None, max_batch=1), {"a": always}, deadline=deadline,
+                workers="thread") as engine:
+        futures = [engine.submit(t) for t in texts(4)]
+        outcomes = [f.result(timeout=10) for f in futures]
+        timeouts = engine.timeouts
+        failed = dict(engine.failed_models)
+    assert [o.status for o in outcomes] == ["error"] * 4
+    assert timeouts == 2  # the first batch and its retry; no other batch waited the bound
+    assert "no call of it has ever returned" in failed["a"] and "first_call_s" in failed["a"]
+    assert "failed 2 times" in failed["a"] and "first-call bound" in failed["a"]
+    assert all(o.error == failed["a"] for o in outcomes)
+
+
 # -- crashes -----------------------------------------------------------------------------------
 
 

@@ -318,10 +318,11 @@ class Scheduler:
         self._freed(batch.devices)
 
     def _failed(self, batch: Batch | BulkBatch, message: str, crashed: bool,
-                expected_s: float | None) -> None:
-        """A model call raised (``crashed``: or its worker died or hung): run the batch once
-        more on the replaced worker, else end its rows in error."""
-        error = self.breaker.failed(batch, message, crashed)
+                expected_s: float | None, never_returned: bool = False) -> None:
+        """A model call raised (``crashed``: or its worker died or hung; ``never_returned``:
+        past the first-call bound): run the batch once more on the replaced worker, else end
+        its rows in error."""
+        error = self.breaker.failed(batch, message, crashed, never_returned)
         for rid in batch.request_ids:  # a failed attempt says nothing about queueing
             self.admission.forget(rid)
         if error is None:  # run the same batch again (the device stays busy)

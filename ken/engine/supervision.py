@@ -9,9 +9,10 @@ batches, their deadlines, retries, the crash-loop breaker, restarts and memory c
   ``ObservedRuntimes``, else a first-call bound); a worker that dies or misses it is
   replaced by its runner (``workers.py``). What a batch
   did is reported as an event: ``("done", batch, values, scores)`` or ``("failed", batch,
-  message, crashed, expected_s)``.
+  message, crashed, expected_s, never_returned)``.
 - ``Breaker``: whether a failed batch runs again (``max_retries``) and which models are
-  marked failed after ``max_crashes`` crashes or hangs in a row.
+  marked failed: after ``max_crashes`` crashes or hangs in a row, or at once when a batch of
+  a model that never returned a call spent its retries past the first-call bound.
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ class BatchDeadline:
     work and what a model does lazily on its first real batch (allocator and kernel choice,
     caches, pages of mapped weights): 20 s leaves room for that on a large user model on a
     busy machine, and bounds a model that never returns at 2 x 20 s (the batch is retried
-    once) rather than the two minutes of the old 60-s default. A model known to take longer
+    once; then the model is marked failed, so a query's later batches of it fail at once)
+    rather than the two minutes of the old 60-s default. A model known to take longer
     on its first batch needs ``BatchDeadline(first_call_s=...)`` (``Engine(deadline=)``,
     ``Session.serve(deadline=)``) or a profile.
     """
@@ -186,9 +188,13 @@ class Breaker:
         self._attempts.pop(id(batch), None)
         self._crashes.pop(batch.model, None)
 
-    def failed(self, batch: RunnableBatch, message: str, crashed: bool) -> str | None:
+    def failed(self, batch: RunnableBatch, message: str, crashed: bool,
+               never_returned: bool = False) -> str | None:
         """An attempt of ``batch`` raised (``crashed``: or its worker died or hung). None: run
-        it again; else the error its rows end with."""
+        it again; else the error its rows end with. ``never_returned``: it hung past the
+        first-call bound, no call of its model having ever returned; when its retries are
+        spent too the model is marked failed at once (the next batch would only wait the
+        bound again), not after ``max_crashes``."""
         model = batch.model
         if crashed and model not in self._failed:
             crashes = self._crashes[model] = self._crashes.get(model, 0) + 1
@@ -203,6 +209,11 @@ class Breaker:
         if attempts <= self.max_retries and failed is None:
             return None
         del self._attempts[id(batch)]
+        if failed is None and never_returned:
+            failed = self._failed[model] = (
+                f"{model} failed {attempts} times: {message}; no call of it has ever returned, "
+                "so it is marked failed and not run again: fix the model, or give its first "
+                "batch more time with BatchDeadline(first_call_s=...), and serve again")
         return failed or f"{model} failed {attempts} times: {message}"
 
 
@@ -434,7 +445,7 @@ class DevicePool:
             _, batch, expected_s = item
             failed = self.breaker.reason(batch.model)
             if failed is not None:  # not run again: its rows end in error at once
-                self._report(("failed", batch, failed, False, expected_s))
+                self._report(("failed", batch, failed, False, expected_s, False))
                 continue
             texts = self._texts_of(batch)
             if texts is None:  # cancelled by shutdown while queued here
@@ -442,8 +453,8 @@ class DevicePool:
             started = self.clock.now()
             if expected_s is not None:
                 self._running_until[device] = started + expected_s
-            timeout_s, why = self.deadline.explain(
-                expected_s, self.observed.expected_s(batch.model, len(texts)))
+            observed_s = self.observed.expected_s(batch.model, len(texts))
+            timeout_s, why = self.deadline.explain(expected_s, observed_s)
             try:
                 values, scores = runner.run(batch.model, texts, timeout_s)
             except Exception as exc:  # noqa: BLE001 - this thread must never die with a batch
@@ -452,10 +463,12 @@ class DevicePool:
                 self.timeouts += isinstance(exc, BatchTimeout)
                 message = str(exc) if isinstance(exc, WorkerError) else \
                     f"{type(exc).__name__}: {exc}"
+                never = isinstance(exc, BatchTimeout) and expected_s is None \
+                    and observed_s is None  # past the first-call bound
                 if isinstance(exc, BatchTimeout):
                     message += f" (the deadline: {why})"
                 self._report(("failed", batch, message,
-                              isinstance(exc, WorkerDied | BatchTimeout), expected_s))
+                              isinstance(exc, WorkerDied | BatchTimeout), expected_s, never))
                 continue
             self._running_until.pop(device, None)
             idle_since, idle_s = self.clock.now(), started - idle_since
