@@ -8,10 +8,12 @@ import threading
 
 import numpy as np
 import pytest
-from fakes import FakeModel
+from fakes import FakeModel, SlowModel
 
+from ken.engine.calibrate import recent_ratio
 from ken.engine.replanning import Replanner
 from ken.engine.serving import Engine
+from ken.engine.supervision import BatchRecord
 from ken.models.cascade import Cascade
 from ken.optimizer.planner import PlannerSettings
 from ken.optimizer.query import Target
@@ -59,6 +61,15 @@ def test_drift_watch_sees_a_rate_above_the_top_gear_and_a_shifted_escalation_rat
     drift = held.check(3.0, 10, {}, [150.0] * 90 + [900.0] * 10)
     assert drift is not None and drift.kind == "latency" and "200 ms" in drift.detail
     assert DriftWatch(plan, {}).check(4.0, 10, {}, [9e9] * 500) is None  # no limit given
+    # runtime: the calls of the window against the plan's runtimes
+    timed = DriftWatch(plan, {}, runtime_shift=0.25, min_calls=20)
+    assert timed.check(1.0, 10, {}, runtime=(1.2, 500)) is None  # within 25%
+    assert timed.check(2.0, 10, {}, runtime=(2.0, 19)) is None  # too few calls to judge
+    drift = timed.check(3.0, 10, {}, runtime=(1.6, 40))
+    assert drift is not None and drift.kind == "runtime" and drift.runtime_factor == 1.6
+    assert "40 model calls took 1.60x" in drift.detail
+    faster = timed.check(4.0, 10, {}, runtime=(0.5, 40))
+    assert faster is not None and faster.kind == "runtime"
     assert expected_escalation((1.0, 0.4, 0.1)) == pytest.approx((0.4, 0.25))
     with pytest.raises(Exception, match="must be > 0"):
         DriftWatch(plan, {}, window_s=0)
@@ -106,6 +117,30 @@ def test_gear_replan_covers_the_new_peak_and_meets_the_target() -> None:
     assert plan_escalation(cat, plan) == replan.expected(plan)
 
 
+def test_recent_ratio_reads_the_calls_of_the_window_and_a_runtime_drift_rescales_the_plan(
+        ) -> None:
+    """The engine's log against the catalog: calls twice as long as the catalog says, those
+    before the window left out; GearReplan then plans with runtimes twice as long."""
+    cat = catalog()
+    rt = cat.perf["s"].batch_runtime(1)
+    log = [BatchRecord("cpu0", "s", 1, t, t + (0.5 if t < 10 else 2.0) * rt, 0.0)
+           for t in np.arange(0.0, 20.0, 0.5)]
+    factor, calls = recent_ratio(log, cat, 10.0)
+    assert factor == pytest.approx(2.0) and calls == 20
+    assert recent_ratio(log, cat, 100.0) is None
+    replan = GearReplan("op", cat, CASCADES, hardware(), Target(max_p95_ms=200.0),
+                        settings=PlannerSettings(num_ranges=2, max_rounds=1))
+    drift = DriftWatch(small_plan(1_000.0), {}, min_calls=10).check(
+        20.0, 100, {}, runtime=(factor, calls))
+    assert drift is not None and drift.kind == "runtime"
+    plan = replan(poisson_trace(50.0, 3.0, seed=2), drift)
+    assert replan.catalog.perf["s"].batch_runtime(1) == pytest.approx(2.0 * rt)
+    assert replan.catalog.perf["l"].batch_runtime(8) == \
+        pytest.approx(2.0 * cat.perf["l"].batch_runtime(8))
+    assert dict(plan.provenance)["replanned"] == drift.detail
+    assert recent_ratio(log, replan.catalog, 10.0)[0] == pytest.approx(1.0)  # quiet again
+
+
 def test_replanner_swaps_the_plan_when_the_rate_passes_the_top_gear_and_loses_nothing() -> None:
     models = {"a": FakeModel("a"), "b": FakeModel("b")}
     first = small_plan(50.0)
@@ -140,3 +175,43 @@ def test_replanner_swaps_the_plan_when_the_rate_passes_the_top_gear_and_loses_no
     assert {o.status for o in outcomes} == {"ok"}
     # the rows after the swap ran the new plan: model a alone, never escalated
     assert all(o.model == "a" and o.stage == 0 for o in outcomes[-20:])
+
+
+def test_replanner_sees_calls_slower_than_the_plan_and_replans_with_their_runtimes() -> None:
+    """Model calls taking about 10 ms where the catalog the plan was made with says 2 ms: the
+    replanner's runtime watch (``recent_ratio`` against that catalog) sees a runtime drift,
+    the re-plan gets its factor, and every request is answered once."""
+    from ken.optimizer.perf import Catalog, ModelPerf
+
+    perf = {m: ModelPerf(m, (1, 8), ((0.002, 0.016),), (100,)) for m in ("a", "b")}
+    cat = Catalog(perf, {m: np.ones(4) for m in perf}, {m: np.full((4, 2), 0.5) for m in perf})
+    models = {"a": SlowModel("a", 0.010), "b": SlowModel("b", 0.010)}
+    first = small_plan(5_000.0, Cascade(("a",)))
+    second = small_plan(5_000.0, Cascade(("b",)))
+    swapped = threading.Event()
+    seen = []
+
+    def replan(trace, drift):  # noqa: ANN001, ANN202
+        seen.append(drift)
+        return second
+
+    with Engine(first, models) as engine:
+        replanner = Replanner(engine, "op", replan, lambda p: {}, window_s=0.5, history_s=1.0,
+                              poll_s=0.05, settle_s=0.0, on_event=lambda e: swapped.set(),
+                              runtimes=lambda log, since: recent_ratio(log, cat, since))
+        with replanner:
+            futures = []
+            for i in range(400):  # about 50 a second, until the swap
+                futures.append(engine.submit(f"row {i}"))
+                if swapped.is_set():
+                    break
+                threading.Event().wait(0.02)
+            assert swapped.wait(10)
+            outcomes = [f.result(timeout=10) for f in futures]
+        assert engine.plans["op"] is second
+    drift = replanner.events[0].drift
+    assert drift.kind == "runtime" and drift.runtime_factor is not None
+    assert 3.0 < drift.runtime_factor < 10.0  # 10 ms calls and their round trip over 2 ms
+    assert seen[0] is drift
+    assert len({o.request_id for o in outcomes}) == len(futures)
+    assert {o.status for o in outcomes} == {"ok"}

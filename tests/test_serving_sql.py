@@ -226,6 +226,7 @@ class _SwapTo:
     """A re-plan recipe that answers with a given plan (the planner is tested elsewhere)."""
 
     latency_limit_ms = None  # an accuracy target: no latency drift
+    catalog = None  # no runtimes: no runtime drift
 
     def __init__(self, plan: GearPlan) -> None:
         self.plan = plan

@@ -244,6 +244,25 @@ def fit_calibration(log: Iterable[BatchRecord], catalog: Catalog, source: str = 
     return Calibration(fits, calls, source, wake=wake)
 
 
+def recent_ratio(log: Sequence[BatchRecord], catalog: Catalog, since_s: float
+                 ) -> tuple[float, int] | None:
+    """The mean ratio measured / predicted runtime (``runtime_ratios``, waking from idle
+    charged as the catalog says) of the online calls in ``log`` that started at ``since_s``
+    or later, the slowest 1% left out, and how many calls; None without such calls. Reads
+    ``log`` from its end (the engine appends calls as they end)."""
+    i = len(log)
+    while i > 0 and log[i - 1].start_s >= since_s:
+        i -= 1
+    recent = [r for r in log[i:] if r.model in catalog.perf]
+    ratios = [q / (catalog.perf_on(r.model, r.device).wake
+                   if r.idle_before_s >= WAKE_IDLE_S else 1.0)
+              for calls in runtime_ratios(recent, catalog).values() for r, q in calls]
+    if not ratios:
+        return None
+    x = np.asarray(ratios)
+    return float(x[x <= np.percentile(x, 99)].mean()), len(ratios)
+
+
 #: one-row calls of a model after idle and back to back that its wake-up ratio needs
 MIN_WAKE_CALLS = 5
 #: the bounds the wake-up factor is held to

@@ -20,6 +20,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Protocol, cast
 
+from ken.engine.calibrate import recent_ratio
 from ken.engine.decode import CascadeServer, GenerationEngine
 from ken.engine.ray_runner import RayCluster
 from ken.engine.replanning import ReplanEvent, Replanner
@@ -128,9 +129,13 @@ class ServingManager:
                 self._plans[name] = engine.plans[name]
             self.ctx.reporter.note(f"{name}(): {event.line()}")
 
-        self._replanners[name] = Replanner(engine, name, replan, replan.expected,
-                                           latency_limit_ms=replan.latency_limit_ms,
-                                           on_event=replanned).start()
+        # the calls of the window against the runtimes the recipe plans with (it keeps them
+        # after a runtime drift, so the watch then compares with the new ones)
+        runtimes = None if replan.catalog is None else (
+            lambda log, since: recent_ratio(log, replan.catalog, since))
+        self._replanners[name] = Replanner(
+            engine, name, replan, replan.expected, latency_limit_ms=replan.latency_limit_ms,
+            on_event=replanned, runtimes=runtimes).start()
 
     def _swap_gear(self, name: str) -> None:
         engine = self._engine

@@ -4,8 +4,9 @@ gear plan assumed and swaps in a new plan when the workload leaves it.
 Every ``poll_s`` the ``Replanner`` gives a ``DriftWatch`` (``ken.policy.drift``) the arrivals
 of the last ``window_s`` (``Engine.recent_arrivals``: every online request submitted, admitted
 or not), the latencies of the requests answered then (``Engine.recent_latencies``; judged
-against ``latency_limit_ms``, e.g. the user's latency target) and the per-stage escalation
-counts admission keeps. On a drift it builds a trace of the requests in flight (the
+against ``latency_limit_ms``, e.g. the user's latency target), the per-stage escalation
+counts admission keeps and, where given, how the model calls of the window compared with the
+plan's runtimes (``runtimes``). On a drift it builds a trace of the requests in flight (the
 backlog, arriving at once) and the last ``window_s`` of arrivals repeated to fill
 ``history_s`` (the new load, sustained), calls ``replan(trace, drift)`` (``GearReplan``: a new
 frontier for that load, the plan picked for the user's target) in this thread while the
@@ -20,12 +21,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from ken.engine.serving import Engine
+from ken.engine.supervision import BatchRecord
 from ken.errors import KenError
 from ken.models.cascade import Cascade
 from ken.optimizer.workload import Trace
@@ -60,7 +62,11 @@ class Replanner:
     """Re-plans ``operator`` of a started ``engine`` (see the module docstring).
 
     ``replan(trace, drift)`` returns the plan to swap in; ``expected(plan)`` the share of rows
-    each stage of each of its cascades is expected to pass on (``GearReplan.expected``)."""
+    each stage of each of its cascades is expected to pass on (``GearReplan.expected``);
+    ``runtimes(batch_log, since_s)``, where given, the mean ratio of the engine's model calls
+    since then to the runtimes the plan was made with, and how many
+    (``calibrate.recent_ratio`` against ``GearReplan.catalog``): a *runtime* drift beyond
+    ``runtime_shift``."""
 
     def __init__(self, engine: Engine, operator: str,
                  replan: Callable[[Trace, Drift], GearPlan],
@@ -69,7 +75,10 @@ class Replanner:
                  settle_s: float = 5.0, rate_factor: float = 1.25,
                  escalation_shift: float = 0.1, min_rows: int = 100,
                  latency_limit_ms: float | None = None, reporter: Reporter = QUIET,
-                 on_event: Callable[[ReplanEvent], None] | None = None) -> None:
+                 on_event: Callable[[ReplanEvent], None] | None = None,
+                 runtimes: Callable[[Sequence[BatchRecord], float],
+                                    tuple[float, int] | None] | None = None,
+                 runtime_shift: float = 0.25) -> None:
         if history_s < window_s or poll_s <= 0 or settle_s < 0:
             raise KenError("history_s must be >= window_s, poll_s > 0 and settle_s >= 0")
         self.engine = engine
@@ -80,8 +89,9 @@ class Replanner:
         self.poll_s = poll_s
         self.settle_s = settle_s
         plan = engine.plans[operator]
+        self.runtimes = runtimes
         self.watch = DriftWatch(plan, expected(plan), window_s, rate_factor,
-                                escalation_shift, min_rows, latency_limit_ms)
+                                escalation_shift, min_rows, latency_limit_ms, runtime_shift)
         self.events: list[ReplanEvent] = []
         self._on_event = on_event or (lambda e: reporter.note(f"{operator}: {e.line()}"))
         self._stop = threading.Event()
@@ -122,8 +132,10 @@ class Replanner:
             # they say nothing of the plan serving now
             latencies = [1000.0 * x for x in self.engine.recent_latencies(
                 self.operator, since, self._swapped_at)]
+            runtime = None if self.runtimes is None else self.runtimes(
+                self.engine.batch_log, max(since, self._swapped_at))
             drift = self.watch.check(now, len(arrivals), self.engine.admission.escalations,
-                                     latencies)
+                                     latencies, runtime)
             if drift is not None:
                 self._handle(drift, arrivals)
 

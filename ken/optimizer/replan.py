@@ -7,7 +7,9 @@ latency target at ``margin`` (half) of itself: the new plan must also drain the 
 drift left queued. When the
 inputs got harder (a stage passes on more rows than the profiling sample said),
 ``resampled_catalog`` first re-weights the sample's rows so that the first stage escalates at
-the measured rate, and the planner simulates those rows from then on.
+the measured rate, and the planner simulates those rows from then on. When the model calls
+ran slower or faster than the plan's runtimes (a *runtime* drift), ``scaled_catalog`` scales
+every runtime by the factor measured, and the planner plans with those from then on.
 
 Online planning competes with serving for the machine, so its default settings are lighter
 than ``ken plan``'s (fewer load ranges and placement rounds, analytic placement scoring).
@@ -58,6 +60,16 @@ def resampled_catalog(catalog: Catalog, cascade: Cascade, escalation: float,
                    None if catalog.row_sizes is None else catalog.row_sizes[rows])
 
 
+def scaled_catalog(catalog: Catalog, factor: float) -> Catalog:
+    """``catalog`` with every CPU runtime ``factor`` times as long (what serving measured
+    against what the plan was made with: a ``runtime`` drift)."""
+    if not (np.isfinite(factor) and factor > 0):
+        raise PlanningError(f"a runtime factor must be > 0, got {factor}")
+    return catalog.with_perf({m: replace(p, runtime_s=tuple(tuple(factor * t for t in row)
+                                                            for row in p.runtime_s))
+                              for m, p in catalog.perf.items()})
+
+
 def plan_escalation(catalog: Catalog, plan: GearPlan) -> dict[Cascade, tuple[float, ...]]:
     """What ``plan`` expects each stage of each of its cascades to pass on, on ``catalog``'s
     sample (what a ``DriftWatch`` compares serving with)."""
@@ -93,6 +105,9 @@ class GearReplan:
             # later re-plans keep the harder sample: it is what serving saw last
             self.catalog = resampled_catalog(self.catalog, drift.cascade, drift.escalation,
                                              self.seed)
+        if drift.kind == "runtime" and drift.runtime_factor is not None:
+            # the runtimes the calls take now: later re-plans (and the watch) keep them
+            self.catalog = scaled_catalog(self.catalog, drift.runtime_factor)
         # the trace's first second may hold the backlog queued at the drift (``Replanner``):
         # the gears are sized for the load after it
         later = trace.arrival_s[trace.arrival_s >= 1.0]

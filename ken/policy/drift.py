@@ -12,7 +12,10 @@ left what the plan covers:
   over at least ``min_rows`` rows answered in the last ``window_s``;
 - *latency*: the p95 of the requests answered in the last ``window_s`` (at least ``min_rows``
   of them) is over ``latency_limit_ms``: the plan does not hold, whatever the cause (the
-  simulator's runtimes, the machine's other work, a backlog).
+  simulator's runtimes, the machine's other work, a backlog);
+- *runtime*: the model calls of the last ``window_s`` (at least ``min_calls``) took on
+  average a factor further than ``runtime_shift`` from 1 of the runtimes the plan was made
+  with (the machine got slower or faster than it was when it was calibrated).
 
 Like the scheduling policy it never reads a clock: the caller gives the time and the counts
 (the online engine's ``Replanner`` on a wall clock; a test on made-up times).
@@ -40,12 +43,13 @@ class Drift:
     """Why a plan no longer covers the workload, at ``at_s``."""
 
     at_s: float
-    kind: Literal["rate", "escalation", "latency"]
+    kind: Literal["rate", "escalation", "latency", "runtime"]
     detail: str  # one sentence for the serving log and EXPLAIN
     rate_qps: float  # the arrival rate measured over the watch's window
     cascade: Cascade | None = None  # "escalation": the cascade and stage that shifted
     stage: int | None = None
     escalation: float | None = None  # the share of that stage's rows passed on, measured
+    runtime_factor: float | None = None  # "runtime": the calls' mean measured / planned
 
 
 class DriftWatch:
@@ -55,10 +59,14 @@ class DriftWatch:
     def __init__(self, plan: GearPlan, expected: Mapping[Cascade, Sequence[float]],
                  window_s: float = 5.0, rate_factor: float = 1.25,
                  escalation_shift: float = 0.1, min_rows: int = 100,
-                 latency_limit_ms: float | None = None) -> None:
-        if window_s <= 0 or rate_factor <= 0 or escalation_shift <= 0 or min_rows < 1:
-            raise PolicyError("window_s, rate_factor and escalation_shift must be > 0, "
-                              "min_rows >= 1")
+                 latency_limit_ms: float | None = None, runtime_shift: float = 0.25,
+                 min_calls: int = 20) -> None:
+        if window_s <= 0 or rate_factor <= 0 or escalation_shift <= 0 or min_rows < 1 \
+                or runtime_shift <= 0 or min_calls < 1:
+            raise PolicyError("window_s, rate_factor, escalation_shift and runtime_shift "
+                              "must be > 0, min_rows and min_calls >= 1")
+        self.runtime_shift = runtime_shift
+        self.min_calls = min_calls
         self.window_s = window_s
         self.rate_factor = rate_factor
         self.escalation_shift = escalation_shift
@@ -75,10 +83,13 @@ class DriftWatch:
         self._snapshots.clear()
 
     def check(self, now: float, arrivals: int, counts: Counts,
-              latencies_ms: Sequence[float] = ()) -> Drift | None:
+              latencies_ms: Sequence[float] = (),
+              runtime: tuple[float, int] | None = None) -> Drift | None:
         """The drift seen at ``now``, if any: ``arrivals`` is the number of requests that
         arrived in the last ``window_s``; ``counts`` the cumulative per-stage counts;
-        ``latencies_ms`` those of the requests answered in the last ``window_s``."""
+        ``latencies_ms`` those of the requests answered in the last ``window_s``;
+        ``runtime`` the mean ratio of the model calls of the last ``window_s`` to the
+        runtimes the plan was made with, and how many calls (None: not measured)."""
         rate = arrivals / self.window_s
         top = self.plan.qps_edges[-1]
         if rate > self.rate_factor * top:
@@ -92,6 +103,12 @@ class DriftWatch:
                 return Drift(now, "latency", f"the p95 of the last {len(latencies_ms)} "
                              f"answers was {p95:.0f} ms, over the {limit:.0f} ms the plan is "
                              "held to", rate)
+        if runtime is not None:
+            factor, calls = runtime
+            if calls >= self.min_calls and abs(factor - 1.0) > self.runtime_shift:
+                return Drift(now, "runtime", f"the last {calls} model calls took {factor:.2f}x "
+                             "the runtimes the plan was made with", rate,
+                             runtime_factor=factor)
         snap = dict(counts)
         self._snapshots.append((now, snap))
         while len(self._snapshots) > 1 and self._snapshots[1][0] <= now - self.window_s:
