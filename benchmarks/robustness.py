@@ -11,7 +11,8 @@ are served, each first ``--phase-s`` seconds as planned and then ``--phase-s`` s
 
 Three systems serve each trace, one after the other, on the same arrivals and rows:
 
-- ``ken, re-planning``: ken's plan with the ``Replanner`` watching it (``ken.engine.replanning``);
+- ``ken, re-planning``: ken's plan with the ``Replanner`` watching it (``ken.engine.replanning``:
+  rate, escalation, latency and, since 2026-11-27, the model calls' runtimes);
 - ``ken, fixed plan``: the same plan, never re-planned;
 - ``static cascade``: the most accurate static cascade (one cascade at every load, ken's
   placement and scheduling) whose simulated p95 on the planning window is within the target:
@@ -40,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ken.engine.calibrate import recent_ratio
 from ken.engine.replanning import Replanner
 from ken.engine.replay import replay
 from ken.engine.serving import Engine
@@ -97,7 +99,9 @@ def serve(plan: GearPlan, loaders: dict, trace: Trace, sample, rows: np.ndarray,
         watcher = (Replanner(engine, OPERATOR, replanner, replanner.expected,
                              reporter=reporter, window_s=args.watch_s,
                              history_s=args.history_s,
-                             latency_limit_ms=replanner.latency_limit_ms)
+                             latency_limit_ms=replanner.latency_limit_ms,
+                             runtimes=lambda log, since: recent_ratio(
+                                 log, replanner.catalog, since))
                    if replanner else None)
         if watcher:
             watcher.start()
