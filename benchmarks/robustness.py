@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ken.engine.calibrate import recent_ratio
+from ken.engine.calibrate import measure_calibration, recent_ratio
 from ken.engine.replanning import Replanner
 from ken.engine.replay import replay
 from ken.engine.serving import Engine
@@ -61,7 +61,7 @@ from ken.policy.plan import GearPlan
 from ken.progress import Reporter
 
 sys.path.insert(0, str(Path(__file__).parent))
-from e2e import calibrate, family_setup  # noqa: E402 - the e2e benchmark's setup
+from e2e import family_setup  # noqa: E402 - the e2e benchmark's setup
 
 RESULTS = Path(__file__).parent / "results" / "robustness"
 OPERATOR = "sentiment"
@@ -157,7 +157,12 @@ def main() -> int:
     catalog = Catalog.from_profiles(profiles)
     cascades = [m.cascade for m in pareto_cascades(profiles)]
     hardware = Hardware.cpu_workers(2, 4 * 10**9)
-    cal, _spreads, _n = calibrate(args, catalog, cascades, hardware, loaders, sample, reporter)
+    used = {m for c in cascades for m in c.models}
+    calibration = measure_calibration(catalog, {m: f for m, f in loaders.items() if m in used},
+                                      sample, hardware, args.calibration_s,
+                                      seed=args.seed + 1, reporter=reporter, workers="process")
+    reporter.note(f"runtimes calibrated: {calibration.describe()} ({calibration.source})")
+    cal = calibration.apply(catalog)
     top = max(cascades, key=cal.accuracy)
     rate = args.rate or 0.5 * sustained_qps(cal, top, 2)
     planning = poisson_trace(rate, 60.0, seed=args.seed + 30)
