@@ -46,12 +46,16 @@ from ken.progress import QUIET, Reporter
 
 def predicted_s(record: BatchRecord, catalog: Catalog) -> float:
     """What the simulator charges the call ``record``: the profiled runtime of its size,
-    scaled by its largest row's size where the catalog knows sizes (``Catalog.size_factors``)."""
+    scaled by its largest row's size where the catalog knows sizes (``Catalog.size_factors``),
+    times the model's ``wake`` when its device idled ``WAKE_IDLE_S`` or more before it."""
     if record.model not in catalog.perf:
         raise KenError(f"the engine ran {record.model}, which the catalog has no profile of")
-    return sized_runtime(catalog.perf_on(record.model, record.device).batch_runtime(record.rows),
-                         catalog.size_factors(record.model, record.device, record.rows),
-                         record.rows, record.largest)
+    perf = catalog.perf_on(record.model, record.device)
+    woken = perf.wake if record.idle_before_s >= WAKE_IDLE_S else 1.0
+    return woken * sized_runtime(perf.batch_runtime(record.rows),
+                                 catalog.size_factors(record.model, record.device,
+                                                      record.rows),
+                                 record.rows, record.largest)
 
 
 def runtime_ratios(log: Iterable[BatchRecord], catalog: Catalog, include_bulk: bool = False
@@ -165,8 +169,8 @@ class Calibration:
     def key(self) -> dict[str, Any]:
         """What a cached frontier planned with it depends on."""
         return {"wake": round(self.wake, 4),
-                **{m: tuple((b, round(f, 4)) for b, f in pairs)
-                   for m, pairs in self.fits.items()}}
+                "fits": {m: tuple((b, round(f, 4)) for b, f in pairs)
+                         for m, pairs in self.fits.items()}}
 
     def save(self, path: str | Path) -> Path:
         """Write it as JSON, atomically (``Calibration.load`` reads it)."""
@@ -227,6 +231,7 @@ def fit_calibration(log: Iterable[BatchRecord], catalog: Catalog, source: str = 
     fits, calls = {}, {}
     ratios = {m: pairs for m, pairs in runtime_ratios(log, catalog).items()
               if len(pairs) >= min_calls}
+    # on top of what ``catalog`` charges for waking (1.0 for profiles, which never idle)
     wake = wake_factor(ratios)
     for m, pairs in ratios.items():
         # back-to-back factors: a call after idle counts as ``wake`` times its own
@@ -246,17 +251,15 @@ def fit_calibration(log: Iterable[BatchRecord], catalog: Catalog, source: str = 
 
 def recent_ratio(log: Sequence[BatchRecord], catalog: Catalog, since_s: float
                  ) -> tuple[float, int] | None:
-    """The mean ratio measured / predicted runtime (``runtime_ratios``, waking from idle
-    charged as the catalog says) of the online calls in ``log`` that started at ``since_s``
-    or later, the slowest 1% left out, and how many calls; None without such calls. Reads
-    ``log`` from its end (the engine appends calls as they end)."""
+    """The mean ratio measured / predicted runtime (``runtime_ratios``) of the online calls
+    in ``log`` that started at ``since_s`` or later, the slowest 1% left out, and how many
+    calls; None without such calls. Reads ``log`` from its end (the engine appends calls as
+    they end)."""
     i = len(log)
     while i > 0 and log[i - 1].start_s >= since_s:
         i -= 1
     recent = [r for r in log[i:] if r.model in catalog.perf]
-    ratios = [q / (catalog.perf_on(r.model, r.device).wake
-                   if r.idle_before_s >= WAKE_IDLE_S else 1.0)
-              for calls in runtime_ratios(recent, catalog).values() for r, q in calls]
+    ratios = [q for calls in runtime_ratios(recent, catalog).values() for _, q in calls]
     if not ratios:
         return None
     x = np.asarray(ratios)
