@@ -37,7 +37,7 @@ from ken.engine.supervision import BatchRecord
 from ken.errors import KenError
 from ken.models.cascade import Cascade
 from ken.optimizer.baselines import static_plans
-from ken.optimizer.perf import WAKE_IDLE_S, Catalog, ModelPerf, sized_runtime
+from ken.optimizer.perf import WAKE_IDLE_S, Catalog, ModelPerf, sized_runtime, woke
 from ken.optimizer.plan_context import PlannerSettings, planning_context
 from ken.optimizer.workload import Hardware, Trace, gamma_trace
 from ken.policy.plan import GearPlan
@@ -51,11 +51,10 @@ def predicted_s(record: BatchRecord, catalog: Catalog) -> float:
     if record.model not in catalog.perf:
         raise KenError(f"the engine ran {record.model}, which the catalog has no profile of")
     perf = catalog.perf_on(record.model, record.device)
-    woken = perf.wake if record.idle_before_s >= WAKE_IDLE_S else 1.0
-    return woken * sized_runtime(perf.batch_runtime(record.rows),
-                                 catalog.size_factors(record.model, record.device,
-                                                      record.rows),
-                                 record.rows, record.largest)
+    return perf.woken(record.idle_before_s) * sized_runtime(
+        perf.batch_runtime(record.rows),
+        catalog.size_factors(record.model, record.device, record.rows), record.rows,
+        record.largest)
 
 
 def runtime_ratios(log: Iterable[BatchRecord], catalog: Catalog, include_bulk: bool = False
@@ -152,10 +151,8 @@ class Calibration:
         perf = dict(catalog.perf)
         for m in self.fits:
             p = perf[m]
-            scale = [self.factor(m, b) for b in p.batch_sizes]
-            perf[m] = replace(p, runtime_s=tuple(
-                tuple(k * t for k, t in zip(scale, row, strict=True)) for row in p.runtime_s),
-                wake=self.wake)
+            perf[m] = replace(p.scaled([self.factor(m, b) for b in p.batch_sizes]),
+                              wake=self.wake)
         return catalog.with_perf(perf)
 
     def describe(self) -> str:
@@ -204,6 +201,12 @@ class Calibration:
             raise KenError(f"{path} is not a runtime calibration file: {exc}") from None
 
 
+def _not_slowest(ratios: np.ndarray) -> np.ndarray:
+    """Which ``ratios`` to keep: all but the slowest 1% (a stall of the machine is not a
+    property of the model)."""
+    return ratios <= np.percentile(ratios, 99)
+
+
 #: calls of a model a fit needs; a model with fewer is left as profiled
 MIN_FIT_CALLS = 10
 #: how many calls' weight the model's factor over all its calls has in each batch-size bin's
@@ -235,10 +238,9 @@ def fit_calibration(log: Iterable[BatchRecord], catalog: Catalog, source: str = 
     wake = wake_factor(ratios)
     for m, pairs in ratios.items():
         # back-to-back factors: a call after idle counts as ``wake`` times its own
-        ratio = np.array([q / (wake if r.idle_before_s >= WAKE_IDLE_S else 1.0)
-                          for r, q in pairs])
+        ratio = np.array([q / (wake if woke(r.idle_before_s) else 1.0) for r, q in pairs])
         size = np.array([2 ** round(np.log2(max(r.rows, 1))) for r, _ in pairs])
-        keep = ratio <= np.percentile(ratio, 99)
+        keep = _not_slowest(ratio)
         ratio, size = ratio[keep], size[keep]
         overall = float(ratio.mean())
         bins = [(int(b), float((ratio[size == b].sum() + prior_calls * overall)
@@ -263,7 +265,7 @@ def recent_ratio(log: Sequence[BatchRecord], catalog: Catalog, since_s: float
     if not ratios:
         return None
     x = np.asarray(ratios)
-    return float(x[x <= np.percentile(x, 99)].mean()), len(ratios)
+    return float(x[_not_slowest(x)].mean()), len(ratios)
 
 
 #: one-row calls of a model after idle and back to back that its wake-up ratio needs
@@ -282,13 +284,13 @@ def wake_factor(ratios: Mapping[str, list[tuple[BatchRecord, float]]],
     right after an earlier one, so most models show only one kind of call."""
     num = den = 0.0
     for pairs in ratios.values():
-        one = [(r.idle_before_s >= WAKE_IDLE_S, q) for r, q in pairs if r.rows == 1]
+        one = [(woke(r.idle_before_s), q) for r, q in pairs if r.rows == 1]
         idle = np.array([q for woke, q in one if woke])
         busy = np.array([q for woke, q in one if not woke])
         n = min(idle.size, busy.size)
         if n < min_calls:
             continue
-        trim = [x[x <= np.percentile(x, 99)] for x in (idle, busy)]
+        trim = [x[_not_slowest(x)] for x in (idle, busy)]
         num += n * float(trim[0].mean() / trim[1].mean())
         den += n
     return float(np.clip(num / den, *WAKE_RANGE)) if den else 1.0

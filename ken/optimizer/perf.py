@@ -29,6 +29,11 @@ PARALLEL_DEGREES = (1, 2, 4, 8)
 WAKE_IDLE_S = 0.05
 
 
+def woke(idle_s: float) -> bool:
+    """Whether a batch after ``idle_s`` of device idle pays its model's ``wake`` factor."""
+    return idle_s >= WAKE_IDLE_S
+
+
 @dataclass(frozen=True)
 class ModelPerf:
     """Batch runtimes (seconds) at ``batch_sizes`` for each tensor-parallel degree.
@@ -88,6 +93,18 @@ class ModelPerf:
         """The same model with ``seconds`` added to every batch (a hop to a remote worker)."""
         return replace(self, runtime_s=tuple(tuple(t + seconds for t in row)
                                              for row in self.runtime_s))
+
+    def scaled(self, factors: float | Sequence[float]) -> ModelPerf:
+        """The same model with every batch ``factors`` times as long: one factor, or one per
+        batch size of ``batch_sizes``."""
+        scale = ([float(factors)] * len(self.batch_sizes) if isinstance(factors, int | float)
+                 else list(factors))
+        return replace(self, runtime_s=tuple(
+            tuple(k * t for k, t in zip(scale, row, strict=True)) for row in self.runtime_s))
+
+    def woken(self, idle_s: float) -> float:
+        """What a batch after ``idle_s`` of device idle is charged on top: ``wake`` or 1."""
+        return self.wake if woke(idle_s) else 1.0
 
     @classmethod
     def from_profile(cls, profile: Profile) -> ModelPerf:

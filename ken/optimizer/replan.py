@@ -65,9 +65,7 @@ def scaled_catalog(catalog: Catalog, factor: float) -> Catalog:
     against what the plan was made with: a ``runtime`` drift)."""
     if not (np.isfinite(factor) and factor > 0):
         raise PlanningError(f"a runtime factor must be > 0, got {factor}")
-    return catalog.with_perf({m: replace(p, runtime_s=tuple(tuple(factor * t for t in row)
-                                                            for row in p.runtime_s))
-                              for m, p in catalog.perf.items()})
+    return catalog.with_perf({m: p.scaled(factor) for m, p in catalog.perf.items()})
 
 
 def plan_escalation(catalog: Catalog, plan: GearPlan) -> dict[Cascade, tuple[float, ...]]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ken.errors import SimulationError
-from ken.optimizer.perf import WAKE_IDLE_S, Catalog, sized_runtime
+from ken.optimizer.perf import Catalog, sized_runtime, woke
 from ken.optimizer.sim_core import EventLoop, Record, run_metrics
 from ken.optimizer.workload import Trace
 from ken.policy.dropping import (
@@ -276,7 +276,7 @@ class _Operator:
             dt *= factors[self._rng.randrange(len(factors))]
         if self._woken:
             free = self._free_at
-            if now - max(free.get(d, -np.inf) for d in batch.devices) >= WAKE_IDLE_S:
+            if woke(now - max(free.get(d, -np.inf) for d in batch.devices)):
                 dt *= self._wake[batch.replica]
             for d in batch.devices:
                 free[d] = now + dt
