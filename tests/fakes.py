@@ -172,6 +172,22 @@ class EnvModel(Model):
         return Output([seen] * len(texts), np.ones(len(texts)))
 
 
+class GpuHog(Model):
+    """Holds ``mb`` MB on the process's GPU (cuda:0) from its load on, and answers every row
+    with the GPU's name: a model whose GPU memory the engine can check."""
+
+    def __init__(self, name: str, mb: int) -> None:
+        import torch
+
+        self.spec = ModelSpec(name, "fake", "fake", "", 1, mb * 2**20, 16, (), f"fp-{name}")
+        self.device = DeviceConfig("cuda", 0)
+        self.held = torch.empty(mb * 2**20, dtype=torch.uint8, device="cuda:0")
+        self.gpu = torch.cuda.get_device_name(0)
+
+    def predict(self, texts: Sequence[str], batch_size: int = 32) -> Output:
+        return Output([self.gpu] * len(texts), np.ones(len(texts)))
+
+
 class Profiled(ModelOperator):
     """A cascade operator whose profiles were measured elsewhere: ``source(threads)`` returns
     them (synthetic profiles with known runtimes and per-row outcomes)."""

@@ -172,6 +172,43 @@ def test_engine_runs_each_gpu_in_its_own_process_with_its_gpu_loaders(monkeypatc
         Engine(plans, {"c": EnvModel("c")}, gpu_models={"g": EnvModel("g")}, workers="thread")
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+def test_gpu_workers_are_checked_against_the_gpu_memory_they_reserved() -> None:
+    """A GPU worker reports the GPU memory its allocator reserved (loading included); over the
+    GPU budget the engine refuses to start, naming the device, the models and both sizes."""
+    from fakes import GpuHog
+
+    plans = [_one_stage("hog", "g", "cuda0")]
+    gpu = {"g": functools.partial(GpuHog, "g", 256)}
+    with Engine(plans, {}, gpu_models=gpu, workers="process",
+                admission="max_in_flight") as engine:
+        held = engine.load_report.gpu_bytes
+        assert set(held) == {"cuda0"} and held["cuda0"] >= 256 * 2**20
+        assert "cuda0" not in engine.load_report.rss_bytes  # host memory is not the GPU's
+        assert engine.submit("row", operator="hog").result(timeout=60).status == "ok"
+    tight = Engine(plans, {}, gpu_models=gpu, workers="process", admission="max_in_flight",
+                   gpu_memory_budget_bytes=128 * 2**20)
+    with pytest.raises(EngineError, match=r"cuda0's worker reserved 2\d\d MB of GPU memory with "
+                                          r"g, over its budget of 128 MB \(the GPU has"):
+        tight.start()
+    assert all(p is None for p in tight.pids().values())
+
+
+def test_cpu_workers_report_no_gpu_memory() -> None:
+    plans = [_one_stage("on_cpu", "c", "cpu0")]
+    with Engine(plans, {"c": functools.partial(EnvModel, "c")}, workers="process",
+                admission="max_in_flight") as engine:
+        assert engine.load_report.gpu_bytes == {} and set(engine.load_report.rss_bytes) == {"cpu0"}
+    with pytest.raises(EngineError, match="GPU memory budget per GPU must be > 0"):
+        Engine(plans, {"c": functools.partial(EnvModel, "c")}, gpu_memory_budget_bytes=0)
+
+
 # -- CPU workers and GPUs in one plan ----------------------------------------------------------
 
 

@@ -196,6 +196,10 @@ class RayRunner:
             return None
         return process_rss_bytes(self._pid)
 
+    def gpu_usage(self) -> tuple[int, int] | None:
+        """Not measured for actors: Ray reserves an actor's GPU itself (``num_gpus``)."""
+        return None
+
     def start(self) -> dict[str, float]:
         """Create the actor and wait until it has loaded every model; seconds per model."""
         if self.closing:

@@ -134,7 +134,10 @@ class Engine:
     ``admission="max_in_flight"``);
     ``deadline`` bounds each batch; ``max_retries`` re-runs a failed batch; ``max_crashes``
     crashes or hangs in a row mark a model failed; ``drain_on_sigterm`` drains for up to
-    ``drain_timeout_s`` on SIGTERM, then exits.
+    ``drain_timeout_s`` on SIGTERM, then exits. At start and at a plan swap each CPU worker
+    process is checked against ``memory_budget_bytes`` (its resident memory) and each GPU
+    worker against ``gpu_memory_budget_bytes`` (the GPU memory its allocator reserved;
+    default: ``gpus.GPU_MEMORY_SHARE`` of the GPU, what a plan may place there).
 
     ``dropping`` (``"none"``, ``"reactive"``, ``"proactive"`` or a ``DropPolicy``): serve the
     operators as stages of a pipeline whose requests carry end-to-end deadlines (see the
@@ -148,6 +151,7 @@ class Engine:
                  workers: Literal["auto", "process", "thread", "ray"] = "auto",
                  threads_per_device: int = 1, bulk_batch_size: int | None = None,
                  memory_budget_bytes: int | None = None,
+                 gpu_memory_budget_bytes: int | None = None,
                  admission: AdmissionMode = "plan",
                  latency_target_s: float | None = None,
                  deadline: BatchDeadline | None = None,
@@ -180,6 +184,8 @@ class Engine:
             raise EngineError("a Ray cluster serves with workers='ray'")
         if memory_budget_bytes is not None and memory_budget_bytes <= 0:
             raise EngineError("the memory budget per device must be > 0 bytes")
+        if gpu_memory_budget_bytes is not None and gpu_memory_budget_bytes <= 0:
+            raise EngineError("the GPU memory budget per GPU must be > 0 bytes")
         self.clock = clock or WallClock()
         self.breaker = Breaker(max_retries, max_crashes)
         self._requests = Requests(self.clock)
@@ -196,6 +202,7 @@ class Engine:
         self._requests.deadlines = self.deadlines
         self.max_in_flight = max_in_flight
         self.memory_budget_bytes = memory_budget_bytes
+        self.gpu_memory_budget_bytes = gpu_memory_budget_bytes
         self.drain_on_sigterm = drain_on_sigterm
         self.drain_timeout_s = drain_timeout_s
         self.scheduler = Scheduler(
@@ -270,8 +277,9 @@ class Engine:
             raise EngineError("the engine is already running")
         t0 = time.perf_counter()
         seconds = self.pool.add(_placed(*self.plans.values()))
-        self.load_report = LoadReport(seconds, time.perf_counter() - t0, self.workers,
-                                      self.pool.check_memory(self.memory_budget_bytes))
+        rss, gpu = self.pool.check_memory(self.memory_budget_bytes,
+                                          gpu_budget=self.gpu_memory_budget_bytes)
+        self.load_report = LoadReport(seconds, time.perf_counter() - t0, self.workers, rss, gpu)
         self._thread = threading.Thread(target=self.scheduler.run, name="ken-scheduler",
                                         daemon=True)
         self._accepting = True
@@ -336,7 +344,8 @@ class Engine:
         self.pool.check_plans([plan])
         self.pool.add(_placed(plan))
         self.scheduler.bulk_batch_size = max(self.scheduler.bulk_batch_size, *plan.max_batch)
-        self.pool.check_memory(self.memory_budget_bytes, stop=False)  # over: keep the old plan
+        self.pool.check_memory(self.memory_budget_bytes, stop=False,  # over: keep the old plan
+                               gpu_budget=self.gpu_memory_budget_bytes)
         done: Future = Future()
         self._events.put(("swap", plan, done))
         return done.result()

@@ -38,6 +38,7 @@ from ken.engine.workers import (
     gpu_index,
 )
 from ken.errors import BatchTimeout, EngineError
+from ken.models.gpus import GPU_MEMORY_SHARE
 from ken.models.model import Model, row_size
 from ken.policy.plan import GearPlan
 from ken.policy.scheduling import WallClock
@@ -64,6 +65,8 @@ class LoadReport:
     total_s: float
     workers: str  # "process" | "thread"
     rss_bytes: Mapping[str, int] = field(default_factory=dict)  # per process worker, loaded
+    # per GPU device: the most GPU memory its worker's allocator reserved (loading included)
+    gpu_bytes: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -359,14 +362,27 @@ class DevicePool:
                 self._loaded_on[d].add(m)
         return seconds
 
-    def check_memory(self, budget: int | None, stop: bool = True) -> dict[str, int]:
-        """Resident memory per process worker; over ``budget`` an ``EngineError`` says which
-        device holds what (with ``stop``, the workers are stopped first). A GPU worker's host
-        memory is not checked: its models live on the GPU, whose budget the plan kept, and
-        its resident memory is mostly the CUDA libraries."""
+    def check_memory(self, budget: int | None, stop: bool = True,
+                     gpu_budget: int | None = None) -> tuple[dict[str, int], dict[str, int]]:
+        """Memory per worker: (resident memory of each CPU device's process, peak GPU memory
+        each GPU device's worker reserved). A CPU device over ``budget``, or a GPU device over
+        ``gpu_budget`` (default: ``GPU_MEMORY_SHARE`` of the GPU, what a plan may place on it),
+        raises an ``EngineError`` that says which device holds what (with ``stop``, the
+        workers are stopped first). A GPU worker's host memory is not checked: its models live
+        on the GPU, and its resident memory is mostly the CUDA libraries."""
         rss = {d: b for d, r in self._runners.items()
                if gpu_index(d) is None and (b := r.rss_bytes()) is not None}
-        over = {d: b for d, b in rss.items() if budget is not None and b > budget}
+        on_gpu = {d: u for d, r in self._runners.items()
+                  if gpu_index(d) is not None and (u := r.gpu_usage()) is not None}
+        over = [f"{d} holds {b / 2**20:,.0f} MB with {', '.join(sorted(self._loaded_on[d]))}, "
+                f"over the memory budget of {budget / 2**20:,.0f} MB per device"
+                for d, b in rss.items() if budget is not None and b > budget]
+        for d, (held, total) in on_gpu.items():
+            allowed = gpu_budget if gpu_budget is not None else int(total * GPU_MEMORY_SHARE)
+            if held > allowed:
+                over.append(f"{d}'s worker reserved {held / 2**20:,.0f} MB of GPU memory with "
+                            f"{', '.join(sorted(self._loaded_on[d]))}, over its budget of "
+                            f"{allowed / 2**20:,.0f} MB (the GPU has {total / 2**20:,.0f} MB)")
         if over and stop:  # nothing is left running
             for q in self._queues.values():
                 q.put(_STOP)
@@ -374,13 +390,9 @@ class DevicePool:
                 r.close()
             self._runners.clear()
         if over:
-            assert budget is not None
-            detail = "; ".join(f"{d} holds {b / 2**20:,.0f} MB with "
-                               f"{', '.join(sorted(self._loaded_on[d]))}"
-                               for d, b in over.items())
-            raise EngineError(f"over the memory budget of {budget / 2**20:,.0f} MB per device: "
-                              f"{detail}; give the devices more memory or plan with less")
-        return rss
+            raise EngineError(f"{'; '.join(over)}: give the devices more memory or plan with "
+                              "less")
+        return rss, {d: held for d, (held, _) in on_gpu.items()}
 
     def run(self, batch: RunnableBatch, expected_s: float | None) -> None:
         """Queue ``batch`` on its first device (``expected_s``: its profiled runtime)."""

@@ -91,6 +91,19 @@ def gpu_index(device: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
+def gpu_usage(index: int = 0) -> tuple[int, int] | None:
+    """GPU ``index``'s memory as this process uses it: (the most torch's caching allocator
+    has held at once, in bytes, the GPU's total memory), or None where this process has not
+    started CUDA (a CPU worker, or models that never touched the GPU). What the allocator
+    *reserves* is what other processes cannot have, so that is what is checked, not the
+    smaller *allocated* figure."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    return (int(torch.cuda.max_memory_reserved(index)),
+            int(torch.cuda.get_device_properties(index).total_memory))
+
+
 def worker_env(device: str, threads: int, base: Mapping[str, str] | None = None
                ) -> dict[str, str]:
     """The environment of ``device``'s worker process: ``base`` (this process's environment)
@@ -160,6 +173,9 @@ class ThreadRunner:
 
     def rss_bytes(self) -> int | None:
         return None  # threads share the engine's process: no per-device figure
+
+    def gpu_usage(self) -> tuple[int, int] | None:
+        return None  # threads serve CPU devices only (GPU plans need process workers)
 
     def load(self, name: str, source: Model | Loader) -> float:
         return 0.0  # the engine loads shared models once, for every thread runner
@@ -233,7 +249,7 @@ def _serve(inp: Connection, out: Connection, threads: int) -> None:
         return
     for name, seconds in loaded.items():
         out.send(("loaded", name, seconds))
-    out.send(("ready",))
+    out.send(("ready", gpu_usage()))  # the worker sees its one GPU as cuda:0
     while True:
         msg = inp.recv()
         if msg is None:
@@ -241,7 +257,7 @@ def _serve(inp: Connection, out: Connection, threads: int) -> None:
         if msg[0] == "load":
             loaded = load(msg[1])
             out.send(("load_error", loaded) if isinstance(loaded, str)
-                     else ("loaded", *next(iter(loaded.items()))))
+                     else ("loaded", *next(iter(loaded.items())), gpu_usage()))
             continue
         _, model, texts = msg
         try:
@@ -250,7 +266,7 @@ def _serve(inp: Connection, out: Connection, threads: int) -> None:
         except Exception as exc:  # noqa: BLE001 - the engine decides whether to re-run
             out.send(("error", f"{type(exc).__name__}: {exc}"))
             continue
-        out.send(("ok", values, scores))
+        out.send(("ok", values, scores, gpu_usage()))
 
 
 class ProcessRunner:
@@ -270,6 +286,7 @@ class ProcessRunner:
         self.restarts = 0  # fresh processes started after the first
         self.closing = False  # set when the engine shuts down: nothing is restarted then
         self.restarting = False  # a fresh process loads its models (read by admission)
+        self._gpu: tuple[int, int] | None = None  # the latest gpu_usage() the worker sent
 
     @property
     def pid(self) -> int | None:
@@ -279,6 +296,11 @@ class ProcessRunner:
     def rss_bytes(self) -> int | None:
         """Resident memory of the worker process (None if it is not running)."""
         return process_rss_bytes(self.pid)
+
+    def gpu_usage(self) -> tuple[int, int] | None:
+        """(peak GPU memory the worker's allocator reserved, the GPU's total) as the worker
+        last reported it (after loading, and with every answer); None on a CPU device."""
+        return self._gpu if self.pid is not None else None
 
     def start(self) -> dict[str, float]:
         """Start the process and wait until it has loaded every model; seconds per model.
@@ -310,6 +332,7 @@ class ProcessRunner:
             if msg[0] == "loaded":
                 seconds[msg[1]] = msg[2]
             elif msg[0] == "ready":
+                self._gpu = msg[1]
                 return seconds
             else:
                 self._stop()
@@ -330,6 +353,7 @@ class ProcessRunner:
         msg = self._receive(self.start_timeout_s, f"while loading {name}")
         if msg[0] != "loaded":
             raise WorkerError(f"worker {self.device} could not load {name}: {msg[1]}")
+        self._gpu = msg[3]
         return msg[2]
 
     def run(self, model: str, texts: Sequence[str], timeout_s: float | None = None) -> Answers:
@@ -375,6 +399,7 @@ class ProcessRunner:
                 + ("; it is not restarted: the engine is shutting down" if self.closing
                    else "")) from None
         if msg[0] == "ok":
+            self._gpu = msg[3]
             return msg[1], msg[2]
         raise WorkerError(msg[1])
 
