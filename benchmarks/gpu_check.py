@@ -19,7 +19,12 @@ a part that fails is recorded with its traceback and the others still run:
               the worker sees its GPU alone through CUDA_VISIBLE_DEVICES): a few hundred rows,
               every row exactly one outcome, p50/p95, which stage answered, and what the worker
               process loaded onto which device (the loader writes it down). On a CPU the same
-              plan runs on ``cpu0``.
+              plan runs on ``cpu0``. The workers' memory at start: GPU memory reserved per
+              GPU worker (checked against the GPU's budget), resident memory per CPU worker.
+``fidelity``  the simulator against the engine on the device: MiniLM-L3, -L6 and L3 -> L6, each
+              planned by ken from profiles measured there, replayed on a steady and a bursty
+              trace; p95 measured, simulated from the profiles, and simulated after a runtime
+              calibration measured on the device (``measure_calibration``).
 ``llm``       SmolLM2-135M through ``CausalLM`` + ``DecodeBatch`` per batch size (1, 16, 64) and
               precision: time to first token and median decode step; greedy tokens of ken's
               ``generate`` against Hugging Face ``generate`` on the same device and precision;
@@ -78,7 +83,8 @@ for _path in (ROOT, ROOT / "benchmarks"):  # ken from the tree (not installed th
 from gpu_overhead import ken_decode as decode  # noqa: E402 - DecodeBatch timed the same way
 
 CARRY = ROOT / ".gpu"
-PARTS = ("env", "encoders", "profile", "engine", "llm", "pytest", "shapes", "serve")
+PARTS = ("env", "encoders", "profile", "engine", "fidelity", "llm", "pytest", "shapes",
+         "serve")
 #: ken's dependencies missing on the GPU machine (KINDS.md's package list), carried as wheels
 #: in the versions installed here
 WHEELS = ("duckdb", "sqlglot", "gguf", "rapidfuzz")
@@ -684,6 +690,8 @@ def part_engine(args: argparse.Namespace, ws: Workspace) -> dict:
                 **kwargs) as engine:
         start_s = time.perf_counter() - started
         pids = engine.pids()
+        load = engine.load_report
+        memory = {"gpu_bytes": dict(load.gpu_bytes), "rss_bytes": dict(load.rss_bytes)}
         warm = [engine.submit(t).result(timeout=120) for t in texts[:4]]
         futures = []
         gap = 1.0 / args.engine_qps
@@ -713,6 +721,7 @@ def part_engine(args: argparse.Namespace, ws: Workspace) -> dict:
     out = {
         "device": where, "rows": len(texts), "qps": args.engine_qps,
         "threshold": threshold, "start_s": start_s, "worker_pids": pids,
+        "worker_memory_at_start": memory,
         "warmup_statuses": [o.status for o in warm],
         "statuses": statuses,
         "every_row_one_outcome": (len(outcomes) == len(burst) == len(texts)
@@ -728,6 +737,7 @@ def part_engine(args: argparse.Namespace, ws: Workspace) -> dict:
         "worker_loaded": reports,
         "worker_pid_matches": {n: reports.get(n, {}).get("pid") == pids.get(where)
                                for n in stages}}
+    note(f"  engine on {where}: worker memory at start {memory}")
     note(f"  engine on {where}: {statuses}, one outcome per row: {out['every_row_one_outcome']}; "
          f"paced p50 {out['paced']['p50_ms']:.1f} / p95 {out['paced']['p95_ms']:.1f} ms, burst "
          f"p95 {out['burst']['p95_ms']:.1f} ms; stages {out['paced_answered_by_stage']}; workers "
@@ -735,6 +745,120 @@ def part_engine(args: argparse.Namespace, ws: Workspace) -> dict:
                      f"CUDA_VISIBLE_DEVICES={r.get('CUDA_VISIBLE_DEVICES')!r}"
                      for n, r in reports.items()))
     return out
+
+
+def part_fidelity(args: argparse.Namespace, ws: Workspace) -> dict:
+    """Does the simulator predict the engine on this device (issue 33)? MiniLM-L3, -L6 and the
+    cascade L3 -> L6, each placed and batched by ken's planner on one device from profiles
+    measured there, replayed through the engine on a steady and a bursty trace, against what
+    the simulator predicts for the same arrivals and rows: first from the profiles alone (what
+    a GPU plan is made from today), then from the runtime calibration measured on the same
+    device (``measure_calibration``, which ``ken plan`` runs for CPU workers only)."""
+    from ken.engine.calibrate import measure_calibration
+    from ken.engine.replay import serve_trace
+    from ken.models.cascade import Cascade
+    from ken.models.datasets import LabelledSample
+    from ken.models.head import fit_logistic
+    from ken.models.model import DeviceConfig
+    from ken.models.transformers_backend import TransformersBody
+    from ken.optimizer.baselines import static_plans
+    from ken.optimizer.perf import Catalog
+    from ken.optimizer.plan_context import planning_context
+    from ken.optimizer.planner import PlannerSettings
+    from ken.optimizer.profile import load_or_run_profile
+    from ken.optimizer.simulator import simulate
+    from ken.optimizer.workload import Device, Hardware, gamma_trace, poisson_trace
+
+    me = sys.modules.get("gpu_check") or __import__("gpu_check")  # loaders pickle by module
+    tweets = ws.tweets()
+    n = args.profile_rows
+    sample = LabelledSample(f"{tweets.name}-{n}", tweets.texts[:n], tweets.labels[:n],
+                            tweets.label_names)
+    device = DeviceConfig(args.device, 0, args.threads, "auto")
+    where = args.engine_device or ("cuda0" if args.device == "cuda" else "cpu0")
+    kind = "cuda" if where.startswith("cuda") else "cpu"
+    heads_dir = ws.root / "fidelity_heads"
+    heads_dir.mkdir(exist_ok=True)
+    names = ("minilm-l3", "minilm-l6")
+    profiles = {}
+    for name in names:
+        folder = ws.model_dir(name)
+        body = TransformersBody(body_config(name, folder), device)
+        head = fit_logistic(body.features(list(sample.texts), 32), sample.labels,
+                            sample.label_names)
+        head.save(heads_dir / f"{name}.safetensors")
+        profiles[name] = load_or_run_profile(classifier(name, folder, device, head, body), sample,
+                                             args.profile_batch_sizes, home=ws.home)
+        del body
+        free_memory()
+    catalog = Catalog.from_profiles(profiles)
+    # the threshold that sends about half the rows on to L6
+    threshold = float(np.median(np.asarray(catalog.scores[names[0]]).max(axis=1)))
+    cascades = [Cascade((names[0],)), Cascade((names[1],)), Cascade(names, (threshold,))]
+    hardware = Hardware((Device(where, kind, int(80 * 2**30 if kind == "cuda" else 8 * 2**30)),))
+    loaders = {name: functools.partial(me.load_classifier, name, str(ws.model_dir(name)),
+                                       str(heads_dir / f"{name}.safetensors"), args.device,
+                                       "auto", str(ws.root)) for name in names}
+    options: dict[str, Any] = {"workers": "process", "admission": "max_in_flight"}
+    if kind == "cuda":
+        options["gpu_models"] = loaders
+    # the rate L6 alone keeps 60% busy at its largest batch, so that queues and batches form
+    l6 = catalog.perf[names[1]]
+    full = l6.max_batch / l6.batch_runtime(l6.max_batch)
+    rate = min(args.fidelity_max_qps, 0.6 * full)
+    seconds = args.fidelity_seconds
+    traces = [poisson_trace(rate / 4, seconds, seed=1),
+              gamma_trace(rate / 2, seconds, 4.0, seed=2)]
+    # one planning run per cascade: with random weights L6 is no more accurate than L3, and a
+    # run over all three would drop the cascades it dominates
+    settings = PlannerSettings(num_ranges=1, include_static=False)
+    plans = [static_plans(planning_context("fidelity", [c], catalog, hardware, traces[1],
+                                           settings=settings))[0] for c in cascades]
+    started = time.perf_counter()
+    calibration = measure_calibration(catalog, loaders, sample, hardware,
+                                      seconds=args.fidelity_seconds, seed=0,
+                                      **{k: v for k, v in options.items() if k != "admission"})
+    calibration_s = time.perf_counter() - started
+    calibrated = calibration.apply(catalog)
+    runs = []
+    for trace in traces:
+        for plan in plans:
+            name = " -> ".join(plan.cascades[0].models)
+            measured = serve_trace(plan, loaders, trace, sample, seed=0, **options)
+            m = measured.replay.result.metrics(0, plan)
+            sim = simulate(plan, catalog, trace, 0).metrics(0, plan)
+            cal = simulate(plan, calibrated, trace, 0).metrics(0, plan)
+            status = measured.replay.status_counts()
+            run = {"plan": name, "trace": trace.name, "requests": len(trace),
+                   "max_batch": list(plan.max_batch), "status": status,
+                   "measured": {"p50_ms": m.p50_ms, "p95_ms": m.p95_ms, "p99_ms": m.p99_ms},
+                   "simulated": {"p50_ms": sim.p50_ms, "p95_ms": sim.p95_ms,
+                                 "p99_ms": sim.p99_ms},
+                   "simulated_calibrated": {"p50_ms": cal.p50_ms, "p95_ms": cal.p95_ms,
+                                            "p99_ms": cal.p99_ms},
+                   "p95_error": sim.p95_ms / m.p95_ms - 1,
+                   "p95_error_calibrated": cal.p95_ms / m.p95_ms - 1,
+                   "calls": len(measured.batch_log),
+                   "mean_call_ms": 1000 * float(np.mean([r.seconds for r in measured.batch_log]))
+                   if measured.batch_log else None,
+                   "max_send_lag_ms": 1000 * measured.replay.max_send_lag_s}
+            runs.append(run)
+            note(f"  fidelity {name} on {trace.name} ({len(trace)} requests, {status}): p95 "
+                 f"measured {m.p95_ms:.1f} ms, simulated {sim.p95_ms:.1f} "
+                 f"({100 * run['p95_error']:+.0f}%), calibrated {cal.p95_ms:.1f} "
+                 f"({100 * run['p95_error_calibrated']:+.0f}%)")
+    errors = [abs(r["p95_error"]) for r in runs]
+    cal_errors = [abs(r["p95_error_calibrated"]) for r in runs]
+    return {"device": where, "rate": rate, "seconds": seconds, "threshold": threshold,
+            "profiles_ms": {m: {str(b): 1000 * t for b, t in
+                                zip(p.batch_sizes, p.batch_runtime_s, strict=True)}
+                            for m, p in profiles.items()},
+            "calibration": calibration.describe(), "calibration_source": calibration.source,
+            "calibration_s": calibration_s, "runs": runs,
+            "within_10pct": sum(e <= 0.1 for e in errors),
+            "within_10pct_calibrated": sum(e <= 0.1 for e in cal_errors),
+            "mean_abs_p95_error": float(np.mean(errors)),
+            "mean_abs_p95_error_calibrated": float(np.mean(cal_errors)), "note": RANDOM_NOTE}
 
 
 def part_llm(args: argparse.Namespace, ws: Workspace) -> dict:
@@ -1131,8 +1255,8 @@ def part_pytest(args: argparse.Namespace, ws: Workspace) -> dict:
 
 RUNNERS: dict[str, Callable[[argparse.Namespace, Workspace], dict]] = {
     "env": part_env, "encoders": part_encoders, "profile": part_profile,
-    "engine": part_engine, "llm": part_llm, "pytest": part_pytest, "shapes": part_shapes,
-    "serve": part_serve}
+    "engine": part_engine, "fidelity": part_fidelity, "llm": part_llm, "pytest": part_pytest,
+    "shapes": part_shapes, "serve": part_serve}
 
 
 # --------------------------------------------------------------------------- report
@@ -1191,6 +1315,16 @@ def summary_md(result: dict) -> str:
                   f"stages {eng['paced_answered_by_stage']}, workers "
                   + "; ".join(f"{n}: {r.get('param_device')} {r.get('param_dtype')}"
                               for n, r in eng["worker_loaded"].items())]
+    fid = parts.get("fidelity", {}).get("result")
+    if fid:
+        lines += ["", f"## simulator against engine ({fid['device']}, {fid['rate']:.0f} rows/s "
+                  f"scale)", "", f"calibration: {fid['calibration']}", "",
+                  "| plan | trace | measured p95 ms | simulated | calibrated |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['plan']} | {r['trace']} | {r['measured']['p95_ms']:.1f} | "
+                  f"{r['simulated']['p95_ms']:.1f} ({100 * r['p95_error']:+.0f}%) | "
+                  f"{r['simulated_calibrated']['p95_ms']:.1f} "
+                  f"({100 * r['p95_error_calibrated']:+.0f}%) |" for r in fid["runs"]]
     llm = parts.get("llm", {}).get("result", {}).get("precisions", {})
     if llm:
         lines += ["", "## LLM decode (SmolLM2-135M)", "",
@@ -1305,6 +1439,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.profile_rows = 256 if cuda else 64
     args.engine_rows = 300 if cuda else (60 if quick else 200)
     args.engine_qps = 200.0 if cuda else 20.0
+    args.fidelity_seconds = 8.0 if cuda else (4.0 if quick else 8.0)
+    args.fidelity_max_qps = 1000.0 if cuda else 40.0
     args.llm_batch_sizes = (1, 16, 64) if cuda else ((1, 4) if quick else (1, 8))
     args.llm_layers = None if cuda or not quick else 4  # a CPU quick run: 4 of 30 layers
     args.prompt_tokens = 32 if cuda else 16
