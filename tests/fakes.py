@@ -188,6 +188,29 @@ class GpuHog(Model):
         return Output([self.gpu] * len(texts), np.ones(len(texts)))
 
 
+class FixedReplan:
+    """A picklable re-planner (so ``Replanner`` runs it in its planner process) that returns
+    ``plan`` and records, in its own state, how often and in which process it ran."""
+
+    def __init__(self, plan: object) -> None:
+        self.plan = plan
+        self.calls = 0
+        self.pid: int | None = None
+        self.nice: int | None = None
+
+    def __call__(self, trace: object, drift: object) -> object:
+        import os
+
+        self.calls += 1
+        self.pid = os.getpid()
+        self.nice = os.getpriority(os.PRIO_PROCESS, 0)
+        return self.plan
+
+
+def failing_plan(trace: object, drift: object) -> object:
+    raise ValueError("no plan fits")
+
+
 class Profiled(ModelOperator):
     """A cascade operator whose profiles were measured elsewhere: ``source(threads)`` returns
     them (synthetic profiles with known runtimes and per-row outcomes)."""

@@ -177,6 +177,59 @@ def test_replanner_swaps_the_plan_when_the_rate_passes_the_top_gear_and_loses_no
     assert all(o.model == "a" and o.stage == 0 for o in outcomes[-20:])
 
 
+def test_a_picklable_replan_runs_in_a_niced_planner_process_and_keeps_its_state() -> None:
+    """A re-plan that pickles (``GearReplan`` does) runs in the planner process, at a lower
+    CPU priority than the engine's, and what it changed in itself comes back; the swap loses
+    no request. A planner process that dies is started again by the next call; an exception
+    there comes back as a ``KenError`` naming it."""
+    import os
+
+    from fakes import FixedReplan, failing_plan
+
+    from ken.engine.planner_process import NICE, PlannerProcess
+    from ken.errors import KenError
+
+    models = {"a": FakeModel("a"), "b": FakeModel("b")}
+    second = small_plan(5_000.0, Cascade(("a",)))
+    replan = FixedReplan(second)
+    swapped = threading.Event()
+    with Engine(small_plan(50.0), models) as engine:
+        replanner = Replanner(engine, "op", replan, lambda p: {c: (0.5,) for c in p.cascades},
+                              window_s=0.5, history_s=1.0, poll_s=0.05, settle_s=0.0,
+                              on_event=lambda e: swapped.set())
+        assert replanner.planner is not None
+        with replanner:
+            futures = []
+            for i in range(4000):  # about 400 a second, far above the plan's 50 qps
+                futures.append(engine.submit(f"row {i}"))
+                if swapped.is_set() and len(futures) > 50:
+                    break
+                threading.Event().wait(0.0025)
+            assert swapped.wait(20)
+            outcomes = [f.result(timeout=10) for f in futures]
+        assert engine.plans["op"] == second
+        assert replanner.planner.pid is None  # stopped with the watch
+    assert not replanner.events[0].error
+    assert replan.calls == 1 and replan.pid not in (None, os.getpid())
+    assert replan.nice == min(os.getpriority(os.PRIO_PROCESS, 0) + NICE, 19)
+    assert len({o.request_id for o in outcomes}) == len(futures)
+    assert {o.status for o in outcomes} == {"ok"}
+    with PlannerProcess() as planner:
+        first = planner.pid
+        assert first is not None
+        os.kill(first, 9)
+        with pytest.raises(KenError, match="planner process ended"):
+            planner.call(replan, None, None)
+        plan, after = planner.call(replan, None, None)  # a fresh process
+        assert plan == second and after.calls == 2 and planner.starts == 2
+        with pytest.raises(KenError, match="ValueError: no plan fits"):
+            planner.call(failing_plan, None, None)
+        assert planner.call(replan, None, None)[1].calls == 2  # its state is the caller's
+    # a closure cannot be pickled: it is planned in the watching thread
+    assert Replanner(engine, "op", lambda t, d: second, lambda p: {}).planner is None
+    assert Replanner(engine, "op", replan, lambda p: {}, isolate=False).planner is None
+
+
 def test_replanner_sees_calls_slower_than_the_plan_and_replans_with_their_runtimes() -> None:
     """Model calls taking about 10 ms where the catalog the plan was made with says 2 ms: the
     replanner's runtime watch (``recent_ratio`` against that catalog) sees a runtime drift,

@@ -15,6 +15,17 @@ rows move to the new plan, running batches finish under the old one, nothing is 
 then waits ``settle_s`` before it watches again, so the new plan's first seconds (its queues
 draining) are not taken for another drift. Every swap is a ``ReplanEvent`` in ``events`` and
 a line in the serving log (``on_event``, by default the progress reporter's note).
+
+Where ``replan`` can be pickled (``GearReplan`` can), it runs in a child process at a lower
+CPU priority (``planner_process.PlannerProcess``, started with the watch): planning then
+takes neither this process's interpreter from the engine's threads nor, on a machine the
+workers fill, a core from the workers. What the call changed in ``replan`` (a ``GearReplan``
+keeps the catalog a drift changed) is copied back into it. A ``replan`` that cannot be pickled
+(a closure) runs in the watching thread, as ``isolate=False`` asks for.
+
+Answers to requests that arrived in the first ``settle_s`` after the watch starts are not
+judged against the latency limit (nor, after a swap, those that arrived before it): the first
+seconds of a freshly started engine run cold and say little of the plan.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ken.engine.planner_process import PlannerProcess, picklable
 from ken.engine.serving import Engine
 from ken.engine.supervision import BatchRecord
 from ken.errors import KenError
@@ -66,7 +78,8 @@ class Replanner:
     ``runtimes(batch_log, since_s)``, where given, the mean ratio of the engine's model calls
     since then to the runtimes the plan was made with, and how many
     (``calibrate.recent_ratio`` against ``GearReplan.catalog``): a *runtime* drift beyond
-    ``runtime_shift``."""
+    ``runtime_shift``. ``isolate`` (default): plan in a child process where ``replan`` can
+    be pickled (see the module docstring)."""
 
     def __init__(self, engine: Engine, operator: str,
                  replan: Callable[[Trace, Drift], GearPlan],
@@ -78,7 +91,7 @@ class Replanner:
                  on_event: Callable[[ReplanEvent], None] | None = None,
                  runtimes: Callable[[Sequence[BatchRecord], float],
                                     tuple[float, int] | None] | None = None,
-                 runtime_shift: float = 0.25) -> None:
+                 runtime_shift: float = 0.25, isolate: bool = True) -> None:
         if history_s < window_s or poll_s <= 0 or settle_s < 0:
             raise KenError("history_s must be >= window_s, poll_s > 0 and settle_s >= 0")
         self.engine = engine
@@ -97,12 +110,18 @@ class Replanner:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._quiet_until = 0.0
-        self._swapped_at = -float("inf")  # engine clock of the last swap
+        # engine clock of the last swap (at start: the end of the first settle_s); answers to
+        # requests that arrived before it are not judged against the latency limit
+        self._swapped_at = -float("inf")
+        self.planner = PlannerProcess() if isolate and picklable(replan) else None
 
     def start(self) -> Replanner:
         if self._thread is not None:
             raise KenError("this replanner is already running")
+        if self.planner is not None:
+            self.planner.start()  # its imports paid now, not when a drift is seen
         self._quiet_until = self.engine.clock.now() + self.settle_s
+        self._swapped_at = self._quiet_until
         self._thread = threading.Thread(target=self._run, name=f"ken-replan-{self.operator}",
                                         daemon=True)
         self._thread.start()
@@ -114,6 +133,8 @@ class Replanner:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self.planner is not None:
+            self.planner.close()
 
     def __enter__(self) -> Replanner:
         return self.start()
@@ -161,7 +182,7 @@ class Replanner:
         started = time.perf_counter()
         try:
             trace = self._trace(drift.at_s, arrivals)
-            new = self.replan(trace, drift)
+            new = self._plan(trace, drift)
             planning_s = time.perf_counter() - started
             moved = engine.swap_plan(new)
         except Exception as exc:  # noqa: BLE001 - a failed re-plan keeps the old plan serving
@@ -176,6 +197,16 @@ class Replanner:
         self.events.append(event)
         self._quiet_until = engine.clock.now() + self.settle_s
         self._on_event(event)
+
+
+    def _plan(self, trace: Trace, drift: Drift) -> GearPlan:
+        """``replan(trace, drift)``, in the planner process where there is one."""
+        if self.planner is None:
+            return self.replan(trace, drift)
+        plan, after = self.planner.call(self.replan, trace, drift)
+        if type(after) is type(self.replan) and hasattr(after, "__dict__"):
+            vars(self.replan).update(vars(after))  # what the call changed, kept here
+        return plan
 
 
 def describe(plan: GearPlan) -> str:

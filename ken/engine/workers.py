@@ -212,13 +212,14 @@ class ThreadRunner:
             self._caller = None
 
 
-def _ignore_stop_signals() -> None:
-    """The engine decides when a worker stops (see the module docstring)."""
+def ignore_stop_signals() -> None:
+    """The engine decides when a worker (or its planner process) stops (see the module
+    docstring)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def _exit_with(parent: int) -> None:
+def exit_with_parent(parent: int) -> None:
     """Exit at once, quietly, when ``parent`` is no longer this process's parent: a model call
     that never returns would otherwise keep an orphaned worker alive."""
     def watch() -> None:
@@ -456,8 +457,8 @@ class ProcessRunner:
 def main(argv: Sequence[str]) -> int:
     """Entry point of a worker process; arguments: IN OUT pipe fds, THREADS, DEVICE, and the
     engine's process id."""
-    _ignore_stop_signals()
-    _exit_with(int(argv[4]))
+    ignore_stop_signals()
+    exit_with_parent(int(argv[4]))
     inp = Connection(int(argv[0]), writable=False)
     out = Connection(int(argv[1]), readable=False)
     try:
