@@ -13,6 +13,10 @@ Three systems serve each trace, one after the other, on the same arrivals and ro
 
 - ``ken, re-planning``: ken's plan with the ``Replanner`` watching it (``ken.engine.replanning``:
   rate, escalation, latency and, since 2026-11-27, the model calls' runtimes);
+- ``ken, re-planning in this process`` (with ``--in-thread``): the same, but each re-plan runs
+  in the watching thread of the engine's process (``Replanner(isolate=False)``, how ken
+  re-planned before 2026-11-27) rather than in its niced planner process: the A/B of where
+  planning runs;
 - ``ken, fixed plan``: the same plan, never re-planned;
 - ``static cascade``: the most accurate static cascade (one cascade at every load, ken's
   placement and scheduling) whose simulated p95 on the planning window is within the target:
@@ -93,15 +97,15 @@ def recovery_s(bins: list[dict], change_s: float, target_ms: float) -> float | N
 
 
 def serve(plan: GearPlan, loaders: dict, trace: Trace, sample, rows: np.ndarray,
-          replanner: GearReplan | None, reporter: Reporter, args: argparse.Namespace
-          ) -> tuple[dict, list]:
+          replanner: GearReplan | None, reporter: Reporter, args: argparse.Namespace,
+          isolate: bool = True) -> tuple[dict, list]:
     with Engine(plan, loaders, workers="process", admission="max_in_flight") as engine:
         watcher = (Replanner(engine, OPERATOR, replanner, replanner.expected,
                              reporter=reporter, window_s=args.watch_s,
                              history_s=args.history_s,
                              latency_limit_ms=replanner.latency_limit_ms,
                              runtimes=lambda log, since: recent_ratio(
-                                 log, replanner.catalog, since))
+                                 log, replanner.catalog, since), isolate=isolate)
                    if replanner else None)
         if watcher:
             watcher.start()
@@ -142,6 +146,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--quick", action="store_true", help="30-s phases")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--in-thread", action="store_true",
+                    help="also serve ken re-planning in the engine's process (the A/B of "
+                    "the planner process)")
     args = ap.parse_args()
     if args.quick:
         args.phase_s = 30.0
@@ -201,12 +208,17 @@ def main() -> int:
             rng = np.random.default_rng(args.seed + 5)
             rows = np.concatenate([rows[: len(first)], rng.choice(hard, size=n2)])
         out: dict = {"change_s": args.phase_s, "requests": len(trace), "systems": {}}
-        systems = (("ken, re-planning", plan, GearReplan(OPERATOR, cal, cascades, hardware,
-                                                          target, seed=args.seed)),
-                   ("ken, fixed plan", plan, None), ("static cascade", static, None))
-        for name, p, replanner in systems:
+        def recipe() -> GearReplan:
+            return GearReplan(OPERATOR, cal, cascades, hardware, target, seed=args.seed)
+
+        systems = [("ken, re-planning", plan, recipe(), True),
+                   *([("ken, re-planning in this process", plan, recipe(), False)]
+                     if args.in_thread else []),
+                   ("ken, fixed plan", plan, None, True), ("static cascade", static, None, True)]
+        for name, p, replanner, isolate in systems:
             reporter.note(f"{kind}: serving {name}")
-            got, events = serve(p, loaders, trace, sample, rows, replanner, reporter, args)
+            got, events = serve(p, loaders, trace, sample, rows, replanner, reporter, args,
+                                isolate)
             got["recovery_s"] = recovery_s(got["bins"], args.phase_s, args.target_ms)
             got["replans"] = events
             out["systems"][name] = got
