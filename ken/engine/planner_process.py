@@ -4,9 +4,10 @@ cores or its interpreter.
 A re-plan simulates candidate plans for seconds of pure Python. Run in a thread of the
 engine's process, it holds the GIL that the engine's scheduler and device threads need for
 every request (each waits up to the interpreter's switch interval for it, several times per
-request), and on a machine whose cores the workers fill it takes a core from them too. The
-robustness benchmark measured p95s of 3.2-3.9 s in the windows where a 3.6-4.8 s re-plan ran
-this way (``docs/results.md``).
+request), and on a machine whose cores the workers fill it takes a core from them too. In the
+robustness benchmark the windows where such a re-plan ran were a run's worst (up to 5.9 s
+p95); in a child process the run's p95 was 4.8-13.8x lower in three of six A/B pairs and
+within 10% in the others (``docs/results.md``).
 
 ``PlannerProcess`` is one fresh Python process (``python -c``, like the device workers, so it
 never imports the caller's ``__main__``) at a lower CPU priority (``nice`` ``NICE``), started
