@@ -9,7 +9,8 @@ are served, each first ``--phase-s`` seconds as planned and then ``--phase-s`` s
 - ``harder``: the same rate, but every request a hard row (one the first model of ken's most
   accurate cascade is unsure of, so it escalates).
 
-Three systems serve each trace, one after the other, on the same arrivals and rows:
+Three systems (four with ``--in-thread``) serve each trace, one after the other, on the same
+arrivals and rows:
 
 - ``ken, re-planning``: ken's plan with the ``Replanner`` watching it (``ken.engine.replanning``:
   rate, escalation, latency and, since 2026-11-27, the model calls' runtimes);

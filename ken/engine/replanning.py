@@ -198,7 +198,6 @@ class Replanner:
         self._quiet_until = engine.clock.now() + self.settle_s
         self._on_event(event)
 
-
     def _plan(self, trace: Trace, drift: Drift) -> GearPlan:
         """``replan(trace, drift)``, in the planner process where there is one."""
         if self.planner is None:
