@@ -24,6 +24,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
@@ -45,6 +46,7 @@ class PlannerProcess:
         self._send: Connection | None = None
         self._recv: Connection | None = None
         self.starts = 0
+        self._lock = threading.Lock()  # one call at a time over the pipes
 
     @property
     def pid(self) -> int | None:
@@ -77,16 +79,18 @@ class PlannerProcess:
     def call(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, Callable[..., Any]]:
         """``fn(*args)`` in the child: (its result, ``fn`` as it was after the call). An
         exception ``fn`` raises is raised here as a ``KenError`` naming it; ``fn`` or an
-        argument that cannot be pickled raises before anything is sent."""
+        argument that cannot be pickled raises before anything is sent. Calls from several
+        threads take turns."""
         payload = pickle.dumps((fn, args))
-        self.start()
-        assert self._send is not None
-        try:
-            self._send.send_bytes(payload)
-        except OSError:
-            self._forget()
-            raise KenError("the planner process ended before the call reached it") from None
-        msg = self._wait(None, "planning")
+        with self._lock:
+            self.start()
+            assert self._send is not None
+            try:
+                self._send.send_bytes(payload)
+            except OSError:
+                self._forget()
+                raise KenError("the planner process ended before the call reached it") from None
+            msg = self._wait(None, "planning")
         if msg[0] == "ok":
             return pickle.loads(msg[1]), pickle.loads(msg[2])
         raise KenError(f"planning failed in the planner process: {msg[1]}")
