@@ -225,6 +225,14 @@ def test_a_picklable_replan_runs_in_a_niced_planner_process_and_keeps_its_state(
         with pytest.raises(KenError, match="ValueError: no plan fits"):
             planner.call(failing_plan, None, None)
         assert planner.call(replan, None, None)[1].calls == 2  # its state is the caller's
+    # watches can share one planner process; it outlives them, its owner closes it
+    with PlannerProcess() as shared:
+        one = Replanner(engine, "op", replan, lambda p: {}, planner=shared)
+        two = Replanner(engine, "op", replan, lambda p: {}, planner=shared)
+        assert one.planner is two.planner is shared
+        one.stop()
+        assert shared.pid is not None and shared.call(replan, None, None)[0] == second
+    assert shared.pid is None
     # a closure cannot be pickled: it is planned in the watching thread
     assert Replanner(engine, "op", lambda t, d: second, lambda p: {}).planner is None
     assert Replanner(engine, "op", replan, lambda p: {}, isolate=False).planner is None

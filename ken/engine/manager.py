@@ -22,6 +22,7 @@ from typing import Any, Protocol, cast
 
 from ken.engine.calibrate import recent_ratio
 from ken.engine.decode import CascadeServer, GenerationEngine
+from ken.engine.planner_process import PlannerProcess
 from ken.engine.ray_runner import RayCluster
 from ken.engine.replanning import ReplanEvent, Replanner
 from ken.engine.server import Server
@@ -76,6 +77,8 @@ class ServingManager:
         # gear functions re-planned while served (``watch``), and every re-plan so far
         self._replanners: dict[str, Replanner] = {}
         self.replan_log: dict[str, list[ReplanEvent]] = {}
+        # the one process every watch plans in (started with the first watch)
+        self._planner: PlannerProcess | None = None
         # how a served function takes a new plan of its kind
         self._swap: dict[str, Callable[[str], None]] = {
             GearPlan.kind: self._swap_gear, GenPlan.kind: self._restart_generation}
@@ -133,9 +136,11 @@ class ServingManager:
         # after a runtime drift, so the watch then compares with the new ones)
         runtimes = None if replan.catalog is None else (
             lambda log, since: recent_ratio(log, replan.catalog, since))
+        if self._planner is None:
+            self._planner = PlannerProcess()
         self._replanners[name] = Replanner(
             engine, name, replan, replan.expected, latency_limit_ms=replan.latency_limit_ms,
-            on_event=replanned, runtimes=runtimes).start()
+            on_event=replanned, runtimes=runtimes, planner=self._planner).start()
 
     def _swap_gear(self, name: str) -> None:
         engine = self._engine
@@ -368,6 +373,9 @@ class ServingManager:
             for watcher in self._replanners.values():
                 watcher.stop()
             self._replanners.clear()
+            if self._planner is not None:
+                self._planner.close()
+                self._planner = None
             engine = self._engine
             servers = [s for s in self._servers.values() if s is not engine]  # decode servers
             cancelled = 0

@@ -79,7 +79,8 @@ class Replanner:
     since then to the runtimes the plan was made with, and how many
     (``calibrate.recent_ratio`` against ``GearReplan.catalog``): a *runtime* drift beyond
     ``runtime_shift``. ``isolate`` (default): plan in a child process where ``replan`` can
-    be pickled (see the module docstring)."""
+    be pickled (see the module docstring): ``planner``, one shared with other watches (its
+    owner closes it), else one of this watch's own."""
 
     def __init__(self, engine: Engine, operator: str,
                  replan: Callable[[Trace, Drift], GearPlan],
@@ -91,7 +92,8 @@ class Replanner:
                  on_event: Callable[[ReplanEvent], None] | None = None,
                  runtimes: Callable[[Sequence[BatchRecord], float],
                                     tuple[float, int] | None] | None = None,
-                 runtime_shift: float = 0.25, isolate: bool = True) -> None:
+                 runtime_shift: float = 0.25, isolate: bool = True,
+                 planner: PlannerProcess | None = None) -> None:
         if history_s < window_s or poll_s <= 0 or settle_s < 0:
             raise KenError("history_s must be >= window_s, poll_s > 0 and settle_s >= 0")
         self.engine = engine
@@ -113,7 +115,8 @@ class Replanner:
         # engine clock of the last swap (at start: the end of the first settle_s); answers to
         # requests that arrived before it are not judged against the latency limit
         self._swapped_at = -float("inf")
-        self.planner = PlannerProcess() if isolate and picklable(replan) else None
+        self.planner = (planner or PlannerProcess()) if isolate and picklable(replan) else None
+        self._owns_planner = planner is None
 
     def start(self) -> Replanner:
         if self._thread is not None:
@@ -133,7 +136,7 @@ class Replanner:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self.planner is not None:
+        if self.planner is not None and self._owns_planner:
             self.planner.close()
 
     def __enter__(self) -> Replanner:
