@@ -250,7 +250,9 @@ def _serve(inp: Connection, out: Connection, threads: int) -> None:
         return
     for name, seconds in loaded.items():
         out.send(("loaded", name, seconds))
-    out.send(("ready", gpu_usage()))  # the worker sees its one GPU as cuda:0
+    # the peak after every model's warm-up (each batch shape run once): its serving peak;
+    # reported when loading ends, not with each answer (the hot path). The GPU is cuda:0 here
+    out.send(("ready", gpu_usage()))
     while True:
         msg = inp.recv()
         if msg is None:
@@ -267,7 +269,7 @@ def _serve(inp: Connection, out: Connection, threads: int) -> None:
         except Exception as exc:  # noqa: BLE001 - the engine decides whether to re-run
             out.send(("error", f"{type(exc).__name__}: {exc}"))
             continue
-        out.send(("ok", values, scores, gpu_usage()))
+        out.send(("ok", values, scores))
 
 
 class ProcessRunner:
@@ -300,7 +302,8 @@ class ProcessRunner:
 
     def gpu_usage(self) -> tuple[int, int] | None:
         """(peak GPU memory the worker's allocator reserved, the GPU's total) as the worker
-        last reported it (after loading, and with every answer); None on a CPU device."""
+        last reported it after loading (its models' warm-up has run every batch shape they
+        serve, so that is its serving peak too); None on a CPU device."""
         return self._gpu if self.pid is not None else None
 
     def start(self) -> dict[str, float]:
@@ -400,7 +403,6 @@ class ProcessRunner:
                 + ("; it is not restarted: the engine is shutting down" if self.closing
                    else "")) from None
         if msg[0] == "ok":
-            self._gpu = msg[3]
             return msg[1], msg[2]
         raise WorkerError(msg[1])
 
