@@ -38,7 +38,7 @@ from ken.engine.workers import (
     gpu_index,
 )
 from ken.errors import BatchTimeout, EngineError
-from ken.models.gpus import GPU_MEMORY_SHARE
+from ken.models.gpus import Gpu, gpu_budget_bytes
 from ken.models.model import Model, row_size
 from ken.policy.plan import GearPlan
 from ken.policy.scheduling import WallClock
@@ -366,7 +366,7 @@ class DevicePool:
                      gpu_budget: int | None = None) -> tuple[dict[str, int], dict[str, int]]:
         """Memory per worker: (resident memory of each CPU device's process, peak GPU memory
         each GPU device's worker reserved). A CPU device over ``budget``, or a GPU device over
-        ``gpu_budget`` (default: ``GPU_MEMORY_SHARE`` of the GPU, what a plan may place on it),
+        ``gpu_budget`` (default: ``gpus.gpu_budget_bytes``, what a plan may place on it),
         raises an ``EngineError`` that says which device holds what (with ``stop``, the
         workers are stopped first). A GPU worker's host memory is not checked: its models live
         on the GPU, and its resident memory is mostly the CUDA libraries."""
@@ -378,7 +378,8 @@ class DevicePool:
                 f"over the memory budget of {budget / 2**20:,.0f} MB per device"
                 for d, b in rss.items() if budget is not None and b > budget]
         for d, (held, total) in on_gpu.items():
-            allowed = gpu_budget if gpu_budget is not None else int(total * GPU_MEMORY_SHARE)
+            allowed = gpu_budget if gpu_budget is not None else \
+                gpu_budget_bytes(Gpu(gpu_index(d) or 0, d, total))
             if held > allowed:
                 over.append(f"{d}'s worker reserved {held / 2**20:,.0f} MB of GPU memory with "
                             f"{', '.join(sorted(self._loaded_on[d]))}, over its budget of "
