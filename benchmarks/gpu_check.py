@@ -644,6 +644,12 @@ def compare_v100(prof: Any, v100: Any) -> dict:
                     "classifier, sequence length not recorded); this run: held-out tweets"}
 
 
+def plan_device(args: argparse.Namespace) -> str:
+    """The device the engine's plans place models on: cuda0 on a GPU (served through
+    gpu_models= loaders), cpu0 here, unless --engine-device names one."""
+    return args.engine_device or ("cuda0" if args.device == "cuda" else "cpu0")
+
+
 def part_engine(args: argparse.Namespace, ws: Workspace) -> dict:
     from ken.engine.serving import Engine
     from ken.engine.workers import gpu_index
@@ -674,8 +680,7 @@ def part_engine(args: argparse.Namespace, ws: Workspace) -> dict:
         del body
     # the threshold that sends about half the rows on to the second stage
     threshold = float(np.median(direct[stages[0]].max(axis=1)))
-    # the plan's device: cuda0 on a GPU (served through gpu_models= loaders); cpu0 here
-    where = args.engine_device or ("cuda0" if args.device == "cuda" else "cpu0")
+    where = plan_device(args)
     on_gpu = gpu_index(where) is not None
     loaders = {name: functools.partial(me.load_classifier, name, str(ws.model_dir(name)),
                                        str(heads_dir / f"{name}.safetensors"), args.device,
@@ -775,7 +780,7 @@ def part_fidelity(args: argparse.Namespace, ws: Workspace) -> dict:
     sample = LabelledSample(f"{tweets.name}-{n}", tweets.texts[:n], tweets.labels[:n],
                             tweets.label_names)
     device = DeviceConfig(args.device, 0, args.threads, "auto")
-    where = args.engine_device or ("cuda0" if args.device == "cuda" else "cpu0")
+    where = plan_device(args)
     kind = "cuda" if where.startswith("cuda") else "cpu"
     heads_dir = ws.root / "fidelity_heads"
     heads_dir.mkdir(exist_ok=True)
