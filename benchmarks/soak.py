@@ -7,7 +7,9 @@ worker processes (the online engine, default admission), swapped every ``--repla
 (SmolLM2-135M on a continuous-batching decode server, a short answer every
 ``--gen-every-s``). Arrivals are Poisson at ``--load`` (0.8) x the plan's peak, with a burst at
 ``--burst`` (1.5) x the peak for ``--burst-s`` every ``--burst-every-s``; a worker is
-SIGKILLed every ``--kill-every-s`` (the devices in turn).
+SIGKILLed every ``--kill-every-s`` (the devices in turn). Before the clock starts the decode
+server answers ``--gen-warmup`` generations over the soak's prompt and answer lengths (its
+memory grows with the shapes it has seen, then levels off).
 
 Every ``--sample-s`` it records the resident memory, threads and open files of this process
 and its workers (``ken.engine.machine.tree_usage``), the classifier's p99 over the window
@@ -136,6 +138,7 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
                   f"the plan swapped every {args.replan_every_s:g} s, a generation every "
                   f"{args.gen_every_s:g} s; target p99 {1000 * target_s:.0f} ms")
     server = DecodeServer(lm, 4, ignore_eos=True).start()
+    warm_up_decoding(server, prompts, args.gen_warmup, rng, reporter)
     with Engine(main, loaders, workers="process") as engine:
         devices = sorted(engine.pids())
         plans = [main, other]
@@ -195,6 +198,27 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
         outcomes = dict(window.total)
     return summarise(args, samples, events, window.submitted, outcomes, lost, restarts,
                      target_s, main, other)
+
+
+def warm_up_decoding(server: DecodeServer, prompts: list, generations: int,
+                     rng: np.random.Generator, reporter: Reporter) -> None:
+    """Serve ``generations`` answers before the clock starts, in groups of 1 to 4 at once
+    (the server's batch sizes) over the soak's prompts and answer lengths: the memory a
+    decode server holds grows with the shapes it has seen (prompt lengths by batch sizes,
+    docs/reliability.md) and levels off once it has seen them; that warm-up is not a leak."""
+    if generations <= 0:
+        return
+    started = time.perf_counter()
+    done = 0
+    while done < generations:
+        group = [server.submit(prompts[int(rng.integers(len(prompts)))],
+                               int(rng.integers(4, 12)))
+                 for _ in range(min(1 + done % 4, generations - done))]
+        for f in group:
+            f.result()
+        done += len(group)
+    reporter.note(f"decode server warmed up: {generations} generations in "
+                  f"{time.perf_counter() - started:.0f} s")
 
 
 def in_burst(start: float, end: float, args: argparse.Namespace) -> bool:
@@ -289,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen-every-s", type=float, default=2.0)
     ap.add_argument("--sample-s", type=float, default=5.0)
     ap.add_argument("--warmup-s", type=float, default=60.0)
+    ap.add_argument("--gen-warmup", type=int, default=120,
+                    help="generations served before the clock starts (0: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--quiet", action="store_true")

@@ -343,7 +343,9 @@ class Session:
         admits an online request only while the gear plan can answer it within
         ``latency_target_s`` (default: the p99 the plan's simulation predicted) and rejects the
         rest at once with a retry hint; ``"max_in_flight"`` bounds only the number of requests
-        in flight. ``workers="ray"`` or a ``cluster`` ("auto", "ray://host:port", "local")
+        in flight. A generating function's decode server admits the same way, by the queue
+        its passes still have to run (``ken.engine.decode_admission``); ``"max_in_flight"``
+        queues every request there. ``workers="ray"`` or a ``cluster`` ("auto", "ray://host:port", "local")
         runs each device as a Ray actor, on the node the plan placed it when the plan was
         made for that cluster (``plan(..., cluster=...)``). With ``replan`` (the default) a
         function planned by ``session.plan`` is re-planned in the background when its workload

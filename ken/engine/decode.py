@@ -32,11 +32,13 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
+from ken.engine.decode_admission import DecodeAdmission, Verdict
 from ken.engine.outcome import Outcome, Status
+from ken.engine.supervision import Breaker
 from ken.errors import EngineError, ModelError, PolicyError
 from ken.models.generation import DecodeBatch, Generation, end_token_ids
 from ken.models.llm import GenerativeModel
@@ -60,6 +62,32 @@ from ken.policy.scheduling import WallClock
 #: how long a forward pass may run before the server gives up on it (a CPU prefill of eight long
 #: prompts on the 0.5B model takes seconds; 60 s is an order of magnitude above that)
 PASS_TIMEOUT_S = 60.0
+
+#: failed passes of a model in a row (every request in them failed) before it is marked failed
+#: (the classifier engine's ``Breaker``: its requests then end in error at once)
+MAX_FAILED_PASSES = 3
+
+AdmissionMode = Literal["target", "none"]
+
+
+@dataclass(frozen=True)
+class _PassRef:
+    """A failed pass as the breaker sees a batch."""
+
+    model: str
+    devices: tuple[str, ...] = ()
+    request_ids: tuple[int, ...] = ()
+
+
+def _admission(mode: str, target_s: float | None,
+               costs: Mapping[str, PassCost | None]) -> DecodeAdmission:
+    if mode not in ("target", "none"):
+        raise EngineError(f"admission must be 'target' or 'none', not {mode!r}")
+    if target_s is not None and not (math.isfinite(target_s) and target_s > 0):
+        raise EngineError(f"latency_target_s must be a finite number of seconds > 0, got "
+                          f"{target_s!r}")
+    return DecodeAdmission(target_s if mode == "target" else None, base_costs=costs)
+
 
 #: inbox markers of ``shutdown``: stop once idle; cancel what is left at the next pass boundary
 _STOP = object()
@@ -94,6 +122,7 @@ class _Lane:
         self.ends = end_token_ids(lm)
         self.vocab = int(lm.net.get_input_embeddings().num_embeddings)
         self.batch: DecodeBatch | None = None
+        self.last_tokens = 0
 
     def check(self, prompt: Sequence[int], max_new_tokens: int) -> str | None:
         """Why such a request can never run on this lane (None: it can)."""
@@ -122,6 +151,9 @@ class _Lane:
         step = self.scheduler.next_step(clock.now())
         if step is None:
             raise PolicyError("a lane with requests has no pass; this is a bug")
+        # what the pass's time grows with: the longest prompt, or the width decoded over
+        self.last_tokens = (max(len(pending[r].prompt) for r in step.request_ids)
+                            if step.kind == "prefill" else self.scheduler.width())
         failed: dict[int, str] = {}
         if step.kind == "prefill":
             failed = self._prefill(step.request_ids, pending)
@@ -164,6 +196,11 @@ class _Lane:
         self.batch = None
         return self.scheduler.drop_running()
 
+    def clear(self) -> list[int]:
+        """Forget every request here, running or queued (the model is marked failed)."""
+        self.batch = None
+        return self.scheduler.clear()
+
 
 class DecodeServer:
     """Continuous batching of ``lm`` on its device (see the module docstring)."""
@@ -173,7 +210,9 @@ class DecodeServer:
                  ignore_eos: bool = False, memory_budget_bytes: int | None = None,
                  order: Order = "fcfs", targets: ServiceTargets | None = None,
                  pass_cost: PassCost | None = None,
-                 pass_timeout_s: float = PASS_TIMEOUT_S) -> None:
+                 pass_timeout_s: float = PASS_TIMEOUT_S,
+                 latency_target_s: float | None = None,
+                 admission: AdmissionMode = "target") -> None:
         """``memory_budget_bytes``: the device memory for weights plus KV cache; the cache gets
         what the weights leave (``kv_budget_tokens`` slots, whichever is smaller).
         ``pass_timeout_s``: a forward pass that has not returned by then abandons the server
@@ -183,19 +222,31 @@ class DecodeServer:
         joiners are chosen by Apt-Serve's rule (``ken.policy.decoding``), passes estimated by
         ``pass_cost`` (e.g. the model's ``TokenCost``; None: joiners only); the default
         ``"fcfs"`` joins in arrival order. ``EngineError`` for an unknown order or missing
-        targets."""
+        targets.
+
+        ``latency_target_s`` (arrival to last token): admission by capacity holds requests to
+        it (``ken.engine.decode_admission``: turned away at once, ``rejected`` with a reason
+        and a retry hint, when the queue ahead would make them miss it); None (the default
+        here) or ``admission="none"``: every request is queued."""
         if memory_budget_bytes is not None:
             room = kv_tokens_in(lm, memory_budget_bytes)
             kv_budget_tokens = room if kv_budget_tokens is None else min(kv_budget_tokens, room)
         self._lanes: dict[str, _Lane] = {
             "": _Lane(lm, max_running, kv_budget_tokens, mode, stop, ignore_eos, order,
                       targets, pass_cost)}
-        self._init_loop(pass_timeout_s)
+        self._init_loop(pass_timeout_s, _admission(admission, latency_target_s,
+                                                   {"": pass_cost}))
 
-    def _init_loop(self, pass_timeout_s: float) -> None:
+    def _init_loop(self, pass_timeout_s: float, admission: DecodeAdmission) -> None:
         if not (math.isfinite(pass_timeout_s) and pass_timeout_s > 0):
             raise EngineError(f"pass_timeout_s must be finite and > 0, got {pass_timeout_s}")
         self.pass_timeout_s = pass_timeout_s
+        self.admission = admission
+        # the crash-loop breaker of the classifier engine's workers: a model whose passes
+        # fail MAX_FAILED_PASSES times in a row is marked failed (its rows end in error at once)
+        self.breaker = Breaker(max_retries=0, max_crashes=MAX_FAILED_PASSES)
+        self._refused: dict[str, tuple[int, Verdict]] = {}  # lane -> (boundary, verdict)
+        self._boundary = 0  # pass boundaries the loop has reached
         self._pass_lock = threading.Lock()  # the loop's pass against the watchdog's verdict
         self._pass_started: float | None = None  # when the pass under way began
         self._abandoned = False  # the watchdog gave up on a pass that never returned
@@ -230,6 +281,11 @@ class DecodeServer:
         """Requests running or queued in the server's lanes."""
         return sum(lane.scheduler.load for lane in self._lanes.values())
 
+    @property
+    def rejected(self) -> int:
+        """Requests admission turned away."""
+        return self.admission.rejected
+
     # -- client side ------------------------------------------------------------------------
 
     def start(self) -> DecodeServer:
@@ -261,6 +317,11 @@ class DecodeServer:
             if self._thread is None or not self._thread.is_alive():
                 raise EngineError("the decode server is not running; call start() first"
                                   + (f" (it stopped: {self._crashed})" if self._crashed else ""))
+            failed = self.breaker.reason(self._lane_model(self._lane_names[0]))
+            if failed is not None and len(self._lanes) == 1:
+                now = self.clock.now()
+                fut.set_result(Outcome(next(self._ids), "error", now, now, error=failed))
+                return fut
             if self.closing.is_set():  # draining: turned away as the classifier engine does
                 now = self.clock.now()
                 fut.set_result(Outcome(next(self._ids), "cancelled", now, now, error=(
@@ -303,23 +364,61 @@ class DecodeServer:
 
     def _enter(self, rid: int, item: Any, max_new: int, arrival: float, fut: Future) -> None:
         """A request arrives at a pass boundary: queue it on its lane."""
-        lane = self._lanes[self._lane_names[0]]
+        name = self._lane_names[0]
+        lane = self._lanes[name]
         problem = lane.over_budget(len(item), max_new)
         if problem:
             fut.set_result(Outcome(rid, "rejected", arrival, self.clock.now(), error=problem))
             return
-        self._pending[rid] = _Pending(item, max_new, arrival, fut, self._lane_names[0])
+        if self._turned_away(rid, name, len(item), max_new, arrival, fut):
+            return
+        self._pending[rid] = _Pending(item, max_new, arrival, fut, name)
         lane.scheduler.admit(rid, len(item), max_new, arrival)
+
+    def _turned_away(self, rid: int, lane: str, prompt_tokens: int, max_new: int,
+                     arrival: float, fut: Future) -> bool:
+        """Whether a new request for ``lane`` ends at once: its model is marked failed
+        (``error``), or admission turns it away (``rejected``, with the reason and a retry
+        hint). Requests refused at a pass boundary refuse the later ones of their lane at
+        the same boundary without another estimate (first come, first served: they would
+        wait at least as long)."""
+        now = self.clock.now()
+        failed = self.breaker.reason(self._lane_model(lane))
+        if failed is not None:
+            fut.set_result(Outcome(rid, "error", arrival, now, error=failed))
+            return True
+        if not self.admission.active:
+            return False
+        refused = self._refused.get(lane)
+        if refused is not None and refused[0] == self._boundary:
+            verdict = refused[1]
+            self.admission.rejected += 1
+        else:
+            verdict = self.admission.check(
+                rid, lane, {n: ln.scheduler for n, ln in self._lanes.items()}, prompt_tokens,
+                max_new, now)
+            if verdict.reason is None:
+                return False
+            self._refused[lane] = (self._boundary, verdict)
+        fut.set_result(Outcome(rid, "rejected", arrival, now, error=verdict.reason,
+                               retry_after_s=verdict.retry_after_s))
+        return True
+
+    def _lane_model(self, lane: str) -> str:
+        """The model a lane runs, by name (for the breaker and messages)."""
+        return lane or self._lm_name()
 
     def _answered(self, rid: int, lane: str, gen: Generation, now: float) -> None:
         """A lane finished a request's answer."""
         p = self._pending.pop(rid)
+        self.admission.answered(rid, lane, gen.num_tokens, p.max_new, now - p.arrival_s, now)
         p.future.set_result(Outcome(rid, "ok", p.arrival_s, now, gen.text, stage=0, gear=0,
                                     first_token_s=p.first_token_s, generation=gen))
 
     def _failed(self, rid: int, message: str, now: float, status: Status = "error") -> None:
         """A request ends without an answer: its pass failed (``error``), or shutdown
         cancelled it (``cancelled``)."""
+        self.admission.forget(rid)
         p = self._pending.pop(rid, None)
         if p is not None and not p.future.done():
             p.future.set_result(Outcome(rid, status, p.arrival_s, now, error=message,
@@ -374,6 +473,7 @@ class DecodeServer:
         torch.set_num_threads(self.lm.device.threads)
         lanes = [self._lanes[n] for n in self._lane_names]
         while True:
+            self._boundary += 1
             self._receive(block=self.load == 0 and not self._stopping)
             if self._cancelling:
                 self._cancel_pending()
@@ -395,8 +495,10 @@ class DecodeServer:
                     if self._abandoned:
                         return
                 now = self.clock.now()
-                for rid in lane.drop_running():
-                    self._failed(rid, f"{type(exc).__name__}: {exc}", now)
+                dropped = lane.drop_running()
+                message = self._pass_failed(name, dropped, f"{type(exc).__name__}: {exc}")
+                for rid in dropped:
+                    self._failed(rid, message, now)
                 continue
             with self._pass_lock:
                 self._pass_started = None
@@ -410,11 +512,36 @@ class DecodeServer:
                 for rid in step.request_ids:
                     if rid not in failed:
                         self._pending[rid].first_token_s = now
+            if failed and len(failed) == len(step.request_ids):  # every joiner failed
+                reason = self._pass_failed(name, list(failed), next(iter(failed.values())))
+                if self.breaker.reason(self._lane_model(name)) is not None:
+                    failed = dict.fromkeys(failed, reason)
+            else:
+                self.breaker.ran(_PassRef(self._lane_model(name)))
+                if not failed:
+                    self.admission.passed(name, step.kind, len(step.request_ids),
+                                          lane.last_tokens, now - start)
             for rid, gen in finished:
                 self._answered(rid, name, gen, now)
             for rid, message in failed.items():
                 self._failed(rid, message, now)
 
+
+    def _pass_failed(self, lane: str, ids: Sequence[int], message: str) -> str:
+        """A pass of ``lane`` failed for every request in it (``ids``): count it toward the
+        crash-loop breaker; once the model is marked failed, every request queued on its
+        lane ends ``error`` with the breaker's reason, which is returned for ``ids``
+        (else ``message``)."""
+        model = self._lane_model(lane)
+        self.breaker.failed(_PassRef(model, request_ids=tuple(ids)), message, crashed=True)
+        reason = self.breaker.reason(model)
+        if reason is None:
+            return message
+        now = self.clock.now()
+        for rid in self._lanes[lane].clear():
+            if rid not in ids:
+                self._failed(rid, reason, now)
+        return reason
 
     def _watch(self) -> None:
         """Give up on a pass that has not returned within ``pass_timeout_s`` (a stuck model:
@@ -465,10 +592,15 @@ class CascadeServer(DecodeServer):
     def __init__(self, models: Mapping[str, GenerativeModel], plan: GenPlan,
                  order: Order = "fcfs", targets: ServiceTargets | None = None,
                  pass_costs: Mapping[str, PassCost] | None = None,
-                 pass_timeout_s: float = PASS_TIMEOUT_S) -> None:
+                 pass_timeout_s: float = PASS_TIMEOUT_S,
+                 latency_target_s: float | None = None,
+                 admission: AdmissionMode = "target") -> None:
         """``order``, ``targets`` and ``pass_costs`` (per model): each lane's order of joiners,
         as in ``DecodeServer`` (the function's targets hold on every lane); ``pass_timeout_s``
-        as there."""
+        as there. Admission holds each new request to ``latency_target_s``, by default the
+        plan's predicted p99 (none when the plan was not simulated, e.g. written by hand);
+        ``admission="none"`` queues every request. Rows sent with a gear (a table's rows in
+        bulk) are always queued."""
         missing = [m for m in plan.models if m not in models]
         if missing:
             raise EngineError(f"the plan uses models {missing} that were not given")
@@ -480,7 +612,9 @@ class CascadeServer(DecodeServer):
         self._lanes = {m: _Lane(model.lm, plan.max_running, plan.kv_budget_tokens,
                                 plan.mode, model.stop, False, order, targets, costs.get(m))
                        for m, model in self.models.items()}
-        self._init_loop(pass_timeout_s)
+        target = latency_target_s if latency_target_s is not None else plan.latency_target_s()
+        self._init_loop(pass_timeout_s, _admission(admission, target,
+                                                   {m: costs.get(m) for m in plan.models}))
 
     @property
     def lm(self) -> CausalLM:
@@ -502,11 +636,12 @@ class CascadeServer(DecodeServer):
         row, gear = item
         first = self.dispatcher.admit(rid, now, gear)
         self._pending[rid] = _Pending([], 0, arrival, fut, first, row=row)
-        self._queue_on(rid, first, now)
+        self._queue_on(rid, first, now, admit=gear is None)
 
-    def _queue_on(self, rid: int, name: str, now: float) -> bool:
+    def _queue_on(self, rid: int, name: str, now: float, admit: bool = False) -> bool:
         """Queue the request on ``name``'s lane; answer it at once if the row has no prompt
-        (None), fail it if the prompt can never run there."""
+        (None), fail it if the prompt can never run there or its model is marked failed.
+        ``admit``: a new request, which admission may turn away."""
         p = self._pending[rid]
         model = self.models[name]
         try:
@@ -526,6 +661,15 @@ class CascadeServer(DecodeServer):
         if problem:
             self._failed(rid, f"{name}: {problem}", now)
             return False
+        failed = self.breaker.reason(name)
+        if failed is not None:
+            self._failed(rid, failed, now)
+            return False
+        if admit and self._turned_away(rid, name, len(prompt), model.max_new_tokens,
+                                       p.arrival_s, p.future):
+            self.dispatcher.drop(rid)
+            self._pending.pop(rid)
+            return False
         p.prompt, p.max_new, p.lane, p.first_token_s = prompt, model.max_new_tokens, name, None
         lane.scheduler.admit(rid, len(prompt), model.max_new_tokens, p.arrival_s)
         return True
@@ -537,9 +681,11 @@ class CascadeServer(DecodeServer):
         stage, gear = self.dispatcher.stage_of(rid), self.dispatcher.gear_of(rid)
         nxt = self.dispatcher.finished(rid, certainty)
         if nxt is not None:
+            self.admission.lane_lengths(lane).add(gen.num_tokens, self._pending[rid].max_new)
             self._queue_on(rid, nxt, now)
             return
         p = self._pending.pop(rid)
+        self.admission.answered(rid, lane, gen.num_tokens, p.max_new, now - p.arrival_s, now)
         value = model.value(gen.text, p.row)
         p.future.set_result(Outcome(rid, "ok", p.arrival_s, now, value, certainty, stage, lane,
                                     gear, first_token_s=p.first_token_s, generation=gen))

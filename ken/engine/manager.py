@@ -82,6 +82,8 @@ class ServingManager:
         # how a served function takes a new plan of its kind
         self._swap: dict[str, Callable[[str], None]] = {
             GearPlan.kind: self._swap_gear, GenPlan.kind: self._restart_generation}
+        # how decode servers serve (``serve``'s settings; a restart for a new plan keeps them)
+        self._decode_settings: dict[str, Any] = {}
 
     @property
     def bulk_threshold(self) -> int:
@@ -151,7 +153,7 @@ class ServingManager:
 
     def _restart_generation(self, name: str) -> None:
         self._servers.pop(name).shutdown()
-        self._start_generation(name)
+        self._start_generation(name, **self._decode_settings)
 
     def _gear_plan(self, name: str) -> GearPlan:
         """The plan of a function the engine serves (its kind is "gear")."""
@@ -234,8 +236,11 @@ class ServingManager:
             if n not in self._servers:
                 by_kind.setdefault(self._plans[n].kind, []).append(n)
         reports: dict[str, LoadReport] = {}
+        self._decode_settings = {
+            "targets": decode_targets, "latency_target_s": latency_target_s,
+            "admission": "target" if admission == "plan" else "none"}
         for n in by_kind.pop(GenPlan.kind, []):
-            reports[n] = self._start_generation(n, decode_targets)
+            reports[n] = self._start_generation(n, **self._decode_settings)
         names = by_kind.pop(GearPlan.kind, [])
         if not names:
             return reports
@@ -278,12 +283,14 @@ class ServingManager:
         self._servers.update(dict.fromkeys(names, engine))
         return reports | dict.fromkeys(names, report)
 
-    def _start_generation(self, name: str, targets: ServiceTargets | None = None
+    def _start_generation(self, name: str, targets: ServiceTargets | None = None,
+                          latency_target_s: float | None = None, admission: str = "target"
                           ) -> LoadReport:
         """A decode server for a generating function's plan, on the session's models (loaded
         in this process; the server's thread runs every pass); with ``targets``, joiners by
         deadline, each model's passes estimated by its token cost (measured once per
-        machine)."""
+        machine). Admission by capacity (``admission="target"``) holds new requests to
+        ``latency_target_s``, by default the plan's predicted p99."""
         plan = cast(GenPlan, self._plans[name])
         op = self.operators[name]
         started = time.perf_counter()
@@ -302,7 +309,8 @@ class ServingManager:
                 for m in plan.models}
             server = CascadeServer({m: models[m] for m in plan.models}, plan,
                                    "fcfs" if targets is None else "deadline", targets,
-                                   costs).start()
+                                   costs, latency_target_s=latency_target_s,
+                                   admission=admission).start()  # type: ignore[arg-type]
             advance(1)
         self._servers[name] = GenerationEngine(server)
         return LoadReport({}, time.perf_counter() - started, "thread")

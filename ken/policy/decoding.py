@@ -56,8 +56,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
 import numpy as np
@@ -342,6 +342,72 @@ class DecodeScheduler:
         self._running.clear()
         self._joining = ()
         return out
+
+    def clear(self) -> list[int]:
+        """Remove every request, running, joining or queued (their model failed)."""
+        out = list(dict.fromkeys([*self._running, *self._joining, *self._waiting]))
+        self._requests.clear()
+        self._running.clear()
+        self._waiting.clear()
+        self._joining = ()
+        return out
+
+    # -- what the queue costs ---------------------------------------------------------------
+
+    def completion_s(self, now: float, cost: PassCost,
+                     new: tuple[int, int] | None = None,
+                     tokens: Callable[[int], int] | None = None,
+                     horizon_s: float = math.inf) -> float:
+        """When the requests here are done if passes take what ``cost`` says: this
+        scheduler's own rule run forward on a copy, from ``now`` (a pass boundary). With
+        ``new`` (prompt tokens, max new tokens): when a request arriving now would be done;
+        else when the last one here is. ``tokens(max_new)``: how many tokens a request with
+        that budget is expected to generate (default: all of them; answers that stop early
+        make the estimate an upper bound). Past ``horizon_s`` from ``now`` the run stops and
+        returns ``math.inf`` (admission needs to know only whether a target is met)."""
+        if self._joining:
+            raise PolicyError("completion_s is asked at a pass boundary, not during a prefill")
+        probe = min(self._requests, default=0) - 1
+        copy = DecodeScheduler(self.max_running, self.kv_budget_tokens, self.mode,
+                               self.order, self.targets, self.cost)
+        copy._requests = {rid: replace(r) for rid, r in self._requests.items()}
+        copy._running = {rid: copy._requests[rid] for rid in self._running}
+        copy._waiting = deque(self._waiting)
+        goal = {}  # tokens each request generates in all
+        made = {}  # tokens it has so far (a prefill yields the first)
+        for rid, r in copy._requests.items():  # (a running request past its expected
+            # tokens is still charged the next pass: a request ends only after a pass)
+            made[rid] = min(r.max_new, 1 + r.fed) if rid in copy._running else 0
+            goal[rid] = r.max_new if tokens is None else min(r.max_new, tokens(r.max_new))
+        if new is not None:
+            copy.admit(probe, new[0], new[1], now)
+            made[probe] = 0
+            goal[probe] = new[1] if tokens is None else min(new[1], tokens(new[1]))
+        elif not copy._requests:
+            return now
+        t = now
+        while copy._requests:
+            step = copy.next_step(t)
+            if step is None:
+                raise PolicyError("a scheduler with requests has no pass; this is a bug")
+            ids = step.request_ids
+            if step.kind == "prefill":
+                t += cost.prefill_s(len(ids), max(copy._requests[r].prompt_tokens
+                                                  for r in ids))
+            else:
+                t += cost.decode_s(len(ids), copy.width())
+            finished = []
+            for rid in ids:
+                if goal[rid] > made[rid]:
+                    made[rid] += 1
+                if made[rid] >= goal[rid]:
+                    finished.append(rid)
+            copy.step_done(step, finished, t)
+            if new is not None and probe in finished:
+                return t
+            if t - now > horizon_s:
+                return math.inf
+        return t
 
     # -- internals --------------------------------------------------------------------------
 
