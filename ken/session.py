@@ -345,14 +345,14 @@ class Session:
         rest at once with a retry hint; ``"max_in_flight"`` bounds only the number of requests
         in flight. A generating function's decode server admits the same way, by the queue
         its passes still have to run (``ken.engine.decode_admission``); ``"max_in_flight"``
-        queues every request there. ``workers="ray"`` or a ``cluster`` ("auto", "ray://host:port", "local")
-        runs each device as a Ray actor, on the node the plan placed it when the plan was
-        made for that cluster (``plan(..., cluster=...)``). With ``replan`` (the default) a
-        function planned by ``session.plan`` is re-planned in the background when its workload
-        leaves what its plan covers (arrivals well above its last gear's range, escalation
-        rates off what the plan assumed: the inputs got harder, answers slower than a latency
-        target), for the same target; the new
-        plan is swapped in without dropping a request, and the serving log and EXPLAIN say
+        queues every request there. ``workers="ray"`` or a ``cluster`` ("auto",
+        "ray://host:port", "local") runs each device as a Ray actor, on the node the plan
+        placed it when the plan was made for that cluster (``plan(..., cluster=...)``). With
+        ``replan`` (the default) a function planned by ``session.plan`` is re-planned in the
+        background when its workload leaves what its plan covers (arrivals well above its
+        last gear's range, escalation rates off what the plan assumed: the inputs got harder,
+        answers slower than a latency target), for the same target; the new plan is swapped
+        in without dropping a request, and the serving log and EXPLAIN say
         when and why (``ken.engine.replanning``). A plan set with ``use_plan`` is kept as
         given. Returns the model load times (and worker memory) per function.
 

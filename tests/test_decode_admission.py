@@ -10,10 +10,10 @@ import time
 
 import numpy as np
 import pytest
+from fakes import GatedLM, StandInGenerator, gen_plan
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_decoding import linear_cost
-from test_engine_faults import GatedLM, StandInGenerator, gen_plan
 
 from ken.engine.decode_admission import MIN_ANSWERS, AnswerLengths, DecodeAdmission, PassTimes
 from ken.optimizer.decode_sim import simulate_decoding
@@ -231,3 +231,27 @@ def test_an_llm_that_fails_every_pass_is_marked_failed_within_seconds() -> None:
         assert [o.status for o in bad] == ["error"] * MAX_FAILED_PASSES
         at_once = plain.submit([1, 2, 3], 2)
         assert at_once.done() and "marked failed" in at_once.result().error
+
+
+def test_a_pass_that_hangs_after_fast_ones_fails_within_the_default_deadline() -> None:
+    """Every pass has a deadline by the classifier engine's rule (``BatchDeadline``: 10x what
+    such passes were seen to take, at least 2 s): a model that answered fast and then hangs
+    fails its requests after about 2 s, not the old fixed 60 s, saying where the bound came
+    from."""
+    from ken.engine.decode import CascadeServer
+
+    lm = GatedLM()
+    lm.gate.set()
+    server = CascadeServer({"g": StandInGenerator(lm)}, gen_plan()).start()
+    try:
+        for i in range(6):  # one at a time: a prefill and decode passes each
+            assert server.submit_row(f"row {i}").result(timeout=30).status == "ok"
+        lm.gate.clear()
+        t0 = time.monotonic()
+        stuck = server.submit_row("this one hangs").result(timeout=30)
+        waited = time.monotonic() - t0
+    finally:
+        lm.gate.set()
+    assert stuck.status == "error" and "did not return from a forward pass" in stuck.error
+    assert "observed" in stuck.error and "at least 2 s" in stuck.error
+    assert 2.0 <= waited < 6.0

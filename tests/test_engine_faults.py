@@ -23,7 +23,7 @@ from pathlib import Path
 import fakes
 import numpy as np
 import pytest
-from fakes import FakeModel, HangingModel, SlowModel
+from fakes import FakeModel, GatedLM, HangingModel, SlowModel, StandInGenerator, gen_plan
 
 from ken.engine.serving import Engine
 from ken.engine.supervision import BatchDeadline
@@ -790,73 +790,6 @@ def test_a_swap_that_loads_a_model_on_a_serving_worker_is_routed_around_meanwhil
 
 
 # -- generating functions drain like classifiers ------------------------------------------------
-
-
-class GatedLM:
-    """A causal LM stand-in for a decode server: a one-layer random Llama (64 token ids), a
-    tokenizer that spells token ids, and a gate every forward pass waits at, so a test holds
-    a pass open while it shuts the server down (``entered``: a pass is waiting)."""
-
-    def __init__(self) -> None:
-        import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        from ken.models.model import DeviceConfig
-
-        torch.manual_seed(0)
-        self.net = LlamaForCausalLM(LlamaConfig(
-            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
-            eos_token_id=None, bos_token_id=None, pad_token_id=0)).eval()
-        self.tokenizer = SpellingTokenizer()
-        self.device = DeviceConfig()
-        self.pad_id = 0
-        self.context_tokens = 128
-        self.gate, self.entered = threading.Event(), threading.Event()
-        inner = self.net.forward
-
-        def gated(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            self.entered.set()
-            assert self.gate.wait(timeout=60), "the test never opened the gate"
-            return inner(*args, **kwargs)
-
-        self.net.forward = gated
-
-
-class SpellingTokenizer:
-    eos_token_id = None
-    unk_token_id = None
-
-    def convert_tokens_to_ids(self, token: str) -> None:
-        return None
-
-    def decode(self, tokens, skip_special_tokens: bool = True) -> str:  # noqa: ANN001
-        return " ".join(f"t{t}" for t in tokens)
-
-
-class StandInGenerator:
-    """What a ``CascadeServer`` needs of a ``GenerativeModel``: a row's prompt (its token ids:
-    one per character code, mod 60, plus 1), 4 new tokens, no stop string, the answer's value
-    (its text)."""
-
-    def __init__(self, lm: GatedLM) -> None:
-        self.lm = lm
-        self.stop = ()
-        self.max_new_tokens = 4
-        self.certainty_kind = "mean_prob"
-        self.finish = None
-
-    def requests(self, rows) -> list[list[int] | None]:  # noqa: ANN001
-        return [None if not r else [1 + ord(c) % 60 for c in r] for r in rows]
-
-    def value(self, text: str, row) -> str:  # noqa: ANN001
-        return text
-
-
-def gen_plan(function: str = "gen"):  # noqa: ANN201
-    from ken.policy.plan import single_gear
-
-    return single_gear(function, Cascade(("g",)), max_running=2)
 
 
 def test_a_forward_pass_that_never_returns_fails_its_requests_within_the_pass_timeout(

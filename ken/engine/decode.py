@@ -29,7 +29,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -38,7 +38,7 @@ import numpy as np
 
 from ken.engine.decode_admission import DecodeAdmission, Verdict
 from ken.engine.outcome import Outcome, Status
-from ken.engine.supervision import Breaker
+from ken.engine.supervision import BatchDeadline, Breaker
 from ken.errors import EngineError, ModelError, PolicyError
 from ken.models.generation import DecodeBatch, Generation, end_token_ids
 from ken.models.llm import GenerativeModel
@@ -58,10 +58,6 @@ from ken.policy.decoding import (
 from ken.policy.generating import GenDispatcher, pick_lane
 from ken.policy.plan import GenPlan
 from ken.policy.scheduling import WallClock
-
-#: how long a forward pass may run before the server gives up on it (a CPU prefill of eight long
-#: prompts on the 0.5B model takes seconds; 60 s is an order of magnitude above that)
-PASS_TIMEOUT_S = 60.0
 
 #: failed passes of a model in a row (every request in them failed) before it is marked failed
 #: (the classifier engine's ``Breaker``: its requests then end in error at once)
@@ -143,17 +139,20 @@ class _Lane:
         return (f"{prompt_tokens} prompt + {max_new_tokens} new tokens exceed the KV budget "
                 f"of {self.scheduler.kv_budget_tokens} tokens")
 
-    def run(self, pending: dict[int, _Pending], clock: WallClock
+    def run(self, pending: dict[int, _Pending], clock: WallClock,
+            chosen: Callable[[DecodeStep], None] | None = None
             ) -> tuple[DecodeStep, list[tuple[int, Generation]], dict[int, str]]:
         """Run the lane's next pass: the pass, the requests it finished and the joiners whose
         prefill failed (with the error). A failed pass raises (the caller then fails the
-        running requests: ``drop_running``)."""
+        running requests: ``drop_running``). ``chosen`` is told the pass before it runs."""
         step = self.scheduler.next_step(clock.now())
         if step is None:
             raise PolicyError("a lane with requests has no pass; this is a bug")
         # what the pass's time grows with: the longest prompt, or the width decoded over
         self.last_tokens = (max(len(pending[r].prompt) for r in step.request_ids)
                             if step.kind == "prefill" else self.scheduler.width())
+        if chosen is not None:
+            chosen(step)
         failed: dict[int, str] = {}
         if step.kind == "prefill":
             failed = self._prefill(step.request_ids, pending)
@@ -210,13 +209,18 @@ class DecodeServer:
                  ignore_eos: bool = False, memory_budget_bytes: int | None = None,
                  order: Order = "fcfs", targets: ServiceTargets | None = None,
                  pass_cost: PassCost | None = None,
-                 pass_timeout_s: float = PASS_TIMEOUT_S,
+                 pass_timeout_s: float | None = None,
                  latency_target_s: float | None = None,
-                 admission: AdmissionMode = "target") -> None:
+                 admission: AdmissionMode = "target",
+                 deadline: BatchDeadline | None = None) -> None:
         """``memory_budget_bytes``: the device memory for weights plus KV cache; the cache gets
         what the weights leave (``kv_budget_tokens`` slots, whichever is smaller).
-        ``pass_timeout_s``: a forward pass that has not returned by then abandons the server
-        (every request in it or waiting ends ``error``, saying the model did not return).
+
+        Every forward pass has a deadline, as the classifier engine's batches do
+        (``deadline``, a ``BatchDeadline``: 10x what such a pass was seen to take, at least
+        2 s; 20 s while no pass of that kind has returned); ``pass_timeout_s`` fixes it
+        instead. A pass past it abandons the server (every request in it or waiting ends
+        ``error``, saying the model did not return and where the bound came from).
 
         ``order="deadline"`` with ``targets`` (TTFT and time between tokens): each prefill's
         joiners are chosen by Apt-Serve's rule (``ken.policy.decoding``), passes estimated by
@@ -235,12 +239,18 @@ class DecodeServer:
             "": _Lane(lm, max_running, kv_budget_tokens, mode, stop, ignore_eos, order,
                       targets, pass_cost)}
         self._init_loop(pass_timeout_s, _admission(admission, latency_target_s,
-                                                   {"": pass_cost}))
+                                                   {"": pass_cost}), deadline)
 
-    def _init_loop(self, pass_timeout_s: float, admission: DecodeAdmission) -> None:
-        if not (math.isfinite(pass_timeout_s) and pass_timeout_s > 0):
+    def _init_loop(self, pass_timeout_s: float | None, admission: DecodeAdmission,
+                   deadline: BatchDeadline | None) -> None:
+        if pass_timeout_s is not None and not (math.isfinite(pass_timeout_s)
+                                               and pass_timeout_s > 0):
             raise EngineError(f"pass_timeout_s must be finite and > 0, got {pass_timeout_s}")
+        if deadline is not None and not isinstance(deadline, BatchDeadline):
+            raise EngineError(f"deadline must be a BatchDeadline, not {deadline!r}")
         self.pass_timeout_s = pass_timeout_s
+        self.deadline = deadline or BatchDeadline()
+        self._pass_limit: tuple[float, str] = (math.inf, "")  # the pass under way's bound
         self.admission = admission
         # the crash-loop breaker of the classifier engine's workers: a model whose passes
         # fail MAX_FAILED_PASSES times in a row is marked failed (its rows end in error at once)
@@ -488,7 +498,9 @@ class DecodeServer:
             with self._pass_lock:
                 self._pass_started = start
             try:
-                step, finished, failed = lane.run(self._pending, self.clock)
+                step, finished, failed = lane.run(
+                    self._pending, self.clock,
+                    lambda step, lane=lane, name=name: self._set_limit(name, lane, step))
             except Exception as exc:  # noqa: BLE001 - a failed decode fails its batch only
                 with self._pass_lock:
                     self._pass_started = None
@@ -543,21 +555,37 @@ class DecodeServer:
                 self._failed(rid, reason, now)
         return reason
 
+    def _set_limit(self, name: str, lane: _Lane, step: DecodeStep) -> None:
+        """The deadline of the pass about to run (``_watch`` reads it)."""
+        if self.pass_timeout_s is not None:
+            limit = (self.pass_timeout_s, "pass_timeout_s")
+        else:
+            times = self.admission.lane_times(name)
+            expected = times.expected_s(step.kind, len(step.request_ids), lane.last_tokens)
+            measured = times.measured(step.kind)
+            limit = self.deadline.explain(None if measured else expected,
+                                          expected if measured else None)
+        with self._pass_lock:
+            self._pass_limit = limit
+
     def _watch(self) -> None:
-        """Give up on a pass that has not returned within ``pass_timeout_s`` (a stuck model:
-        its thread cannot be stopped, so it is left behind, as a thread worker's call is):
-        every request in the server ends ``error`` at once, and ``submit`` refuses more."""
+        """Give up on a pass that has not returned within its deadline (``_set_limit``; a
+        stuck model: its thread cannot be stopped, so it is left behind, as a thread
+        worker's call is): every request in the server ends ``error`` at once, and
+        ``submit`` refuses more."""
         thread = self._thread
+        tick = 0.1 if self.pass_timeout_s is None else min(0.1, self.pass_timeout_s / 10)
         while thread is not None and thread.is_alive():
-            time.sleep(min(0.1, self.pass_timeout_s / 10))
+            time.sleep(tick)
             with self._pass_lock:
                 started = self._pass_started
-                if started is None or self.clock.now() - started <= self.pass_timeout_s:
+                limit, why = self._pass_limit
+                if started is None or self.clock.now() - started <= limit:
                     continue
                 self._abandoned = True
                 self._crashed = (f"{self._lm_name()} did not return from a forward pass within "
-                                 f"{self.pass_timeout_s:g} s (pass_timeout_s); its requests "
-                                 "were failed and the server stopped")
+                                 f"{limit:.3g} s ({why}); its requests were failed and the "
+                                 "server stopped")
                 with self._lock:
                     self.closing.set()
                 now = self.clock.now()
@@ -592,15 +620,16 @@ class CascadeServer(DecodeServer):
     def __init__(self, models: Mapping[str, GenerativeModel], plan: GenPlan,
                  order: Order = "fcfs", targets: ServiceTargets | None = None,
                  pass_costs: Mapping[str, PassCost] | None = None,
-                 pass_timeout_s: float = PASS_TIMEOUT_S,
+                 pass_timeout_s: float | None = None,
                  latency_target_s: float | None = None,
-                 admission: AdmissionMode = "target") -> None:
+                 admission: AdmissionMode = "target",
+                 deadline: BatchDeadline | None = None) -> None:
         """``order``, ``targets`` and ``pass_costs`` (per model): each lane's order of joiners,
         as in ``DecodeServer`` (the function's targets hold on every lane); ``pass_timeout_s``
-        as there. Admission holds each new request to ``latency_target_s``, by default the
-        plan's predicted p99 (none when the plan was not simulated, e.g. written by hand);
-        ``admission="none"`` queues every request. Rows sent with a gear (a table's rows in
-        bulk) are always queued."""
+        and ``deadline`` as there. Admission holds each new request to ``latency_target_s``,
+        by default the plan's predicted p99 (none when the plan was not simulated, e.g.
+        written by hand); ``admission="none"`` queues every request. Rows sent with a gear
+        (a table's rows in bulk) are always queued."""
         missing = [m for m in plan.models if m not in models]
         if missing:
             raise EngineError(f"the plan uses models {missing} that were not given")
@@ -614,7 +643,8 @@ class CascadeServer(DecodeServer):
                        for m, model in self.models.items()}
         target = latency_target_s if latency_target_s is not None else plan.latency_target_s()
         self._init_loop(pass_timeout_s, _admission(admission, target,
-                                                   {m: costs.get(m) for m in plan.models}))
+                                                   {m: costs.get(m) for m in plan.models}),
+                        deadline)
 
     @property
     def lm(self) -> CausalLM:

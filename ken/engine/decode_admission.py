@@ -64,6 +64,17 @@ class PassTimes:
         """Whether estimates can be made (a base cost, or measured passes of both kinds)."""
         return self.base is not None or all(self._fit[k] is not None for k in self._seen)
 
+    def measured(self, kind: str) -> bool:
+        """Whether passes of ``kind`` were measured (else estimates are the base's alone)."""
+        return self._fit[kind] is not None
+
+    def expected_s(self, kind: str, batch: int, tokens: int) -> float | None:
+        """What such a pass is expected to take; None when nothing says (no base, no
+        measured pass of that kind)."""
+        if self.base is None and self._fit[kind] is None:
+            return None
+        return self._seconds(kind, batch, tokens)
+
     def prefill_s(self, batch: int, tokens: int) -> float:
         return self._seconds("prefill", batch, tokens)
 

@@ -238,7 +238,7 @@ class ServingManager:
         reports: dict[str, LoadReport] = {}
         self._decode_settings = {
             "targets": decode_targets, "latency_target_s": latency_target_s,
-            "admission": "target" if admission == "plan" else "none"}
+            "admission": "target" if admission == "plan" else "none", "deadline": deadline}
         for n in by_kind.pop(GenPlan.kind, []):
             reports[n] = self._start_generation(n, **self._decode_settings)
         names = by_kind.pop(GearPlan.kind, [])
@@ -284,13 +284,14 @@ class ServingManager:
         return reports | dict.fromkeys(names, report)
 
     def _start_generation(self, name: str, targets: ServiceTargets | None = None,
-                          latency_target_s: float | None = None, admission: str = "target"
-                          ) -> LoadReport:
+                          latency_target_s: float | None = None, admission: str = "target",
+                          deadline: BatchDeadline | None = None) -> LoadReport:
         """A decode server for a generating function's plan, on the session's models (loaded
         in this process; the server's thread runs every pass); with ``targets``, joiners by
         deadline, each model's passes estimated by its token cost (measured once per
         machine). Admission by capacity (``admission="target"``) holds new requests to
-        ``latency_target_s``, by default the plan's predicted p99."""
+        ``latency_target_s``, by default the plan's predicted p99; every pass has a deadline
+        (``deadline``, the classifier engine's rule)."""
         plan = cast(GenPlan, self._plans[name])
         op = self.operators[name]
         started = time.perf_counter()
@@ -310,7 +311,8 @@ class ServingManager:
             server = CascadeServer({m: models[m] for m in plan.models}, plan,
                                    "fcfs" if targets is None else "deadline", targets,
                                    costs, latency_target_s=latency_target_s,
-                                   admission=admission).start()  # type: ignore[arg-type]
+                                   admission=admission,  # type: ignore[arg-type]
+                                   deadline=deadline).start()
             advance(1)
         self._servers[name] = GenerationEngine(server)
         return LoadReport({}, time.perf_counter() - started, "thread")
