@@ -21,12 +21,22 @@ Measures what docs/reliability.md reports, in one run:
   fail at once).
 - *SIGTERM*: a process serving stand-in requests at 100/s (from one thread; outcomes printed
   by the futures' callbacks) is sent SIGTERM: requests sent, outcomes, lost, exit status.
+- *a generating function* (issue 38; ``--generation-only`` runs this part alone, ~2 minutes):
+  SmolLM2-135M on a decode server (4 rows a pass, prompts of 16-64 tokens, 4-12 new tokens),
+  its peak the rate at which the decode simulator has it 80% busy (its token cost, measured
+  once per machine) and its latency target the simulated p99 there, flooded at
+  ``--overload`` x that peak for ``--overload-s`` with admission by capacity and without it
+  (what is left 30 s after the last arrival is cancelled); stand-in LMs (``tests/fakes.py``)
+  whose every pass raises, or that hang after answering; SIGTERM to a program whose serving
+  manager serves a stand-in generating function at 100 requests/s. A decode server runs in
+  ken's process, so there is no worker to SIGKILL: its kill is SIGTERM's row.
 
 Writes benchmarks/results/reliability/reliability.json and reliability.png (admitted latency
 over time in both overload runs; the fault timings against their goals).
 
     python benchmarks/reliability.py          # ~6 minutes with cached models and profiles
     python benchmarks/reliability.py --replicas-only   # stand-ins on two replicas, ~20 s
+    python benchmarks/reliability.py --generation-only # the generating function, ~2 min
 """
 
 from __future__ import annotations
@@ -79,21 +89,26 @@ def latency_ms(outcomes: list[Outcome], status: str) -> np.ndarray:
 
 
 def summary(rep: Replay, target_s: float, wall_s: float) -> dict:
-    outcomes = list(rep.outcomes)
+    return outcome_summary(list(rep.outcomes), rep.status_counts(), target_s, wall_s,
+                           rep.max_send_lag_s)
+
+
+def outcome_summary(outcomes: list[Outcome], status: dict[str, int], target_s: float,
+                    wall_s: float, max_send_lag_s: float | None) -> dict:
     ok = latency_ms(outcomes, "ok")
     rejected = latency_ms(outcomes, "rejected")
     def pct(a: np.ndarray, q: float) -> float | None:
         return float(np.percentile(a, q)) if a.size else None
 
     return {
-        "requests": len(outcomes), "status": rep.status_counts(),
+        "requests": len(outcomes), "status": status,
         "rejected_share": rejected.size / len(outcomes),
         "admitted_p50_ms": pct(ok, 50), "admitted_p99_ms": pct(ok, 99),
         "admitted_max_ms": pct(ok, 100),
         "admitted_p99_over_target": pct(ok, 99) / (1000 * target_s) if ok.size else None,
         "rejection_p50_ms": pct(rejected, 50), "rejection_p99_ms": pct(rejected, 99),
         "served_per_s": ok.size / wall_s, "wall_s": wall_s,
-        "max_send_lag_s": rep.max_send_lag_s,
+        "max_send_lag_s": max_send_lag_s,
     }
 
 
@@ -245,8 +260,10 @@ while True:
 """
 
 
-def sigterm_run(after_s: float) -> dict:
-    proc = subprocess.Popen([sys.executable, "-c", SERVER.format(tests=str(TESTS))],
+def sigterm_run(after_s: float, server: str = SERVER) -> dict:
+    """SIGTERM to ``server`` (a program that prints what it sends and each outcome) after
+    ``after_s`` seconds of serving."""
+    proc = subprocess.Popen([sys.executable, "-c", server.format(tests=str(TESTS))],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     lines = [proc.stdout.readline()]
@@ -275,6 +292,197 @@ def sigterm_run(after_s: float) -> dict:
                                                for i in sent[:sent_before]),
             "status": status, "exit_status": proc.returncode, "sigterm_to_exit_s": exit_s,
             "tracebacks": err.count("Traceback")}
+
+
+# -- a generating function (decode server) ------------------------------------------------------
+
+
+def decode_peak(cost: object, prompts: list, max_new: np.ndarray, max_running: int,
+                seed: int) -> tuple[float, float]:
+    """The rate at which the decode server is 80% busy on these requests, and the p99 the
+    decode simulator predicts there (the latency target, as a plan's predicted p99 is):
+    bisection on Poisson arrivals over 60 s, passes timed by the model's token cost."""
+    from ken.optimizer.decode_sim import simulate_decoding
+
+    def run(rate: float):  # noqa: ANN202
+        arrivals = poisson_trace(rate, 60.0, seed=seed).arrival_s
+        n = arrivals.size
+        rows = np.arange(n) % len(prompts)
+        return simulate_decoding(cost, arrivals, [len(prompts[r]) for r in rows],  # type: ignore[arg-type]
+                                 max_new[rows], max_running), arrivals
+
+    lo, hi = 0.1, 200.0
+    for _ in range(30):
+        mid = (lo * hi) ** 0.5
+        sim, arrivals = run(mid)
+        busy = sim.busy_s / max(float(sim.completion_s.max() - arrivals[0]), 1e-9)
+        lo, hi = (mid, hi) if busy < 0.8 else (lo, mid)
+    sim, arrivals = run(lo)
+    return lo, float(np.percentile(sim.completion_s - arrivals, 99))
+
+
+def paced(server: object, qps: float, seconds: float, prompts: list, max_new: np.ndarray,
+          seed: int) -> tuple[list[Future], float]:
+    """Submit Poisson arrivals at ``qps`` for ``seconds`` (prompts in turn); the futures and
+    the send time."""
+    arrivals = poisson_trace(qps, seconds, seed=seed).arrival_s
+    futures = []
+    t0 = time.monotonic()
+    for i, t in enumerate(arrivals):
+        delay = float(t) - (time.monotonic() - t0)
+        if delay > 0:
+            time.sleep(delay)
+        futures.append(server.submit(prompts[i % len(prompts)],  # type: ignore[attr-defined]
+                                     int(max_new[i % len(prompts)])))
+    return futures, time.monotonic() - t0
+
+
+def decode_overload(lm: object, cost: object, target_s: float, qps: float, seconds: float,
+                    prompts: list, max_new: np.ndarray, seed: int, admission: str) -> dict:
+    """SmolLM2 on a decode server flooded at ``qps``; with ``admission="none"`` the requests
+    left 30 s after the last arrival are cancelled (the queue would take minutes)."""
+    from ken.engine.decode import DecodeServer
+
+    server = DecodeServer(lm, 4, ignore_eos=True, pass_cost=cost,  # type: ignore[arg-type]
+                          latency_target_s=target_s, admission=admission).start()  # type: ignore[arg-type]
+    futures, wall = paced(server, qps, seconds, prompts, max_new, seed)
+    done_by = time.monotonic() + 30.0
+    while time.monotonic() < done_by and not all(f.done() for f in futures):
+        time.sleep(0.1)
+    cancelled = server.shutdown(drain=False)
+    outcomes = [f.result(timeout=60) for f in futures]
+    status = {s: sum(o.status == s for o in outcomes) for s in sorted({o.status
+                                                                      for o in outcomes})}
+    row = outcome_summary(outcomes, status, target_s, wall, None)
+    row.update(cancelled_after_30s=cancelled, lost=len(futures) - len(
+        {o.request_id for o in outcomes}), admission=admission, offered_qps=qps)
+    return row
+
+
+def decode_faults() -> dict:
+    """Stand-in LMs (``tests/fakes.py``): every pass raises (time to the first and the last
+    error of 12 requests; a later request), and a model that answered and then hangs (time
+    until its request's error, by the default pass deadline)."""
+    from ken.engine.decode import CascadeServer
+
+    lm = fakes.GatedLM()
+    lm.gate.set()
+
+    def broken(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise RuntimeError("an illegal memory access")
+
+    lm.net.forward = broken
+    with CascadeServer({"g": fakes.StandInGenerator(lm)}, fakes.gen_plan()) as server:
+        t0 = time.monotonic()
+        futures = [server.submit_row(f"row {i}") for i in range(12)]
+        first = futures[0].result(timeout=120)
+        first_s = time.monotonic() - t0
+        outcomes = [f.result(timeout=120) for f in futures]
+        all_s = time.monotonic() - t0
+        t1 = time.monotonic()
+        late = server.submit_row("after it was marked failed").result(timeout=120)
+        late_s = time.monotonic() - t1
+    crash = {"first_error_s": first_s, "all_errors_s": all_s,
+             "status": sorted({o.status for o in outcomes}),
+             "later_request_error_ms": 1000 * late_s, "late_status": late.status,
+             "first_error": first.error, "marked_failed": late.error}
+    lm = fakes.GatedLM()
+    lm.gate.set()
+    server = CascadeServer({"g": fakes.StandInGenerator(lm)}, fakes.gen_plan()).start()
+    try:
+        for i in range(6):
+            server.submit_row(f"row {i}").result(timeout=60)
+        lm.gate.clear()
+        t0 = time.monotonic()
+        stuck = server.submit_row("this one hangs").result(timeout=120)
+        stuck_s = time.monotonic() - t0
+    finally:
+        lm.gate.set()
+    return {"crash": crash, "stuck": {"error_s": stuck_s, "status": stuck.status,
+                                      "error": stuck.error}}
+
+
+GEN_SERVER = """
+import functools, os, signal, sys, threading, time
+from types import SimpleNamespace
+sys.path.insert(0, {tests!r})
+import fakes
+from ken.engine.manager import ServingManager
+from ken.ops.base import OpContext
+
+lm = fakes.GatedLM()
+lm.gate.set()
+inner = lm.net.forward
+
+def slow(*args, **kwargs):
+    time.sleep(0.004)
+    return inner(*args, **kwargs)
+
+lm.net.forward = slow
+model = fakes.StandInGenerator(lm)
+manager = ServingManager({{"gen": SimpleNamespace(eval_constants=())}}, OpContext(),
+                         lambda name, constants: SimpleNamespace(models={{"g": model}}))
+manager.set_plan("gen", fakes.gen_plan())
+manager.serve()
+engine = manager.engine_for("gen", ())
+lock = threading.Lock()
+
+def report(i, future):
+    with lock:
+        print(f"outcome {{i}} {{future.result().status}}", flush=True)
+
+print("ready", flush=True)
+i = 0
+while True:
+    future = engine.submit_many([f"row {{i}}"])[0]
+    future.add_done_callback(functools.partial(report, i))
+    with lock:
+        print(f"sent {{i}}", flush=True)
+    i += 1
+    time.sleep(0.01)
+"""
+
+
+def generation_runs(overload: float, seconds: float, seed: int, reporter: Reporter) -> dict:
+    """Overload, SIGTERM, stuck and crash for a generating function (issue 38)."""
+    from ken.ops.base import shared_resources
+    from ken.optimizer.tokens import load_or_measure_token_cost, random_prompts
+    from ken.session import connect
+
+    out: dict = {}
+    faults = decode_faults()
+    out.update(faults)
+    reporter.note(f"generating, every pass fails: first error after "
+                  f"{faults['crash']['first_error_s']:.2f} s, all 12 after "
+                  f"{faults['crash']['all_errors_s']:.2f} s, later requests in "
+                  f"{faults['crash']['later_request_error_ms']:.1f} ms; a pass that hangs: "
+                  f"error after {faults['stuck']['error_s']:.2f} s")
+    out["sigterm"] = sigterm_run(3.0, GEN_SERVER)
+    reporter.note(f"generating, SIGTERM: {out['sigterm']['sent']} sent, "
+                  f"{out['sigterm']['lost']} lost, status {out['sigterm']['status']}, exit "
+                  f"{out['sigterm']['exit_status']} after {out['sigterm']['sigterm_to_exit_s']:.2f}"
+                  " s")
+    with connect(device=DeviceConfig(threads=1)) as session:
+        lm = shared_resources(session.ctx).causal_lm("smollm2-135m")
+    cost = load_or_measure_token_cost(lm, "smollm2-135m", reporter=reporter)
+    rng = np.random.default_rng(seed)
+    prompts = [random_prompts(lm, 1, int(k), rng)[0] for k in rng.integers(16, 64, 64)]
+    max_new = rng.integers(4, 12, len(prompts))
+    peak, target_s = decode_peak(cost, prompts, max_new, 4, seed)
+    out["decode_plan"] = {"model": "smollm2-135m", "max_running": 4, "peak_qps": peak,
+                          "latency_target_ms": 1000 * target_s}
+    reporter.note(f"generating: SmolLM2-135M, 4 rows a pass, 80% busy at {peak:.1f} qps "
+                  f"(token cost), simulated p99 there (the target) {1000 * target_s:.0f} ms")
+    out["overload"] = {}
+    for admission in ("target", "none"):
+        row = decode_overload(lm, cost, target_s, overload * peak, seconds, prompts, max_new,
+                              seed, admission)
+        out["overload"][admission] = row
+        reporter.note(f"  {overload:g}x overload, admission={admission}: admitted p99 "
+                      f"{row['admitted_p99_ms']:.0f} ms ({row['admitted_p99_over_target']:.2f}x"
+                      f"), rejected {row['rejected_share']:.1%}, cancelled after 30 s "
+                      f"{row['cancelled_after_30s']}, lost {row['lost']}")
+    return out
 
 
 # -- plot --------------------------------------------------------------------------------------
@@ -331,6 +539,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--generation-only", action="store_true",
+                    help="only a generating function's overload, SIGTERM, stuck and crash "
+                         "runs (~2 minutes; written to generation.json)")
     ap.add_argument("--replicas-only", action="store_true",
                     help="only the SIGKILL run on two stand-in replicas at 300 qps for 16 s "
                          "(~20 s; printed, nothing written)")
@@ -343,6 +554,14 @@ def main() -> int:
         return 0
     started = time.perf_counter()
     out: dict = {"args": {k: str(v) for k, v in vars(args).items()}}
+    reporter.note("a generating function (decode server)")
+    out["generation"] = generation_runs(args.overload, args.overload_s, args.seed, reporter)
+    if args.generation_only:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "generation.json").write_text(json.dumps(out, indent=1, default=float))
+        reporter.note(f"wrote {args.out / 'generation.json'} "
+                      f"({time.perf_counter() - started:.0f} s)")
+        return 0
 
     # the faults on stand-in models first: they need no models and take a minute
     reporter.note("stuck batches (stand-in model, default deadline)")
