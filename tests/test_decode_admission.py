@@ -255,3 +255,32 @@ def test_a_pass_that_hangs_after_fast_ones_fails_within_the_default_deadline() -
     assert stuck.status == "error" and "did not return from a forward pass" in stuck.error
     assert "observed" in stuck.error and "at least 2 s" in stuck.error
     assert 2.0 <= waited < 6.0
+
+
+def test_a_served_plan_is_held_to_its_predicted_p99_but_bulk_rows_are_always_queued() -> None:
+    """A generation plan with a predicted p99 is served with admission by default; a table's
+    rows sent in bulk (with a gear) are never turned away, online requests are."""
+    import dataclasses
+
+    from ken.engine.decode import CascadeServer, GenerationEngine
+    from ken.policy.plan import PlanMetrics
+
+    plan = dataclasses.replace(gen_plan(), predicted=PlanMetrics(
+        1.0, 1.0, 2.0, 3.0, 1.0, 100, 0, 10.0))
+    lm = GatedLM()
+    engine = GenerationEngine(CascadeServer({"g": StandInGenerator(lm)}, plan).start())
+    try:
+        assert engine.server.admission.target_s == pytest.approx(0.003)
+        first = engine.submit_many(["abc"])[0]
+        assert lm.entered.wait(timeout=30)
+        online = engine.submit_many([f"online {i}" for i in range(8)])
+        bulk = engine.submit_many([f"bulk {i}" for i in range(8)], bulk=True)
+        lm.gate.set()
+        online_out = [f.result(timeout=60) for f in [first, *online]]
+        bulk_out = [f.result(timeout=60) for f in bulk]
+    finally:
+        lm.gate.set()
+        engine.shutdown()
+    assert [o.status for o in bulk_out] == ["ok"] * 8
+    statuses = [o.status for o in online_out]
+    assert statuses.count("rejected") >= 7 and set(statuses) == {"ok", "rejected"}
