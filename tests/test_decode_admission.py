@@ -233,16 +233,19 @@ def test_an_llm_that_fails_every_pass_is_marked_failed_within_seconds() -> None:
         assert at_once.done() and "marked failed" in at_once.result().error
 
 
-def test_a_pass_that_hangs_after_fast_ones_fails_within_the_default_deadline() -> None:
+def test_a_pass_that_hangs_after_fast_ones_fails_within_its_deadline() -> None:
     """Every pass has a deadline by the classifier engine's rule (``BatchDeadline``: 10x what
-    such passes were seen to take, at least 2 s): a model that answered fast and then hangs
-    fails its requests after about 2 s, not the old fixed 60 s, saying where the bound came
-    from."""
-    from ken.engine.decode import CascadeServer
+    such passes were seen to take, at least a floor: 10 s by default, 2 s here): a model that
+    answered fast and then hangs fails its requests after the floor, not the old fixed 60 s,
+    saying where the bound came from."""
+    from ken.engine.decode import PASS_DEADLINE, CascadeServer
+    from ken.engine.supervision import BatchDeadline
 
+    assert PASS_DEADLINE.floor_s == 10.0 and PASS_DEADLINE.first_call_s == 20.0
     lm = GatedLM()
     lm.gate.set()
-    server = CascadeServer({"g": StandInGenerator(lm)}, gen_plan()).start()
+    server = CascadeServer({"g": StandInGenerator(lm)}, gen_plan(),
+                           deadline=BatchDeadline(floor_s=2.0)).start()
     try:
         for i in range(6):  # one at a time: a prefill and decode passes each
             assert server.submit_row(f"row {i}").result(timeout=30).status == "ok"

@@ -65,6 +65,12 @@ MAX_FAILED_PASSES = 3
 
 AdmissionMode = Literal["target", "none"]
 
+#: the default deadline of a forward pass: the classifier engine's rule (10x what such passes
+#: were seen to take; 20 s before one returned) with a floor of 10 s, not 2 s: a classifier
+#: worker past its deadline is replaced, but a decode pass past it abandons the server for
+#: good (its thread cannot be stopped), so a stall of a busy machine must not reach it
+PASS_DEADLINE = BatchDeadline(factor=10.0, floor_s=10.0, first_call_s=20.0)
+
 
 @dataclass(frozen=True)
 class _PassRef:
@@ -217,10 +223,11 @@ class DecodeServer:
         what the weights leave (``kv_budget_tokens`` slots, whichever is smaller).
 
         Every forward pass has a deadline, as the classifier engine's batches do
-        (``deadline``, a ``BatchDeadline``: 10x what such a pass was seen to take, at least
-        2 s; 20 s while no pass of that kind has returned); ``pass_timeout_s`` fixes it
-        instead. A pass past it abandons the server (every request in it or waiting ends
-        ``error``, saying the model did not return and where the bound came from).
+        (``deadline``, a ``BatchDeadline``; ``PASS_DEADLINE`` by default: 10x what such a pass
+        was seen to take, at least 10 s; 20 s while no pass of that kind has returned);
+        ``pass_timeout_s`` fixes it instead. A pass past it abandons the server (every
+        request in it or waiting ends ``error``, saying the model did not return and where
+        the bound came from).
 
         ``order="deadline"`` with ``targets`` (TTFT and time between tokens): each prefill's
         joiners are chosen by Apt-Serve's rule (``ken.policy.decoding``), passes estimated by
@@ -249,7 +256,7 @@ class DecodeServer:
         if deadline is not None and not isinstance(deadline, BatchDeadline):
             raise EngineError(f"deadline must be a BatchDeadline, not {deadline!r}")
         self.pass_timeout_s = pass_timeout_s
-        self.deadline = deadline or BatchDeadline()
+        self.deadline = deadline or PASS_DEADLINE
         self._pass_limit: tuple[float, str] = (math.inf, "")  # the pass under way's bound
         self.admission = admission
         # the crash-loop breaker of the classifier engine's workers: a model whose passes
