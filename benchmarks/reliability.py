@@ -50,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
@@ -211,23 +212,31 @@ def stuck_runs(tmp: Path) -> dict:
             "stuck_for_ever_error_s": error_s, "error": error}
 
 
+def failure_timings(submit: Callable[[str], Future], rows: int = 12) -> dict:
+    """Submit ``rows`` requests to a model that always fails: seconds to the first error and
+    to the last, then how long one more request takes to fail (once the model is marked
+    failed)."""
+    t0 = time.monotonic()
+    futures = [submit(f"row {i}") for i in range(rows)]
+    first = futures[0].result(timeout=120)
+    first_s = time.monotonic() - t0
+    outcomes = [f.result(timeout=120) for f in futures]
+    all_s = time.monotonic() - t0
+    t1 = time.monotonic()
+    late = submit("after it was marked failed").result(timeout=120)
+    late_s = time.monotonic() - t1
+    return {"first_error_s": first_s, "all_errors_s": all_s, "rows": len(outcomes),
+            "status": sorted({o.status for o in outcomes}),
+            "later_request_error_ms": 1000 * late_s, "late_status": late.status,
+            "first_error": first.error, "marked_failed": late.error}
+
+
 def crash_run() -> dict:
     sources = {"a": functools.partial(fakes.CrashingModel, "a")}
     with Engine(stand_in_plan("a"), sources) as engine:
-        t0 = time.monotonic()
-        futures = [engine.submit(f"row {i}") for i in range(12)]
-        first = futures[0].result(timeout=120)
-        first_s = time.monotonic() - t0
-        outcomes = [f.result(timeout=120) for f in futures]
-        all_s = time.monotonic() - t0
-        t1 = time.monotonic()
-        late = engine.submit("after it was marked failed").result(timeout=120)
-        late_s = time.monotonic() - t1
-        restarts = engine.worker_restarts
-    return {"first_error_s": first_s, "all_errors_s": all_s, "rows": len(outcomes),
-            "status": sorted({o.status for o in outcomes}), "worker_restarts": restarts,
-            "later_request_error_ms": 1000 * late_s, "late_status": late.status,
-            "first_error": first.error, "marked_failed": late.error}
+        out = failure_timings(engine.submit)
+        out["worker_restarts"] = engine.worker_restarts
+    return out
 
 
 SERVER = """
@@ -373,19 +382,7 @@ def decode_faults() -> dict:
 
     lm.net.forward = broken
     with CascadeServer({"g": fakes.StandInGenerator(lm)}, fakes.gen_plan()) as server:
-        t0 = time.monotonic()
-        futures = [server.submit_row(f"row {i}") for i in range(12)]
-        first = futures[0].result(timeout=120)
-        first_s = time.monotonic() - t0
-        outcomes = [f.result(timeout=120) for f in futures]
-        all_s = time.monotonic() - t0
-        t1 = time.monotonic()
-        late = server.submit_row("after it was marked failed").result(timeout=120)
-        late_s = time.monotonic() - t1
-    crash = {"first_error_s": first_s, "all_errors_s": all_s,
-             "status": sorted({o.status for o in outcomes}),
-             "later_request_error_ms": 1000 * late_s, "late_status": late.status,
-             "first_error": first.error, "marked_failed": late.error}
+        crash = failure_timings(server.submit_row)
     lm = fakes.GatedLM()
     lm.gate.set()
     server = CascadeServer({"g": fakes.StandInGenerator(lm)}, fakes.gen_plan()).start()
