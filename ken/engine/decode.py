@@ -261,7 +261,8 @@ class DecodeServer:
         self.admission = admission
         # the crash-loop breaker of the classifier engine's workers: a model whose passes
         # fail MAX_FAILED_PASSES times in a row is marked failed (its rows end in error at once)
-        self.breaker = Breaker(max_retries=0, max_crashes=MAX_FAILED_PASSES)
+        self.breaker = Breaker(max_retries=0, max_crashes=MAX_FAILED_PASSES,
+                               crash="failed a forward pass for every request in it")
         self._refused: dict[str, tuple[int, Verdict]] = {}  # lane -> (boundary, verdict)
         self._boundary = 0  # pass boundaries the loop has reached
         self._pass_lock = threading.Lock()  # the loop's pass against the watchdog's verdict

@@ -168,11 +168,15 @@ class Breaker:
     up to ``max_retries`` times; a model whose calls crash or hang their worker
     ``max_crashes`` times in a row is marked failed (its rows then end in error at once)."""
 
-    def __init__(self, max_retries: int = 1, max_crashes: int = 3) -> None:
+    def __init__(self, max_retries: int = 1, max_crashes: int = 3,
+                 crash: str = "crashed or hung its worker") -> None:
+        """``crash``: what a crash is, for the reason a model is marked failed (a decode
+        server's is a forward pass that failed for every request in it)."""
         if max_retries < 0 or max_crashes < 1:
             raise EngineError("max_crashes must be >= 1 and max_retries >= 0")
         self.max_retries = max_retries
         self.max_crashes = max_crashes
+        self.crash = crash
         self._attempts: dict[int, int] = {}  # id(batch) -> failed attempts
         self._crashes: dict[str, int] = {}  # model -> crashes or hangs in a row
         self._failed: dict[str, str] = {}  # model -> why it is not run any more
@@ -203,7 +207,7 @@ class Breaker:
             crashes = self._crashes[model] = self._crashes.get(model, 0) + 1
             if crashes >= self.max_crashes:
                 self._failed[model] = (
-                    f"{model} is marked failed: it crashed or hung its worker {crashes} times "
+                    f"{model} is marked failed: it {self.crash} {crashes} times "
                     f"in a row (last: {message}); the engine does not run it again: fix the "
                     "model and serve again")
         failed = self._failed.get(model)
