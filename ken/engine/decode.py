@@ -66,10 +66,11 @@ MAX_FAILED_PASSES = 3
 AdmissionMode = Literal["target", "none"]
 
 #: the default deadline of a forward pass: the classifier engine's rule (10x what such passes
-#: were seen to take; 20 s before one returned) with a floor of 10 s, not 2 s: a classifier
-#: worker past its deadline is replaced, but a decode pass past it abandons the server for
-#: good (its thread cannot be stopped), so a stall of a busy machine must not reach it
-PASS_DEADLINE = BatchDeadline(factor=10.0, floor_s=10.0, first_call_s=20.0)
+#: were seen to take) with a floor of 10 s, not 2 s, and 60 s (the old fixed bound) until
+#: passes of the kind were measured: a classifier worker past its deadline is replaced, but a
+#: decode pass past it abandons the server for good (its thread cannot be stopped), so a
+#: stall of a busy machine, or a cold first prefill, must not reach it
+PASS_DEADLINE = BatchDeadline(factor=10.0, floor_s=10.0, first_call_s=60.0)
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,7 @@ class DecodeServer:
 
         Every forward pass has a deadline, as the classifier engine's batches do
         (``deadline``, a ``BatchDeadline``; ``PASS_DEADLINE`` by default: 10x what such a pass
-        was seen to take, at least 10 s; 20 s while no pass of that kind has returned);
+        was seen to take, at least 10 s; 60 s until passes of that kind were measured);
         ``pass_timeout_s`` fixes it instead. A pass past it abandons the server (every
         request in it or waiting ends ``error``, saying the model did not return and where
         the bound came from).
@@ -258,12 +259,15 @@ class DecodeServer:
         self.pass_timeout_s = pass_timeout_s
         self.deadline = deadline or PASS_DEADLINE
         self._pass_limit: tuple[float, str] = (math.inf, "")  # the pass under way's bound
+        self._pass_model = ""  # and the model it runs
         self.admission = admission
         # the crash-loop breaker of the classifier engine's workers: a model whose passes
         # fail MAX_FAILED_PASSES times in a row is marked failed (its rows end in error at once)
         self.breaker = Breaker(max_retries=0, max_crashes=MAX_FAILED_PASSES,
                                crash="failed a forward pass for every request in it")
-        self._refused: dict[str, tuple[int, Verdict]] = {}  # lane -> (boundary, verdict)
+        # lane -> (boundary, prompt tokens, max new, verdict) of the last request refused
+        self._refused: dict[str, tuple[int, int, int, Verdict]] = {}
+        self.admission_errors = 0  # estimates that raised (the request was admitted)
         self._boundary = 0  # pass boundaries the loop has reached
         self._pass_lock = threading.Lock()  # the loop's pass against the watchdog's verdict
         self._pass_started: float | None = None  # when the pass under way began
@@ -397,9 +401,10 @@ class DecodeServer:
                      arrival: float, fut: Future) -> bool:
         """Whether a new request for ``lane`` ends at once: its model is marked failed
         (``error``), or admission turns it away (``rejected``, with the reason and a retry
-        hint). Requests refused at a pass boundary refuse the later ones of their lane at
-        the same boundary without another estimate (first come, first served: they would
-        wait at least as long)."""
+        hint). A request refused at a pass boundary refuses the later ones of its lane at
+        the same boundary that are at least as long (prompt and budget) without another
+        estimate (first come, first served: they would finish no sooner). An estimate that
+        raises admits the request (``admission_errors`` counts them)."""
         now = self.clock.now()
         failed = self.breaker.reason(self._lane_model(lane))
         if failed is not None:
@@ -408,16 +413,21 @@ class DecodeServer:
         if not self.admission.active:
             return False
         refused = self._refused.get(lane)
-        if refused is not None and refused[0] == self._boundary:
-            verdict = refused[1]
+        if refused is not None and refused[0] == self._boundary and \
+                prompt_tokens >= refused[1] and max_new >= refused[2]:
+            verdict = refused[3]  # as long a request behind a refused one: refused too
             self.admission.rejected += 1
         else:
-            verdict = self.admission.check(
-                rid, lane, {n: ln.scheduler for n, ln in self._lanes.items()}, prompt_tokens,
-                max_new, now)
+            try:
+                verdict = self.admission.check(
+                    rid, lane, {n: ln.scheduler for n, ln in self._lanes.items()},
+                    prompt_tokens, max_new, arrival, now, self._boundary)
+            except Exception:  # noqa: BLE001 - an estimate must not stop the server
+                self.admission_errors += 1
+                return False
             if verdict.reason is None:
                 return False
-            self._refused[lane] = (self._boundary, verdict)
+            self._refused[lane] = (self._boundary, prompt_tokens, max_new, verdict)
         fut.set_result(Outcome(rid, "rejected", arrival, now, error=verdict.reason,
                                retry_after_s=verdict.retry_after_s))
         return True
@@ -539,8 +549,11 @@ class DecodeServer:
             else:
                 self.breaker.ran(_PassRef(self._lane_model(name)))
                 if not failed:
-                    self.admission.passed(name, step.kind, len(step.request_ids),
-                                          lane.last_tokens, now - start)
+                    try:
+                        self.admission.passed(name, step.kind, len(step.request_ids),
+                                              lane.last_tokens, now - start)
+                    except Exception:  # noqa: BLE001 - a measurement must not stop the server
+                        self.admission_errors += 1
             for rid, gen in finished:
                 self._answered(rid, name, gen, now)
             for rid, message in failed.items():
@@ -548,11 +561,14 @@ class DecodeServer:
 
 
     def _pass_failed(self, lane: str, ids: Sequence[int], message: str) -> str:
-        """A pass of ``lane`` failed for every request in it (``ids``): count it toward the
-        crash-loop breaker; once the model is marked failed, every request queued on its
-        lane ends ``error`` with the breaker's reason, which is returned for ``ids``
+        """A pass of ``lane`` failed for every request in it (``ids``): when they are two or
+        more (a failure one request alone can cause is not the model's), count it toward
+        the crash-loop breaker; once the model is marked failed, every request queued on
+        its lane ends ``error`` with the breaker's reason, which is returned for ``ids``
         (else ``message``)."""
         model = self._lane_model(lane)
+        if len(set(ids)) < 2:
+            return message
         self.breaker.failed(_PassRef(model, request_ids=tuple(ids)), message, crashed=True)
         reason = self.breaker.reason(model)
         if reason is None:
@@ -575,6 +591,7 @@ class DecodeServer:
                                           expected if measured else None)
         with self._pass_lock:
             self._pass_limit = limit
+            self._pass_model = self._lane_model(name)
 
     def _watch(self) -> None:
         """Give up on a pass that has not returned within its deadline (``_set_limit``; a
@@ -591,7 +608,8 @@ class DecodeServer:
                 if started is None or self.clock.now() - started <= limit:
                     continue
                 self._abandoned = True
-                self._crashed = (f"{self._lm_name()} did not return from a forward pass within "
+                self._crashed = (f"{self._pass_model or self._lm_name()} did not return from a "
+                                 f"forward pass within "
                                  f"{limit:.3g} s ({why}); its requests were failed and the "
                                  "server stopped")
                 with self._lock:
@@ -689,6 +707,7 @@ class CascadeServer(DecodeServer):
             return False
         if not prompt:
             self.dispatcher.drop(rid)
+            self.admission.forget(rid)
             self._pending.pop(rid)
             p.future.set_result(Outcome(rid, "ok", p.arrival_s, now, None, 1.0, 0, name,
                                         self.dispatcher.current, first_token_s=now))

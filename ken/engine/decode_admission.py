@@ -69,11 +69,16 @@ class PassTimes:
         return self._fit[kind] is not None
 
     def expected_s(self, kind: str, batch: int, tokens: int) -> float | None:
-        """What such a pass is expected to take; None when nothing says (no base, no
-        measured pass of that kind)."""
+        """What such a pass is expected to take, for its deadline: the estimate, or the
+        slowest recent pass of the kind scaled up to this one's rows x tokens where that is
+        more (a fit is not trusted beyond the passes it saw); None when nothing says (no
+        base, no measured pass of that kind)."""
         if self.base is None and self._fit[kind] is None:
             return None
-        return self._seconds(kind, batch, tokens)
+        work = max(batch, 1) * max(tokens, 1)
+        slowest = max((sec * max(1.0, work / (n * t)) for n, t, sec in self._seen[kind]),
+                      default=0.0)
+        return max(self._seconds(kind, batch, tokens), slowest)
 
     def prefill_s(self, batch: int, tokens: int) -> float:
         return self._seconds("prefill", batch, tokens)
@@ -110,7 +115,12 @@ class PassTimes:
 
         x = np.array([(1.0, n, n * t) for n, t, _ in seen])
         y = np.array([s for _, _, s in seen])
-        coef, _ = nnls(x, y)
+        scale = x.max(axis=0)  # columns of unlike size (1, rows, rows x tokens)
+        try:
+            coef, _ = nnls(x / scale, y, maxiter=50 * x.shape[1])
+        except (RuntimeError, ValueError):  # no fit this time: keep the last one
+            return
+        coef = coef / scale
         self._fit[kind] = (float(coef[0]), float(coef[1]), float(coef[2]))
 
 
@@ -163,6 +173,7 @@ class DecodeAdmission:
         self.slowdown = Slowdown()
         self.rejected = 0
         self._estimated: dict[int, float] = {}  # rid -> raw estimate (near the target)
+        self._others: tuple[int, str, float] | None = None  # (boundary, lane, seconds)
 
     @property
     def active(self) -> bool:
@@ -190,15 +201,18 @@ class DecodeAdmission:
             self.slowdown.add(latency_s / estimate, now)
 
     def forget(self, rid: int) -> None:
-        """Request ``rid`` ended without an answer (or escalated: its first lane's answer
-        is not its latency)."""
+        """Request ``rid`` ended without an answer. (An escalated request is not forgotten:
+        its answered latency, later stages included, is set against its first lane's
+        estimate, so the slowdown learns the later stages' share too.)"""
         self._estimated.pop(rid, None)
 
     def check(self, rid: int, lane: str, lanes: Mapping[str, DecodeScheduler],
-              prompt_tokens: int, max_new: int, now: float) -> Verdict:
-        """Whether request ``rid`` (on ``lane``, with this prompt and budget) would be
-        answered within its target, given the queues of ``lanes`` (every lane of the
-        server, ``lane`` among them)."""
+              prompt_tokens: int, max_new: int, arrival: float, now: float,
+              boundary: int = 0) -> Verdict:
+        """Whether request ``rid`` (on ``lane``, with this prompt and budget, arrived at
+        ``arrival``) would be answered within its target, given the queues of ``lanes``
+        (every lane of the server, ``lane`` among them) at pass boundary number
+        ``boundary`` (the other lanes' work is estimated once per boundary)."""
         target = self.per_request(max_new) if self.per_request is not None else self.target_s
         if target is None:
             return Verdict()
@@ -215,17 +229,18 @@ class DecodeAdmission:
                 f"({sched.load} requests); retry in a moment", 0.1)
         slowdown = self.slowdown.value(now)
         lengths = self.lane_lengths(lane)
-        # the other lanes share the device: their queued work comes first (upper bound)
-        others = 0.0
-        for name, s in lanes.items():
-            if name != lane and s.load:
-                t = self.lane_times(name)
-                if t.ready:
-                    others += s.completion_s(now, t, tokens=self.lane_lengths(name).expected,
-                                             horizon_s=target) - now
-        horizon = target / slowdown - others
+        others = self._other_lanes_s(lane, lanes, now, boundary, target)
+        waited = max(0.0, now - arrival)  # in the inbox, until this boundary
+        horizon = target / slowdown - others - waited
+        if horizon > 0 and sched.order == "fcfs" and sched.mode == "continuous":
+            # a cheap bound first: each request waiting ahead joins a prefill, max_running a
+            # prefill at most (a long queue of bulk rows is not simulated per arrival)
+            rounds = math.ceil((sched.queued + 1) / sched.max_running)
+            if rounds * times.prefill_s(1, 1) > horizon:
+                horizon = 0.0
         done = math.inf if horizon <= 0 else sched.completion_s(
-            now, times, (prompt_tokens, max_new), lengths.expected, horizon) - now + others
+            now, times, (prompt_tokens, max_new), lengths.expected, horizon,
+            new_arrival_s=arrival, new_id=rid) - now + others + waited
         expected = done * slowdown
         if expected <= target:
             if expected >= target / 2:
@@ -241,3 +256,19 @@ class DecodeAdmission:
             f"on its lane ahead of this one (passes x{slowdown:.1f} as measured while "
             f"serving), so it would miss the latency target of {target * 1000:.0f} ms; "
             f"retry in {retry * 1000:.0f} ms", retry)
+
+    def _other_lanes_s(self, lane: str, lanes: Mapping[str, DecodeScheduler], now: float,
+                       boundary: int, target: float) -> float:
+        """Seconds of work queued on the server's other lanes (they share the device, and
+        their older requests go first: an upper bound), once per pass boundary."""
+        if self._others is not None and self._others[:2] == (boundary, lane):
+            return self._others[2]
+        total = 0.0
+        for name, s in lanes.items():
+            if name != lane and s.load:
+                t = self.lane_times(name)
+                if t.ready:
+                    total += s.completion_s(now, t, tokens=self.lane_lengths(name).expected,
+                                            horizon_s=target) - now
+        self._others = (boundary, lane, total)
+        return total

@@ -82,8 +82,9 @@ class ServingManager:
         # how a served function takes a new plan of its kind
         self._swap: dict[str, Callable[[str], None]] = {
             GearPlan.kind: self._swap_gear, GenPlan.kind: self._restart_generation}
-        # how decode servers serve (``serve``'s settings; a restart for a new plan keeps them)
-        self._decode_settings: dict[str, Any] = {}
+        # how each decode server serves (``serve``'s settings; a restart for a new plan keeps
+        # them)
+        self._decode_settings: dict[str, dict[str, Any]] = {}
 
     @property
     def bulk_threshold(self) -> int:
@@ -153,7 +154,7 @@ class ServingManager:
 
     def _restart_generation(self, name: str) -> None:
         self._servers.pop(name).shutdown()
-        self._start_generation(name, **self._decode_settings)
+        self._start_generation(name, **self._decode_settings.get(name, {}))
 
     def _gear_plan(self, name: str) -> GearPlan:
         """The plan of a function the engine serves (its kind is "gear")."""
@@ -236,11 +237,11 @@ class ServingManager:
             if n not in self._servers:
                 by_kind.setdefault(self._plans[n].kind, []).append(n)
         reports: dict[str, LoadReport] = {}
-        self._decode_settings = {
-            "targets": decode_targets, "latency_target_s": latency_target_s,
-            "admission": "target" if admission == "plan" else "none", "deadline": deadline}
         for n in by_kind.pop(GenPlan.kind, []):
-            reports[n] = self._start_generation(n, **self._decode_settings)
+            self._decode_settings[n] = {
+                "targets": decode_targets, "latency_target_s": latency_target_s,
+                "admission": "target" if admission == "plan" else "none", "deadline": deadline}
+            reports[n] = self._start_generation(n, **self._decode_settings[n])
         names = by_kind.pop(GearPlan.kind, [])
         if not names:
             return reports

@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import sys
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,7 +122,7 @@ def semantic_columns(source: str | Sequence[str], sites: Sequence[SiteColumn], o
                         batch_format="pyarrow", batch_size=block_rows,
                         compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=per_actor)
     try:
-        ds.write_parquet(out_dir)
+        _write_watching(ray, ds, out_dir, min(cpus, per_actor + 1.0))
     except ray.exceptions.RayError as exc:
         raise EngineError(f"the semantic step on Ray Data failed: {ray_error_cause(exc)}") from None
     expected = parquet_rows(paths)
@@ -137,6 +139,49 @@ def semantic_columns(source: str | Sequence[str], sites: Sequence[SiteColumn], o
             schema = schema.append(pa.field(site.column, site.arrow_type))
         pq.write_table(schema.empty_table(), f"{out_dir}/empty.parquet")
     return rows
+
+
+#: seconds the cluster may stay without the CPUs the semantic step needs (nodes lost during
+#: the query and not back) before the query fails rather than wait for ever
+LOST_CAPACITY_S = 60.0
+
+
+def _write_watching(ray: Any, ds: Any, out_dir: str, need_cpus: float) -> None:
+    """``ds.write_parquet(out_dir)``, watched: while nodes are lost, Ray restarts the actors
+    and retries the blocks on the nodes left (the query then finishes whole); but when the
+    cluster keeps fewer CPUs than one actor and one of Ray Data's tasks need
+    (``need_cpus``) for ``LOST_CAPACITY_S`` seconds, nothing can run and Ray Data would wait
+    for ever: the query fails with an ``EngineError`` saying so. (That step's work is left
+    waiting in the background until the nodes come back or Ray shuts down.)"""
+    done = threading.Event()
+    failed: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            ds.write_parquet(out_dir)
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+            failed.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=write, name="ken-ray-data", daemon=True).start()
+    short_since: float | None = None
+    while not done.wait(0.5):
+        cpus = float(ray.cluster_resources().get("CPU", 0))
+        if cpus >= need_cpus:
+            short_since = None
+            continue
+        now = time.monotonic()
+        short_since = short_since or now
+        if now - short_since >= LOST_CAPACITY_S:
+            lost = sum(not n.get("Alive", True) for n in ray.nodes())
+            raise EngineError(
+                f"the Ray cluster lost {lost} node(s) during the semantic step and has had "
+                f"{cpus:g} CPUs for {LOST_CAPACITY_S:g} s; the step needs {need_cpus:g} (an "
+                "actor and a task) and cannot go on, so the query fails rather than wait: "
+                "nothing was returned; add nodes and run it again")
+    if failed:
+        raise failed[0]
 
 
 def parquet_rows(files: Sequence[str]) -> int:

@@ -357,17 +357,22 @@ class DecodeScheduler:
     def completion_s(self, now: float, cost: PassCost,
                      new: tuple[int, int] | None = None,
                      tokens: Callable[[int], int] | None = None,
-                     horizon_s: float = math.inf) -> float:
+                     horizon_s: float = math.inf, new_arrival_s: float | None = None,
+                     new_id: int | None = None, max_passes: int = 20_000) -> float:
         """When the requests here are done if passes take what ``cost`` says: this
         scheduler's own rule run forward on a copy, from ``now`` (a pass boundary). With
-        ``new`` (prompt tokens, max new tokens): when a request arriving now would be done;
-        else when the last one here is. ``tokens(max_new)``: how many tokens a request with
-        that budget is expected to generate (default: all of them; answers that stop early
-        make the estimate an upper bound). Past ``horizon_s`` from ``now`` the run stops and
-        returns ``math.inf`` (admission needs to know only whether a target is met)."""
+        ``new`` (prompt tokens, max new tokens): when a request queued now would be done
+        (it arrived at ``new_arrival_s``, default ``now``; its id ``new_id``, default one
+        above every id here: the id a later request gets); else when the last one here is.
+        ``tokens(max_new)``: how many tokens a request with that budget is expected to
+        generate (default: all of them; answers that stop early make the estimate an upper
+        bound). Past ``horizon_s`` from ``now``, or after ``max_passes`` passes, the run
+        stops and returns ``math.inf`` (admission needs to know only whether a target is
+        met)."""
         if self._joining:
             raise PolicyError("completion_s is asked at a pass boundary, not during a prefill")
-        probe = min(self._requests, default=0) - 1
+        probe = new_id if new_id is not None and new_id not in self._requests else \
+            max(self._requests, default=-1) + 1
         copy = DecodeScheduler(self.max_running, self.kv_budget_tokens, self.mode,
                                self.order, self.targets, self.cost)
         copy._requests = {rid: replace(r) for rid, r in self._requests.items()}
@@ -380,13 +385,15 @@ class DecodeScheduler:
             made[rid] = min(r.max_new, 1 + r.fed) if rid in copy._running else 0
             goal[rid] = r.max_new if tokens is None else min(r.max_new, tokens(r.max_new))
         if new is not None:
-            copy.admit(probe, new[0], new[1], now)
+            copy.admit(probe, new[0], new[1], now if new_arrival_s is None else new_arrival_s)
             made[probe] = 0
             goal[probe] = new[1] if tokens is None else min(new[1], tokens(new[1]))
         elif not copy._requests:
             return now
         t = now
-        while copy._requests:
+        for _ in range(max_passes):
+            if not copy._requests:
+                return t
             step = copy.next_step(t)
             if step is None:
                 raise PolicyError("a scheduler with requests has no pass; this is a bug")
@@ -407,7 +414,7 @@ class DecodeScheduler:
                 return t
             if t - now > horizon_s:
                 return math.inf
-        return t
+        return t if not copy._requests else math.inf
 
     # -- internals --------------------------------------------------------------------------
 
