@@ -7,6 +7,7 @@ import hashlib
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -53,6 +54,27 @@ class SlowModel(FakeModel):
 
     def predict(self, texts: Sequence[str], batch_size: int = 32) -> Prediction:
         time.sleep(self.seconds + self.per_row_s * len(texts))
+        return super().predict(texts, batch_size)
+
+
+class NodeMarking(SlowModel):
+    """A ``SlowModel`` that, on its first call, writes the id of the Ray node it runs on into
+    ``folder`` (a file per process), so a test knows which node to take away."""
+
+    def __init__(self, name: str, folder: str, seconds: float) -> None:
+        super().__init__(name, seconds)
+        self.folder = folder
+        self._marked = False
+
+    def predict(self, texts: Sequence[str], batch_size: int = 32) -> Prediction:
+        if not self._marked:
+            import os
+
+            import ray
+
+            node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+            (Path(self.folder) / f"{os.getpid()}.node").write_text(node)
+            self._marked = True
         return super().predict(texts, batch_size)
 
 

@@ -326,6 +326,71 @@ def test_engine_auto_sends_only_big_unpruned_datasets_to_ray_data(local_ray, tmp
         assert "engine='auto'" not in said()
 
 
+class _NodeMood(ModelOperator):
+    """``mood`` over one stand-in model that marks the Ray node it runs on (``NodeMarking``),
+    loaded in each Ray Data actor."""
+
+    folder = ""
+
+    def loaders(self, ctx: object, threads: int) -> dict:
+        return {"a": functools.partial(fakes.NodeMarking, "a", self.folder, 0.05)}
+
+
+def test_losing_the_node_of_a_ray_data_actor_mid_query_still_answers_every_row(
+        local_ray, tmp_path) -> None:
+    """A cluster of two worker nodes of 3 CPUs (the head has none): while a query's semantic
+    step runs on Ray Data, the node of its actor is taken away (no graceful exit). Either Ray
+    restarts what ran there on the other node and the query's answer is the whole answer,
+    as DuckDB in-process gives it, or (an actor of Ray Data's own that is not restarted was
+    there) the query fails with an error saying a node died and nothing was returned; never
+    a part of the answer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ray.cluster_utils import Cluster
+
+    import ken
+
+    ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    nodes = [cluster.add_node(num_cpus=3) for _ in range(2)]
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    data = tmp_path / "d"
+    parquet_dataset(data, 4_000, files=8)
+    query = f"SELECT id, mood(x) AS m FROM '{data}/*.parquet' ORDER BY id"
+    try:
+        ray.init(address=cluster.address, include_dashboard=False, logging_level="ERROR",
+                 log_to_driver=False)
+        cluster.wait_for_nodes()
+        workers = {n.node_id: n for n in nodes}
+        with ken.connect(builtins=False) as s, ThreadPoolExecutor(1) as pool:
+            op = _NodeMood("mood", Cascade(("a",)), {"a": fakes.NodeMarking("a", str(marks),
+                                                                             0.0)})
+            op.folder = str(marks)
+            s.register("mood", op)
+            s.ray_actors = 1
+            expected = s.sql(query, engine="duckdb").fetchall()
+            running = pool.submit(lambda: s.sql(query, engine="ray").fetchall())
+            victim = None
+            for _ in range(600):  # the actor's first call marks its node (up to a minute)
+                seen = [p.read_text() for p in marks.glob("*.node")]
+                victim = next((workers[n] for n in seen if n in workers), None)
+                if victim is not None or running.done():
+                    break
+                time.sleep(0.1)
+            assert victim is not None and not running.done()
+            cluster.remove_node(victim, allow_graceful=False)
+            try:
+                got = running.result(timeout=300)
+            except KenError as exc:
+                assert "a Ray node died" in str(exc) and "nothing was returned" in str(exc)
+            else:
+                assert got == expected and len(got) == 4_000
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
 def test_the_last_session_to_close_stops_the_local_ray_ken_started(monkeypatch) -> None:
     import ken
     import ken.session

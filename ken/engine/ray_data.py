@@ -17,8 +17,6 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import sys
-import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,8 +120,14 @@ def semantic_columns(source: str | Sequence[str], sites: Sequence[SiteColumn], o
                         batch_format="pyarrow", batch_size=block_rows,
                         compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=per_actor)
     try:
-        _write_watching(ray, ds, out_dir, min(cpus, per_actor + 1.0))
+        ds.write_parquet(out_dir)
     except ray.exceptions.RayError as exc:
+        if _node_died(exc):
+            raise EngineError(
+                "the semantic step on Ray Data failed: a Ray node died while it ran, and Ray "
+                "could not run that node's work again on the nodes left (an actor or task of "
+                "Ray Data's own that is not restarted); nothing was returned: run the query "
+                "again") from None
         raise EngineError(f"the semantic step on Ray Data failed: {ray_error_cause(exc)}") from None
     expected = parquet_rows(paths)
     files = _parquet_files(out_dir)
@@ -141,47 +145,12 @@ def semantic_columns(source: str | Sequence[str], sites: Sequence[SiteColumn], o
     return rows
 
 
-#: seconds the cluster may stay without the CPUs the semantic step needs (nodes lost during
-#: the query and not back) before the query fails rather than wait for ever
-LOST_CAPACITY_S = 60.0
-
-
-def _write_watching(ray: Any, ds: Any, out_dir: str, need_cpus: float) -> None:
-    """``ds.write_parquet(out_dir)``, watched: while nodes are lost, Ray restarts the actors
-    and retries the blocks on the nodes left (the query then finishes whole); but when the
-    cluster keeps fewer CPUs than one actor and one of Ray Data's tasks need
-    (``need_cpus``) for ``LOST_CAPACITY_S`` seconds, nothing can run and Ray Data would wait
-    for ever: the query fails with an ``EngineError`` saying so. (That step's work is left
-    waiting in the background until the nodes come back or Ray shuts down.)"""
-    done = threading.Event()
-    failed: list[BaseException] = []
-
-    def write() -> None:
-        try:
-            ds.write_parquet(out_dir)
-        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
-            failed.append(exc)
-        finally:
-            done.set()
-
-    threading.Thread(target=write, name="ken-ray-data", daemon=True).start()
-    short_since: float | None = None
-    while not done.wait(0.5):
-        cpus = float(ray.cluster_resources().get("CPU", 0))
-        if cpus >= need_cpus:
-            short_since = None
-            continue
-        now = time.monotonic()
-        short_since = short_since or now
-        if now - short_since >= LOST_CAPACITY_S:
-            lost = sum(not n.get("Alive", True) for n in ray.nodes())
-            raise EngineError(
-                f"the Ray cluster lost {lost} node(s) during the semantic step and has had "
-                f"{cpus:g} CPUs for {LOST_CAPACITY_S:g} s; the step needs {need_cpus:g} (an "
-                "actor and a task) and cannot go on, so the query fails rather than wait: "
-                "nothing was returned; add nodes and run it again")
-    if failed:
-        raise failed[0]
+def _node_died(exc: BaseException) -> bool:
+    """Whether a Ray error comes from a node that died (its text names the cause: Ray wraps
+    the actor's or task's death in errors it cannot always deserialize)."""
+    text = str(exc)
+    return any(marker in text for marker in ("node has died", "NodeDiedError",
+                                             "node was terminated unexpectedly"))
 
 
 def parquet_rows(files: Sequence[str]) -> int:
