@@ -8,8 +8,8 @@ worker processes (the online engine, default admission), swapped every ``--repla
 ``--gen-every-s``). Arrivals are Poisson at ``--load`` (0.8) x the plan's peak, with a burst at
 ``--burst`` (1.5) x the peak for ``--burst-s`` every ``--burst-every-s``; a worker is
 SIGKILLed every ``--kill-every-s`` (the devices in turn). Before the clock starts the decode
-server answers ``--gen-warmup`` generations over the soak's prompt and answer lengths (its
-memory grows with the shapes it has seen, then levels off).
+server runs every shape it will meet (``warm_up_decoding``; ``--gen-warmup 0`` skips it): its
+memory grows with the shapes it has seen, then levels off.
 
 Every ``--sample-s`` it records the resident memory, threads and open files of this process
 and its workers (``ken.engine.machine.tree_usage``), the classifier's p99 over the window
@@ -138,7 +138,8 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
                   f"the plan swapped every {args.replan_every_s:g} s, a generation every "
                   f"{args.gen_every_s:g} s; target p99 {1000 * target_s:.0f} ms")
     server = DecodeServer(lm, 4, ignore_eos=True).start()
-    warm_up_decoding(server, prompts, args.gen_warmup, rng, reporter)
+    warm_up_decoding(server, lm, range(16, 64), 4 if args.gen_warmup else 0, 12, rng,
+                     reporter)
     with Engine(main, loaders, workers="process") as engine:
         devices = sorted(engine.pids())
         plans = [main, other]
@@ -200,24 +201,27 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
                      target_s, main, other)
 
 
-def warm_up_decoding(server: DecodeServer, prompts: list, generations: int,
-                     rng: np.random.Generator, reporter: Reporter) -> None:
-    """Serve ``generations`` answers before the clock starts, in groups of 1 to 4 at once
-    (the server's batch sizes) over the soak's prompts and answer lengths: the memory a
-    decode server holds grows with the shapes it has seen (prompt lengths by batch sizes,
-    docs/reliability.md) and levels off once it has seen them; that warm-up is not a leak."""
-    if generations <= 0:
+def warm_up_decoding(server: DecodeServer, lm: object, lengths: range, batches: int,
+                     max_new: int, rng: np.random.Generator, reporter: Reporter) -> None:
+    """Before the clock starts, have the decode server run every shape it will meet: for
+    each batch size up to ``batches`` and each prompt length in ``lengths``, that many
+    prompts of that length at once, each generating ``max_new`` tokens (so every decode width
+    from the prompt up to prompt + ``max_new`` at that batch size). The memory a decode server
+    holds grows with the shapes it has seen (per-shape kernel caches, docs/reliability.md)
+    and levels off once it has seen them: that is warm-up, not a leak; random generations
+    took about 700 to see them all."""
+    if batches <= 0:
         return
     started = time.perf_counter()
-    done = 0
-    while done < generations:
-        group = [server.submit(prompts[int(rng.integers(len(prompts)))],
-                               int(rng.integers(4, 12)))
-                 for _ in range(min(1 + done % 4, generations - done))]
-        for f in group:
-            f.result()
-        done += len(group)
-    reporter.note(f"decode server warmed up: {generations} generations in "
+    groups = 0
+    for b in range(1, batches + 1):
+        for length in lengths:
+            group = [server.submit(random_prompts(lm, 1, length, rng)[0], max_new)
+                     for _ in range(b)]
+            for f in group:
+                f.result()
+            groups += 1
+    reporter.note(f"decode server warmed up on every shape: {groups} groups in "
                   f"{time.perf_counter() - started:.0f} s")
 
 
@@ -313,8 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen-every-s", type=float, default=2.0)
     ap.add_argument("--sample-s", type=float, default=5.0)
     ap.add_argument("--warmup-s", type=float, default=60.0)
-    ap.add_argument("--gen-warmup", type=int, default=120,
-                    help="generations served before the clock starts (0: none)")
+    ap.add_argument("--gen-warmup", type=int, default=1, choices=(0, 1),
+                    help="1 (default): the decode server runs every shape it will meet "
+                         "before the clock starts; 0: no warm-up")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--quiet", action="store_true")
