@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -133,11 +133,12 @@ class AnswerLengths:
         self.quantile = quantile
         self._shares: deque[float] = deque(maxlen=window)
         self._value = 1.0
+        self._added = 0  # answers seen in all (the window stops growing; this does not)
 
     def add(self, tokens: int, max_new: int) -> None:
         self._shares.append(min(1.0, tokens / max_new) if max_new > 0 else 1.0)
-        n = len(self._shares)
-        if n >= MIN_ANSWERS and n % 10 == 0 or n == MIN_ANSWERS:
+        self._added += 1
+        if self._added >= MIN_ANSWERS and (self._added - MIN_ANSWERS) % 10 == 0:
             self._value = float(np.quantile(self._shares, self.quantile))
 
     def expected(self, max_new: int) -> int:
@@ -159,14 +160,12 @@ class Verdict:
 
 class DecodeAdmission:
     """Admission by capacity for one decode server (see the module docstring). ``target_s``:
-    the latency (arrival to last token) a request is held to, per request from its token
-    budget when a function (``max_new`` -> seconds)."""
+    the latency (arrival to last token) a request is held to; None: every request is
+    admitted."""
 
     def __init__(self, target_s: float | None = None,
-                 per_request: Callable[[int], float] | None = None,
                  base_costs: Mapping[str, PassCost | None] | None = None) -> None:
         self.target_s = target_s
-        self.per_request = per_request
         self.base_costs = dict(base_costs or {})
         self.times: dict[str, PassTimes] = {}
         self.lengths: dict[str, AnswerLengths] = {}
@@ -177,7 +176,7 @@ class DecodeAdmission:
 
     @property
     def active(self) -> bool:
-        return self.target_s is not None or self.per_request is not None
+        return self.target_s is not None
 
     def lane_times(self, lane: str) -> PassTimes:
         if lane not in self.times:
@@ -213,7 +212,7 @@ class DecodeAdmission:
         ``arrival``) would be answered within its target, given the queues of ``lanes``
         (every lane of the server, ``lane`` among them) at pass boundary number
         ``boundary`` (the other lanes' work is estimated once per boundary)."""
-        target = self.per_request(max_new) if self.per_request is not None else self.target_s
+        target = self.target_s
         if target is None:
             return Verdict()
         sched = lanes[lane]
