@@ -94,7 +94,8 @@ class FakeJoin(SemJoin):
     def stages(self, ctx: OpContext, constants: tuple[str, ...]) -> list[Stage]:
         return [Stage(f"pair-{self.rule}", load_pair, (f"pair-{self.rule}", self.rule))]
 
-    def side_stage(self, rewrite: SideRewrite) -> Stage:
+    def side_stage(self, rewrite: SideRewrite, predicate: str | None = None,
+                   lm_name: str | None = None) -> Stage:
         return Stage(f"side-{rewrite.kind}", load_side, (f"side-{rewrite.kind}", rewrite.kind))
 
     def binding_key(self) -> tuple:

@@ -25,23 +25,30 @@ Evaluation sample (for planning): pairs of the family's held-out tweets with the
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 
-from ken.errors import DataError
+from ken import store
+from ken.errors import DataError, KenError, StoreError
 from ken.models import family
 from ken.models.model import DeviceConfig, Model, Prediction
 from ken.models.quality import EvalSample
 from ken.models.records import PLAIN, as_record, check_pairs
 from ken.models.resources import CausalLM, Resources, short_hash
-from ken.ops.base import OpContext, Stage
+from ken.ops.base import OpContext, Stage, shared_resources
 from ken.ops.filter_models import ChoiceFilterModel
+from ken.ops.join_training import JoinFit, fit_join, shifted
 from ken.ops.llm_operator import LLMOperator, stage_prefix
 from ken.ops.prompts import SEM_CHOICE, SEM_FILTER_CHOICE, SEM_JOIN
 from ken.ops.sem_choice import load_choice_stage
+from ken.ops.training import Trained, TrainingData
+from ken.paths import ken_home
 
 FAMILY = "sem-join"
 #: how a query may run its pairs (``ken/sql/join.py``)
@@ -56,6 +63,17 @@ EVAL_PAIRS = 200
 #: properties compared per side without options in the predicate, and their values
 KNOWN_PROPERTIES = {"sentiment": ("positive", "negative"), "opinion": ("positive", "negative"),
                     "polarity": ("positive", "negative"), "tone": ("positive", "negative")}
+
+
+_RETRAIN = "run the same session.train('sem_join', ...) / TRAIN sem_join again"
+
+
+def trained_entry(home: Path | None, key: str) -> store.Entry:
+    """The store entry of a sem_join trained on a user's pairs: its fit, one JSON file in
+    ``KEN_HOME/trained/sem_join``."""
+    return store.Entry((home or ken_home()) / "trained" / "sem_join",
+                       f"the sem_join trained on {key[:16]}", _RETRAIN,
+                       files=(f"{key[:16]}.json",))
 
 
 def check_predicate(predicate: object) -> str:
@@ -92,9 +110,36 @@ class PairChoiceModel(ChoiceFilterModel):
         return super().predict(rows, batch_size)
 
 
+class ShiftedModel(Model):
+    """A two-class model with its yes/no boundary moved to ``offset`` on the log-odds of
+    column ``yes`` (a threshold fitted on labelled pairs, ``ken.ops.join_training``); rows
+    the inner model leaves undecided (NaN) stay as they are."""
+
+    def __init__(self, inner: Model, offset: float, yes: int, name: str) -> None:
+        self.inner, self.offset, self.yes = inner, float(offset), yes
+        self.device = inner.device
+        fingerprint = inner.spec.fingerprint and f"{inner.spec.fingerprint}~{self.offset:.6g}"
+        self.spec = replace(inner.spec, name=name, fingerprint=fingerprint)
+
+    def predict(self, texts: Sequence, batch_size: int = 8) -> Prediction:
+        out = self.inner.predict(texts, batch_size)
+        assert isinstance(out, Prediction) and out.probabilities.shape[1] == 2
+        probs = out.probabilities.astype(np.float64)
+        p = probs[:, self.yes]
+        live = ~np.isnan(p)
+        probs[live, self.yes] = shifted(p[live], self.offset)
+        probs[live, 1 - self.yes] = 1.0 - probs[live, self.yes]
+        labels = np.where(live, probs.argmax(axis=1), out.labels).astype(np.int64)
+        return Prediction(labels, probs.astype(np.float32), out.label_names)
+
+
 def load_pair_stage(resources: Resources, device: DeviceConfig, name: str, lm_name: str,
-                    predicate: str) -> Model:
-    return PairChoiceModel(resources.causal_lm(lm_name, device), predicate, name)
+                    predicate: str, offset: float | None = None) -> Model:
+    """The pair question; with ``offset``, its boundary as trained on labelled pairs."""
+    if offset is None:
+        return PairChoiceModel(resources.causal_lm(lm_name, device), predicate, name)
+    inner = PairChoiceModel(resources.causal_lm(lm_name, device), predicate, f"{name}~raw")
+    return ShiftedModel(inner, offset, 1, name)
 
 
 # ------------------------------------------------------------------- the per-side rewrite
@@ -202,13 +247,28 @@ def side_rewrite(predicate: str) -> tuple[SideRewrite | None, str]:
 
 
 def load_side_stage(resources: Resources, device: DeviceConfig, name: str, lm_name: str,
-                    rewrite: SideRewrite) -> Model:
+                    rewrite: SideRewrite, offset: float | None = None) -> Model:
     """The per-side model of ``rewrite``: the statement as ``sem_filter``'s yes/no choice, or
-    the property's values as ``sem_choice``'s options."""
+    the property's values as ``sem_choice``'s options; with ``offset``, the boundary between
+    yes and no (or the first and second of two values) as trained on labelled pairs."""
+    inner_name = name if offset is None else f"{name}~raw"
     if rewrite.kind in ("both", "neither"):
-        return ChoiceFilterModel(resources.causal_lm(lm_name, device), rewrite.statement,
-                                 lm_name, name)
-    return load_choice_stage(resources, device, name, lm_name, rewrite.options)
+        model: Model = ChoiceFilterModel(resources.causal_lm(lm_name, device),
+                                         rewrite.statement, lm_name, inner_name)
+        yes = 1
+    else:
+        model = load_choice_stage(resources, device, inner_name, lm_name, rewrite.options)
+        yes = 0
+    return model if offset is None else ShiftedModel(model, offset, yes, name)
+
+
+def side_scores(model: Model, texts: Sequence[str], kind: str) -> np.ndarray:
+    """P(yes) of each text from a per-side model of a ``kind`` rewrite (P of the first of
+    two values for same / different / opposite), as training fits it."""
+    out = model.predict(list(texts))
+    assert isinstance(out, Prediction)
+    column = 1 if kind in ("both", "neither") else 0
+    return np.nan_to_num(out.probabilities[:, column].astype(np.float64), nan=0.5)
 
 
 class SemJoin(LLMOperator):
@@ -258,23 +318,135 @@ class SemJoin(LLMOperator):
         setattr(self, name, parsed)
         return parsed
 
+    def __init__(self) -> None:
+        #: (predicate, LM) -> (the fit, what trained it), set by train()
+        self.trained: dict[tuple[str, str], tuple[JoinFit, Trained]] = {}
+
+    def fit_for(self, predicate: str, lm_name: str) -> JoinFit | None:
+        """The fit trained for this predicate on this LM, if any."""
+        found = self.trained.get((check_predicate(predicate), lm_name))
+        return found[0] if found else None
+
     def llm_stage(self, lm_name: str, constants: tuple[str, ...]) -> Stage:
         predicate = check_predicate(constants[0])
-        name = f"{stage_prefix(self.name, lm_name)}[{short_hash(SEM_JOIN.key, predicate)}]"
-        return Stage(name, load_pair_stage, (name, lm_name, predicate))
+        fit = self.fit_for(predicate, lm_name)
+        return self.pair_stage(lm_name, predicate, fit.pair_offset if fit else None)
 
-    def side_stage(self, rewrite: SideRewrite) -> Stage:
-        """The per-side model of ``rewrite`` on the cascade's last LM (the one whose pair
-        answers the rewrite is checked against)."""
-        lm_name = self.llms[-1]
+    def pair_stage(self, lm_name: str, predicate: str, offset: float | None = None) -> Stage:
+        """The pair question on ``lm_name``; with ``offset``, its trained boundary."""
+        name = f"{stage_prefix(self.name, lm_name)}[{short_hash(SEM_JOIN.key, predicate)}]"
+        if offset is None:
+            return Stage(name, load_pair_stage, (name, lm_name, predicate))
+        name = f"{name}~t{short_hash(repr(offset))}"
+        return Stage(name, load_pair_stage, (name, lm_name, predicate, offset))
+
+    def side_stage(self, rewrite: SideRewrite, predicate: str | None = None,
+                   lm_name: str | None = None) -> Stage:
+        """The per-side model of ``rewrite`` on ``lm_name`` (default: the cascade's last LM,
+        the one whose pair answers the rewrite is checked against), with the side threshold
+        trained for ``predicate`` when there is one."""
+        lm_name = lm_name or self.llms[-1]
+        fit = self.fit_for(predicate, lm_name) if predicate is not None else None
+        return self.side_stage_on(rewrite, lm_name, fit.side_offset if fit else None)
+
+    def side_stage_on(self, rewrite: SideRewrite, lm_name: str,
+                      offset: float | None = None) -> Stage:
+        """The per-side model of ``rewrite`` on ``lm_name``; with ``offset``, its trained
+        boundary."""
         key = (SEM_FILTER_CHOICE.key if rewrite.kind in ("both", "neither") else SEM_CHOICE.key)
         name = (f"{stage_prefix('join_side', lm_name)}"
                 f"[{short_hash(key, rewrite.kind, rewrite.statement, rewrite.options)}]")
-        return Stage(name, load_side_stage, (name, lm_name, rewrite))
+        if offset is None:
+            return Stage(name, load_side_stage, (name, lm_name, rewrite))
+        name = f"{name}~t{short_hash(repr(offset))}"
+        return Stage(name, load_side_stage, (name, lm_name, rewrite, offset))
 
     def binding_key(self) -> tuple:
         return (*super().binding_key(), self.plan, self.block_size, self.nested_max,
-                self.check_pairs, self.check_agreement, self.recall_target)
+                self.check_pairs, self.check_agreement, self.recall_target,
+                tuple(sorted((k, v[0].pair_offset) for k, v in self.trained.items())))
+
+    def train(self, ctx: OpContext, data: TrainingData, *, predicate: str = "",
+              **options: object) -> Trained:
+        """Learn where ``sem_join(left, right, predicate)`` says yes from pairs labelled
+        true/false (two text columns, left then right): the pair question's threshold, and
+        the per-side rewrite's when the predicate has one with at most two values
+        (``ken.ops.join_training``), fitted on four fifths of the pairs and scored on the
+        rest. Trained for the last LM of ``llms`` (the one that answers pairs). A rewrite at
+        least as accurate as the pair question on the held-out pairs is trusted: queries run
+        it without the agreement check. Cached by the rows' hash, the predicate and the LM."""
+        if options:
+            raise KenError(f"sem_join training takes predicate=... only, not "
+                           f"{', '.join(options)}")
+        if not predicate or not predicate.strip():
+            raise KenError("training sem_join needs the predicate the labels answer, e.g. "
+                           "session.train('sem_join', 'pairs', label='both_positive', "
+                           "predicate='both reviews are positive')")
+        if len(data.columns) != 2:
+            raise KenError(f"sem_join trains on pairs: two text columns (left, right); "
+                           f"{data.source} gives {len(data.columns)} "
+                           f"({', '.join(data.columns)}); name them with columns=[...] / "
+                           "USING left, right")
+        self.check_llms(ctx)
+        normal = check_predicate(predicate)
+        lm_name = self.llms[-1]
+        truth = data.booleans()
+        key = hashlib.sha256(f"{data.content_hash}|{normal}|{lm_name}".encode()).hexdigest()
+        entry = trained_entry(ctx.home, key)
+        fit = None
+        if entry.main.exists():
+            try:  # a damaged entry is trained again from the rows at hand
+                store.ensure(entry)
+                fit = JoinFit.from_dict(json.loads(entry.main.read_text())["fit"])
+            except (StoreError, DataError, OSError, ValueError, KeyError, TypeError) as exc:
+                ctx.reporter.note(f"{exc}\n  -> training sem_join again")
+                fit = None
+        if fit is None:
+            fit = self._fit(ctx, data, normal, lm_name, truth)
+            with store.store_lock(ctx.home or ken_home(), f"training sem_join on "
+                                  f"{data.source}", ctx.reporter.note):
+                store.write_text(entry.main, json.dumps({"fit": fit.to_dict(),
+                                                         "data": data.describe()}))
+                store.seal(entry)
+        trained = Trained(self.name, data.describe(), data.content_hash, fit.describe(),
+                          str(entry.main))
+        self.trained[(normal, lm_name)] = (fit, trained)
+        return trained
+
+    def _fit(self, ctx: OpContext, data: TrainingData, predicate: str, lm_name: str,
+             truth: np.ndarray) -> JoinFit:
+        fit, held = data.split((0.8, 0.2))
+        if len(held) == 0 or len(fit) < 4 or truth.all() or not truth.any():
+            raise DataError(f"{data.source}: {len(data)} pairs are too few to train and "
+                            "validate sem_join (at least 10, with both labels)")
+        resources = shared_resources(ctx)
+        left, right = (list(c) for c in data.texts)
+        ctx.reporter.note(f"training sem_join on {len(data)} labelled pairs ({lm_name}): the "
+                          "pair question on every pair")
+        pair = self.pair_stage(lm_name, predicate).build(resources, ctx.device)
+        out = pair.predict(list(zip(left, right, strict=True)))
+        assert isinstance(out, Prediction)
+        pair_p = np.nan_to_num(out.probabilities[:, 1].astype(np.float64), nan=0.5)
+        rewrite, _ = side_rewrite(predicate)
+        side = None
+        if rewrite is not None and (rewrite.kind in ("both", "neither") or
+                                    len(rewrite.options) == 2):
+            values = sorted(set(left) | set(right))
+            ctx.reporter.note(f"training sem_join: the per-side question on {len(values)} "
+                              "distinct texts")
+            model = self.side_stage_on(rewrite, lm_name).build(resources, ctx.device)
+            p = dict(zip(values, side_scores(model, [side_text(v) or "" for v in values],
+                                             rewrite.kind), strict=True))
+            side = (rewrite.kind, np.array([p[v] for v in left]),
+                    np.array([p[v] for v in right]))
+        return fit_join(lm_name, pair_p, truth, fit, held, side,
+                        rewrite.describe() if side is not None else "")
+
+    def store_entries(self, home: Path) -> list[tuple[str, store.Entry]]:
+        """Every trained sem_join in ``home``."""
+        return [("trained sem_join", trained_entry(home, path.stem))
+                for path in sorted((home / "trained" / "sem_join").glob("*.json"))
+                if not path.name.startswith(".")]
 
     def detail(self, constants: tuple[str, ...]) -> str:
         return f"pairs asked yes/no by likelihood; {SEM_JOIN.describe_truncation()}"
