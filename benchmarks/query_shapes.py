@@ -32,6 +32,10 @@ Shapes measured (each ken and naive, ``--repeats`` times interleaved; medians re
   construction; its answers (and time per pair) are measured on ``--join-sample`` random
   pairs. Quality, where the labels decide the predicate: accuracy over every pair (ken's
   plan) and on the sampled pairs (both).
+  With ``--join-train N``, sem_join is first trained (``session.train``) on N labelled
+  pairs of other rows for each predicate the labels decide; its fit and held-out scores are
+  reported with the shape, whose pair and per-side questions then answer by the trained
+  thresholds.
 - ``top k by score`` (``--shapes topk``; when ``sem_score`` is registered): ``SELECT id,
   sem_score(review, R) AS score FROM reviews WHERE id < --topk-rows ORDER BY score DESC LIMIT
   --topk`` with the cascade SmolLM2-135M -> Qwen2.5-Coder-0.5B (``TOPK_LLMS``). ken's top-k plan
@@ -152,6 +156,29 @@ def agg_shape(session: ken.Session, rows: int) -> dict:
             "groups": groups,
             "lm_calls": {m.name: m.calls - b for m, b in zip(models, before, strict=True)},
             "right": sum(g["label"] in str(g["answer"]).lower() for g in groups)}
+
+
+def train_join(session: ken.Session, labels: dict[int, str], predicate: str, truth: str,
+               first: int, n: int) -> dict:
+    """``session.train("sem_join", ...)`` on ``n`` pairs of the reviews from id ``first`` on
+    (row ``first + k`` with row ``first + n + k``), labelled by ``truth`` as the join's pairs
+    are; what it fitted and how long it took."""
+    texts = session.sql(f"SELECT review FROM reviews WHERE id >= {first} AND id < "
+                        f"{first + 2 * n} ORDER BY id").arrow().column(0).to_pylist()
+    left, right = texts[:n], texts[n:]
+    ids = [(first + k, first + n + k) for k in range(n)]
+    y = [labels[i] == labels[j] == "positive" if truth == "both" else labels[i] == labels[j]
+         for i, j in ids]
+    started = time.perf_counter()
+    trained = session.train("sem_join", pa.table({"l": left, "r": right, "y": y}), label="y",
+                            predicate=predicate)
+    seconds = time.perf_counter() - started
+    fit = session.operators["sem_join"].fit_for(predicate, session.operators["sem_join"]
+                                                 .llms[-1])
+    print(f"trained sem_join on {n} pairs ({sum(y)} true) in {seconds:.0f} s: "
+          f"{trained.quality}", file=sys.stderr, flush=True)
+    return {"pairs": n, "true": int(sum(y)), "seconds": seconds, "quality": trained.quality,
+            "fit": fit.to_dict() if fit else None}
 
 
 def join_shape(session: ken.Session, labels: dict[int, str], predicate: str, rows: int,
@@ -340,6 +367,10 @@ def main() -> int:
                     help=f"comma list of the shapes to run, of {', '.join(SHAPES)}")
     ap.add_argument("--join-rows", type=int, default=40,
                     help="rows of each side of the sem_join shapes (0: skip them)")
+    ap.add_argument("--join-train", type=int, default=0,
+                    help="train sem_join on this many labelled pairs (rows after the join's "
+                         "own) before each join whose labels decide its predicate (0: no "
+                         "training, the content-free calibration alone)")
     ap.add_argument("--join-sample", type=int, default=300,
                     help="random pairs the nested loop's answers are measured on")
     ap.add_argument("--topk-rows", type=int, default=320,
@@ -383,9 +414,16 @@ def main() -> int:
     if "agg" in wanted and "sem_agg" in session.operators:
         shapes.append(agg_shape(session, args.agg_rows))
     if "join" in wanted and "sem_join" in session.operators and args.join_rows:
+        if args.join_train and args.rows < 2 * args.join_rows + 2 * args.join_train:
+            ap.error("--join-train needs --rows >= 2 x (--join-rows + --join-train)")
         for predicate, truth in JOINS:
+            trained = (train_join(session, labels, predicate, truth, 2 * args.join_rows,
+                                  args.join_train)
+                       if args.join_train and truth is not None else None)
             shapes.append(join_shape(session, labels, predicate, args.join_rows,
                                      args.join_sample, truth))
+            if trained is not None:
+                shapes[-1]["trained"] = trained
     if "topk" in wanted and "sem_score" in session.operators:
         shapes.append(topk_shape(session, labels, args.topk_rows, args.topk))
     for s in shapes:

@@ -468,7 +468,7 @@ class Session:
         ``Path``: CSV, Parquet, JSON), an Arrow table or a pandas frame. ``label`` names the
         label column; ``columns`` the inputs (default: every text column but the label). The
         same rows train once (cached by their content hash). Options: ``predicate=`` for
-        ``sem_filter``; ``models=`` (member names) for ``sentiment``.
+        ``sem_filter`` and ``sem_join``; ``models=`` (member names) for ``sentiment``.
 
         >>> # session.train("sem_match", "my_pairs", label="is_match")
         >>> # session.train("sem_filter", "reviews", "liked", predicate="is positive")

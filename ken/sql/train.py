@@ -9,9 +9,9 @@ In a script (``Session.sql_script`` or ``ken sql "TRAIN ...; SELECT ..."``) stat
 follow it and use what it trained: a session keeps what it trained, and a new session
 re-running the same ``TRAIN`` finds it cached on disk.
 ``ON`` names a table or view, or a quoted file DuckDB can read (CSV, Parquet, JSON); ``USING``
-names the input columns (default: every text column but the label); ``FOR`` gives sem_filter's
-predicate. The query runner trains it (``QueryRunner.train``, as ``Session.train`` does) and
-returns one row describing what was trained and its validation quality.
+names the input columns (default: every text column but the label); ``FOR`` gives the
+predicate of sem_filter or sem_join. The query runner trains it (``QueryRunner.train``, as
+``Session.train`` does) and returns one row describing what was trained and its validation quality.
 """
 
 from __future__ import annotations
