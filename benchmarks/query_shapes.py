@@ -371,6 +371,8 @@ def main() -> int:
                     help="train sem_join on this many labelled pairs (rows after the join's "
                          "own) before each join whose labels decide its predicate (0: no "
                          "training, the content-free calibration alone)")
+    ap.add_argument("--join-labelled-only", action="store_true",
+                    help="only the joins whose labels decide the predicate")
     ap.add_argument("--join-sample", type=int, default=300,
                     help="random pairs the nested loop's answers are measured on")
     ap.add_argument("--topk-rows", type=int, default=320,
@@ -417,6 +419,8 @@ def main() -> int:
         if args.join_train and args.rows < 2 * args.join_rows + 2 * args.join_train:
             ap.error("--join-train needs --rows >= 2 x (--join-rows + --join-train)")
         for predicate, truth in JOINS:
+            if args.join_labelled_only and truth is None:
+                continue
             trained = (train_join(session, labels, predicate, truth, 2 * args.join_rows,
                                   args.join_train)
                        if args.join_train and truth is not None else None)
