@@ -19,7 +19,14 @@ from hypothesis import strategies as st
 
 import ken
 from ken.errors import DataError, KenError
-from ken.models.model import BOOLEAN_LABELS, DeviceConfig, Model, ModelSpec, Prediction
+from ken.models.model import (
+    BOOLEAN_LABELS,
+    DeviceConfig,
+    Model,
+    ModelSpec,
+    Output,
+    Prediction,
+)
 from ken.ops.base import Stage
 from ken.ops.join_training import (
     JoinFit,
@@ -103,46 +110,67 @@ def test_fitting_moves_a_boundary_that_says_yes_to_everything() -> None:
 # ------------------------------------------------------------------------ the stand-ins
 
 class Biased(Model):
-    """P(yes) high for everything, higher where the answer is yes: for a pair, whether both
-    texts are good (``pair``); for one text, whether it is good."""
+    """P(yes) high for everything, higher where the answer is yes. ``role``: ``pair-both``
+    (both texts good), ``pair-same`` (both good or both bad), ``side`` (the text is good)."""
 
-    def __init__(self, name: str, pair: bool) -> None:
+    def __init__(self, name: str, role: str) -> None:
         self.spec = ModelSpec(name, "fake", "fake", "", 10, 40, 64, BOOLEAN_LABELS,
-                              f"fp-{name}", 2 if pair else 1)
+                              f"fp-{name}", 2 if role.startswith("pair") else 1)
         self.device = DeviceConfig()
-        self.pair = pair
+        self.role = role
         self.rows = 0
 
-    def predict(self, texts: Sequence, batch_size: int = 32) -> Prediction:
+    def p_yes(self, texts: Sequence) -> list[float]:
         self.rows += len(texts)
-        if self.pair:
-            p = [0.97 if _good(side_text(a)) and _good(side_text(b)) else
-                 0.9 if _good(side_text(a)) or _good(side_text(b)) else 0.8 for a, b in texts]
-        else:
-            p = [0.95 if _good(t) else 0.75 for t in texts]
-        probs = np.array([[1 - v, v] for v in p], np.float32)
+        if self.role == "side":
+            return [0.95 if _good(t) else 0.75 for t in texts]
+        moods = [(_good(side_text(a)), _good(side_text(b))) for a, b in texts]
+        if self.role == "pair-same":
+            return [0.97 if a == b else 0.85 for a, b in moods]
+        return [0.97 if a and b else 0.9 if a or b else 0.8 for a, b in moods]
+
+    def predict(self, texts: Sequence, batch_size: int = 32) -> Prediction:
+        probs = np.array([[1 - v, v] for v in self.p_yes(texts)], np.float32)
         return Prediction(probs.argmax(axis=1), probs, BOOLEAN_LABELS)
+
+
+class BiasedChoice(Biased):
+    """A two-option choice model shaped as ``ChoiceModel``: ``option_probabilities`` and an
+    ``Output`` of the options; "good" is likelier for every text, more so for good ones."""
+
+    options = ("good", "bad")
+
+    def option_probabilities(self, texts: Sequence, batch_size: int = 16) -> np.ndarray:
+        return np.array([[v, 1 - v] for v in self.p_yes(texts)])
+
+    def predict(self, texts: Sequence, batch_size: int = 32) -> Output:  # type: ignore[override]
+        p = self.option_probabilities(texts)
+        return Output([self.options[int(r.argmax())] for r in p], 2 * p.max(axis=1) - 1)
 
 
 BUILT: dict[str, Biased] = {}
 
 
-def load_biased(resources, device, name: str, pair: bool, offset: float | None = None  # noqa: ANN001
+def load_biased(resources, device, name: str, role: str, offset: float | None = None  # noqa: ANN001
                 ) -> Model:
-    inner = BUILT.setdefault(f"{name}:{pair}", Biased(name if offset is None else
-                                                       f"{name}~raw", pair))
-    return inner if offset is None else ShiftedModel(inner, offset, 1, name)
+    kind = BiasedChoice if role == "choice" else Biased
+    inner = BUILT.setdefault(f"{name}:{role}", kind(name if offset is None else f"{name}~raw",
+                                                    "side" if role == "choice" else role))
+    yes = 0 if role == "choice" else 1
+    return inner if offset is None else ShiftedModel(inner, offset, yes, name)
 
 
 class TrainableJoin(SemJoin):
     def pair_stage(self, lm_name: str, predicate: str, offset: float | None = None) -> Stage:
-        name = "pair" if offset is None else f"pair~{offset:.4f}"
-        return Stage(name, load_biased, (name, True, offset))
+        role = "pair-same" if "same" in predicate else "pair-both"
+        name = role if offset is None else f"{role}~{offset:.4f}"
+        return Stage(name, load_biased, (name, role, offset))
 
     def side_stage_on(self, rewrite: SideRewrite, lm_name: str,
                       offset: float | None = None) -> Stage:
-        name = "side" if offset is None else f"side~{offset:.4f}"
-        return Stage(name, load_biased, (name, False, offset))
+        role = "side" if rewrite.kind in ("both", "neither") else "choice"
+        name = role if offset is None else f"{role}~{offset:.4f}"
+        return Stage(name, load_biased, (name, role, offset))
 
 
 def reviews(n: int, seed: int) -> list[str]:
@@ -159,10 +187,11 @@ def session(home):  # noqa: ANN001
     a, b = reviews(30, 1), reviews(25, 2)
     s.register_table("a", pa.table({"id": list(range(30)), "text": a}))
     s.register_table("b", pa.table({"id": list(range(25)), "text": b}))
-    left, right = reviews(60, 3), reviews(60, 4)
+    left, right = reviews(200, 3), reviews(200, 4)
     s.register_table("labelled", pa.table({
         "l": left, "r": right,
-        "both_good": [_good(x) and _good(y) for x, y in zip(left, right, strict=True)]}))
+        "both_good": [_good(x) and _good(y) for x, y in zip(left, right, strict=True)],
+        "same": [_good(x) == _good(y) for x, y in zip(left, right, strict=True)]}))
     yield s, a, b
     s.close()
 
@@ -177,7 +206,8 @@ def test_training_makes_a_join_that_said_yes_to_every_pair_answer_the_labels(ses
     truth = {(i, j) for i, x in enumerate(a) for j, y in enumerate(b) if _good(x) and _good(y)}
     before = s.sql(JOIN)
     assert len(before.fetchall()) == 30 * 25  # both questions say yes: the check agrees
-    trained = s.train("sem_join", "labelled", label="both_good", predicate="both are good")
+    trained = s.train("sem_join", "labelled", label="both_good", columns=("l", "r"),
+                      predicate="both are good")
     assert "per-side rewrite 100.0% trained" in trained.quality
     assert "trusted without a check" in trained.quality
     after = s.sql(JOIN)
@@ -185,7 +215,9 @@ def test_training_makes_a_join_that_said_yes_to_every_pair_answer_the_labels(ses
     assert set(map(tuple, after.fetchall())) == truth and truth
     assert run.plan == "per-side rewrite" and run.check_pairs == 0
     assert run.pair_questions == 0 and "trained on labelled pairs" in run.reason
-    assert "chosen: per-side rewrite (trained on labelled pairs" in s.explain(JOIN)
+    explain = s.explain(JOIN)
+    assert "chosen: per-side rewrite (trained on labelled pairs" in explain
+    assert "trained on labelled (200 rows" in explain  # the operator's line names the rows
     # the pair question answers by its trained boundary too
     s.operators["sem_join"].plan = "nested"
     nested = s.sql(JOIN)
@@ -195,7 +227,8 @@ def test_training_makes_a_join_that_said_yes_to_every_pair_answer_the_labels(ses
 @pytest.mark.models
 def test_training_again_on_the_same_pairs_is_cached_and_bad_input_is_clear(session) -> None:  # noqa: ANN001
     s, _, _ = session
-    first = s.train("sem_join", "labelled", label="both_good", predicate="both are good")
+    first = s.train("sem_join", "labelled", label="both_good", columns=("l", "r"),
+                    predicate="both are good")
     asked = sum(m.rows for m in BUILT.values())
     again = s.sql("TRAIN sem_join ON labelled LABEL both_good USING l, r "
                   "FOR 'both are good'").fetchall()
@@ -205,8 +238,32 @@ def test_training_again_on_the_same_pairs_is_cached_and_bad_input_is_clear(sessi
         s.train("sem_join", "labelled", label="both_good", columns=["l"],
                 predicate="both are good")
     with pytest.raises(KenError, match="needs the predicate"):
-        s.train("sem_join", "labelled", label="both_good")
+        s.train("sem_join", "labelled", label="both_good", columns=("l", "r"))
     s.register_table("one_label", pa.table({"l": ["a good x"] * 12, "r": ["a good y"] * 12,
                                             "y": [True] * 12}))
     with pytest.raises(KenError, match="negative examples"):
         s.train("sem_join", "one_label", label="y", predicate="both are good")
+
+
+@pytest.mark.models
+def test_a_two_valued_property_trains_through_the_choice_model(session) -> None:  # noqa: ANN001
+    s, a, b = session
+    query = JOIN.replace("both are good", "the same mood (good|bad)")
+    truth = {(i, j) for i, x in enumerate(a) for j, y in enumerate(b) if _good(x) == _good(y)}
+    assert len(s.sql(query).fetchall()) == 30 * 25  # every text "good": every pair the same
+    trained = s.train("sem_join", "labelled", label="same", columns=("l", "r"),
+                      predicate="the same mood (good|bad)")
+    assert "per-side rewrite 100.0% trained" in trained.quality
+    after = s.sql(query)
+    assert set(map(tuple, after.fetchall())) == truth
+    assert after.stats["join"][0].plan == "per-side rewrite"
+
+
+def test_a_rewrite_is_trusted_only_on_enough_held_out_pairs_of_each_label() -> None:
+    truth = np.array([True, False] * 30)
+    pair_p = np.where(truth, 0.9, 0.8)
+    side = ("both", np.where(truth, 0.95, 0.6), np.full(60, 0.95))  # right side always yes
+    enough = fit_join("lm", pair_p, truth, np.arange(40), np.arange(40, 60), side, "both")
+    assert enough.rewrite_trained == 1.0 and enough.trust_rewrite  # 10 pairs of each label
+    few = fit_join("lm", pair_p, truth, np.arange(40), np.arange(40, 48), side, "both")
+    assert few.rewrite_trained == 1.0 and not few.trust_rewrite  # 4 of each: not enough

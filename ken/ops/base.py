@@ -466,7 +466,7 @@ class Operator:
         ``ken.ops.training.TrainingData``); returns a ``Trained`` record. Operators that learn
         nothing from labels say so."""
         raise KenError(f"{self.name}() cannot be trained on labels; the trainable built-ins "
-                       "are sentiment, sem_filter, sem_match and sem_classify")
+                       "are sentiment, sem_filter, sem_match, sem_classify and sem_join")
 
     def store_entries(self, home: Path) -> list[tuple[str, store.Entry]]:
         """What this operator keeps in the model store at ``home`` (trained or prepared

@@ -22,6 +22,8 @@ import numpy as np
 from ken.errors import DataError
 
 JOIN_FIT_SCHEMA_VERSION = 1
+#: held-out pairs of each label a rewrite must be scored on before it is trusted unchecked
+MIN_TRUST_PER_LABEL = 5
 #: probabilities are clipped to this distance from 0 and 1 before their log-odds are taken
 EPS = 1e-6
 
@@ -106,8 +108,9 @@ class JoinFit:
     ``pair_offset``: the pair question's threshold on its log-odds. ``side_offset``: the
     per-side questions' (None: the predicate has no rewrite, or one with more than two
     values). ``trust_rewrite``: on the held-out pairs the trained rewrite was at least as
-    accurate as the trained pair question, so a query may run it without checking it
-    against the pair question on sampled pairs."""
+    accurate as the trained pair question (on at least ``MIN_TRUST_PER_LABEL`` held-out
+    pairs of each label), so a query may run it without checking it against the pair
+    question on sampled pairs."""
 
     lm: str
     pair_offset: float
@@ -174,5 +177,7 @@ def fit_join(lm: str, pair_p: np.ndarray, truth: np.ndarray, fit: np.ndarray,
                    rewrite_untrained=float(balanced(combine(kind, xl[held] >= 0.0,
                                                             xr[held] >= 0.0),
                                                     truth[held])[0]),
-                   trust_rewrite=bool(trained >= out["pair_trained"]))
+                   trust_rewrite=bool(trained >= out["pair_trained"] and
+                                      min(truth[held].sum(), (~truth[held]).sum())
+                                      >= MIN_TRUST_PER_LABEL))
     return JoinFit(**out)

@@ -37,7 +37,7 @@ import numpy as np
 from ken import store
 from ken.errors import DataError, KenError, StoreError
 from ken.models import family
-from ken.models.model import DeviceConfig, Model, Prediction
+from ken.models.model import DeviceConfig, Model, Output, Prediction
 from ken.models.quality import EvalSample
 from ken.models.records import PLAIN, as_record, check_pairs
 from ken.models.resources import CausalLM, Resources, short_hash
@@ -58,6 +58,8 @@ OPTIONS = {"plan": (str, None, None), "block_size": (int, 1, 1000),
            "nested_max": (int, 0, 10**9), "check_pairs": (int, 2, 10_000),
            "check_agreement": (float, 0.0, 1.0), "recall_target": (float, 0.0, 1.0)}
 EVAL_PREDICATE = "both texts express a positive opinion"
+#: labelled pairs training needs at least
+MIN_TRAIN_PAIRS = 10
 #: pairs in the evaluation sample (half of them true)
 EVAL_PAIRS = 200
 #: properties compared per side without options in the predicate, and their values
@@ -110,10 +112,28 @@ class PairChoiceModel(ChoiceFilterModel):
         return super().predict(rows, batch_size)
 
 
+def two_way(model: Model, texts: Sequence, batch_size: int = 8) -> np.ndarray:
+    """A two-answer model's probabilities, ``(rows, 2)``: a classifier's (``Prediction``),
+    or a two-option choice model's calibrated option distribution (NaN rows: no prompt)."""
+    if hasattr(model, "option_probabilities"):  # ChoiceModel: its Output has no distribution
+        probs = np.asarray(model.option_probabilities(list(texts), batch_size), np.float64)
+    else:
+        out = model.predict(list(texts), batch_size)
+        if not isinstance(out, Prediction):
+            raise DataError(f"{model.name} gives no probabilities to move a boundary in")
+        probs = out.probabilities.astype(np.float64)
+    if probs.ndim != 2 or probs.shape[1] != 2:
+        raise DataError(f"{model.name} answers {probs.shape[-1]} ways; a trained sem_join "
+                        "boundary needs two (yes/no, or a property with two values)")
+    return probs
+
+
 class ShiftedModel(Model):
-    """A two-class model with its yes/no boundary moved to ``offset`` on the log-odds of
-    column ``yes`` (a threshold fitted on labelled pairs, ``ken.ops.join_training``); rows
-    the inner model leaves undecided (NaN) stay as they are."""
+    """A two-answer model with its boundary moved to ``offset`` on the log-odds of column
+    ``yes`` (a threshold fitted on labelled pairs, ``ken.ops.join_training``): a yes/no
+    classifier (``Prediction`` out) or a two-option choice model (``Output`` out, its values
+    the options, its certainty as ``ChoiceModel`` gives it); rows the inner model leaves
+    undecided (NaN) stay undecided."""
 
     def __init__(self, inner: Model, offset: float, yes: int, name: str) -> None:
         self.inner, self.offset, self.yes = inner, float(offset), yes
@@ -121,16 +141,21 @@ class ShiftedModel(Model):
         fingerprint = inner.spec.fingerprint and f"{inner.spec.fingerprint}~{self.offset:.6g}"
         self.spec = replace(inner.spec, name=name, fingerprint=fingerprint)
 
-    def predict(self, texts: Sequence, batch_size: int = 8) -> Prediction:
-        out = self.inner.predict(texts, batch_size)
-        assert isinstance(out, Prediction) and out.probabilities.shape[1] == 2
-        probs = out.probabilities.astype(np.float64)
+    def predict(self, texts: Sequence, batch_size: int = 8) -> Prediction | Output:
+        probs = two_way(self.inner, texts, batch_size)
         p = probs[:, self.yes]
         live = ~np.isnan(p)
         probs[live, self.yes] = shifted(p[live], self.offset)
         probs[live, 1 - self.yes] = 1.0 - probs[live, self.yes]
-        labels = np.where(live, probs.argmax(axis=1), out.labels).astype(np.int64)
-        return Prediction(labels, probs.astype(np.float32), out.label_names)
+        best = np.where(live, np.nan_to_num(probs).argmax(axis=1), 0).astype(np.int64)
+        options = getattr(self.inner, "options", None)
+        if options is None:
+            undecided = np.full(2, 0.5)
+            probs[~live] = undecided
+            return Prediction(best, probs.astype(np.float32), self.spec.labels)
+        values = [options[b] if ok else None for b, ok in zip(best, live, strict=True)]
+        certainty = np.where(live, 2.0 * np.nan_to_num(probs).max(axis=1) - 1.0, 1.0)
+        return Output(values, certainty)
 
 
 def load_pair_stage(resources: Resources, device: DeviceConfig, name: str, lm_name: str,
@@ -265,10 +290,8 @@ def load_side_stage(resources: Resources, device: DeviceConfig, name: str, lm_na
 def side_scores(model: Model, texts: Sequence[str], kind: str) -> np.ndarray:
     """P(yes) of each text from a per-side model of a ``kind`` rewrite (P of the first of
     two values for same / different / opposite), as training fits it."""
-    out = model.predict(list(texts))
-    assert isinstance(out, Prediction)
     column = 1 if kind in ("both", "neither") else 0
-    return np.nan_to_num(out.probabilities[:, column].astype(np.float64), nan=0.5)
+    return np.nan_to_num(two_way(model, texts)[:, column], nan=0.5)
 
 
 class SemJoin(LLMOperator):
@@ -324,8 +347,12 @@ class SemJoin(LLMOperator):
 
     def fit_for(self, predicate: str, lm_name: str) -> JoinFit | None:
         """The fit trained for this predicate on this LM, if any."""
-        found = self.trained.get((check_predicate(predicate), lm_name))
+        found = self._trained_for(predicate, lm_name)
         return found[0] if found else None
+
+    def _trained_for(self, predicate: str, lm_name: str) -> tuple[JoinFit, Trained] | None:
+        trained = getattr(self, "trained", {})  # a subclass may not call __init__
+        return trained.get((check_predicate(predicate), lm_name))
 
     def llm_stage(self, lm_name: str, constants: tuple[str, ...]) -> Stage:
         predicate = check_predicate(constants[0])
@@ -364,7 +391,8 @@ class SemJoin(LLMOperator):
     def binding_key(self) -> tuple:
         return (*super().binding_key(), self.plan, self.block_size, self.nested_max,
                 self.check_pairs, self.check_agreement, self.recall_target,
-                tuple(sorted((k, v[0].pair_offset) for k, v in self.trained.items())))
+                tuple(sorted((k, v[0].pair_offset, v[0].side_offset)
+                             for k, v in getattr(self, "trained", {}).items())))
 
     def train(self, ctx: OpContext, data: TrainingData, *, predicate: str = "",
               **options: object) -> Trained:
@@ -391,7 +419,9 @@ class SemJoin(LLMOperator):
         normal = check_predicate(predicate)
         lm_name = self.llms[-1]
         truth = data.booleans()
-        key = hashlib.sha256(f"{data.content_hash}|{normal}|{lm_name}".encode()).hexdigest()
+        prompts = f"{SEM_JOIN.key}|{SEM_FILTER_CHOICE.key}|{SEM_CHOICE.key}"
+        key = hashlib.sha256(f"{data.content_hash}|{normal}|{lm_name}|{prompts}".encode()
+                             ).hexdigest()
         entry = trained_entry(ctx.home, key)
         fit = None
         if entry.main.exists():
@@ -416,9 +446,9 @@ class SemJoin(LLMOperator):
     def _fit(self, ctx: OpContext, data: TrainingData, predicate: str, lm_name: str,
              truth: np.ndarray) -> JoinFit:
         fit, held = data.split((0.8, 0.2))
-        if len(held) == 0 or len(fit) < 4 or truth.all() or not truth.any():
+        if len(data) < MIN_TRAIN_PAIRS or len(held) == 0 or truth.all() or not truth.any():
             raise DataError(f"{data.source}: {len(data)} pairs are too few to train and "
-                            "validate sem_join (at least 10, with both labels)")
+                            f"validate sem_join (at least {MIN_TRAIN_PAIRS}, with both labels)")
         resources = shared_resources(ctx)
         left, right = (list(c) for c in data.texts)
         ctx.reporter.note(f"training sem_join on {len(data)} labelled pairs ({lm_name}): the "
@@ -449,7 +479,9 @@ class SemJoin(LLMOperator):
                 if not path.name.startswith(".")]
 
     def detail(self, constants: tuple[str, ...]) -> str:
-        return f"pairs asked yes/no by likelihood; {SEM_JOIN.describe_truncation()}"
+        text = f"pairs asked yes/no by likelihood; {SEM_JOIN.describe_truncation()}"
+        found = self._trained_for(constants[0], self.llms[-1])
+        return f"{text}; {found[1].describe()}" if found else text
 
     def eval_sample(self, ctx: OpContext) -> EvalSample:
         sample = family.heldout_sample(ctx.data or family.default_data())

@@ -247,9 +247,12 @@ def explain_lines(op: SemJoin, sides: JoinSides, n: int, m: int) -> list[str]:
              f"  blocking: {n * c:,} pair questions (each {sides.left} value with its {c} most "
              f"similar {sides.right} values by {BLOCK_ENCODER}), plus up to "
              f"{RECALL_LEFT * RECALL_OUTSIDE} to estimate the recall it loses"]
+    fit = op.fit_for(sides.site.constants[0], op.llms[-1])
+    trusted = fit is not None and fit.trust_rewrite and fit.side_offset is not None
     if rewrite is not None:
         lines.append(f"  per-side rewrite ({rewrite.describe()}): {n + m:,} per-side "
-                     f"questions, plus {op.check_pairs} pair questions to check it")
+                     "questions" + ("" if trusted else
+                                    f", plus {op.check_pairs} pair questions to check it"))
     else:
         lines.append(f"  per-side rewrite: not possible: {why}")
     if op.plan != "auto":
@@ -257,8 +260,8 @@ def explain_lines(op: SemJoin, sides: JoinSides, n: int, m: int) -> list[str]:
     elif n * m <= op.nested_max:
         lines.append(f"  chosen: nested loop ({n * m:,} pairs, at most nested_max = "
                      f"{op.nested_max:,})")
-    elif rewrite is not None and (fit := op.fit_for(sides.site.constants[0], op.llms[-1])) \
-            is not None and fit.trust_rewrite and fit.side_offset is not None:
+    elif rewrite is not None and trusted:
+        assert fit is not None
         lines.append(f"  chosen: per-side rewrite (trained on labelled pairs: {fit.describe()})")
     else:
         lines.append(f"  chosen when it runs: the rewrite if it agrees with the pair model on "
