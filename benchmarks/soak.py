@@ -63,6 +63,8 @@ from ken.session import connect  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "soak"
 GOALS = {"rss_growth_mb": 50.0, "p99_over_target": 2.0, "lost": 0}
+#: the classifier plan's CPU workers (one thread each)
+PLAN_CORES = 2
 
 
 def plans_to_serve(reporter: Reporter, seed: int):  # noqa: ANN201
@@ -71,10 +73,10 @@ def plans_to_serve(reporter: Reporter, seed: int):  # noqa: ANN201
     data, cards, sample, profiles = family_profiles(reporter)
     device = DeviceConfig(threads=1)
     catalog, cascades = planning_inputs(profiles)
-    peak = default_peak_qps(catalog, cascades, 2)
+    peak = default_peak_qps(catalog, cascades, PLAN_CORES)
     trace = planning_trace("poisson", peak, 60.0, seed=seed)
     frontier, _ = plan_frontier("sentiment", cascades, catalog,
-                                Hardware.cpu_workers(2, 4 * 2**30), trace,
+                                Hardware.cpu_workers(PLAN_CORES, 4 * 2**30), trace,
                                 settings=PlannerSettings(num_ranges=4, seed=seed),
                                 reporter=reporter)
     usable = [p for p in frontier.plans if p.predicted.p95_ms < 1000.0]
@@ -213,13 +215,15 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
 
 def decode_share(server: DecodeServer, prompts: list, args: argparse.Namespace,
                  rng: np.random.Generator, seconds: float = 20.0) -> float:
-    """The share of this machine's cores the decode server keeps busy at the soak's rate of
-    generations, measured alone for ``seconds``: its pass time per second, times its
-    threads, over the cores. The classifier's plan was made for every core; the soak serves
-    it at ``--load`` of what the cores left to it can carry, so that the machine as a whole
-    is at the load the soak names and not past it (two servers on one machine share it)."""
+    """The share of the classifier plan's cores (``PLAN_CORES``) the decode server takes at
+    the soak's rate of generations, measured alone for ``seconds``: its pass time per second
+    times its threads, less the cores the plan leaves free on this machine, over the plan's
+    cores. The plan was made for its cores alone; the soak serves it at ``--load`` of what
+    the decode server leaves it, so that the cores are at the load the soak names and not
+    past it (two servers on one machine share it)."""
     threads = server.lm.device.threads
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    spare = max(0, (cores or PLAN_CORES) - PLAN_CORES)
     busy0, t0 = server.busy_s, time.monotonic()
     while time.monotonic() - t0 < seconds:
         started = time.monotonic()
@@ -227,7 +231,7 @@ def decode_share(server: DecodeServer, prompts: list, args: argparse.Namespace,
                       int(rng.integers(4, 12))).result()
         time.sleep(max(0.0, args.gen_every_s - (time.monotonic() - started)))
     busy = (server.busy_s - busy0) / (time.monotonic() - t0)
-    return min(0.9, busy * threads / max(1, cores or 1))
+    return min(0.9, max(0.0, busy * threads - spare) / PLAN_CORES)
 
 
 def warm_up_decoding(server: DecodeServer, lm: object, lengths: range, batches: int,
@@ -350,9 +354,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="1 (default): the decode server runs every shape it will meet "
                          "before the clock starts; 0: no warm-up")
     ap.add_argument("--account-decode", type=int, default=1, choices=(0, 1),
-                    help="1 (default): the classifier's load is --load x the peak of the "
-                         "cores the decode server leaves (measured for 20 s first); 0: x the "
-                         "plan's peak, as if the classifier had every core")
+                    help="1 (default): the classifier's load is --load x the peak of what "
+                         "the decode server leaves of the plan's cores (measured for 20 s "
+                         "first); 0: x the plan's peak, as if the plan had its cores alone")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--quiet", action="store_true")
