@@ -168,6 +168,32 @@ def test_admission_holds_a_request_to_its_target_by_the_queue_ahead() -> None:
             assert admission.rejected == 1
 
 
+def test_a_request_is_estimated_through_the_later_stages_enough_requests_reach() -> None:
+    """A cascade's request is estimated with its own work on the later stages while at least
+    1 in 100 requests were passed on there (until 20 answers are seen, they count): the
+    estimate of the first lane plus a prefill and the expected tokens on the next; with
+    nothing passed on, the first lane's alone."""
+    cost = linear_cost()
+    admission = DecodeAdmission(100.0, base_costs={"a": cost, "b": cost})
+    lanes = {"a": DecodeScheduler(2, None), "b": DecodeScheduler(2, None)}
+    lanes["a"].admit(0, 20, 8, 0.0)  # not idle
+    new, later = (15, 8), [("b", 6)]
+    alone = admission.check(9, "a", lanes, *new, 0.0, 0.0).estimate_s
+    own_b = cost.prefill_s(1, 15) + 5 * cost.decode_s(1, 15 + 6)
+    assert admission.later_stages_s("a", later, lanes, 15) == pytest.approx(own_b)
+    unmeasured = admission.check(9, "a", lanes, *new, 0.0, 0.0, later=later).estimate_s
+    assert unmeasured == pytest.approx(alone + own_b)
+    for k in range(MIN_ANSWERS):
+        admission.stage_ended("a", k == 0)  # 1 in 20 passed on: 5%, counted
+    assert admission.onward("a") == pytest.approx(0.05)
+    assert admission.check(9, "a", lanes, *new, 0.0, 0.0, later=later).estimate_s == \
+        pytest.approx(alone + own_b)
+    for _ in range(200):
+        admission.stage_ended("a", False)  # none of the last 200: the first lane's alone
+    assert admission.check(9, "a", lanes, *new, 0.0, 0.0, later=later).estimate_s == \
+        pytest.approx(alone)
+
+
 def test_a_cold_server_admits_one_batch_then_turns_the_flood_away() -> None:
     """Before any pass is measured (no token cost), a flooded server admits what fills one
     batch and turns the rest away at once, each with a reason and a retry hint; every
@@ -330,3 +356,15 @@ def test_a_warm_server_admits_by_its_measured_passes() -> None:
     refused = [o for o in outcomes if o.status == "rejected"]
     assert all("over capacity" in o.error and o.retry_after_s > 0 for o in refused)
     assert server.admission_errors == 0
+
+
+def test_a_cascade_server_names_each_request_s_later_stages() -> None:
+    from ken.engine.decode import CascadeServer
+    from ken.models.cascade import Cascade
+    from ken.policy.plan import single_gear
+
+    lm = GatedLM()
+    plan = single_gear("gen", Cascade(("g", "h"), (0.5,)), max_running=2)
+    server = CascadeServer({"g": StandInGenerator(lm), "h": StandInGenerator(lm)}, plan)
+    assert server.dispatcher.admit(7, 0.0) == "g"
+    assert server._later(7, "g") == [("h", 4)] and server._later(7, "h") == []

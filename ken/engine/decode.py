@@ -398,7 +398,8 @@ class DecodeServer:
         lane.scheduler.admit(rid, len(item), max_new, arrival)
 
     def _turned_away(self, rid: int, lane: str, prompt_tokens: int, max_new: int,
-                     arrival: float, fut: Future) -> bool:
+                     arrival: float, fut: Future, later: Sequence[tuple[str, int]] = ()
+                     ) -> bool:
         """Whether a new request for ``lane`` ends at once: its model is marked failed
         (``error``), or admission turns it away (``rejected``, with the reason and a retry
         hint). A request refused at a pass boundary refuses the later ones of its lane at
@@ -421,7 +422,7 @@ class DecodeServer:
             try:
                 verdict = self.admission.check(
                     rid, lane, {n: ln.scheduler for n, ln in self._lanes.items()},
-                    prompt_tokens, max_new, arrival, now, self._boundary)
+                    prompt_tokens, max_new, arrival, now, self._boundary, later)
             except Exception:  # noqa: BLE001 - an estimate must not stop the server
                 self.admission_errors += 1
                 return False
@@ -723,7 +724,7 @@ class CascadeServer(DecodeServer):
             self._failed(rid, failed, now)
             return False
         if admit and self._turned_away(rid, name, len(prompt), model.max_new_tokens,
-                                       p.arrival_s, p.future):
+                                       p.arrival_s, p.future, self._later(rid, name)):
             self.dispatcher.drop(rid)
             self._pending.pop(rid)
             return False
@@ -731,12 +732,19 @@ class CascadeServer(DecodeServer):
         lane.scheduler.admit(rid, len(prompt), model.max_new_tokens, p.arrival_s)
         return True
 
+    def _later(self, rid: int, name: str) -> list[tuple[str, int]]:
+        """The stages after ``name`` in request ``rid``'s cascade, each (lane, budget)."""
+        models = self.dispatcher.plan.gears[self.dispatcher.gear_of(rid)].cascade.models
+        after = list(models[list(models).index(name) + 1:]) if name in models else []
+        return [(m, self.models[m].max_new_tokens) for m in after]
+
     def _answered(self, rid: int, lane: str, gen: Generation, now: float) -> None:
         model = self.models[lane]
         self.tokens[lane] += gen.num_tokens
         certainty = gen.certainty(model.certainty_kind)
         stage, gear = self.dispatcher.stage_of(rid), self.dispatcher.gear_of(rid)
         nxt = self.dispatcher.finished(rid, certainty)
+        self.admission.stage_ended(lane, nxt is not None)
         if nxt is not None:
             self.admission.lane_lengths(lane).add(gen.num_tokens, self._pending[rid].max_new)
             self._queue_on(rid, nxt, now)

@@ -7,7 +7,9 @@ The estimate is the decode scheduler's own rule run forward from the queue it ho
 take (``PassTimes``: the model's token cost scaled to the measured passes, or a fit of the
 measured passes alone), each request expected to generate what this lane's recent answers
 did (``AnswerLengths``), plus the work queued on the server's other lanes (they share the
-device), times the slowdown measured while serving (``Slowdown``, shared with the classifier
+device), plus the request's own work on the later stages of its cascade that enough
+requests reach (``later_stages_s``, from each lane's measured share passed on), times the
+slowdown measured while serving (``Slowdown``, shared with the classifier
 engine: answered latency over estimate for requests admitted near the target).
 
 Until a lane has measured passes of both kinds (or has a token cost) it admits one batch
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +35,9 @@ from ken.policy.decoding import DecodeScheduler, PassCost
 MIN_PASSES = 4
 #: answers of a lane before their lengths replace the budget (max_new) in estimates
 MIN_ANSWERS = 20
+#: a later stage of a request's cascade is part of its estimate while at least this share of
+#: requests reach it (the target is a p99: a stage 1 in 100 requests reach makes the tail)
+MIN_REACH = 0.01
 
 
 class PassTimes:
@@ -173,6 +178,7 @@ class DecodeAdmission:
         self.rejected = 0
         self._estimated: dict[int, float] = {}  # rid -> raw estimate (near the target)
         self._others: tuple[int, str, float] | None = None  # (boundary, lane, seconds)
+        self._onward: dict[str, deque[bool]] = {}  # lane -> recent answers passed on or not
 
     @property
     def active(self) -> bool:
@@ -185,6 +191,41 @@ class DecodeAdmission:
 
     def lane_lengths(self, lane: str) -> AnswerLengths:
         return self.lengths.setdefault(lane, AnswerLengths())
+
+    def stage_ended(self, lane: str, escalated: bool) -> None:
+        """A request's stage on ``lane`` answered: passed on to the next stage, or not."""
+        self._onward.setdefault(lane, deque(maxlen=200)).append(escalated)
+
+    def onward(self, lane: str) -> float:
+        """The share of ``lane``'s answers passed on to a next stage (1 until
+        ``MIN_ANSWERS`` were seen: the stage after it counts in estimates until measured)."""
+        seen = self._onward.get(lane)
+        if seen is None or len(seen) < MIN_ANSWERS:
+            return 1.0
+        return sum(seen) / len(seen)
+
+    def later_stages_s(self, lane: str, later: Sequence[tuple[str, int]],
+                       lanes: Mapping[str, DecodeScheduler], prompt_tokens: int) -> float:
+        """Seconds of the request's own work on the stages after ``lane`` (``later``: each
+        stage's lane and budget) that at least ``MIN_REACH`` of requests reach: a prefill of
+        its prompt and its expected tokens in passes as wide as that lane's load, by that
+        lane's measured passes (a lane not measured yet counts nothing; its queue is in the
+        other lanes' work)."""
+        total, reach, previous = 0.0, 1.0, lane
+        for name, max_new in later:
+            reach *= self.onward(previous)
+            previous = name
+            if reach < MIN_REACH:
+                break
+            times = self.lane_times(name)
+            if not times.ready or name not in lanes:
+                continue
+            sched = lanes[name]
+            batch = max(1, min(sched.max_running, sched.load + 1))
+            tokens = self.lane_lengths(name).expected(max_new)
+            total += times.prefill_s(1, prompt_tokens) + max(0, tokens - 1) * \
+                times.decode_s(batch, prompt_tokens + max_new)
+        return total
 
     def passed(self, lane: str, kind: str, batch: int, tokens: int, seconds: float) -> None:
         """A pass of ``lane`` ran (see ``PassTimes.add``)."""
@@ -207,11 +248,13 @@ class DecodeAdmission:
 
     def check(self, rid: int, lane: str, lanes: Mapping[str, DecodeScheduler],
               prompt_tokens: int, max_new: int, arrival: float, now: float,
-              boundary: int = 0) -> Verdict:
+              boundary: int = 0, later: Sequence[tuple[str, int]] = ()) -> Verdict:
         """Whether request ``rid`` (on ``lane``, with this prompt and budget, arrived at
         ``arrival``) would be answered within its target, given the queues of ``lanes``
         (every lane of the server, ``lane`` among them) at pass boundary number
-        ``boundary`` (the other lanes' work is estimated once per boundary)."""
+        ``boundary`` (the other lanes' work is estimated once per boundary). ``later``: the
+        stages its cascade may pass it on to, each ``(lane, budget)``
+        (``later_stages_s``)."""
         target = self.target_s
         if target is None:
             return Verdict()
@@ -229,6 +272,8 @@ class DecodeAdmission:
         slowdown = self.slowdown.value(now)
         lengths = self.lane_lengths(lane)
         others = self._other_lanes_s(lane, lanes, now, boundary, target)
+        if later:
+            others += self.later_stages_s(lane, later, lanes, prompt_tokens)
         waited = max(0.0, now - arrival)  # in the inbox, until this boundary
         horizon = target / slowdown - others - waited
         if horizon > 0 and sched.order == "fcfs" and sched.mode == "continuous":
