@@ -69,7 +69,7 @@ from ken.ops.filter_models import (
     channel_name,
     similarity_name,
 )
-from ken.ops.training import Trained, TrainingData, cascade_values
+from ken.ops.training import Trained, TrainingData, cascade_values, check_predicate_option
 from ken.paths import ken_home
 
 
@@ -236,13 +236,9 @@ class SemFilter(Operator):
         labels mean rather than only how far to trust the predicate's wording. The better one
         serves SQL calls with this predicate. Cached by the rows' hash, the predicate and the
         LLM stage."""
-        if options:
-            raise KenError(f"sem_filter training takes predicate=... only, not "
-                           f"{', '.join(options)}")
-        if not predicate or not predicate.strip():
-            raise KenError("training sem_filter needs the predicate the labels answer, e.g. "
-                           "session.train('sem_filter', 'reviews', label='is_positive', "
-                           "predicate='expresses a positive opinion')")
+        check_predicate_option(self.name, options, predicate,
+                               "session.train('sem_filter', 'reviews', label='is_positive', "
+                               "predicate='expresses a positive opinion')")
         if len(data.columns) != 1:
             raise KenError(f"sem_filter reads one text column; {data.source} gives "
                            f"{len(data.columns)} ({', '.join(data.columns)})")

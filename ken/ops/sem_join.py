@@ -47,7 +47,7 @@ from ken.ops.join_training import JoinFit, fit_join, shifted
 from ken.ops.llm_operator import LLMOperator, stage_prefix
 from ken.ops.prompts import SEM_CHOICE, SEM_FILTER_CHOICE, SEM_JOIN
 from ken.ops.sem_choice import load_choice_stage
-from ken.ops.training import Trained, TrainingData
+from ken.ops.training import Trained, TrainingData, check_predicate_option
 from ken.paths import ken_home
 
 FAMILY = "sem-join"
@@ -403,13 +403,9 @@ class SemJoin(LLMOperator):
         rest. Trained for the last LM of ``llms`` (the one that answers pairs). A rewrite at
         least as accurate as the pair question on the held-out pairs is trusted: queries run
         it without the agreement check. Cached by the rows' hash, the predicate and the LM."""
-        if options:
-            raise KenError(f"sem_join training takes predicate=... only, not "
-                           f"{', '.join(options)}")
-        if not predicate or not predicate.strip():
-            raise KenError("training sem_join needs the predicate the labels answer, e.g. "
-                           "session.train('sem_join', 'pairs', label='both_positive', "
-                           "predicate='both reviews are positive')")
+        check_predicate_option(self.name, options, predicate,
+                               "session.train('sem_join', 'pairs', label='both_positive', "
+                               "predicate='both reviews are positive')")
         if len(data.columns) != 2:
             raise KenError(f"sem_join trains on pairs: two text columns (left, right); "
                            f"{data.source} gives {len(data.columns)} "

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ken.errors import DataError
+from ken.errors import DataError, KenError
 from ken.models.certainty import certainty_fn
 from ken.ops.base import suggest
 
@@ -171,6 +171,18 @@ class Trained:
 
     def describe(self) -> str:
         return f"trained on {self.data}; {self.quality}"
+
+
+def check_predicate_option(function: str, options: Mapping[str, object], predicate: str,
+                           example: str) -> None:
+    """KenError unless training ``function`` got a predicate and no other option
+    (``example``: a call that gives one, for the message)."""
+    if options:
+        raise KenError(f"{function} training takes predicate=... only, not "
+                       f"{', '.join(options)}")
+    if not predicate or not predicate.strip():
+        raise KenError(f"training {function} needs the predicate the labels answer, e.g. "
+                       f"{example}")
 
 
 def cascade_values(cascade: Any, models: Mapping[str, Any], inputs: Sequence) -> list[str]:
