@@ -14,7 +14,6 @@ import itertools
 import math
 import queue
 import threading
-from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -44,10 +43,48 @@ class _Request:
     job: Hashable | None = None  # the pipeline request its hops share (None: its own)
 
 
-#: online submits and answers ``Requests`` keeps for re-planning (``Engine.recent_arrivals``,
-#: ``Engine.recent_latencies``)
+#: online submits and answers ``Requests`` keeps per operator for re-planning
+#: (``Engine.recent_arrivals``, ``Engine.recent_latencies``)
 ARRIVAL_LOG = 200_000
 ANSWER_LOG = 50_000
+
+
+class TimeLog:
+    """The newest ``capacity`` rows of ``width`` numbers per key (an operator), time first
+    and in time order, in one preallocated float array per key: 8 bytes a number, allocated
+    when a key is first seen, so a full log holds what an empty one did (a deque of tuples
+    took about 100 bytes a row and grew for half an hour at 100 requests/s)."""
+
+    def __init__(self, capacity: int, width: int) -> None:
+        self.capacity, self.width = capacity, width
+        self._rows: dict[str, np.ndarray] = {}
+        self._count: dict[str, int] = {}  # rows ever added (the next row goes at count % cap)
+
+    def add(self, key: str, row: Sequence[float], times: int = 1) -> None:
+        """Add ``row`` ``times`` times (its time no earlier than the rows before)."""
+        buf = self._rows.get(key)
+        if buf is None:
+            buf = self._rows[key] = np.empty((self.capacity, self.width))
+            self._count[key] = 0
+        start = self._count[key]
+        times = min(times, self.capacity)  # more than a full log keeps the newest
+        at = (start + np.arange(times)) % self.capacity
+        buf[at] = row
+        self._count[key] = start + times
+
+    def since(self, key: str, since_s: float) -> np.ndarray:
+        """The rows of ``key`` whose time is ``since_s`` or later, oldest first, shape
+        ``(rows, width)``."""
+        buf = self._rows.get(key)
+        if buf is None:
+            return np.empty((0, self.width))
+        count = self._count[key]
+        if count <= self.capacity:
+            ordered = buf[:count]
+        else:
+            head = count % self.capacity
+            ordered = np.concatenate([buf[head:], buf[:head]])
+        return ordered[np.searchsorted(ordered[:, 0], since_s, side="left"):]
 
 
 class Requests:
@@ -59,10 +96,10 @@ class Requests:
         self.lock = threading.Lock()
         self._ids = itertools.count()
         self._requests: dict[int, _Request] = {}
-        # (submit time, operator) of online requests, admitted or not (the load offered), and
-        # (completion time, latency s, operator) of those answered "ok"; both in time order
-        self.arrived: deque[tuple[float, str]] = deque(maxlen=ARRIVAL_LOG)
-        self.answered: deque[tuple[float, float, str]] = deque(maxlen=ANSWER_LOG)
+        # per operator: submit times of online requests, admitted or not (the load offered),
+        # and (completion time, latency s) of those answered "ok"; both in time order
+        self.arrived = TimeLog(ARRIVAL_LOG, 1)
+        self.answered = TimeLog(ANSWER_LOG, 2)
         self.deadlines: EngineDeadlines | None = None  # with a dropping policy
 
     def __len__(self) -> int:
@@ -85,15 +122,15 @@ class Requests:
     def recent_arrivals(self, operator: str, since_s: float) -> list[float]:
         """Submit times of ``operator``'s online requests since ``since_s``, oldest first."""
         with self.lock:
-            return [t for t, op in _since(self.arrived, since_s) if op == operator]
+            return self.arrived.since(operator, since_s)[:, 0].tolist()
 
     def recent_latencies(self, operator: str, since_s: float,
                          arrived_after_s: float = -math.inf) -> list[float]:
         """Latencies of ``operator``'s online requests answered ``ok`` since ``since_s`` that
         arrived after ``arrived_after_s``, oldest first."""
         with self.lock:
-            return [lat for t, lat, op in _since(self.answered, since_s)
-                    if op == operator and t - lat > arrived_after_s]
+            rows = self.answered.since(operator, since_s)
+        return rows[rows[:, 0] - rows[:, 1] > arrived_after_s, 1].tolist()
 
     def texts(self, batch: RunnableBatch) -> list | None:
         """The input rows of ``batch`` (None: shutdown cancelled its requests)."""
@@ -113,7 +150,7 @@ class Requests:
             self.deadlines.resolved(rid, status, now)
         if req.online and status == "ok":
             with self.lock:
-                self.answered.append((now, now - req.arrival_s, req.online))
+                self.answered.add(req.online, (now, now - req.arrival_s))
         return now - req.arrival_s
 
     def cancel_all(self, message: str) -> int:
@@ -125,17 +162,6 @@ class Requests:
         for rid, req in left:
             req.future.set_result(Outcome(rid, "cancelled", req.arrival_s, now, error=message))
         return len(left)
-
-
-def _since(log: deque, since_s: float) -> list:
-    """The entries of a time-ordered log (time first) from ``since_s`` on, oldest first; read
-    from the newest back, so a poll costs its window, not the whole log."""
-    out = []
-    for entry in reversed(log):
-        if entry[0] < since_s:
-            break
-        out.append(entry)
-    return out[::-1]
 
 
 class Scheduler:

@@ -398,7 +398,7 @@ class Engine:
         requests = self._requests
         with requests.lock:
             if not bulk:
-                requests.arrived.extend([(now, operator)] * len(texts))
+                requests.arrived.add(operator, (now,), len(texts))
             for text in texts:
                 future: Future = Future()
                 futures.append(future)
