@@ -69,7 +69,12 @@ class LoadReport:
     gpu_bytes: Mapping[str, int] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+#: model calls an engine keeps in ``batch_log`` (calibration and the fidelity replays use
+#: well under it: a 60-s replay at 500 calls/s is 30,000)
+BATCH_LOG = 50_000
+
+
+@dataclass(frozen=True, slots=True)
 class BatchRecord:
     """One model call as a device ran it (engine clock; includes the worker round trip)."""
 
@@ -256,9 +261,11 @@ class DevicePool:
         self._loaded_on: dict[str, set[str]] = {}  # device -> models loaded there
         self._threads: dict[str, threading.Thread] = {}
         self._running_until: dict[str, float] = {}  # device -> profiled end of its batch
-        # the latest model calls (bounded: the oldest half is dropped at the limit)
+        # the latest model calls (bounded: the oldest half is dropped at the limit; a record
+        # holds about 200 bytes, so the log holds at most about 10 MB: 200,000 held 40 MB,
+        # which an hour's soak took 45 minutes to fill)
         self.batch_log: list[BatchRecord] = []
-        self.batch_log_limit = 200_000
+        self.batch_log_limit = BATCH_LOG
         self.observed = ObservedRuntimes()  # what each model's calls took while serving
         self._loading: set[str] = set()  # devices loading a model for a swapped-in plan
         self.failed_attempts = 0  # model calls that raised, hung or whose worker died
