@@ -74,7 +74,8 @@ class TimeLog:
 
     def since(self, key: str, since_s: float) -> np.ndarray:
         """The rows of ``key`` whose time is ``since_s`` or later, oldest first, shape
-        ``(rows, width)``."""
+        ``(rows, width)``: a view of the ring until it wraps, so read it before the next
+        ``add`` (under the lock that guards both)."""
         buf = self._rows.get(key)
         if buf is None:
             return np.empty((0, self.width))
@@ -128,9 +129,9 @@ class Requests:
                          arrived_after_s: float = -math.inf) -> list[float]:
         """Latencies of ``operator``'s online requests answered ``ok`` since ``since_s`` that
         arrived after ``arrived_after_s``, oldest first."""
-        with self.lock:
+        with self.lock:  # ``since`` may be a view of the ring: read it under the lock
             rows = self.answered.since(operator, since_s)
-        return rows[rows[:, 0] - rows[:, 1] > arrived_after_s, 1].tolist()
+            return rows[rows[:, 0] - rows[:, 1] > arrived_after_s, 1].tolist()
 
     def texts(self, batch: RunnableBatch) -> list | None:
         """The input rows of ``batch`` (None: shutdown cancelled its requests)."""
