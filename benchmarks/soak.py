@@ -146,7 +146,7 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
                      reporter)
     share = decode_share(server, prompts, args, rng) if args.account_decode else 0.0
     classify_peak = peak * (1.0 - share)
-    reporter.note(f"the decode server takes {share:.1%} of the machine's cores at one "
+    reporter.note(f"the decode server takes {share:.1%} of the plan's cores at one "
                   f"generation every {args.gen_every_s:g} s: the classifier's load is "
                   f"{args.load:g}x the {classify_peak:.1f} qps the plan can serve on the rest")
     with Engine(main, loaders, workers="process") as engine:
