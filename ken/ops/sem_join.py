@@ -450,9 +450,8 @@ class SemJoin(LLMOperator):
         ctx.reporter.note(f"training sem_join on {len(data)} labelled pairs ({lm_name}): the "
                           "pair question on every pair")
         pair = self.pair_stage(lm_name, predicate).build(resources, ctx.device)
-        out = pair.predict(list(zip(left, right, strict=True)))
-        assert isinstance(out, Prediction)
-        pair_p = np.nan_to_num(out.probabilities[:, 1].astype(np.float64), nan=0.5)
+        pair_p = np.nan_to_num(two_way(pair, list(zip(left, right, strict=True)))[:, 1],
+                               nan=0.5)
         rewrite, _ = side_rewrite(predicate)
         side = None
         if rewrite is not None and (rewrite.kind in ("both", "neither") or
