@@ -350,6 +350,12 @@ class SemJoin(LLMOperator):
         found = self._trained_for(predicate, lm_name)
         return found[0] if found else None
 
+    def trusted_fit(self, predicate: str) -> JoinFit | None:
+        """The fit of ``predicate`` on the pairs' LM when its rewrite is trusted unchecked."""
+        fit = self.fit_for(predicate, self.llms[-1])
+        return fit if fit is not None and fit.trust_rewrite and \
+            fit.side_offset is not None else None
+
     def _trained_for(self, predicate: str, lm_name: str) -> tuple[JoinFit, Trained] | None:
         trained = getattr(self, "trained", {})  # a subclass may not call __init__
         return trained.get((check_predicate(predicate), lm_name))

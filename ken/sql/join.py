@@ -247,8 +247,8 @@ def explain_lines(op: SemJoin, sides: JoinSides, n: int, m: int) -> list[str]:
              f"  blocking: {n * c:,} pair questions (each {sides.left} value with its {c} most "
              f"similar {sides.right} values by {BLOCK_ENCODER}), plus up to "
              f"{RECALL_LEFT * RECALL_OUTSIDE} to estimate the recall it loses"]
-    fit = op.fit_for(sides.site.constants[0], op.llms[-1])
-    trusted = fit is not None and fit.trust_rewrite and fit.side_offset is not None
+    fit = op.trusted_fit(sides.site.constants[0])
+    trusted = fit is not None
     if rewrite is not None:
         lines.append(f"  per-side rewrite ({rewrite.describe()}): {n + m:,} per-side "
                      "questions" + ("" if trusted else
@@ -298,8 +298,8 @@ class JoinPlanner:
             raise SqlError(f"sem_join's plan is 'rewrite', but {why_not}")
         if rewrite is not None and op.plan in ("auto", "rewrite"):
             run.rewrite = rewrite.describe()
-            fit = op.fit_for(self.predicate, op.llms[-1])
-            if fit is not None and fit.trust_rewrite and fit.side_offset is not None:
+            fit = op.trusted_fit(self.predicate)
+            if fit is not None:
                 answers = self.side_answers(rewrite)
                 run.side_questions = len(answers.left) + len(answers.right)
                 run.plan = "per-side rewrite"
