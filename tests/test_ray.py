@@ -12,6 +12,7 @@ import functools
 import os
 import signal
 import time
+import types
 
 import fakes
 import numpy as np
@@ -389,6 +390,74 @@ def test_losing_the_node_of_a_ray_data_actor_mid_query_still_answers_every_row(
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_a_ray_data_query_whose_cluster_lost_every_cpu_fails_with_a_clear_error(
+        local_ray, tmp_path) -> None:
+    """The only worker node (the head has no CPUs) is taken away while a query's semantic step
+    runs on Ray Data: nothing can run any more, and instead of waiting for capacity to come
+    back the query fails once the stream made no progress for ``session.ray_stall_s``, with
+    an error that says so and that nothing was returned."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ray.cluster_utils import Cluster
+
+    import ken
+
+    ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    node = cluster.add_node(num_cpus=3)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    data = tmp_path / "d"
+    parquet_dataset(data, 4_000, files=8)
+    try:
+        ray.init(address=cluster.address, include_dashboard=False, logging_level="ERROR",
+                 log_to_driver=False)
+        cluster.wait_for_nodes()
+        with ken.connect(builtins=False) as s, ThreadPoolExecutor(1) as pool:
+            op = _NodeMood("mood", Cascade(("a",)), {"a": fakes.NodeMarking("a", str(marks),
+                                                                             0.0)})
+            op.folder = str(marks)
+            s.register("mood", op)
+            s.ray_actors = 1
+            s.ray_stall_s = 30.0  # above the actor's start, which makes no progress
+            running = pool.submit(lambda: s.sql(
+                f"SELECT id, mood(x) AS m FROM '{data}/*.parquet' ORDER BY id",
+                engine="ray").fetchall())
+            for _ in range(600):  # the actor's first call marks its node (up to a minute)
+                if any(marks.glob("*.node")) or running.done():
+                    break
+                time.sleep(0.1)
+            assert any(marks.glob("*.node")), running.result()
+            cluster.remove_node(node, allow_graceful=False)
+            with pytest.raises(KenError) as failed:
+                running.result(timeout=300)
+            text = str(failed.value)
+            assert "made no progress for 30 s" in text and "nothing was returned" in text, text
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def test_the_stall_limit_follows_the_profiled_cost_of_a_block() -> None:
+    import pyarrow as pa
+
+    from ken.engine.ray_data import (
+        STALL_FACTOR,
+        STALL_FLOOR_S,
+        STALL_UNPROFILED_S,
+        SiteColumn,
+        stall_limit_s,
+    )
+
+    def site(cost: float | None) -> SiteColumn:
+        return SiteColumn("c", ("x",), types.SimpleNamespace(cost_ms_per_row=cost), pa.string())
+
+    assert stall_limit_s([site(None)], 4096) == STALL_UNPROFILED_S
+    assert stall_limit_s([site(0.5), site(None)], 4096) == STALL_UNPROFILED_S
+    assert stall_limit_s([site(0.5)], 4096) == STALL_FLOOR_S  # 2 s a block
+    assert stall_limit_s([site(20.0), site(5.0)], 4096) == STALL_FACTOR * 4096 * 25 / 1000
 
 
 def test_the_last_session_to_close_stops_the_local_ray_ken_started(monkeypatch) -> None:

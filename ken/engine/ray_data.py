@@ -10,6 +10,13 @@ relational part of the query then runs on DuckDB over that folder (``ken.sql.ray
 A site's values are those of the in-process path: the same bound cascade (``run_cascade``),
 the same conversion to SQL values, NULL for a row with a NULL argument, each distinct input of
 a block answered once.
+
+A stream that stops moving fails: when no block is read, answered or written for
+:func:`stall_limit_s` (ten times what a block is expected to take by the cascades' profiles,
+at least :data:`STALL_FLOOR_S`; :data:`STALL_UNPROFILED_S` without a profile), Ray Data's
+no-progress guard ends the execution and the query fails with an ``EngineError`` saying so,
+e.g. when a node was lost and the nodes left have too few CPUs for the actors (Ray Data would
+otherwise wait for capacity to come back).
 """
 
 from __future__ import annotations
@@ -30,6 +37,15 @@ from ken.engine.ray_runner import ensure_ray, ray_error_cause
 from ken.engine.workers import load_models
 from ken.errors import EngineError
 from ken.models.model import Model
+
+#: the least time without progress before a Ray Data stream fails (an actor loads its models
+#: before its first block is answered)
+STALL_FLOOR_S = 300.0
+#: ... and the time when a site's cascade has no profile to say what a block costs (Ray Data's
+#: own default)
+STALL_UNPROFILED_S = 1800.0
+#: a stream fails after this many times a block's expected time without progress
+STALL_FACTOR = 10.0
 
 
 @dataclass(frozen=True)
@@ -94,17 +110,35 @@ class CascadeColumns:
         return block
 
 
+def stall_limit_s(sites: Sequence[SiteColumn], block_rows: int) -> float:
+    """How long a stream may go without progress before it fails: :data:`STALL_FACTOR` times
+    a block's expected model time (each site's profiled ``cost_ms_per_row`` times
+    ``block_rows``), at least :data:`STALL_FLOOR_S`; :data:`STALL_UNPROFILED_S` when a site's
+    cascade has no profile."""
+    costs = [getattr(site.bound, "cost_ms_per_row", None) for site in sites]
+    if not costs or any(c is None for c in costs):
+        return STALL_UNPROFILED_S
+    block_s = block_rows * sum(costs) / 1000.0
+    return max(STALL_FLOOR_S, STALL_FACTOR * block_s)
+
+
 def semantic_columns(source: str | Sequence[str], sites: Sequence[SiteColumn], out_dir: str,
                      actors: int = 2, threads: int = 1, block_rows: int = 4096,
                      batch_size: int = 32, columns: Sequence[str] | None = None,
-                     show_progress: bool = True) -> int:
+                     show_progress: bool = True, stall_s: float | None = None) -> int:
     """Stream the Parquet ``source`` (paths or a glob) through ``actors`` Ray actors of
     ``threads`` torch threads each (asking Ray for at most that many CPUs, leaving one of
     the cluster's CPUs to Ray Data's own tasks), appending one column per site in blocks of
     ``block_rows`` rows, and write the result as Parquet files into ``out_dir`` (in the
-    source's row order). ``columns``: the source columns to keep (default all)."""
+    source's row order). ``columns``: the source columns to keep (default all).
+
+    ``stall_s``: fail with an ``EngineError`` when no block moves for this long (default
+    :func:`stall_limit_s`)."""
     if actors < 1 or threads < 1 or block_rows < 1:
         raise EngineError("semantic_columns needs actors, threads and block_rows >= 1")
+    if stall_s is not None and not stall_s > 0:
+        raise EngineError(f"a Ray Data stall limit must be above 0 seconds, got {stall_s}")
+    stall = stall_limit_s(sites, block_rows) if stall_s is None else float(stall_s)
     ray = ensure_ray()
     # the actors share the cluster's CPUs but one: Ray Data's own tasks (listing files,
     # reading, writing) need a CPU too, and a stream whose reads wait behind its actors stalls
@@ -119,8 +153,17 @@ def semantic_columns(source: str | Sequence[str], sites: Sequence[SiteColumn], o
                                                               batch_size, threads, sys.path),
                         batch_format="pyarrow", batch_size=block_rows,
                         compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=per_actor)
+    ds.context.execution_no_progress_timeout_s = stall  # this dataset's; Ray >= 2.5x reads it
     try:
         ds.write_parquet(out_dir)
+    except _stall_error(ray) as exc:
+        raise EngineError(
+            f"the semantic step on Ray Data made no progress for {stall:.0f} s (no block was "
+            f"read, answered or written) and was stopped; nothing was returned. The cluster "
+            f"may have too few CPUs left for its {actors} actor(s) of {per_actor:g} CPUs (a "
+            f"node lost?): add nodes or lower session.ray_actors, or, if one block of "
+            f"{block_rows} rows takes longer than that, raise session.ray_stall_s "
+            f"({type(exc).__name__})") from None
     except ray.exceptions.RayError as exc:
         if _node_died(exc):
             raise EngineError(
@@ -143,6 +186,17 @@ def semantic_columns(source: str | Sequence[str], sites: Sequence[SiteColumn], o
             schema = schema.append(pa.field(site.column, site.arrow_type))
         pq.write_table(schema.empty_table(), f"{out_dir}/empty.parquet")
     return rows
+
+
+def _stall_error(ray: Any) -> type[BaseException]:
+    """The error Ray Data raises when a stream makes no progress for its limit (an exception
+    class nothing raises where this Ray has no such guard)."""
+    exceptions = getattr(ray.data, "exceptions", None)
+    return getattr(exceptions, "ExecutionTimeoutError", _NoStallError)
+
+
+class _NoStallError(Exception):
+    """Stands for the no-progress error of a Ray Data without one."""
 
 
 def _node_died(exc: BaseException) -> bool:

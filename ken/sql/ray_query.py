@@ -149,11 +149,13 @@ def run_on_ray(rw: Rewritten, bind: Callable[[str, tuple[str, ...]], Any],
                loaders: Callable[[str], Mapping[str, Callable[[], Any]] | None],
                sql: Callable[[str], pa.Table],
                actors: int = 2, threads: int = 1, block_rows: int = 4096,
-               show_progress: bool = True) -> pa.Table:
+               show_progress: bool = True, stall_s: float | None = None) -> pa.Table:
     """Run the rewritten statement ``rw`` with its semantic step on Ray Data (see the module
     docstring). ``bind``: a site's bound operator; ``loaders``: a function's picklable
     model loaders (or None); ``sql``:
-    runs plain DuckDB SQL and returns its Arrow table."""
+    runs plain DuckDB SQL and returns its Arrow table; ``stall_s``: how long the stream may
+    make no progress before the query fails (``ken.engine.ray_data.stall_limit_s`` when
+    None)."""
     statement = rw.statement.copy()
     found = ray_inputs(rw, statement)
     calls = {s.udf_name: s for s in rw.sites}
@@ -165,7 +167,7 @@ def run_on_ray(rw: Rewritten, bind: Callable[[str, tuple[str, ...]], Any],
     out = tempfile.mkdtemp(prefix="ken-ray-")
     try:
         semantic_columns(list(found.files), sites, out, actors=actors, threads=threads,
-                         block_rows=block_rows, show_progress=show_progress)
+                         block_rows=block_rows, show_progress=show_progress, stall_s=stall_s)
         source = found.source
         alias = source.args.get("alias")
         source.replace(exp.Table(this=exp.ReadParquet(expressions=[

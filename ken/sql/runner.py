@@ -77,6 +77,8 @@ class QueryHost(Protocol):
     ctx: OpContext
     serving: ServingManager
     ray_actors: int  # actors of engine="ray", each of ctx.device.threads CPUs
+    ray_stall_s: float | None  # engine="ray" fails after this long without progress (None:
+    #                            from the cascades' profiles, ken.engine.ray_data)
     ray_min_rows: int | None  # engine="auto" goes to Ray Data from this many rows (None: never)
     topk: bool  # ORDER BY <score> LIMIT k by the top-k plan (ken.sql.topk)
     topk_sample: int  # escalated rows that measure the top-k plan's margin
@@ -455,7 +457,8 @@ class QueryRunner:
 
         cpu = DeviceConfig(threads=threads)
         table = run_on_ray(rw, host.bind, lambda f: host.operators[f].loaders(host.ctx, cpu),
-                           duckdb_sql, actors=host.ray_actors, threads=threads)
+                           duckdb_sql, actors=host.ray_actors, threads=threads,
+                           stall_s=host.ray_stall_s)
         return self._result(table)
 
     def _check_cost(self, rw: Rewritten) -> None:
