@@ -2,8 +2,10 @@
 
 Greedy generation (at most 24 new tokens, one line) with the prompt ``sem_qa/v1``
 (``ken/ops/prompts.py``); questions over 64 tokens and passages over 448 tokens keep their
-start. The cascade escalates answers whose length-normalised sequence probability is below
-the threshold.
+start. An answer that restates the question is cut back to what it adds
+(``ken.ops.short_answer``: "Lisa Martin is the current pastor of ..." -> "Lisa Martin"). The
+cascade escalates answers whose length-normalised sequence probability is below the
+threshold.
 
 Evaluation sample (for planning): HybridQA dev questions (``../shared/data/hybridqa``) with,
 as context, the one linked Wikipedia passage of the question's table that contains the answer
@@ -28,10 +30,14 @@ from ken.models.resources import Resources, short_hash
 from ken.ops.base import OpContext, Stage
 from ken.ops.llm_operator import LLMOperator, stage_prefix
 from ken.ops.prompts import SEM_QA
+from ken.ops.short_answer import short_answer
 from ken.paths import shared_data_dir
 
 MAX_NEW_TOKENS = 24
 EVAL_QUESTIONS = 150
+#: what the stage does to the generated text (part of its name, so answers, profiles and
+#: cached results from before the cut are not reused)
+ANSWER_FORM = "short_answer/v1"
 
 
 def hybridqa_dir(data_dir: Path | None = None) -> Path:
@@ -73,10 +79,17 @@ def hybridqa_passage_sample(limit: int = EVAL_QUESTIONS, data_dir: Path | None =
                       "token_f1")
 
 
+def answer_of(text: str, row: tuple[str, str]) -> str | None:
+    """The stage's answer to ``row`` (question, context): the generated ``text`` without a
+    restatement of the question (:func:`ken.ops.short_answer.short_answer`)."""
+    return short_answer(text, row[0])
+
+
 def load_qa_stage(resources: Resources, device: DeviceConfig, name: str, lm_name: str
                   ) -> Model:
     return GenerativeModel(resources.causal_lm(lm_name, device), SEM_QA, name, "sem-qa",
-                           SEM_QA.key, MAX_NEW_TOKENS, stop=("\n",), num_inputs=2)
+                           f"{SEM_QA.key}+{ANSWER_FORM}", MAX_NEW_TOKENS, stop=("\n",),
+                           finish=answer_of, num_inputs=2)
 
 
 class SemQA(LLMOperator):
@@ -88,12 +101,12 @@ class SemQA(LLMOperator):
     doc = "a short answer to the question (first text) from the passage (second text)"
 
     def llm_stage(self, lm_name: str, constants: tuple[str, ...]) -> Stage:
-        name = f"{stage_prefix(self.name, lm_name)}[{short_hash(SEM_QA.key)}]"
+        name = f"{stage_prefix(self.name, lm_name)}[{short_hash(SEM_QA.key, ANSWER_FORM)}]"
         return Stage(name, load_qa_stage, (name, lm_name))
 
     def detail(self, constants: tuple[str, ...]) -> str:
-        return (f"greedy, one line of <= {MAX_NEW_TOKENS} tokens; "
-                f"{SEM_QA.describe_truncation()}")
+        return (f"greedy, one line of <= {MAX_NEW_TOKENS} tokens, a restated question cut "
+                f"({ANSWER_FORM}); {SEM_QA.describe_truncation()}")
 
     def eval_sample(self, ctx: OpContext) -> EvalSample | None:
         if not self.plannable():
