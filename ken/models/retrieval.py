@@ -7,9 +7,10 @@ word match finds. :func:`rank` combines both: each candidate's content words in 
 question, each weighted by how rare it is among the candidates (inverse document frequency: a
 word every row of the table has, such as a country all the players share, says little about
 which row is meant), cells and linked titles fully and linked passages at
-:data:`PASSAGE_WEIGHT`, plus :data:`SIMILARITY_WEIGHT` times its embedding similarity. :func:`best_sentences` keeps the
-sentences of a passage that share most words with the question, in their order, within a
-character budget, so the reader sees the evidence rather than the first few hundred characters.
+:data:`PASSAGE_WEIGHT`, plus :data:`SIMILARITY_WEIGHT` times its embedding similarity.
+:func:`best_sentences` keeps the sentences of a passage that share most words with the
+question, in their order, within a character budget, so the reader sees the evidence rather
+than the first few hundred characters.
 """
 
 from __future__ import annotations
