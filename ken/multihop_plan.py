@@ -78,8 +78,10 @@ READING = OPERATORS[1:]
 #: the LMs the reading operators choose from, cheapest first
 LLMS = DEFAULT_LLMS
 BATCH_SIZES = (1, 2, 4)
-VERSION = 3  # bump when what measure() records changes (2: word-match retrieval, LLMs in bf16;
-#              3: the word n-gram question-type classifier, one reading call per question)
+VERSION = 4  # bump when what measure() records changes (2: word-match retrieval, LLMs in bf16;
+#              3: the word n-gram question-type classifier, one reading call per question;
+#              4: retrieval by rarer words, answers cut of a restated question: new stage
+#              names, so older files would name models the planner no longer knows)
 
 
 def model_name(operator: str, lm: str) -> str:

@@ -79,8 +79,8 @@ class Session:
         self.serving = ServingManager(self.operators, self.ctx, self.bind, self.db)
         self.ray_actors = 2  # actors of sql(..., engine="ray"), each of device.threads CPUs
         # sql(..., engine="ray") fails with an EngineError when its stream makes no progress
-        # for this many seconds (None: ten times a block's profiled time, at least 5 minutes,
-        # 30 without a profile; ken.engine.ray_data.stall_limit_s)
+        # for this many seconds (None: ten times a block's profiled time, at least 5 minutes;
+        # without a profile Ray Data's own, 30 minutes; ken.engine.ray_data.stall_limit_s)
         self.ray_stall_s: float | None = None
         # sql(..., engine="auto") runs a query's semantic step on Ray Data when it reads one
         # Parquet dataset of at least this many rows (None: never; ken.sql.ray_query)

@@ -27,6 +27,29 @@ def test_short_answers_and_answers_that_copy_few_words_are_left_alone() -> None:
         assert short_answer(answer, q) == answer
 
 
+def test_an_answer_that_copies_an_alternative_of_the_question_is_left_alone() -> None:
+    q = "Which film came out first, The Fellowship of the Ring or The Return of the King?"
+    for answer in ("The Fellowship of the Ring came out first",
+                   "It was The Return of the King, in 2003"):
+        assert short_answer(answer, q) == answer
+    # an "or" elsewhere in the question does not stop the cut
+    q = "In which territory or state is the county that was named after a California senator?"
+    assert short_answer("The county that was named after a California senator is the "
+                        "Territory of Kansas.", q) == "Territory of Kansas"
+
+
+def test_the_qa_stage_cuts_its_answers() -> None:
+    from ken.models.resources import short_hash
+    from ken.ops import sem_qa
+    from ken.ops.prompts import SEM_QA
+
+    stage = sem_qa.SemQA().llm_stage("smollm2-135m", ())
+    assert stage.name.endswith(f"[{short_hash(SEM_QA.key, sem_qa.ANSWER_FORM)}]")
+    q = "Who is the current pastor of the church located in the town of Mexico Beach?"
+    assert sem_qa.answer_of("Lisa Martin is the current pastor of the church located in the "
+                            "town of Mexico Beach.", (q, "context")) == "Lisa Martin"
+
+
 def test_nothing_left_after_the_cut_keeps_the_answer() -> None:
     q = "Which team won the cup in the year of the flood?"
     assert short_answer("the team won the cup in the year of the flood", q) == (

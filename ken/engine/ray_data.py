@@ -13,10 +13,12 @@ a block answered once.
 
 A stream that stops moving fails: when no block is read, answered or written for
 :func:`stall_limit_s` (ten times what a block is expected to take by the cascades' profiles,
-at least :data:`STALL_FLOOR_S`; :data:`STALL_UNPROFILED_S` without a profile), Ray Data's
-no-progress guard ends the execution and the query fails with an ``EngineError`` saying so,
-e.g. when a node was lost and the nodes left have too few CPUs for the actors (Ray Data would
-otherwise wait for capacity to come back).
+at least :data:`STALL_FLOOR_S`; without a profile, Ray Data's own setting, 30 minutes unless
+``RAY_DATA_EXECUTION_NO_PROGRESS_TIMEOUT_S`` says otherwise), Ray Data's no-progress guard
+ends the execution and the query fails with an ``EngineError`` saying so, e.g. when a node was
+lost and the nodes left have too few CPUs for the actors (Ray Data would otherwise wait for
+capacity to come back; an autoscaling cluster that takes longer than the limit to add a node
+needs a larger ``session.ray_stall_s``).
 """
 
 from __future__ import annotations
@@ -41,9 +43,6 @@ from ken.models.model import Model
 #: the least time without progress before a Ray Data stream fails (an actor loads its models
 #: before its first block is answered)
 STALL_FLOOR_S = 300.0
-#: ... and the time when a site's cascade has no profile to say what a block costs (Ray Data's
-#: own default)
-STALL_UNPROFILED_S = 1800.0
 #: a stream fails after this many times a block's expected time without progress
 STALL_FACTOR = 10.0
 
@@ -110,14 +109,15 @@ class CascadeColumns:
         return block
 
 
-def stall_limit_s(sites: Sequence[SiteColumn], block_rows: int) -> float:
+def stall_limit_s(sites: Sequence[SiteColumn], block_rows: int) -> float | None:
     """How long a stream may go without progress before it fails: :data:`STALL_FACTOR` times
     a block's expected model time (each site's profiled ``cost_ms_per_row`` times
-    ``block_rows``), at least :data:`STALL_FLOOR_S`; :data:`STALL_UNPROFILED_S` when a site's
-    cascade has no profile."""
+    ``block_rows``), at least :data:`STALL_FLOOR_S`; None (Ray Data's own setting) when a
+    site's cascade has no profile. The profile is the session's device's: actors on slower
+    CPUs than it need a larger ``session.ray_stall_s``."""
     costs = [getattr(site.bound, "cost_ms_per_row", None) for site in sites]
     if not costs or any(c is None for c in costs):
-        return STALL_UNPROFILED_S
+        return None
     block_s = block_rows * sum(costs) / 1000.0
     return max(STALL_FLOOR_S, STALL_FACTOR * block_s)
 
@@ -133,11 +133,12 @@ def semantic_columns(source: str | Sequence[str], sites: Sequence[SiteColumn], o
     source's row order). ``columns``: the source columns to keep (default all).
 
     ``stall_s``: fail with an ``EngineError`` when no block moves for this long (default
-    :func:`stall_limit_s`)."""
+    :func:`stall_limit_s`; ``float("inf")``: never)."""
     if actors < 1 or threads < 1 or block_rows < 1:
         raise EngineError("semantic_columns needs actors, threads and block_rows >= 1")
-    if stall_s is not None and not stall_s > 0:
-        raise EngineError(f"a Ray Data stall limit must be above 0 seconds, got {stall_s}")
+    if stall_s is not None and not (isinstance(stall_s, (int, float)) and stall_s > 0):
+        raise EngineError(f"a Ray Data stall limit (session.ray_stall_s) must be a number of "
+                          f"seconds above 0, or None; got {stall_s!r}")
     stall = stall_limit_s(sites, block_rows) if stall_s is None else float(stall_s)
     ray = ensure_ray()
     # the actors share the cluster's CPUs but one: Ray Data's own tasks (listing files,
@@ -153,17 +154,20 @@ def semantic_columns(source: str | Sequence[str], sites: Sequence[SiteColumn], o
                                                               batch_size, threads, sys.path),
                         batch_format="pyarrow", batch_size=block_rows,
                         compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=per_actor)
-    ds.context.execution_no_progress_timeout_s = stall  # this dataset's; Ray >= 2.5x reads it
+    if stall is not None:  # this dataset's context (Ray Data copies it per dataset)
+        ds.context.execution_no_progress_timeout_s = stall
     try:
         ds.write_parquet(out_dir)
     except _stall_error(ray) as exc:
+        waited = ds.context.execution_no_progress_timeout_s
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise EngineError(
-            f"the semantic step on Ray Data made no progress for {stall:.0f} s (no block was "
+            f"the semantic step on Ray Data made no progress for {waited:g} s (no block was "
             f"read, answered or written) and was stopped; nothing was returned. The cluster "
             f"may have too few CPUs left for its {actors} actor(s) of {per_actor:g} CPUs (a "
             f"node lost?): add nodes or lower session.ray_actors, or, if one block of "
-            f"{block_rows} rows takes longer than that, raise session.ray_stall_s "
-            f"({type(exc).__name__})") from None
+            f"{block_rows} rows takes longer than that, raise session.ray_stall_s. Ray Data: "
+            f"{first}") from None
     except ray.exceptions.RayError as exc:
         if _node_died(exc):
             raise EngineError(
