@@ -8,11 +8,13 @@ Ray serves the module; the two-node test starts its own local cluster
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
 import time
 import types
+from concurrent.futures import ThreadPoolExecutor
 
 import fakes
 import numpy as np
@@ -337,6 +339,39 @@ class _NodeMood(ModelOperator):
         return {"a": functools.partial(fakes.NodeMarking, "a", self.folder, 0.05)}
 
 
+@contextlib.contextmanager
+def mood_on_a_cluster(tmp_path, workers: int):  # noqa: ANN001, ANN201
+    """A Ray cluster whose head has no CPUs and ``workers`` worker nodes of 3 CPUs, 4,000 rows
+    of Parquet in ``tmp_path/d``, and a session with ``mood`` (``_NodeMood``, marking its node
+    in ``tmp_path/marks``) on one Ray Data actor: yields (cluster, nodes, session, marks,
+    data)."""
+    from ray.cluster_utils import Cluster
+
+    import ken
+
+    ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    nodes = tuple(cluster.add_node(num_cpus=3) for _ in range(workers))
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    data = tmp_path / "d"
+    parquet_dataset(data, 4_000, files=8)
+    try:
+        ray.init(address=cluster.address, include_dashboard=False, logging_level="ERROR",
+                 log_to_driver=False)
+        cluster.wait_for_nodes()
+        with ken.connect(builtins=False) as s:
+            op = _NodeMood("mood", Cascade(("a",)), {"a": fakes.NodeMarking("a", str(marks),
+                                                                             0.0)})
+            op.folder = str(marks)
+            s.register("mood", op)
+            s.ray_actors = 1
+            yield cluster, nodes, s, marks, data
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
 def test_losing_the_node_of_a_ray_data_actor_mid_query_still_answers_every_row(
         local_ray, tmp_path) -> None:
     """A cluster of two worker nodes of 3 CPUs (the head has none): while a query's semantic
@@ -345,31 +380,10 @@ def test_losing_the_node_of_a_ray_data_actor_mid_query_still_answers_every_row(
     as DuckDB in-process gives it, or (an actor of Ray Data's own that is not restarted was
     there) the query fails with an error saying a node died and nothing was returned; never
     a part of the answer."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ray.cluster_utils import Cluster
-
-    import ken
-
-    ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    nodes = [cluster.add_node(num_cpus=3) for _ in range(2)]
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    data = tmp_path / "d"
-    parquet_dataset(data, 4_000, files=8)
-    query = f"SELECT id, mood(x) AS m FROM '{data}/*.parquet' ORDER BY id"
-    try:
-        ray.init(address=cluster.address, include_dashboard=False, logging_level="ERROR",
-                 log_to_driver=False)
-        cluster.wait_for_nodes()
+    with mood_on_a_cluster(tmp_path, 2) as (cluster, nodes, s, marks, data):
+        query = f"SELECT id, mood(x) AS m FROM '{data}/*.parquet' ORDER BY id"
         workers = {n.node_id: n for n in nodes}
-        with ken.connect(builtins=False) as s, ThreadPoolExecutor(1) as pool:
-            op = _NodeMood("mood", Cascade(("a",)), {"a": fakes.NodeMarking("a", str(marks),
-                                                                             0.0)})
-            op.folder = str(marks)
-            s.register("mood", op)
-            s.ray_actors = 1
+        with ThreadPoolExecutor(1) as pool:
             expected = s.sql(query, engine="duckdb").fetchall()
             running = pool.submit(lambda: s.sql(query, engine="ray").fetchall())
             victim = None
@@ -387,9 +401,6 @@ def test_losing_the_node_of_a_ray_data_actor_mid_query_still_answers_every_row(
                 assert "a Ray node died" in str(exc) and "nothing was returned" in str(exc)
             else:
                 assert got == expected and len(got) == 4_000
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def test_a_ray_data_query_whose_cluster_lost_every_cpu_fails_with_a_clear_error(
@@ -398,46 +409,22 @@ def test_a_ray_data_query_whose_cluster_lost_every_cpu_fails_with_a_clear_error(
     runs on Ray Data: nothing can run any more, and instead of waiting for capacity to come
     back the query fails once the stream made no progress for ``session.ray_stall_s``, with
     an error that says so and that nothing was returned."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ray.cluster_utils import Cluster
-
-    import ken
-
-    ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    node = cluster.add_node(num_cpus=3)
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    data = tmp_path / "d"
-    parquet_dataset(data, 4_000, files=8)
-    try:
-        ray.init(address=cluster.address, include_dashboard=False, logging_level="ERROR",
-                 log_to_driver=False)
-        cluster.wait_for_nodes()
-        with ken.connect(builtins=False) as s, ThreadPoolExecutor(1) as pool:
-            op = _NodeMood("mood", Cascade(("a",)), {"a": fakes.NodeMarking("a", str(marks),
-                                                                             0.0)})
-            op.folder = str(marks)
-            s.register("mood", op)
-            s.ray_actors = 1
-            s.ray_stall_s = 60.0  # above the actor's start (no progress until its first block)
-            running = pool.submit(lambda: s.sql(
-                f"SELECT id, mood(x) AS m FROM '{data}/*.parquet' ORDER BY id",
-                engine="ray").fetchall())
-            for _ in range(500):  # the actor's first call marks its node (up to 50 s)
-                if any(marks.glob("*.node")) or running.done():
-                    break
-                time.sleep(0.1)
-            assert any(marks.glob("*.node")), running.result()
-            cluster.remove_node(node, allow_graceful=False)
-            with pytest.raises(KenError) as failed:
-                running.result(timeout=300)
-            text = str(failed.value)
-            assert "made no progress for 60 s" in text and "nothing was returned" in text, text
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    with mood_on_a_cluster(tmp_path, 1) as (cluster, (node,), s, marks, data), \
+            ThreadPoolExecutor(1) as pool:
+        s.ray_stall_s = 60.0  # above the actor's start (no progress until its first block)
+        running = pool.submit(lambda: s.sql(
+            f"SELECT id, mood(x) AS m FROM '{data}/*.parquet' ORDER BY id",
+            engine="ray").fetchall())
+        for _ in range(500):  # the actor's first call marks its node (up to 50 s)
+            if any(marks.glob("*.node")) or running.done():
+                break
+            time.sleep(0.1)
+        assert any(marks.glob("*.node")), running.result()
+        cluster.remove_node(node, allow_graceful=False)
+        with pytest.raises(KenError) as failed:
+            running.result(timeout=300)
+        text = str(failed.value)
+        assert "made no progress for 60 s" in text and "nothing was returned" in text, text
 
 
 def test_the_stall_limit_follows_the_profiled_cost_of_a_block() -> None:

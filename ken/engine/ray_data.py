@@ -154,13 +154,15 @@ def semantic_columns(source: str | Sequence[str], sites: Sequence[SiteColumn], o
                                                               batch_size, threads, sys.path),
                         batch_format="pyarrow", batch_size=block_rows,
                         compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=per_actor)
+    from ray.data.exceptions import ExecutionTimeoutError  # Ray >= 2.60 (ken[ray])
+
     if stall is not None:  # this dataset's context (Ray Data copies it per dataset)
         ds.context.execution_no_progress_timeout_s = stall
     try:
         ds.write_parquet(out_dir)
-    except _stall_error(ray) as exc:
+    except ExecutionTimeoutError as exc:
         waited = ds.context.execution_no_progress_timeout_s
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        first = (str(exc).strip().splitlines() or [""])[0]
         raise EngineError(
             f"the semantic step on Ray Data made no progress for {waited:g} s (no block was "
             f"read, answered or written) and was stopped; nothing was returned. The cluster "
@@ -190,17 +192,6 @@ def semantic_columns(source: str | Sequence[str], sites: Sequence[SiteColumn], o
             schema = schema.append(pa.field(site.column, site.arrow_type))
         pq.write_table(schema.empty_table(), f"{out_dir}/empty.parquet")
     return rows
-
-
-def _stall_error(ray: Any) -> type[BaseException]:
-    """The error Ray Data raises when a stream makes no progress for its limit (an exception
-    class nothing raises where this Ray has no such guard)."""
-    exceptions = getattr(ray.data, "exceptions", None)
-    return getattr(exceptions, "ExecutionTimeoutError", _NoStallError)
-
-
-class _NoStallError(Exception):
-    """Stands for the no-progress error of a Ray Data without one."""
 
 
 def _node_died(exc: BaseException) -> bool:
