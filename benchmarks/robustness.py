@@ -9,8 +9,8 @@ are served, each first ``--phase-s`` seconds as planned and then ``--phase-s`` s
 - ``harder``: the same rate, but every request a hard row (one the first model of ken's most
   accurate cascade is unsure of, so it escalates).
 
-Three systems (four with ``--in-thread``) serve each trace, one after the other, on the same
-arrivals and rows:
+Three systems (one more each with ``--in-thread`` and ``--no-runtimes``) serve each trace,
+one after the other, on the same arrivals and rows:
 
 - ``ken, re-planning``: ken's plan with the ``Replanner`` watching it (``ken.engine.replanning``:
   rate, escalation, latency and, since 2026-11-27, the model calls' runtimes);
@@ -18,6 +18,9 @@ arrivals and rows:
   in the watching thread of the engine's process (``Replanner(isolate=False)``, how ken
   re-planned before 2026-11-27) rather than in its niced planner process: the A/B of where
   planning runs;
+- ``ken, re-planning without the runtime watch`` (with ``--no-runtimes``): the same, but the
+  watch does not compare the model calls' runtimes with the plan's (``Replanner(runtimes=
+  None)``): the A/B of whether that watch pays on its own;
 - ``ken, fixed plan``: the same plan, never re-planned;
 - ``static cascade``: the most accurate static cascade (one cascade at every load, ken's
   placement and scheduling) whose simulated p95 on the planning window is within the target:
@@ -99,14 +102,15 @@ def recovery_s(bins: list[dict], change_s: float, target_ms: float) -> float | N
 
 def serve(plan: GearPlan, loaders: dict, trace: Trace, sample, rows: np.ndarray,
           replanner: GearReplan | None, reporter: Reporter, args: argparse.Namespace,
-          isolate: bool = True) -> tuple[dict, list]:
+          isolate: bool = True, watch_runtimes: bool = True) -> tuple[dict, list]:
     with Engine(plan, loaders, workers="process", admission="max_in_flight") as engine:
+        runtimes = ((lambda log, since: recent_ratio(log, replanner.catalog, since))
+                    if replanner and watch_runtimes else None)
         watcher = (Replanner(engine, OPERATOR, replanner, replanner.expected,
                              reporter=reporter, window_s=args.watch_s,
                              history_s=args.history_s,
                              latency_limit_ms=replanner.latency_limit_ms,
-                             runtimes=lambda log, since: recent_ratio(
-                                 log, replanner.catalog, since), isolate=isolate)
+                             runtimes=runtimes, isolate=isolate)
                    if replanner else None)
         if watcher:
             watcher.start()
@@ -150,6 +154,9 @@ def main() -> int:
     ap.add_argument("--in-thread", action="store_true",
                     help="also serve ken re-planning in the engine's process (the A/B of "
                     "the planner process)")
+    ap.add_argument("--no-runtimes", action="store_true",
+                    help="also serve ken re-planning without the runtime watch (the A/B of "
+                    "whether that watch pays on its own)")
     args = ap.parse_args()
     if args.quick:
         args.phase_s = 30.0
@@ -212,14 +219,18 @@ def main() -> int:
         def recipe() -> GearReplan:
             return GearReplan(OPERATOR, cal, cascades, hardware, target, seed=args.seed)
 
-        systems = [("ken, re-planning", plan, recipe(), True),
-                   *([("ken, re-planning in this process", plan, recipe(), False)]
+        # (name, plan, re-planner, re-plan in the planner process, watch the runtimes)
+        systems = [("ken, re-planning", plan, recipe(), True, True),
+                   *([("ken, re-planning in this process", plan, recipe(), False, True)]
                      if args.in_thread else []),
-                   ("ken, fixed plan", plan, None, True), ("static cascade", static, None, True)]
-        for name, p, replanner, isolate in systems:
+                   *([("ken, re-planning without the runtime watch", plan, recipe(), True,
+                       False)] if args.no_runtimes else []),
+                   ("ken, fixed plan", plan, None, True, True),
+                   ("static cascade", static, None, True, True)]
+        for name, p, replanner, isolate, watch_runtimes in systems:
             reporter.note(f"{kind}: serving {name}")
             got, events = serve(p, loaders, trace, sample, rows, replanner, reporter, args,
-                                isolate)
+                                isolate, watch_runtimes)
             got["recovery_s"] = recovery_s(got["bins"], args.phase_s, args.target_ms)
             got["replans"] = events
             out["systems"][name] = got
