@@ -56,7 +56,7 @@ ratios, replays, spread; ``fidelity``: simulated against measured p95 of every r
 ``OUT/e2e.md`` (the tables) and ``OUT/e2e_<workload>.png`` (each baseline point joined to ken's
 matched plan). OUT is ``--out`` (default benchmarks/results/e2e).
 
-    python benchmarks/e2e.py --quick --out /tmp/e2e   # azure only, shorter windows: ~13 min
+    python benchmarks/e2e.py --quick --out /tmp/e2e   # azure only, 20 s replayed: ~13 min
     python benchmarks/e2e.py                 # all three workloads (not yet run with 3 replays)
     python benchmarks/e2e.py --data hellaswag --workloads azure --window-s 300 --measure-s 60 \
         --points 1 --ablation-points 1 --calibration-s 30 --replays 1   # LLMs on HellaSwag
@@ -501,8 +501,9 @@ def main() -> int:
                     help="held-out rows (default 1500; hellaswag: 200 items)")
     ap.add_argument("--workloads", default="azure,poisson,gamma",
                     type=lambda s: [w.strip() for w in s.split(",") if w.strip()])
-    ap.add_argument("--window-s", type=float, default=600.0,
-                    help="planning and evaluation window length")
+    ap.add_argument("--window-s", type=float, default=300.0,
+                    help="planning and evaluation window length (the Azure trace scaled to "
+                    "the default peak lasts about 1,150 s, so 300 s leaves 3 windows)")
     ap.add_argument("--measure-s", type=float, default=None,
                     help="seconds of the evaluation window replayed through the engine "
                     "(default 30; --quick: 20)")
@@ -531,8 +532,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None,
                     help="default benchmarks/results/e2e (hellaswag: .../e2e_hellaswag)")
     ap.add_argument("--quick", action="store_true",
-                    help="azure only, 5-min windows, 20 s replayed, 2 static points, 1 per "
-                    "ablation")
+                    help="azure only, 20 s replayed, 2 static points, 1 per ablation")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args()
     if args.peak_window_s is None:
@@ -542,7 +542,7 @@ def main() -> int:
     if args.out is None:
         args.out = RESULTS.with_name("e2e_hellaswag") if args.data == "hellaswag" else RESULTS
     if args.quick:
-        args.workloads, args.window_s = ["azure"], 300.0
+        args.workloads = ["azure"]
         args.points, args.ablation_points = 2, 1
     if args.measure_s is None:
         args.measure_s = 20.0 if args.quick else 30.0
