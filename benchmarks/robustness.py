@@ -9,8 +9,8 @@ are served, each first ``--phase-s`` seconds as planned and then ``--phase-s`` s
 - ``harder``: the same rate, but every request a hard row (one the first model of ken's most
   accurate cascade is unsure of, so it escalates).
 
-Three systems (one more each with ``--in-thread`` and ``--no-runtimes``) serve each trace,
-one after the other, on the same arrivals and rows:
+Three systems (one more each with ``--in-thread``, ``--no-stopgap`` and ``--no-runtimes``)
+serve each trace, one after the other, on the same arrivals and rows:
 
 - ``ken, re-planning``: ken's plan with the ``Replanner`` watching it (``ken.engine.replanning``:
   rate, escalation, latency and, since 2026-11-27, the model calls' runtimes);
@@ -18,6 +18,10 @@ one after the other, on the same arrivals and rows:
   in the watching thread of the engine's process (``Replanner(isolate=False)``, how ken
   re-planned before 2026-11-27) rather than in its niced planner process: the A/B of where
   planning runs;
+- ``ken, re-planning without the stop-gap`` (with ``--no-stopgap``): the same, but a rate or
+  latency drift waits for the re-plan instead of first swapping in a one-gear plan of the
+  frontier that sustains the load (``GearReplan.stopgap``): how ken re-planned before
+  2026-11-28;
 - ``ken, re-planning without the runtime watch`` (with ``--no-runtimes``): the same, but the
   watch does not compare the model calls' runtimes with the plan's (``Replanner(runtimes=
   None)``): the A/B of whether that watch pays on its own;
@@ -154,6 +158,10 @@ def main() -> int:
     ap.add_argument("--in-thread", action="store_true",
                     help="also serve ken re-planning in the engine's process (the A/B of "
                     "the planner process)")
+    ap.add_argument("--no-stopgap", action="store_true",
+                    help="also serve ken re-planning without first falling back at once to a "
+                    "one-gear plan that sustains the load (GearReplan.stopgap; how ken "
+                    "re-planned before 2026-11-28)")
     ap.add_argument("--no-runtimes", action="store_true",
                     help="also serve ken re-planning without the runtime watch (the A/B of "
                     "whether that watch pays on its own)")
@@ -216,8 +224,9 @@ def main() -> int:
             rng = np.random.default_rng(args.seed + 5)
             rows = np.concatenate([rows[: len(first)], rng.choice(hard, size=n2)])
         out: dict = {"change_s": args.phase_s, "requests": len(trace), "systems": {}}
-        def recipe() -> GearReplan:
-            return GearReplan(OPERATOR, cal, cascades, hardware, target, seed=args.seed)
+        def recipe(stopgap: bool = True) -> GearReplan:
+            return GearReplan(OPERATOR, cal, cascades, hardware, target, seed=args.seed,
+                              fallbacks=frontier.one_gear if stopgap else ())
 
         # (name, plan, re-planner, re-plan in the planner process, watch the runtimes)
         systems = [("ken, re-planning", plan, recipe(), True, True),
@@ -225,6 +234,8 @@ def main() -> int:
                      if args.in_thread else []),
                    *([("ken, re-planning without the runtime watch", plan, recipe(), True,
                        False)] if args.no_runtimes else []),
+                   *([("ken, re-planning without the stop-gap", plan, recipe(False), True,
+                       True)] if args.no_stopgap else []),
                    ("ken, fixed plan", plan, None, True, True),
                    ("static cascade", static, None, True, True)]
         for name, p, replanner, isolate, watch_runtimes in systems:

@@ -15,11 +15,11 @@ from ken.engine.replanning import Replanner
 from ken.engine.serving import Engine
 from ken.engine.supervision import BatchRecord
 from ken.models.cascade import Cascade
-from ken.optimizer.planner import PlannerSettings
+from ken.optimizer.planner import PlannerSettings, plan_frontier
 from ken.optimizer.query import Target
 from ken.optimizer.replan import GearReplan, plan_escalation, resampled_catalog
 from ken.optimizer.workload import poisson_trace
-from ken.policy.drift import DriftWatch, expected_escalation
+from ken.policy.drift import Drift, DriftWatch, expected_escalation
 from ken.policy.plan import GearPlan, RangeSchedule, Replica
 from tests.test_planner import CASCADES, catalog, hardware
 
@@ -274,5 +274,101 @@ def test_replanner_sees_calls_slower_than_the_plan_and_replans_with_their_runtim
     assert drift.kind == "runtime" and drift.runtime_factor is not None
     assert 3.0 < drift.runtime_factor < 10.0  # 10 ms calls and their round trip over 2 ms
     assert seen[0] is drift
+    assert len({o.request_id for o in outcomes}) == len(futures)
+    assert {o.status for o in outcomes} == {"ok"}
+
+
+def test_stopgap_falls_back_to_the_most_accurate_one_gear_plan_that_sustains_the_load(
+        ) -> None:
+    """``GearReplan.stopgap`` against the rule by brute force, on the frontier's one-gear
+    plans: rate drifts the plan covers and other drifts give nothing; otherwise the most
+    accurate fallback that sustains the load (those with the models already loaded first), or
+    where none does, the one that sustains most."""
+    cat, hw = catalog(), hardware()
+    frontier, _ = plan_frontier("op", CASCADES, cat, hw, poisson_trace(100.0, 3.0, seed=1),
+                                settings=PlannerSettings(num_ranges=3, max_rounds=2))
+    fallbacks = frontier.one_gear
+    assert len(fallbacks) >= 2 and all(len(set(p.cascades)) == 1 for p in fallbacks)
+    assert set(fallbacks) <= set(frontier.all_plans)
+    replan = GearReplan("op", cat, CASCADES, hw, Target(max_p95_ms=200.0),
+                        fallbacks=fallbacks)
+    accuracy = {p: cat.accuracy(p.cascades[0]) for p in fallbacks}
+    cap = {p: replan.capacity(p) for p in fallbacks}
+
+    def expected(current: GearPlan, need: float) -> GearPlan | None:
+        loaded = {r.model for r in current.placement}
+        ok = [p for p in fallbacks if cap[p] >= need]
+        if not ok:
+            best = max(fallbacks, key=lambda p: cap[p])
+            return best if cap[best] > replan.capacity(current) else None
+        for group in ([p for p in ok if {r.model for r in p.placement} <= loaded], ok):
+            if group:
+                top = max(accuracy[p] for p in group)
+                return max((p for p in group if accuracy[p] == top), key=lambda p: cap[p])
+        return None
+
+    for current in fallbacks:
+        have = replan.capacity(current)
+        assert replan.stopgap(Drift(1.0, "rate", "", have / 2), current) is None
+        assert replan.stopgap(Drift(1.0, "escalation", "", have * 10), current) is None
+        for kind in ("rate", "latency"):
+            for rate in (have * 0.5, have * 1.5, have * 4, have * 1e4):
+                drift = Drift(1.0, kind, "", rate)
+                if kind == "rate" and have >= rate * replan.headroom:
+                    continue
+                need = max(rate, 1.0) * replan.headroom
+                if kind == "latency":
+                    need = max(need, have * replan.headroom)
+                got = replan.stopgap(drift, current)
+                assert got == expected(current, need), (kind, rate)
+                if got is not None:
+                    assert cap[got] >= need or cap[got] == max(cap.values())
+    no_fallbacks = GearReplan("op", cat, CASCADES, hw, Target(max_p95_ms=200.0))
+    assert no_fallbacks.stopgap(Drift(1.0, "rate", "", 1e6), fallbacks[0]) is None
+
+
+def test_replanner_swaps_the_stopgap_in_at_once_and_the_replan_after_it() -> None:
+    """A rate drift: the stop-gap serves while the re-plan runs (held by an event), then the
+    re-plan's plan; both swaps logged, every request answered once."""
+    models = {"a": FakeModel("a"), "b": FakeModel("b")}
+    first, quick = small_plan(50.0), small_plan(5_000.0, Cascade(("a",)))
+    final = small_plan(5_000.0, Cascade(("a", "b"), (0.9,)))
+    done = threading.Event()
+
+    class Staged:
+        def __init__(self) -> None:
+            self.serving_while_planning: GearPlan | None = None
+            self.asked: list[str] = []
+
+        def stopgap(self, drift, plan):  # noqa: ANN001, ANN202
+            self.asked.append(drift.kind)
+            return quick
+
+        def __call__(self, trace, drift):  # noqa: ANN001, ANN202
+            self.serving_while_planning = engine.plans["op"]
+            return final
+
+    staged = Staged()
+    with Engine(first, models) as engine:
+        replanner = Replanner(engine, "op", staged, lambda p: {c: (0.5,) for c in p.cascades},
+                              window_s=0.5, history_s=1.0, poll_s=0.05, settle_s=0.0,
+                              isolate=False,
+                              on_event=lambda e: done.set() if not e.stopgap else None)
+        with replanner:
+            futures = []
+            for i in range(4000):
+                futures.append(engine.submit(f"row {i}"))
+                if done.is_set() and len(futures) > 50:
+                    break
+                threading.Event().wait(0.0025)
+            assert done.wait(10)
+            futures += [engine.submit(f"after {i}") for i in range(20)]
+            outcomes = [f.result(timeout=10) for f in futures]
+        assert engine.plans["op"] == final
+    assert staged.asked[0] == "rate" and staged.serving_while_planning == quick
+    stop, replanned = replanner.events[0], replanner.events[1]
+    assert stop.stopgap and not stop.error and "fell back" in stop.line()
+    assert not replanned.stopgap and "re-planned" in replanned.line()
+    assert stop.swapped_at_s <= replanned.swapped_at_s
     assert len({o.request_id for o in outcomes}) == len(futures)
     assert {o.status for o in outcomes} == {"ok"}

@@ -23,6 +23,12 @@ workers fill, a core from the workers. What the call changed in ``replan`` (a ``
 keeps the catalog a drift changed) is copied back into it. A ``replan`` that cannot be pickled
 (a closure) runs in the watching thread, as ``isolate=False`` asks for.
 
+A re-plan takes seconds, most on a machine the load overwhelms. Where ``replan`` has a
+``stopgap(drift, plan)`` (``GearReplan``: one of the one-gear plans the operator was planned
+with that sustains the load, chosen without simulating), a rate or latency drift first swaps
+that plan in at once (a ``ReplanEvent`` with ``stopgap`` set), and the re-plan then replaces
+it.
+
 Answers to requests that arrived in the first ``settle_s`` after the watch starts are not
 judged against the latency limit (nor, after a swap, those that arrived before it): the first
 seconds of a freshly started engine run cold and say little of the plan.
@@ -60,8 +66,14 @@ class ReplanEvent:
     old: str  # the plans' one-line summaries
     new: str
     error: str = ""  # planning failed: the old plan stays
+    stopgap: bool = False  # swapped in at once, before the re-plan (``GearReplan.stopgap``)
 
     def line(self) -> str:
+        if self.stopgap:
+            return (f"fell back at {self.at_s:.1f} s ({self.drift.kind}: {self.drift.detail}) "
+                    f"to a plan that sustains the load, swapped at {self.swapped_at_s:.1f} s "
+                    f"while the re-plan runs, {self.moved} queued rows moved; was: {self.old}; "
+                    f"now: {self.new}")
         if self.error:
             return (f"re-plan at {self.at_s:.1f} s failed ({self.error}); serving the old plan. "
                     f"Why: {self.drift.detail}")
@@ -180,11 +192,40 @@ class Replanner:
         return Trace(np.sort(tiled), f"{self.operator} serving: {backlog} queued, then the "
                                      f"last {window:g} s x {copies}")
 
+    def _stopgap(self, drift: Drift, old: GearPlan) -> GearPlan:
+        """Swap in ``replan.stopgap``'s plan at once, where it has one for ``drift``; the plan
+        serving afterwards."""
+        pick = getattr(self.replan, "stopgap", None)
+        if pick is None:
+            return old
+        started = time.perf_counter()
+        try:
+            quick = pick(drift, old)
+            if quick is None or quick == old:
+                return old
+            moved = self.engine.swap_plan(quick)
+        except Exception as exc:  # noqa: BLE001 - the re-plan still follows
+            self._record(ReplanEvent(drift.at_s, drift, time.perf_counter() - started,
+                                     self.engine.clock.now(), 0, describe(old), describe(old),
+                                     error=f"{type(exc).__name__}: {exc}", stopgap=True))
+            return old
+        self._swapped_at = self.engine.clock.now()
+        self.watch.rebase(quick, self.expected(quick))
+        self._record(ReplanEvent(drift.at_s, drift, time.perf_counter() - started,
+                                 self._swapped_at, moved, describe(old), describe(quick),
+                                 stopgap=True))
+        return quick
+
+    def _record(self, event: ReplanEvent) -> None:
+        self.events.append(event)
+        self._on_event(event)
+
     def _handle(self, drift: Drift, arrivals: list[float]) -> None:
         engine, old = self.engine, self.engine.plans[self.operator]
         started = time.perf_counter()
         try:
-            trace = self._trace(drift.at_s, arrivals)
+            trace = self._trace(drift.at_s, arrivals)  # the backlog as the drift left it
+            old = self._stopgap(drift, old)
             new = self._plan(trace, drift)
             planning_s = time.perf_counter() - started
             moved = engine.swap_plan(new)
@@ -197,9 +238,8 @@ class Replanner:
             event = ReplanEvent(drift.at_s, drift, planning_s, self._swapped_at, moved,
                                 describe(old), describe(new))
             self.watch.rebase(new, self.expected(new))
-        self.events.append(event)
         self._quiet_until = engine.clock.now() + self.settle_s
-        self._on_event(event)
+        self._record(event)
 
     def _plan(self, trace: Trace, drift: Drift) -> GearPlan:
         """``replan(trace, drift)``, in the planner process where there is one."""

@@ -19,7 +19,7 @@ from ken.errors import ProfileError
 from ken.models.cascade import Cascade
 from ken.models.certainty import certainty_of
 from ken.optimizer.profile import Profile
-from ken.optimizer.workload import is_gpu_id
+from ken.optimizer.workload import Hardware, is_gpu_id
 
 #: tensor-parallel degrees a replica may span (one node)
 PARALLEL_DEGREES = (1, 2, 4, 8)
@@ -329,3 +329,24 @@ def size_factor(share: float, largest: float, expected: float) -> float:
     if expected <= 0:
         return 1.0
     return (1.0 - share) + share * largest / expected
+
+
+def sustained_qps(catalog: Catalog, cascade: Cascade, devices: int | Hardware) -> float:
+    """Rows/s that ``devices`` equal workers (or the devices of a ``Hardware``, each at its own
+    speed) sustain running ``cascade`` flat out.
+
+    ``devices / sum_i(f_i * s_i)``: ``f_i`` is the fraction of rows reaching stage ``i`` and
+    ``s_i`` that model's seconds per row at its throughput-optimal (profiled) batch size.
+    """
+    fractions = catalog.stage_fractions(cascade)
+
+    def rate(device: str) -> float:  # "" (no GPU id): the catalog's default perf
+        seconds = 0.0
+        for model, fraction in zip(cascade.models, fractions, strict=True):
+            perf = catalog.perf_on(model, device)
+            seconds += fraction * min(perf.per_row_s(b) for b in perf.batch_sizes)
+        return 1.0 / seconds
+
+    if isinstance(devices, Hardware):
+        return sum(rate(d.id) for d in devices.devices)
+    return devices * rate("")

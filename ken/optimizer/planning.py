@@ -28,7 +28,7 @@ from ken.optimizer.cascades import evaluate, pareto_cascades
 from ken.optimizer.certified import CertifiedCandidates, certify_candidates
 from ken.optimizer.gen_planner import plan_generating
 from ken.optimizer.guarantee import GuaranteeTarget
-from ken.optimizer.perf import Catalog, ModelPerf
+from ken.optimizer.perf import Catalog, ModelPerf, sustained_qps
 from ken.optimizer.planner import PlannerSettings, PlannerStats, plan_frontier
 from ken.optimizer.profile import (
     DEFAULT_BATCH_SIZES,
@@ -232,27 +232,6 @@ def keyed_profiles(profiles: Mapping[str, Profile],
     """The profiles a cached frontier is keyed by: both kinds on a mixed machine (the GPU's
     as ``model@gpu``)."""
     return {**profiles, **{f"{m}@gpu": p for m, p in (gpu_profiles or {}).items()}}
-
-
-def sustained_qps(catalog: Catalog, cascade: Cascade, devices: int | Hardware) -> float:
-    """Rows/s that ``devices`` equal workers (or the devices of a ``Hardware``, each at its own
-    speed) sustain running ``cascade`` flat out.
-
-    ``devices / sum_i(f_i * s_i)``: ``f_i`` is the fraction of rows reaching stage ``i`` and
-    ``s_i`` that model's seconds per row at its throughput-optimal (profiled) batch size.
-    """
-    fractions = catalog.stage_fractions(cascade)
-
-    def rate(device: str) -> float:  # "" (no GPU id): the catalog's default perf
-        seconds = 0.0
-        for model, fraction in zip(cascade.models, fractions, strict=True):
-            perf = catalog.perf_on(model, device)
-            seconds += fraction * min(perf.per_row_s(b) for b in perf.batch_sizes)
-        return 1.0 / seconds
-
-    if isinstance(devices, Hardware):
-        return sum(rate(d.id) for d in devices.devices)
-    return devices * rate("")
 
 
 def default_peak_qps(catalog: Catalog, cascades: Sequence[Cascade], devices: int | Hardware
@@ -606,7 +585,8 @@ def plan_functions(operators: Mapping[str, Operator], ctx: OpContext, names: Seq
             cache_dir=cache_dir, reporter=ctx.reporter, force=force)
     # the query optimizer simulates with the runtimes the frontiers were planned with
     charged = {n: c.with_overhead(hardware.dispatch_s) for n, c in catalogs.items()}
-    replans = {n: GearReplan(n, catalogs[n], prepared[n][1], hardware, target)
+    replans = {n: GearReplan(n, catalogs[n], prepared[n][1], hardware, target,
+                             fallbacks=frontiers[n].one_gear)
                for n in names}
     for n in certified:  # re-planning online serves the certified cascades only, too
         replans[n] = replace(replans[n], settings=replace(replans[n].settings,

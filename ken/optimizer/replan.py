@@ -13,6 +13,12 @@ every runtime by the factor measured, and the planner plans with those from then
 
 Online planning competes with serving for the machine, so its default settings are lighter
 than ``ken plan``'s (fewer load ranges and placement rounds, analytic placement scoring).
+Even so a re-plan takes seconds, and most when it is most needed: on a machine the load
+overwhelms, the planner (a niced process) gets the cores last; in the robustness benchmark one
+took 18 s after the rate doubled, and the backlog of those 18 s was never drained. So on a rate
+or latency drift ``stopgap`` first picks, without simulating, one of the one-gear plans the
+operator was planned with (``fallbacks``) whose cascade sustains the load, and the replanner
+swaps it in at once; the full re-plan follows and replaces it.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import numpy as np
 
 from ken.errors import QueryPlanError
 from ken.models.cascade import Cascade
-from ken.optimizer.perf import Catalog
+from ken.optimizer.perf import Catalog, sustained_qps
 from ken.optimizer.planner import PlannerSettings, plan_frontier
 from ken.optimizer.query import Target, choose_plans
 from ken.optimizer.scheduler import PlanningError
@@ -91,6 +97,8 @@ class GearReplan:
     # target would not drain it
     margin: float = 0.5
     seed: int = 0
+    # one-gear plans to fall back on at once when the load outgrows the plan (``stopgap``)
+    fallbacks: Sequence[GearPlan] = ()
 
     @property
     def latency_limit_ms(self) -> float | None:
@@ -133,3 +141,35 @@ class GearReplan:
 
     def expected(self, plan: GearPlan) -> Mapping[Cascade, tuple[float, ...]]:
         return plan_escalation(self.catalog, plan)
+
+    def capacity(self, plan: GearPlan) -> float:
+        """Rows/s the fastest gear of ``plan`` sustains on its devices (``sustained_qps``)."""
+        devices = len({d for r in plan.placement for d in r.devices})
+        return max(sustained_qps(self.catalog, c, devices) for c in set(plan.cascades))
+
+    def stopgap(self, drift: Drift, current: GearPlan) -> GearPlan | None:
+        """A plan to serve at once, before the re-plan (see the module docstring): on a rate
+        drift, when ``current``'s fastest gear does not sustain the rate measured times
+        ``headroom``; on a latency drift (``current`` missed its target serving), one that
+        sustains ``headroom`` times more than ``current`` too. Of the ``fallbacks`` that do,
+        the most accurate, those whose models ``current`` already has first (nothing to
+        load); where none does, the one that sustains most, if more than ``current``. None
+        for other drifts, without fallbacks, or when ``current`` suffices. Analytic: a few
+        arithmetic operations per fallback, no simulation."""
+        if drift.kind not in ("rate", "latency") or not self.fallbacks:
+            return None
+        have = self.capacity(current)
+        need = max(drift.rate_qps, 1.0) * self.headroom
+        if drift.kind == "latency":
+            need = max(need, have * self.headroom)
+        elif have >= need:
+            return None
+        loaded = {r.model for r in current.placement}
+        sized = [(self.capacity(p), p) for p in self.fallbacks]
+        enough = [(cap, p) for cap, p in sized if cap >= need]
+        if enough:
+            return max(enough, key=lambda cp: (
+                {r.model for r in cp[1].placement} <= loaded,
+                self.catalog.accuracy(cp[1].cascades[0]), cp[0]))[1]
+        cap, best = max(sized, key=lambda cp: cp[0])
+        return best if cap > have else None

@@ -535,6 +535,12 @@ class Frontier:
         return tuple(sorted((*self.plans, *self.alternatives),
                             key=lambda p: p.predicted.p95_ms))  # type: ignore[union-attr]
 
+    @property
+    def one_gear(self) -> tuple[GearPlan, ...]:
+        """The plans and alternatives that serve one cascade at every load (what re-planning
+        falls back on at once, ``GearReplan.stopgap``)."""
+        return tuple(p for p in self.all_plans if len(set(p.cascades)) == 1)
+
     def __len__(self) -> int:
         return len(self.plans)
 
