@@ -141,6 +141,20 @@ def test_recent_ratio_reads_the_calls_of_the_window_and_a_runtime_drift_rescales
     assert recent_ratio(log, replan.catalog, 10.0)[0] == pytest.approx(1.0)  # quiet again
 
 
+def flood_until(engine: Engine, swapped: threading.Event) -> tuple[list, list]:
+    """About 400 requests per second, far above the small plans' 50 qps, until ``swapped``
+    is set (and at least 50 were sent), then 20 more; the futures and their outcomes."""
+    futures = []
+    for i in range(4000):
+        futures.append(engine.submit(f"row {i}"))
+        if swapped.is_set() and len(futures) > 50:
+            break
+        threading.Event().wait(0.0025)
+    assert swapped.wait(10)
+    futures += [engine.submit(f"after {i}") for i in range(20)]
+    return futures, [f.result(timeout=10) for f in futures]
+
+
 def test_replanner_swaps_the_plan_when_the_rate_passes_the_top_gear_and_loses_nothing() -> None:
     models = {"a": FakeModel("a"), "b": FakeModel("b")}
     first = small_plan(50.0)
@@ -157,16 +171,7 @@ def test_replanner_swaps_the_plan_when_the_rate_passes_the_top_gear_and_loses_no
                               window_s=0.5, history_s=1.0, poll_s=0.05, settle_s=0.0,
                               on_event=lambda e: swapped.set())
         with replanner:
-            futures = []
-            # about 400 requests per second, far above the plan's 50 qps, until the swap
-            for i in range(4000):
-                futures.append(engine.submit(f"row {i}"))
-                if swapped.is_set() and len(futures) > 50:
-                    break
-                threading.Event().wait(0.0025)
-            assert swapped.wait(10)
-            futures += [engine.submit(f"after {i}") for i in range(20)]
-            outcomes = [f.result(timeout=10) for f in futures]
+            futures, outcomes = flood_until(engine, swapped)
         assert engine.plans["op"] is second
     event = replanner.events[0]
     assert event.drift.kind == "rate" and not event.error and seen[0][1] == "rate"
@@ -282,7 +287,8 @@ def test_stopgap_falls_back_to_the_most_accurate_one_gear_plan_that_sustains_the
         ) -> None:
     """``GearReplan.stopgap`` against the rule by brute force, on the frontier's one-gear
     plans: rate drifts the plan covers and other drifts give nothing; otherwise the most
-    accurate fallback that sustains the load (those with the models already loaded first), or
+    accurate fallback that sustains the load (those with their models already on their
+    devices first), or
     where none does, the one that sustains most."""
     cat, hw = catalog(), hardware()
     frontier, _ = plan_frontier("op", CASCADES, cat, hw, poisson_trace(100.0, 3.0, seed=1),
@@ -296,12 +302,14 @@ def test_stopgap_falls_back_to_the_most_accurate_one_gear_plan_that_sustains_the
     cap = {p: replan.capacity(p) for p in fallbacks}
 
     def expected(current: GearPlan, need: float) -> GearPlan | None:
-        loaded = {r.model for r in current.placement}
+        loaded = {(r.model, d) for r in current.placement for d in r.devices}
         ok = [p for p in fallbacks if cap[p] >= need]
         if not ok:
             best = max(fallbacks, key=lambda p: cap[p])
             return best if cap[best] > replan.capacity(current) else None
-        for group in ([p for p in ok if {r.model for r in p.placement} <= loaded], ok):
+        on_devices = [p for p in ok if all((r.model, d) in loaded for r in p.placement
+                                           for d in r.devices)]
+        for group in (on_devices, ok):
             if group:
                 top = max(accuracy[p] for p in group)
                 return max((p for p in group if accuracy[p] == top), key=lambda p: cap[p])
@@ -355,15 +363,7 @@ def test_replanner_swaps_the_stopgap_in_at_once_and_the_replan_after_it() -> Non
                               isolate=False,
                               on_event=lambda e: done.set() if not e.stopgap else None)
         with replanner:
-            futures = []
-            for i in range(4000):
-                futures.append(engine.submit(f"row {i}"))
-                if done.is_set() and len(futures) > 50:
-                    break
-                threading.Event().wait(0.0025)
-            assert done.wait(10)
-            futures += [engine.submit(f"after {i}") for i in range(20)]
-            outcomes = [f.result(timeout=10) for f in futures]
+            futures, outcomes = flood_until(engine, done)
         assert engine.plans["op"] == final
     assert staged.asked[0] == "rate" and staged.serving_while_planning == quick
     stop, replanned = replanner.events[0], replanner.events[1]

@@ -74,6 +74,11 @@ def scaled_catalog(catalog: Catalog, factor: float) -> Catalog:
     return catalog.with_perf({m: p.scaled(factor) for m, p in catalog.perf.items()})
 
 
+def replicas(plan: GearPlan) -> set[tuple[str, str]]:
+    """(model, device) of every model ``plan`` places on a device."""
+    return {(r.model, d) for r in plan.placement for d in r.devices}
+
+
 def plan_escalation(catalog: Catalog, plan: GearPlan) -> dict[Cascade, tuple[float, ...]]:
     """What ``plan`` expects each stage of each of its cascades to pass on, on ``catalog``'s
     sample (what a ``DriftWatch`` compares serving with)."""
@@ -152,10 +157,10 @@ class GearReplan:
         drift, when ``current``'s fastest gear does not sustain the rate measured times
         ``headroom``; on a latency drift (``current`` missed its target serving), one that
         sustains ``headroom`` times more than ``current`` too. Of the ``fallbacks`` that do,
-        the most accurate, those whose models ``current`` already has first (nothing to
-        load); where none does, the one that sustains most, if more than ``current``. None
-        for other drifts, without fallbacks, or when ``current`` suffices. Analytic: a few
-        arithmetic operations per fallback, no simulation."""
+        the most accurate, those whose models ``current`` already has on the same devices
+        first (nothing to load); where none does, the one that sustains most, if more than
+        ``current``. None for other drifts, without fallbacks, or when ``current`` suffices.
+        Analytic: a few arithmetic operations per fallback, no simulation."""
         if drift.kind not in ("rate", "latency") or not self.fallbacks:
             return None
         have = self.capacity(current)
@@ -164,12 +169,12 @@ class GearReplan:
             need = max(need, have * self.headroom)
         elif have >= need:
             return None
-        loaded = {r.model for r in current.placement}
+        loaded = replicas(current)
         sized = [(self.capacity(p), p) for p in self.fallbacks]
         enough = [(cap, p) for cap, p in sized if cap >= need]
         if enough:
             return max(enough, key=lambda cp: (
-                {r.model for r in cp[1].placement} <= loaded,
-                self.catalog.accuracy(cp[1].cascades[0]), cp[0]))[1]
+                replicas(cp[1]) <= loaded, self.catalog.accuracy(cp[1].cascades[0]),
+                cp[0]))[1]
         cap, best = max(sized, key=lambda cp: cp[0])
         return best if cap > have else None
