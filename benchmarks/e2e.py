@@ -57,7 +57,7 @@ ratios, replays, spread; ``fidelity``: simulated against measured p95 of every r
 matched plan). OUT is ``--out`` (default benchmarks/results/e2e).
 
     python benchmarks/e2e.py --quick --out /tmp/e2e   # azure only, 20 s replayed: ~13 min
-    python benchmarks/e2e.py                 # all three workloads (not yet run with 3 replays)
+    python benchmarks/e2e.py                 # all three workloads: ~62 min
     python benchmarks/e2e.py --data hellaswag --workloads azure --window-s 300 --measure-s 60 \
         --points 1 --ablation-points 1 --calibration-s 30 --replays 1   # LLMs on HellaSwag
 """

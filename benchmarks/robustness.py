@@ -130,7 +130,7 @@ def serve(plan: GearPlan, loaders: dict, trace: Trace, sample, rows: np.ndarray,
     t0 = float(r.arrival_s.min())  # engine clock of the first arrival: trace time 0
     events = [] if watcher is None else [
         {"at_s": e.at_s - t0, "swapped_at_s": e.swapped_at_s - t0, "kind": e.drift.kind,
-         "why": e.drift.detail,
+         "stopgap": e.stopgap, "why": e.drift.detail,
          "planning_s": e.planning_s, "moved": e.moved, "old": e.old, "new": e.new,
          "error": e.error} for e in watcher.events]
     return {"bins": bins, "status": rep.status_counts(),
@@ -249,7 +249,8 @@ def main() -> int:
             reporter.note(f"{kind}: {name}: p95 {got['p95_ms']:.0f} ms, accuracy "
                           f"{got['accuracy']:.1%}, recovered "
                           f"{'never' if rec is None else f'after {rec:.0f} s'}; "
-                          f"{len(events)} re-plans")
+                          f"{sum(not e['stopgap'] for e in events)} re-plans, "
+                          f"{sum(e['stopgap'] for e in events)} stop-gaps")
         results["traces"][kind] = out
         (args.out / "robustness.json").write_text(json.dumps(results, indent=1))
     results["wall_s"] = time.perf_counter() - started
@@ -275,12 +276,14 @@ def plot(results: dict, path: Path, target_ms: float) -> None:
             ax.plot(xs, [b["p95_ms"] for b in s["bins"]], "-o", ms=3, label=name)
             ax2.plot(xs, [100 * b["accuracy"] for b in s["bins"]], "-o", ms=3, label=name)
             for e in s["replans"]:
-                ax.axvline(e["swapped_at_s"], color="red", lw=0.6, alpha=0.5)
+                ax.axvline(e["swapped_at_s"], color="orange" if e.get("stopgap") else "red",
+                           lw=0.6, alpha=0.5, ls=":" if e.get("stopgap") else "-")
         ax.axhline(target_ms, color="gray", ls="--", lw=0.8)
         ax.axvline(tr["change_s"], color="black", lw=0.8)
         ax.set_yscale("log")
         ax.set_ylabel("p95 latency (ms) per window")
-        ax.set_title(f"{kind}: change at {tr['change_s']:.0f} s (black); re-plans (red)",
+        ax.set_title(f"{kind}: change at {tr['change_s']:.0f} s (black); re-plans (red), "
+                     "stop-gaps (orange)",
                      fontsize=8)
         ax2.set_ylabel("accuracy (%)")
         ax2.set_xlabel("time (s)")

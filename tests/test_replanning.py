@@ -286,10 +286,10 @@ def test_replanner_sees_calls_slower_than_the_plan_and_replans_with_their_runtim
 def test_stopgap_falls_back_to_the_most_accurate_one_gear_plan_that_sustains_the_load(
         ) -> None:
     """``GearReplan.stopgap`` against the rule by brute force, on the frontier's one-gear
-    plans: rate drifts the plan covers and other drifts give nothing; otherwise the most
-    accurate fallback that sustains the load (those with their models already on their
-    devices first), or
-    where none does, the one that sustains most."""
+    plans: rate drifts the plan covers, latency drifts well below its capacity and other
+    drifts give nothing; otherwise the most accurate fallback that sustains the load (those
+    with their models already on their devices first), or where none does, the one that
+    sustains most."""
     cat, hw = catalog(), hardware()
     frontier, _ = plan_frontier("op", CASCADES, cat, hw, poisson_trace(100.0, 3.0, seed=1),
                                 settings=PlannerSettings(num_ranges=3, max_rounds=2))
@@ -322,12 +322,13 @@ def test_stopgap_falls_back_to_the_most_accurate_one_gear_plan_that_sustains_the
         for kind in ("rate", "latency"):
             for rate in (have * 0.5, have * 1.5, have * 4, have * 1e4):
                 drift = Drift(1.0, kind, "", rate)
-                if kind == "rate" and have >= rate * replan.headroom:
-                    continue
+                got = replan.stopgap(drift, current)
                 need = max(rate, 1.0) * replan.headroom
+                if need < have or (kind == "rate" and have >= need):
+                    assert got is None, (kind, rate)  # not an overload
+                    continue
                 if kind == "latency":
                     need = max(need, have * replan.headroom)
-                got = replan.stopgap(drift, current)
                 assert got == expected(current, need), (kind, rate)
                 if got is not None:
                     assert cap[got] >= need or cap[got] == max(cap.values())
@@ -336,8 +337,9 @@ def test_stopgap_falls_back_to_the_most_accurate_one_gear_plan_that_sustains_the
 
 
 def test_replanner_swaps_the_stopgap_in_at_once_and_the_replan_after_it() -> None:
-    """A rate drift: the stop-gap serves while the re-plan runs (held by an event), then the
-    re-plan's plan; both swaps logged, every request answered once."""
+    """A rate drift: the stop-gap is swapped in before the re-plan runs and serves while it
+    does, then the re-plan's plan; both swaps logged (EXPLAIN-style count apart), every
+    request answered once."""
     models = {"a": FakeModel("a"), "b": FakeModel("b")}
     first, quick = small_plan(50.0), small_plan(5_000.0, Cascade(("a",)))
     final = small_plan(5_000.0, Cascade(("a", "b"), (0.9,)))
@@ -372,3 +374,41 @@ def test_replanner_swaps_the_stopgap_in_at_once_and_the_replan_after_it() -> Non
     assert stop.swapped_at_s <= replanned.swapped_at_s
     assert len({o.request_id for o in outcomes}) == len(futures)
     assert {o.status for o in outcomes} == {"ok"}
+
+
+def test_a_stopgap_that_fails_or_has_nothing_to_offer_leaves_the_replan_to_follow() -> None:
+    """``stopgap`` raising: an error event that says the old plan serves, then the re-plan;
+    ``stopgap`` returning None or the plan serving: no stop-gap event at all."""
+    models = {"a": FakeModel("a"), "b": FakeModel("b")}
+    first, final = small_plan(50.0), small_plan(5_000.0, Cascade(("a",)))
+
+    class Picky:
+        def __init__(self, answer) -> None:  # noqa: ANN001
+            self.answer = answer
+
+        def stopgap(self, drift, plan):  # noqa: ANN001, ANN202
+            if self.answer == "raise":
+                raise RuntimeError("no fallback today")
+            return plan if self.answer == "same" else None
+
+        def __call__(self, trace, drift):  # noqa: ANN001, ANN202
+            return final
+
+    for answer in ("raise", "same", None):
+        done = threading.Event()
+        with Engine(first, models) as engine:
+            replanner = Replanner(
+                engine, "op", Picky(answer), lambda p: {c: (0.5,) for c in p.cascades},
+                window_s=0.5, history_s=1.0, poll_s=0.05, settle_s=0.0, isolate=False,
+                on_event=lambda e, done=done: done.set() if not e.stopgap else None)
+            with replanner:
+                futures, outcomes = flood_until(engine, done)
+            assert engine.plans["op"] == final
+        assert len({o.request_id for o in outcomes}) == len(futures)
+        events = replanner.events
+        if answer == "raise":
+            assert events[0].stopgap and "no fallback today" in events[0].error
+            assert "stop-gap at" in events[0].line() and "failed" in events[0].line()
+            assert not events[1].stopgap and not events[1].error
+        else:
+            assert not any(e.stopgap for e in events) and not events[0].error

@@ -69,9 +69,12 @@ class ReplanEvent:
     stopgap: bool = False  # swapped in at once, before the re-plan (``GearReplan.stopgap``)
 
     def line(self) -> str:
+        if self.stopgap and self.error:
+            return (f"stop-gap at {self.at_s:.1f} s failed ({self.error}); serving the old plan "
+                    f"while the re-plan runs. Why: {self.drift.detail}")
         if self.stopgap:
             return (f"fell back at {self.at_s:.1f} s ({self.drift.kind}: {self.drift.detail}) "
-                    f"to a plan that sustains the load, swapped at {self.swapped_at_s:.1f} s "
+                    f"to a one-gear plan of the frontier, swapped at {self.swapped_at_s:.1f} s "
                     f"while the re-plan runs, {self.moved} queued rows moved; was: {self.old}; "
                     f"now: {self.new}")
         if self.error:
@@ -203,6 +206,7 @@ class Replanner:
             quick = pick(drift, old)
             if quick is None or quick == old:
                 return old
+            expected = self.expected(quick)
             moved = self.engine.swap_plan(quick)
         except Exception as exc:  # noqa: BLE001 - the re-plan still follows
             self._record(ReplanEvent(drift.at_s, drift, time.perf_counter() - started,
@@ -210,7 +214,7 @@ class Replanner:
                                      error=f"{type(exc).__name__}: {exc}", stopgap=True))
             return old
         self._swapped_at = self.engine.clock.now()
-        self.watch.rebase(quick, self.expected(quick))
+        self.watch.rebase(quick, expected)
         self._record(ReplanEvent(drift.at_s, drift, time.perf_counter() - started,
                                  self._swapped_at, moved, describe(old), describe(quick),
                                  stopgap=True))
@@ -226,6 +230,7 @@ class Replanner:
         try:
             trace = self._trace(drift.at_s, arrivals)  # the backlog as the drift left it
             old = self._stopgap(drift, old)
+            started = time.perf_counter()  # the re-plan's own time, the stop-gap's swap apart
             new = self._plan(trace, drift)
             planning_s = time.perf_counter() - started
             moved = engine.swap_plan(new)

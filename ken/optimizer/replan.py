@@ -148,24 +148,32 @@ class GearReplan:
         return plan_escalation(self.catalog, plan)
 
     def capacity(self, plan: GearPlan) -> float:
-        """Rows/s the fastest gear of ``plan`` sustains on its devices (``sustained_qps``)."""
-        devices = len({d for r in plan.placement for d in r.devices})
+        """Rows/s the fastest gear of ``plan`` sustains on its devices (``sustained_qps``, each
+        device of ``hardware`` at its own speed; a device ``hardware`` lacks counts as a CPU)."""
+        ids = {d for r in plan.placement for d in r.devices}
+        known = tuple(d for d in self.hardware.devices if d.id in ids)
+        devices: int | Hardware = Hardware(known) if len(known) == len(ids) else len(ids)
         return max(sustained_qps(self.catalog, c, devices) for c in set(plan.cascades))
 
     def stopgap(self, drift: Drift, current: GearPlan) -> GearPlan | None:
         """A plan to serve at once, before the re-plan (see the module docstring): on a rate
         drift, when ``current``'s fastest gear does not sustain the rate measured times
-        ``headroom``; on a latency drift (``current`` missed its target serving), one that
+        ``headroom``; on a latency drift (``current`` missed its target serving) while the rate
+        measured is within ``headroom`` of what ``current`` sustains (near capacity: an
+        overload, not a slow window at low load, which the re-plan handles), one that
         sustains ``headroom`` times more than ``current`` too. Of the ``fallbacks`` that do,
         the most accurate, those whose models ``current`` already has on the same devices
         first (nothing to load); where none does, the one that sustains most, if more than
         ``current``. None for other drifts, without fallbacks, or when ``current`` suffices.
-        Analytic: a few arithmetic operations per fallback, no simulation."""
+        Analytic, no simulation: per fallback, its cascade's stage fractions and accuracy on
+        the sample."""
         if drift.kind not in ("rate", "latency") or not self.fallbacks:
             return None
         have = self.capacity(current)
         need = max(drift.rate_qps, 1.0) * self.headroom
         if drift.kind == "latency":
+            if need < have:
+                return None
             need = max(need, have * self.headroom)
         elif have >= need:
             return None

@@ -220,7 +220,10 @@ def plan_lines(serving: ServingManager, function: str, constants: tuple[str, ...
     how = (server.describe_serving(serving.bulk_threshold) if server is not None else
            "for online serving, session.serve(); until then queries run the "
            "implementation above")
-    replans = [f"  {e.line()}" for e in serving.replan_log.get(function, [])]
+    events = serving.replan_log.get(function, [])
+    replans = [f"  {e.line()}" for e in events]
+    stopgaps = sum(e.stopgap for e in events)
+    count = f"{len(events) - stopgaps}" + (f", and {stopgaps} stop-gap(s)" if stopgaps else "")
     return [f"{plan.kind} plan: {plan.headline()} ({how})",
             *("  " + line for line in plan.describe()),
-            *([f"re-plans while serving ({len(replans)}):", *replans] if replans else [])]
+            *([f"re-plans while serving ({count}):", *replans] if replans else [])]
