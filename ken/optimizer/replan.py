@@ -150,7 +150,7 @@ class GearReplan:
     def capacity(self, plan: GearPlan) -> float:
         """Rows/s the fastest gear of ``plan`` sustains on its devices (``sustained_qps``, each
         device of ``hardware`` at its own speed; a device ``hardware`` lacks counts as a CPU)."""
-        ids = {d for r in plan.placement for d in r.devices}
+        ids = set(plan.devices)
         known = tuple(d for d in self.hardware.devices if d.id in ids)
         devices: int | Hardware = Hardware(known) if len(known) == len(ids) else len(ids)
         return max(sustained_qps(self.catalog, c, devices) for c in set(plan.cascades))
