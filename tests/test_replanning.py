@@ -4,6 +4,7 @@ swapping plans while requests flow, each answered exactly once."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import numpy as np
@@ -70,6 +71,14 @@ def test_drift_watch_sees_a_rate_above_the_top_gear_and_a_shifted_escalation_rat
     assert "40 model calls took 1.60x" in drift.detail
     faster = timed.check(4.0, 10, {}, runtime=(0.5, 40))
     assert faster is not None and faster.kind == "runtime"
+    # what serving kept up with: answering under 90% of the arrivals is falling behind
+    kept = timed.check(5.0, 650, {}, answered=600)
+    assert kept is not None and kept.served_qps == 120.0 and not kept.saturated
+    assert kept.plan is plan and "falling behind" not in kept.detail
+    behind = timed.check(6.0, 650, {}, answered=500)
+    assert behind is not None and behind.kind == "rate" and behind.saturated
+    assert "100 qps answered: falling behind" in behind.detail
+    assert not timed.check(7.0, 650, {}).saturated  # not counted: nothing said
     assert expected_escalation((1.0, 0.4, 0.1)) == pytest.approx((0.4, 0.25))
     with pytest.raises(Exception, match="must be > 0"):
         DriftWatch(plan, {}, window_s=0)
@@ -115,6 +124,39 @@ def test_gear_replan_covers_the_new_peak_and_meets_the_target() -> None:
         tighter.predicted.p95_ms <= plan.predicted.p95_ms
     assert set(replan.expected(plan)) == set(plan.cascades)
     assert plan_escalation(cat, plan) == replan.expected(plan)
+
+
+def test_a_replan_after_serving_fell_behind_plans_for_the_load_as_the_machine_served_it(
+        ) -> None:
+    """A drift whose plan answered under 90% of the arrivals: the re-plan plans for the
+    arrivals as dense as the machine felt them (the plan's modelled capacity over what it
+    served), so its fastest gear sustains that much in the model, and it gives the gears'
+    edges back in the rates serving measures."""
+    cat, hw = catalog(), hardware()
+    settings = PlannerSettings(num_ranges=3, max_rounds=2)
+    trace = poisson_trace(100.0, 3.0, seed=1)
+    frontier, _ = plan_frontier("op", CASCADES, cat, hw, trace, settings=settings)
+    probe = GearReplan("op", cat, CASCADES, hw, Target(max_p95_ms=200.0), settings=settings)
+    drifted = max(frontier.one_gear, key=lambda p: cat.accuracy(p.cascades[0]))
+    modelled = probe.capacity(drifted)
+    rate = 0.6 * modelled  # the model says the plan sustains it, with room
+    load = poisson_trace(rate, 3.0, seed=3)
+    kept = Drift(3.0, "rate", "kept up", rate, served_qps=rate, plan=drifted)
+    behind = Drift(3.0, "rate", "fell behind", rate, served_qps=0.5 * rate, plan=drifted)
+    share = probe.served_share(behind)
+    assert share == pytest.approx(0.3)
+    plain = GearReplan("op", cat, CASCADES, hw, Target(max_p95_ms=200.0),
+                       settings=settings)(load, kept)
+    dense = GearReplan("op", cat, CASCADES, hw, Target(max_p95_ms=200.0),
+                       settings=settings)(load, behind)
+    assert "planned for" not in dict(plain.provenance)["replanned"]
+    assert "planned for 3.33x the arrivals" in dict(dense.provenance)["replanned"]
+    # edges in measured rates: the top gear still covers the peak seen
+    assert dense.qps_edges[-1] >= load.qps_max() * (1 - 1e-9)
+    # in the model, its fastest gear sustains the load as served: the rate over the share
+    assert probe.capacity(dense) >= rate / share
+    assert probe.capacity(dense) > probe.capacity(plain)
+    assert cat.accuracy(dense.cascades[-1]) <= cat.accuracy(plain.cascades[-1])
 
 
 def test_recent_ratio_reads_the_calls_of_the_window_and_a_runtime_drift_rescales_the_plan(
@@ -315,23 +357,35 @@ def test_stopgap_falls_back_to_the_most_accurate_one_gear_plan_that_sustains_the
                 return max((p for p in group if accuracy[p] == top), key=lambda p: cap[p])
         return None
 
+    fired = {True: 0, False: 0}
     for current in fallbacks:
-        have = replan.capacity(current)
-        assert replan.stopgap(Drift(1.0, "rate", "", have / 2), current) is None
-        assert replan.stopgap(Drift(1.0, "escalation", "", have * 10), current) is None
-        for kind in ("rate", "latency"):
-            for rate in (have * 0.5, have * 1.5, have * 4, have * 1e4):
-                drift = Drift(1.0, kind, "", rate)
-                got = replan.stopgap(drift, current)
-                need = max(rate, 1.0) * replan.headroom
-                if need < have or (kind == "rate" and have >= need):
-                    assert got is None, (kind, rate)  # not an overload
-                    continue
-                if kind == "latency":
-                    need = max(need, have * replan.headroom)
-                assert got == expected(current, need), (kind, rate)
-                if got is not None:
-                    assert cap[got] >= need or cap[got] == max(cap.values())
+        modelled = replan.capacity(current)
+        assert replan.stopgap(Drift(1.0, "rate", "", modelled / 2), current) is None
+        assert replan.stopgap(Drift(1.0, "escalation", "", modelled * 10), current) is None
+        for kind, rate, answered in itertools.product(
+                ("rate", "latency"), (modelled * 0.5, modelled * 1.5, modelled * 4,
+                                      modelled * 1e4), (None, 0.95, 0.5, 0.01)):
+            # ``answered``: the share of the arrivals served; under 90%, what was served is
+            # what ``current`` sustains, and every capacity counts at that share of the model
+            served = None if answered is None else rate * answered
+            share = (1.0 if served is None or served >= 0.9 * rate
+                     else min(1.0, max(0.2, served / modelled)))
+            drift = Drift(1.0, kind, "", rate, served_qps=served, plan=current)
+            assert replan.served_share(drift) == pytest.approx(share)
+            got = replan.stopgap(drift, current)
+            have = modelled * share
+            need = max(rate, 1.0) * replan.headroom
+            if need < have or (kind == "rate" and have >= need):
+                assert got is None, (kind, rate, answered)  # not an overload
+                continue
+            if kind == "latency":
+                need = max(need, have * replan.headroom)
+            want = expected(current, need / share)
+            assert got == want, (kind, rate, answered)
+            fired[share < 1.0] += got is not None
+            if got is not None:
+                assert cap[got] * share >= need or cap[got] == max(cap.values())
+    assert fired[True] and fired[False]  # both rules were exercised
     no_fallbacks = GearReplan("op", cat, CASCADES, hw, Target(max_p95_ms=200.0))
     assert no_fallbacks.stopgap(Drift(1.0, "rate", "", 1e6), fallbacks[0]) is None
 

@@ -27,7 +27,9 @@ A re-plan takes seconds, most on a machine the load overwhelms. Where ``replan``
 ``stopgap(drift, plan)`` (``GearReplan``: one of the one-gear plans the operator was planned
 with that sustains the load, chosen without simulating), a rate or latency drift first swaps
 that plan in at once (a ``ReplanEvent`` with ``stopgap`` set), and the re-plan then replaces
-it.
+it. Each drift carries how many requests the window answered (``Drift.served_qps``): where
+that falls behind the arrivals, both the stop-gap and the re-plan take it as what the plan
+really sustains on this machine.
 
 Answers to requests that arrived in the first ``settle_s`` after the watch starts are not
 judged against the latency limit (nor, after a swap, those that arrived before it): the first
@@ -173,8 +175,10 @@ class Replanner:
                 self.operator, since, self._swapped_at)]
             runtime = None if self.runtimes is None else self.runtimes(
                 self.engine.batch_log, max(since, self._swapped_at))
+            # every answer of the window, whenever it arrived: what serving kept up with
+            answered = len(self.engine.recent_latencies(self.operator, since))
             drift = self.watch.check(now, len(arrivals), self.engine.admission.escalations,
-                                     latencies, runtime)
+                                     latencies, runtime, answered)
             if drift is not None:
                 self._handle(drift, arrivals)
 

@@ -17,6 +17,11 @@ left what the plan covers:
   average a factor further than ``runtime_shift`` from 1 of the runtimes the plan was made
   with (the machine got slower or faster than it was when it was calibrated).
 
+Every drift also carries what serving kept up with: the requests answered per second over the
+window (``served_qps``). Served well below what arrived (``saturated``), the machine is
+overloaded by the plan serving, and that rate is what the plan really sustains there, whatever
+the planner's model of it said (re-planning uses it: ``ken.optimizer.replan``).
+
 Like the scheduling policy it never reads a clock: the caller gives the time and the counts
 (the online engine's ``Replanner`` on a wall clock; a test on made-up times).
 """
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -50,6 +55,20 @@ class Drift:
     stage: int | None = None
     escalation: float | None = None  # the share of that stage's rows passed on, measured
     runtime_factor: float | None = None  # "runtime": the calls' mean measured / planned
+    # requests answered per second over the window, whenever they arrived (None: not counted)
+    served_qps: float | None = None
+    plan: GearPlan | None = field(default=None, compare=False)  # the plan that drifted
+
+    @property
+    def saturated(self) -> bool:
+        """Serving answered under ``SATURATED`` of what arrived over the window: the backlog
+        grows (an overload), and ``served_qps`` is what the plan sustains on this machine."""
+        return self.served_qps is not None and self.served_qps < SATURATED * self.rate_qps
+
+
+#: answered under this share of the arrivals over a watch's window: an overload (a plan that
+#: keeps up answers what arrives, late by its latency, well under a 5-s window)
+SATURATED = 0.9
 
 
 class DriftWatch:
@@ -84,31 +103,41 @@ class DriftWatch:
 
     def check(self, now: float, arrivals: int, counts: Counts,
               latencies_ms: Sequence[float] = (),
-              runtime: tuple[float, int] | None = None) -> Drift | None:
+              runtime: tuple[float, int] | None = None,
+              answered: int | None = None) -> Drift | None:
         """The drift seen at ``now``, if any: ``arrivals`` is the number of requests that
         arrived in the last ``window_s``; ``counts`` the cumulative per-stage counts;
         ``latencies_ms`` those of the requests answered in the last ``window_s``;
         ``runtime`` the mean ratio of the model calls of the last ``window_s`` to the
-        runtimes the plan was made with, and how many calls (None: not measured)."""
+        runtimes the plan was made with, and how many calls (None: not measured);
+        ``answered`` how many requests were answered in the last ``window_s``, whenever they
+        arrived (each drift's ``served_qps``; None: not counted)."""
         rate = arrivals / self.window_s
+        served = None if answered is None else answered / self.window_s
+        # said on the rate and latency drifts when serving fell behind
+        behind = ("" if served is None or served >= SATURATED * rate
+                  else f"; {served:.0f} qps answered: falling behind")
         top = self.plan.qps_edges[-1]
         if rate > self.rate_factor * top:
             return Drift(now, "rate", f"{rate:.0f} qps arrived over the last "
                          f"{self.window_s:g} s, {rate / top:.2f}x the {top:.0f} qps the plan's "
-                         "gears cover", rate)
+                         f"gears cover{behind}", rate, served_qps=served,
+                         plan=self.plan)
         limit = self.latency_limit_ms
         if limit is not None and len(latencies_ms) >= self.min_rows:
             p95 = float(np.percentile(latencies_ms, 95))
             if p95 > limit:
                 return Drift(now, "latency", f"the p95 of the last {len(latencies_ms)} "
                              f"answers was {p95:.0f} ms, over the {limit:.0f} ms the plan is "
-                             "held to", rate)
+                             f"held to{behind}", rate, served_qps=served,
+                             plan=self.plan)
         if runtime is not None:
             factor, calls = runtime
             if calls >= self.min_calls and abs(factor - 1.0) > self.runtime_shift:
                 return Drift(now, "runtime", f"the last {calls} model calls took {factor:.2f}x "
                              "the runtimes the plan was made with", rate,
-                             runtime_factor=factor)
+                             runtime_factor=factor, served_qps=served,
+                             plan=self.plan)
         snap = dict(counts)
         self._snapshots.append((now, snap))
         while len(self._snapshots) > 1 and self._snapshots[1][0] <= now - self.window_s:
@@ -128,7 +157,7 @@ class DriftWatch:
                 return Drift(now, "escalation", f"stage {stage + 1} ({model}) of "
                              f"{cascade.describe()} passed on {share:.0%} of the last {n} rows; "
                              f"the plan expected {expected[stage]:.0%}", rate, cascade, stage,
-                             share)
+                             share, served_qps=served, plan=self.plan)
         return None
 
 
