@@ -9,7 +9,8 @@ are served, each first ``--phase-s`` seconds as planned and then ``--phase-s`` s
 - ``harder``: the same rate, but every request a hard row (one the first model of ken's most
   accurate cascade is unsure of, so it escalates).
 
-Three systems (one more each with ``--in-thread``, ``--no-stopgap`` and ``--no-runtimes``)
+Three systems (one more each with ``--in-thread``, ``--no-stopgap``, ``--modelled`` and
+``--no-runtimes``)
 serve each trace, one after the other, on the same arrivals and rows:
 
 - ``ken, re-planning``: ken's plan with the ``Replanner`` watching it (``ken.engine.replanning``:
@@ -22,6 +23,10 @@ serve each trace, one after the other, on the same arrivals and rows:
   latency drift waits for the re-plan instead of first swapping in a one-gear plan of the
   frontier that sustains the load (``GearReplan.stopgap``): how ken re-planned before
   2026-11-28;
+- ``ken, re-planning on modelled capacity`` (with ``--modelled``): the same, but where serving
+  fell behind the arrivals, the stop-gap and the re-plan still judge capacity by the planner's
+  model rather than by what the plan answered (``GearReplan(measured=False)``): how ken
+  re-planned before 2026-11-29;
 - ``ken, re-planning without the runtime watch`` (with ``--no-runtimes``): the same, but the
   watch does not compare the model calls' runtimes with the plan's (``Replanner(runtimes=
   None)``): the A/B of whether that watch pays on its own;
@@ -130,7 +135,8 @@ def serve(plan: GearPlan, loaders: dict, trace: Trace, sample, rows: np.ndarray,
     t0 = float(r.arrival_s.min())  # engine clock of the first arrival: trace time 0
     events = [] if watcher is None else [
         {"at_s": e.at_s - t0, "swapped_at_s": e.swapped_at_s - t0, "kind": e.drift.kind,
-         "stopgap": e.stopgap, "why": e.drift.detail,
+         "stopgap": e.stopgap, "why": e.drift.detail, "rate_qps": e.drift.rate_qps,
+         "served_qps": e.drift.served_qps, "saturated": e.drift.saturated,
          "planning_s": e.planning_s, "moved": e.moved, "old": e.old, "new": e.new,
          "error": e.error} for e in watcher.events]
     return {"bins": bins, "status": rep.status_counts(),
@@ -162,6 +168,10 @@ def main() -> int:
                     help="also serve ken re-planning without first falling back at once to a "
                     "one-gear plan that sustains the load (GearReplan.stopgap; how ken "
                     "re-planned before 2026-11-28)")
+    ap.add_argument("--modelled", action="store_true",
+                    help="also serve ken re-planning judging capacity by the planner's model "
+                    "even where serving fell behind (GearReplan(measured=False); how ken "
+                    "re-planned before 2026-11-29)")
     ap.add_argument("--no-runtimes", action="store_true",
                     help="also serve ken re-planning without the runtime watch (the A/B of "
                     "whether that watch pays on its own)")
@@ -224,9 +234,10 @@ def main() -> int:
             rng = np.random.default_rng(args.seed + 5)
             rows = np.concatenate([rows[: len(first)], rng.choice(hard, size=n2)])
         out: dict = {"change_s": args.phase_s, "requests": len(trace), "systems": {}}
-        def recipe(stopgap: bool = True) -> GearReplan:
+        def recipe(stopgap: bool = True, measured: bool = True) -> GearReplan:
             return GearReplan(OPERATOR, cal, cascades, hardware, target, seed=args.seed,
-                              fallbacks=frontier.one_gear if stopgap else ())
+                              fallbacks=frontier.one_gear if stopgap else (),
+                              measured=measured)
 
         # (name, plan, re-planner, re-plan in the planner process, watch the runtimes)
         systems = [("ken, re-planning", plan, recipe(), True, True),
@@ -236,6 +247,8 @@ def main() -> int:
                        False)] if args.no_runtimes else []),
                    *([("ken, re-planning without the stop-gap", plan, recipe(False), True,
                        True)] if args.no_stopgap else []),
+                   *([("ken, re-planning on modelled capacity", plan,
+                       recipe(measured=False), True, True)] if args.modelled else []),
                    ("ken, fixed plan", plan, None, True, True),
                    ("static cascade", static, None, True, True)]
         for name, p, replanner, isolate, watch_runtimes in systems:

@@ -117,6 +117,9 @@ class GearReplan:
     seed: int = 0
     # one-gear plans to fall back on at once when the load outgrows the plan (``stopgap``)
     fallbacks: Sequence[GearPlan] = ()
+    # where serving fell behind, take what it answered as what the plan sustains
+    # (``served_share``); False: judge capacity by the model alone (before 2026-11-29)
+    measured: bool = True
 
     @property
     def latency_limit_ms(self) -> float | None:
@@ -172,9 +175,10 @@ class GearReplan:
         """What ``plan`` (default: the plan that drifted, ``Drift.plan``) sustained on this
         machine, as a share of what ``capacity`` models: where serving fell behind the
         arrivals (``Drift.saturated``), the rate it answered over ``capacity(plan)``, within
-        [``MIN_SHARE``, 1]; else 1 (nothing measured says the model is wrong)."""
+        [``MIN_SHARE``, 1]; else (or not ``measured``) 1."""
         plan = plan if plan is not None else drift.plan
-        if plan is None or not drift.saturated or drift.served_qps is None:
+        if not self.measured or plan is None or not drift.saturated \
+                or drift.served_qps is None:
             return 1.0
         return float(np.clip(drift.served_qps / self.capacity(plan), MIN_SHARE, 1.0))
 
