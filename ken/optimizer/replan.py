@@ -22,7 +22,7 @@ swaps it in at once; the full re-plan follows and replaces it.
 
 Both judge capacity by a model (``sustained_qps``, the planner's simulator), and on a machine
 whose cores the load generator, the router and the planner share with the workers, that model
-is optimistic: in the robustness benchmark a cascade it put at 115 qps fell behind at 89. So
+is optimistic: in the robustness benchmark a cascade it put at about 120 qps fell behind at 89. So
 where serving fell behind the arrivals (``Drift.saturated``), the rate it answered is taken as
 what the plan that drifted sustains here, and its ratio to the model (``served_share``) scales
 the rest: the stop-gap counts every fallback's capacity at that share, and the re-plan plans
