@@ -5,7 +5,7 @@ ken plans the sentiment function on a Poisson window at ``--rate`` qps for a lat
 (``--target-ms``: the most accurate plan whose simulated p95 is within it). Then two traces
 are served, each first ``--phase-s`` seconds as planned and then ``--phase-s`` seconds of:
 
-- ``rate``: the arrival rate doubled, past the planned peak;
+- ``rate``: the arrival rate doubled (``--step``), past the planned peak;
 - ``harder``: the same rate, but every request a hard row (one the first model of ken's most
   accurate cascade is unsure of, so it escalates).
 
@@ -150,6 +150,9 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=None,
                     help="planned arrival rate (default: 0.5x what the most accurate cascade "
                     "sustains on the 2 devices)")
+    ap.add_argument("--step", type=float, default=2.0,
+                    help="the rate trace's second phase arrives at this many times the "
+                    "planned rate (default 2: doubled)")
     ap.add_argument("--target-ms", type=float, default=300.0)
     ap.add_argument("--phase-s", type=float, default=45.0)
     ap.add_argument("--bin-s", type=float, default=5.0)
@@ -217,14 +220,14 @@ def main() -> int:
     # hard rows: the ones the first model of the most accurate cascade passes on
     hard = np.flatnonzero(top.escalates(0, cal.certainty(top.models[0], top.certainty)))
     results: dict = {"setup": {"rate_qps": rate, "target_ms": args.target_ms,
-                               "phase_s": args.phase_s, "plan": plan.describe(),
+                               "phase_s": args.phase_s, "step": args.step, "plan": plan.describe(),
                                "static": static.cascades[0].describe(),
                                "hard_rows": len(hard), "sample_rows": len(sample),
                                "hard_share": len(hard) / len(sample)},
                      "traces": {}}
     for kind in [t.strip() for t in args.traces.split(",") if t.strip()]:
         first = poisson_trace(rate, args.phase_s, seed=args.seed + 40)
-        factor = 2.0 if kind == "rate" else 1.0
+        factor = args.step if kind == "rate" else 1.0
         second = poisson_trace(rate * factor, args.phase_s, seed=args.seed + 41)
         arrivals = np.concatenate([first.arrival_s, second.arrival_s + args.phase_s])
         trace = Trace(arrivals, f"poisson {rate:.0f} qps then {rate * factor:.0f} qps")
