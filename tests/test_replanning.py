@@ -218,6 +218,10 @@ def test_replanner_swaps_the_plan_when_the_rate_passes_the_top_gear_and_loses_no
     event = replanner.events[0]
     assert event.drift.kind == "rate" and not event.error and seen[0][1] == "rate"
     assert "qps" in event.line() and "re-planned" in event.line()
+    # the drift says what the window answered (every answer in it, whenever it arrived)
+    # and which plan drifted
+    assert event.drift.served_qps is not None and event.drift.served_qps > 0
+    assert event.drift.plan is first
     assert len({o.request_id for o in outcomes}) == len(futures)
     assert {o.status for o in outcomes} == {"ok"}
     # the rows after the swap ran the new plan: model a alone, never escalated
