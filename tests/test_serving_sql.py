@@ -265,3 +265,49 @@ def test_a_served_function_is_replanned_when_its_load_passes_the_plan_and_explai
         # a plan given by hand is kept: no recipe, so no re-planning
         s.use_plan(low)
         assert "mood" not in s.replans
+
+
+class _Gated(_SwapTo):
+    """A recipe whose re-plan waits for ``gate`` (in the watching thread: an Event does not
+    pickle, so it is not sent to the planner process)."""
+
+    def __init__(self, plan: GearPlan) -> None:
+        super().__init__(plan)
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def __call__(self, trace, drift) -> GearPlan:  # noqa: ANN001
+        self.entered.set()
+        assert self.gate.wait(30)
+        return super().__call__(trace, drift)
+
+
+def test_a_plan_given_by_hand_while_a_replan_runs_is_the_plan_that_serves() -> None:
+    """``use_plan`` while a re-plan is under way: the re-plan finishes, and the user's plan,
+    set after it, is the one the session keeps and the engine serves (it used to be
+    overwritten by the re-plan's)."""
+    models = {"a": FakeModel("a"), "b": FakeModel("b")}
+    low = GearPlan("mood", (0.0, 10.0), (CASCADE,), mood_plan().placement,
+                   (RangeSchedule(0, (1.0, 1.0), (1, 1)),), (32, 32), max_wait_s=0.005)
+    recipe = _Gated(mood_plan(Cascade(("a",))))
+    mine = mood_plan()
+    with ken.connect(builtins=False, reporter=_Noting()) as s:
+        s.register("mood", CASCADE, models=models)
+        s.use_plan(low)
+        s.replans["mood"] = recipe
+        s.serve(workers="thread")
+        watcher = s.serving._replanners["mood"]
+        with ThreadPoolExecutor(8) as pool:  # far above the plan's 10 qps: a rate drift
+            answers = [pool.submit(lambda t: s.sql("SELECT mood(?)", [t]).fetchall(), t)
+                       for t in rows(400)]
+            assert recipe.entered.wait(15)  # the re-plan is under way
+            setter = threading.Thread(target=s.use_plan, args=(mine,))
+            setter.start()
+            assert watcher._stop.wait(15)  # use_plan is stopping the watch
+            recipe.gate.set()
+            setter.join(30)
+            assert not setter.is_alive()
+            assert all(len(a.result(timeout=60)) == 1 for a in answers)
+        assert recipe.calls == 1
+        assert s.plans["mood"] == mine
+        assert s.engines["mood"].plans["mood"] == mine

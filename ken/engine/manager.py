@@ -111,10 +111,12 @@ class ServingManager:
         if name in self._servers and old is not None and old.kind != plan.kind:
             raise KenError(f"{name}() is served with a {old.kind} plan; stop serving "
                            f"(session.stop_serving()) before giving it a {plan.kind} plan")
-        self._plans[name] = plan
         watcher = self._replanners.pop(name, None)
         if watcher is not None:  # a plan the user gives is kept: no more re-planning
+            # first, so that a re-plan under way (it finishes) swaps its plan in before this
+            # one, never after it
             watcher.stop()
+        self._plans[name] = plan
         if name in self._servers:
             self._swap[plan.kind](name)
 
