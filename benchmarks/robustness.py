@@ -5,7 +5,8 @@ ken plans the sentiment function on a Poisson window at ``--rate`` qps for a lat
 (``--target-ms``: the most accurate plan whose simulated p95 is within it). Then two traces
 are served, each first ``--phase-s`` seconds as planned and then ``--phase-s`` seconds of:
 
-- ``rate``: the arrival rate doubled (``--step``), past the planned peak;
+- ``rate``: the arrival rate multiplied by ``--step`` (default 2: doubled), past the planned
+  peak;
 - ``harder``: the same rate, but every request a hard row (one the first model of ken's most
   accurate cascade is unsure of, so it escalates).
 

@@ -117,6 +117,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=320)
+    ap.add_argument("--data-dir", type=Path, default=None,
+                    help="the shared data folder (default: ../shared/data or $KEN_DATA)")
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--samples", default="19,38", help="sample sizes, comma-separated")
     ap.add_argument("--seeds", type=int, default=20, help="samples drawn per size")
@@ -128,7 +130,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
 
-    data = load_sst2("dev")
+    data = load_sst2("dev", args.data_dir)
     texts = list(data.texts[: args.rows])
     session = ken.connect(cache=False)
     op = session.operators["sem_score"]

@@ -16,9 +16,15 @@ from ken.engine.replanning import Replanner
 from ken.engine.serving import Engine
 from ken.engine.supervision import BatchRecord
 from ken.models.cascade import Cascade
+from ken.optimizer.perf import sustained_qps
 from ken.optimizer.planner import PlannerSettings, plan_frontier
 from ken.optimizer.query import Target
-from ken.optimizer.replan import GearReplan, plan_escalation, resampled_catalog
+from ken.optimizer.replan import (
+    GearReplan,
+    plan_escalation,
+    resampled_catalog,
+    scaled_catalog,
+)
 from ken.optimizer.workload import poisson_trace
 from ken.policy.drift import Drift, DriftWatch, expected_escalation
 from ken.policy.plan import GearPlan, RangeSchedule, Replica
@@ -128,10 +134,10 @@ def test_gear_replan_covers_the_new_peak_and_meets_the_target() -> None:
 
 def test_a_replan_after_serving_fell_behind_plans_for_the_load_as_the_machine_served_it(
         ) -> None:
-    """A drift whose plan answered under 90% of the arrivals: the re-plan plans for the
-    arrivals as dense as the machine felt them (the plan's modelled capacity over what it
-    served), so its fastest gear sustains that much in the model, and it gives the gears'
-    edges back in the rates serving measures."""
+    """A drift whose plan answered under 90% of the arrivals: the re-plan plans with every
+    runtime divided by the share it served of its modelled capacity, so its fastest gear
+    sustains rate / share in the model, and its edges and predictions are in the machine's
+    rates and time."""
     cat, hw = catalog(), hardware()
     settings = PlannerSettings(num_ranges=3, max_rounds=2)
     trace = poisson_trace(100.0, 3.0, seed=1)
@@ -149,14 +155,23 @@ def test_a_replan_after_serving_fell_behind_plans_for_the_load_as_the_machine_se
                        settings=settings)(load, kept)
     dense = GearReplan("op", cat, CASCADES, hw, Target(max_p95_ms=200.0),
                        settings=settings)(load, behind)
-    assert "planned for" not in dict(plain.provenance)["replanned"]
-    assert "planned for 3.33x the arrivals" in dict(dense.provenance)["replanned"]
-    # edges in measured rates: the top gear still covers the peak seen
-    assert dense.qps_edges[-1] >= load.qps_max() * (1 - 1e-9)
+    assert "planned with" not in dict(plain.provenance)["replanned"]
+    assert "planned with every runtime 3.33x" in dict(dense.provenance)["replanned"]
+    # planned with the runtimes as served: its gears cover the peak seen, in the rates
+    # serving measures, and its predictions are in the machine's time
+    for plan in (plain, dense):
+        assert plan.qps_edges[-1] >= load.qps_max()
+        assert plan.predicted.p95_ms <= 100.0  # half the target, as any re-plan
+    slow = scaled_catalog(cat, 1 / share, gpus=True)
+    assert dense.batch_runtime_s[0][0] == pytest.approx(
+        slow.perf_on(dense.placement[0].model, dense.placement[0].devices[0])
+        .batch_runtime(1))
     # in the model, its fastest gear sustains the load as served: the rate over the share
     assert probe.capacity(dense) >= rate / share
     assert probe.capacity(dense) > probe.capacity(plain)
     assert cat.accuracy(dense.cascades[-1]) <= cat.accuracy(plain.cascades[-1])
+    assert GearReplan("op", cat, CASCADES, hw, Target(max_p95_ms=200.0),
+                      measured=False).served_share(behind) == 1.0
 
 
 def test_recent_ratio_reads_the_calls_of_the_window_and_a_runtime_drift_rescales_the_plan(
@@ -390,6 +405,21 @@ def test_stopgap_falls_back_to_the_most_accurate_one_gear_plan_that_sustains_the
             if got is not None:
                 assert cap[got] * share >= need or cap[got] == max(cap.values())
     assert fired[True] and fired[False]  # both rules were exercised
+    # escalation and runtime drifts re-plan by their own measure: no share
+    current = fallbacks[0]
+    hard = Drift(1.0, "escalation", "", 100.0, served_qps=1.0, plan=current)
+    assert hard.saturated and replan.served_share(hard) == 1.0
+    # a plan of two gears: the share is of the gear serving the rate measured, not the fastest
+    slow, fast = Cascade(("s", "l"), (0.75,)), Cascade(("s",))
+    two = GearPlan("op", (0.0, 50.0, 500.0), (slow, fast),
+                   (Replica("s", ("d0",)), Replica("l", ("d1",))),
+                   (RangeSchedule(0, (1.0, 1.0), (1, 1)), RangeSchedule(1, (1.0, 0.0), (1, 1))),
+                   (8, 8))
+    low = Drift(1.0, "latency", "", 40.0, served_qps=10.0, plan=two)
+    gear = sustained_qps(cat, slow, hw)
+    assert replan.capacity(two, 40.0) == pytest.approx(gear)
+    assert gear < replan.capacity(two) == pytest.approx(replan.capacity(two, 80.0))
+    assert replan.served_share(low) == pytest.approx(max(0.2, min(1.0, 10.0 / gear)))
     no_fallbacks = GearReplan("op", cat, CASCADES, hw, Target(max_p95_ms=200.0))
     assert no_fallbacks.stopgap(Drift(1.0, "rate", "", 1e6), fallbacks[0]) is None
 

@@ -23,11 +23,12 @@ swaps it in at once; the full re-plan follows and replaces it.
 Both judge capacity by a model (``sustained_qps``, the planner's simulator), and on a machine
 whose cores the load generator, the router and the planner share with the workers, that model
 is optimistic: in the robustness benchmark a cascade it put at about 120 qps fell behind at 89. So
-where serving fell behind the arrivals (``Drift.saturated``), the rate it answered is taken as
-what the plan that drifted sustains here, and its ratio to the model (``served_share``) scales
-the rest: the stop-gap counts every fallback's capacity at that share, and the re-plan plans
-for the arrivals that much denser (the load as this machine feels it), then gives its gears'
-edges back in the rates serving measures.
+where serving fell behind the arrivals on a rate or latency drift (``Drift.saturated``), the
+rate it answered is taken as what the gear then serving sustains here, and its ratio to the
+model (``served_share``) scales the rest: the stop-gap counts every fallback's capacity at that
+share, and the re-plan plans with every runtime divided by it (``scaled_catalog``, not kept:
+the next drift measures afresh), so its gears, predictions and batch runtimes are those of the
+machine as it served.
 """
 
 from __future__ import annotations
@@ -79,12 +80,15 @@ def resampled_catalog(catalog: Catalog, cascade: Cascade, escalation: float,
                    None if catalog.row_sizes is None else catalog.row_sizes[rows])
 
 
-def scaled_catalog(catalog: Catalog, factor: float) -> Catalog:
-    """``catalog`` with every CPU runtime ``factor`` times as long (what serving measured
-    against what the plan was made with: a ``runtime`` drift)."""
+def scaled_catalog(catalog: Catalog, factor: float, gpus: bool = False) -> Catalog:
+    """``catalog`` with every CPU runtime (and with ``gpus`` every GPU runtime) ``factor``
+    times as long: what serving measured against what the plan was made with (a ``runtime``
+    drift: the CPU calls; a plan that fell behind: the whole machine)."""
     if not (np.isfinite(factor) and factor > 0):
         raise PlanningError(f"a runtime factor must be > 0, got {factor}")
-    return catalog.with_perf({m: p.scaled(factor) for m, p in catalog.perf.items()})
+    return catalog.with_perf({m: p.scaled(factor) for m, p in catalog.perf.items()},
+                             {m: p.scaled(factor) for m, p in catalog.gpu_perf.items()}
+                             if gpus else None)
 
 
 def replicas(plan: GearPlan) -> set[tuple[str, str]]:
@@ -138,13 +142,15 @@ class GearReplan:
         # the trace's first second may hold the backlog queued at the drift (``Replanner``):
         # the gears are sized for the load after it
         share = self.served_share(drift)
-        if share < 1.0:  # see the module docstring: plan for the load as it is served here
-            trace = Trace(trace.arrival_s * share, f"{trace.name}, x{1 / share:.2f} dense")
+        # see the module docstring: where the plan fell behind, plan with the runtimes this
+        # machine served it at (for this re-plan only)
+        catalog = self.catalog if share == 1.0 else scaled_catalog(self.catalog, 1 / share,
+                                                                   gpus=True)
         later = trace.arrival_s[trace.arrival_s >= 1.0]
         steady = Trace(later - 1.0, trace.name).qps_max() if later.size > 1 else 0.0
-        peak = max(steady, drift.rate_qps / share, 1.0) * self.headroom
+        peak = max(steady, drift.rate_qps, 1.0) * self.headroom
         settings = replace(self.settings, seed=self.seed)
-        frontier, _ = plan_frontier(self.operator, self.cascades, self.catalog, self.hardware,
+        frontier, _ = plan_frontier(self.operator, self.cascades, catalog, self.hardware,
                                     trace, qps_max=peak, settings=settings)
         if drift.kind == "latency":
             # the last plan, simulated within the target, missed it serving: plan for a
@@ -155,17 +161,16 @@ class GearReplan:
         if target.max_p95_ms is not None:
             target = replace(target, max_p95_ms=target.max_p95_ms * self.margin)
         try:
-            plan = choose_plans({self.operator: frontier}, {self.operator: self.catalog},
+            plan = choose_plans({self.operator: frontier}, {self.operator: catalog},
                                 trace, target, self.seed).plans[0]
         except QueryPlanError:  # out of reach at this load: the closest plan
             plan = (frontier.plans[0] if self.target.min_accuracy is None
                     else frontier.plans[-1])
         assert isinstance(plan, GearPlan)
         why = drift.detail
-        if share < 1.0:  # the gears' edges back in the rates serving measures
-            plan = replace(plan, qps_edges=tuple(e * share for e in plan.qps_edges))
-            why += (f"; planned for {1 / share:.2f}x the arrivals: the plan serving answered "
-                    f"{share:.0%} of what the planner's model says it sustains")
+        if share < 1.0:
+            why += (f"; planned with every runtime {1 / share:.2f}x the model's: the plan "
+                    f"serving answered {share:.0%} of what the model says it sustains")
         return replace(plan, provenance=(*plan.provenance, ("replanned", why)))
 
     def expected(self, plan: GearPlan) -> Mapping[Cascade, tuple[float, ...]]:
@@ -174,21 +179,27 @@ class GearReplan:
     def served_share(self, drift: Drift, plan: GearPlan | None = None) -> float:
         """What ``plan`` (default: the plan that drifted, ``Drift.plan``) sustained on this
         machine, as a share of what ``capacity`` models: where serving fell behind the
-        arrivals (``Drift.saturated``), the rate it answered over ``capacity(plan)``, within
-        [``MIN_SHARE``, 1]; else (or not ``measured``) 1."""
+        arrivals on a rate or latency drift (``Drift.saturated``), the rate it answered over
+        the modelled capacity of the gear that serves the rate measured, within
+        [``MIN_SHARE``, 1]; else (or not ``measured``) 1. Escalation and runtime drifts
+        re-plan with their own measure (a re-weighted sample, scaled runtimes)."""
         plan = plan if plan is not None else drift.plan
-        if not self.measured or plan is None or not drift.saturated \
-                or drift.served_qps is None:
+        if not self.measured or plan is None or drift.kind not in ("rate", "latency") \
+                or not drift.saturated or drift.served_qps is None:
             return 1.0
-        return float(np.clip(drift.served_qps / self.capacity(plan), MIN_SHARE, 1.0))
+        modelled = self.capacity(plan, drift.rate_qps)
+        return float(np.clip(drift.served_qps / modelled, MIN_SHARE, 1.0))
 
-    def capacity(self, plan: GearPlan) -> float:
-        """Rows/s the fastest gear of ``plan`` sustains on its devices (``sustained_qps``, each
-        device of ``hardware`` at its own speed; a device ``hardware`` lacks counts as a CPU)."""
+    def capacity(self, plan: GearPlan, rate: float | None = None) -> float:
+        """Rows/s the fastest gear of ``plan`` (given ``rate``: the gear that serves it)
+        sustains on its devices (``sustained_qps``, each device of ``hardware`` at its own
+        speed; a device ``hardware`` lacks counts as a CPU)."""
         ids = set(plan.devices)
         known = tuple(d for d in self.hardware.devices if d.id in ids)
         devices: int | Hardware = Hardware(known) if len(known) == len(ids) else len(ids)
-        return max(sustained_qps(self.catalog, c, devices) for c in set(plan.cascades))
+        cascades = (set(plan.cascades) if rate is None
+                    else {plan.cascade_of(plan.range_at(rate))})
+        return max(sustained_qps(self.catalog, c, devices) for c in cascades)
 
     def stopgap(self, drift: Drift, current: GearPlan) -> GearPlan | None:
         """A plan to serve at once, before the re-plan (see the module docstring): on a rate
