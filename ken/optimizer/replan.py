@@ -22,8 +22,8 @@ swaps it in at once; the full re-plan follows and replaces it.
 
 Both judge capacity by a model (``sustained_qps``, the planner's simulator), and on a machine
 whose cores the load generator, the router and the planner share with the workers, that model
-is optimistic: in the robustness benchmark a cascade it put at about 120 qps fell behind at 89. So
-where serving fell behind the arrivals on a rate or latency drift (``Drift.saturated``), the
+is optimistic: in the robustness benchmark a cascade it put at about 120 qps fell behind at
+89. So where serving fell behind the arrivals on a rate or latency drift (``Drift.saturated``), the
 rate it answered is taken as what the gear then serving sustains here, and its ratio to the
 model (``served_share``) scales the rest: the stop-gap counts every fallback's capacity at that
 share, and the re-plan plans with every runtime divided by it (``scaled_catalog``, not kept:
@@ -139,13 +139,13 @@ class GearReplan:
         if drift.kind == "runtime" and drift.runtime_factor is not None:
             # the runtimes the calls take now: later re-plans (and the watch) keep them
             self.catalog = scaled_catalog(self.catalog, drift.runtime_factor)
-        # the trace's first second may hold the backlog queued at the drift (``Replanner``):
-        # the gears are sized for the load after it
         share = self.served_share(drift)
         # see the module docstring: where the plan fell behind, plan with the runtimes this
         # machine served it at (for this re-plan only)
         catalog = self.catalog if share == 1.0 else scaled_catalog(self.catalog, 1 / share,
                                                                    gpus=True)
+        # the trace's first second may hold the backlog queued at the drift (``Replanner``):
+        # the gears are sized for the load after it
         later = trace.arrival_s[trace.arrival_s >= 1.0]
         steady = Trace(later - 1.0, trace.name).qps_max() if later.size > 1 else 0.0
         peak = max(steady, drift.rate_qps, 1.0) * self.headroom
