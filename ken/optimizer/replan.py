@@ -47,6 +47,7 @@ from ken.optimizer.scheduler import PlanningError
 from ken.optimizer.workload import Hardware, Trace
 from ken.policy.drift import Drift, expected_escalation
 from ken.policy.plan import GearPlan
+from ken.policy.scheduling import GearSelector
 
 #: a saturated plan's measured share of its modelled capacity is trusted down to this (a
 #: window that answered next to nothing says the machine stalled, not that it is 10x slower)
@@ -197,8 +198,8 @@ class GearReplan:
         ids = set(plan.devices)
         known = tuple(d for d in self.hardware.devices if d.id in ids)
         devices: int | Hardware = Hardware(known) if len(known) == len(ids) else len(ids)
-        cascades = (set(plan.cascades) if rate is None
-                    else {plan.cascade_of(plan.range_at(rate))})
+        cascades = (set(plan.cascades) if rate is None  # the scheduler's own gear choice
+                    else {plan.cascade_of(GearSelector(plan).range_for(rate))})
         return max(sustained_qps(self.catalog, c, devices) for c in cascades)
 
     def stopgap(self, drift: Drift, current: GearPlan) -> GearPlan | None:

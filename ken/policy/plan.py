@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from bisect import bisect_right
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -258,12 +257,6 @@ class GearPlan(Plan):
     @property
     def num_ranges(self) -> int:
         return len(self.ranges)
-
-    def range_at(self, rate: float) -> int:
-        """The range (gear) that serves ``rate`` qps: the first below 0, the last above the
-        top edge."""
-        i = bisect_right(self.qps_edges, rate) - 1
-        return 0 if i < 0 else min(i, self.num_ranges - 1)
 
     def cascade_of(self, range_index: int) -> Cascade:
         return self.cascades[self.ranges[range_index].cascade]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -116,7 +117,8 @@ class GearSelector:
     """
 
     def __init__(self, plan: GearPlan) -> None:
-        self._plan = plan
+        self._edges = plan.qps_edges
+        self._last = plan.num_ranges - 1
         self._cascade = [r.cascade for r in plan.ranges]
         self.alpha = plan.alpha
         self.current = 0
@@ -124,7 +126,8 @@ class GearSelector:
         self.held = 0  # how often hysteresis kept the current gear
 
     def range_for(self, rate: float) -> int:
-        return self._plan.range_at(rate)
+        i = bisect_right(self._edges, rate) - 1
+        return 0 if i < 0 else (self._last if i > self._last else i)
 
     def update(self, now: float, rate: float, first_stage_queued: int) -> int:
         target = self.range_for(rate)
