@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
 import numpy as np
 
@@ -43,12 +43,15 @@ from ken.policy.plan import GearPlan
 Counts = Mapping[tuple[Cascade, int], tuple[int, int]]
 
 
+DriftKind = Literal["rate", "escalation", "latency", "runtime"]
+
+
 @dataclass(frozen=True)
 class Drift:
     """Why a plan no longer covers the workload, at ``at_s``."""
 
     at_s: float
-    kind: Literal["rate", "escalation", "latency", "runtime"]
+    kind: DriftKind
     detail: str  # one sentence for the serving log and EXPLAIN
     rate_qps: float  # the arrival rate measured over the watch's window
     cascade: Cascade | None = None  # "escalation": the cascade and stage that shifted
@@ -114,30 +117,29 @@ class DriftWatch:
         arrived (each drift's ``served_qps``; None: not counted)."""
         rate = arrivals / self.window_s
         served = None if answered is None else answered / self.window_s
-        # said on the rate and latency drifts when serving fell behind
-        behind = ("" if served is None or served >= SATURATED * rate
-                  else f"; {served:.0f} qps answered: falling behind")
+
+        def seen(kind: DriftKind, detail: str, **fields: Any) -> Drift:
+            drift = Drift(now, kind, detail, rate, served_qps=served, plan=self.plan, **fields)
+            if drift.saturated and kind in ("rate", "latency"):  # where re-planning acts on it
+                drift = replace(drift, detail=f"{detail}; {served:.0f} qps answered: falling "
+                                              "behind")
+            return drift
+
         top = self.plan.qps_edges[-1]
         if rate > self.rate_factor * top:
-            return Drift(now, "rate", f"{rate:.0f} qps arrived over the last "
-                         f"{self.window_s:g} s, {rate / top:.2f}x the {top:.0f} qps the plan's "
-                         f"gears cover{behind}", rate, served_qps=served,
-                         plan=self.plan)
+            return seen("rate", f"{rate:.0f} qps arrived over the last {self.window_s:g} s, "
+                        f"{rate / top:.2f}x the {top:.0f} qps the plan's gears cover")
         limit = self.latency_limit_ms
         if limit is not None and len(latencies_ms) >= self.min_rows:
             p95 = float(np.percentile(latencies_ms, 95))
             if p95 > limit:
-                return Drift(now, "latency", f"the p95 of the last {len(latencies_ms)} "
-                             f"answers was {p95:.0f} ms, over the {limit:.0f} ms the plan is "
-                             f"held to{behind}", rate, served_qps=served,
-                             plan=self.plan)
+                return seen("latency", f"the p95 of the last {len(latencies_ms)} answers was "
+                            f"{p95:.0f} ms, over the {limit:.0f} ms the plan is held to")
         if runtime is not None:
             factor, calls = runtime
             if calls >= self.min_calls and abs(factor - 1.0) > self.runtime_shift:
-                return Drift(now, "runtime", f"the last {calls} model calls took {factor:.2f}x "
-                             "the runtimes the plan was made with", rate,
-                             runtime_factor=factor, served_qps=served,
-                             plan=self.plan)
+                return seen("runtime", f"the last {calls} model calls took {factor:.2f}x the "
+                            "runtimes the plan was made with", runtime_factor=factor)
         snap = dict(counts)
         self._snapshots.append((now, snap))
         while len(self._snapshots) > 1 and self._snapshots[1][0] <= now - self.window_s:
@@ -154,10 +156,10 @@ class DriftWatch:
             share = (up - up0) / n
             if abs(share - expected[stage]) > self.escalation_shift:
                 model = cascade.models[stage]
-                return Drift(now, "escalation", f"stage {stage + 1} ({model}) of "
-                             f"{cascade.describe()} passed on {share:.0%} of the last {n} rows; "
-                             f"the plan expected {expected[stage]:.0%}", rate, cascade, stage,
-                             share, served_qps=served, plan=self.plan)
+                return seen("escalation", f"stage {stage + 1} ({model}) of "
+                            f"{cascade.describe()} passed on {share:.0%} of the last {n} rows; "
+                            f"the plan expected {expected[stage]:.0%}", cascade=cascade,
+                            stage=stage, escalation=share)
         return None
 
 
