@@ -11,8 +11,7 @@ are served, each first ``--phase-s`` seconds as planned and then ``--phase-s`` s
   accurate cascade is unsure of, so it escalates).
 
 Three systems (one more each with ``--in-thread``, ``--no-stopgap``, ``--modelled`` and
-``--no-runtimes``)
-serve each trace, one after the other, on the same arrivals and rows:
+``--no-runtimes``) serve each trace, one after the other, on the same arrivals and rows:
 
 - ``ken, re-planning``: ken's plan with the ``Replanner`` watching it (``ken.engine.replanning``:
   rate, escalation, latency and, since 2026-11-27, the model calls' runtimes);
@@ -221,7 +220,8 @@ def main() -> int:
     # hard rows: the ones the first model of the most accurate cascade passes on
     hard = np.flatnonzero(top.escalates(0, cal.certainty(top.models[0], top.certainty)))
     results: dict = {"setup": {"rate_qps": rate, "target_ms": args.target_ms,
-                               "phase_s": args.phase_s, "step": args.step, "plan": plan.describe(),
+                               "phase_s": args.phase_s, "step": args.step,
+                               "plan": plan.describe(),
                                "static": static.cascades[0].describe(),
                                "hard_rows": len(hard), "sample_rows": len(sample),
                                "hard_share": len(hard) / len(sample)},
