@@ -137,6 +137,8 @@ def serve(plan: GearPlan, loaders: dict, trace: Trace, sample, rows: np.ndarray,
         {"at_s": e.at_s - t0, "swapped_at_s": e.swapped_at_s - t0, "kind": e.drift.kind,
          "stopgap": e.stopgap, "why": e.drift.detail, "rate_qps": e.drift.rate_qps,
          "served_qps": e.drift.served_qps, "saturated": e.drift.saturated,
+         "backlog": e.drift.backlog, "behind_s": e.drift.behind_s,
+         "behind_qps": e.drift.behind_qps,
          "planning_s": e.planning_s, "moved": e.moved, "old": e.old, "new": e.new,
          "error": e.error} for e in watcher.events]
     return {"bins": bins, "status": rep.status_counts(),

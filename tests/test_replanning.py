@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import itertools
 import threading
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
 from fakes import FakeModel, SlowModel
 
 from ken.engine.calibrate import recent_ratio
+from ken.engine.dispatch import Requests
 from ken.engine.replanning import Replanner
 from ken.engine.serving import Engine
 from ken.engine.supervision import BatchRecord
@@ -28,6 +30,7 @@ from ken.optimizer.replan import (
 from ken.optimizer.workload import poisson_trace
 from ken.policy.drift import Drift, DriftWatch, expected_escalation
 from ken.policy.plan import GearPlan, RangeSchedule, Replica
+from ken.policy.scheduling import WallClock
 from tests.test_planner import CASCADES, catalog, hardware
 
 CASCADE = Cascade(("a", "b"), (0.6,))
@@ -88,6 +91,58 @@ def test_drift_watch_sees_a_rate_above_the_top_gear_and_a_shifted_escalation_rat
     assert expected_escalation((1.0, 0.4, 0.1)) == pytest.approx((0.4, 0.25))
     with pytest.raises(Exception, match="must be > 0"):
         DriftWatch(plan, {}, window_s=0)
+
+
+def test_serving_is_behind_when_its_backlog_grows_over_the_limit_for_a_second() -> None:
+    """The backlog rule (``DriftWatch.behind``) against a brute-force reading of the checks:
+    behind where every check of the last second or more held more requests than the arrival
+    rate times the latency limit, and the last more than the first; then the rate answered is
+    what arrived in that time less the growth, and the load what arrived."""
+    rng = np.random.default_rng(3)
+    for case in range(200):
+        plan = small_plan(10.0)  # every check at 100 qps is a rate drift
+        watch = DriftWatch(plan, {}, window_s=5.0, latency_limit_ms=200.0)
+        polls = np.round(np.arange(10.0, 13.01, 0.25), 2)
+        backlogs = np.maximum(0, np.cumsum(rng.integers(-12, 16, polls.size)) + 25)
+        step = float(rng.uniform(10.0, 13.0))  # the rate steps from 100 to 250 qps here
+        times = np.sort(np.concatenate([np.arange(5.0, step, 0.01),
+                                        np.arange(step, 13.0, 0.004)]))
+        for i, (now, queued) in enumerate(zip(polls, backlogs, strict=True)):
+            arrived = times[(times > now - 5.0) & (times <= now)]
+            drift = watch.check(float(now), arrived, {}, answered=400, backlog=int(queued))
+            assert drift is not None and drift.kind == "rate"
+            limit = arrived.size / 5.0 * 0.2
+            j = i  # brute force: the first check of the run over the limit ending now
+            while j > 0 and backlogs[j - 1] > limit and polls[j - 1] >= now - 5.0:
+                j -= 1
+            span = now - polls[j]
+            behind = queued > limit and span >= 1.0 and queued > backlogs[j]
+            assert (drift.behind_s > 0) == behind, (case, i)
+            if behind:
+                came = np.count_nonzero(arrived > polls[j])
+                assert drift.behind_s == pytest.approx(span)
+                assert drift.behind_qps == pytest.approx(came / span)
+                assert drift.served_qps == pytest.approx(max(0, came - queued + backlogs[j]) / span)
+                assert drift.saturated and drift.load_qps >= drift.rate_qps
+                assert "in flight, over the limit" in drift.detail
+            else:
+                assert drift.served_qps == 80.0 and drift.behind_qps is None
+                assert drift.load_qps == drift.rate_qps
+    # counts alone (no arrival times): only the window's share answered says it
+    watch = DriftWatch(small_plan(10.0), {}, latency_limit_ms=200.0)
+    for k in range(9):
+        drift = watch.check(20.0 + k / 4, 500, {}, answered=480, backlog=100 + 20 * k)
+    assert drift is not None and drift.behind_s == 0 and not drift.saturated
+
+
+def test_the_backlog_counts_an_operators_online_requests_in_flight() -> None:
+    requests = Requests(WallClock())
+    with requests.lock:
+        for rid, online in enumerate(("op", "op", "", "other", "op")):
+            requests.add(rid, "x", Future(), 0.0, online)
+    assert (requests.waiting("op"), requests.waiting("other"), requests.waiting("no")) == (3, 1, 0)
+    requests.resolve(0, "ok")
+    assert requests.waiting("op") == 2 and len(requests) == 4
 
 
 def test_resampled_catalog_escalates_at_the_asked_rate() -> None:
@@ -237,6 +292,8 @@ def test_replanner_swaps_the_plan_when_the_rate_passes_the_top_gear_and_loses_no
     # and which plan drifted
     assert event.drift.served_qps is not None and event.drift.served_qps > 0
     assert event.drift.plan is first
+    # and how many of the operator's requests were in flight
+    assert event.drift.backlog is not None and 0 <= event.drift.backlog <= len(futures)
     assert len({o.request_id for o in outcomes}) == len(futures)
     assert {o.status for o in outcomes} == {"ok"}
     # the rows after the swap ran the new plan: model a alone, never escalated
@@ -420,6 +477,12 @@ def test_stopgap_falls_back_to_the_most_accurate_one_gear_plan_that_sustains_the
     assert replan.capacity(two, 40.0) == pytest.approx(gear)
     assert gear < replan.capacity(two) == pytest.approx(replan.capacity(two, 80.0))
     assert replan.served_share(low) == pytest.approx(max(0.2, min(1.0, 10.0 / gear)))
+    # behind for a while at a higher load than the window's: the gear serving that load
+    rushed = Drift(1.0, "latency", "", 40.0, served_qps=10.0, plan=two, behind_s=1.5,
+                   behind_qps=80.0)
+    assert rushed.saturated and rushed.load_qps == 80.0
+    assert replan.served_share(rushed) == pytest.approx(
+        max(0.2, min(1.0, 10.0 / replan.capacity(two, 80.0))))
     no_fallbacks = GearReplan("op", cat, CASCADES, hw, Target(max_p95_ms=200.0))
     assert no_fallbacks.stopgap(Drift(1.0, "rate", "", 1e6), fallbacks[0]) is None
 

@@ -133,6 +133,11 @@ class Requests:
             rows = self.answered.since(operator, since_s)
             return rows[rows[:, 0] - rows[:, 1] > arrived_after_s, 1].tolist()
 
+    def waiting(self, operator: str) -> int:
+        """``operator``'s online requests in flight: arrived, not yet answered."""
+        # list() copies the values in one step: other threads add and resolve meanwhile
+        return sum(1 for req in list(self._requests.values()) if req.online == operator)
+
     def texts(self, batch: RunnableBatch) -> list | None:
         """The input rows of ``batch`` (None: shutdown cancelled its requests)."""
         try:

@@ -27,9 +27,10 @@ A re-plan takes seconds, most on a machine the load overwhelms. Where ``replan``
 ``stopgap(drift, plan)`` (``GearReplan``: one of the one-gear plans the operator was planned
 with that sustains the load, chosen without simulating), a rate or latency drift first swaps
 that plan in at once (a ``ReplanEvent`` with ``stopgap`` set), and the re-plan then replaces
-it. Each drift carries how many requests the window answered (``Drift.served_qps``): where
-that falls behind the arrivals, both the stop-gap and the re-plan take it as what the plan
-really sustains on this machine.
+it. Each drift carries how many requests the window answered (``Drift.served_qps``) and how
+many are in flight (``Drift.backlog``): where serving falls behind the arrivals (or its
+backlog grows past what the latency limit allows), both the stop-gap and the re-plan take
+what it answered as what the plan really sustains on this machine.
 
 Answers to requests that arrived in the first ``settle_s`` after the watch starts are not
 judged against the latency limit (nor, after a swap, those that arrived before it): the first
@@ -177,8 +178,9 @@ class Replanner:
                 self.engine.batch_log, max(since, self._swapped_at))
             # every answer of the window, whenever it arrived: what serving kept up with
             answered = len(self.engine.recent_latencies(self.operator, since))
-            drift = self.watch.check(now, len(arrivals), self.engine.admission.escalations,
-                                     latencies, runtime, answered)
+            drift = self.watch.check(now, arrivals, self.engine.admission.escalations,
+                                     latencies, runtime, answered,
+                                     self.engine.in_flight_of(self.operator))
             if drift is not None:
                 self._handle(drift, arrivals)
 
@@ -193,7 +195,7 @@ class Replanner:
             raise KenError("too few recent arrivals to plan on")
         times = times - (now - window)
         copies = max(1, int(np.ceil(self.history_s / window)))
-        backlog = self.engine.in_flight
+        backlog = self.engine.in_flight_of(self.operator)
         tiled = np.concatenate([np.zeros(backlog),
                                 *(times + k * window for k in range(copies))])
         return Trace(np.sort(tiled), f"{self.operator} serving: {backlog} queued, then the "

@@ -433,6 +433,10 @@ class Engine:
     def in_flight(self) -> int:
         return len(self._requests)
 
+    def in_flight_of(self, operator: str) -> int:
+        """``operator``'s online requests in flight (its backlog)."""
+        return self._requests.waiting(operator)
+
     @property
     def rejected(self) -> int:
         """Online requests admission turned away."""

@@ -149,7 +149,7 @@ class GearReplan:
         # the gears are sized for the load after it
         later = trace.arrival_s[trace.arrival_s >= 1.0]
         steady = Trace(later - 1.0, trace.name).qps_max() if later.size > 1 else 0.0
-        peak = max(steady, drift.rate_qps, 1.0) * self.headroom
+        peak = max(steady, drift.load_qps, 1.0) * self.headroom
         settings = replace(self.settings, seed=self.seed)
         frontier, _ = plan_frontier(self.operator, self.cascades, catalog, self.hardware,
                                     trace, qps_max=peak, settings=settings)
@@ -181,14 +181,15 @@ class GearReplan:
         """What ``plan`` (default: the plan that drifted, ``Drift.plan``) sustained on this
         machine, as a share of what ``capacity`` models: where serving fell behind the
         arrivals on a rate or latency drift (``Drift.saturated``), the rate it answered over
-        the modelled capacity of the gear that serves the rate measured, within
+        the modelled capacity of the gear that serves the load measured (``Drift.load_qps``:
+        while behind, what arrived then), within
         [``MIN_SHARE``, 1]; else (or not ``measured``) 1. Escalation and runtime drifts
         re-plan with their own measure (a re-weighted sample, scaled runtimes)."""
         plan = plan if plan is not None else drift.plan
         if not self.measured or plan is None or drift.kind not in ("rate", "latency") \
                 or not drift.saturated or drift.served_qps is None:
             return 1.0
-        modelled = self.capacity(plan, drift.rate_qps)
+        modelled = self.capacity(plan, drift.load_qps)
         return float(np.clip(drift.served_qps / modelled, MIN_SHARE, 1.0))
 
     def capacity(self, plan: GearPlan, rate: float | None = None) -> float:
@@ -203,23 +204,23 @@ class GearReplan:
         return max(sustained_qps(self.catalog, c, devices) for c in cascades)
 
     def stopgap(self, drift: Drift, current: GearPlan) -> GearPlan | None:
-        """A plan to serve at once, before the re-plan (see the module docstring): on a rate
-        drift, when ``current``'s fastest gear does not sustain the rate measured times
-        ``headroom``; on a latency drift (``current`` missed its target serving) while the rate
-        measured is within ``headroom`` of what ``current`` sustains (near capacity: an
-        overload, not a slow window at low load, which the re-plan handles), one that
-        sustains ``headroom`` times more than ``current`` too. Of the ``fallbacks`` that do,
-        the most accurate, those whose models ``current`` already has on the same devices
-        first (nothing to load); where none does, the one that sustains most, if more than
-        ``current``. None for other drifts, without fallbacks, or when ``current`` suffices.
-        Analytic, no simulation: per fallback, its cascade's stage fractions and accuracy on
-        the sample. Where serving fell behind (``Drift.saturated``), every capacity counts at
-        ``served_share``: what ``current`` answered is what it sustains."""
+        """A plan to serve at once, before the re-plan (see the module docstring): on a rate drift,
+        when ``current``'s fastest gear does not sustain the load measured (``Drift.load_qps``)
+        times ``headroom``; on a latency drift (``current`` missed its target serving) while the
+        load is within ``headroom`` of what ``current`` sustains (near capacity: an overload, not a
+        slow window at low load, which the re-plan handles), one that sustains ``headroom`` times
+        more than ``current`` too. Of the ``fallbacks`` that do, the most accurate, those whose
+        models ``current`` already has on the same devices first (nothing to load); where none does,
+        the one that sustains most, if more than ``current``. None for other drifts, without
+        fallbacks, or when ``current`` suffices. Analytic, no simulation: per fallback, its
+        cascade's stage fractions and accuracy on the sample. Where serving fell behind
+        (``Drift.saturated``), every capacity counts at ``served_share``: what ``current`` answered
+        is what it sustains."""
         if drift.kind not in ("rate", "latency") or not self.fallbacks:
             return None
         share = self.served_share(drift, current)
         have = self.capacity(current) * share
-        need = max(drift.rate_qps, 1.0) * self.headroom
+        need = max(drift.load_qps, 1.0) * self.headroom
         if drift.kind == "latency":
             if need < have:
                 return None

@@ -17,10 +17,16 @@ left what the plan covers:
   average a factor further than ``runtime_shift`` from 1 of the runtimes the plan was made
   with (the machine got slower or faster than it was when it was calibrated).
 
-Every drift also carries what serving kept up with: the requests answered per second over the
-window (``served_qps``). Served well below what arrived (``saturated``), the machine is
-overloaded by the plan serving, and that rate is what the plan really sustains there, whatever
-the planner's model of it said (re-planning uses it: ``ken.optimizer.replan``).
+Every drift also carries what serving kept up with: the requests answered per second
+(``served_qps``) and the requests in flight when it was seen (``backlog``). Serving is behind
+(``saturated``) when it answered well below what arrived over the window, or when, for at
+least ``BEHIND_S``, more requests waited at every check than a plan within its latency limit
+holds (by Little's law, the arrival rate times the limit) and their number grew (``behind_s``):
+an overload shows so from its first seconds, while the window's counts still average it with
+the load before. Behind, the workers never idle, so what serving answered, over the time it
+was behind where that is known, is what the plan really sustains on this machine, whatever the
+planner's model of it said (re-planning uses it: ``ken.optimizer.replan``), and what arrived
+over that time (``behind_qps``) is the load it must now serve.
 
 Like the scheduling policy it never reads a clock: the caller gives the time and the counts
 (the online engine's ``Replanner`` on a wall clock; a test on made-up times).
@@ -61,17 +67,37 @@ class Drift:
     # requests answered per second over the window, whenever they arrived (None: not counted)
     served_qps: float | None = None
     plan: GearPlan | None = field(default=None, compare=False)  # the plan that drifted
+    backlog: int | None = None  # requests in flight (arrived, not answered) at ``at_s``
+    # how long the backlog has been over its limit and growing (0: it is not); then
+    # ``served_qps`` is over that time, and ``behind_qps`` is what arrived over it
+    behind_s: float = 0.0
+    behind_qps: float | None = None
 
     @property
     def saturated(self) -> bool:
-        """Serving answered under ``SATURATED`` of what arrived over the window: the backlog
-        grows (an overload), and ``served_qps`` is what the plan sustains on this machine."""
-        return self.served_qps is not None and self.served_qps < SATURATED * self.rate_qps
+        """Serving fell behind (an overload; ``served_qps`` is what the plan sustains on this
+        machine): the backlog grew over its limit for ``behind_s``, or serving answered under
+        ``SATURATED`` of what arrived over the window."""
+        served = self.served_qps
+        return served is not None and (self.behind_s > 0 or served < SATURATED * self.rate_qps)
+
+    @property
+    def load_qps(self) -> float:
+        """The arrival rate to serve: the window's, or where serving has been behind, the
+        rate over that time if higher (the window still averages in the load before)."""
+        return max(self.rate_qps, self.behind_qps or 0.0)
 
 
 #: answered under this share of the arrivals over a watch's window: an overload (a plan that
 #: keeps up answers what arrives, late by its latency, well under a 5-s window)
 SATURATED = 0.9
+
+#: without a latency limit, a backlog of this many seconds of arrivals is more than a plan that
+#: keeps up holds
+BACKLOG_S = 1.0
+
+#: the backlog over its limit, and growing, for this long: serving is behind
+BEHIND_S = 1.0
 
 
 class DriftWatch:
@@ -97,32 +123,47 @@ class DriftWatch:
         self.plan = plan
         self.expected = {c: tuple(v) for c, v in expected.items()}
         self._snapshots: deque[tuple[float, dict]] = deque()
+        # (time, requests in flight) at each check over the last window_s
+        self._backlogs: deque[tuple[float, int]] = deque()
 
     def rebase(self, plan: GearPlan, expected: Mapping[Cascade, Sequence[float]]) -> None:
         """Watch ``plan`` from now on (after a swap): earlier counts are forgotten."""
         self.plan = plan
         self.expected = {c: tuple(v) for c, v in expected.items()}
         self._snapshots.clear()
+        self._backlogs.clear()
 
-    def check(self, now: float, arrivals: int, counts: Counts,
+    def check(self, now: float, arrivals: int | Sequence[float], counts: Counts,
               latencies_ms: Sequence[float] = (),
               runtime: tuple[float, int] | None = None,
-              answered: int | None = None) -> Drift | None:
+              answered: int | None = None, backlog: int | None = None) -> Drift | None:
         """The drift seen at ``now``, if any: ``arrivals`` is the number of requests that
-        arrived in the last ``window_s``; ``counts`` the cumulative per-stage counts;
+        arrived in the last ``window_s``, or their arrival times (then the load and the rate
+        answered while serving was behind are measured over that time, see ``behind``);
+        ``counts`` the cumulative per-stage counts;
         ``latencies_ms`` those of the requests answered in the last ``window_s``;
         ``runtime`` the mean ratio of the model calls of the last ``window_s`` to the
         runtimes the plan was made with, and how many calls (None: not measured);
         ``answered`` how many requests were answered in the last ``window_s``, whenever they
-        arrived (each drift's ``served_qps``; None: not counted)."""
-        rate = arrivals / self.window_s
+        arrived (each drift's ``served_qps``; None: not counted); ``backlog`` how many are in
+        flight now (None: not counted)."""
+        times = None if isinstance(arrivals, int) else np.asarray(arrivals, dtype=np.float64)
+        rate = (arrivals if times is None else times.size) / self.window_s
         served = None if answered is None else answered / self.window_s
+        behind: dict[str, Any] = {}
+        if backlog is not None:
+            behind = self.behind(now, backlog, rate, times)
+            if behind:
+                served = behind.pop("served_qps")
 
         def seen(kind: DriftKind, detail: str, **fields: Any) -> Drift:
-            drift = Drift(now, kind, detail, rate, served_qps=served, plan=self.plan, **fields)
+            drift = Drift(now, kind, detail, rate, served_qps=served, plan=self.plan,
+                          backlog=backlog, **behind, **fields)
             if drift.saturated and kind in ("rate", "latency"):  # where re-planning acts on it
-                drift = replace(drift, detail=f"{detail}; {served:.0f} qps answered: falling "
-                                              "behind")
+                queued = ("" if not drift.behind_s else
+                          f", {backlog} in flight, over the limit for {drift.behind_s:.1f} s")
+                drift = replace(drift, detail=f"{detail}; {served:.0f} qps answered{queued}: "
+                                              "falling behind")
             return drift
 
         top = self.plan.qps_edges[-1]
@@ -161,6 +202,32 @@ class DriftWatch:
                             f"the plan expected {expected[stage]:.0%}", cascade=cascade,
                             stage=stage, escalation=share)
         return None
+
+
+    def behind(self, now: float, backlog: int, rate: float,
+               times: np.ndarray | None) -> dict[str, Any]:
+        """Record ``backlog`` at ``now``; where it has been over its limit (``rate`` times the
+        latency limit, else ``BACKLOG_S``) at every check of at least the last ``BEHIND_S``
+        and grew over that time: ``behind_s`` (that time), ``served_qps`` (the requests
+        answered in it, per s: those that arrived less the growth) and, given the arrival
+        ``times``, ``behind_qps`` (those that arrived, per s); else nothing."""
+        log = self._backlogs
+        log.append((now, backlog))
+        while log and log[0][0] < now - self.window_s:
+            log.popleft()
+        held_s = BACKLOG_S if self.latency_limit_ms is None else self.latency_limit_ms / 1000
+        limit = rate * held_s
+        start = None
+        for at, queued in reversed(log):
+            if queued <= limit:
+                break
+            start = (at, queued)
+        if start is None or now - start[0] < BEHIND_S or backlog <= start[1] or times is None:
+            return {}
+        span = now - start[0]
+        arrived = int(np.count_nonzero(times > start[0]))
+        return {"behind_s": span, "behind_qps": arrived / span,
+                "served_qps": max(arrived - (backlog - start[1]), 0) / span}
 
 
 def expected_escalation(stage_fractions: Sequence[float]) -> tuple[float, ...]:
