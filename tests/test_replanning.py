@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import threading
 from concurrent.futures import Future
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from fakes import FakeModel, SlowModel
 
 from ken.engine.calibrate import recent_ratio
 from ken.engine.dispatch import Requests
-from ken.engine.replanning import Replanner
+from ken.engine.replanning import Replanner, describe
 from ken.engine.serving import Engine
 from ken.engine.supervision import BatchRecord
 from ken.models.cascade import Cascade
@@ -523,6 +524,69 @@ def test_replanner_swaps_the_stopgap_in_at_once_and_the_replan_after_it() -> Non
     assert stop.stopgap and not stop.error and "fell back" in stop.line()
     assert not replanned.stopgap and "re-planned" in replanned.line()
     assert stop.swapped_at_s <= replanned.swapped_at_s
+    assert len({o.request_id for o in outcomes}) == len(futures)
+    assert {o.status for o in outcomes} == {"ok"}
+
+
+def test_serving_falling_behind_while_a_replan_runs_swaps_the_stopgap_and_plans_again() -> None:
+    """A rate drift that serving keeps up with starts a re-plan on the model's capacity; when
+    serving falls behind while it runs, the stop-gap for that drift is swapped in at once, and
+    the re-plan's plan, made for a capacity serving disproved, is dropped for one planned on
+    the drift that fell behind. Every request is answered once."""
+    models = {"a": FakeModel("a"), "b": FakeModel("b")}
+    first, quick = small_plan(50.0), small_plan(5_000.0, Cascade(("a",)))
+    stale, final = small_plan(777.0), small_plan(5_000.0, Cascade(("a", "b"), (0.9,)))
+    planning, fell_back, done = threading.Event(), threading.Event(), threading.Event()
+
+    class Watch:  # the rate drift first; while the re-plan runs, serving behind
+        window_s, plan = 0.5, first
+        kept_up = Drift(0.0, "rate", "kept up", 100.0, served_qps=100.0)
+        behind = Drift(0.0, "rate", "behind", 100.0, served_qps=40.0)
+
+        def check(self, now, *args):  # noqa: ANN001, ANN002, ANN202
+            if not planning.is_set():
+                return replace(self.kept_up, at_s=now)
+            return replace(self.behind, at_s=now) if not fell_back.is_set() else None
+
+        def rebase(self, plan, expected):  # noqa: ANN001, ANN202
+            self.plan = plan
+
+    class Staged:
+        def __init__(self) -> None:
+            self.asked: list[bool] = []  # stopgap: was the drift behind
+            self.planned: list[bool] = []  # re-plan: was the drift behind
+
+        def stopgap(self, drift, plan):  # noqa: ANN001, ANN202
+            self.asked.append(drift.saturated)
+            if not drift.saturated:
+                return None  # the model says the plan serving sustains the load
+            fell_back.set()
+            return quick
+
+        def __call__(self, trace, drift):  # noqa: ANN001, ANN202
+            self.planned.append(drift.saturated)
+            if len(self.planned) == 1:
+                planning.set()
+                assert fell_back.wait(10)  # the stop-gap is swapped in while this plans
+                return stale
+            return final
+
+    staged = Staged()
+    with Engine(first, models) as engine:
+        replanner = Replanner(engine, "op", staged, lambda p: {c: (0.5,) for c in p.cascades},
+                              window_s=0.5, history_s=1.0, poll_s=0.05, settle_s=0.0,
+                              isolate=False,
+                              on_event=lambda e: done.set() if not e.stopgap else None)
+        replanner.watch = Watch()
+        with replanner:
+            futures, outcomes = flood_until(engine, done)
+        assert engine.plans["op"] == final
+    assert staged.asked == [False, True] and staged.planned == [False, True]
+    stop, replanned = replanner.events[:2]
+    assert stop.stopgap and stop.drift.saturated and stop.new == describe(quick)
+    assert not replanned.stopgap and replanned.drift.saturated
+    assert replanned.old == describe(quick) and replanned.new == describe(final)
+    assert all(describe(stale) not in (e.old, e.new) for e in replanner.events)
     assert len({o.request_id for o in outcomes}) == len(futures)
     assert {o.status for o in outcomes} == {"ok"}
 

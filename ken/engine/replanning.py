@@ -32,6 +32,14 @@ many are in flight (``Drift.backlog``): where serving falls behind the arrivals 
 backlog grows past what the latency limit allows), both the stop-gap and the re-plan take
 what it answered as what the plan really sustains on this machine.
 
+An overload often shows only after the drift that started it: a rate drift fires within a
+second or two of a step in the load, while the window still averages in the load before and
+serving still keeps up. So a re-plan started on a drift that found serving keeping up is
+watched while it runs: if serving falls behind meanwhile (a rate or latency drift with
+``Drift.saturated``), that drift's stop-gap is swapped in at once, and the plan the re-plan
+returns, made for a capacity serving has since disproved, is dropped for one planned on that
+drift.
+
 Answers to requests that arrived in the first ``settle_s`` after the watch starts are not
 judged against the latency limit (nor, after a swap, those that arrived before it): the first
 seconds of a freshly started engine run cold and say little of the plan.
@@ -43,6 +51,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -165,24 +174,29 @@ class Replanner:
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
-            now = self.engine.clock.now()
-            if now < self._quiet_until:
+            if self.engine.clock.now() < self._quiet_until:
                 continue
-            since = now - self.watch.window_s
-            arrivals = self.engine.recent_arrivals(self.operator, since)
-            # requests that arrived before the last swap waited in the old plan's backlog:
-            # they say nothing of the plan serving now
-            latencies = [1000.0 * x for x in self.engine.recent_latencies(
-                self.operator, since, self._swapped_at)]
-            runtime = None if self.runtimes is None else self.runtimes(
-                self.engine.batch_log, max(since, self._swapped_at))
-            # every answer of the window, whenever it arrived: what serving kept up with
-            answered = len(self.engine.recent_latencies(self.operator, since))
-            drift = self.watch.check(now, arrivals, self.engine.admission.escalations,
-                                     latencies, runtime, answered,
-                                     self.engine.in_flight_of(self.operator))
-            if drift is not None:
-                self._handle(drift, arrivals)
+            seen = self._look()
+            if seen is not None:
+                self._handle(*seen)
+
+    def _look(self) -> tuple[Drift, list[float]] | None:
+        """The drift the watch sees now, if any, with the last ``window_s`` of arrivals."""
+        now = self.engine.clock.now()
+        since = now - self.watch.window_s
+        arrivals = self.engine.recent_arrivals(self.operator, since)
+        # requests that arrived before the last swap waited in the old plan's backlog:
+        # they say nothing of the plan serving now
+        latencies = [1000.0 * x for x in self.engine.recent_latencies(
+            self.operator, since, self._swapped_at)]
+        runtime = None if self.runtimes is None else self.runtimes(
+            self.engine.batch_log, max(since, self._swapped_at))
+        # every answer of the window, whenever it arrived: what serving kept up with
+        answered = len(self.engine.recent_latencies(self.operator, since))
+        drift = self.watch.check(now, arrivals, self.engine.admission.escalations,
+                                 latencies, runtime, answered,
+                                 self.engine.in_flight_of(self.operator))
+        return None if drift is None else (drift, arrivals)
 
     def _trace(self, now: float, arrivals: list[float]) -> Trace:
         """What to plan on: the requests in flight now (the backlog the new plan must drain)
@@ -237,7 +251,14 @@ class Replanner:
             trace = self._trace(drift.at_s, arrivals)  # the backlog as the drift left it
             old = self._stopgap(drift, old)
             started = time.perf_counter()  # the re-plan's own time, the stop-gap's swap apart
-            new = self._plan(trace, drift)
+            new, late = self._plan_watching(trace, drift)
+            if late is not None:
+                # serving fell behind while it planned: that plan was made for a capacity
+                # serving has since disproved; plan again on what it answered
+                drift, trace = late
+                old = engine.plans[self.operator]
+                started = time.perf_counter()
+                new = self._plan(trace, drift)
             planning_s = time.perf_counter() - started
             moved = engine.swap_plan(new)
         except Exception as exc:  # noqa: BLE001 - a failed re-plan keeps the old plan serving
@@ -251,6 +272,45 @@ class Replanner:
             self.watch.rebase(new, self.expected(new))
         self._quiet_until = engine.clock.now() + self.settle_s
         self._record(event)
+
+    def _plan_watching(self, trace: Trace, drift: Drift
+                       ) -> tuple[GearPlan, tuple[Drift, Trace] | None]:
+        """``_plan(trace, drift)``, watching serving meanwhile where ``drift`` did not find it
+        behind: a re-plan on a machine the load overwhelms takes tens of seconds, and an
+        overload often shows only after the drift that started it (the rate's window still
+        averages in the load before). When serving falls behind (``Drift.saturated``) on a
+        rate or latency drift while it plans, the stop-gap for that drift is swapped in at
+        once (one per re-plan); returns the plan and, then, that drift and the trace to plan
+        on again."""
+        if drift.saturated:  # planned on what serving answered already
+            return self._plan(trace, drift), None
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def work() -> None:
+            try:
+                box["plan"] = self._plan(trace, drift)
+            except BaseException as exc:  # noqa: BLE001 - raised in the watching thread
+                box["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=work, name=f"ken-replan-{self.operator}-planning",
+                         daemon=True).start()
+        late: tuple[Drift, Trace] | None = None
+        while not done.wait(self.poll_s):
+            seen = None if late is not None else self._look()
+            if seen is None or seen[0].kind not in ("rate", "latency") \
+                    or not seen[0].saturated:
+                continue
+            try:
+                late = (seen[0], self._trace(seen[0].at_s, seen[1]))
+            except KenError:
+                continue
+            self._stopgap(seen[0], self.engine.plans[self.operator])
+        if "error" in box:
+            raise box["error"]
+        return box["plan"], late
 
     def _plan(self, trace: Trace, drift: Drift) -> GearPlan:
         """``replan(trace, drift)``, in the planner process where there is one."""
