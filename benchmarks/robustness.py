@@ -10,8 +10,9 @@ are served, each first ``--phase-s`` seconds as planned and then ``--phase-s`` s
 - ``harder``: the same rate, but every request a hard row (one the first model of ken's most
   accurate cascade is unsure of, so it escalates).
 
-Three systems (one more each with ``--in-thread``, ``--no-stopgap``, ``--modelled`` and
-``--no-runtimes``) serve each trace, one after the other, on the same arrivals and rows:
+Three systems (one more each with ``--in-thread``, ``--no-stopgap``, ``--modelled``,
+``--window-only`` and ``--no-runtimes``) serve each trace, one after the other, on the same
+arrivals and rows:
 
 - ``ken, re-planning``: ken's plan with the ``Replanner`` watching it (``ken.engine.replanning``:
   rate, escalation, latency and, since 2026-11-27, the model calls' runtimes);
@@ -27,6 +28,10 @@ Three systems (one more each with ``--in-thread``, ``--no-stopgap``, ``--modelle
   fell behind the arrivals, the stop-gap and the re-plan still judge capacity by the planner's
   model rather than by what the plan answered (``GearReplan(measured=False)``): how ken
   re-planned before 2026-11-29;
+- ``ken, re-planning on the window's counts`` (with ``--window-only``): the same, but serving
+  is judged behind by the watch window's counts alone, not its backlog, and nothing is watched
+  while a re-plan runs (``Replanner(early=False)``): how ken re-planned before 2026-11-29's
+  second change;
 - ``ken, re-planning without the runtime watch`` (with ``--no-runtimes``): the same, but the
   watch does not compare the model calls' runtimes with the plan's (``Replanner(runtimes=
   None)``): the A/B of whether that watch pays on its own;
@@ -111,7 +116,8 @@ def recovery_s(bins: list[dict], change_s: float, target_ms: float) -> float | N
 
 def serve(plan: GearPlan, loaders: dict, trace: Trace, sample, rows: np.ndarray,
           replanner: GearReplan | None, reporter: Reporter, args: argparse.Namespace,
-          isolate: bool = True, watch_runtimes: bool = True) -> tuple[dict, list]:
+          isolate: bool = True, watch_runtimes: bool = True, early: bool = True
+          ) -> tuple[dict, list]:
     with Engine(plan, loaders, workers="process", admission="max_in_flight") as engine:
         runtimes = ((lambda log, since: recent_ratio(log, replanner.catalog, since))
                     if replanner and watch_runtimes else None)
@@ -119,7 +125,7 @@ def serve(plan: GearPlan, loaders: dict, trace: Trace, sample, rows: np.ndarray,
                              reporter=reporter, window_s=args.watch_s,
                              history_s=args.history_s,
                              latency_limit_ms=replanner.latency_limit_ms,
-                             runtimes=runtimes, isolate=isolate)
+                             runtimes=runtimes, isolate=isolate, early=early)
                    if replanner else None)
         if watcher:
             watcher.start()
@@ -177,6 +183,11 @@ def main() -> int:
                     help="also serve ken re-planning judging capacity by the planner's model "
                     "even where serving fell behind (GearReplan(measured=False); how ken "
                     "re-planned before 2026-11-29)")
+    ap.add_argument("--window-only", action="store_true",
+                    help="also serve ken re-planning that judges serving behind by the "
+                    "window's counts alone and does not watch while a re-plan runs "
+                    "(Replanner(early=False); how ken re-planned before 2026-11-29's second "
+                    "change)")
     ap.add_argument("--no-runtimes", action="store_true",
                     help="also serve ken re-planning without the runtime watch (the A/B of "
                     "whether that watch pays on its own)")
@@ -245,22 +256,24 @@ def main() -> int:
                               fallbacks=frontier.one_gear if stopgap else (),
                               measured=measured)
 
-        # (name, plan, re-planner, re-plan in the planner process, watch the runtimes)
-        systems = [("ken, re-planning", plan, recipe(), True, True),
-                   *([("ken, re-planning in this process", plan, recipe(), False, True)]
+        # (name, plan, re-planner, how the engine serves it: ``serve``'s options)
+        systems = [("ken, re-planning", plan, recipe(), {}),
+                   *([("ken, re-planning in this process", plan, recipe(), {"isolate": False})]
                      if args.in_thread else []),
-                   *([("ken, re-planning without the runtime watch", plan, recipe(), True,
-                       False)] if args.no_runtimes else []),
-                   *([("ken, re-planning without the stop-gap", plan, recipe(False), True,
-                       True)] if args.no_stopgap else []),
-                   *([("ken, re-planning on modelled capacity", plan,
-                       recipe(measured=False), True, True)] if args.modelled else []),
-                   ("ken, fixed plan", plan, None, True, True),
-                   ("static cascade", static, None, True, True)]
-        for name, p, replanner, isolate, watch_runtimes in systems:
+                   *([("ken, re-planning without the runtime watch", plan, recipe(),
+                       {"watch_runtimes": False})] if args.no_runtimes else []),
+                   *([("ken, re-planning without the stop-gap", plan, recipe(False), {})]
+                     if args.no_stopgap else []),
+                   *([("ken, re-planning on modelled capacity", plan, recipe(measured=False),
+                       {})] if args.modelled else []),
+                   *([("ken, re-planning on the window's counts", plan, recipe(),
+                       {"early": False})] if args.window_only else []),
+                   ("ken, fixed plan", plan, None, {}),
+                   ("static cascade", static, None, {})]
+        for name, p, replanner, options in systems:
             reporter.note(f"{kind}: serving {name}")
             got, events = serve(p, loaders, trace, sample, rows, replanner, reporter, args,
-                                isolate, watch_runtimes)
+                                **options)
             got["recovery_s"] = recovery_s(got["bins"], args.phase_s, args.target_ms)
             got["replans"] = events
             out["systems"][name] = got

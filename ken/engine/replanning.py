@@ -107,7 +107,9 @@ class Replanner:
     (``calibrate.recent_ratio`` against ``GearReplan.catalog``): a *runtime* drift beyond
     ``runtime_shift``. ``isolate`` (default): plan in a child process where ``replan`` can
     be pickled (see the module docstring): ``planner``, one shared with other watches (its
-    owner closes it), else one of this watch's own."""
+    owner closes it), else one of this watch's own. ``early`` (default): judge serving behind
+    by its backlog too and watch while re-planning (see the module docstring); False: by the
+    window's counts alone, as before 2026-11-29 (the A/B of ``benchmarks/robustness.py``)."""
 
     def __init__(self, engine: Engine, operator: str,
                  replan: Callable[[Trace, Drift], GearPlan],
@@ -120,7 +122,7 @@ class Replanner:
                  runtimes: Callable[[Sequence[BatchRecord], float],
                                     tuple[float, int] | None] | None = None,
                  runtime_shift: float = 0.25, isolate: bool = True,
-                 planner: PlannerProcess | None = None) -> None:
+                 planner: PlannerProcess | None = None, early: bool = True) -> None:
         if history_s < window_s or poll_s <= 0 or settle_s < 0:
             raise KenError("history_s must be >= window_s, poll_s > 0 and settle_s >= 0")
         self.engine = engine
@@ -142,6 +144,7 @@ class Replanner:
         # engine clock of the last swap (at start: the end of the first settle_s); answers to
         # requests that arrived before it are not judged against the latency limit
         self._swapped_at = -float("inf")
+        self.early = early
         self.planner = (planner or PlannerProcess()) if isolate and picklable(replan) else None
         self._owns_planner = planner is None
 
@@ -193,9 +196,9 @@ class Replanner:
             self.engine.batch_log, max(since, self._swapped_at))
         # every answer of the window, whenever it arrived: what serving kept up with
         answered = len(self.engine.recent_latencies(self.operator, since))
+        backlog = self.engine.in_flight_of(self.operator) if self.early else None
         drift = self.watch.check(now, arrivals, self.engine.admission.escalations,
-                                 latencies, runtime, answered,
-                                 self.engine.in_flight_of(self.operator))
+                                 latencies, runtime, answered, backlog)
         return None if drift is None else (drift, arrivals)
 
     def _trace(self, now: float, arrivals: list[float]) -> Trace:
@@ -282,7 +285,7 @@ class Replanner:
         rate or latency drift while it plans, the stop-gap for that drift is swapped in at
         once (one per re-plan); returns the plan and, then, that drift and the trace to plan
         on again."""
-        if drift.saturated:  # planned on what serving answered already
+        if drift.saturated or not self.early:  # planned on what serving answered already
             return self._plan(trace, drift), None
         box: dict[str, Any] = {}
         done = threading.Event()
