@@ -528,25 +528,37 @@ def test_replanner_swaps_the_stopgap_in_at_once_and_the_replan_after_it() -> Non
     assert {o.status for o in outcomes} == {"ok"}
 
 
-def test_serving_falling_behind_while_a_replan_runs_swaps_the_stopgap_and_plans_again() -> None:
+@pytest.mark.parametrize("early", [True, False])
+def test_serving_falling_behind_while_a_replan_runs_swaps_the_stopgap_and_plans_again(
+        early: bool) -> None:
     """A rate drift that serving keeps up with starts a re-plan on the model's capacity; when
     serving falls behind while it runs, the stop-gap for that drift is swapped in at once, and
     the re-plan's plan, made for a capacity serving disproved, is dropped for one planned on
-    the drift that fell behind. Every request is answered once."""
+    the drift that fell behind. Every request is answered once. ``early=False`` (the A/B):
+    the backlog is not read and nothing is watched while the re-plan runs."""
     models = {"a": FakeModel("a"), "b": FakeModel("b")}
     first, quick = small_plan(50.0), small_plan(5_000.0, Cascade(("a",)))
     stale, final = small_plan(777.0), small_plan(5_000.0, Cascade(("a", "b"), (0.9,)))
     planning, fell_back, done = threading.Event(), threading.Event(), threading.Event()
+    returned = threading.Event()  # the first re-plan returned
 
     class Watch:  # the rate drift first; while the re-plan runs, serving behind
         window_s, plan = 0.5, first
         kept_up = Drift(0.0, "rate", "kept up", 100.0, served_qps=100.0)
         behind = Drift(0.0, "rate", "behind", 100.0, served_qps=40.0)
 
+        backlogs: list = []
+
+        looked_while_planning = 0
+
         def check(self, now, *args):  # noqa: ANN001, ANN002, ANN202
+            self.backlogs.append(args[-1])
             if not planning.is_set():
                 return replace(self.kept_up, at_s=now)
-            return replace(self.behind, at_s=now) if not fell_back.is_set() else None
+            if returned.is_set() or fell_back.is_set():
+                return None
+            self.looked_while_planning += 1
+            return replace(self.behind, at_s=now)
 
         def rebase(self, plan, expected):  # noqa: ANN001, ANN202
             self.plan = plan
@@ -567,7 +579,9 @@ def test_serving_falling_behind_while_a_replan_runs_swaps_the_stopgap_and_plans_
             self.planned.append(drift.saturated)
             if len(self.planned) == 1:
                 planning.set()
-                assert fell_back.wait(10)  # the stop-gap is swapped in while this plans
+                if early:
+                    assert fell_back.wait(10)  # the stop-gap is swapped in while this plans
+                returned.set()
                 return stale
             return final
 
@@ -575,20 +589,26 @@ def test_serving_falling_behind_while_a_replan_runs_swaps_the_stopgap_and_plans_
     with Engine(first, models) as engine:
         replanner = Replanner(engine, "op", staged, lambda p: {c: (0.5,) for c in p.cascades},
                               window_s=0.5, history_s=1.0, poll_s=0.05, settle_s=0.0,
-                              isolate=False,
+                              isolate=False, early=early,
                               on_event=lambda e: done.set() if not e.stopgap else None)
-        replanner.watch = Watch()
+        replanner.watch = watch = Watch()
         with replanner:
             futures, outcomes = flood_until(engine, done)
-        assert engine.plans["op"] == final
+        assert engine.plans["op"] == (final if early else stale)
+    assert all((b is not None) == early for b in watch.backlogs)
+    assert len({o.request_id for o in outcomes}) == len(futures)
+    assert {o.status for o in outcomes} == {"ok"}
+    assert (watch.looked_while_planning > 0) == early
+    if not early:
+        assert staged.asked == [False] and staged.planned == [False]
+        assert [e.new for e in replanner.events] == [describe(stale)]
+        return
     assert staged.asked == [False, True] and staged.planned == [False, True]
     stop, replanned = replanner.events[:2]
     assert stop.stopgap and stop.drift.saturated and stop.new == describe(quick)
     assert not replanned.stopgap and replanned.drift.saturated
     assert replanned.old == describe(quick) and replanned.new == describe(final)
     assert all(describe(stale) not in (e.old, e.new) for e in replanner.events)
-    assert len({o.request_id for o in outcomes}) == len(futures)
-    assert {o.status for o in outcomes} == {"ok"}
 
 
 def test_a_stopgap_that_fails_or_has_nothing_to_offer_leaves_the_replan_to_follow() -> None:
