@@ -129,6 +129,20 @@ def test_serving_is_behind_when_its_backlog_grows_over_the_limit_for_a_second() 
             else:
                 assert drift.served_qps == 80.0 and drift.behind_qps is None
                 assert drift.load_qps == drift.rate_qps
+    # within the plan's rates, the backlog alone is a latency drift (the answers' p95 lags)
+    for limit_ms in (200.0, None):
+        watch = DriftWatch(small_plan(1_000.0), {}, latency_limit_ms=limit_ms)
+        times = np.arange(15.0, 20.0, 0.01)  # 100 qps: 20 requests within 200 ms
+        seen = [watch.check(20.0 + k / 4, times + k / 4, {}, answered=480, backlog=30 + 10 * k)
+                for k in range(6)]
+        if limit_ms is None:
+            assert seen == [None] * 6  # no limit to hold: nothing to re-plan for
+            continue
+        assert seen[:4] == [None] * 4  # over the limit, but for under a second
+        drift = seen[4]
+        assert drift is not None and drift.kind == "latency" and drift.behind_s == 1.0
+        assert "70 requests in flight, over the 20 a plan within 200 ms holds" in drift.detail
+        assert drift.saturated and "falling behind" in drift.detail
     # counts alone (no arrival times): only the window's share answered says it
     watch = DriftWatch(small_plan(10.0), {}, latency_limit_ms=200.0)
     for k in range(9):
@@ -545,7 +559,8 @@ def test_serving_falling_behind_while_a_replan_runs_swaps_the_stopgap_and_plans_
     class Watch:  # the rate drift first; while the re-plan runs, serving behind
         window_s, plan = 0.5, first
         kept_up = Drift(0.0, "rate", "kept up", 100.0, served_qps=100.0)
-        behind = Drift(0.0, "rate", "behind", 100.0, served_qps=40.0)
+        behind = Drift(0.0, "rate", "behind", 100.0, served_qps=40.0, behind_s=1.5,
+                       behind_qps=120.0)
 
         backlogs: list = []
 

@@ -32,13 +32,13 @@ many are in flight (``Drift.backlog``): where serving falls behind the arrivals 
 backlog grows past what the latency limit allows), both the stop-gap and the re-plan take
 what it answered as what the plan really sustains on this machine.
 
-An overload often shows only after the drift that started it: a rate drift fires within a
-second or two of a step in the load, while the window still averages in the load before and
-serving still keeps up. So a re-plan started on a drift that found serving keeping up is
-watched while it runs: if serving falls behind meanwhile (a rate or latency drift with
-``Drift.saturated``), that drift's stop-gap is swapped in at once, and the plan the re-plan
-returns, made for a capacity serving has since disproved, is dropped for one planned on that
-drift.
+An overload often shows in full only after the drift that started it: a drift fires within a
+second or two of a step in the load, while the window still averages in the load before, and
+the stop-gap and the re-plan are sized for that. So every re-plan is watched while it runs:
+if the plan serving (the old one, or the stop-gap) falls behind meanwhile by its backlog
+(``Drift.behind_s``), the stop-gap for that drift is swapped in at once, and the plan the
+re-plan returns, made for a load or a capacity serving has since disproved, is dropped for
+one planned on that drift.
 
 Answers to requests that arrived in the first ``settle_s`` after the watch starts are not
 judged against the latency limit (nor, after a swap, those that arrived before it): the first
@@ -278,14 +278,14 @@ class Replanner:
 
     def _plan_watching(self, trace: Trace, drift: Drift
                        ) -> tuple[GearPlan, tuple[Drift, Trace] | None]:
-        """``_plan(trace, drift)``, watching serving meanwhile where ``drift`` did not find it
-        behind: a re-plan on a machine the load overwhelms takes tens of seconds, and an
-        overload often shows only after the drift that started it (the rate's window still
-        averages in the load before). When serving falls behind (``Drift.saturated``) on a
-        rate or latency drift while it plans, the stop-gap for that drift is swapped in at
-        once (one per re-plan); returns the plan and, then, that drift and the trace to plan
-        on again."""
-        if drift.saturated or not self.early:  # planned on what serving answered already
+        """``_plan(trace, drift)``, watching serving meanwhile: a re-plan on a machine the
+        load overwhelms takes tens of seconds, and an overload often shows in full only after
+        the drift that started it (the rate's window still averages in the load before), so
+        the plan serving (the old one, or a stop-gap sized for that drift) may fall behind
+        while it plans. When its backlog says so (``Drift.behind_s``) on a rate or latency
+        drift, the stop-gap for that drift is swapped in at once (one per re-plan); returns
+        the plan and, then, that drift and the trace to plan on again."""
+        if not self.early:
             return self._plan(trace, drift), None
         box: dict[str, Any] = {}
         done = threading.Event()
@@ -302,9 +302,11 @@ class Replanner:
                          daemon=True).start()
         late: tuple[Drift, Trace] | None = None
         while not done.wait(self.poll_s):
-            seen = None if late is not None else self._look()
+            seen = None if late is not None or self._stop.is_set() else self._look()
+            # behind by the backlog since the last swap: the window's counts still hold the
+            # time before it
             if seen is None or seen[0].kind not in ("rate", "latency") \
-                    or not seen[0].saturated:
+                    or not seen[0].behind_s:
                 continue
             try:
                 late = (seen[0], self._trace(seen[0].at_s, seen[1]))

@@ -12,7 +12,9 @@ left what the plan covers:
   over at least ``min_rows`` rows answered in the last ``window_s``;
 - *latency*: the p95 of the requests answered in the last ``window_s`` (at least ``min_rows``
   of them) is over ``latency_limit_ms``: the plan does not hold, whatever the cause (the
-  simulator's runtimes, the machine's other work, a backlog);
+  simulator's runtimes, the machine's other work, a backlog); or, sooner, serving is behind
+  by its backlog (below): the requests waiting will miss the limit before their answers say
+  so;
 - *runtime*: the model calls of the last ``window_s`` (at least ``min_calls``) took on
   average a factor further than ``runtime_shift`` from 1 of the runtimes the plan was made
   with (the machine got slower or faster than it was when it was calibrated).
@@ -171,6 +173,11 @@ class DriftWatch:
             return seen("rate", f"{rate:.0f} qps arrived over the last {self.window_s:g} s, "
                         f"{rate / top:.2f}x the {top:.0f} qps the plan's gears cover")
         limit = self.latency_limit_ms
+        if limit is not None and behind:
+            # the answers' p95 lags an overload by the very wait it measures: the queue shows it
+            return seen("latency", f"{backlog} requests in flight, over the "
+                        f"{rate * limit / 1000:.0f} a plan within {limit:.0f} ms holds at "
+                        f"{rate:.0f} qps, and growing for {behind['behind_s']:.1f} s")
         if limit is not None and len(latencies_ms) >= self.min_rows:
             p95 = float(np.percentile(latencies_ms, 95))
             if p95 > limit:
