@@ -47,9 +47,13 @@ narrowest band from 0.1 to 0.3.
    planned demand (1x), one fixed for the peak (3x), Loki's controller (re-solved every
    ``--online-every-s`` seconds for 1.1x an EWMA, weight 0.5, of the demand measured so far;
    at a change the requests inside the pipeline take a path of the new allocation from where
-   they are) and an oracle that solves each period for its own measured demand in advance.
-   Per system: quality per request (late and turned away = 0), the share on time, and both per
-   period; the MILPs' count and time.
+   they are), the same controller closed over the backlog (``online + backlog``: at each
+   period's start, inside the simulation, it reads the requests queued or in service in the
+   pipeline and solves for 1.1 x (the EWMA + that backlog / ``--online-drain-s``, default one
+   period); ``simulate_closed_loop``) and an oracle that solves each period for its own
+   measured demand in advance. Per system: quality per request (late and turned away = 0), the
+   share on time, and both per period; the MILPs' count and time; for the closed loop the
+   backlog it read at each period's start.
 
 "What the pipeline sustains" (1x) is the highest rate (bisection up to its profiled capacity:
 the smallest over stages of the stage's rows per second at full batches on all its replicas,
@@ -402,17 +406,22 @@ ONLINE_LOADS = (1.0, 3.0, 1.0)  # the online case's demand in each phase
 
 
 def run_online_case(catalog, gpus: int, slo_s: float, phase_s: float, every_s: float,  # noqa: ANN001
-                    seed: int, drops: tuple[str, ...] = ("none", "proactive")) -> dict:
-    """Allocations fixed for 1x and for the peak, re-solved online (EWMA) and by an oracle,
-    served by the simulator on a step in demand (``ken.optimizer.reallocation``)."""
+                    seed: int, drops: tuple[str, ...] = ("none", "proactive"),
+                    drain_s: float | None = None) -> dict:
+    """Allocations fixed for 1x and for the peak, re-solved online (EWMA; open loop and
+    closed over the backlog) and by an oracle, served by the simulator on a step in demand
+    (``ken.optimizer.reallocation``)."""
     from ken.optimizer.reallocation import (
+        ClosedLoop,
         Resolving,
+        Solver,
         fixed_schedule,
         measured_rates,
         online_schedule,
         periods_of,
         schedule_for,
         serve_schedule,
+        simulate_closed_loop,
         simulate_schedule,
     )
     from ken.optimizer.workload import Trace, poisson_trace
@@ -441,15 +450,28 @@ def run_online_case(catalog, gpus: int, slo_s: float, phase_s: float, every_s: f
             problem_for, measured_rates(trace.arrival_s, periods, every_s), every_s),
     }
     solve_s = time.perf_counter() - started
+    # decided inside each run, so one schedule per dropping policy; one cache of solves
+    control, solver = ClosedLoop(resolving, drain_s), Solver(problem_for)
+    closed = f"online + backlog (drain {control.drain:g} s)"
+    systems[closed] = None
     out = {"pipeline": f"online-{gpus}gpu", "slo_s": slo_s, "one_x_qps": base,
            "phase_s": phase_s, "loads": list(ONLINE_LOADS), "every_s": every_s,
            "alpha": resolving.alpha, "headroom": resolving.headroom,
-           "requests": len(trace), "solve_s": solve_s, "systems": []}
+           "drain_s": control.drain, "requests": len(trace), "solve_s": solve_s,
+           "milps": sum(len(s.allocations) for s in systems.values() if s is not None),
+           "systems": []}
     for (name, schedule), drop in itertools.product(systems.items(), drops):
         t0 = time.perf_counter()
-        served = serve_schedule(schedule, devices)
-        run = simulate_schedule(schedule, served, catalog, trace, slo_s, seed,
-                                None if drop == "none" else DropPolicy.named(drop))
+        policy = None if drop == "none" else DropPolicy.named(drop)
+        extra = {}
+        if schedule is None:
+            got = simulate_closed_loop(control, solver, base, devices, catalog, trace,
+                                       duration, slo_s, seed, policy)
+            schedule, run = got.schedule, got.run
+            extra = {"backlog": list(got.backlog), "restarts": got.restarts}
+        else:
+            served = serve_schedule(schedule, devices)
+            run = simulate_schedule(schedule, served, catalog, trace, slo_s, seed, policy)
         phases = []
         for k in range(len(ONLINE_LOADS)):
             mine = (trace.arrival_s >= k * phase_s) & (trace.arrival_s < (k + 1) * phase_s)
@@ -458,17 +480,20 @@ def run_online_case(catalog, gpus: int, slo_s: float, phase_s: float, every_s: f
         row = {"system": name, "dropping": drop, "quality": float(run.quality.mean()),
                "on_time": float(run.on_time.mean()),
                "turned_away": float((run.path < 0).mean()), "moved": int(run.moved.sum()),
-               "allocations": len(schedule.allocations), "changes": schedule.changes,
+               "allocations": len(set(schedule.which)), "changes": schedule.changes,
                "demands": list(schedule.demands), "phases": phases,
                "per_period": run.per_period(schedule.periods),
                "predicted_quality": [schedule.allocations[a].quality for a in schedule.which],
-               "sim_s": time.perf_counter() - t0}
+               **extra, "sim_s": time.perf_counter() - t0}
         out["systems"].append(row)
         by_phase = ", ".join(f"{p['quality']:.3f}" for p in phases)
         print(f"online {name:>36}, dropping {drop:>9}: quality {row['quality']:.3f}, "
               f"{row['on_time']:.1%} on time ({by_phase} by phase), "
               f"{row['allocations']} allocations, {row['changes']} changes, {row['moved']} "
-              f"requests moved", flush=True)
+              f"requests moved" + (f", backlog up to {max(extra['backlog'])}, "
+                                   f"{extra['restarts']} restarts" if extra else ""),
+              flush=True)
+    out["closed_loop_milps"], out["closed_loop_solve_s"] = len(solver.solved), solver.seconds
     return out
 
 
@@ -754,6 +779,9 @@ def main(argv: list[str] | None = None) -> int:
                          "quick: 6)")
     ap.add_argument("--online-every-s", type=float, default=2.0,
                     help="the online controller's re-solve period")
+    ap.add_argument("--online-drain-s", type=float, default=None,
+                    help="the closed-loop controller solves for the backlog / this many "
+                         "seconds on top of the EWMA (default: one re-solve period)")
     ap.add_argument("--engine-deadline-ms", type=float, default=300.0)
     ap.add_argument("--engine-duration-s", type=float, default=None,
                     help="seconds of arrivals per engine point (default 6; quick: 4)")
@@ -798,7 +826,8 @@ def main(argv: list[str] | None = None) -> int:
         elif case == "online":
             cases.append(run_online_case(catalog, args.gpus, args.alloc_slo_ms / 1000,
                                          args.online_phase_s or (6.0 if args.quick else 20.0),
-                                         args.online_every_s, args.seed))
+                                         args.online_every_s, args.seed,
+                                         drain_s=args.online_drain_s))
         elif case == "allocation":
             d = args.duration_s or (1.0 if args.quick else 3.0)
             cases.append(run_allocation_case(catalog, args.gpus, args.alloc_slo_ms / 1000, d,

@@ -6,19 +6,24 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ken.errors import KenError
 from ken.optimizer.allocation import AllocationProblem, Variant, allocate, serve_allocation
 from ken.optimizer.perf import Catalog, ModelPerf
 from ken.optimizer.reallocation import (
+    MIN_DEMAND_SHARE,
+    ClosedLoop,
     Resolving,
+    Solver,
     ewma_demands,
     fixed_schedule,
     measured_rates,
     online_schedule,
+    period_demand,
     serve_schedule,
+    simulate_closed_loop,
     simulate_schedule,
 )
 from ken.optimizer.simulator import simulate_many
@@ -27,6 +32,7 @@ from ken.optimizer.workload import Trace, poisson_trace
 DETECT = (Variant("small", 0.6, {1: 20.0, 8: 80.0}), Variant("large", 0.8, {1: 5.0, 8: 10.0}))
 READ = (Variant("r-small", 0.5, {1: 10.0}), Variant("r-large", 0.7, {1: 4.0}))
 SLO_S = 2.0
+DEVICES = tuple(f"gpu{i}" for i in range(4))
 
 
 def problem_for(demand: float) -> AllocationProblem:
@@ -146,21 +152,31 @@ def test_bad_settings_are_refused() -> None:
 @settings(max_examples=25, deadline=None)
 @given(st.floats(3.0, 20.0), st.floats(3.0, 40.0), st.sampled_from([0.5, 1.0, 3.0]),
        st.floats(0.2, 1.0), st.sampled_from([None, "reactive", "proactive"]),
-       st.integers(0, 1000))
+       st.integers(0, 1000), st.booleans())
 def test_any_schedule_answers_each_request_once_or_turns_it_away(low: float, high: float,
                                                                   every_s: float, alpha: float,
                                                                   drop: str | None,
-                                                                  seed: int) -> None:
-    """Whatever the demand and the controller: every request is turned away at arrival,
-    dropped, or answered exactly once (the event loop checks the last itself, along each
-    request's route as the changes rewrote it); quality never exceeds the best path's."""
+                                                                  seed: int,
+                                                                  closed: bool) -> None:
+    """Whatever the demand and the controller (open loop, or closed over the backlog):
+    every request is turned away at arrival, dropped, or answered exactly once (the event
+    loop checks the last itself, along each request's route as the changes rewrote it);
+    quality never exceeds the best path's."""
     from ken.policy.dropping import DropPolicy
 
     trace = step_trace(low, high, 3.0, 3.0, seed)  # >= 3 req/s: some arrive in 3 s
-    schedule = online_schedule(problem_for, trace, 6.0, low, Resolving(every_s, alpha))
-    served = serve_schedule(schedule, [f"gpu{i}" for i in range(4)])
-    run = simulate_schedule(schedule, served, catalog(), trace, SLO_S, seed,
-                            None if drop is None else DropPolicy.named(drop))
+    policy = None if drop is None else DropPolicy.named(drop)
+    if closed:
+        got = simulate_closed_loop(ClosedLoop(Resolving(every_s, alpha)), Solver(problem_for),
+                                   low, DEVICES, catalog(), trace, 6.0, SLO_S, seed, policy)
+        run = got.run
+        routed = run.path >= 0
+        assert [got.schedule.which[k] for k in run.period[routed]] == \
+            [got.served.paths[j][0] for j in run.path[routed]]  # by its period's allocation
+    else:
+        schedule = online_schedule(problem_for, trace, 6.0, low, Resolving(every_s, alpha))
+        served = serve_schedule(schedule, DEVICES)
+        run = simulate_schedule(schedule, served, catalog(), trace, SLO_S, seed, policy)
     assert not run.moved[run.path < 0].any()
     assert (run.quality <= 0.8 * 0.7 + 1e-12).all()
     assert (run.quality[~run.on_time] == 0).all()
@@ -180,3 +196,117 @@ def test_a_period_with_next_to_no_demand_keeps_the_allocation_it_had() -> None:
     assert all((0, n) in tiny.hosts and (1, m) in tiny.hosts for _, (n, m) in tiny.shares)
     with pytest.raises(KenError, match="planned demand"):
         ewma_demands(arrivals, 6, 0.0, Resolving())
+
+
+def inside_at(arrival_s: np.ndarray, latency_s: np.ndarray, t: float) -> int:
+    """Requests inside the pipeline at ``t`` (no dropping): arrived before it, answered at or
+    after it (at one instant the controller decides before arrivals and completions)."""
+    answered = np.isfinite(latency_s)
+    return int(np.sum(answered & (arrival_s < t) & (arrival_s + np.where(answered, latency_s,
+                                                                         0.0) >= t)))
+
+
+def test_the_closed_loop_solves_for_the_ewma_plus_the_backlog_it_read() -> None:
+    """At each period's start the demand is (1 + headroom) x (EWMA + backlog / drain_s),
+    the backlog being the requests the run had inside the pipeline then (recomputed here
+    from the run's arrivals and latencies), and that period's arrivals take its paths."""
+    trace = step_trace(3.0, 15.0, 12.0, 24.0)
+    control = ClosedLoop(Resolving(every_s=2.0, alpha=0.5, step=0.0, headroom=0.1),
+                         drain_s=3.0)
+    got = simulate_closed_loop(control, Solver(problem_for), 3.0, DEVICES, catalog(), trace,
+                               36.0, SLO_S, seed=1)
+    run, periods = got.run, got.schedule.periods
+    assert periods == 18
+    rates = measured_rates(trace.arrival_s, periods, 2.0)
+    backlog = [inside_at(trace.arrival_s, run.latency_s, 2.0 * k) for k in range(periods)]
+    assert list(got.backlog) == backlog
+    assert max(backlog) >= 10  # the step left requests queued: the test is not vacuous
+    ewma, want = 3.0, [3.0]
+    for k in range(1, periods):
+        ewma = 0.5 * rates[k - 1] + 0.5 * ewma
+        want.append(1.1 * (ewma + backlog[k] / 3.0))
+    assert list(got.schedule.demands) == pytest.approx(want, rel=1e-12)
+    assert [got.schedule.problems[a].demand_qps for a in got.schedule.which] == \
+        list(got.schedule.demands)
+    routed = run.path >= 0
+    assert [got.schedule.which[k] for k in run.period[routed]] == \
+        [got.served.paths[j][0] for j in run.path[routed]]
+    # the open loop solves for less while the backlog is there
+    open_loop = ewma_demands(trace.arrival_s, periods, 3.0, control.resolving)
+    assert all(c > o for c, o, b in zip(got.schedule.demands, open_loop, backlog, strict=True)
+               if b)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_with_no_backlog_the_closed_loop_chooses_as_the_open_loop(seed: int) -> None:
+    """Arrivals in the first 0.2 s of each 2-s period, few enough that the pipeline empties
+    before the next: the backlog read at every period's start is 0, and the closed loop
+    solves for the open loop's demands and chooses its allocations."""
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 5, 10)
+    counts[0] = max(counts[0], 1)
+    trace = Trace(np.sort(np.concatenate([2.0 * k + rng.uniform(0, 0.2, c)
+                                          for k, c in enumerate(counts)])), "bursts")
+    resolving = Resolving(every_s=2.0, alpha=0.6, step=0.05, headroom=0.1)
+    got = simulate_closed_loop(ClosedLoop(resolving), Solver(problem_for), 2.0, DEVICES,
+                               catalog(), trace, 20.0, SLO_S, seed)
+    open_loop = online_schedule(problem_for, trace, 20.0, 2.0, resolving)
+    assert got.backlog == (0,) * 10
+    assert got.schedule.demands == open_loop.demands
+    assert len(set(open_loop.demands)) >= 3  # the EWMA moved
+    assert [got.schedule.allocations[a] for a in got.schedule.which] == \
+        [open_loop.allocations[a] for a in open_loop.which]
+    assert got.schedule.changes == open_loop.changes
+
+
+@settings(max_examples=300, deadline=None)
+@given(estimate=st.floats(0.0, 50.0), previous=st.floats(0.1, 50.0),
+       backlog=st.floats(0.0, 100.0), more=st.floats(0.0, 100.0),
+       step=st.sampled_from([0.0, 0.05, 0.3]), headroom=st.sampled_from([0.0, 0.1, 0.5]),
+       k=st.integers(1, 5))
+@example(estimate=0.0, previous=40.0, backlog=0.0, more=1.0, step=0.05, headroom=0.1, k=3)
+@example(estimate=0.0, previous=1.0, backlog=0.0, more=90.0, step=0.0, headroom=0.0, k=1)
+@example(estimate=20.0, previous=1.0, backlog=0.0, more=30.0, step=0.05, headroom=0.1, k=2)
+def test_a_larger_backlog_never_solves_for_less(estimate: float, previous: float,
+                                                backlog: float, more: float, step: float,
+                                                headroom: float, k: int) -> None:
+    """More backlog: a demand at least as large, and large enough for the EWMA and the
+    whole backlog (within the rounding), also where the estimate fell to nearly nothing and
+    the period keeps the demand it had (``previous`` >= ``MIN_DEMAND_SHARE`` x the start,
+    as the controller's demands are)."""
+    resolving = Resolving(2.0, 0.5, step, headroom)
+    assert previous >= MIN_DEMAND_SHARE * 10.0
+    low = period_demand(resolving, 10.0, k, estimate, previous, backlog)
+    high = period_demand(resolving, 10.0, k, estimate, previous, backlog + more)
+    assert high >= low
+    need = (estimate + backlog + more) * (1 + headroom)
+    assert high >= need / math.sqrt(1 + step) * (1 - 1e-12)
+    assert low == period_demand(resolving, 10.0, k, estimate, previous, 0.0) or backlog > 0
+
+
+def test_a_restart_to_place_plans_changes_nothing() -> None:
+    """The simulator needs its plans before it starts: a pick with new hosts restarts the
+    run. With every plan placed from the start the run is the same, with no restart."""
+    from ken.policy.dropping import DropPolicy
+
+    trace = step_trace(3.0, 15.0, 8.0, 12.0, seed=2)
+    control = ClosedLoop(Resolving(every_s=2.0), drain_s=1.0)
+    calls: list[float] = []
+    solver = Solver(lambda d: calls.append(d) or problem_for(d))
+    chosen: set[float] = set()
+    for drop in (None, DropPolicy.named("proactive")):
+        got = simulate_closed_loop(control, solver, 3.0, DEVICES, catalog(), trace, 20.0,
+                                   SLO_S, 4, drop)
+        assert got.restarts >= 1
+        placed = [p.demand_qps for p in got.schedule.problems]
+        again = simulate_closed_loop(control, solver, 3.0, DEVICES, catalog(), trace, 20.0,
+                                     SLO_S, 4, drop, place=placed)
+        assert again.restarts == 0
+        assert again.schedule == got.schedule and again.backlog == got.backlog
+        for field in ("path", "moved", "latency_s", "quality"):
+            assert np.array_equal(getattr(again.run, field), getattr(got.run, field),
+                                  equal_nan=True)
+        chosen |= set(got.schedule.demands)
+    assert sorted(calls) == sorted(chosen)  # each demand solved once, across runs and restarts
+    with pytest.raises(KenError, match="drain"):
+        ClosedLoop(drain_s=0.0)

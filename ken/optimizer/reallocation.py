@@ -16,18 +16,29 @@ allocation of the period it arrives in and simulates the whole trace at once; wh
 allocation changes, the requests inside the pipeline move onto paths of the new one from the
 hop they are at, so a change loses nothing (variants stay loaded: no model-load time is
 charged, as on devices with memory for every variant).
+
+That controller is open loop: its schedule is computed from the arrivals alone, before the
+run, and never sees the requests a lagging allocation left queued. ``simulate_closed_loop``
+closes the loop (``ClosedLoop``): at each period's start, inside the simulation, it reads the
+backlog (the requests queued or in service in the pipeline) and solves for the EWMA plus the
+backlog spread over ``ClosedLoop.drain_s`` (``period_demand``), with the same rounding and
+the same cache of solves (``Solver``). The simulator needs every plan before it starts, so a
+run whose controller picks an allocation with hosts no plan has yet restarts with its plans
+added (the run up to that pick is the same; the result is that of one run with every plan
+from the start).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from ken.errors import QueryPlanError
+from ken.errors import KenError, QueryPlanError
 from ken.optimizer.allocation import (
     Allocation,
     AllocationProblem,
@@ -91,24 +102,49 @@ def measured_rates(arrival_s: np.ndarray, periods: int, every_s: float) -> np.nd
     return np.bincount(k, minlength=periods)[:periods] / every_s
 
 
-def ewma_demands(arrival_s: np.ndarray, periods: int, start_qps: float,
-                 resolving: Resolving) -> np.ndarray:
-    """Per period, the demand its allocation is solved for: ``start_qps`` (what the pipeline
-    was planned for) in the first, then the EWMA of the rates measured in the periods before
-    (known at the period's start), with the headroom, rounded (``Resolving.rounded``); a
-    period whose estimate fell below ``MIN_DEMAND_SHARE`` of ``start_qps`` keeps the demand
-    of the period before."""
+def ewma_estimates(rates_qps: np.ndarray, start_qps: float, alpha: float) -> np.ndarray:
+    """Per period, the EWMA of the demand known at its start: ``start_qps`` (what the
+    pipeline was planned for) in the first, then ``alpha`` x the rate measured in the period
+    before + ``(1 - alpha)`` x the previous estimate."""
     if not start_qps > 0:
         raise QueryPlanError(f"the planned demand must be > 0 requests/s, got {start_qps}")
-    rates = measured_rates(arrival_s, periods, resolving.every_s)
-    out = np.empty(periods)
+    out = np.empty(len(rates_qps))
     estimate = start_qps
+    for k, rate in enumerate(rates_qps):
+        out[k] = estimate
+        estimate = alpha * rate + (1 - alpha) * estimate
+    return out
+
+
+def period_demand(resolving: Resolving, start_qps: float, k: int, estimate_qps: float,
+                  previous_qps: float, backlog_qps: float = 0.0) -> float:
+    """The demand period ``k``'s allocation is solved for: ``start_qps`` in the first
+    (rounded), then ``(1 + headroom)`` x (the EWMA ``estimate_qps`` + ``backlog_qps``, what
+    the requests left inside the pipeline add), rounded (``Resolving.rounded``). A period
+    whose estimate fell below ``MIN_DEMAND_SHARE`` of ``start_qps`` keeps ``previous_qps``
+    (the demand of the period before), raised to what the backlog needs if that is more: a
+    larger backlog never solves for less."""
+    if not k:
+        return resolving.rounded(start_qps)
+    plain = resolving.rounded(estimate_qps * (1 + resolving.headroom))
+    want = resolving.rounded((estimate_qps + backlog_qps) * (1 + resolving.headroom))
+    if plain >= MIN_DEMAND_SHARE * start_qps:
+        return want
+    # a demand that fell to (nearly) nothing keeps the allocation it had: there is nothing
+    # to re-solve for, and the next requests need somewhere to go
+    return max(previous_qps, want) if backlog_qps > 0 else previous_qps
+
+
+def ewma_demands(arrival_s: np.ndarray, periods: int, start_qps: float,
+                 resolving: Resolving) -> np.ndarray:
+    """Per period, the demand its allocation is solved for (``period_demand`` of the EWMA
+    of the rates measured in the periods before, ``ewma_estimates``; no backlog)."""
+    estimates = ewma_estimates(measured_rates(arrival_s, periods, resolving.every_s),
+                               start_qps, resolving.alpha)
+    out = np.empty(periods)
     for k in range(periods):
-        want = resolving.rounded(estimate * (1 + resolving.headroom) if k else estimate)
-        # a demand that fell to (nearly) nothing keeps the allocation it had: there is
-        # nothing to re-solve for, and the next requests need somewhere to go
-        out[k] = want if want >= MIN_DEMAND_SHARE * start_qps or not k else out[k - 1]
-        estimate = resolving.alpha * rates[k] + (1 - resolving.alpha) * estimate
+        out[k] = period_demand(resolving, start_qps, k, float(estimates[k]),
+                               float(out[k - 1]) if k else start_qps)
     return out
 
 
@@ -144,23 +180,45 @@ class Schedule:
         return min(int(t // self.period_s), self.periods - 1)
 
 
+class Solver:
+    """The allocation of each distinct demand, solved once (``allocate`` on
+    ``problem_for(demand)``) however many schedules or runs ask for it; ``seconds``: the
+    time the solves took.
+
+    >>> solver = Solver(problem_for)  # doctest: +SKIP
+    >>> problem, allocation = solver(7389.0)  # doctest: +SKIP
+    """
+
+    def __init__(self, problem_for: Callable[[float], AllocationProblem]) -> None:
+        self.problem_for = problem_for
+        self.solved: dict[float, tuple[AllocationProblem, Allocation]] = {}
+        self.seconds = 0.0
+
+    def __call__(self, demand_qps: float) -> tuple[AllocationProblem, Allocation]:
+        got = self.solved.get(demand_qps)
+        if got is None:
+            started = time.perf_counter()
+            problem = self.problem_for(demand_qps)
+            got = (problem, allocate(problem))
+            self.seconds += time.perf_counter() - started
+            self.solved[demand_qps] = got
+        return got
+
+
 def schedule_for(problem_for: Callable[[float], AllocationProblem], demands: Sequence[float],
                  period_s: float) -> Schedule:
     """Solve each period's demand (each distinct demand once)."""
-    index: dict[float, int] = {}
-    problems: list[AllocationProblem] = []
-    allocations: list[Allocation] = []
-    which = []
-    for d in demands:
-        d = float(d)
-        if d not in index:
-            problem = problem_for(d)
-            index[d] = len(problems)
-            problems.append(problem)
-            allocations.append(allocate(problem))
-        which.append(index[d])
-    return Schedule(period_s, tuple(float(d) for d in demands), tuple(which), tuple(problems),
-                    tuple(allocations))
+    return _schedule(period_s, [float(d) for d in demands], Solver(problem_for))
+
+
+def _schedule(period_s: float, demands: Sequence[float], solver: Solver,
+              order: Sequence[float] = ()) -> Schedule:
+    """The schedule of ``demands``, its allocations those of the demands in ``order`` and
+    then of the others in order of first use."""
+    index = {d: j for j, d in enumerate(dict.fromkeys([*order, *demands]))}
+    pairs = [solver(d) for d in index]
+    return Schedule(period_s, tuple(demands), tuple(index[d] for d in demands),
+                    tuple(p for p, _ in pairs), tuple(a for _, a in pairs))
 
 
 def fixed_schedule(problem: AllocationProblem, periods: int, period_s: float,
@@ -202,13 +260,20 @@ def serve_schedule(schedule: Schedule, devices: Sequence[str],
                    max_wait_s: float = 0.005) -> ServedSchedule:
     """Place every allocation of ``schedule`` on ``devices`` (``serve_allocation``); the
     allocations with the same hosts share their plans."""
+    return _serve(list(zip(schedule.problems, schedule.allocations, strict=True)), devices,
+                  max_wait_s)
+
+
+def _serve(pairs: Sequence[tuple[AllocationProblem, Allocation]], devices: Sequence[str],
+           max_wait_s: float) -> ServedSchedule:
+    """``serve_schedule`` of these allocations; one appended later only appends plans (if
+    its hosts are new), paths and routes: the indices of the others stay."""
     plans: list[GearPlan] = []
     placed: dict[tuple, int] = {}  # hosts -> offset of its plans
     routes: list[tuple[int, ...]] = []
     paths: list[tuple[int, Path]] = []
     first = []
-    for a, (problem, alloc) in enumerate(zip(schedule.problems, schedule.allocations,
-                                             strict=True)):
+    for a, (problem, alloc) in enumerate(pairs):
         served = serve_allocation(problem, alloc, devices, max_wait_s)
         key = tuple(sorted(alloc.hosts.items()))
         if key not in placed:
@@ -268,17 +333,12 @@ def simulate_schedule(schedule: Schedule, served: ServedSchedule, catalog: Catal
                              f"this schedule needs at least {len(served.routes)} (one per "
                              "path)")
     rng = np.random.default_rng(seed)
-    period = np.minimum((trace.arrival_s // schedule.period_s).astype(np.int64),
-                        schedule.periods - 1)  # ``Schedule.at`` of every arrival
+    period = _arrival_periods(trace.arrival_s, schedule.period_s, schedule.periods)
     path = np.full(n, -1, dtype=np.int64)
     for k in range(schedule.periods):
         mine = np.flatnonzero(period == k)
-        if not mine.size:
-            continue
-        a = schedule.which[k]
-        problem, alloc = schedule.problems[a], schedule.allocations[a]
-        local = draw_paths(problem, alloc, served.paths_of(a), mine.size, rng)
-        path[mine] = np.where(local >= 0, local + served.first[a], -1)
+        if mine.size:
+            path[mine] = _draw(schedule, served, schedule.which[k], mine.size, rng)
     kept = np.flatnonzero(path >= 0)
     # per request inside the simulation (ids 0..len(kept)-1): its route class and the
     # variants that answer it, rewritten when a change moves it
@@ -295,7 +355,30 @@ def simulate_schedule(schedule: Schedule, served: ServedSchedule, catalog: Catal
                             deadline_s=None if dropping is None else slo_s,
                             dropping=dropping)
         latency[kept] = res.latency_s  # NaN where dropped
-    accuracy = np.zeros(n)
+    return _outcome(schedule, served, period, path, names, moved, latency, slo_s)
+
+
+def _arrival_periods(arrival_s: np.ndarray, period_s: float, periods: int) -> np.ndarray:
+    """``Schedule.at`` of every arrival."""
+    return np.minimum((arrival_s // period_s).astype(np.int64), periods - 1)
+
+
+def _draw(schedule: Schedule, served: ServedSchedule, a: int, n: int,
+          rng: np.random.Generator) -> np.ndarray:
+    """The paths (``served.paths`` indices; -1: turned away) of ``n`` requests routed by
+    allocation ``a`` (``draw_paths``)."""
+    local = draw_paths(schedule.problems[a], schedule.allocations[a], served.paths_of(a), n,
+                       rng)
+    return np.where(local >= 0, local + served.first[a], -1)
+
+
+def _outcome(schedule: Schedule, served: ServedSchedule, period: np.ndarray,
+             path: np.ndarray, names: Sequence[tuple[str, ...]], moved: np.ndarray,
+             latency: np.ndarray, slo_s: float) -> ScheduleRun:
+    """The run's outcome per request: ``names`` are the variants that answered the
+    requests routed (``path >= 0``, in order)."""
+    kept = np.flatnonzero(path >= 0)
+    accuracy = np.zeros(len(path))
     for i, j, got in zip(kept, path[kept], names, strict=True):
         a, (r, _) = served.paths[j]
         accuracy[i] = schedule.problems[a].accuracy[(r, got)]
@@ -341,6 +424,160 @@ def _change(schedule: Schedule, served: ServedSchedule, drawn: np.ndarray,
     return change
 
 
-__all__ = ["Resolving", "Schedule", "ScheduleRun", "ServedSchedule", "ewma_demands",
-           "fixed_schedule", "measured_rates", "online_schedule", "periods_of",
-           "schedule_for", "serve_schedule", "simulate_schedule"]
+# -- the controller closed over the backlog ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClosedLoop:
+    """Loki's controller (``resolving``) closed over the pipeline's backlog: at each
+    period's start the demand solved for is ``(1 + headroom)`` x (the EWMA of the measured
+    rates + the requests inside the pipeline, queued or in service, / ``drain_s``). The
+    backlog is spread over ``drain_s`` seconds (None: one period, ``resolving.every_s``):
+    shorter drains it sooner on more, cheaper capacity; the next period's re-solve sees what
+    is left. In a steady state the backlog is the requests in service (Little's law: the
+    rate x the latency), so the controller solves for about ``latency / drain_s`` more than
+    the open loop even with no queue."""
+
+    resolving: Resolving = Resolving()
+    drain_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.drain_s is not None and not (math.isfinite(self.drain_s) and self.drain_s > 0):
+            raise QueryPlanError(f"the backlog's drain time must be > 0 s, got {self.drain_s}")
+
+    @property
+    def drain(self) -> float:
+        """``drain_s``, or one period."""
+        return self.resolving.every_s if self.drain_s is None else self.drain_s
+
+
+@dataclass(frozen=True)
+class ClosedLoopRun:
+    """A closed-loop controller's run (``simulate_closed_loop``): the allocation each period
+    got as the controller chose it during the run (``schedule``), how the allocations were
+    served, the outcome per request, the backlog the controller read at each period's start
+    (requests inside the pipeline) and how often the run restarted to place new plans."""
+
+    schedule: Schedule
+    served: ServedSchedule
+    run: ScheduleRun
+    backlog: tuple[int, ...]
+    restarts: int
+
+
+class _NewPlans(KenError):
+    """The controller picked an allocation whose plans the running simulation lacks (never
+    leaves ``simulate_closed_loop``, which restarts the run with them)."""
+
+
+def simulate_closed_loop(control: ClosedLoop, solver: Solver, start_qps: float,
+                         devices: Sequence[str], catalog: Catalog, trace: Trace,
+                         duration_s: float, slo_s: float, seed: int = 0,
+                         dropping: DropPolicy | None = None, max_wait_s: float = 0.005,
+                         place: Sequence[float] = ()) -> ClosedLoopRun:
+    """Loki's controller closed over the backlog on ``trace``, decided inside the
+    simulation: at the start of each period, before anything else happens then, it reads
+    the requests inside the pipeline (``EventLoop.inside``), solves for ``period_demand``
+    of the EWMA of the rates measured so far plus that backlog / ``control.drain`` (each
+    distinct demand once, through ``solver``: share one between runs to bound the solves),
+    moves the requests inside onto the new allocation as ``simulate_schedule`` does, and
+    routes the period's arrivals by it (``draw_paths``; those turned away never enter a
+    plan). Served on ``devices`` as ``serve_schedule`` places allocations; otherwise as
+    ``simulate_schedule`` (``dropping``, the SLO, quality per request). The plans of the
+    demands in ``place`` (as the controller rounds them) are placed from the start; others
+    as the controller picks them (a restart each: ``ClosedLoopRun.restarts``).
+
+    >>> got = simulate_closed_loop(ClosedLoop(Resolving(every_s=2.0)), Solver(problem_for),
+    ...                            7389.0, devices, catalog, trace, 60.0, 0.2)  # doctest: +SKIP
+    >>> got.schedule.demands, got.backlog  # doctest: +SKIP
+    """
+    first = period_demand(control.resolving, start_qps, 0, start_qps, start_qps)
+    known = list(dict.fromkeys([first, *map(float, place)]))
+    restarts = 0
+    while True:
+        try:
+            return _closed_run(control, solver, start_qps, known, devices, catalog, trace,
+                               duration_s, slo_s, seed, dropping, max_wait_s, restarts)
+        except _NewPlans:  # ``known`` now holds the demand that needs them
+            restarts += 1
+
+
+def _closed_run(control: ClosedLoop, solver: Solver, start_qps: float, known: list[float],
+                devices: Sequence[str], catalog: Catalog, trace: Trace, duration_s: float,
+                slo_s: float, seed: int, dropping: DropPolicy | None, max_wait_s: float,
+                restarts: int) -> ClosedLoopRun:
+    """One try of ``simulate_closed_loop`` with the plans of the demands ``known``; raises
+    ``_NewPlans`` (having added the demand to ``known``) when the controller needs more."""
+    resolving, every = control.resolving, control.resolving.every_s
+    n = len(trace)
+    periods = periods_of(trace.arrival_s, duration_s, every)
+    period = _arrival_periods(trace.arrival_s, every, periods)
+    bounds = np.searchsorted(period, np.arange(periods + 1))  # arrivals are sorted
+    estimates = ewma_estimates(measured_rates(trace.arrival_s, periods, every), start_qps,
+                               resolving.alpha)
+    rng = np.random.default_rng(seed)
+    served = _serve([solver(d) for d in known], devices, max_wait_s)
+    now: Schedule | None = None  # the allocations the controller chose so far
+    path = np.full(n, -1, dtype=np.int64)
+    names: list[tuple[str, ...]] = [()] * n
+    moved = np.zeros(n, dtype=bool)
+    hits = [False] * n  # turned away: answered at arrival without entering a plan
+    demands: list[float] = []
+    backlog: list[int] = []
+    everyone = np.arange(n)
+
+    def choose(k: int, inside: int, runners: int | None) -> int:
+        """Period ``k``'s allocation for the backlog ``inside`` (``runners``: the plans the
+        running simulation has; None: after its end)."""
+        nonlocal now, served
+        demand = period_demand(resolving, start_qps, k, float(estimates[k]),
+                               demands[-1] if demands else start_qps, inside / control.drain)
+        if demand not in known:
+            known.append(demand)
+            served = _serve([solver(d) for d in known], devices, max_wait_s)
+            if runners is not None and len(served.plans) > runners:
+                raise _NewPlans(f"demand {demand:g} needs new plans")
+        demands.append(demand)
+        backlog.append(inside)
+        now = _schedule(every, demands, solver, known)
+        return now.which[-1]
+
+    def boundary(k: int) -> Callable[[EventLoop, float], None]:
+        def decide(loop: EventLoop, t: float) -> None:
+            was = -1 if now is None else now.which[-1]
+            a = choose(k, len(loop.inside()), len(loop.runners))
+            assert now is not None
+            if was >= 0 and a != was:
+                _change(now, served, path, names, moved, everyone, rng, a)(loop, t)
+            lo, hi = int(bounds[k]), int(bounds[k + 1])
+            path[lo:hi] = _draw(now, served, a, hi - lo, rng)
+            for i in range(lo, hi):
+                j = int(path[i])
+                if j < 0:
+                    hits[i] = True
+                    continue
+                loop.routes[i] = served.routes[j]
+                names[i] = served.paths[j][1][1]
+                if loop.dropper is not None:
+                    loop.dropper.register(i, loop.dropper.deadline_s(i), served.routes[j])
+        return decide
+
+    # the first arrival of a period is never before its decision (float edges of ``//``)
+    timers = [(min(k * every, float(trace.arrival_s[bounds[k]])) if bounds[k] < n
+               else k * every, boundary(k)) for k in range(periods)]
+    res = simulate_many(served.plans, [catalog] * len(served.plans), trace, seed,
+                        routes=served.routes, rows=[0] * n, hits=hits, timers=timers,
+                        deadline_s=None if dropping is None else slo_s, dropping=dropping)
+    for k in range(len(demands), periods):  # the run ended before these periods began:
+        choose(k, 0, None)  # nothing inside, nothing arrives
+    latency = np.where(path >= 0, res.latency_s, np.nan)  # NaN where dropped or turned away
+    assert now is not None  # the first period's decision is made at 0 s
+    run = _outcome(now, served, period, path, [names[i] for i in np.flatnonzero(path >= 0)],
+                   moved, latency, slo_s)
+    return ClosedLoopRun(now, served, run, tuple(backlog), restarts)
+
+
+__all__ = ["ClosedLoop", "ClosedLoopRun", "Resolving", "Schedule", "ScheduleRun",
+           "ServedSchedule", "Solver", "ewma_demands", "ewma_estimates", "fixed_schedule",
+           "measured_rates", "online_schedule", "period_demand", "periods_of", "schedule_for",
+           "serve_schedule", "simulate_closed_loop", "simulate_schedule"]
