@@ -98,8 +98,9 @@ def test_serving_is_behind_when_its_backlog_grows_over_the_limit_for_a_second() 
     """The backlog rule (``DriftWatch.behind``) against a brute-force reading of the checks:
     behind where every check of the last second or more held more requests than the arrival
     rate times the latency limit, and the last more than the first; then the rate answered is
-    what arrived in that time less the growth, and the load what arrived."""
+    what was answered in that time, and the load what arrived."""
     rng = np.random.default_rng(3)
+    branches = {True: 0, False: 0}
     for case in range(200):
         plan = small_plan(10.0)  # every check at 100 qps is a rate drift
         watch = DriftWatch(plan, {}, window_s=5.0, latency_limit_ms=200.0)
@@ -108,9 +109,11 @@ def test_serving_is_behind_when_its_backlog_grows_over_the_limit_for_a_second() 
         step = float(rng.uniform(10.0, 13.0))  # the rate steps from 100 to 250 qps here
         times = np.sort(np.concatenate([np.arange(5.0, step, 0.01),
                                         np.arange(step, 13.0, 0.004)]))
+        done = np.sort(rng.uniform(5.0, 13.0, 640))  # answers at 80 qps
         for i, (now, queued) in enumerate(zip(polls, backlogs, strict=True)):
             arrived = times[(times > now - 5.0) & (times <= now)]
-            drift = watch.check(float(now), arrived, {}, answered=400, backlog=int(queued))
+            answered = done[(done > now - 5.0) & (done <= now)]
+            drift = watch.check(float(now), arrived, {}, answered=answered, backlog=int(queued))
             assert drift is not None and drift.kind == "rate"
             limit = arrived.size / 5.0 * 0.2
             j = i  # brute force: the first check of the run over the limit ending now
@@ -119,22 +122,25 @@ def test_serving_is_behind_when_its_backlog_grows_over_the_limit_for_a_second() 
             span = now - polls[j]
             behind = queued > limit and span >= 1.0 and queued > backlogs[j]
             assert (drift.behind_s > 0) == behind, (case, i)
+            branches[behind] += 1
             if behind:
                 came = np.count_nonzero(arrived > polls[j])
                 assert drift.behind_s == pytest.approx(span)
                 assert drift.behind_qps == pytest.approx(came / span)
-                assert drift.served_qps == pytest.approx(max(0, came - queued + backlogs[j]) / span)
+                assert drift.served_qps == pytest.approx(
+                    np.count_nonzero(answered > polls[j]) / span)
                 assert drift.saturated and drift.load_qps >= drift.rate_qps
                 assert "in flight, over the limit" in drift.detail
             else:
-                assert drift.served_qps == 80.0 and drift.behind_qps is None
+                assert drift.served_qps == answered.size / 5.0 and drift.behind_qps is None
                 assert drift.load_qps == drift.rate_qps
+    assert min(branches.values()) > 100  # both exercised
     # within the plan's rates, the backlog alone is a latency drift (the answers' p95 lags)
     for limit_ms in (200.0, None):
         watch = DriftWatch(small_plan(1_000.0), {}, latency_limit_ms=limit_ms)
         times = np.arange(15.0, 20.0, 0.01)  # 100 qps: 20 requests within 200 ms
-        seen = [watch.check(20.0 + k / 4, times + k / 4, {}, answered=480, backlog=30 + 10 * k)
-                for k in range(6)]
+        seen = [watch.check(20.0 + k / 4, times + k / 4, {}, answered=times[::2] + k / 4,
+                            backlog=30 + 10 * k) for k in range(6)]
         if limit_ms is None:
             assert seen == [None] * 6  # no limit to hold: nothing to re-plan for
             continue
@@ -143,11 +149,19 @@ def test_serving_is_behind_when_its_backlog_grows_over_the_limit_for_a_second() 
         assert drift is not None and drift.kind == "latency" and drift.behind_s == 1.0
         assert "70 requests in flight, over the 20 a plan within 200 ms holds" in drift.detail
         assert drift.saturated and "falling behind" in drift.detail
-    # counts alone (no arrival times): only the window's share answered says it
+    # counts alone (no times): only the window's share answered says it
     watch = DriftWatch(small_plan(10.0), {}, latency_limit_ms=200.0)
     for k in range(9):
-        drift = watch.check(20.0 + k / 4, 500, {}, answered=480, backlog=100 + 20 * k)
+        drift = watch.check(20.0 + k / 4, np.int64(500), {}, answered=480,
+                            backlog=100 + 20 * k)
     assert drift is not None and drift.behind_s == 0 and not drift.saturated
+    assert drift.rate_qps == 100.0 and drift.served_qps == 96.0
+    # a watch of a window shorter than BEHIND_S judges over its whole window
+    short = DriftWatch(small_plan(1_000.0), {}, window_s=0.5, latency_limit_ms=200.0)
+    times = np.arange(0.0, 0.5, 0.01)  # 100 qps
+    seen = [short.check(0.5 + k / 4, times + k / 4, {}, answered=times + k / 4,
+                        backlog=30 + 10 * k) for k in range(3)]
+    assert seen[:2] == [None, None] and seen[2] is not None and seen[2].behind_s == 0.5
 
 
 def test_the_backlog_counts_an_operators_online_requests_in_flight() -> None:
@@ -542,28 +556,31 @@ def test_replanner_swaps_the_stopgap_in_at_once_and_the_replan_after_it() -> Non
     assert {o.status for o in outcomes} == {"ok"}
 
 
-@pytest.mark.parametrize("early", [True, False])
+@pytest.mark.parametrize("case", ["watched", "behind before", "early off"])
 def test_serving_falling_behind_while_a_replan_runs_swaps_the_stopgap_and_plans_again(
-        early: bool) -> None:
+        case: str) -> None:
     """A rate drift that serving keeps up with starts a re-plan on the model's capacity; when
     serving falls behind while it runs, the stop-gap for that drift is swapped in at once, and
     the re-plan's plan, made for a capacity serving disproved, is dropped for one planned on
-    the drift that fell behind. Every request is answered once. ``early=False`` (the A/B):
-    the backlog is not read and nothing is watched while the re-plan runs."""
+    the drift that fell behind (what the dropped re-plan changed in itself undone). Every
+    request is answered once. A backlog behind since before the drift is what the re-plan is
+    for: no stop-gap. ``early=False`` (the A/B): the backlog is not read and nothing is
+    watched while the re-plan runs."""
+    early, watched = case != "early off", case == "watched"
     models = {"a": FakeModel("a"), "b": FakeModel("b")}
     first, quick = small_plan(50.0), small_plan(5_000.0, Cascade(("a",)))
     stale, final = small_plan(777.0), small_plan(5_000.0, Cascade(("a", "b"), (0.9,)))
     planning, fell_back, done = threading.Event(), threading.Event(), threading.Event()
     returned = threading.Event()  # the first re-plan returned
+    looked = threading.Event()  # the watch was asked while the first re-plan ran
 
     class Watch:  # the rate drift first; while the re-plan runs, serving behind
         window_s, plan = 0.5, first
         kept_up = Drift(0.0, "rate", "kept up", 100.0, served_qps=100.0)
-        behind = Drift(0.0, "rate", "behind", 100.0, served_qps=40.0, behind_s=1.5,
-                       behind_qps=120.0)
-
+        # behind over a time that began after the first drift, or long before it
+        behind = Drift(0.0, "rate", "behind", 100.0, served_qps=40.0,
+                       behind_s=0.01 if watched else 1_000.0, behind_qps=120.0)
         backlogs: list = []
-
         looked_while_planning = 0
 
         def check(self, now, *args):  # noqa: ANN001, ANN002, ANN202
@@ -573,6 +590,7 @@ def test_serving_falling_behind_while_a_replan_runs_swaps_the_stopgap_and_plans_
             if returned.is_set() or fell_back.is_set():
                 return None
             self.looked_while_planning += 1
+            looked.set()
             return replace(self.behind, at_s=now)
 
         def rebase(self, plan, expected):  # noqa: ANN001, ANN202
@@ -582,6 +600,7 @@ def test_serving_falling_behind_while_a_replan_runs_swaps_the_stopgap_and_plans_
         def __init__(self) -> None:
             self.asked: list[bool] = []  # stopgap: was the drift behind
             self.planned: list[bool] = []  # re-plan: was the drift behind
+            self.margin = 1.0  # state a re-plan changes in itself
 
         def stopgap(self, drift, plan):  # noqa: ANN001, ANN202
             self.asked.append(drift.saturated)
@@ -594,10 +613,14 @@ def test_serving_falling_behind_while_a_replan_runs_swaps_the_stopgap_and_plans_
             self.planned.append(drift.saturated)
             if len(self.planned) == 1:
                 planning.set()
-                if early:
+                self.margin /= 2
+                if watched:
                     assert fell_back.wait(10)  # the stop-gap is swapped in while this plans
+                elif early:
+                    assert looked.wait(10)  # the watch saw the old backlog while this planned
                 returned.set()
                 return stale
+            assert self.margin == 1.0  # the dropped re-plan's change was undone
             return final
 
     staged = Staged()
@@ -609,12 +632,12 @@ def test_serving_falling_behind_while_a_replan_runs_swaps_the_stopgap_and_plans_
         replanner.watch = watch = Watch()
         with replanner:
             futures, outcomes = flood_until(engine, done)
-        assert engine.plans["op"] == (final if early else stale)
+        assert engine.plans["op"] == (final if watched else stale)
     assert all((b is not None) == early for b in watch.backlogs)
     assert len({o.request_id for o in outcomes}) == len(futures)
     assert {o.status for o in outcomes} == {"ok"}
     assert (watch.looked_while_planning > 0) == early
-    if not early:
+    if not watched:
         assert staged.asked == [False] and staged.planned == [False]
         assert [e.new for e in replanner.events] == [describe(stale)]
         return

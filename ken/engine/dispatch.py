@@ -133,6 +133,12 @@ class Requests:
             rows = self.answered.since(operator, since_s)
             return rows[rows[:, 0] - rows[:, 1] > arrived_after_s, 1].tolist()
 
+    def recent_answers(self, operator: str, since_s: float) -> list[float]:
+        """Completion times of ``operator``'s online requests answered ``ok`` since
+        ``since_s``, oldest first."""
+        with self.lock:
+            return self.answered.since(operator, since_s)[:, 0].tolist()
+
     def waiting(self, operator: str) -> int:
         """``operator``'s online requests in flight: arrived, not yet answered."""
         # list() copies the values in one step: other threads add and resolve meanwhile

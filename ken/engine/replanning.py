@@ -4,24 +4,30 @@ gear plan assumed and swaps in a new plan when the workload leaves it.
 Every ``poll_s`` the ``Replanner`` gives a ``DriftWatch`` (``ken.policy.drift``) the arrivals
 of the last ``window_s`` (``Engine.recent_arrivals``: every online request submitted, admitted
 or not), the latencies of the requests answered then (``Engine.recent_latencies``; judged
-against ``latency_limit_ms``, e.g. the user's latency target), the per-stage escalation
-counts admission keeps and, where given, how the model calls of the window compared with the
-plan's runtimes (``runtimes``). On a drift it builds a trace of the requests in flight (the
-backlog, arriving at once) and the last ``window_s`` of arrivals repeated to fill
-``history_s`` (the new load, sustained), calls ``replan(trace, drift)`` (``GearReplan``: a new
-frontier for that load, the plan picked for the user's target) in this thread while the
-engine keeps serving the old plan, and swaps the new plan in (``Engine.swap_plan``: queued
-rows move to the new plan, running batches finish under the old one, nothing is lost). It
-then waits ``settle_s`` before it watches again, so the new plan's first seconds (its queues
-draining) are not taken for another drift. Every swap is a ``ReplanEvent`` in ``events`` and
-a line in the serving log (``on_event``, by default the progress reporter's note).
+against ``latency_limit_ms``, e.g. the user's latency target), the per-stage escalation counts
+admission keeps, the answers of the window and the operator's requests in flight
+(``Engine.recent_answers``, ``Engine.in_flight_of``) and, where given, how the model calls of
+the window compared with the plan's runtimes (``runtimes``). On a drift it builds a trace of
+the requests in flight (the backlog, arriving at once) and the last ``window_s`` of arrivals
+repeated to fill ``history_s`` (the new load, sustained), calls ``replan(trace, drift)``
+(``GearReplan``: a new frontier for that load, the plan picked for the user's target) while the
+engine keeps serving the old plan (in a helper thread, the watching thread watching meanwhile:
+see below), and swaps the new plan in (``Engine.swap_plan``: queued rows move to the new plan,
+running batches finish under the old one, nothing is lost). It then waits ``settle_s`` before
+it watches again, so the new plan's first seconds (its queues draining) are not taken for
+another drift (a stop-gap swapped in while a re-plan runs gets no such wait: it is judged only
+by a backlog that grew over its limit after the swap). Every swap is a ``ReplanEvent`` in
+``events`` and a line in the serving log (``on_event``, by default the progress reporter's
+note).
 
 Where ``replan`` can be pickled (``GearReplan`` can), it runs in a child process at a lower
 CPU priority (``planner_process.PlannerProcess``, started with the watch): planning then
 takes neither this process's interpreter from the engine's threads nor, on a machine the
 workers fill, a core from the workers. What the call changed in ``replan`` (a ``GearReplan``
 keeps the catalog a drift changed) is copied back into it. A ``replan`` that cannot be pickled
-(a closure) runs in the watching thread, as ``isolate=False`` asks for.
+(a closure) runs in this process, in the helper thread (with ``early=False``, in the watching
+thread), as ``isolate=False`` asks for; it may then run while the watching thread calls its
+``stopgap``.
 
 A re-plan takes seconds, most on a machine the load overwhelms. Where ``replan`` has a
 ``stopgap(drift, plan)`` (``GearReplan``: one of the one-gear plans the operator was planned
@@ -38,7 +44,7 @@ the stop-gap and the re-plan are sized for that. So every re-plan is watched whi
 if the plan serving (the old one, or the stop-gap) falls behind meanwhile by its backlog
 (``Drift.behind_s``), the stop-gap for that drift is swapped in at once, and the plan the
 re-plan returns, made for a load or a capacity serving has since disproved, is dropped for
-one planned on that drift.
+one planned on that drift (what the dropped re-plan changed in ``replan`` is undone first).
 
 Answers to requests that arrived in the first ``settle_s`` after the watch starts are not
 judged against the latency limit (nor, after a swap, those that arrived before it): the first
@@ -195,7 +201,7 @@ class Replanner:
         runtime = None if self.runtimes is None else self.runtimes(
             self.engine.batch_log, max(since, self._swapped_at))
         # every answer of the window, whenever it arrived: what serving kept up with
-        answered = len(self.engine.recent_latencies(self.operator, since))
+        answered = self.engine.recent_answers(self.operator, since)
         backlog = self.engine.in_flight_of(self.operator) if self.early else None
         drift = self.watch.check(now, arrivals, self.engine.admission.escalations,
                                  latencies, runtime, answered, backlog)
@@ -250,23 +256,31 @@ class Replanner:
     def _handle(self, drift: Drift, arrivals: list[float]) -> None:
         engine, old = self.engine, self.engine.plans[self.operator]
         started = time.perf_counter()
+        # what a re-plan may change in itself (``GearReplan``: its catalog, its margin),
+        # restored if its plan is dropped
+        state = dict(vars(self.replan)) if hasattr(self.replan, "__dict__") else None
         try:
             trace = self._trace(drift.at_s, arrivals)  # the backlog as the drift left it
             old = self._stopgap(drift, old)
             started = time.perf_counter()  # the re-plan's own time, the stop-gap's swap apart
             new, late = self._plan_watching(trace, drift)
-            if late is not None:
-                # serving fell behind while it planned: that plan was made for a capacity
-                # serving has since disproved; plan again on what it answered
+            if late is not None and (new is None or not self._stop.is_set()):
+                # serving fell behind while it planned: that plan was made for a load or a
+                # capacity serving has since disproved; plan again on that drift
                 drift, trace = late
                 old = engine.plans[self.operator]
+                if state is not None:
+                    vars(self.replan).clear()
+                    vars(self.replan).update(state)
                 started = time.perf_counter()
                 new = self._plan(trace, drift)
+            assert new is not None
             planning_s = time.perf_counter() - started
             moved = engine.swap_plan(new)
         except Exception as exc:  # noqa: BLE001 - a failed re-plan keeps the old plan serving
+            serving = engine.plans[self.operator]
             event = ReplanEvent(drift.at_s, drift, time.perf_counter() - started,
-                                engine.clock.now(), 0, describe(old), describe(old),
+                                engine.clock.now(), 0, describe(serving), describe(serving),
                                 error=f"{type(exc).__name__}: {exc}")
         else:
             self._swapped_at = engine.clock.now()
@@ -277,14 +291,16 @@ class Replanner:
         self._record(event)
 
     def _plan_watching(self, trace: Trace, drift: Drift
-                       ) -> tuple[GearPlan, tuple[Drift, Trace] | None]:
+                       ) -> tuple[GearPlan | None, tuple[Drift, Trace] | None]:
         """``_plan(trace, drift)``, watching serving meanwhile: a re-plan on a machine the
         load overwhelms takes tens of seconds, and an overload often shows in full only after
         the drift that started it (the rate's window still averages in the load before), so
         the plan serving (the old one, or a stop-gap sized for that drift) may fall behind
         while it plans. When its backlog says so (``Drift.behind_s``) on a rate or latency
-        drift, the stop-gap for that drift is swapped in at once (one per re-plan); returns
-        the plan and, then, that drift and the trace to plan on again."""
+        drift, over a time that began after ``drift`` was seen, the stop-gap for that drift is
+        swapped in at once (one per re-plan); returns the plan (None: the re-plan failed)
+        and, then, that drift and the trace to plan on again; without one, a failed re-plan
+        raises its error."""
         if not self.early:
             return self._plan(trace, drift), None
         box: dict[str, Any] = {}
@@ -301,21 +317,25 @@ class Replanner:
         threading.Thread(target=work, name=f"ken-replan-{self.operator}-planning",
                          daemon=True).start()
         late: tuple[Drift, Trace] | None = None
-        while not done.wait(self.poll_s):
-            seen = None if late is not None or self._stop.is_set() else self._look()
-            # behind by the backlog since the last swap: the window's counts still hold the
-            # time before it
-            if seen is None or seen[0].kind not in ("rate", "latency") \
-                    or not seen[0].behind_s:
-                continue
-            try:
-                late = (seen[0], self._trace(seen[0].at_s, seen[1]))
-            except KenError:
-                continue
-            self._stopgap(seen[0], self.engine.plans[self.operator])
-        if "error" in box:
+        try:
+            while not done.wait(self.poll_s):
+                seen = None if late is not None or self._stop.is_set() else self._look()
+                # behind by the backlog over a time that began after this re-plan's drift
+                # (the window's counts still hold the time before it, and a backlog already
+                # behind then is what this re-plan is for)
+                if seen is None or seen[0].kind not in ("rate", "latency") \
+                        or not seen[0].behind_s or seen[0].at_s - seen[0].behind_s < drift.at_s:
+                    continue
+                try:
+                    late = (seen[0], self._trace(seen[0].at_s, seen[1]))
+                except KenError:
+                    continue
+                self._stopgap(seen[0], self.engine.plans[self.operator])
+        finally:
+            done.wait()  # an error above: the planning thread ends before this returns
+        if "error" in box and late is None:
             raise box["error"]
-        return box["plan"], late
+        return box.get("plan"), late
 
     def _plan(self, trace: Trace, drift: Drift) -> GearPlan:
         """``replan(trace, drift)``, in the planner process where there is one."""

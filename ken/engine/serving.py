@@ -433,6 +433,11 @@ class Engine:
     def in_flight(self) -> int:
         return len(self._requests)
 
+    def recent_answers(self, operator: str, since_s: float) -> list[float]:
+        """Completion times (engine clock) of ``operator``'s online requests answered ``ok``
+        since ``since_s``."""
+        return self._requests.recent_answers(operator, since_s)
+
     def in_flight_of(self, operator: str) -> int:
         """``operator``'s online requests in flight (its backlog)."""
         return self._requests.waiting(operator)

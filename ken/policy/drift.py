@@ -39,6 +39,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from numbers import Integral
 from typing import Any, Literal
 
 import numpy as np
@@ -98,7 +99,8 @@ SATURATED = 0.9
 #: keeps up holds
 BACKLOG_S = 1.0
 
-#: the backlog over its limit, and growing, for this long: serving is behind
+#: the backlog over its limit, and growing, for this long (or a watch's whole window, if
+#: shorter): serving is behind
 BEHIND_S = 1.0
 
 
@@ -138,7 +140,8 @@ class DriftWatch:
     def check(self, now: float, arrivals: int | Sequence[float], counts: Counts,
               latencies_ms: Sequence[float] = (),
               runtime: tuple[float, int] | None = None,
-              answered: int | None = None, backlog: int | None = None) -> Drift | None:
+              answered: int | Sequence[float] | None = None, backlog: int | None = None
+              ) -> Drift | None:
         """The drift seen at ``now``, if any: ``arrivals`` is the number of requests that
         arrived in the last ``window_s``, or their arrival times (then the load and the rate
         answered while serving was behind are measured over that time, see ``behind``);
@@ -147,14 +150,18 @@ class DriftWatch:
         ``runtime`` the mean ratio of the model calls of the last ``window_s`` to the
         runtimes the plan was made with, and how many calls (None: not measured);
         ``answered`` how many requests were answered in the last ``window_s``, whenever they
-        arrived (each drift's ``served_qps``; None: not counted); ``backlog`` how many are in
-        flight now (None: not counted)."""
-        times = None if isinstance(arrivals, int) else np.asarray(arrivals, dtype=np.float64)
-        rate = (arrivals if times is None else times.size) / self.window_s
-        served = None if answered is None else answered / self.window_s
+        arrived, or when (each drift's ``served_qps``; None: not counted); ``backlog`` how
+        many are in flight now (None: not counted). Serving is judged behind by its backlog
+        (``behind``) only given the times of both arrivals and answers."""
+        times = None if isinstance(arrivals, Integral) else np.asarray(arrivals, dtype=np.float64)
+        rate = (int(arrivals) if times is None else times.size) / self.window_s
+        answers = (None if answered is None or isinstance(answered, Integral)
+                   else np.asarray(answered, dtype=np.float64))
+        served = (None if answered is None else
+                  (int(answered) if answers is None else answers.size) / self.window_s)
         behind: dict[str, Any] = {}
         if backlog is not None:
-            behind = self.behind(now, backlog, rate, times)
+            behind = self.behind(now, backlog, rate, times, answers)
             if behind:
                 served = behind.pop("served_qps")
 
@@ -210,14 +217,14 @@ class DriftWatch:
                             stage=stage, escalation=share)
         return None
 
-
-    def behind(self, now: float, backlog: int, rate: float,
-               times: np.ndarray | None) -> dict[str, Any]:
-        """Record ``backlog`` at ``now``; where it has been over its limit (``rate`` times the
+    def behind(self, now: float, backlog: int, rate: float, times: np.ndarray | None,
+               answers: np.ndarray | None) -> dict[str, Any]:
+        """Record ``backlog`` at ``now``; given the arrival ``times`` and the ``answers``'
+        times of the window, where the backlog has been over its limit (``rate`` times the
         latency limit, else ``BACKLOG_S``) at every check of at least the last ``BEHIND_S``
-        and grew over that time: ``behind_s`` (that time), ``served_qps`` (the requests
-        answered in it, per s: those that arrived less the growth) and, given the arrival
-        ``times``, ``behind_qps`` (those that arrived, per s); else nothing."""
+        (or the whole window, if shorter) and grew over that time: ``behind_s`` (that time),
+        ``served_qps`` (the requests answered in it, per s) and ``behind_qps`` (those that
+        arrived, per s); else nothing."""
         log = self._backlogs
         log.append((now, backlog))
         while log and log[0][0] < now - self.window_s:
@@ -229,12 +236,13 @@ class DriftWatch:
             if queued <= limit:
                 break
             start = (at, queued)
-        if start is None or now - start[0] < BEHIND_S or backlog <= start[1] or times is None:
+        if start is None or times is None or answers is None or backlog <= start[1] \
+                or now - start[0] < min(BEHIND_S, self.window_s):
             return {}
         span = now - start[0]
         arrived = int(np.count_nonzero(times > start[0]))
         return {"behind_s": span, "behind_qps": arrived / span,
-                "served_qps": max(arrived - (backlog - start[1]), 0) / span}
+                "served_qps": int(np.count_nonzero(answers > start[0])) / span}
 
 
 def expected_escalation(stage_fractions: Sequence[float]) -> tuple[float, ...]:
