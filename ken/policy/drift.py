@@ -169,7 +169,7 @@ class DriftWatch:
             drift = Drift(now, kind, detail, rate, served_qps=served, plan=self.plan,
                           backlog=backlog, **behind, **fields)
             if drift.saturated and kind in ("rate", "latency"):  # where re-planning acts on it
-                queued = ("" if not drift.behind_s else
+                queued = ("" if not drift.behind_s or "in flight" in detail else
                           f", {backlog} in flight, over the limit for {drift.behind_s:.1f} s")
                 drift = replace(drift, detail=f"{detail}; {served:.0f} qps answered{queued}: "
                                               "falling behind")
