@@ -149,6 +149,7 @@ def test_serving_is_behind_when_its_backlog_grows_over_the_limit_for_a_second() 
         assert drift is not None and drift.kind == "latency" and drift.behind_s == 1.0
         assert "70 requests in flight, over the 20 a plan within 200 ms holds" in drift.detail
         assert drift.saturated and "falling behind" in drift.detail
+        assert drift.detail.count("in flight") == 1
     # counts alone (no times): only the window's share answered says it
     watch = DriftWatch(small_plan(10.0), {}, latency_limit_ms=200.0)
     for k in range(9):
@@ -159,9 +160,11 @@ def test_serving_is_behind_when_its_backlog_grows_over_the_limit_for_a_second() 
     # a watch of a window shorter than BEHIND_S judges over its whole window
     short = DriftWatch(small_plan(1_000.0), {}, window_s=0.5, latency_limit_ms=200.0)
     times = np.arange(0.0, 0.5, 0.01)  # 100 qps
-    seen = [short.check(0.5 + k / 4, times + k / 4, {}, answered=times + k / 4,
-                        backlog=30 + 10 * k) for k in range(3)]
-    assert seen[:2] == [None, None] and seen[2] is not None and seen[2].behind_s == 0.5
+    polls = (0.5, 0.751, 1.003)  # a wall clock's checks are never on the window's edge
+    seen = [short.check(t, times + t - 0.5, {}, answered=times + t - 0.5, backlog=30 + 10 * k)
+            for k, t in enumerate(polls)]
+    assert seen[:2] == [None, None] and seen[2] is not None
+    assert seen[2].behind_s == pytest.approx(0.5) and seen[2].behind_since_s == 0.5
 
 
 def test_the_backlog_counts_an_operators_online_requests_in_flight() -> None:
@@ -563,9 +566,10 @@ def test_serving_falling_behind_while_a_replan_runs_swaps_the_stopgap_and_plans_
     serving falls behind while it runs, the stop-gap for that drift is swapped in at once, and
     the re-plan's plan, made for a capacity serving disproved, is dropped for one planned on
     the drift that fell behind (what the dropped re-plan changed in itself undone). Every
-    request is answered once. A backlog behind since before the drift is what the re-plan is
-    for: no stop-gap. ``early=False`` (the A/B): the backlog is not read and nothing is
-    watched while the re-plan runs."""
+    request is answered once; that holds for a backlog whose run over its limit began before
+    the drift, if the drift did not find serving behind. If it did, that backlog is what the
+    re-plan is for: no stop-gap. ``early=False`` (the A/B): the backlog is not read and
+    nothing is watched while the re-plan runs."""
     early, watched = case != "early off", case == "watched"
     models = {"a": FakeModel("a"), "b": FakeModel("b")}
     first, quick = small_plan(50.0), small_plan(5_000.0, Cascade(("a",)))
@@ -576,10 +580,12 @@ def test_serving_falling_behind_while_a_replan_runs_swaps_the_stopgap_and_plans_
 
     class Watch:  # the rate drift first; while the re-plan runs, serving behind
         window_s, plan = 0.5, first
-        kept_up = Drift(0.0, "rate", "kept up", 100.0, served_qps=100.0)
-        # behind over a time that began after the first drift, or long before it
-        behind = Drift(0.0, "rate", "behind", 100.0, served_qps=40.0,
-                       behind_s=0.01 if watched else 1_000.0, behind_qps=120.0)
+        # the first drift found serving keeping up, or (behind before) behind already
+        kept_up = Drift(0.0, "rate", "kept up", 100.0,
+                        served_qps=40.0 if case == "behind before" else 100.0)
+        # behind by a backlog whose run over its limit began before the first drift
+        behind = Drift(0.0, "rate", "behind", 100.0, served_qps=40.0, behind_s=1.5,
+                       behind_qps=120.0, behind_since_s=-1.0)
         backlogs: list = []
         looked_while_planning = 0
 
@@ -604,7 +610,7 @@ def test_serving_falling_behind_while_a_replan_runs_swaps_the_stopgap_and_plans_
 
         def stopgap(self, drift, plan):  # noqa: ANN001, ANN202
             self.asked.append(drift.saturated)
-            if not drift.saturated:
+            if len(self.asked) == 1:
                 return None  # the model says the plan serving sustains the load
             fell_back.set()
             return quick
@@ -638,7 +644,8 @@ def test_serving_falling_behind_while_a_replan_runs_swaps_the_stopgap_and_plans_
     assert {o.status for o in outcomes} == {"ok"}
     assert (watch.looked_while_planning > 0) == early
     if not watched:
-        assert staged.asked == [False] and staged.planned == [False]
+        assert staged.asked == [case == "behind before"]
+        assert staged.planned == [case == "behind before"]
         assert [e.new for e in replanner.events] == [describe(stale)]
         return
     assert staged.asked == [False, True] and staged.planned == [False, True]

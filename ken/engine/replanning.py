@@ -256,25 +256,29 @@ class Replanner:
     def _handle(self, drift: Drift, arrivals: list[float]) -> None:
         engine, old = self.engine, self.engine.plans[self.operator]
         started = time.perf_counter()
-        # what a re-plan may change in itself (``GearReplan``: its catalog, its margin),
-        # restored if its plan is dropped
-        state = dict(vars(self.replan)) if hasattr(self.replan, "__dict__") else None
+        # what a re-plan for a rate or latency drift may change in itself (``GearReplan``: its
+        # margin), undone if its plan is dropped (a runtime or escalation drift's rescaled or
+        # resampled catalog is kept: the re-plan that follows does not measure it again)
+        state = (dict(vars(self.replan)) if hasattr(self.replan, "__dict__")
+                 and drift.kind in ("rate", "latency") else None)
         try:
             trace = self._trace(drift.at_s, arrivals)  # the backlog as the drift left it
             old = self._stopgap(drift, old)
             started = time.perf_counter()  # the re-plan's own time, the stop-gap's swap apart
-            new, late = self._plan_watching(trace, drift)
-            if late is not None and (new is None or not self._stop.is_set()):
+            new, error, late = self._plan_watching(trace, drift)
+            if late is not None and not self._stop.is_set():
                 # serving fell behind while it planned: that plan was made for a load or a
                 # capacity serving has since disproved; plan again on that drift
                 drift, trace = late
                 old = engine.plans[self.operator]
                 if state is not None:
-                    vars(self.replan).clear()
-                    vars(self.replan).update(state)
+                    restore(self.replan, state)
                 started = time.perf_counter()
-                new = self._plan(trace, drift)
-            assert new is not None
+                new, error = self._plan(trace, drift), None
+            if error is not None:
+                raise error
+            if new is None:
+                raise KenError("the re-plan returned no plan")
             planning_s = time.perf_counter() - started
             moved = engine.swap_plan(new)
         except Exception as exc:  # noqa: BLE001 - a failed re-plan keeps the old plan serving
@@ -291,18 +295,19 @@ class Replanner:
         self._record(event)
 
     def _plan_watching(self, trace: Trace, drift: Drift
-                       ) -> tuple[GearPlan | None, tuple[Drift, Trace] | None]:
+                       ) -> tuple[GearPlan | None, BaseException | None,
+                                  tuple[Drift, Trace] | None]:
         """``_plan(trace, drift)``, watching serving meanwhile: a re-plan on a machine the
         load overwhelms takes tens of seconds, and an overload often shows in full only after
         the drift that started it (the rate's window still averages in the load before), so
         the plan serving (the old one, or a stop-gap sized for that drift) may fall behind
         while it plans. When its backlog says so (``Drift.behind_s``) on a rate or latency
-        drift, over a time that began after ``drift`` was seen, the stop-gap for that drift is
-        swapped in at once (one per re-plan); returns the plan (None: the re-plan failed)
-        and, then, that drift and the trace to plan on again; without one, a failed re-plan
-        raises its error."""
+        drift (unless ``drift`` was behind already and the backlog's run began before it:
+        that is what this re-plan is for), the stop-gap for that drift is swapped in at once
+        (one per re-plan); returns the plan (None: the re-plan failed), its error, and that
+        drift and the trace to plan on again, if one was seen."""
         if not self.early:
-            return self._plan(trace, drift), None
+            return self._plan(trace, drift), None, None
         box: dict[str, Any] = {}
         done = threading.Event()
 
@@ -320,11 +325,12 @@ class Replanner:
         try:
             while not done.wait(self.poll_s):
                 seen = None if late is not None or self._stop.is_set() else self._look()
-                # behind by the backlog over a time that began after this re-plan's drift
-                # (the window's counts still hold the time before it, and a backlog already
-                # behind then is what this re-plan is for)
+                # behind by the backlog (the window's counts still hold the time before the
+                # last swap), unless this re-plan's drift was behind already with that backlog
                 if seen is None or seen[0].kind not in ("rate", "latency") \
-                        or not seen[0].behind_s or seen[0].at_s - seen[0].behind_s < drift.at_s:
+                        or not seen[0].behind_s or (
+                            drift.saturated and seen[0].behind_since_s is not None
+                            and seen[0].behind_since_s < drift.at_s):
                     continue
                 try:
                     late = (seen[0], self._trace(seen[0].at_s, seen[1]))
@@ -333,9 +339,7 @@ class Replanner:
                 self._stopgap(seen[0], self.engine.plans[self.operator])
         finally:
             done.wait()  # an error above: the planning thread ends before this returns
-        if "error" in box and late is None:
-            raise box["error"]
-        return box.get("plan"), late
+        return box.get("plan"), box.get("error"), late
 
     def _plan(self, trace: Trace, drift: Drift) -> GearPlan:
         """``replan(trace, drift)``, in the planner process where there is one."""
@@ -345,6 +349,15 @@ class Replanner:
         if type(after) is type(self.replan) and hasattr(after, "__dict__"):
             vars(self.replan).update(vars(after))  # what the call changed, kept here
         return plan
+
+
+def restore(obj: object, state: Mapping[str, Any]) -> None:
+    """Give ``obj`` back the attributes ``state`` saved (set each, remove those added since:
+    never an instant without them, for a thread reading them meanwhile)."""
+    for name in set(vars(obj)) - set(state):
+        delattr(obj, name)
+    for name, value in state.items():
+        setattr(obj, name, value)
 
 
 def describe(plan: GearPlan) -> str:

@@ -75,6 +75,7 @@ class Drift:
     # ``served_qps`` is over that time, and ``behind_qps`` is what arrived over it
     behind_s: float = 0.0
     behind_qps: float | None = None
+    behind_since_s: float | None = None  # when the backlog's run over its limit began
 
     @property
     def saturated(self) -> bool:
@@ -222,12 +223,14 @@ class DriftWatch:
         """Record ``backlog`` at ``now``; given the arrival ``times`` and the ``answers``'
         times of the window, where the backlog has been over its limit (``rate`` times the
         latency limit, else ``BACKLOG_S``) at every check of at least the last ``BEHIND_S``
-        (or the whole window, if shorter) and grew over that time: ``behind_s`` (that time),
-        ``served_qps`` (the requests answered in it, per s) and ``behind_qps`` (those that
-        arrived, per s); else nothing."""
+        (or the whole window, if shorter) and grew over that time: ``behind_since_s`` (when
+        that run began), ``behind_s`` (that time, within the window), ``served_qps`` (the
+        requests answered in it, per s) and ``behind_qps`` (those that arrived, per s); else
+        nothing."""
         log = self._backlogs
         log.append((now, backlog))
-        while log and log[0][0] < now - self.window_s:
+        # keep the newest check at or before the window's start: a run can span the window
+        while len(log) > 1 and log[1][0] <= now - self.window_s:
             log.popleft()
         held_s = BACKLOG_S if self.latency_limit_ms is None else self.latency_limit_ms / 1000
         limit = rate * held_s
@@ -239,10 +242,11 @@ class DriftWatch:
         if start is None or times is None or answers is None or backlog <= start[1] \
                 or now - start[0] < min(BEHIND_S, self.window_s):
             return {}
-        span = now - start[0]
-        arrived = int(np.count_nonzero(times > start[0]))
-        return {"behind_s": span, "behind_qps": arrived / span,
-                "served_qps": int(np.count_nonzero(answers > start[0])) / span}
+        begin = max(start[0], now - self.window_s)  # the times given cover the window
+        span = now - begin
+        arrived = int(np.count_nonzero(times > begin))
+        return {"behind_s": span, "behind_qps": arrived / span, "behind_since_s": start[0],
+                "served_qps": int(np.count_nonzero(answers > begin)) / span}
 
 
 def expected_escalation(stage_fractions: Sequence[float]) -> tuple[float, ...]:
