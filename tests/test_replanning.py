@@ -15,7 +15,7 @@ from fakes import FakeModel, SlowModel
 
 from ken.engine.calibrate import recent_ratio
 from ken.engine.dispatch import Requests
-from ken.engine.replanning import Replanner, describe
+from ken.engine.replanning import ReplanEvent, Replanner, describe
 from ken.engine.serving import Engine
 from ken.engine.supervision import BatchRecord
 from ken.models.cascade import Cascade
@@ -654,6 +654,78 @@ def test_serving_falling_behind_while_a_replan_runs_swaps_the_stopgap_and_plans_
     assert not replanned.stopgap and replanned.drift.saturated
     assert replanned.old == describe(quick) and replanned.new == describe(final)
     assert all(describe(stale) not in (e.old, e.new) for e in replanner.events)
+
+
+@pytest.mark.parametrize("case", ["watch raises", "stopped"])
+def test_a_watched_replan_ends_before_its_error_and_is_not_redone_while_stopping(
+        case: str) -> None:
+    """An error from the watch while a re-plan runs is recorded only once the re-plan has
+    ended (no planning thread outlives it); stopped while a re-plan that saw serving fall
+    behind runs, the watch swaps that re-plan's plan in and plans no second time."""
+    models = {"a": FakeModel("a"), "b": FakeModel("b")}
+    first, quick, stale = small_plan(50.0), small_plan(5_000.0, Cascade(("a",))), small_plan(777.0)
+    planning, looked, recorded = threading.Event(), threading.Event(), threading.Event()
+    order: list[str] = []
+
+    class Watch:
+        window_s, plan = 0.5, first
+
+        def check(self, now, *args):  # noqa: ANN001, ANN002, ANN202
+            if not planning.is_set():
+                return Drift(now, "rate", "kept up", 100.0, served_qps=100.0)
+            if looked.is_set():
+                return None
+            looked.set()
+            if case == "watch raises":
+                raise RuntimeError("the watch broke")
+            return Drift(now, "rate", "behind", 100.0, served_qps=40.0, behind_s=1.5,
+                         behind_qps=120.0, behind_since_s=now - 1.5)
+
+        def rebase(self, plan, expected):  # noqa: ANN001, ANN202
+            self.plan = plan
+
+    class Staged:
+        def __init__(self) -> None:
+            self.planned = 0
+
+        def stopgap(self, drift, plan):  # noqa: ANN001, ANN202
+            return quick if drift.behind_s else None
+
+        def __call__(self, trace, drift):  # noqa: ANN001, ANN202
+            self.planned += 1
+            planning.set()
+            assert looked.wait(10)
+            if case == "watch raises":  # the error is not recorded while this runs
+                assert not recorded.wait(0.5)
+            else:
+                stopping = threading.Thread(target=replanner.stop)
+                stopping.start()
+                assert replanner._stop.wait(10)
+            order.append("returned")
+            return stale
+
+    def on_event(event: ReplanEvent) -> None:
+        if not event.stopgap:
+            order.append("event")
+            recorded.set()
+
+    staged = Staged()
+    with Engine(first, models) as engine:
+        replanner = Replanner(engine, "op", staged, lambda p: {c: (0.5,) for c in p.cascades},
+                              window_s=0.5, history_s=1.0, poll_s=0.05, settle_s=0.0,
+                              isolate=False, on_event=on_event)
+        replanner.watch = Watch()
+        replanner.start()
+        futures, outcomes = flood_until(engine, recorded)
+        replanner.stop()
+        serving = engine.plans["op"]
+    assert order[:2] == ["returned", "event"] and staged.planned == 1
+    assert len({o.request_id for o in outcomes}) == len(futures)
+    event = [e for e in replanner.events if not e.stopgap][0]
+    if case == "watch raises":
+        assert "the watch broke" in event.error and serving == first
+    else:
+        assert not event.error and serving == stale
 
 
 def test_a_stopgap_that_fails_or_has_nothing_to_offer_leaves_the_replan_to_follow() -> None:
