@@ -129,15 +129,14 @@ class Requests:
                          arrived_after_s: float = -math.inf) -> list[float]:
         """Latencies of ``operator``'s online requests answered ``ok`` since ``since_s`` that
         arrived after ``arrived_after_s``, oldest first."""
-        with self.lock:  # ``since`` may be a view of the ring: read it under the lock
-            rows = self.answered.since(operator, since_s)
-            return rows[rows[:, 0] - rows[:, 1] > arrived_after_s, 1].tolist()
+        rows = self.recent_answers(operator, since_s)
+        return rows[rows[:, 0] - rows[:, 1] > arrived_after_s, 1].tolist()
 
-    def recent_answers(self, operator: str, since_s: float) -> list[float]:
-        """Completion times of ``operator``'s online requests answered ``ok`` since
-        ``since_s``, oldest first."""
-        with self.lock:
-            return self.answered.since(operator, since_s)[:, 0].tolist()
+    def recent_answers(self, operator: str, since_s: float) -> np.ndarray:
+        """(completion time, latency s) of ``operator``'s online requests answered ``ok``
+        since ``since_s``, oldest first (a copy)."""
+        with self.lock:  # ``since`` may be a view of the ring: copy it under the lock
+            return self.answered.since(operator, since_s).copy()
 
     def waiting(self, operator: str) -> int:
         """``operator``'s online requests in flight: arrived, not yet answered."""

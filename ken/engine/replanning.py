@@ -3,7 +3,7 @@ gear plan assumed and swaps in a new plan when the workload leaves it.
 
 Every ``poll_s`` the ``Replanner`` gives a ``DriftWatch`` (``ken.policy.drift``) the arrivals
 of the last ``window_s`` (``Engine.recent_arrivals``: every online request submitted, admitted
-or not), the latencies of the requests answered then (``Engine.recent_latencies``; judged
+or not), the latencies of the requests answered then (``Engine.recent_answers``; judged
 against ``latency_limit_ms``, e.g. the user's latency target), the per-stage escalation counts
 admission keeps, the answers of the window and the operator's requests in flight
 (``Engine.recent_answers``, ``Engine.in_flight_of``) and, where given, how the model calls of
@@ -194,14 +194,14 @@ class Replanner:
         now = self.engine.clock.now()
         since = now - self.watch.window_s
         arrivals = self.engine.recent_arrivals(self.operator, since)
+        # every answer of the window, whenever it arrived: what serving kept up with
+        rows = self.engine.recent_answers(self.operator, since)
+        answered = rows[:, 0]
         # requests that arrived before the last swap waited in the old plan's backlog:
-        # they say nothing of the plan serving now
-        latencies = [1000.0 * x for x in self.engine.recent_latencies(
-            self.operator, since, self._swapped_at)]
+        # their latencies say nothing of the plan serving now
+        latencies = 1000.0 * rows[rows[:, 0] - rows[:, 1] > self._swapped_at, 1]
         runtime = None if self.runtimes is None else self.runtimes(
             self.engine.batch_log, max(since, self._swapped_at))
-        # every answer of the window, whenever it arrived: what serving kept up with
-        answered = self.engine.recent_answers(self.operator, since)
         backlog = self.engine.in_flight_of(self.operator) if self.early else None
         drift = self.watch.check(now, arrivals, self.engine.admission.escalations,
                                  latencies, runtime, answered, backlog)
@@ -325,12 +325,7 @@ class Replanner:
         try:
             while not done.wait(self.poll_s):
                 seen = None if late is not None or self._stop.is_set() else self._look()
-                # behind by the backlog (the window's counts still hold the time before the
-                # last swap), unless this re-plan's drift was behind already with that backlog
-                if seen is None or seen[0].kind not in ("rate", "latency") \
-                        or not seen[0].behind_s or (
-                            drift.saturated and seen[0].behind_since_s is not None
-                            and seen[0].behind_since_s < drift.at_s):
+                if seen is None or not behind_anew(seen[0], drift):
                     continue
                 try:
                     late = (seen[0], self._trace(seen[0].at_s, seen[1]))
@@ -349,6 +344,18 @@ class Replanner:
         if type(after) is type(self.replan) and hasattr(after, "__dict__"):
             vars(self.replan).update(vars(after))  # what the call changed, kept here
         return plan
+
+
+def behind_anew(seen: Drift, drift: Drift) -> bool:
+    """``seen``, while the re-plan for ``drift`` runs, says serving fell behind by its backlog
+    (the window's counts still hold the time before the last swap) on a rate or latency drift,
+    and that is news: not the backlog ``drift`` already found behind (what the re-plan is
+    for)."""
+    if seen.kind not in ("rate", "latency") or not seen.behind_s:
+        return False
+    known = drift.saturated and seen.behind_since_s is not None \
+        and seen.behind_since_s < drift.at_s
+    return not known
 
 
 def restore(obj: object, state: Mapping[str, Any]) -> None:

@@ -78,6 +78,8 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Literal
 
+import numpy as np
+
 from ken.engine.admission import Admission, AdmissionMode
 from ken.engine.deadlines import EngineDeadlines, drop_policy, job_key
 from ken.engine.dispatch import Requests, Scheduler
@@ -433,9 +435,9 @@ class Engine:
     def in_flight(self) -> int:
         return len(self._requests)
 
-    def recent_answers(self, operator: str, since_s: float) -> list[float]:
-        """Completion times (engine clock) of ``operator``'s online requests answered ``ok``
-        since ``since_s``."""
+    def recent_answers(self, operator: str, since_s: float) -> np.ndarray:
+        """(completion time on the engine clock, latency s) of ``operator``'s online requests
+        answered ``ok`` since ``since_s``, one row each, oldest first."""
         return self._requests.recent_answers(operator, since_s)
 
     def in_flight_of(self, operator: str) -> int:

@@ -184,7 +184,7 @@ class DriftWatch:
         if limit is not None and behind:
             # the answers' p95 lags an overload by the very wait it measures: the queue shows it
             return seen("latency", f"{backlog} requests in flight, over the "
-                        f"{rate * limit / 1000:.0f} a plan within {limit:.0f} ms holds at "
+                        f"{self.backlog_limit(rate):.0f} a plan within {limit:.0f} ms holds at "
                         f"{rate:.0f} qps, and growing for {behind['behind_s']:.1f} s")
         if limit is not None and len(latencies_ms) >= self.min_rows:
             p95 = float(np.percentile(latencies_ms, 95))
@@ -218,11 +218,17 @@ class DriftWatch:
                             stage=stage, escalation=share)
         return None
 
+    def backlog_limit(self, rate: float) -> float:
+        """The requests a plan within its latency limit holds in flight at ``rate`` (Little's
+        law: the rate times the limit, else ``BACKLOG_S``)."""
+        return rate * (BACKLOG_S if self.latency_limit_ms is None
+                       else self.latency_limit_ms / 1000)
+
     def behind(self, now: float, backlog: int, rate: float, times: np.ndarray | None,
                answers: np.ndarray | None) -> dict[str, Any]:
         """Record ``backlog`` at ``now``; given the arrival ``times`` and the ``answers``'
-        times of the window, where the backlog has been over its limit (``rate`` times the
-        latency limit, else ``BACKLOG_S``) at every check of at least the last ``BEHIND_S``
+        times of the window, where the backlog has been over its limit (``backlog_limit``)
+        at every check of at least the last ``BEHIND_S``
         (or the whole window, if shorter) and grew over that time: ``behind_since_s`` (when
         that run began), ``behind_s`` (that time, within the window), ``served_qps`` (the
         requests answered in it, per s) and ``behind_qps`` (those that arrived, per s); else
@@ -232,8 +238,7 @@ class DriftWatch:
         # keep the newest check at or before the window's start: a run can span the window
         while len(log) > 1 and log[1][0] <= now - self.window_s:
             log.popleft()
-        held_s = BACKLOG_S if self.latency_limit_ms is None else self.latency_limit_ms / 1000
-        limit = rate * held_s
+        limit = self.backlog_limit(rate)
         start = None
         for at, queued in reversed(log):
             if queued <= limit:
