@@ -325,6 +325,22 @@ def test_swap_needs_a_running_engine_and_known_models() -> None:
         assert engine.submit("still serving").result(timeout=5).status == "ok"
 
 
+def test_a_swap_the_engine_shut_down_under_fails_instead_of_waiting_for_ever() -> None:
+    """A shutdown (a SIGTERM drain) while a swap loads its models: the scheduler never reads
+    the swap, so ``swap_plan`` says the engine shut down rather than wait for it."""
+    engine = Engine(plan(), {"a": FakeModel("a"), "b": FakeModel("b")})
+    engine.start()
+    loading = engine.pool.add
+
+    def add_while_shutting_down(replicas):  # noqa: ANN001, ANN202
+        loading(replicas)
+        engine.shutdown()  # the stop is queued before the swap
+
+    engine.pool.add = add_while_shutting_down  # type: ignore[method-assign]
+    with pytest.raises(EngineError, match="shut down before op's new plan took over"):
+        engine.swap_plan(plan(max_batch=4))
+
+
 def test_bulk_rows_run_the_most_accurate_gear_in_throughput_batches() -> None:
     models = {"a": FakeModel("a"), "b": FakeModel("b")}
     rows = texts(300)

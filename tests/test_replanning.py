@@ -23,6 +23,7 @@ from ken.optimizer.perf import sustained_qps
 from ken.optimizer.planner import PlannerSettings, plan_frontier
 from ken.optimizer.query import Target
 from ken.optimizer.replan import (
+    MIN_MARGIN,
     GearReplan,
     plan_escalation,
     resampled_catalog,
@@ -167,6 +168,29 @@ def test_serving_is_behind_when_its_backlog_grows_over_the_limit_for_a_second() 
     assert seen[2].behind_s == pytest.approx(0.5) and seen[2].behind_since_s == 0.5
 
 
+def test_a_backlog_over_its_limit_for_longer_than_the_window_keeps_when_it_began() -> None:
+    """The checks' log keeps one window; a run over the limit that outlasts it still began
+    when the checks first went over (a re-plan started on it must not take it for a new
+    one), and a check within the limit ends the run."""
+    watch = DriftWatch(small_plan(1_000.0), {}, window_s=5.0, latency_limit_ms=200.0)
+    times = np.arange(0.0, 5.0, 0.01)  # 100 qps: 20 requests within 200 ms
+
+    def check(now: float, queued: int) -> Drift | None:
+        return watch.check(now, times + now - 5.0, {}, answered=times[::2] + now - 5.0,
+                           backlog=queued)
+
+    since = []
+    for k in range(41):  # 10 s of checks, every one over the limit and growing
+        drift = check(20.0 + k / 4, 30 + 10 * k)
+        if drift is not None:
+            since.append(drift.behind_since_s)
+    assert len(since) == 37 and set(since) == {20.0}  # behind from 21 s on, since 20 s
+    assert check(30.25, 5) is None  # within the limit: the run ends
+    drifts = [check(30.5 + k / 4, 40 + 10 * k) for k in range(5)]
+    assert drifts[:4] == [None] * 4 and drifts[4] is not None
+    assert drifts[4].behind_since_s == 30.5
+
+
 def test_the_backlog_counts_an_operators_online_requests_in_flight() -> None:
     requests = Requests(WallClock())
     with requests.lock:
@@ -212,6 +236,15 @@ def test_gear_replan_covers_the_new_peak_and_meets_the_target() -> None:
     late = DriftWatch(plan, {}, window_s=1.0, min_rows=1, latency_limit_ms=200.0)
     tighter = replan(trace, late.check(4.0, 10, {}, [1_000.0]))
     assert replan.margin == 0.25
+    # not where the backlog found serving behind (the share served corrects that), and
+    # never below MIN_MARGIN
+    behind = Drift(5.0, "latency", "behind", 400.0, served_qps=200.0, behind_s=1.5,
+                   behind_qps=400.0, behind_since_s=3.5)
+    replan(trace, behind)
+    assert replan.margin == 0.25
+    for k in range(4):
+        replan(trace, late.check(6.0 + k, 10, {}, [1_000.0]))
+    assert replan.margin == MIN_MARGIN
     # within 50 ms, or (none that fast) the fastest plan: never slower than the first pick
     assert tighter.predicted.p95_ms <= 50.0 or \
         tighter.predicted.p95_ms <= plan.predicted.p95_ms
@@ -283,6 +316,16 @@ def test_recent_ratio_reads_the_calls_of_the_window_and_a_runtime_drift_rescales
         pytest.approx(2.0 * cat.perf["l"].batch_runtime(8))
     assert dict(plan.provenance)["replanned"] == drift.detail
     assert recent_ratio(log, replan.catalog, 10.0)[0] == pytest.approx(1.0)  # quiet again
+
+    class Trimmed(list):
+        """The engine's log, trimmed in place by a device thread while it is read."""
+
+        def __getitem__(self, i):  # noqa: ANN001, ANN204
+            if len(self) > 20:
+                del self[:len(self) // 2]
+            return super().__getitem__(i)
+
+    assert recent_ratio(Trimmed(log), cat, 10.0) == (pytest.approx(2.0), 20)
 
 
 def flood_until(engine: Engine, swapped: threading.Event) -> tuple[list, list]:
@@ -656,12 +699,67 @@ def test_serving_falling_behind_while_a_replan_runs_swaps_the_stopgap_and_plans_
     assert all(describe(stale) not in (e.old, e.new) for e in replanner.events)
 
 
+def test_the_watch_goes_on_after_its_own_errors() -> None:
+    """A check that raises (the engine's logs read while they change) and an ``on_event``
+    that raises are recorded in ``watch_errors``, the first of a run of the same error in
+    the serving log once, and the watch goes on: the next drift is re-planned."""
+    from fakes import FixedReplan
+
+    models = {"a": FakeModel("a"), "b": FakeModel("b")}
+    second = small_plan(5_000.0, Cascade(("a",)))
+    checks, swapped, notes = [], threading.Event(), []
+
+    class Watch:
+        window_s, plan = 0.5, small_plan(50.0)
+
+        def check(self, now, *args):  # noqa: ANN001, ANN002, ANN202
+            checks.append(now)
+            if len(checks) <= 3:
+                raise IndexError("list index out of range")
+            return Drift(now, "rate", "more load", 100.0)
+
+        def rebase(self, plan, expected):  # noqa: ANN001, ANN202
+            self.plan = plan
+
+    def on_event(event: ReplanEvent) -> None:
+        swapped.set()
+        raise ValueError("the log is full")
+
+    class Notes:
+        def note(self, line: str) -> None:
+            notes.append(line)
+
+    with Engine(small_plan(50.0), models) as engine:
+        replanner = Replanner(engine, "op", FixedReplan(second),
+                              lambda p: {c: (0.5,) for c in p.cascades}, window_s=0.5,
+                              history_s=1.0, poll_s=0.05, settle_s=0.0, isolate=False,
+                              on_event=on_event, reporter=Notes())  # type: ignore[arg-type]
+        replanner.watch = Watch()
+        futures = []
+        with replanner:
+            for i in range(2000):
+                futures.append(engine.submit(f"row {i}"))
+                if swapped.is_set():
+                    break
+                threading.Event().wait(0.0025)
+            assert swapped.wait(20)
+        outcomes = [f.result(timeout=10) for f in futures]
+        assert engine.plans["op"] == second
+    assert len({o.request_id for o in outcomes}) == len(futures)
+    messages = [m for _, m in replanner.watch_errors]
+    assert messages[:3] == ["IndexError: list index out of range"] * 3
+    assert "ValueError: the log is full" in messages
+    assert sum("IndexError" in n for n in notes) == 1  # a run of one error: one line
+    assert all("goes on watching" in n for n in notes)
+
+
 @pytest.mark.parametrize("case", ["watch raises", "stopped"])
 def test_a_watched_replan_ends_before_its_error_and_is_not_redone_while_stopping(
         case: str) -> None:
-    """An error from the watch while a re-plan runs is recorded only once the re-plan has
-    ended (no planning thread outlives it); stopped while a re-plan that saw serving fall
-    behind runs, the watch swaps that re-plan's plan in and plans no second time."""
+    """An error from the watch while a re-plan runs is recorded (``watch_errors``) and costs
+    the re-plan nothing: its plan is swapped in once it has ended; stopped while a re-plan
+    that saw serving fall behind runs, the watch swaps that re-plan's plan in and plans no
+    second time."""
     models = {"a": FakeModel("a"), "b": FakeModel("b")}
     first, quick, stale = small_plan(50.0), small_plan(5_000.0, Cascade(("a",))), small_plan(777.0)
     planning, looked, recorded = threading.Event(), threading.Event(), threading.Event()
@@ -695,8 +793,10 @@ def test_a_watched_replan_ends_before_its_error_and_is_not_redone_while_stopping
             self.planned += 1
             planning.set()
             assert looked.wait(10)
-            if case == "watch raises":  # the error is not recorded while this runs
+            if case == "watch raises":  # the error is kept, the re-plan goes on
                 assert not recorded.wait(0.5)
+                assert [m for _, m in replanner.watch_errors] == [
+                    "RuntimeError: the watch broke"]
             else:
                 stopping = threading.Thread(target=replanner.stop)
                 stopping.start()
@@ -722,10 +822,7 @@ def test_a_watched_replan_ends_before_its_error_and_is_not_redone_while_stopping
     assert order[:2] == ["returned", "event"] and staged.planned == 1
     assert len({o.request_id for o in outcomes}) == len(futures)
     event = [e for e in replanner.events if not e.stopgap][0]
-    if case == "watch raises":
-        assert "the watch broke" in event.error and serving == first
-    else:
-        assert not event.error and serving == stale
+    assert not event.error and serving == stale
 
 
 def test_a_stopgap_that_fails_or_has_nothing_to_offer_leaves_the_replan_to_follow() -> None:

@@ -256,7 +256,9 @@ def recent_ratio(log: Sequence[BatchRecord], catalog: Catalog, since_s: float
     """The mean ratio measured / predicted runtime (``runtime_ratios``) of the online calls
     in ``log`` that started at ``since_s`` or later, the slowest 1% left out, and how many
     calls; None without such calls. Reads ``log`` from its end (the engine appends calls as
-    they end)."""
+    they end; a list is copied first, in one step, since the engine trims it in place)."""
+    if isinstance(log, list):
+        log = tuple(log)
     i = len(log)
     while i > 0 and log[i - 1].start_s >= since_s:
         i -= 1

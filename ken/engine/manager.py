@@ -145,7 +145,8 @@ class ServingManager:
             self._planner = PlannerProcess()
         self._replanners[name] = Replanner(
             engine, name, replan, replan.expected, latency_limit_ms=replan.latency_limit_ms,
-            on_event=replanned, runtimes=runtimes, planner=self._planner).start()
+            on_event=replanned, runtimes=runtimes, planner=self._planner,
+            reporter=self.ctx.reporter).start()
 
     def _swap_gear(self, name: str) -> None:
         engine = self._engine

@@ -72,6 +72,10 @@ from ken.policy.plan import GearPlan
 from ken.progress import QUIET, Reporter
 
 
+#: how many of the watch's own errors ``Replanner.watch_errors`` keeps
+WATCH_ERRORS = 20
+
+
 @dataclass(frozen=True)
 class ReplanEvent:
     """One re-plan: when the drift was seen, why, how long planning took, and the swap."""
@@ -143,6 +147,10 @@ class Replanner:
         self.watch = DriftWatch(plan, expected(plan), window_s, rate_factor,
                                 escalation_shift, min_rows, latency_limit_ms, runtime_shift)
         self.events: list[ReplanEvent] = []
+        # errors of the watch itself (engine clock, message), the latest ``WATCH_ERRORS``
+        self.watch_errors: list[tuple[float, str]] = []
+        self._failing: str | None = None  # the error of the latest check, if it failed
+        self._reporter = reporter
         self._on_event = on_event or (lambda e: reporter.note(f"{operator}: {e.line()}"))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -185,9 +193,38 @@ class Replanner:
         while not self._stop.wait(self.poll_s):
             if self.engine.clock.now() < self._quiet_until:
                 continue
-            seen = self._look()
-            if seen is not None:
+            seen = self._watched()
+            if seen is None:
+                continue
+            try:
                 self._handle(*seen)
+            except Exception as exc:  # noqa: BLE001 - recorded; the watch goes on
+                self._quiet_until = self.engine.clock.now() + self.settle_s
+                self._watch_failed(exc)
+
+    def _watched(self) -> tuple[Drift, list[float]] | None:
+        """``_look``, with an error recorded (``_watch_failed``) rather than raised: a read
+        that failed once (the engine's logs change under it) must neither end the watch
+        for good nor throw away a re-plan it watches."""
+        try:
+            seen = self._look()
+        except Exception as exc:  # noqa: BLE001 - recorded; the watch goes on
+            self._watch_failed(exc)
+            return None
+        self._failing = None
+        return seen
+
+    def _watch_failed(self, exc: Exception) -> None:
+        """Record an error of the watch itself in ``watch_errors`` (the last
+        ``WATCH_ERRORS``) and, the first of a run of the same error, in the serving log."""
+        message = f"{type(exc).__name__}: {exc}"
+        now = self.engine.clock.now()
+        self.watch_errors.append((now, message))
+        del self.watch_errors[:-WATCH_ERRORS]
+        if message != self._failing:
+            self._failing = message
+            self._reporter.note(f"{self.operator}: the re-planning watch failed at {now:.1f} s "
+                                f"({message}); it goes on watching")
 
     def _look(self) -> tuple[Drift, list[float]] | None:
         """The drift the watch sees now, if any, with the last ``window_s`` of arrivals."""
@@ -324,7 +361,7 @@ class Replanner:
         late: tuple[Drift, Trace] | None = None
         try:
             while not done.wait(self.poll_s):
-                seen = None if late is not None or self._stop.is_set() else self._look()
+                seen = None if late is not None or self._stop.is_set() else self._watched()
                 if seen is None or not behind_anew(seen[0], drift):
                     continue
                 try:

@@ -76,6 +76,7 @@ import threading
 import time
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Literal
 
 import numpy as np
@@ -339,7 +340,8 @@ class Engine:
         adds sources for models the old plans did not use. Models the new plan places are
         loaded on their devices first (new devices get new workers). Returns the number of
         queued rows moved to the new plan."""
-        if self._thread is None:
+        thread = self._thread
+        if thread is None:
             raise EngineError("the engine is not running; start() it, or pass the plan to "
                               "Engine(...)")
         self.pool.add_sources(models, gpu_models)
@@ -350,7 +352,14 @@ class Engine:
                                gpu_budget=self.gpu_memory_budget_bytes)
         done: Future = Future()
         self._events.put(("swap", plan, done))
-        return done.result()
+        while True:
+            try:
+                return done.result(timeout=0.5)
+            except FutureTimeout:
+                # shut down while the models loaded: the scheduler never reads the swap
+                if not thread.is_alive() and not done.done():
+                    raise EngineError(f"the engine shut down before {plan.operator}'s new "
+                                      "plan took over") from None
 
     # -- requests ---------------------------------------------------------------------------
 

@@ -53,6 +53,10 @@ from ken.policy.scheduling import GearSelector
 #: window that answered next to nothing says the machine stalled, not that it is 10x slower)
 MIN_SHARE = 0.2
 
+#: the least share of a latency target a re-plan plans for (``GearReplan.margin`` halves
+#: with each latency drift the p95 of the answers found)
+MIN_MARGIN = 0.125
+
 #: lighter than ``ken plan``'s: a re-plan runs while the devices serve
 ONLINE_SETTINGS = PlannerSettings(num_ranges=6, max_rounds=4, beam_width=2, expansions=2,
                                   placement_scoring="estimate", gap_searches=4)
@@ -153,11 +157,13 @@ class GearReplan:
         settings = replace(self.settings, seed=self.seed)
         frontier, _ = plan_frontier(self.operator, self.cascades, catalog, self.hardware,
                                     trace, qps_max=peak, settings=settings)
-        if drift.kind == "latency":
+        if drift.kind == "latency" and not drift.behind_s:
             # the last plan, simulated within the target, missed it serving: plan for a
             # tighter bound each time this happens (a simulator that is optimistic near
-            # saturation then still lands on a plan that holds)
-            self.margin /= 2
+            # saturation then still lands on a plan that holds), down to MIN_MARGIN. Not
+            # where the backlog said serving fell behind: the runtimes scaled by the share
+            # served (above) correct that shortfall already
+            self.margin = max(self.margin / 2, MIN_MARGIN)
         target = self.target
         if target.max_p95_ms is not None:
             target = replace(target, max_p95_ms=target.max_p95_ms * self.margin)

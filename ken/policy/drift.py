@@ -130,6 +130,9 @@ class DriftWatch:
         self._snapshots: deque[tuple[float, dict]] = deque()
         # (time, requests in flight) at each check over the last window_s
         self._backlogs: deque[tuple[float, int]] = deque()
+        # when the checks' unbroken run over their own backlog limits began (None: the newest
+        # check was within its limit): a run longer than the window outlives the log
+        self._over_since: float | None = None
 
     def rebase(self, plan: GearPlan, expected: Mapping[Cascade, Sequence[float]]) -> None:
         """Watch ``plan`` from now on (after a swap): earlier counts are forgotten."""
@@ -137,6 +140,7 @@ class DriftWatch:
         self.expected = {c: tuple(v) for c, v in expected.items()}
         self._snapshots.clear()
         self._backlogs.clear()
+        self._over_since = None
 
     def check(self, now: float, arrivals: int | Sequence[float], counts: Counts,
               latencies_ms: Sequence[float] = (),
@@ -239,6 +243,10 @@ class DriftWatch:
         while len(log) > 1 and log[1][0] <= now - self.window_s:
             log.popleft()
         limit = self.backlog_limit(rate)
+        if backlog <= limit:
+            self._over_since = None
+        elif self._over_since is None:
+            self._over_since = now
         start = None
         for at, queued in reversed(log):
             if queued <= limit:
@@ -250,7 +258,11 @@ class DriftWatch:
         begin = max(start[0], now - self.window_s)  # the times given cover the window
         span = now - begin
         arrived = int(np.count_nonzero(times > begin))
-        return {"behind_s": span, "behind_qps": arrived / span, "behind_since_s": start[0],
+        since = start[0]
+        if start[0] == log[0][0] and self._over_since is not None:
+            # the run spans the log kept: it began when the checks first went over
+            since = min(since, self._over_since)
+        return {"behind_s": span, "behind_qps": arrived / span, "behind_since_s": since,
                 "served_qps": int(np.count_nonzero(answers > begin)) / span}
 
 
