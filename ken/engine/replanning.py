@@ -71,7 +71,6 @@ from ken.policy.drift import Drift, DriftWatch
 from ken.policy.plan import GearPlan
 from ken.progress import QUIET, Reporter
 
-
 #: how many of the watch's own errors ``Replanner.watch_errors`` keeps
 WATCH_ERRORS = 20
 
