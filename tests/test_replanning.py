@@ -735,15 +735,8 @@ def test_the_watch_goes_on_after_its_own_errors() -> None:
                               history_s=1.0, poll_s=0.05, settle_s=0.0, isolate=False,
                               on_event=on_event, reporter=Notes())  # type: ignore[arg-type]
         replanner.watch = Watch()
-        futures = []
         with replanner:
-            for i in range(2000):
-                futures.append(engine.submit(f"row {i}"))
-                if swapped.is_set():
-                    break
-                threading.Event().wait(0.0025)
-            assert swapped.wait(20)
-        outcomes = [f.result(timeout=10) for f in futures]
+            futures, outcomes = flood_until(engine, swapped)
         assert engine.plans["op"] == second
     assert len({o.request_id for o in outcomes}) == len(futures)
     messages = [m for _, m in replanner.watch_errors]
