@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import fakes
@@ -760,6 +760,32 @@ def test_requests_are_served_by_the_other_replica_while_a_killed_worker_reloads(
     assert [o.status for o in meanwhile] == ["ok"] * 6 and rejected == 0
     assert [o.value for o in meanwhile] == labels("a", texts(6))
     assert outcome.status == "ok" and restarts == 1  # the held row, retried after the reload
+
+
+def test_rows_queued_behind_a_killed_worker_move_to_the_other_replica(tmp_path: Path) -> None:
+    """Rows queued on a replica whose worker hangs on a batch: when the worker is killed and
+    reloads (8 s), they are served by the other replica at once, not after the reload."""
+    reload_s = 8.0
+    hung = tmp_path / "hung"
+    sources = {"a": functools.partial(fakes.reloads_slowly, "a", str(tmp_path), 2, reload_s,
+                                      str(hung))}
+    patient = BatchDeadline(floor_s=120.0)
+    with Engine(two_replica_plan(), sources, workers="process", deadline=patient,
+                admission="max_in_flight") as engine:
+        held = engine.submit("held until its worker is killed")
+        pid = int(wait_for(hung))
+        killed = next(d for d, p in engine.pids().items() if p == pid)
+        futures = [engine.submit(t) for t in texts(8)]  # the router sends half behind it
+        answered, waiting = wait(futures, timeout=2.0)
+        assert answered and waiting  # the rows the router sent behind the hung batch wait
+        os.kill(pid, signal.SIGKILL)
+        rest = [f.result(timeout=reload_s / 2) for f in futures]
+        assert not held.done()  # the reload is not over: they did not wait for it
+        assert engine.pids()[killed] != pid
+        outcome = held.result(timeout=60)
+    assert [o.status for o in rest] == ["ok"] * 8
+    assert [o.value for o in rest] == labels("a", texts(8))
+    assert outcome.status == "ok"
 
 
 def test_a_swap_that_loads_a_model_on_a_serving_worker_is_routed_around_meanwhile(

@@ -162,6 +162,39 @@ def test_dispatcher_switches_gear_on_measured_rate() -> None:
     assert started[-1].request_ids == (4,)  # routed to the first model of range 1's cascade
 
 
+def test_rows_queued_on_a_reloading_device_move_to_the_other_replicas_oldest_first() -> None:
+    """``move_queued``: the rows waiting at the replicas on the devices given go to the other
+    replicas of the same model, each to the shortest queue, merged by the time each was
+    queued; ready batches start; a model with no replica elsewhere keeps its rows."""
+    plan = plan_of([("a", ("d0",)), ("a", ("d1",)), ("a", ("d2",)), ("b", ("d0",))],
+                   ranges=[(0, (1.0, 1.0, 1.0, 1.0), (1,) * 4)], max_batch=(2, 2, 2, 2),
+                   max_wait_s=0.05)
+    clock = VirtualClock()
+    d = Dispatcher(plan, clock, busy={"d0", "d1", "d2"})  # every device runs a batch
+    for rid, (t, rep) in enumerate([(0.01, 0), (0.02, 1), (0.03, 0), (0.04, 2), (0.05, 0),
+                                    (0.06, 0), (0.07, 1)]):
+        clock.t = t
+        assert d.admit(rid, metered=False, replica=rep) == []
+    clock.t = 0.08
+    # d0's rows 0, 2, 4, 5 (queued at 0.01, 0.03, 0.05, 0.06), one at a time to the shorter
+    # of d1 (rows 1, 6) and d2 (row 3), the first of them on a tie, in time order there
+    assert d.move_queued({"d0"}) == []  # every device is busy: nothing starts
+    assert d.queued(0) == 0
+    assert d.queued_ids(1) == (1, 2, 5, 6) and d.queued_ids(2) == (0, 3, 4)
+    assert list(d._since[2]) == [0.01, 0.04, 0.05]
+    # the moved head's deadline is its own: due max_wait_s after 0.01
+    assert d.next_deadline() == pytest.approx(0.06)
+    d._busy.discard("d2")
+    started = d.poll({"d2"})
+    assert [b.request_ids for b in started] == [(0, 3)] and started[0].devices == ("d2",)
+    # b has no other replica: its rows stay at d0
+    clock.t = 0.09
+    d._enqueue(3, 99, 0.09)
+    d._req_stage[99], d._req_cascade[99], d._req_range[99] = 1, 0, 0
+    d.move_queued({"d0"})
+    assert d.queued_ids(3) == (99,)
+
+
 # -- Router ------------------------------------------------------------------------------------
 
 

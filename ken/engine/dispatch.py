@@ -397,6 +397,8 @@ class Scheduler:
             for rep in disp.replicas_on(devices):
                 for rid in disp.queued_ids(rep):
                     self.admission.forget(rid)
+            # the rows queued there would wait for the reload: another replica serves them
+            self._launch(disp, disp.move_queued(devices))
 
     def _swap(self, plan: GearPlan, done: Future) -> None:
         op = plan.operator

@@ -454,6 +454,30 @@ class Dispatcher:
         now = self.clock.now()
         return self._start_ready([r for d in devices for r in self._on_device.get(d, ())], now)
 
+    def move_queued(self, devices: Iterable[str]) -> list[Batch]:
+        """Move the rows queued at the replicas placed on ``devices`` (e.g. a worker that
+        reloads its models after a crash: seconds in which they would wait) to the other
+        replicas of the same model, each row to the one with the shortest queue, keeping the
+        time it was queued (queues stay oldest first); start what is ready. Rows of a model
+        with no replica elsewhere stay where they are."""
+        away = set(devices)
+        now = self.clock.now()
+        moved: dict[int, None] = {}
+        for rep in self.replicas_on(away):
+            q, s = self._queue[rep], self._since[rep]
+            others = [r for r in self._replicas_of[self._model[rep]]
+                      if r != rep and away.isdisjoint(self._devices[r])]
+            if not q or not others:
+                continue
+            rows = list(zip(q, s, strict=True))
+            q.clear()
+            s.clear()
+            for rid, t in rows:
+                to = min(others, key=lambda r: len(self._queue[r]))
+                self._insert(to, rid, t)
+                moved[to] = None
+        return self._start_ready(moved, now)
+
     def drain(self) -> list[int]:
         """Remove every queued (not running) request and return their ids, e.g. on shutdown."""
         out = []
@@ -474,6 +498,17 @@ class Dispatcher:
         self._since[rep].append(now)
         if len(q) == 1:
             heapq.heappush(self._deadlines, (self.trigger.deadline(now), rep))
+
+    def _insert(self, rep: int, rid: int, since_s: float) -> None:
+        """Queue ``rid`` at ``rep`` as if it had been queued at ``since_s``."""
+        q, s = self._queue[rep], self._since[rep]
+        at = len(s)
+        while at > 0 and s[at - 1] > since_s:
+            at -= 1
+        q.insert(at, rid)
+        s.insert(at, since_s)
+        if at == 0:  # a new head: its own deadline (the old head's goes stale)
+            heapq.heappush(self._deadlines, (self.trigger.deadline(since_s), rep))
 
     def _gated(self, rep: int, now: float) -> tuple[int, ...]:
         """The gate's rows of replica ``rep``'s queue; the ones it dropped leave the queue
