@@ -187,6 +187,14 @@ def test_rows_queued_on_a_reloading_device_move_to_the_other_replicas_oldest_fir
     d._busy.discard("d2")
     started = d.poll({"d2"})
     assert [b.request_ids for b in started] == [(0, 3)] and started[0].devices == ("d2",)
+    # a replica on a device that loads too gets none of them
+    d2 = Dispatcher(plan, VirtualClock(), busy={"d0", "d1", "d2"})
+    for rid, rep in enumerate((0, 0, 1)):
+        d2.admit(rid, metered=False, replica=rep)
+    d2.move_queued({"d0"}, avoid={"d1"})
+    assert d2.queued_ids(2) == (0, 1) and d2.queued_ids(1) == (2,)
+    d2.move_queued({"d1"}, avoid={"d0", "d2"})  # nowhere to go: it stays
+    assert d2.queued_ids(1) == (2,)
     # b has no other replica: its rows stay at d0
     clock.t = 0.09
     d._enqueue(3, 99, 0.09)

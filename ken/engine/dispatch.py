@@ -317,6 +317,8 @@ class Scheduler:
 
     def _freed(self, devices: tuple[str, ...]) -> None:
         """Devices came free: online queues first, then bulk rows."""
+        if self._reloading:  # rows escalated to a reloading replica meanwhile
+            self._move_off_reloading()
         for disp in self._dispatchers():
             self._launch(disp, disp.poll(devices))
         self._launch_bulk()
@@ -397,8 +399,29 @@ class Scheduler:
             for rep in disp.replicas_on(devices):
                 for rid in disp.queued_ids(rep):
                     self.admission.forget(rid)
-            # the rows queued there would wait for the reload: another replica serves them
-            self._launch(disp, disp.move_queued(devices))
+        self._move_off_reloading()
+
+    def _move_off_reloading(self) -> None:
+        """Rows queued at a replica whose worker reloads (``_reloading``: those queued when
+        the crash was found, and rows escalated there since) would wait for the reload: move
+        them to the other replicas of their model, not to one that loads too. The rows queued
+        at those replicas are forgotten by admission as well: the moved rows, queued ahead
+        of them by age, make their wait the reload's, not the load's."""
+        loading = self._reloading | self.pool.loading()
+        for disp in self._dispatchers():
+            stuck = {rep for rep in disp.replicas_on(self._reloading) if disp.queued(rep)}
+            if not stuck:
+                continue
+            models = {disp.plan.placement[rep].model for rep in stuck}
+            started = disp.move_queued(self._reloading, loading)
+            for rep, r in enumerate(disp.plan.placement):
+                if r.model in models:
+                    for rid in disp.queued_ids(rep):
+                        self.admission.forget(rid)
+            for b in started:
+                for rid in b.request_ids:
+                    self.admission.forget(rid)
+            self._launch(disp, started)
 
     def _swap(self, plan: GearPlan, done: Future) -> None:
         op = plan.operator

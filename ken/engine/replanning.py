@@ -148,7 +148,7 @@ class Replanner:
         self.events: list[ReplanEvent] = []
         # errors of the watch itself (engine clock, message), the latest ``WATCH_ERRORS``
         self.watch_errors: list[tuple[float, str]] = []
-        self._failing: str | None = None  # the error of the latest check, if it failed
+        self._failing: str | None = None  # the watch's error said last in the serving log
         self._reporter = reporter
         self._on_event = on_event or (lambda e: reporter.note(f"{operator}: {e.line()}"))
         self._stop = threading.Event()
@@ -206,16 +206,14 @@ class Replanner:
         that failed once (the engine's logs change under it) must neither end the watch
         for good nor throw away a re-plan it watches."""
         try:
-            seen = self._look()
+            return self._look()
         except Exception as exc:  # noqa: BLE001 - recorded; the watch goes on
             self._watch_failed(exc)
             return None
-        self._failing = None
-        return seen
 
     def _watch_failed(self, exc: Exception) -> None:
         """Record an error of the watch itself in ``watch_errors`` (the last
-        ``WATCH_ERRORS``) and, the first of a run of the same error, in the serving log."""
+        ``WATCH_ERRORS``) and in the serving log, unless it is the error said there last."""
         message = f"{type(exc).__name__}: {exc}"
         now = self.engine.clock.now()
         self.watch_errors.append((now, message))
@@ -367,7 +365,10 @@ class Replanner:
                     late = (seen[0], self._trace(seen[0].at_s, seen[1]))
                 except KenError:
                     continue
-                self._stopgap(seen[0], self.engine.plans[self.operator])
+                try:
+                    self._stopgap(seen[0], self.engine.plans[self.operator])
+                except Exception as exc:  # noqa: BLE001 - e.g. a user's on_event: the
+                    self._watch_failed(exc)  # re-plan goes on
         finally:
             done.wait()  # an error above: the planning thread ends before this returns
         return box.get("plan"), box.get("error"), late

@@ -163,7 +163,7 @@ class GearReplan:
             # saturation then still lands on a plan that holds), down to MIN_MARGIN. Not
             # where the backlog said serving fell behind: the runtimes scaled by the share
             # served (above) correct that shortfall already
-            self.margin = max(self.margin / 2, MIN_MARGIN)
+            self.margin = max(self.margin / 2, min(MIN_MARGIN, self.margin))
         target = self.target
         if target.max_p95_ms is not None:
             target = replace(target, max_p95_ms=target.max_p95_ms * self.margin)

@@ -454,16 +454,18 @@ class Dispatcher:
         now = self.clock.now()
         return self._start_ready([r for d in devices for r in self._on_device.get(d, ())], now)
 
-    def move_queued(self, devices: Iterable[str]) -> list[Batch]:
+    def move_queued(self, devices: Iterable[str], avoid: Iterable[str] = ()) -> list[Batch]:
         """Move the rows queued at the replicas placed on ``devices`` (e.g. a worker that
         reloads its models after a crash: seconds in which they would wait) to the other
-        replicas of the same model, each row to the one with the shortest queue, keeping the
-        time it was queued (queues stay oldest first); start what is ready. Rows of a model
-        with no replica elsewhere stay where they are."""
-        away = set(devices)
+        replicas of the same model not on ``devices`` nor ``avoid`` (other devices that
+        load), each row to the one with the shortest queue, keeping the time it was queued
+        (queues stay oldest first); start what is ready. Rows of a model with no such
+        replica stay where they are."""
+        source = set(devices)
+        away = source | set(avoid)
         now = self.clock.now()
         moved: dict[int, None] = {}
-        for rep in self.replicas_on(away):
+        for rep in self.replicas_on(source):
             q, s = self._queue[rep], self._since[rep]
             others = [r for r in self._replicas_of[self._model[rep]]
                       if r != rep and away.isdisjoint(self._devices[r])]
