@@ -11,7 +11,6 @@ for; devices the online queues leave idle run bulk rows (``bulk.BulkRows``).
 from __future__ import annotations
 
 import itertools
-import math
 import queue
 import threading
 from collections.abc import Hashable, Iterable, Sequence
@@ -44,7 +43,7 @@ class _Request:
 
 
 #: online submits and answers ``Requests`` keeps per operator for re-planning
-#: (``Engine.recent_arrivals``, ``Engine.recent_latencies``)
+#: (``Engine.recent_arrivals``, ``Engine.recent_answers``)
 ARRIVAL_LOG = 200_000
 ANSWER_LOG = 50_000
 
@@ -124,13 +123,6 @@ class Requests:
         """Submit times of ``operator``'s online requests since ``since_s``, oldest first."""
         with self.lock:
             return self.arrived.since(operator, since_s)[:, 0].tolist()
-
-    def recent_latencies(self, operator: str, since_s: float,
-                         arrived_after_s: float = -math.inf) -> list[float]:
-        """Latencies of ``operator``'s online requests answered ``ok`` since ``since_s`` that
-        arrived after ``arrived_after_s``, oldest first."""
-        rows = self.recent_answers(operator, since_s)
-        return rows[rows[:, 0] - rows[:, 1] > arrived_after_s, 1].tolist()
 
     def recent_answers(self, operator: str, since_s: float) -> np.ndarray:
         """(completion time, latency s) of ``operator``'s online requests answered ``ok``

@@ -463,12 +463,6 @@ class Engine:
         admitted or not (the offered load), oldest first."""
         return self._requests.recent_arrivals(operator, since_s)
 
-    def recent_latencies(self, operator: str, since_s: float,
-                         arrived_after_s: float = -math.inf) -> list[float]:
-        """Latencies (seconds) of ``operator``'s online requests answered ``ok`` since
-        ``since_s`` (engine clock) that arrived after ``arrived_after_s``."""
-        return self._requests.recent_latencies(operator, since_s, arrived_after_s)
-
     def deadline_metrics(self, since_s: float = -math.inf) -> DeadlineMetrics:
         """What the deadlines did to the jobs (pipeline requests with a deadline) that arrived
         since ``since_s`` (engine clock) and have ended: goodput (answered by their last hop
