@@ -19,6 +19,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
+from queue import Empty
 
 import fakes
 import numpy as np
@@ -786,6 +787,99 @@ def test_rows_queued_behind_a_killed_worker_move_to_the_other_replica(tmp_path: 
     assert [o.status for o in rest] == ["ok"] * 8
     assert [o.value for o in rest] == labels("a", texts(8))
     assert outcome.status == "ok"
+
+
+def test_a_worker_killed_while_idle_is_replaced_at_once_and_routed_around(tmp_path: Path
+                                                                         ) -> None:
+    """cpu0's worker is SIGKILLed while its device is idle and takes 8 s to reload. It is
+    replaced without a batch being sent to it (before: found only by the next batch sent
+    there, whose rows then waited for the reload), and requests meanwhile are answered by the
+    other replica."""
+    reload_s = 8.0
+    flag = tmp_path / "hung"
+    flag.write_text("no call hangs")
+    sources = {"a": functools.partial(fakes.reloads_slowly, "a", str(tmp_path), 2, reload_s,
+                                      str(flag))}
+    with Engine(two_replica_plan(), sources, workers="process") as engine:
+        pid = engine.pids()["cpu0"]
+        os.kill(pid, signal.SIGKILL)
+        wait_for(tmp_path / "reloading", timeout_s=20.0)  # no request was sent: found idle
+        futures = [engine.submit(t) for t in texts(6)]
+        meanwhile = [f.result(timeout=reload_s / 2) for f in futures]
+        still_loading = "cpu0" in engine.pool.loading()
+        served_by = {r.device for r in engine.batch_log}
+        while "cpu0" in engine.pool.loading():  # the fresh worker loads its models
+            time.sleep(0.05)
+        after = [f.result(timeout=10) for f in [engine.submit(t) for t in texts(8)]]
+        restarts, idle_deaths, rejected = (engine.worker_restarts, engine.idle_deaths,
+                                           engine.rejected)
+        new_pid = engine.pids()["cpu0"]
+    assert still_loading and served_by == {"cpu1"}  # answered before the reload ended
+    assert [o.status for o in meanwhile + after] == ["ok"] * 14 and rejected == 0
+    assert [o.value for o in meanwhile] == labels("a", texts(6))
+    assert restarts == idle_deaths == 1 and new_pid != pid
+
+
+class _Scripted:
+    """A device queue whose ``get`` hands out ``items`` in turn (``queue.Empty`` raised)."""
+
+    def __init__(self, items: list) -> None:
+        self.items = list(items)
+
+    def get(self, timeout: float | None = None) -> object:
+        item = self.items.pop(0)
+        if item is Empty:
+            raise Empty
+        return item
+
+
+class _DeadRunner:
+    """A worker found dead whenever asked; each replacement dies again."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.revived = 0
+        self.fail = fail
+
+    def died_idle(self) -> int:
+        return -9
+
+    def revive(self) -> None:
+        self.revived += 1
+        if self.fail:
+            raise RuntimeError("no memory left")
+
+    def run(self, model: str, texts: list, timeout_s: float | None = None) -> tuple:
+        return list(texts), np.ones((len(texts), 2)) / 2
+
+
+def test_a_worker_that_dies_again_while_idle_is_replaced_at_most_max_crashes_times_in_a_row(
+        ) -> None:
+    """The idle check replaces a dead worker up to the breaker's ``max_crashes`` times
+    without a batch run between them (then the next batch and the breaker decide); a batch
+    that runs starts the count again; each replacement is announced and taken back."""
+    from types import SimpleNamespace
+
+    from ken.engine.supervision import _STOP, Breaker, DevicePool
+
+    events: list = []
+    pool = DevicePool("thread", 1, WallClock(), BatchDeadline(), Breaker(max_crashes=3),
+                      lambda batch: ["x"], events.append)
+    batch = SimpleNamespace(model="a", devices=("cpu0",), request_ids=(0,))
+    runner = _DeadRunner()
+    pool._runners["cpu0"] = runner
+    pool._queues["cpu0"] = _Scripted([Empty] * 5 + [("run", batch, None)] + [Empty] * 2
+                                     + [_STOP])
+    pool._work("cpu0")
+    assert runner.revived == 3 + 2 and pool.idle_deaths == 5
+    kinds = [e[0] for e in events]
+    assert kinds == ["reloading", "reloaded"] * 3 + ["done"] + ["reloading", "reloaded"] * 2
+    assert all(e[1] == ("cpu0",) for e in events if e[0] != "done")
+    failing = _DeadRunner(fail=True)  # a replacement that fails is said, and not fatal
+    pool._runners["cpu0"] = failing
+    pool._queues["cpu0"] = _Scripted([Empty] * 4 + [_STOP])
+    pool._work("cpu0")
+    assert failing.revived == 3 and len(pool.revive_errors) == 3
+    assert "cpu0 (exit code -9): no memory left" in pool.revive_errors[0]
 
 
 def test_a_swap_that_loads_a_model_on_a_serving_worker_is_routed_around_meanwhile(

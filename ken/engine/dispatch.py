@@ -229,6 +229,11 @@ class Scheduler:
                 self._finished(*event[1:])
             elif kind == "failed":
                 self._failed(*event[1:])
+            elif kind == "reloading":  # a worker found dead between batches restarts
+                self._reload(event[1])
+            elif kind == "reloaded":
+                self._reloading.difference_update(event[1])
+                self._freed(event[1])
             elif kind == "swap":
                 self._swap(*event[1:])
             elif kind == "stop":

@@ -307,6 +307,11 @@ class RayRunner:
             self._actor = None
             self._pid = None
 
+    def died_idle(self) -> int | None:
+        """Not looked for between calls: Ray restarts a dead actor itself, and the next call
+        reloads its models."""
+        return None
+
     def close(self) -> None:
         """Stop the actor for good (no restart after this)."""
         self.closing = True

@@ -501,6 +501,17 @@ class Engine:
         return self.pool.restarts
 
     @property
+    def idle_deaths(self) -> int:
+        """Worker processes found dead between batches and replaced at once (they are among
+        ``worker_restarts``); ``revive_errors`` says which replacements failed, and why."""
+        return self.pool.idle_deaths
+
+    @property
+    def revive_errors(self) -> list[str]:
+        """The latest idle replacements that failed (the next batch sent there retries)."""
+        return list(self.pool.revive_errors)
+
+    @property
     def failed_models(self) -> Mapping[str, str]:
         """Models marked failed (they crashed or hung ``max_crashes`` times in a row), with
         the reason their rows get."""

@@ -7,9 +7,11 @@ batches, their deadlines, retries, the crash-loop breaker, restarts and memory c
   process reads, one batch at a time. Each batch runs under a deadline (``BatchDeadline``:
   from its profiled runtime, else from what its model's calls took while serving,
   ``ObservedRuntimes``, else a first-call bound); a worker that dies or misses it is
-  replaced by its runner (``workers.py``). What a batch
-  did is reported as an event: ``("done", batch, values, scores)`` or ``("failed", batch,
-  message, crashed, expected_s, never_returned)``.
+  replaced by its runner (``workers.py``); one found dead while its device is idle is replaced
+  at once (looked for every ``IDLE_CHECK_S``). What a batch did is reported as an event:
+  ``("done", batch, values, scores)`` or ``("failed", batch, message, crashed, expected_s,
+  never_returned)``; an idle replacement as ``("reloading", devices)`` then ``("reloaded",
+  devices)``.
 - ``Breaker``: whether a failed batch runs again (``max_retries``) and which models are
   marked failed: after ``max_crashes`` crashes or hangs in a row, or at once when a batch of
   a model that never returned a call spent its retries past the first-call bound.
@@ -42,6 +44,9 @@ from ken.models.gpus import Gpu, gpu_budget_bytes
 from ken.models.model import Model, row_size
 from ken.policy.plan import GearPlan
 from ken.policy.scheduling import WallClock
+
+#: how often an idle device thread looks whether its worker process died (seconds)
+IDLE_CHECK_S = 0.25
 
 Source = Model | Callable[[], Model]
 Workers = Literal["process", "thread", "ray"]
@@ -269,6 +274,8 @@ class DevicePool:
         self.observed = ObservedRuntimes()  # what each model's calls took while serving
         self._loading: set[str] = set()  # devices loading a model for a swapped-in plan
         self.failed_attempts = 0  # model calls that raised, hung or whose worker died
+        self.idle_deaths = 0  # worker processes found dead between batches (and replaced)
+        self.revive_errors: list[str] = []  # the latest replacements of those that failed
         self.timeouts = 0  # batches that ran past their deadline
 
     # -- sources and plans ------------------------------------------------------------------
@@ -455,8 +462,19 @@ class DevicePool:
         q = self._queues[device]
         runner = self._runners[device]
         idle_since = self.clock.now()
+        idle_deaths = 0  # deaths found between batches since this device last ran one
         while True:
-            item = q.get()
+            try:
+                item = q.get(timeout=IDLE_CHECK_S)
+            except queue.Empty:
+                # a worker killed while idle is replaced now, not by the next batch sent to it
+                # (whose rows would wait for the reload); a worker that dies again and again
+                # without running a batch is left to the next batch and the breaker
+                if idle_deaths < self.breaker.max_crashes and \
+                        (code := runner.died_idle()) is not None:
+                    idle_deaths += 1
+                    self._revive(device, runner, code)
+                continue
             if item is _STOP:
                 return
             if item[0] == "load":
@@ -495,6 +513,7 @@ class DevicePool:
                               isinstance(exc, WorkerDied | BatchTimeout), expected_s, never))
                 continue
             self._running_until.pop(device, None)
+            idle_deaths = 0
             idle_since, idle_s = self.clock.now(), started - idle_since
             self.observed.add(batch.model, len(texts), idle_since - started)
             self.batch_log.append(BatchRecord(device, batch.model, len(texts), started,
@@ -503,3 +522,19 @@ class DevicePool:
             if len(self.batch_log) > self.batch_log_limit:
                 del self.batch_log[: len(self.batch_log) // 2]
             self._report(("done", batch, values, scores))
+
+    def _revive(self, device: str, runner: ProcessRunner | ThreadRunner | RayRunner,
+                code: int) -> None:
+        """Replace ``device``'s worker process, found dead between batches (exit ``code``).
+        The scheduler routes around the device and moves the rows queued there meanwhile
+        (``("reloading", devices)``), and takes it back when the fresh worker has loaded its
+        models (``("reloaded", devices)``). A fresh worker that fails to start is left to the
+        next batch sent there, whose failure the breaker counts."""
+        self.idle_deaths += 1
+        self._report(("reloading", (device,)))
+        try:
+            runner.revive()
+        except Exception as exc:  # noqa: BLE001 - this thread must never die
+            self.revive_errors.append(f"{device} (exit code {code}): {exc}")
+            del self.revive_errors[:-8]
+        self._report(("reloaded", (device,)))

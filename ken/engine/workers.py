@@ -205,6 +205,10 @@ class ThreadRunner:
                 "call was abandoned (it may still be running) and the device goes on with a "
                 "fresh thread") from None
 
+    def died_idle(self) -> int | None:
+        """Never: a thread worker does not die on its own."""
+        return None
+
     def close(self) -> None:
         self.closing = True
         if self._caller is not None:
@@ -364,25 +368,8 @@ class ProcessRunner:
         """Answer ``texts`` with ``model``. A process found dead is replaced first; past
         ``timeout_s`` the process is killed (``BatchTimeout``); one that dies during the call
         raises ``WorkerDied``. Either way the next call starts a fresh process."""
-        proc = self._proc
-        if proc is not None and proc.poll() is not None:  # died between batches
-            self._reap(proc)
-            proc = None
-        if proc is None:
-            if self.closing:
-                raise WorkerDied(f"the worker process of {self.device} is gone and the engine "
-                                 "is shutting down: it is not restarted")
-            self.restarts += 1
-            self.restarting = True
-            try:
-                self.start()
-            except WorkerError as exc:
-                raise WorkerDied(f"the worker process of {self.device} had died; restarting "
-                                 f"it failed: {exc}") from None
-            finally:
-                self.restarting = False
-            proc = self._proc
-        send, recv = self._send, self._recv
+        self.revive()
+        proc, send, recv = self._proc, self._send, self._recv
         assert proc is not None and send is not None and recv is not None
         try:
             send.send(("run", model, list(texts)))
@@ -405,6 +392,35 @@ class ProcessRunner:
         if msg[0] == "ok":
             return msg[1], msg[2]
         raise WorkerError(msg[1])
+
+    def died_idle(self) -> int | None:
+        """The exit code of a worker process that died between batches (killed, or out of
+        memory), found without running one; None while it runs, before it started and once
+        the engine shuts down."""
+        proc = self._proc
+        return None if proc is None or self.closing else proc.poll()
+
+    def revive(self) -> None:
+        """Replace a process that died between batches (``died_idle``) with a fresh one that
+        loads every model this device hosts; nothing if it runs."""
+        proc = self._proc
+        if proc is not None and proc.poll() is not None:
+            self._reap(proc)
+            proc = None
+        if proc is not None:
+            return
+        if self.closing:
+            raise WorkerDied(f"the worker process of {self.device} is gone and the engine "
+                             "is shutting down: it is not restarted")
+        self.restarts += 1
+        self.restarting = True
+        try:
+            self.start()
+        except WorkerError as exc:
+            raise WorkerDied(f"the worker process of {self.device} had died; restarting "
+                             f"it failed: {exc}") from None
+        finally:
+            self.restarting = False
 
     def close(self) -> None:
         """Stop the process for good (no restart after this)."""
