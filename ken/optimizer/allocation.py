@@ -70,6 +70,17 @@ class Variant:
         """The time one full batch of ``b`` takes."""
         return b / self.qps[b]
 
+    def runtimes_s(self, up_to: int) -> tuple[float, ...]:
+        """The time of a batch of ``1..up_to`` rows (interpolated between the batch sizes
+        ``qps`` gives, linear beyond them): what a plan of this variant carries as its
+        profiled runtimes."""
+        sizes = sorted(self.qps)
+        times = [self.batch_latency_s(b) for b in sizes]
+        out = np.interp(np.arange(1, up_to + 1), sizes, times)
+        beyond = np.arange(1, up_to + 1) > sizes[-1]
+        out[beyond] = times[-1] / sizes[-1] * np.arange(1, up_to + 1)[beyond]
+        return tuple(float(t) for t in out)
+
 
 @dataclass(frozen=True)
 class AllocationProblem:
@@ -356,13 +367,45 @@ def draw_paths(problem: AllocationProblem, allocation: Allocation, paths: Sequen
         options = table.get(r, [])
         if not mine.size or not options:
             continue
-        weights = np.array([q for _, q in options] + [0.0])
-        weights[-1] = max(0.0, 1.0 - weights.sum())  # turned away
-        pick = rng.choice(len(options) + 1, size=mine.size, p=weights / weights.sum())
+        pick = rng.choice(len(options) + 1, size=mine.size, p=_class_weights(options))
         for i, k in zip(mine, pick, strict=True):
             if k < len(options):
                 out[i] = index[(r, options[k][0])]
     return out
+
+
+def _class_weights(options: Sequence[tuple[tuple[str, ...], float]]) -> np.ndarray:
+    """The probability of each of a route class's paths (``route_table``), then of being
+    turned away (what none carries)."""
+    weights = np.array([q for _, q in options] + [0.0])
+    weights[-1] = max(0.0, 1.0 - weights.sum())
+    return weights / weights.sum()
+
+
+def path_for(table: Mapping[int, Sequence[tuple[tuple[str, ...], float]]], route_class: int,
+             rng: np.random.Generator) -> tuple[str, ...] | None:
+    """The variants one request of ``route_class`` is sent along, drawn as ``draw_paths``
+    draws them from ``table`` (``route_table``); None: turned away (the allocation carries
+    only part of its class, or none)."""
+    options = table.get(route_class, [])
+    if not options:
+        return None
+    k = int(rng.choice(len(options) + 1, p=_class_weights(options)))
+    return options[k][0] if k < len(options) else None
+
+
+def variant_plan(problem: AllocationProblem, op: int, name: str, devices: Sequence[str],
+                 batch: int, max_wait_s: float = 0.005) -> GearPlan:
+    """Variant ``name`` of operator ``op`` served alone (operator ``"<operator>:<name>"``),
+    one replica per device, the rows split evenly, batches up to ``batch``, with the batch
+    runtimes its throughput gives (``Variant.runtimes_s``: what the engine's batch deadlines
+    and dropping forecast read)."""
+    n = len(devices)
+    runtimes = problem.variant(op, name).runtimes_s(batch)
+    return GearPlan(f"{problem.operators[op]}:{name}", (0.0, 1e9), (Cascade((name,)),),
+                    tuple(Replica(name, (d,)) for d in devices),
+                    (RangeSchedule(0, (1.0 / n,) * n, (1,) * n),), (batch,) * n,
+                    max_wait_s=max_wait_s, batch_runtime_s=(runtimes,) * n)
 
 
 def serve_allocation(problem: AllocationProblem, allocation: Allocation,
@@ -377,11 +420,7 @@ def serve_allocation(problem: AllocationProblem, allocation: Allocation,
     free = list(devices)
     for (op, name), (workers, batch) in sorted(allocation.hosts.items()):
         mine, free = free[:workers], free[workers:]
-        plans.append(GearPlan(
-            f"{problem.operators[op]}:{name}", (0.0, 1e9), (Cascade((name,)),),
-            tuple(Replica(name, (d,)) for d in mine),
-            (RangeSchedule(0, (1.0 / workers,) * workers, (1,) * workers),),
-            (batch,) * workers, max_wait_s=max_wait_s))
+        plans.append(variant_plan(problem, op, name, mine, batch, max_wait_s))
         where[(op, name)] = len(plans) - 1
     paths = tuple(sorted(allocation.shares))
     routes = tuple(tuple(where[(op, n)] for op, n in zip(problem.routes[r], names,
@@ -415,5 +454,5 @@ def problem_from_sample(sample: PipelineSample, variants: Sequence[Sequence[Vari
 
 
 __all__ = ["Allocation", "AllocationProblem", "ServedAllocation", "Variant", "allocate",
-           "draw_paths", "most_accurate_first", "problem_from_sample", "route_table",
-           "serve_allocation"]
+           "draw_paths", "most_accurate_first", "path_for", "problem_from_sample", "route_table",
+           "serve_allocation", "variant_plan"]

@@ -135,17 +135,41 @@ def period_demand(resolving: Resolving, start_qps: float, k: int, estimate_qps: 
     return max(previous_qps, want) if backlog_qps > 0 else previous_qps
 
 
+class Controller:
+    """Loki's controller from one period to the next, in simulation (the functions below)
+    and on the engine (``ken.engine.allocated``): ``decide(backlog_qps)`` is the demand the
+    period starting now is solved for (``period_demand`` of the EWMA known now), and
+    ``measured(rate_qps)`` takes the rate of arrivals the period just ended saw."""
+
+    def __init__(self, resolving: Resolving, start_qps: float) -> None:
+        if not start_qps > 0:
+            raise QueryPlanError(f"the planned demand must be > 0 requests/s, got {start_qps}")
+        self.resolving = resolving
+        self.start_qps = start_qps
+        self.estimate_qps = start_qps  # the EWMA of the rates measured so far
+        self.demands: list[float] = []  # what each period so far was solved for
+
+    def decide(self, backlog_qps: float = 0.0) -> float:
+        previous = self.demands[-1] if self.demands else self.start_qps
+        demand = period_demand(self.resolving, self.start_qps, len(self.demands),
+                               self.estimate_qps, previous, backlog_qps)
+        self.demands.append(demand)
+        return demand
+
+    def measured(self, rate_qps: float) -> None:
+        alpha = self.resolving.alpha
+        self.estimate_qps = alpha * rate_qps + (1 - alpha) * self.estimate_qps
+
+
 def ewma_demands(arrival_s: np.ndarray, periods: int, start_qps: float,
                  resolving: Resolving) -> np.ndarray:
-    """Per period, the demand its allocation is solved for (``period_demand`` of the EWMA
-    of the rates measured in the periods before, ``ewma_estimates``; no backlog)."""
-    estimates = ewma_estimates(measured_rates(arrival_s, periods, resolving.every_s),
-                               start_qps, resolving.alpha)
-    out = np.empty(periods)
-    for k in range(periods):
-        out[k] = period_demand(resolving, start_qps, k, float(estimates[k]),
-                               float(out[k - 1]) if k else start_qps)
-    return out
+    """Per period, the demand its allocation is solved for (``Controller``: ``period_demand``
+    of the EWMA of the rates measured in the periods before; no backlog)."""
+    control = Controller(resolving, start_qps)
+    for rate in measured_rates(arrival_s, periods, resolving.every_s):
+        control.decide()
+        control.measured(float(rate))
+    return np.array(control.demands)
 
 
 @dataclass(frozen=True)
@@ -502,19 +526,19 @@ def simulate_closed_loop(control: ClosedLoop, solver: Solver, start_qps: float,
             restarts += 1
 
 
-def _closed_run(control: ClosedLoop, solver: Solver, start_qps: float, known: list[float],
+def _closed_run(closed: ClosedLoop, solver: Solver, start_qps: float, known: list[float],
                 devices: Sequence[str], catalog: Catalog, trace: Trace, duration_s: float,
                 slo_s: float, seed: int, dropping: DropPolicy | None, max_wait_s: float,
                 restarts: int) -> ClosedLoopRun:
     """One try of ``simulate_closed_loop`` with the plans of the demands ``known``; raises
     ``_NewPlans`` (having added the demand to ``known``) when the controller needs more."""
-    resolving, every = control.resolving, control.resolving.every_s
+    resolving, every = closed.resolving, closed.resolving.every_s
     n = len(trace)
     periods = periods_of(trace.arrival_s, duration_s, every)
     period = _arrival_periods(trace.arrival_s, every, periods)
     bounds = np.searchsorted(period, np.arange(periods + 1))  # arrivals are sorted
-    estimates = ewma_estimates(measured_rates(trace.arrival_s, periods, every), start_qps,
-                               resolving.alpha)
+    rates = measured_rates(trace.arrival_s, periods, every)
+    control = Controller(resolving, start_qps)
     rng = np.random.default_rng(seed)
     served = _serve([solver(d) for d in known], devices, max_wait_s)
     now: Schedule | None = None  # the allocations the controller chose so far
@@ -530,8 +554,8 @@ def _closed_run(control: ClosedLoop, solver: Solver, start_qps: float, known: li
         """Period ``k``'s allocation for the backlog ``inside`` (``runners``: the plans the
         running simulation has; None: after its end)."""
         nonlocal now, served
-        demand = period_demand(resolving, start_qps, k, float(estimates[k]),
-                               demands[-1] if demands else start_qps, inside / control.drain)
+        demand = control.decide(inside / closed.drain)
+        control.measured(float(rates[k]))
         if demand not in known:
             known.append(demand)
             served = _serve([solver(d) for d in known], devices, max_wait_s)
@@ -577,7 +601,7 @@ def _closed_run(control: ClosedLoop, solver: Solver, start_qps: float, known: li
     return ClosedLoopRun(now, served, run, tuple(backlog), restarts)
 
 
-__all__ = ["ClosedLoop", "ClosedLoopRun", "Resolving", "Schedule", "ScheduleRun",
+__all__ = ["ClosedLoop", "ClosedLoopRun", "Controller", "Resolving", "Schedule", "ScheduleRun",
            "ServedSchedule", "Solver", "ewma_demands", "ewma_estimates", "fixed_schedule",
            "measured_rates", "online_schedule", "period_demand", "periods_of", "schedule_for",
            "serve_schedule", "simulate_closed_loop", "simulate_schedule"]
