@@ -145,7 +145,9 @@ class AllocatedPipeline:
         self.changes: list[AllocationChange] = []
         self.moved = 0  # requests whose later hops a change moved onto another path
         self.turned_away = 0  # requests the allocation did not carry
-        demand = self._controller.decide()
+        # a fixed allocation is solved for ``start_qps`` itself; a controller's first period
+        # for it rounded onto its grid, as the simulation's
+        demand = self._controller.decide() if control is not None else start_qps
         self.problem, self.allocation = solver(demand)
         names = {v.name for vs in self.problem.variants for v in vs}
         missing = sorted(names - set(models))
@@ -172,7 +174,7 @@ class AllocatedPipeline:
         self.engine.start()
         swapped = self._place(self.problem, self.allocation)
         self.changes.append(AllocationChange(
-            self.engine.clock.now(), self._controller.demands[0],
+            self.engine.clock.now(), self.problem.demand_qps,
             tuple(self.allocation.describe(self.problem)), swapped))
         self._accepting = True
         self._threads = [threading.Thread(target=self._forwarder, name="ken-pipeline-hops",
