@@ -18,8 +18,10 @@ measured on this CPU beside the simulator's prediction (issue 37, item 2).
   most demand the most accurate variants serve within the SLO (``--slo-ms``) on both workers
   (Loki's step 1; bisection).
 - **Systems**: the allocation fixed for 1x, fixed for 3x, Loki's controller (re-solved every
-  ``--every-s`` for 1.1x an EWMA, weight 0.5, of the rate measured) and the same closed over
-  the requests inside the pipeline; each with no dropping and with proactive dropping (PARD;
+  ``--every-s`` for 1.1x an EWMA, weight 0.5, of the rate measured), the same closed over
+  the requests inside the pipeline, and that read four times a period (re-solving at once
+  when the backlog asks for a quarter more demand); each with no dropping and with proactive
+  dropping (PARD;
   every request's deadline is the SLO). Each is served by its own engine, then simulated
   (``simulate_schedule``, ``simulate_closed_loop``) on the same arrivals.
 - **Per system**, measured and simulated: quality per request (right and within the SLO: 1;
@@ -28,8 +30,8 @@ measured on this CPU beside the simulator's prediction (issue 37, item 2).
 
 Writes ``--out``/allocation_engine.json and .png.
 
-    python benchmarks/allocation_engine.py --out DIR            # about 8 minutes
-    python benchmarks/allocation_engine.py --quick --out DIR    # about 3 minutes
+    python benchmarks/allocation_engine.py --out DIR            # about 7 minutes
+    python benchmarks/allocation_engine.py --quick --out DIR    # about 2.5 minutes
 """
 
 from __future__ import annotations
@@ -251,13 +253,17 @@ def main(argv: list[str] | None = None) -> int:
     problem_for = problem_maker(catalog, slo_s)
     base = one_x(problem_for)
     trace = step_trace(base, phase_s, args.seed)
-    rng = np.random.default_rng(args.seed)
+    # a stream of its own: the pipeline's router draws from ``default_rng(seed)``, and the
+    # same stream here would tie each request's class to its path's draw
+    rng = np.random.default_rng([args.seed, 1])
     classes = rng.choice(len(ROUTES), size=len(trace), p=SHARES)
     rows = rng.integers(0, len(sample), size=len(trace))
     resolving = Resolving(every_s=args.every_s)
     systems = {"fixed for 1x": None, f"fixed for {max(LOADS):g}x": "peak",
                f"online (EWMA, every {args.every_s:g} s)": resolving,
-               "online + backlog": ClosedLoop(resolving)}
+               "online + backlog": ClosedLoop(resolving),
+               f"online + backlog, read every {args.every_s / 4:g} s": ClosedLoop(resolving,
+                                                                              checks=4)}
     drops = ("proactive",) if args.quick else ("none", "proactive")
     problem = problem_for(base)
     print(f"1x = {base:.1f} req/s; variants (req/s per worker at batch 1 / 8): " + ", ".join(

@@ -50,7 +50,9 @@ narrowest band from 0.1 to 0.3.
    they are), the same controller closed over the backlog (``online + backlog``: at each
    period's start, inside the simulation, it reads the requests queued or in service in the
    pipeline and solves for 1.1 x (the EWMA + that backlog / ``--online-drain-s``, default one
-   period); ``simulate_closed_loop``) and an oracle that solves each period for its own
+   period); ``simulate_closed_loop``), the same read ``ONLINE_CHECKS`` (4) times a period, which
+   re-solves at once inside a period when the backlog asks for a quarter more demand (``online
+   + backlog, read every ...``), and an oracle that solves each period for its own
    measured demand in advance. Per system: quality per request (late and turned away = 0), the
    share on time, and both per period; the MILPs' count and time; for the closed loop the
    backlog it read at each period's start.
@@ -105,6 +107,8 @@ RESULTS = Path(__file__).parent / "results" / "pipeline_load"
 POLICIES = ("none", "reactive", "proactive", "proactive-fifo", "proactive-lbf",
             "proactive-hbf", "proactive-d0.3")
 LOADS = (1.0, 1.5, 2.0, 3.0)
+#: the online case's closed loop read the backlog this many times a period (one variant)
+ONLINE_CHECKS = 4
 
 
 def stage_plan(name: str, model: str, devices: list[str], max_batch: int, max_wait_s: float):  # noqa: ANN201
@@ -452,20 +456,23 @@ def run_online_case(catalog, gpus: int, slo_s: float, phase_s: float, every_s: f
     solve_s = time.perf_counter() - started
     # decided inside each run, so one schedule per dropping policy; one cache of solves
     control, solver = ClosedLoop(resolving, drain_s), Solver(problem_for)
-    closed = f"online + backlog (drain {control.drain:g} s)"
-    systems[closed] = None
+    systems[f"online + backlog (drain {control.drain:g} s)"] = control
+    urgent = ClosedLoop(resolving, drain_s, checks=ONLINE_CHECKS)
+    systems[f"online + backlog, read every {urgent.check_s:g} s"] = urgent
     out = {"pipeline": f"online-{gpus}gpu", "slo_s": slo_s, "one_x_qps": base,
            "phase_s": phase_s, "loads": list(ONLINE_LOADS), "every_s": every_s,
            "alpha": resolving.alpha, "headroom": resolving.headroom,
            "drain_s": control.drain, "requests": len(trace), "solve_s": solve_s,
-           "milps": sum(len(s.allocations) for s in systems.values() if s is not None),
+           "checks": ONLINE_CHECKS,
+           "milps": sum(len(s.allocations) for s in systems.values()
+                        if not isinstance(s, ClosedLoop)),
            "systems": []}
     for (name, schedule), drop in itertools.product(systems.items(), drops):
         t0 = time.perf_counter()
         policy = None if drop == "none" else DropPolicy.named(drop)
         extra = {}
-        if schedule is None:
-            got = simulate_closed_loop(control, solver, base, devices, catalog, trace,
+        if isinstance(schedule, ClosedLoop):
+            got = simulate_closed_loop(schedule, solver, base, devices, catalog, trace,
                                        duration, slo_s, seed, policy)
             schedule, run = got.schedule, got.run
             extra = {"backlog": list(got.backlog), "restarts": got.restarts}
@@ -483,6 +490,7 @@ def run_online_case(catalog, gpus: int, slo_s: float, phase_s: float, every_s: f
                "allocations": len(set(schedule.which)), "changes": schedule.changes,
                "demands": list(schedule.demands), "phases": phases,
                "per_period": run.per_period(schedule.periods),
+               "period_s": schedule.period_s,
                "predicted_quality": [schedule.allocations[a].quality for a in schedule.which],
                **extra, "sim_s": time.perf_counter() - t0}
         out["systems"].append(row)
@@ -707,7 +715,8 @@ def plot_allocation(row, case: dict) -> None:  # noqa: ANN001
 def plot_online(row, case: dict) -> None:  # noqa: ANN001
     names = list(dict.fromkeys(sys_["system"] for sys_ in case["systems"]))
     for sys_ in case["systems"]:
-        t = [(p["period"] + 0.5) * case["every_s"] for p in sys_["per_period"]]
+        period_s = sys_.get("period_s", case["every_s"])
+        t = [(p["period"] + 0.5) * period_s for p in sys_["per_period"]]
         label = f"{sys_['system']}, dropping {sys_['dropping']}"
         style = dict(color=f"C{names.index(sys_['system'])}", marker=".",
                      linestyle="-" if sys_["dropping"] == "none" else "--")

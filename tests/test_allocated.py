@@ -168,3 +168,25 @@ def test_hops_carry_the_deadline_so_a_dropping_engine_drops_a_late_request_with_
     assert late.status == "dropped" and late.error and late.variants == ("large",)
     assert fine.status == "ok" and len(fine.values) == 2
     assert metrics.requests == 2 and metrics.dropped == 1  # one job per pipeline request
+
+
+def test_a_backlog_read_inside_the_period_re_solves_before_the_period_ends() -> None:
+    """A closed loop with 10-s periods read every 0.25 s: 100 requests held inside the
+    pipeline are a backlog worth 100 req/s over the 1-s drain, far above the planned 40, so
+    the allocation is re-solved within a second, not at the period's end."""
+    from ken.optimizer.reallocation import URGENT_RISE, ClosedLoop
+
+    gate = threading.Event()
+    control = ClosedLoop(Resolving(every_s=10.0, step=0.0, headroom=0.1), drain_s=1.0,
+                         checks=40)
+    with AllocatedPipeline(Solver(problem_for), 40.0, DEVICES, models(gate), workers="thread",
+                           control=control) as pipe:
+        started = pipe.engine.clock.now()
+        held = [pipe.submit(f"row {i}", route_class=0) for i in range(100)]
+        wait_until(lambda: len(pipe.changes) >= 2, timeout_s=8.0)
+        change = pipe.changes[1]
+        gate.set()
+        outcomes = [f.result(timeout=20) for f in held]
+    assert change.time_s - started < 5.0  # well inside the first 10-s period
+    assert change.demand_qps >= 40.0 * 1.1 * (1 + URGENT_RISE)
+    assert [o.status for o in outcomes] == ["ok"] * 100

@@ -14,7 +14,9 @@ from ken.optimizer.allocation import AllocationProblem, Variant, allocate, serve
 from ken.optimizer.perf import Catalog, ModelPerf
 from ken.optimizer.reallocation import (
     MIN_DEMAND_SHARE,
+    URGENT_RISE,
     ClosedLoop,
+    Controller,
     Resolving,
     Solver,
     ewma_demands,
@@ -152,13 +154,14 @@ def test_bad_settings_are_refused() -> None:
 @settings(max_examples=25, deadline=None)
 @given(st.floats(3.0, 20.0), st.floats(3.0, 40.0), st.sampled_from([0.5, 1.0, 3.0]),
        st.floats(0.2, 1.0), st.sampled_from([None, "reactive", "proactive"]),
-       st.integers(0, 1000), st.booleans())
+       st.integers(0, 1000), st.sampled_from([0, 1, 3]))
 def test_any_schedule_answers_each_request_once_or_turns_it_away(low: float, high: float,
                                                                   every_s: float, alpha: float,
                                                                   drop: str | None,
                                                                   seed: int,
-                                                                  closed: bool) -> None:
-    """Whatever the demand and the controller (open loop, or closed over the backlog):
+                                                                  closed: int) -> None:
+    """Whatever the demand and the controller (open loop, or closed over the backlog read
+    ``closed`` times a period):
     every request is turned away at arrival, dropped, or answered exactly once (the event
     loop checks the last itself, along each request's route as the changes rewrote it);
     quality never exceeds the best path's."""
@@ -167,8 +170,9 @@ def test_any_schedule_answers_each_request_once_or_turns_it_away(low: float, hig
     trace = step_trace(low, high, 3.0, 3.0, seed)  # >= 3 req/s: some arrive in 3 s
     policy = None if drop is None else DropPolicy.named(drop)
     if closed:
-        got = simulate_closed_loop(ClosedLoop(Resolving(every_s, alpha)), Solver(problem_for),
-                                   low, DEVICES, catalog(), trace, 6.0, SLO_S, seed, policy)
+        got = simulate_closed_loop(ClosedLoop(Resolving(every_s, alpha), checks=closed),
+                                   Solver(problem_for), low, DEVICES, catalog(), trace, 6.0,
+                                   SLO_S, seed, policy)
         run = got.run
         routed = run.path >= 0
         assert [got.schedule.which[k] for k in run.period[routed]] == \
@@ -235,6 +239,58 @@ def test_the_closed_loop_solves_for_the_ewma_plus_the_backlog_it_read() -> None:
     open_loop = ewma_demands(trace.arrival_s, periods, 3.0, control.resolving)
     assert all(c > o for c, o, b in zip(got.schedule.demands, open_loop, backlog, strict=True)
                if b)
+
+
+def test_read_inside_a_period_a_backlog_that_jumped_re_solves_at_once() -> None:
+    """``checks=4``: the backlog is also read three times inside each 2-s period. At a
+    period's start the demand is as before; inside, the allocation is re-solved at once when
+    (1 + headroom) x (the EWMA known at the period's start + backlog / drain_s) is at least
+    ``URGENT_RISE`` above the period's demand, which it then becomes (recomputed here from
+    the run's arrivals and latencies); the step is met within the period it comes in."""
+    trace = step_trace(3.0, 15.0, 12.0, 24.0)
+    resolving = Resolving(every_s=2.0, alpha=0.5, step=0.0, headroom=0.1)
+    control = ClosedLoop(resolving, drain_s=3.0, checks=4)
+    got = simulate_closed_loop(control, Solver(problem_for), 3.0, DEVICES, catalog(), trace,
+                               36.0, SLO_S, seed=1)
+    run, slots = got.run, got.schedule.periods
+    assert slots == 18 * 4 and got.schedule.period_s == 0.5
+    rates = measured_rates(trace.arrival_s, 18, 2.0)
+    backlog = [inside_at(trace.arrival_s, run.latency_s, 0.5 * j) for j in range(slots)]
+    assert list(got.backlog) == backlog
+    ewma, want, urgent = 3.0, [], []
+    for j in range(slots):
+        k, offset = divmod(j, 4)
+        if offset == 0:
+            if k:
+                ewma = 0.5 * rates[k - 1] + 0.5 * ewma
+            want.append(1.1 * (ewma + backlog[j] / 3.0) if k else 3.0)
+            continue
+        jump = 1.1 * (ewma + backlog[j] / 3.0)
+        if jump >= want[-1] * (1 + URGENT_RISE):
+            urgent.append(j)
+        want.append(jump if jump >= want[-1] * (1 + URGENT_RISE) else want[-1])
+    assert list(got.schedule.demands) == pytest.approx(want, rel=1e-12)
+    assert any(j // 4 == 12 // 2 for j in urgent)  # re-solved inside the step's first period
+    routed = run.path >= 0
+    assert [got.schedule.which[j] for j in run.period[routed]] == \
+        [got.served.paths[i][0] for i in run.path[routed]]
+    # reading at period starts only, the step waits for the next period
+    once = simulate_closed_loop(ClosedLoop(resolving, drain_s=3.0), Solver(problem_for), 3.0,
+                                DEVICES, catalog(), trace, 36.0, SLO_S, seed=1)
+    step = (trace.arrival_s >= 12.0) & (trace.arrival_s < 14.0)
+    assert run.on_time[step].mean() >= once.run.on_time[step].mean()
+
+
+def test_an_urgent_re_solve_needs_the_backlog_to_raise_the_demand_by_a_quarter() -> None:
+    control = Controller(Resolving(every_s=2.0, step=0.0, headroom=0.1), 10.0)
+    assert control.urgent(100.0) is None  # no period has begun
+    assert control.decide() == 10.0
+    assert control.urgent(1.0) is None  # 12.1 < 12.5
+    assert control.urgent(2.0) == pytest.approx(13.2)  # >= 12.5: the period's demand now
+    assert control.demands == [pytest.approx(13.2)]
+    assert control.urgent(2.0) is None  # not another quarter above 13.2
+    with pytest.raises(KenError, match="at least once a period"):
+        ClosedLoop(checks=0)
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -18,7 +18,8 @@ carries; ``ken.optimizer.reallocation`` re-solves it every period from an EWMA o
   engine request with the request's end-to-end deadline and the rest of its route, so an
   engine dropping policy (``dropping=``) sees them;
 - with a controller (``control``: ``Resolving``, Loki's open loop, or ``ClosedLoop``, which
-  adds the requests inside the pipeline to the demand), a thread ends a period every
+  adds the requests inside the pipeline to the demand, and with ``checks`` > 1 also reads
+  them inside each period and re-solves at once when they jumped), a thread ends a period every
   ``every_s`` seconds of the engine's clock: the rate of arrivals it saw goes into the EWMA,
   the next period's demand is solved (``Solver``: each distinct demand once), and where the
   allocation changed the plans of the variants it now places are swapped in
@@ -333,30 +334,46 @@ class AllocatedPipeline:
     # -- the controller ---------------------------------------------------------------------
 
     def _control(self) -> None:
+        """Every period: the rate measured, the next demand decided and solved; with a
+        ``ClosedLoop`` of ``checks`` > 1 also ``checks - 1`` readings of the backlog inside
+        each period, re-solving at once when it jumped (``Controller.urgent``)."""
         assert self.period_s is not None
+        closed = self.control if isinstance(self.control, ClosedLoop) else None
+        checks = closed.checks if closed is not None else 1
+        step_s = self.period_s / checks
         clock = self.engine.clock
-        boundary = clock.now() + self.period_s
+        reading, boundary = 0, clock.now() + step_s
         while not self._stop.wait(max(boundary - clock.now(), 0.0)):
+            reading += 1
             with self._lock:
-                rate, self._arrivals = self._arrivals / self.period_s, 0
                 inside = len(self._inside)
-            self._controller.measured(rate)
-            backlog = inside / self.control.drain if isinstance(self.control, ClosedLoop) \
-                else 0.0
-            demand = self._controller.decide(backlog)
-            try:
-                problem, allocation = self.solver(demand)
-                if (allocation.hosts, allocation.shares) != (self.allocation.hosts,
-                                                             self.allocation.shares):
-                    swapped = self._place(problem, allocation)
-                    self.changes.append(AllocationChange(
-                        clock.now(), demand, tuple(allocation.describe(problem)), swapped))
-            except Exception as exc:  # noqa: BLE001 - the next period tries again
-                if self._stop.is_set():
-                    return  # shut down during the swap
-                self.control_errors.append(f"{type(exc).__name__}: {exc}")
-                del self.control_errors[:-8]
-            boundary += self.period_s
+                if reading % checks == 0:
+                    rate, self._arrivals = self._arrivals / self.period_s, 0
+            backlog = inside / closed.drain if closed is not None else 0.0
+            if reading % checks == 0:
+                self._controller.measured(rate)
+                demand: float | None = self._controller.decide(backlog)
+            else:
+                demand = self._controller.urgent(backlog)
+            if demand is not None:
+                self._resolve(demand)
+            boundary += step_s
+
+    def _resolve(self, demand: float) -> None:
+        """Solve for ``demand``; put the allocation in place where it changed."""
+        try:
+            problem, allocation = self.solver(demand)
+            if (allocation.hosts, allocation.shares) != (self.allocation.hosts,
+                                                         self.allocation.shares):
+                swapped = self._place(problem, allocation)
+                self.changes.append(AllocationChange(
+                    self.engine.clock.now(), demand, tuple(allocation.describe(problem)),
+                    swapped))
+        except Exception as exc:  # noqa: BLE001 - the next reading tries again
+            if self._stop.is_set():
+                return  # shut down during the swap
+            self.control_errors.append(f"{type(exc).__name__}: {exc}")
+            del self.control_errors[:-8]
 
     def _place(self, problem: AllocationProblem, allocation: Allocation) -> tuple[str, ...]:
         """Swap in the plans of the variants ``allocation`` places (each only where its

@@ -57,6 +57,9 @@ from ken.policy.plan import GearPlan
 
 #: below this share of the planned demand, a period keeps the last allocation
 MIN_DEMAND_SHARE = 0.01
+#: inside a period, the backlog re-solves at once only when it asks for this much more demand
+#: than the period's (``Controller.urgent``; ``ClosedLoop.checks``)
+URGENT_RISE = 0.25
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,20 @@ class Controller:
     def measured(self, rate_qps: float) -> None:
         alpha = self.resolving.alpha
         self.estimate_qps = alpha * rate_qps + (1 - alpha) * self.estimate_qps
+
+    def urgent(self, backlog_qps: float) -> float | None:
+        """Inside a period: the demand to re-solve for now, when the backlog asks for at least
+        ``URGENT_RISE`` more than the period's demand (``(1 + headroom)`` x (the EWMA known at
+        the period's start + ``backlog_qps``), rounded): a jump the EWMA has not measured yet.
+        It becomes the period's demand. None: keep the allocation."""
+        if not self.demands:
+            return None
+        r = self.resolving
+        want = r.rounded((self.estimate_qps + backlog_qps) * (1 + r.headroom))
+        if want < self.demands[-1] * (1 + URGENT_RISE):
+            return None
+        self.demands[-1] = want
+        return want
 
 
 def ewma_demands(arrival_s: np.ndarray, periods: int, start_qps: float,
@@ -460,14 +477,27 @@ class ClosedLoop:
     shorter drains it sooner on more, cheaper capacity; the next period's re-solve sees what
     is left. In a steady state the backlog is the requests in service (Little's law: the
     rate x the latency), so the controller solves for about ``latency / drain_s`` more than
-    the open loop even with no queue."""
+    the open loop even with no queue.
+
+    ``checks`` > 1 also reads the backlog ``checks - 1`` times inside each period, evenly
+    spaced, and re-solves at once when it jumped (``Controller.urgent``: a demand at least
+    ``URGENT_RISE`` above the period's), so a step in demand is met within a fraction of a
+    period instead of at the next period's start; the EWMA still moves once a period."""
 
     resolving: Resolving = Resolving()
     drain_s: float | None = None
+    checks: int = 1
 
     def __post_init__(self) -> None:
         if self.drain_s is not None and not (math.isfinite(self.drain_s) and self.drain_s > 0):
             raise QueryPlanError(f"the backlog's drain time must be > 0 s, got {self.drain_s}")
+        if self.checks < 1:
+            raise QueryPlanError(f"the backlog is read at least once a period, got {self.checks}")
+
+    @property
+    def check_s(self) -> float:
+        """Seconds between two readings of the backlog."""
+        return self.resolving.every_s / self.checks
 
     @property
     def drain(self) -> float:
@@ -478,9 +508,11 @@ class ClosedLoop:
 @dataclass(frozen=True)
 class ClosedLoopRun:
     """A closed-loop controller's run (``simulate_closed_loop``): the allocation each period
-    got as the controller chose it during the run (``schedule``), how the allocations were
-    served, the outcome per request, the backlog the controller read at each period's start
-    (requests inside the pipeline) and how often the run restarted to place new plans."""
+    got as the controller chose it during the run (``schedule``; with ``ClosedLoop.checks``
+    > 1 its periods are the stretches between two readings of the backlog), how the
+    allocations were served, the outcome per request, the backlog the controller read at each
+    of those readings (requests inside the pipeline) and how often the run restarted to place
+    new plans."""
 
     schedule: Schedule
     served: ServedSchedule
@@ -532,13 +564,14 @@ def _closed_run(closed: ClosedLoop, solver: Solver, start_qps: float, known: lis
                 restarts: int) -> ClosedLoopRun:
     """One try of ``simulate_closed_loop`` with the plans of the demands ``known``; raises
     ``_NewPlans`` (having added the demand to ``known``) when the controller needs more."""
-    resolving, every = closed.resolving, closed.resolving.every_s
+    every, step_s, checks = closed.resolving.every_s, closed.check_s, closed.checks
     n = len(trace)
     periods = periods_of(trace.arrival_s, duration_s, every)
-    period = _arrival_periods(trace.arrival_s, every, periods)
-    bounds = np.searchsorted(period, np.arange(periods + 1))  # arrivals are sorted
+    slots = periods * checks  # the stretches between two readings of the backlog
+    slot = _arrival_periods(trace.arrival_s, step_s, slots)
+    bounds = np.searchsorted(slot, np.arange(slots + 1))  # arrivals are sorted
     rates = measured_rates(trace.arrival_s, periods, every)
-    control = Controller(resolving, start_qps)
+    control = Controller(closed.resolving, start_qps)
     rng = np.random.default_rng(seed)
     served = _serve([solver(d) for d in known], devices, max_wait_s)
     now: Schedule | None = None  # the allocations the controller chose so far
@@ -546,16 +579,23 @@ def _closed_run(closed: ClosedLoop, solver: Solver, start_qps: float, known: lis
     names: list[tuple[str, ...]] = [()] * n
     moved = np.zeros(n, dtype=bool)
     hits = [False] * n  # turned away: answered at arrival without entering a plan
-    demands: list[float] = []
+    demands: list[float] = []  # per slot
     backlog: list[int] = []
     everyone = np.arange(n)
 
-    def choose(k: int, inside: int, runners: int | None) -> int:
-        """Period ``k``'s allocation for the backlog ``inside`` (``runners``: the plans the
-        running simulation has; None: after its end)."""
+    def choose(j: int, inside: int, runners: int | None) -> int:
+        """Slot ``j``'s allocation for the backlog ``inside`` (``runners``: the plans the
+        running simulation has; None: after its end): at a period's start the controller's
+        decision, inside one its urgent re-solve if the backlog jumped."""
         nonlocal now, served
-        demand = control.decide(inside / closed.drain)
-        control.measured(float(rates[k]))
+        k, offset = divmod(j, checks)
+        if offset == 0:
+            if k:  # the period before has ended: its rate is measured now, not earlier
+                control.measured(float(rates[k - 1]))
+            demand = control.decide(inside / closed.drain)
+        else:
+            urgent = control.urgent(inside / closed.drain)
+            demand = demands[-1] if urgent is None else urgent
         if demand not in known:
             known.append(demand)
             served = _serve([solver(d) for d in known], devices, max_wait_s)
@@ -563,40 +603,40 @@ def _closed_run(closed: ClosedLoop, solver: Solver, start_qps: float, known: lis
                 raise _NewPlans(f"demand {demand:g} needs new plans")
         demands.append(demand)
         backlog.append(inside)
-        now = _schedule(every, demands, solver, known)
+        now = _schedule(step_s, demands, solver, known)
         return now.which[-1]
 
-    def boundary(k: int) -> Callable[[EventLoop, float], None]:
+    def boundary(j: int) -> Callable[[EventLoop, float], None]:
         def decide(loop: EventLoop, t: float) -> None:
             was = -1 if now is None else now.which[-1]
-            a = choose(k, len(loop.inside()), len(loop.runners))
+            a = choose(j, len(loop.inside()), len(loop.runners))
             assert now is not None
             if was >= 0 and a != was:
                 _change(now, served, path, names, moved, everyone, rng, a)(loop, t)
-            lo, hi = int(bounds[k]), int(bounds[k + 1])
+            lo, hi = int(bounds[j]), int(bounds[j + 1])
             path[lo:hi] = _draw(now, served, a, hi - lo, rng)
             for i in range(lo, hi):
-                j = int(path[i])
-                if j < 0:
+                p = int(path[i])
+                if p < 0:
                     hits[i] = True
                     continue
-                loop.routes[i] = served.routes[j]
-                names[i] = served.paths[j][1][1]
+                loop.routes[i] = served.routes[p]
+                names[i] = served.paths[p][1][1]
                 if loop.dropper is not None:
-                    loop.dropper.register(i, loop.dropper.deadline_s(i), served.routes[j])
+                    loop.dropper.register(i, loop.dropper.deadline_s(i), served.routes[p])
         return decide
 
-    # the first arrival of a period is never before its decision (float edges of ``//``)
-    timers = [(min(k * every, float(trace.arrival_s[bounds[k]])) if bounds[k] < n
-               else k * every, boundary(k)) for k in range(periods)]
+    # the first arrival of a slot is never before its decision (float edges of ``//``)
+    timers = [(min(j * step_s, float(trace.arrival_s[bounds[j]])) if bounds[j] < n
+               else j * step_s, boundary(j)) for j in range(slots)]
     res = simulate_many(served.plans, [catalog] * len(served.plans), trace, seed,
                         routes=served.routes, rows=[0] * n, hits=hits, timers=timers,
                         deadline_s=None if dropping is None else slo_s, dropping=dropping)
-    for k in range(len(demands), periods):  # the run ended before these periods began:
-        choose(k, 0, None)  # nothing inside, nothing arrives
+    for j in range(len(demands), slots):  # the run ended before these slots began:
+        choose(j, 0, None)  # nothing inside, nothing arrives
     latency = np.where(path >= 0, res.latency_s, np.nan)  # NaN where dropped or turned away
     assert now is not None  # the first period's decision is made at 0 s
-    run = _outcome(now, served, period, path, [names[i] for i in np.flatnonzero(path >= 0)],
+    run = _outcome(now, served, slot, path, [names[i] for i in np.flatnonzero(path >= 0)],
                    moved, latency, slo_s)
     return ClosedLoopRun(now, served, run, tuple(backlog), restarts)
 
@@ -604,4 +644,4 @@ def _closed_run(closed: ClosedLoop, solver: Solver, start_qps: float, known: lis
 __all__ = ["ClosedLoop", "ClosedLoopRun", "Controller", "Resolving", "Schedule", "ScheduleRun",
            "ServedSchedule", "Solver", "ewma_demands", "ewma_estimates", "fixed_schedule",
            "measured_rates", "online_schedule", "period_demand", "periods_of", "schedule_for",
-           "serve_schedule", "simulate_closed_loop", "simulate_schedule"]
+           "serve_schedule", "simulate_closed_loop", "simulate_schedule", "URGENT_RISE"]
