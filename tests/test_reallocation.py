@@ -245,7 +245,8 @@ def test_read_inside_a_period_a_backlog_that_jumped_re_solves_at_once() -> None:
     """``checks=4``: the backlog is also read three times inside each 2-s period. At a
     period's start the demand is as before; inside, the allocation is re-solved at once when
     (1 + headroom) x (the EWMA known at the period's start + backlog / drain_s) is at least
-    ``URGENT_RISE`` above the period's demand, which it then becomes (recomputed here from
+    ``URGENT_RISE`` above the period's demand (at least 1.1 x the EWMA), which it then becomes
+    (recomputed here from
     the run's arrivals and latencies); the step is met within the period it comes in."""
     trace = step_trace(3.0, 15.0, 12.0, 24.0)
     resolving = Resolving(every_s=2.0, alpha=0.5, step=0.0, headroom=0.1)
@@ -266,9 +267,10 @@ def test_read_inside_a_period_a_backlog_that_jumped_re_solves_at_once() -> None:
             want.append(1.1 * (ewma + backlog[j] / 3.0) if k else 3.0)
             continue
         jump = 1.1 * (ewma + backlog[j] / 3.0)
-        if jump >= want[-1] * (1 + URGENT_RISE):
+        rise = jump >= max(want[-1], 1.1 * ewma) * (1 + URGENT_RISE)
+        if rise:
             urgent.append(j)
-        want.append(jump if jump >= want[-1] * (1 + URGENT_RISE) else want[-1])
+        want.append(jump if rise else want[-1])
     assert list(got.schedule.demands) == pytest.approx(want, rel=1e-12)
     assert any(j // 4 == 12 // 2 for j in urgent)  # re-solved inside the step's first period
     routed = run.path >= 0
@@ -284,11 +286,15 @@ def test_read_inside_a_period_a_backlog_that_jumped_re_solves_at_once() -> None:
 def test_an_urgent_re_solve_needs_the_backlog_to_raise_the_demand_by_a_quarter() -> None:
     control = Controller(Resolving(every_s=2.0, step=0.0, headroom=0.1), 10.0)
     assert control.urgent(100.0) is None  # no period has begun
-    assert control.decide() == 10.0
-    assert control.urgent(1.0) is None  # 12.1 < 12.5
-    assert control.urgent(2.0) == pytest.approx(13.2)  # >= 12.5: the period's demand now
-    assert control.demands == [pytest.approx(13.2)]
-    assert control.urgent(2.0) is None  # not another quarter above 13.2
+    assert control.decide() == 10.0  # the planned demand, no headroom
+    # the floor is what the EWMA alone asks for, 11: a quarter above it is 13.75
+    assert control.urgent(2.0) is None  # 13.2
+    assert control.urgent(3.0) == pytest.approx(14.3)  # the period's demand now
+    assert control.demands == [pytest.approx(14.3)]
+    assert control.urgent(3.0) is None  # not another quarter above 14.3
+    roomy = Controller(Resolving(every_s=2.0, headroom=0.3), 40.0)
+    roomy.decide()
+    assert roomy.urgent(0.0) is None  # no backlog never re-solves, whatever the headroom
     with pytest.raises(KenError, match="at least once a period"):
         ClosedLoop(checks=0)
 

@@ -35,6 +35,7 @@ status of the hop that ended it (``rejected``, ``dropped``, ``error``, ``cancell
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -190,23 +191,26 @@ class AllocatedPipeline:
     def shutdown(self, drain: bool = True, timeout_s: float = 30.0) -> int:
         """Stop taking requests and re-solving; with ``drain`` wait (up to ``timeout_s``)
         for the requests inside to finish their hops, then shut the engine down (what is
-        still inside then ends ``cancelled``). Returns how many requests were cancelled."""
+        still inside then ends ``cancelled``). Returns how many requests ended ``cancelled``
+        here (a hop the engine never took); those whose hop the engine cancelled end so too."""
         with self._lock:
             self._accepting = False
         self._stop.set()
+        until = time.monotonic() + timeout_s
         if drain:
             with self._idle:
                 self._idle.wait_for(lambda: not self._inside, timeout=timeout_s)
-        self.engine.shutdown(drain=drain, timeout_s=timeout_s if drain else 0.0)
+        self.engine.shutdown(drain=drain,
+                             timeout_s=max(until - time.monotonic(), 0.0) if drain else 0.0)
         with self._lock:
             left = list(self._inside.values())
-        for req in left:  # hops the engine never took: said here, nothing is lost
-            self._finish(req, "cancelled", "the pipeline shut down before its next hop ran")
+        cancelled = sum(self._finish(req, "cancelled", "the pipeline shut down before its "
+                                     "next hop ran") for req in left)
         with self._wake:
             self._wake.notify_all()
         for t in self._threads:
             t.join(timeout=5.0)
-        return len(left)
+        return cancelled
 
     def __enter__(self) -> AllocatedPipeline:
         return self.start()
@@ -227,6 +231,7 @@ class AllocatedPipeline:
                               f"{len(self.problem.routes)} (0..{len(self.problem.routes) - 1})")
         now = self.engine.clock.now()
         future: Future = Future()
+        future.set_running_or_notify_cancel()  # its one outcome is set here, never cancelled
         with self._lock:
             if not self._accepting:
                 raise EngineError("the pipeline is not serving: start() it (it stops at "
@@ -258,9 +263,9 @@ class AllocatedPipeline:
         ops = self._operators(req.route_class)
         hop = len(req.values)
         names = [f"{op}:{v}" for op, v in zip(ops, req.variants, strict=True)]
-        row = req.row if hop == 0 or self.hop_input is None else \
-            self.hop_input(ops[hop], req.values[-1], req.row)
         try:
+            row = req.row if hop == 0 or self.hop_input is None else \
+                self.hop_input(ops[hop], req.values[-1], req.row)
             fut = self.engine.submit(row, names[hop], deadline_s=req.deadline_s,
                                      route=names[hop + 1:], job=self._job(req))
         except Exception as exc:  # noqa: BLE001 - the request's outcome, not the caller's
@@ -286,17 +291,20 @@ class AllocatedPipeline:
                 if not self._forward:
                     return
                 req, outcome, error = self._forward.pop(0)
-            if outcome is None:
-                self._finish(req, "error", error)
-            elif outcome.status != "ok":
-                self._finish(req, outcome.status, outcome.error)
-            else:
-                req.values.append(outcome.value)
-                if len(req.values) == len(req.variants):
-                    self._finish(req, "ok", None)
+            try:
+                if outcome is None:
+                    self._finish(req, "error", error)
+                elif outcome.status != "ok":
+                    self._finish(req, outcome.status, outcome.error)
                 else:
-                    self._reroute(req)
-                    self._hop(req)
+                    req.values.append(outcome.value)
+                    if len(req.values) == len(req.variants):
+                        self._finish(req, "ok", None)
+                    else:
+                        self._reroute(req)
+                        self._hop(req)
+            except Exception as exc:  # noqa: BLE001 - this thread must never die
+                self._finish(req, "error", f"{type(exc).__name__}: {exc}")
 
     def _reroute(self, req: _Request) -> None:
         """A change of allocation since ``req``'s path was drawn: its later hops take a
@@ -306,7 +314,7 @@ class AllocatedPipeline:
             if req.epoch == self._epoch:
                 return
             req.epoch = self._epoch
-            path = path_for(self._table, req.route_class, self._rng)
+            path = path_for(self._table, req.route_class, self._rng, carried=True)
             hop = len(req.values)
             if path is None or path[hop:] == req.variants[hop:]:
                 return
@@ -315,15 +323,17 @@ class AllocatedPipeline:
                 self.moved += 1
             req.moved = True
 
-    def _finish(self, req: _Request, status: Status, error: str | None) -> None:
+    def _finish(self, req: _Request, status: Status, error: str | None) -> bool:
+        """End ``req`` with its one outcome (False: it had ended already)."""
         with self._lock:
             if self._inside.pop(req.id, None) is None:
-                return  # already ended (at shutdown)
+                return False  # already ended (at shutdown)
             self._idle.notify_all()
         now = self.engine.clock.now()
         req.future.set_result(PipelineOutcome(
             status, req.route_class, req.variants[:len(req.values) + (status != "ok")],
             tuple(req.values), req.arrival_s, now, req.moved, error))
+        return True
 
     @property
     def inside(self) -> int:
@@ -336,21 +346,30 @@ class AllocatedPipeline:
     def _control(self) -> None:
         """Every period: the rate measured, the next demand decided and solved; with a
         ``ClosedLoop`` of ``checks`` > 1 also ``checks - 1`` readings of the backlog inside
-        each period, re-solving at once when it jumped (``Controller.urgent``)."""
+        each period, re-solving at once when it jumped (``Controller.urgent``). A rate is
+        arrivals over the seconds that really passed since the period began; readings a slow
+        solve or swap overran are skipped, not bunched."""
         assert self.period_s is not None
         closed = self.control if isinstance(self.control, ClosedLoop) else None
         checks = closed.checks if closed is not None else 1
         step_s = self.period_s / checks
         clock = self.engine.clock
-        reading, boundary = 0, clock.now() + step_s
+        began = clock.now()  # the period running now
+        reading, boundary = 0, began + step_s
         while not self._stop.wait(max(boundary - clock.now(), 0.0)):
+            now = clock.now()
+            while boundary + step_s <= now:  # overran: skip to the latest reading due
+                boundary += step_s
+                reading += 1
             reading += 1
+            ends = reading % checks == 0
             with self._lock:
                 inside = len(self._inside)
-                if reading % checks == 0:
-                    rate, self._arrivals = self._arrivals / self.period_s, 0
+                if ends:
+                    rate, self._arrivals = self._arrivals / max(now - began, 1e-9), 0
             backlog = inside / closed.drain if closed is not None else 0.0
-            if reading % checks == 0:
+            if ends:
+                began = now
                 self._controller.measured(rate)
                 demand: float | None = self._controller.decide(backlog)
             else:
@@ -360,12 +379,15 @@ class AllocatedPipeline:
             boundary += step_s
 
     def _resolve(self, demand: float) -> None:
-        """Solve for ``demand``; put the allocation in place where it changed."""
+        """Solve for ``demand``; put the allocation in place where it changed, or where an
+        earlier swap failed part of the way (a plan in service is not the allocation's)."""
         try:
             problem, allocation = self.solver(demand)
-            if (allocation.hosts, allocation.shares) != (self.allocation.hosts,
-                                                         self.allocation.shares):
-                swapped = self._place(problem, allocation)
+            changed = (allocation.hosts, allocation.shares) != (self.allocation.hosts,
+                                                                self.allocation.shares)
+            plans = serve_allocation(problem, allocation, self.devices, self.max_wait_s).plans
+            if changed or any(self._placed.get(p.operator) != p for p in plans):
+                swapped = self._place(problem, allocation, reroute=changed)
                 self.changes.append(AllocationChange(
                     self.engine.clock.now(), demand, tuple(allocation.describe(problem)),
                     swapped))
@@ -375,9 +397,11 @@ class AllocatedPipeline:
             self.control_errors.append(f"{type(exc).__name__}: {exc}")
             del self.control_errors[:-8]
 
-    def _place(self, problem: AllocationProblem, allocation: Allocation) -> tuple[str, ...]:
+    def _place(self, problem: AllocationProblem, allocation: Allocation,
+               reroute: bool = True) -> tuple[str, ...]:
         """Swap in the plans of the variants ``allocation`` places (each only where its
-        placement changed), then route new requests by it."""
+        placement changed), then route new requests by it (``reroute``: and the requests
+        inside at their next hop; not when only a failed swap is finished)."""
         swapped = []
         for plan in serve_allocation(problem, allocation, self.devices, self.max_wait_s).plans:
             if self._placed.get(plan.operator) != plan:
@@ -387,7 +411,7 @@ class AllocatedPipeline:
         with self._lock:
             self.problem, self.allocation = problem, allocation
             self._table = route_table(problem, allocation)
-            self._epoch += 1
+            self._epoch += reroute
         return tuple(swapped)
 
 

@@ -47,6 +47,8 @@ from ken.policy.scheduling import WallClock
 
 #: how often an idle device thread looks whether its worker process died (seconds)
 IDLE_CHECK_S = 0.25
+#: idle deaths further apart than this (seconds) do not count as in a row
+IDLE_DEATHS_FORGET_S = 60.0
 
 Source = Model | Callable[[], Model]
 Workers = Literal["process", "thread", "ray"]
@@ -463,6 +465,7 @@ class DevicePool:
         runner = self._runners[device]
         idle_since = self.clock.now()
         idle_deaths = 0  # deaths found between batches since this device last ran one
+        last_death = -math.inf
         while True:
             try:
                 item = q.get(timeout=IDLE_CHECK_S)
@@ -470,10 +473,13 @@ class DevicePool:
                 # a worker killed while idle is replaced now, not by the next batch sent to it
                 # (whose rows would wait for the reload); a worker that dies again and again
                 # without running a batch is left to the next batch and the breaker
+                if self.clock.now() - last_death > IDLE_DEATHS_FORGET_S:
+                    idle_deaths = 0  # deaths this far apart are not a crash loop
                 if idle_deaths < self.breaker.max_crashes and \
                         (code := runner.died_idle()) is not None:
                     idle_deaths += 1
                     self._revive(device, runner, code)
+                    last_death = self.clock.now()
                 continue
             if item is _STOP:
                 return

@@ -383,13 +383,18 @@ def _class_weights(options: Sequence[tuple[tuple[str, ...], float]]) -> np.ndarr
 
 
 def path_for(table: Mapping[int, Sequence[tuple[tuple[str, ...], float]]], route_class: int,
-             rng: np.random.Generator) -> tuple[str, ...] | None:
+             rng: np.random.Generator, carried: bool = False) -> tuple[str, ...] | None:
     """The variants one request of ``route_class`` is sent along, drawn as ``draw_paths``
     draws them from ``table`` (``route_table``); None: turned away (the allocation carries
-    only part of its class, or none)."""
+    only part of its class, or none). ``carried``: among the paths that carry the class only
+    (a request already inside the pipeline, moved by a change of allocation, as the
+    simulation moves it); None only where the class has none."""
     options = table.get(route_class, [])
     if not options:
         return None
+    if carried:
+        weights = np.array([q for _, q in options])
+        return options[int(rng.choice(len(options), p=weights / weights.sum()))][0]
     k = int(rng.choice(len(options) + 1, p=_class_weights(options)))
     return options[k][0] if k < len(options) else None
 

@@ -167,12 +167,15 @@ class Controller:
         """Inside a period: the demand to re-solve for now, when the backlog asks for at least
         ``URGENT_RISE`` more than the period's demand (``(1 + headroom)`` x (the EWMA known at
         the period's start + ``backlog_qps``), rounded): a jump the EWMA has not measured yet.
-        It becomes the period's demand. None: keep the allocation."""
+        It becomes the period's demand. None: keep the allocation. The period's demand counts
+        at least what the EWMA alone asks for (the first period's is the planned demand
+        without headroom: no backlog must not re-solve it)."""
         if not self.demands:
             return None
         r = self.resolving
         want = r.rounded((self.estimate_qps + backlog_qps) * (1 + r.headroom))
-        if want < self.demands[-1] * (1 + URGENT_RISE):
+        floor = max(self.demands[-1], r.rounded(self.estimate_qps * (1 + r.headroom)))
+        if want < floor * (1 + URGENT_RISE):
             return None
         self.demands[-1] = want
         return want
