@@ -147,6 +147,8 @@ def test_bad_requests_and_a_stopped_pipeline_are_errors() -> None:
     assert pipe.shutdown() == 0
     with pytest.raises(EngineError, match="not serving"):
         pipe.submit("too late")
+    with pytest.raises(EngineError, match="has 2 workers; 1 devices given"):
+        AllocatedPipeline(Solver(problem_for), 40.0, ("cpu0",), models(), workers="thread")
     with pytest.raises(EngineError, match="no model given for the variants"):
         AllocatedPipeline(Solver(problem_for), 40.0, DEVICES, {"small": FakeModel("small")},
                           workers="thread")

@@ -151,6 +151,9 @@ class AllocatedPipeline:
         # for it rounded onto its grid, as the simulation's
         demand = self._controller.decide() if control is not None else start_qps
         self.problem, self.allocation = solver(demand)
+        if self.problem.workers > len(self.devices):
+            raise EngineError(f"the allocation problem has {self.problem.workers} workers; "
+                              f"{len(self.devices)} devices given ({', '.join(self.devices)})")
         names = {v.name for vs in self.problem.variants for v in vs}
         missing = sorted(names - set(models))
         if missing:
