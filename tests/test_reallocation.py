@@ -242,9 +242,10 @@ def test_the_closed_loop_solves_for_the_ewma_plus_the_backlog_it_read() -> None:
 
 
 def test_read_inside_a_period_a_backlog_that_jumped_re_solves_at_once() -> None:
-    """``checks=4``: the backlog is also read three times inside each 2-s period. At a
-    period's start the demand is as before; inside, the allocation is re-solved at once when
-    (1 + headroom) x (the EWMA known at the period's start + backlog / drain_s) is at least
+    """``checks=4``: the backlog and the rate so far are also read three times inside each
+    2-s period. At a period's start the demand is as before; inside, the allocation is
+    re-solved at once when (1 + headroom) x (the larger of the EWMA known at the period's start
+    and the rate of the period's arrivals so far, + backlog / drain_s) is at least
     ``URGENT_RISE`` above the period's demand (at least 1.1 x the EWMA), which it then becomes
     (recomputed here from
     the run's arrivals and latencies); the step is met within the period it comes in."""
@@ -266,7 +267,9 @@ def test_read_inside_a_period_a_backlog_that_jumped_re_solves_at_once() -> None:
                 ewma = 0.5 * rates[k - 1] + 0.5 * ewma
             want.append(1.1 * (ewma + backlog[j] / 3.0) if k else 3.0)
             continue
-        jump = 1.1 * (ewma + backlog[j] / 3.0)
+        so_far = np.sum((trace.arrival_s >= 2.0 * k) & (trace.arrival_s < 0.5 * j)) / (
+            0.5 * offset)
+        jump = 1.1 * (max(ewma, so_far) + backlog[j] / 3.0)
         rise = jump >= max(want[-1], 1.1 * ewma) * (1 + URGENT_RISE)
         if rise:
             urgent.append(j)
@@ -283,7 +286,7 @@ def test_read_inside_a_period_a_backlog_that_jumped_re_solves_at_once() -> None:
     assert run.on_time[step].mean() >= once.run.on_time[step].mean()
 
 
-def test_an_urgent_re_solve_needs_the_backlog_to_raise_the_demand_by_a_quarter() -> None:
+def test_an_urgent_re_solve_needs_the_demand_in_sight_to_rise_by_a_quarter() -> None:
     control = Controller(Resolving(every_s=2.0, step=0.0, headroom=0.1), 10.0)
     assert control.urgent(100.0) is None  # no period has begun
     assert control.decide() == 10.0  # the planned demand, no headroom
@@ -292,6 +295,8 @@ def test_an_urgent_re_solve_needs_the_backlog_to_raise_the_demand_by_a_quarter()
     assert control.urgent(3.0) == pytest.approx(14.3)  # the period's demand now
     assert control.demands == [pytest.approx(14.3)]
     assert control.urgent(3.0) is None  # not another quarter above 14.3
+    assert control.urgent(0.0, rate_qps=12.0) is None  # 13.2
+    assert control.urgent(0.0, rate_qps=20.0) == pytest.approx(22.0)  # the rate so far jumped
     roomy = Controller(Resolving(every_s=2.0, headroom=0.3), 40.0)
     roomy.decide()
     assert roomy.urgent(0.0) is None  # no backlog never re-solves, whatever the headroom

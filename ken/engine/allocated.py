@@ -19,7 +19,8 @@ carries; ``ken.optimizer.reallocation`` re-solves it every period from an EWMA o
   engine dropping policy (``dropping=``) sees them;
 - with a controller (``control``: ``Resolving``, Loki's open loop, or ``ClosedLoop``, which
   adds the requests inside the pipeline to the demand, and with ``checks`` > 1 also reads
-  them inside each period and re-solves at once when they jumped), a thread ends a period every
+  them and the rate so far inside each period and re-solves at once when the demand jumped),
+  a thread ends a period every
   ``every_s`` seconds of the engine's clock: the rate of arrivals it saw goes into the EWMA,
   the next period's demand is solved (``Solver``: each distinct demand once), and where the
   allocation changed the plans of the variants it now places are swapped in
@@ -348,8 +349,9 @@ class AllocatedPipeline:
 
     def _control(self) -> None:
         """Every period: the rate measured, the next demand decided and solved; with a
-        ``ClosedLoop`` of ``checks`` > 1 also ``checks - 1`` readings of the backlog inside
-        each period, re-solving at once when it jumped (``Controller.urgent``). A rate is
+        ``ClosedLoop`` of ``checks`` > 1 also ``checks - 1`` readings of the backlog and of
+        the rate so far inside each period, re-solving at once when the demand jumped
+        (``Controller.urgent``). A rate is
         arrivals over the seconds that really passed since the period began; readings a slow
         solve or swap overran are skipped, not bunched."""
         assert self.period_s is not None
@@ -368,15 +370,16 @@ class AllocatedPipeline:
             ends = reading % checks == 0
             with self._lock:
                 inside = len(self._inside)
+                rate_so_far = self._arrivals / max(now - began, 1e-9)
                 if ends:
-                    rate, self._arrivals = self._arrivals / max(now - began, 1e-9), 0
+                    rate, self._arrivals = rate_so_far, 0
             backlog = inside / closed.drain if closed is not None else 0.0
             if ends:
                 began = now
                 self._controller.measured(rate)
                 demand: float | None = self._controller.decide(backlog)
             else:
-                demand = self._controller.urgent(backlog)
+                demand = self._controller.urgent(backlog, rate_so_far)
             if demand is not None:
                 self._resolve(demand)
             boundary += step_s

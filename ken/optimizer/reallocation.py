@@ -57,8 +57,9 @@ from ken.policy.plan import GearPlan
 
 #: below this share of the planned demand, a period keeps the last allocation
 MIN_DEMAND_SHARE = 0.01
-#: inside a period, the backlog re-solves at once only when it asks for this much more demand
-#: than the period's (``Controller.urgent``; ``ClosedLoop.checks``)
+#: inside a period, a jump in demand (the rate so far, the backlog) re-solves at once only when
+#: it asks for this much more than the period's demand (``Controller.urgent``;
+#: ``ClosedLoop.checks``)
 URGENT_RISE = 0.25
 
 
@@ -163,17 +164,18 @@ class Controller:
         alpha = self.resolving.alpha
         self.estimate_qps = alpha * rate_qps + (1 - alpha) * self.estimate_qps
 
-    def urgent(self, backlog_qps: float) -> float | None:
-        """Inside a period: the demand to re-solve for now, when the backlog asks for at least
-        ``URGENT_RISE`` more than the period's demand (``(1 + headroom)`` x (the EWMA known at
-        the period's start + ``backlog_qps``), rounded): a jump the EWMA has not measured yet.
+    def urgent(self, backlog_qps: float, rate_qps: float = 0.0) -> float | None:
+        """Inside a period: the demand to re-solve for now, when the demand in sight asks for
+        at least ``URGENT_RISE`` more than the period's: ``(1 + headroom)`` x (the larger of
+        the EWMA known at the period's start and ``rate_qps``, the rate of arrivals measured so
+        far in this period, + ``backlog_qps``), rounded: a jump the EWMA has not measured yet.
         It becomes the period's demand. None: keep the allocation. The period's demand counts
         at least what the EWMA alone asks for (the first period's is the planned demand
-        without headroom: no backlog must not re-solve it)."""
+        without headroom: no jump must not re-solve it)."""
         if not self.demands:
             return None
         r = self.resolving
-        want = r.rounded((self.estimate_qps + backlog_qps) * (1 + r.headroom))
+        want = r.rounded((max(self.estimate_qps, rate_qps) + backlog_qps) * (1 + r.headroom))
         floor = max(self.demands[-1], r.rounded(self.estimate_qps * (1 + r.headroom)))
         if want < floor * (1 + URGENT_RISE):
             return None
@@ -482,10 +484,11 @@ class ClosedLoop:
     rate x the latency), so the controller solves for about ``latency / drain_s`` more than
     the open loop even with no queue.
 
-    ``checks`` > 1 also reads the backlog ``checks - 1`` times inside each period, evenly
-    spaced, and re-solves at once when it jumped (``Controller.urgent``: a demand at least
-    ``URGENT_RISE`` above the period's), so a step in demand is met within a fraction of a
-    period instead of at the next period's start; the EWMA still moves once a period."""
+    ``checks`` > 1 also reads the backlog and the rate of arrivals so far in the period
+    ``checks - 1`` times inside each period, evenly spaced, and re-solves at once when the
+    demand jumped (``Controller.urgent``: at least ``URGENT_RISE`` above the period's), so a
+    step in demand is met within a fraction of a period instead of at the next period's start;
+    the EWMA still moves once a period."""
 
     resolving: Resolving = Resolving()
     drain_s: float | None = None
@@ -596,8 +599,9 @@ def _closed_run(closed: ClosedLoop, solver: Solver, start_qps: float, known: lis
             if k:  # the period before has ended: its rate is measured now, not earlier
                 control.measured(float(rates[k - 1]))
             demand = control.decide(inside / closed.drain)
-        else:
-            urgent = control.urgent(inside / closed.drain)
+        else:  # the arrivals so far in this period are known now
+            so_far = (bounds[j] - bounds[k * checks]) / (offset * step_s)
+            urgent = control.urgent(inside / closed.drain, float(so_far))
             demand = demands[-1] if urgent is None else urgent
         if demand not in known:
             known.append(demand)
