@@ -55,7 +55,8 @@ narrowest band from 0.1 to 0.3.
    + backlog, read every ...``), and an oracle that solves each period for its own
    measured demand in advance. Per system: quality per request (late and turned away = 0), the
    share on time, and both per period; the MILPs' count and time; for the closed loop the
-   backlog it read at each period's start.
+   backlog it read at each period's start. The online engine serves the same allocations and
+   controllers in ``benchmarks/allocation_engine.py`` (a CPU pipeline, beside its simulation).
 
 "What the pipeline sustains" (1x) is the highest rate (bisection up to its profiled capacity:
 the smallest over stages of the stage's rows per second at full batches on all its replicas,

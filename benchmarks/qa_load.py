@@ -16,7 +16,9 @@ stream that ``benchmarks/pipeline_load.py`` could only simulate with stand-ins).
   thread, so it is optimistic here: ``docs/results.md``, Figure 10).
 - **Policies**: ``session.serve(dropping=...)``: ``none``, ``reactive`` (drop a call once its
   question is past its deadline) and ``proactive`` (PARD: once the call's predicted finish is
-  past it). A question whose call is dropped ends ``dropped`` at once.
+  past it). A question whose call is dropped ends ``dropped`` at once. Admission is
+  ``max_in_flight`` (no latency-target rejections), so the policies alone decide what is not
+  answered, as in ``pipeline_load.py --cases engine``.
 - **Per point**, measured (and simulated, ``evaluate_pipeline`` with the same deadline and
   policy, on the same rows and arrivals): goodput (questions answered within the budget per
   second of the stream), drop rate, late rate, F1 over every question (dropped or late: 0)
@@ -27,6 +29,7 @@ stream that ``benchmarks/pipeline_load.py`` could only simulate with stand-ins).
 Writes ``--out``/qa_load.json.
 
     python benchmarks/qa_load.py --out DIR    # about 25 minutes with the measurement cached
+    python benchmarks/qa_load.py --duration-s 45 --out DIR    # about 20 minutes
 """
 
 from __future__ import annotations
@@ -135,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
             rows = rng.integers(0, len(outcomes.qids), len(trace))
             streams[load] = (trace, rows)
         for policy in policies:
+            # admission by max_in_flight: the policies alone decide what is not answered
             session.serve(list(READING), workers="auto", threads_per_device=1, memory_gb=8.0,
-                          dropping=policy)
+                          dropping=policy, admission="max_in_flight", replan=False)
             engine = session.engines[READING[0]]
             try:
                 for load in loads:

@@ -51,7 +51,7 @@ import pyarrow as pa
 
 from ken import store
 from ken.engine.deadlines import within
-from ken.errors import DataError, RequestDropped
+from ken.errors import DataError, EngineBusy, RequestDropped
 from ken.models import retrieval
 from ken.models.model import Model
 from ken.models.ngram import NgramClassifier, fit_ngram_classifier
@@ -134,7 +134,7 @@ class Answered:
     question: str
     qtype: str  # gold type (HybridQA: where the answer is)
     route: str  # the route the pipeline took
-    status: str  # ok | image | missing context | dropped (answer_stream with a budget)
+    status: str  # ok | image | missing context | dropped | rejected | error (answer_stream)
     predicted: str | None
     gold: tuple[str, ...]
     em: float
@@ -146,7 +146,7 @@ class Answered:
     #: a gold answer appears in the last hop's whole context (case and spacing ignored):
     #: retrieval's recall, whatever the reader made of it
     answer_in_context: bool = False
-    reason: str = ""  # dropped: where and why the engine dropped one of its hops
+    reason: str = ""  # dropped, rejected, error: why (where the engine dropped a hop)
 
 
 @dataclass(frozen=True)
@@ -422,6 +422,11 @@ def run_pipeline(session: Session, data: QAData, limit: int | None = None,
 
 #: the status of a question whose hop an engine's dropping policy dropped (``answer_stream``)
 DROPPED = "dropped"
+#: ... whose hop the online engine kept turning away (admission: over capacity, ``EngineBusy``)
+REJECTED = "rejected"
+#: ... whose hop's model call failed, or whose server stopped (``ModelCallFailed``,
+#: ``ServingStopped``)
+FAILED = "error"
 
 
 def answer_stream(pipeline: Pipeline, questions: Sequence[QAQuestion],
@@ -436,7 +441,10 @@ def answer_stream(pipeline: Pipeline, questions: Sequence[QAQuestion],
     dropping policy (``session.serve(dropping=...)``) drops a hop that can no longer make it,
     and the question ends at once with status ``dropped`` and the drop's ``reason`` (not
     scored, like image questions: ``summary.statuses`` counts them). Each call is its own
-    request to the engine, with no route ahead (SQL calls do not say which hops follow)."""
+    request to the engine, with no route ahead (SQL calls do not say which hops follow).
+    A question whose call the engine kept turning away ends ``rejected``, one whose model
+    call failed or whose server stopped ``error``, each with the reason; the other questions
+    go on."""
     import dataclasses
     from concurrent.futures import ThreadPoolExecutor
 
@@ -447,17 +455,18 @@ def answer_stream(pipeline: Pipeline, questions: Sequence[QAQuestion],
     start_monotonic = time.monotonic()
 
     def run(i: int) -> Answered:
-        if budget_s is None:
-            a = pipeline.answer(questions[i])
-        else:
-            q = questions[i]
-            with within(start_monotonic + arrival_s[i] + budget_s):
-                try:
+        q = questions[i]
+        try:
+            if budget_s is None:
+                a = pipeline.answer(q)
+            else:
+                with within(start_monotonic + arrival_s[i] + budget_s):
                     a = pipeline.answer(q)
-                except RequestDropped as exc:
-                    return Answered(q.qid, q.question, q.qtype, "", DROPPED, None, q.answers,
-                                    0.0, 0.0, time.perf_counter() - start - arrival_s[i],
-                                    reason=str(exc))
+        except EngineBusy as exc:  # this question's outcome, not the stream's
+            status = (DROPPED if isinstance(exc, RequestDropped) else
+                      REJECTED if type(exc) is EngineBusy else FAILED)
+            return Answered(q.qid, q.question, q.qtype, "", status, None, q.answers, 0.0, 0.0,
+                            time.perf_counter() - start - arrival_s[i], reason=str(exc))
         if a.status != OK:
             return a
         return dataclasses.replace(a, latency_s=time.perf_counter() - start - arrival_s[i])

@@ -228,3 +228,36 @@ def test_a_stream_with_a_budget_ends_a_question_whose_hop_is_dropped(session) ->
         else:
             assert tight[qid].status == a.status
     assert any(a.status == "ok" for a in roomy.values())
+
+
+def test_a_question_whose_model_call_fails_ends_in_error_and_the_stream_goes_on(session
+                                                                                ) -> None:  # noqa: ANN001
+    """One question's reader call fails on the engine: that question ends ``error`` with
+    the model's error; the others are answered (before: the exception ended the stream and
+    every answer was lost)."""
+    from ken.models.cascade import Cascade
+    from ken.multihop import Pipeline, answer_stream
+    from ken.policy.plan import GearPlan, RangeSchedule, Replica
+    from ken.progress import Reporter
+
+    data = read_hybridqa(FIXTURES / "hybridqa")
+    pipeline = Pipeline(session, data, Reporter(quiet=True))
+    reads = session.reader.predict
+
+    def predict(texts, batch_size=32):  # noqa: ANN001, ANN202
+        if any("Claire" in q for q, _ in texts):
+            raise ValueError("the reader broke")
+        return reads(texts, batch_size)
+
+    session.reader.predict = predict
+    session.use_plan(GearPlan("sem_qa", (0.0, 1e6), (Cascade(("reader",)),),
+                              (Replica("reader", ("cpu0",)),), (RangeSchedule(0, (1.0,), (1,)),),
+                              (1,), max_wait_s=0.001,
+                              batch_runtime_s=((0.05,),)))
+    session.serve(workers="thread", replan=False)
+    questions = list(data.questions)
+    got = answer_stream(pipeline, questions, [0.0] * len(questions))
+    broken = [a for a in got if "Claire" in a.question]
+    assert broken and all(a.status == "error" and "the reader broke" in a.reason
+                          for a in broken)
+    assert any(a.status == "ok" for a in got)
