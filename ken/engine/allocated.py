@@ -351,9 +351,8 @@ class AllocatedPipeline:
         """Every period: the rate measured, the next demand decided and solved; with a
         ``ClosedLoop`` of ``checks`` > 1 also ``checks - 1`` readings of the backlog and of
         the rate so far inside each period, re-solving at once when the demand jumped
-        (``Controller.urgent``). A rate is
-        arrivals over the seconds that really passed since the period began; readings a slow
-        solve or swap overran are skipped, not bunched."""
+        (``Controller.urgent``). A rate is arrivals over the seconds that really passed since
+        the period began; readings a slow solve or swap overran are skipped, not bunched."""
         assert self.period_s is not None
         closed = self.control if isinstance(self.control, ClosedLoop) else None
         checks = closed.checks if closed is not None else 1
