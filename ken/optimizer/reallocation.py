@@ -45,6 +45,7 @@ from ken.optimizer.allocation import (
     Path,
     allocate,
     draw_paths,
+    path_for,
     route_table,
     serve_allocation,
 )
@@ -104,20 +105,6 @@ def measured_rates(arrival_s: np.ndarray, periods: int, every_s: float) -> np.nd
     """Arrivals per second in each period."""
     k = np.minimum((np.asarray(arrival_s) // every_s).astype(np.int64), periods - 1)
     return np.bincount(k, minlength=periods)[:periods] / every_s
-
-
-def ewma_estimates(rates_qps: np.ndarray, start_qps: float, alpha: float) -> np.ndarray:
-    """Per period, the EWMA of the demand known at its start: ``start_qps`` (what the
-    pipeline was planned for) in the first, then ``alpha`` x the rate measured in the period
-    before + ``(1 - alpha)`` x the previous estimate."""
-    if not start_qps > 0:
-        raise QueryPlanError(f"the planned demand must be > 0 requests/s, got {start_qps}")
-    out = np.empty(len(rates_qps))
-    estimate = start_qps
-    for k, rate in enumerate(rates_qps):
-        out[k] = estimate
-        estimate = alpha * rate + (1 - alpha) * estimate
-    return out
 
 
 def period_demand(resolving: Resolving, start_qps: float, k: int, estimate_qps: float,
@@ -436,14 +423,11 @@ def _change(schedule: Schedule, served: ServedSchedule, drawn: np.ndarray,
             names: list[tuple[str, ...]], moved: np.ndarray, kept: np.ndarray,
             rng: np.random.Generator, new: int) -> Callable[[EventLoop, float], None]:
     """The timer that puts allocation ``new`` in place: every request inside the pipeline
-    goes on along a path of ``new`` drawn for its class, from the hop it is at."""
+    goes on along a path of ``new`` drawn among those that carry its class (``path_for(...,
+    carried=True)``, as the engine's ``AllocatedPipeline`` moves it), from the hop it is at."""
     problem, alloc = schedule.problems[new], schedule.allocations[new]
     position = {p: served.first[new] + j for j, p in enumerate(served.paths_of(new))}
-    options: dict[int, tuple[list[int], np.ndarray]] = {}
-    for r, paths in route_table(problem, alloc).items():
-        index = [position[(r, ns)] for ns, _ in paths]
-        weights = np.array([q for _, q in paths])
-        options[r] = (index, weights / weights.sum())
+    table = route_table(problem, alloc)
 
     def change(loop: EventLoop, now: float) -> None:
         inside = loop.inside()
@@ -452,12 +436,12 @@ def _change(schedule: Schedule, served: ServedSchedule, drawn: np.ndarray,
             r = served.paths[drawn[rid]][1][0]
             route = loop.routes[rid]
             hop = route.index(k)
-            found = options.get(r)
+            found = path_for(table, r, rng, carried=True)
             if found is None:  # the new allocation serves none of its class: as it was
                 if rid in queued:
                     loop.reroute(rid, route[hop:], k, now)
                 continue
-            j = found[0][rng.choice(len(found[0]), p=found[1])]
+            j = position[(r, found)]
             target, variants = served.routes[j], served.paths[j][1][1]
             at = hop if rid in queued else hop + 1  # the first hop the new path takes
             names[rid] = names[rid][:at] + variants[at:]
@@ -649,6 +633,6 @@ def _closed_run(closed: ClosedLoop, solver: Solver, start_qps: float, known: lis
 
 
 __all__ = ["ClosedLoop", "ClosedLoopRun", "Controller", "Resolving", "Schedule", "ScheduleRun",
-           "ServedSchedule", "Solver", "ewma_demands", "ewma_estimates", "fixed_schedule",
+           "ServedSchedule", "Solver", "ewma_demands", "fixed_schedule",
            "measured_rates", "online_schedule", "period_demand", "periods_of", "schedule_for",
            "serve_schedule", "simulate_closed_loop", "simulate_schedule", "URGENT_RISE"]
