@@ -392,7 +392,7 @@ class AllocatedPipeline:
                                                                 self.allocation.shares)
             plans = serve_allocation(problem, allocation, self.devices, self.max_wait_s).plans
             if changed or any(self._placed.get(p.operator) != p for p in plans):
-                swapped = self._place(problem, allocation, reroute=changed)
+                swapped = self._place(problem, allocation, plans, reroute=changed)
                 self.changes.append(AllocationChange(
                     self.engine.clock.now(), demand, tuple(allocation.describe(problem)),
                     swapped))
@@ -403,12 +403,16 @@ class AllocatedPipeline:
             del self.control_errors[:-8]
 
     def _place(self, problem: AllocationProblem, allocation: Allocation,
-               reroute: bool = True) -> tuple[str, ...]:
-        """Swap in the plans of the variants ``allocation`` places (each only where its
-        placement changed), then route new requests by it (``reroute``: and the requests
-        inside at their next hop; not when only a failed swap is finished)."""
+               plans: Sequence[GearPlan] | None = None, reroute: bool = True
+               ) -> tuple[str, ...]:
+        """Swap in the plans of the variants ``allocation`` places (``plans``, if already
+        served; each only where its placement changed), then route new requests by it
+        (``reroute``: and the requests inside at their next hop; not when only a failed swap
+        is finished)."""
+        if plans is None:
+            plans = serve_allocation(problem, allocation, self.devices, self.max_wait_s).plans
         swapped = []
-        for plan in serve_allocation(problem, allocation, self.devices, self.max_wait_s).plans:
+        for plan in plans:
             if self._placed.get(plan.operator) != plan:
                 self.engine.swap_plan(plan)
                 self._placed[plan.operator] = plan
