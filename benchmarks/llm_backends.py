@@ -9,7 +9,9 @@ decoding up to ``--new-tokens`` tokens, stopping at the end tokens ken uses
 
 - ``transformers``: ken's generation code, ``ken.models.generation.generate`` on a
   ``ken.models.resources.CausalLM`` loaded from the converted folder ``causal_lm_dir(name)``
-  (the GGUF's weights de-quantised to fp32), threads set through ``DeviceConfig(threads=...)``;
+  (the GGUF's weights de-quantised), in ``--precision`` (default ``auto``: bf16 on CPUs that
+  multiply it natively, as ken serves LLMs, else fp32), threads set through
+  ``DeviceConfig(threads=...)``;
 - ``llama.cpp``: ``llama-cpp-python`` running the same GGUF file natively (quantised weights:
   SmolLM2 Q4_1, Qwen2.5-Coder Q4_K_M), ``n_threads`` = ``n_threads_batch`` = the thread count,
   driven through its low-level API (``llama_decode`` + a greedy argmax and a log-softmax in
@@ -23,7 +25,8 @@ Numbers, each configuration warmed up once before timing:
   prompts;
 - ``seq``: end-to-end tokens/s of the prompts one after the other at batch 1 (generated tokens
   over total wall time, prefill included);
-- ``batched``: throughput with ``--batch-size`` prompts at once (generated tokens / wall time).
+- ``batched``: throughput with ``--batch-size`` prompts at once (generated tokens / wall time,
+  and prompts / wall time: the rows/s an operator gets over a table's rows).
   transformers: ken's ``generate(..., batch_size=8)`` (left padding, one pass per step for the
   whole batch, finished rows ride along until every row is done). llama.cpp: llama-cpp-python's
   high-level API generates one sequence per call; this script drives the low-level API with a
@@ -76,6 +79,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -268,7 +272,8 @@ def worker_transformers(job: dict) -> dict:
     torch.set_num_threads(threads[0])
     rss0 = rss_mb()
     started = time.perf_counter()
-    lm = CausalLM(job["hf_dir"], DeviceConfig(threads=threads[0]))
+    lm = CausalLM(job["hf_dir"], DeviceConfig(threads=threads[0],
+                                              precision=job.get("precision", "auto")))
     load_s = time.perf_counter() - started
     rss_load = rss_mb()
     ends = sorted(end_token_ids(lm))
@@ -277,9 +282,9 @@ def worker_transformers(job: dict) -> dict:
     prompts, new = job["prompts"], job["new_tokens"]
     out: dict[str, Any] = {"load_s": load_s, "rss_before_mb": rss0,
                            "rss_load_increase_mb": rss_load - rss0, "end_ids": ends,
-                           "configs": {}}
+                           "precision": lm.device.dtype_name, "configs": {}}
     for t in threads:
-        lm.device = DeviceConfig(threads=t)  # generate() sets torch threads from it
+        lm.device = replace(lm.device, threads=t)  # generate() sets torch threads from it
         torch.set_num_threads(t)
         generate(lm, [prompts[0]], new, batch_size=1)  # warm-up, batch 1
         runs = []
@@ -303,6 +308,7 @@ def worker_transformers(job: dict) -> dict:
         out["configs"][str(t)] = {
             "single": summarise_single(runs), "runs": runs,
             "batched": {"batch_size": bs, "tok_s": tokens / wall, "wall_s": wall,
+                        "rows_s": len(prompts) / wall,
                         "generated_tokens": tokens, "forwards": len(stamps),
                         "same_tokens_as_batch1": same}}
         print(f"  transformers {t}t: ttft {out['configs'][str(t)]['single']['ttft_median_s']:.3f}s "
@@ -483,6 +489,7 @@ def worker_llama(job: dict) -> dict:
         out["configs"][str(t)] = {
             "single": summarise_single(runs), "runs": runs,
             "batched": {"batch_size": bs, "tok_s": tokens / wall, "wall_s": wall,
+                        "rows_s": len(prompts) / wall,
                         "generated_tokens": tokens, "same_tokens_as_batch1": same}}
         s = out["configs"][str(t)]["single"]
         print(f"  llama.cpp {t}t: ttft {s['ttft_median_s']:.3f}s decode "
@@ -547,19 +554,28 @@ def agreement(tokenizer: Any, a: list[dict], b: list[dict], n: int = AGREE_TOKEN
             "prompts": len(a)}
 
 
+def backend_label(backend: str, result: dict) -> str:
+    """The backend's name with transformers' precision (runs before it was recorded were
+    fp32)."""
+    if backend == "transformers":
+        return f"transformers ({result.get('precision', 'fp32')})"
+    return backend
+
+
 def table(results: dict) -> str:
     head = ("| model | threads | backend | TTFT median (s) | prefill tok/s | "
             "decode tok/s (batch 1) | "
-            f"seq tok/s (batch 1) | batched tok/s (batch {results['batch_size']}) | load (s) | "
+            f"seq tok/s (batch 1) | batched tok/s (batch {results['batch_size']}) | "
+            f"prompts/s (batch {results['batch_size']}) | load (s) | "
             "RSS +MB (after load / after runs / peak) | agree 16 tok |")
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * 12]
     for model, per in results["models"].items():
         for t in results["threads"]:
             for backend in BACKENDS:
                 r = per["backends"].get(backend)
                 if not r:
                     lines.append(f"| {model} | {t} | {backend} | failed / not installed |"
-                                 " | | | | | | |")
+                                 " | | | | | | | |")
                     continue
                 c = r["configs"][str(t)]
                 s = c["single"]
@@ -568,11 +584,14 @@ def table(results: dict) -> str:
                 agree = per.get("agreement", {}).get(str(t))
                 agree_s = f"{agree['first16_text']:.0%}" if agree else "-"
                 flag = " (contended!)" if r.get("other_cpu_share", 0.0) > 0.1 else ""
+                name = backend_label(backend, r)
+                rows = c["batched"].get("rows_s")
+                rows_s = "-" if rows is None else f"{rows:.2f}"
                 lines.append(
-                    f"| {model} | {t} | {backend}{flag} | {s['ttft_median_s']:.3f} | "
+                    f"| {model} | {t} | {name}{flag} | {s['ttft_median_s']:.3f} | "
                     f"{prefill:.0f} | "
                     f"{s['decode_tok_s']:.1f} | {s['seq_tok_s']:.1f} | "
-                    f"{c['batched']['tok_s']:.1f} | {r['load_s']:.2f} | "
+                    f"{c['batched']['tok_s']:.1f} | {rows_s} | {r['load_s']:.2f} | "
                     f"{r['rss_load_increase_mb']:.0f} / {r['rss_end_increase_mb']:.0f} / "
                     f"{r['rss_peak_increase_mb']:.0f} | "
                     f"{agree_s} |")
@@ -611,7 +630,10 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xticks(x, labels, fontsize=8)
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=8)
-    fig.suptitle(f"ken transformers (fp32) vs llama.cpp (GGUF quantised), CPU "
+    precisions = sorted({r.get("precision", "fp32") for per in results["models"].values()
+                         for b, r in per["backends"].items() if b == "transformers"})
+    fig.suptitle(f"ken transformers ({', '.join(precisions) or '-'}) vs llama.cpp (GGUF "
+                 f"quantised), CPU "
                  f"{results['machine']['cpu_count']} cores, {results['new_tokens']} new tokens, "
                  f"{results['prompts']} prompts", fontsize=11)
     fig.tight_layout()
@@ -628,6 +650,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"),
+                        help="transformers' weight precision (auto: bf16 on CPUs that "
+                             "multiply it natively, as ken serves LLMs; else fp32)")
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--merge", action="store_true",
@@ -699,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         job = {"model": model, "hf_dir": str(hf_dir), "gguf": str(gguf),
                "threads": args.threads, "new_tokens": args.new_tokens, "prompts": prompts,
                "prompt_texts": [tok.decode(p) for p in prompts], "end_ids": ends,
-               "batch_size": args.batch_size}
+               "batch_size": args.batch_size, "precision": args.precision}
         for backend in backends:
             t0 = time.perf_counter()
             r = run_worker(dict(job, backend=backend))
