@@ -13,7 +13,14 @@ stream that ``benchmarks/pipeline_load.py`` could only simulate with stand-ins).
   (``answer_stream(budget_s=)``). 1x is what the simulator says the planned pipeline sustains:
   the highest rate at which it answers 95% of the questions within the budget without
   dropping (bisection; the simulation leaves out retrieval and the question type's own
-  thread, so it is optimistic here: ``docs/results.md``, Figure 10).
+  thread, about 0.3 s of CPU per question: ``docs/results.md``, Figure 10).
+- **Calibration** (``--calibrate-s``, default 60): the LMs' runtimes were timed one at a time
+  on an idle machine; served, two workers and the questions' retrieval share the cores. So
+  first a stream of that many seconds at the uncalibrated 1x is served without dropping, its
+  reading calls are fitted against those runtimes (``PipelinePlanner.calibrate``, the fit
+  ``ken plan`` uses), and the pipeline is planned again, 1x found again and every point
+  simulated on the served runtimes. Each point also records its simulation with the runtimes
+  timed alone (``simulated_alone``).
 - **Policies**: ``session.serve(dropping=...)``: ``none``, ``reactive`` (drop a call once its
   question is past its deadline) and ``proactive`` (PARD: once the call's predicted finish is
   past it). A question whose call is dropped ends ``dropped`` at once. Admission is
@@ -50,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def sustained(planner, plans, gaps: np.ndarray, duration_s: float, budget_s: float,  # noqa: ANN001
               seed: int) -> float:
     """The highest rate the simulated pipeline answers 95% of within the budget, no
-    dropping (bisection between 0.01 and 10 questions/s)."""
+    dropping (bisection between 0.01 and 10 questions/s), with the planner's runtimes."""
     from pipeline_load import arrivals
 
     from ken.multihop_plan import OPERATORS
@@ -70,6 +77,28 @@ def sustained(planner, plans, gaps: np.ndarray, duration_s: float, budget_s: flo
     return lo
 
 
+def calibrate(session, planner, pipeline, outcomes, by_qid, gaps: np.ndarray,  # noqa: ANN001
+              rate: float, args: argparse.Namespace) -> dict:
+    """Serve ``--calibrate-s`` seconds of the stream at ``rate`` (no dropping, every question
+    answered) and calibrate the planner on its reading calls (``calibrate_on_stream``); the
+    questions are drawn apart from the points' (another seed)."""
+    from pipeline_load import arrivals
+
+    from ken.multihop_plan import calibrate_on_stream
+
+    trace = arrivals(gaps, args.calibrate_s, rate)
+    rows = np.random.default_rng(args.seed + 1).integers(0, len(outcomes.qids), len(trace))
+    questions = [by_qid[outcomes.qids[r]] for r in rows]
+    t0 = time.perf_counter()
+    fitted = calibrate_on_stream(session, planner, pipeline, questions,
+                                 trace.arrival_s.tolist())
+    for op, cal in fitted.items():
+        print(f"calibrated {op}: {cal.describe()} ({cal.source})", flush=True)
+    return {"seconds": time.perf_counter() - t0, "questions": len(trace), "rate_qps": rate,
+            "calls": {op: dict(cal.calls) for op, cal in fitted.items()},
+            "fits": {op: cal.describe() for op, cal in fitted.items()}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -83,9 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=20.0,
                     help="each question's end-to-end deadline after its arrival")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--calibrate-s", type=float, default=60.0,
+                    help="seconds of a served stream (at the uncalibrated 1x, no dropping) "
+                         "whose reading calls calibrate the LMs' runtimes before anything "
+                         "else is planned or simulated; 0 plans on the runtimes measured "
+                         "alone (before session 23)")
     args = ap.parse_args(argv)
-    if args.duration_s <= 0 or args.budget_s <= 0:
-        ap.error("--duration-s and --budget-s must be positive")
+    if args.duration_s <= 0 or args.budget_s <= 0 or args.calibrate_s < 0:
+        ap.error("--duration-s and --budget-s must be positive, --calibrate-s at least 0")
     loads = [float(x) for x in args.loads.split(",")]
     policies = args.policies.split(",")
 
@@ -118,18 +152,31 @@ def main(argv: list[str] | None = None) -> int:
         outcomes = load_or_measure(session, data, (session.home or ken_home()) / "qa-plans",
                                    LLMS, reporter)
         planner = PipelinePlanner(outcomes, 2, 8.0, 600.0, 1.5)
-        plan = planner.choose(Target.parse(args.target))
+        target = Target.parse(args.target)
+        plan = planner.choose(target)
         pipeline = Pipeline(session, data, reporter)
         for p in plan.plans:
             if p.operator in READING:
                 session.use_plan(p)
-        result["plans"] = {p.operator: p.describe() for p in plan.plans}
+        by_qid = {q.qid: q for q in data.questions}
+        alone = [planner.catalogs[op] for op in OPERATORS]  # the LMs timed alone
         one_x = sustained(planner, list(plan.plans), gaps, args.duration_s, args.budget_s,
                           args.seed)
+        result["one_x_qps_uncalibrated"] = one_x
+        if args.calibrate_s > 0:
+            result["calibration"] = calibrate(session, planner, pipeline, outcomes, by_qid,
+                                              gaps, one_x, args)
+            plan = planner.choose(target)  # planned again, on the served runtimes
+            for p in plan.plans:
+                if p.operator in READING:
+                    session.use_plan(p)
+            one_x = sustained(planner, list(plan.plans), gaps, args.duration_s,
+                              args.budget_s, args.seed)
+        result["plans"] = {p.operator: p.describe() for p in plan.plans}
         result["one_x_qps"] = one_x
-        print(f"1x = {one_x:.3f} questions/s (simulated, 95% within {args.budget_s:g} s)",
-              flush=True)
-        by_qid = {q.qid: q for q in data.questions}
+        print(f"1x = {one_x:.3f} questions/s (simulated, 95% within {args.budget_s:g} s"
+              f"{', calibrated' if args.calibrate_s > 0 else ''}; "
+              f"{result['one_x_qps_uncalibrated']:.3f} with the LMs timed alone)", flush=True)
         catalogs = [planner.catalogs[op] for op in OPERATORS]
         rng = np.random.default_rng(args.seed)
         streams = {}
@@ -164,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
                                             deadline_s=args.budget_s,
                                             dropping=DropPolicy.named(policy))
                     sd = sim.deadline
+                    raw = evaluate_pipeline(list(plan.plans), alone, trace, planner.sample,
+                                            args.seed, rows=rows.tolist(),
+                                            deadline_s=args.budget_s,
+                                            dropping=DropPolicy.named(policy)).deadline
                     point = {
                         "load": load, "policy": policy, "questions": len(answers),
                         "offered_qps": len(answers) / args.duration_s,
@@ -183,10 +234,15 @@ def main(argv: list[str] | None = None) -> int:
                                       "wasted_model_s": sd.wasted_device_s,
                                       "model_s": sd.device_s,
                                       "f1_all": 100 * float(sim.quality)},
+                        "simulated_alone": {"goodput_qps": raw.goodput_qps,
+                                            "drop_rate": raw.drop_rate,
+                                            "late_rate": raw.late_rate,
+                                            "model_s": raw.device_s},
                     }
                     result["points"].append(point)
                     print(f"{load:>4}x {policy:>9}: goodput {point['goodput_qps']:.3f}/s (sim "
-                          f"{sd.goodput_qps:.3f}), drop {point['drop_rate']:.0%} "
+                          f"{sd.goodput_qps:.3f}, alone {raw.goodput_qps:.3f}), drop "
+                          f"{point['drop_rate']:.0%} "
                           f"({sd.drop_rate:.0%}), late {point['late_rate']:.0%} "
                           f"({sd.late_rate:.0%}), F1 all {point['f1_all']:.1f}, answered "
                           f"{point['f1_answered'] or 0:.1f}, wasted {m.wasted_device_s:.1f} of "

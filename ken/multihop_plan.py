@@ -28,18 +28,20 @@ import itertools
 import json
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ken import store
+from ken.engine.calibrate import MIN_FIT_CALLS, Calibration, fit_calibration
+from ken.engine.supervision import BatchRecord
 from ken.errors import DataError, KenError, StoreError
 from ken.models.cascade import Cascade
 from ken.models.model import DeviceConfig, Model, ModelOutput, Output
-from ken.models.qa_data import OK, QAData
+from ken.models.qa_data import OK, QAData, QAQuestion
 from ken.models.resources import Resources
 from ken.multihop import (
     READERS,
@@ -416,6 +418,29 @@ class PipelinePlanner:
     def type_plan(self) -> GearPlan:
         return self.static("question_type", Cascade(("question_type",)))
 
+    def calibrate(self, log: Iterable[BatchRecord], source: str = "",
+                  min_calls: int = MIN_FIT_CALLS) -> dict[str, Calibration]:
+        """Plan and simulate with the reading LMs' runtimes as they were served: per reading
+        operator, the engine's calls of its LMs in ``log`` are fitted against the runtimes
+        :func:`measure` timed alone (``engine.calibrate.fit_calibration``: a factor per LM
+        and batch size, and one after idle), and its catalog is scaled by them from now on.
+        An LM with fewer than ``min_calls`` calls keeps its runtimes. The measured LMs
+        ran one at a time with nothing else on the machine; served, two workers and each
+        question's retrieval share the cores. Returns the calibrations applied, by operator.
+        The planning trace is kept (it was scaled to the uncalibrated LLM-only rate)."""
+        calls = tuple(log)
+        applied = {}
+        for op in READING:
+            catalog = self.catalogs[op]
+            fitted = fit_calibration([r for r in calls if r.model in catalog.perf], catalog,
+                                     source, min_calls=min_calls)
+            if fitted.fits:
+                self.catalogs[op] = fitted.apply(catalog)
+                applied[op] = fitted
+        if applied:
+            self._static.clear()  # planned with the old runtimes
+        return applied
+
     def evaluate(self, plans: Sequence[GearPlan]) -> PipelinePoint:
         return evaluate_pipeline(plans, [self.catalogs[op] for op in OPERATORS], self.trace,
                                  self.sample, self.seed)
@@ -443,6 +468,36 @@ class PipelinePlanner:
                                self.seed, max_plans=size)
 
 
+#: served calls an LM needs for its fit in a calibration stream (a reading call takes seconds:
+#: a minute of the stream gives each LM tens of calls, not hundreds)
+CALIBRATION_MIN_CALLS = 5
+#: questions a calibration stream serves at most (a minute of the packaged LMs is about 40)
+CALIBRATION_MAX_QUESTIONS = 100
+
+
+def calibrate_on_stream(session: Session, planner: PipelinePlanner, pipeline: Pipeline,
+                        questions: Sequence[QAQuestion], arrival_s: Sequence[float],
+                        workers: str = "auto", memory_gb: float = 8.0,
+                        reporter: Reporter | None = None) -> dict[str, Calibration]:
+    """Serve the reading operators with the session's plans (no dropping, every call
+    admitted), answer ``questions`` as they arrive at ``arrival_s``, and calibrate
+    ``planner`` on the reading calls (:meth:`PipelinePlanner.calibrate`, with
+    :data:`CALIBRATION_MIN_CALLS`). Returns the calibrations applied, by operator."""
+    reporter = reporter or Reporter(quiet=True)
+    session.serve(list(READING), workers=workers, threads_per_device=1, memory_gb=memory_gb,
+                  admission="max_in_flight", replan=False)
+    try:
+        run_pipeline(session, pipeline.data, reporter=reporter, pipeline=pipeline,
+                     stream=(questions, arrival_s))
+        engines = {id(e): e for op, e in session.engines.items() if op in READING}
+        log = [r for e in engines.values() for r in e.batch_log]
+    finally:
+        session.stop_serving()
+    rate = len(questions) / max(float(arrival_s[-1]), 1e-9) if len(questions) > 1 else 0.0
+    return planner.calibrate(log, f"{len(questions)} questions served at {rate:.3f}/s, "
+                             f"{len(log)} calls", min_calls=CALIBRATION_MIN_CALLS)
+
+
 def densest(arrival_s: np.ndarray, count: int) -> tuple[int, np.ndarray]:
     """The ``count`` consecutive arrivals that span the least time: their first index and
     their times from the first of them."""
@@ -460,23 +515,33 @@ class PlannedRun:
     report: RunReport
     explain: str
     arrival_s: tuple[float, ...]
+    # the reading LMs' runtimes fitted on a served stream before planning, by operator
+    calibration: Mapping[str, Calibration] = field(default_factory=dict)
 
 
 def run_planned(session: Session, data: QAData, target: Target, stream: int = 40,
                 devices: int = 2, memory_gb: float = 8.0, load: float = 1.5,
                 duration_s: float = 600.0, reporter: Reporter | None = None,
                 folder: Path | None = None, workers: str = "auto",
-                type_model: Model | None = None, trace: Trace | None = None) -> PlannedRun:
+                type_model: Model | None = None, trace: Trace | None = None,
+                calibration_s: float = 0.0) -> PlannedRun:
     """Plan the pipeline for ``target`` (:class:`PipelinePlanner`, from the cached
     :func:`measure` of ``data``), set the chosen gear plans on ``text_qa`` and
     ``table_qa``, serve them on the online engine and answer the ``stream`` questions of the
     planned trace that arrive closest together, as they arrive.
+
+    ``calibration_s`` > 0: first serve that many seconds of questions, evenly spaced at the
+    rate the most accurate LM alone sustains (as measured), with the plans chosen on the
+    measured runtimes, fit the reading calls (:func:`calibrate_on_stream`) and plan again on
+    the served runtimes.
 
     ``type_model`` replaces the question-type classifier and ``trace`` the Azure trace
     (tests)."""
     reporter = reporter or Reporter(quiet=True)
     if stream < 1:
         raise KenError(f"the stream needs at least one question, got {stream}")
+    if calibration_s < 0:
+        raise KenError(f"calibration seconds must be >= 0, got {calibration_s}")
     session.operators["sem_qa"].llms = LLMS  # type: ignore[attr-defined]
     outcomes = load_or_measure(session, data, folder or (session.home or ken_home())
                                / "qa-plans", LLMS, reporter)
@@ -489,12 +554,30 @@ def run_planned(session: Session, data: QAData, target: Target, stream: int = 40
     for p in plan.plans:
         if p.operator in READING:
             session.use_plan(p)
+    by_qid = {q.qid: q for q in data.questions}
+    fitted: dict[str, Calibration] = {}
+    if calibration_s > 0:
+        count = min(CALIBRATION_MAX_QUESTIONS,
+                    max(2, int(calibration_s * planner.llm_only_qps)))
+        rows = np.random.default_rng(planner.seed + 1).integers(0, len(outcomes.qids), count)
+        with reporter.task(f"calibrate the LMs' runtimes: {count} questions served in "
+                           f"{calibration_s:g} s", 1) as advance:
+            fitted = calibrate_on_stream(
+                session, planner, pipeline, [by_qid[outcomes.qids[r]] for r in rows],
+                (np.arange(count) / planner.llm_only_qps).tolist(), workers, memory_gb)
+            advance(1)
+        for op, cal in fitted.items():
+            reporter.note(f"calibrated {op}: {cal.describe()}")
+        if fitted:
+            plan = planner.choose(target)
+            for p in plan.plans:
+                if p.operator in READING:
+                    session.use_plan(p)
     hop = pipeline.hop_table("", "", "")  # an empty hop, for EXPLAIN
     explain = session.explain(f"SELECT {READERS['text']}(q, context) AS text_answer, "
                               f"{READERS['table']}(q, context) AS table_answer FROM {hop}")
     start, arrivals = densest(planner.trace.arrival_s, stream)
     rows = planner.rows[start:start + len(arrivals)]
-    by_qid = {q.qid: q for q in data.questions}
     questions = [by_qid[outcomes.qids[r]] for r in rows]
     predicted = evaluate_pipeline(plan.plans, [planner.catalogs[op] for op in OPERATORS],
                                   Trace(arrivals, "stream"), planner.sample, rows=rows)
@@ -504,9 +587,10 @@ def run_planned(session: Session, data: QAData, target: Target, stream: int = 40
                               stream=(questions, arrivals))
     finally:
         session.stop_serving()
-    return PlannedRun(plan, predicted, report, explain, tuple(float(t) for t in arrivals))
+    return PlannedRun(plan, predicted, report, explain, tuple(float(t) for t in arrivals),
+                      fitted)
 
 
 __all__ = ["LLMS", "OPERATORS", "Outcomes", "PipelinePlanner", "PlannedRun", "ROUTE_LABELS",
-           "SHORT", "load_or_measure", "measure", "pipeline_inputs", "first_stage_cascades",
-           "run_planned"]
+           "SHORT", "calibrate_on_stream", "load_or_measure", "measure", "pipeline_inputs",
+           "first_stage_cascades", "run_planned"]

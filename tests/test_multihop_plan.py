@@ -14,6 +14,7 @@ import pytest
 from test_multihop import GoldType, Overlap, Reader
 
 import ken
+from ken.engine.supervision import BatchRecord
 from ken.models.cascade import Cascade
 from ken.models.model import Output
 from ken.models.qa_data import read_mmqa
@@ -21,7 +22,9 @@ from ken.multihop import READERS, route_of, run_pipeline
 from ken.multihop_plan import (
     LLMS,
     OPERATORS,
+    READING,
     Outcomes,
+    PipelinePlanner,
     densest,
     load_or_measure,
     model_name,
@@ -39,13 +42,18 @@ WEAK, STRONG = LMS[0], LMS[-1]
 WW, WS, SW, SS = (f"{a},{b}" for a in (WEAK, STRONG) for b in (WEAK, STRONG))
 
 
+def weakened(out: Output) -> Output:
+    """A reader's answers as the weak LM gives them: only "Turin" (where someone was born)
+    is kept, and it is unsure of everything."""
+    values = [v if v == "Turin" else "no idea" for v in out.values]
+    return Output(values, np.full(len(values), 0.2))
+
+
 class Weak(Reader):
     """Answers only questions about where someone was born, and is unsure of everything."""
 
     def predict(self, texts: Sequence, batch_size: int = 32) -> Output:
-        out = super().predict(texts, batch_size)
-        values = [v if v == "Turin" else "no idea" for v in out.values]
-        return Output(values, np.full(len(values), 0.2))
+        return weakened(super().predict(texts, batch_size))
 
 
 @pytest.fixture
@@ -135,8 +143,8 @@ class Named(Reader):
         self.weak = weak
 
     def predict(self, texts: Sequence, batch_size: int = 32) -> Output:
-        return Weak.predict(self, texts, batch_size) if self.weak else \
-            Reader.predict(self, texts, batch_size)
+        out = super().predict(texts, batch_size)
+        return weakened(out) if self.weak else out
 
 
 def test_planned_stream_is_served_with_the_chosen_gear_plans(measured) -> None:  # noqa: ANN001
@@ -163,6 +171,31 @@ def test_planned_stream_is_served_with_the_chosen_gear_plans(measured) -> None: 
         assert a.predicted in {rows[i][2] for rows in outcomes.runs.values()}
         assert a.latency_s >= 0
     assert 0.0 <= run.predicted.quality <= 1.0
+    assert run.calibration == {}  # not asked for
+
+
+def test_a_calibration_stream_plans_again_on_the_served_runtimes(measured) -> None:  # noqa: ANN001
+    data, _outcomes, _plain, tmp_path = measured
+    routes = {q.question: route_of(q.qtype) for q in data.questions}
+    with ken.connect(home=tmp_path / "home") as s:
+        s.register("sem_similarity", Overlap(), output_type="double")
+        for op in (READERS["text"], READERS["table"]):
+            names = [model_name(op, lm) for lm in LLMS]
+            s.register(op, Cascade(tuple(names), (0.5,)),
+                       models={n: Named(n, weak=i == 0) for i, n in enumerate(names)})
+        run = run_planned(s, data, Target(min_accuracy=0.0), stream=3,
+                          folder=tmp_path / "cache", workers="thread",
+                          type_model=GoldType(routes), trace=poisson_trace(4.0, 3.0, seed=2),
+                          calibration_s=1.0)
+        assert not s.engines  # the calibration's serving and the stream's both stopped
+    assert run.calibration  # the served LMs got a fit (the stand-ins: far off their timing)
+    for op, cal in run.calibration.items():
+        assert op in READING
+        assert set(cal.fits) <= {model_name(op, lm) for lm in LLMS}
+        assert all(n >= 5 for n in cal.calls.values())
+    assert len(run.report.answers) == 3
+    with pytest.raises(ken.KenError, match="calibration seconds"):
+        run_planned(None, data, Target(min_accuracy=0.0), calibration_s=-1)  # type: ignore[arg-type]
 
 
 def test_densest_arrivals_match_brute_force() -> None:
@@ -174,3 +207,36 @@ def test_densest_arrivals_match_brute_force() -> None:
         spans = [arrivals[i + k - 1] - arrivals[i] for i in range(len(arrivals) - k + 1)]
         assert start == int(np.argmin(spans)) and len(part) == k
         assert part[0] == 0.0 and part[-1] == pytest.approx(min(spans))
+
+
+def test_calibrating_on_served_calls_scales_the_lms_that_were_served(measured) -> None:  # noqa: ANN001
+    """``PipelinePlanner.calibrate``: an LM whose served calls took twice its measured runtime
+    is planned at twice it from then on; an LM with too few calls, and a model no operator
+    has, change nothing."""
+    _data, outcomes, _plain, _tmp = measured
+    planner = PipelinePlanner(outcomes, 2, 1.0, 60.0, 1.0, trace=poisson_trace(2.0, 20.0, seed=3))
+    text, table = READING
+    slow, few = model_name(text, STRONG), model_name(table, WEAK)
+    before = {op: planner.catalogs[op] for op in OPERATORS}
+    one = before[text].perf[slow].batch_runtime(1)
+    log = [BatchRecord("cpu0", slow, 1, 10.0 * i, 10.0 * i + 2 * one, 0.0) for i in range(12)]
+    log += [BatchRecord("cpu1", few, 1, 10.0 * i, 10.0 * i + 5.0, 0.0) for i in range(3)]
+    log += [BatchRecord("cpu1", "question_type", 1, 0.0, 1.0, 0.0)]
+    fitted = planner.calibrate(log, min_calls=5)
+    assert set(fitted) == {text}
+    after = planner.catalogs[text].perf[slow]
+    for b in after.batch_sizes:
+        assert after.batch_runtime(b) == pytest.approx(2 * before[text].perf[slow].batch_runtime(b))
+    assert planner.catalogs[table] is before[table]
+    assert planner.catalogs["question_type"] is before["question_type"]
+    # the plans it chooses now are simulated on the served runtimes
+    plan = planner.choose(Target(min_accuracy=0.0))
+    assert [p.operator for p in plan.plans] == list(OPERATORS)
+
+
+def test_ken_mmqa_target_refuses_a_calibration_of_no_seconds(capsys) -> None:  # noqa: ANN001
+    from ken.cli import main
+
+    assert main(["mmqa", "--target", "f1 >= 0.2", "--calibration-seconds", "0"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--calibration-seconds must be above 0" in err and "--no-calibration" in err

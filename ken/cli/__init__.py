@@ -320,6 +320,12 @@ def build_parser() -> argparse.ArgumentParser:
             qa.add_argument("--load", type=float, default=1.5,
                             help="with --target: the trace's busiest minute as a multiple of "
                             "what Qwen alone sustains (default 1.5)")
+            qa.add_argument("--calibration-seconds", type=float, default=60.0,
+                            help="with --target: seconds of questions served first, whose "
+                            "reading calls calibrate the LMs' runtimes before the plan is "
+                            "chosen again (default 60)")
+            qa.add_argument("--no-calibration", action="store_true",
+                            help="with --target: plan on the LMs' runtimes measured alone")
         qa.set_defaults(func=_command("ken.cli.qa", "cmd_qa"))
 
     cache = sub.add_parser("cache", help="the result cache: answers kept across queries and "

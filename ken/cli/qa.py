@@ -34,6 +34,9 @@ def cmd_qa(args: argparse.Namespace) -> int:
                            "--stream questions; leave out --limit and --llms")
         if args.stream < 1 or args.devices < 1 or args.load <= 0:
             raise UsageError("--stream and --devices must be at least 1, --load above 0")
+        if args.calibration_seconds <= 0 and not args.no_calibration:
+            raise UsageError("--calibration-seconds must be above 0 (or give "
+                             "--no-calibration)")
     folder = args.data_dir or shared_data_dir() / args.command
     data = read_mmqa(folder) if args.command == "mmqa" else read_hybridqa(folder)
     reporter = Reporter(args.quiet)
@@ -45,7 +48,9 @@ def cmd_qa(args: argparse.Namespace) -> int:
             report = run_pipeline(session, data, args.limit, reporter)
         else:
             run = run_planned(session, data, target, args.stream, args.devices,
-                              load=args.load, reporter=reporter)
+                              load=args.load, reporter=reporter,
+                              calibration_s=0.0 if args.no_calibration
+                              else args.calibration_seconds)
             report = run.report
             _print_planned(run)
     path = write_report(report, args.out)
@@ -77,6 +82,9 @@ def _print_planned(run: PlannedRun) -> None:
         console.print("\n".join([f"{p.operator}:"] + [f"  {line}" for line in p.describe()]),
                       highlight=False, markup=False)
     console.print(run.explain, highlight=False, markup=False)
+    for op, cal in run.calibration.items():
+        console.print(f"{op}: planned on served runtimes, {cal.describe()} ({cal.source})",
+                      highlight=False, markup=False)
     served = [a.latency_s for a in run.report.answers if a.status == "ok"]
     p = chosen.metrics
     console.print(
