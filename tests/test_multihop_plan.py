@@ -147,8 +147,9 @@ class Named(Reader):
         return weakened(out) if self.weak else out
 
 
-def test_planned_stream_is_served_with_the_chosen_gear_plans(measured) -> None:  # noqa: ANN001
-    data, outcomes, _plain, tmp_path = measured
+def served_run(data, tmp_path: Path, **options: float):  # noqa: ANN001, ANN201
+    """``run_planned`` on the fixture with the named stand-in LMs on thread workers; every
+    engine it started (the calibration's, the stream's) is stopped when it returns."""
     routes = {q.question: route_of(q.qtype) for q in data.questions}
     with ken.connect(home=tmp_path / "home") as s:
         s.register("sem_similarity", Overlap(), output_type="double")
@@ -156,10 +157,16 @@ def test_planned_stream_is_served_with_the_chosen_gear_plans(measured) -> None: 
             names = [model_name(op, lm) for lm in LLMS]
             s.register(op, Cascade(tuple(names), (0.5,)),
                        models={n: Named(n, weak=i == 0) for i, n in enumerate(names)})
-        run = run_planned(s, data, Target(min_accuracy=0.0), stream=5,
-                          folder=tmp_path / "cache", workers="thread",
-                          type_model=GoldType(routes), trace=poisson_trace(4.0, 3.0, seed=2))
-        assert not s.engines  # stopped after the stream
+        run = run_planned(s, data, Target(min_accuracy=0.0), folder=tmp_path / "cache",
+                          workers="thread", type_model=GoldType(routes),
+                          trace=poisson_trace(4.0, 3.0, seed=2), **options)
+        assert not s.engines
+    return run
+
+
+def test_planned_stream_is_served_with_the_chosen_gear_plans(measured) -> None:  # noqa: ANN001
+    data, outcomes, _plain, tmp_path = measured
+    run = served_run(data, tmp_path, stream=5)
     assert run.explain.count("gear plan") >= 2  # EXPLAIN shows each reading operator's plan
     chosen = {p.operator: p for p in run.plan.plans}
     assert set(chosen) == set(OPERATORS)
@@ -176,18 +183,7 @@ def test_planned_stream_is_served_with_the_chosen_gear_plans(measured) -> None: 
 
 def test_a_calibration_stream_plans_again_on_the_served_runtimes(measured) -> None:  # noqa: ANN001
     data, _outcomes, _plain, tmp_path = measured
-    routes = {q.question: route_of(q.qtype) for q in data.questions}
-    with ken.connect(home=tmp_path / "home") as s:
-        s.register("sem_similarity", Overlap(), output_type="double")
-        for op in (READERS["text"], READERS["table"]):
-            names = [model_name(op, lm) for lm in LLMS]
-            s.register(op, Cascade(tuple(names), (0.5,)),
-                       models={n: Named(n, weak=i == 0) for i, n in enumerate(names)})
-        run = run_planned(s, data, Target(min_accuracy=0.0), stream=3,
-                          folder=tmp_path / "cache", workers="thread",
-                          type_model=GoldType(routes), trace=poisson_trace(4.0, 3.0, seed=2),
-                          calibration_s=1.0)
-        assert not s.engines  # the calibration's serving and the stream's both stopped
+    run = served_run(data, tmp_path, stream=3, calibration_s=1.0)
     assert run.calibration  # the served LMs got a fit (the stand-ins: far off their timing)
     for op, cal in run.calibration.items():
         assert op in READING
