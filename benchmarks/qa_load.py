@@ -13,7 +13,7 @@ stream that ``benchmarks/pipeline_load.py`` could only simulate with stand-ins).
   (``answer_stream(budget_s=)``). 1x is what the simulator says the planned pipeline sustains:
   the highest rate at which it answers 95% of the questions within the budget without
   dropping (bisection; the simulation leaves out retrieval and the question type's own
-  thread, about 0.3 s of CPU per question: ``docs/results.md``, Figure 10).
+  thread, about 0.3 s per question on an idle machine: ``docs/results.md``, Figure 10).
 - **Calibration** (``--calibrate-s``, default 60): the LMs' runtimes were timed one at a time
   on an idle machine; served, two workers and the questions' retrieval share the cores. So
   first a stream of that many seconds at the uncalibrated 1x is served without dropping, its
@@ -118,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
                          "else is planned or simulated; 0 plans on the runtimes measured "
                          "alone (before session 23)")
     args = ap.parse_args(argv)
-    if args.duration_s <= 0 or args.budget_s <= 0 or args.calibrate_s < 0:
-        ap.error("--duration-s and --budget-s must be positive, --calibrate-s at least 0")
+    if not all(np.isfinite([args.duration_s, args.budget_s, args.calibrate_s])) or \
+            args.duration_s <= 0 or args.budget_s <= 0 or args.calibrate_s < 0:
+        ap.error("--duration-s and --budget-s must be positive numbers, --calibrate-s a "
+                 "number at least 0")
     loads = [float(x) for x in args.loads.split(",")]
     policies = args.policies.split(",")
 

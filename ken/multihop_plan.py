@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import itertools
 import json
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -484,6 +485,12 @@ def calibrate_on_stream(session: Session, planner: PipelinePlanner, pipeline: Pi
     ``planner`` on the reading calls (:meth:`PipelinePlanner.calibrate`, with
     :data:`CALIBRATION_MIN_CALLS`). Returns the calibrations applied, by operator."""
     reporter = reporter or Reporter(quiet=True)
+    if len(questions) != len(arrival_s) or not questions:
+        raise KenError(f"give one arrival time per question, and at least one question "
+                       f"({len(questions)} questions, {len(arrival_s)} times)")
+    # every call is a model call: answers from the result cache would time nothing, and
+    # answers stored now would be cache hits in the stream that is measured next
+    cache_enabled, session.cache_enabled = session.cache_enabled, False
     session.serve(list(READING), workers=workers, threads_per_device=1, memory_gb=memory_gb,
                   admission="max_in_flight", replan=False)
     try:
@@ -493,9 +500,18 @@ def calibrate_on_stream(session: Session, planner: PipelinePlanner, pipeline: Pi
         log = [r for e in engines.values() for r in e.batch_log]
     finally:
         session.stop_serving()
-    rate = len(questions) / max(float(arrival_s[-1]), 1e-9) if len(questions) > 1 else 0.0
-    return planner.calibrate(log, f"{len(questions)} questions served at {rate:.3f}/s, "
-                             f"{len(log)} calls", min_calls=CALIBRATION_MIN_CALLS)
+        session.cache_enabled = cache_enabled
+    span = float(arrival_s[-1]) - float(arrival_s[0])
+    rate = f" at {(len(questions) - 1) / span:.3f}/s" if span > 0 else ""
+    fitted = planner.calibrate(log, f"{len(questions)} questions served{rate}, "
+                               f"{len(log)} calls", min_calls=CALIBRATION_MIN_CALLS)
+    for op in READING:
+        if op not in fitted:
+            calls = {m: sum(r.model == m for r in log) for m in planner.catalogs[op].perf}
+            reporter.note(f"{op}: no LM had {CALIBRATION_MIN_CALLS} calls to fit "
+                          f"({', '.join(f'{m} {n}' for m, n in calls.items())}); it keeps "
+                          "the runtimes measured alone")
+    return fitted
 
 
 def densest(arrival_s: np.ndarray, count: int) -> tuple[int, np.ndarray]:
@@ -540,8 +556,8 @@ def run_planned(session: Session, data: QAData, target: Target, stream: int = 40
     reporter = reporter or Reporter(quiet=True)
     if stream < 1:
         raise KenError(f"the stream needs at least one question, got {stream}")
-    if calibration_s < 0:
-        raise KenError(f"calibration seconds must be >= 0, got {calibration_s}")
+    if not (math.isfinite(calibration_s) and calibration_s >= 0):
+        raise KenError(f"calibration seconds must be a number >= 0, got {calibration_s}")
     session.operators["sem_qa"].llms = LLMS  # type: ignore[attr-defined]
     outcomes = load_or_measure(session, data, folder or (session.home or ken_home())
                                / "qa-plans", LLMS, reporter)
@@ -557,11 +573,12 @@ def run_planned(session: Session, data: QAData, target: Target, stream: int = 40
     by_qid = {q.qid: q for q in data.questions}
     fitted: dict[str, Calibration] = {}
     if calibration_s > 0:
-        count = min(CALIBRATION_MAX_QUESTIONS,
-                    max(2, int(calibration_s * planner.llm_only_qps)))
+        wanted = calibration_s * planner.llm_only_qps
+        count = (CALIBRATION_MAX_QUESTIONS if not math.isfinite(wanted)
+                 else min(CALIBRATION_MAX_QUESTIONS, max(2, int(wanted))))
         rows = np.random.default_rng(planner.seed + 1).integers(0, len(outcomes.qids), count)
-        with reporter.task(f"calibrate the LMs' runtimes: {count} questions served in "
-                           f"{calibration_s:g} s", 1) as advance:
+        with reporter.task(f"calibrate the LMs' runtimes: {count} questions served at "
+                           f"{planner.llm_only_qps:.3g}/s", 1) as advance:
             fitted = calibrate_on_stream(
                 session, planner, pipeline, [by_qid[outcomes.qids[r]] for r in rows],
                 (np.arange(count) / planner.llm_only_qps).tolist(), workers, memory_gb)

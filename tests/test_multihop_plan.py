@@ -14,6 +14,7 @@ import pytest
 from test_multihop import GoldType, Overlap, Reader
 
 import ken
+from ken import multihop_plan
 from ken.engine.supervision import BatchRecord
 from ken.models.cascade import Cascade
 from ken.models.model import Output
@@ -181,14 +182,28 @@ def test_planned_stream_is_served_with_the_chosen_gear_plans(measured) -> None: 
     assert run.calibration == {}  # not asked for
 
 
-def test_a_calibration_stream_plans_again_on_the_served_runtimes(measured) -> None:  # noqa: ANN001
+def test_a_calibration_stream_plans_again_on_the_served_runtimes(measured, monkeypatch
+                                                                 ) -> None:  # noqa: ANN001
     data, _outcomes, _plain, tmp_path = measured
+    monkeypatch.setattr(multihop_plan, "CALIBRATION_MAX_QUESTIONS", 30)  # the stand-ins' rate
+    choices = []
+    choose = PipelinePlanner.choose
+
+    def counted(self, target, *args, **kwargs):  # noqa: ANN001, ANN202
+        choices.append({op: dict(c.perf) for op, c in self.catalogs.items()})
+        return choose(self, target, *args, **kwargs)
+
+    monkeypatch.setattr(PipelinePlanner, "choose", counted)
     run = served_run(data, tmp_path, stream=3, calibration_s=1.0)
     assert run.calibration  # the served LMs got a fit (the stand-ins: far off their timing)
     for op, cal in run.calibration.items():
         assert op in READING
         assert set(cal.fits) <= {model_name(op, lm) for lm in LLMS}
-        assert all(n >= 5 for n in cal.calls.values())
+    # chosen twice: on the runtimes measured alone, then on the fitted ones
+    assert len(choices) == 2
+    for op, cal in run.calibration.items():
+        for m in cal.fits:
+            assert choices[1][op][m] != choices[0][op][m]
     assert len(run.report.answers) == 3
     with pytest.raises(ken.KenError, match="calibration seconds"):
         run_planned(None, data, Target(min_accuracy=0.0), calibration_s=-1)  # type: ignore[arg-type]
@@ -214,6 +229,7 @@ def test_calibrating_on_served_calls_scales_the_lms_that_were_served(measured) -
     text, table = READING
     slow, few = model_name(text, STRONG), model_name(table, WEAK)
     before = {op: planner.catalogs[op] for op in OPERATORS}
+    planned = planner.static(text, Cascade((slow,))).predicted.p95_ms  # cached per cascade
     one = before[text].perf[slow].batch_runtime(1)
     log = [BatchRecord("cpu0", slow, 1, 10.0 * i, 10.0 * i + 2 * one, 0.0) for i in range(12)]
     log += [BatchRecord("cpu1", few, 1, 10.0 * i, 10.0 * i + 5.0, 0.0) for i in range(3)]
@@ -225,6 +241,8 @@ def test_calibrating_on_served_calls_scales_the_lms_that_were_served(measured) -
         assert after.batch_runtime(b) == pytest.approx(2 * before[text].perf[slow].batch_runtime(b))
     assert planner.catalogs[table] is before[table]
     assert planner.catalogs["question_type"] is before["question_type"]
+    # the static plans cached before are planned again, on the slower runtimes
+    assert planner.static(text, Cascade((slow,))).predicted.p95_ms > planned
     # the plans it chooses now are simulated on the served runtimes
     plan = planner.choose(Target(min_accuracy=0.0))
     assert [p.operator for p in plan.plans] == list(OPERATORS)
@@ -235,4 +253,6 @@ def test_ken_mmqa_target_refuses_a_calibration_of_no_seconds(capsys) -> None:  #
 
     assert main(["mmqa", "--target", "f1 >= 0.2", "--calibration-seconds", "0"]) == 2
     err = " ".join(capsys.readouterr().err.split())
-    assert "--calibration-seconds must be above 0" in err and "--no-calibration" in err
+    assert "--calibration-seconds must be a number above 0" in err
+    assert "--no-calibration" in err
+    assert main(["mmqa", "--target", "f1 >= 0.2", "--calibration-seconds", "inf"]) == 2

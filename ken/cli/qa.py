@@ -4,6 +4,7 @@ EM/F1; with ``--target`` (mmqa) planned and served as a stream on the online eng
 from __future__ import annotations
 
 import argparse
+import math
 
 import numpy as np
 
@@ -34,8 +35,9 @@ def cmd_qa(args: argparse.Namespace) -> int:
                            "--stream questions; leave out --limit and --llms")
         if args.stream < 1 or args.devices < 1 or args.load <= 0:
             raise UsageError("--stream and --devices must be at least 1, --load above 0")
-        if args.calibration_seconds <= 0 and not args.no_calibration:
-            raise UsageError("--calibration-seconds must be above 0 (or give "
+        if not args.no_calibration and not (math.isfinite(args.calibration_seconds)
+                                            and args.calibration_seconds > 0):
+            raise UsageError("--calibration-seconds must be a number above 0 (or give "
                              "--no-calibration)")
     folder = args.data_dir or shared_data_dir() / args.command
     data = read_mmqa(folder) if args.command == "mmqa" else read_hybridqa(folder)
