@@ -577,12 +577,11 @@ def run_planned(session: Session, data: QAData, target: Target, stream: int = 40
         count = (CALIBRATION_MAX_QUESTIONS if not math.isfinite(wanted)
                  else min(CALIBRATION_MAX_QUESTIONS, max(2, int(wanted))))
         rows = np.random.default_rng(planner.seed + 1).integers(0, len(outcomes.qids), count)
-        with reporter.task(f"calibrate the LMs' runtimes: {count} questions served at "
-                           f"{planner.llm_only_qps:.3g}/s", 1) as advance:
-            fitted = calibrate_on_stream(
-                session, planner, pipeline, [by_qid[outcomes.qids[r]] for r in rows],
-                (np.arange(count) / planner.llm_only_qps).tolist(), workers, memory_gb)
-            advance(1)
+        reporter.note(f"calibrating the LMs' runtimes: {count} questions served first, at "
+                      f"{planner.llm_only_qps:.3g}/s")
+        fitted = calibrate_on_stream(
+            session, planner, pipeline, [by_qid[outcomes.qids[r]] for r in rows],
+            (np.arange(count) / planner.llm_only_qps).tolist(), workers, memory_gb, reporter)
         for op, cal in fitted.items():
             reporter.note(f"calibrated {op}: {cal.describe()}")
         if fitted:
