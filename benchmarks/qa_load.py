@@ -130,7 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     from ken.models.model import DeviceConfig
     from ken.models.qa_data import read_mmqa
     from ken.multihop import Pipeline, run_pipeline
-    from ken.multihop_plan import LLMS, OPERATORS, READING, PipelinePlanner, load_or_measure
+    from ken.multihop_plan import (
+        LLMS,
+        OPERATORS,
+        READING,
+        PipelinePlanner,
+        load_or_measure,
+        use_reading_plans,
+    )
     from ken.optimizer.query import Target, evaluate_pipeline
     from ken.optimizer.workload import load_azure_trace
     from ken.paths import ken_home, shared_data_dir
@@ -157,9 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         target = Target.parse(args.target)
         plan = planner.choose(target)
         pipeline = Pipeline(session, data, reporter)
-        for p in plan.plans:
-            if p.operator in READING:
-                session.use_plan(p)
+        use_reading_plans(session, plan)
         by_qid = {q.qid: q for q in data.questions}
         alone = [planner.catalogs[op] for op in OPERATORS]  # the LMs timed alone
         one_x = sustained(planner, list(plan.plans), gaps, args.duration_s, args.budget_s,
@@ -169,9 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             result["calibration"] = calibrate(session, planner, pipeline, outcomes, by_qid,
                                               gaps, one_x, args)
             plan = planner.choose(target)  # planned again, on the served runtimes
-            for p in plan.plans:
-                if p.operator in READING:
-                    session.use_plan(p)
+            use_reading_plans(session, plan)
             one_x = sustained(planner, list(plan.plans), gaps, args.duration_s,
                               args.budget_s, args.seed)
         result["plans"] = {p.operator: p.describe() for p in plan.plans}

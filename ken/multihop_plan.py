@@ -469,6 +469,14 @@ class PipelinePlanner:
                                self.seed, max_plans=size)
 
 
+def use_reading_plans(session: Session, plan: PipelinePlan) -> None:
+    """Set ``plan``'s gear plans of the reading operators on ``session`` (what serving
+    them and EXPLAIN use); the question type runs in each question's thread."""
+    for p in plan.plans:
+        if p.operator in READING:
+            session.use_plan(p)
+
+
 #: served calls an LM needs for its fit in a calibration stream (a reading call takes seconds:
 #: a minute of the stream gives each LM tens of calls, not hundreds)
 CALIBRATION_MIN_CALLS = 5
@@ -567,9 +575,7 @@ def run_planned(session: Session, data: QAData, target: Target, stream: int = 40
         advance(1)
     # registers the operators the plans are for (unless the session has its own)
     pipeline = Pipeline(session, data, reporter, type_model)
-    for p in plan.plans:
-        if p.operator in READING:
-            session.use_plan(p)
+    use_reading_plans(session, plan)
     by_qid = {q.qid: q for q in data.questions}
     fitted: dict[str, Calibration] = {}
     if calibration_s > 0:
@@ -586,9 +592,7 @@ def run_planned(session: Session, data: QAData, target: Target, stream: int = 40
             reporter.note(f"calibrated {op}: {cal.describe()}")
         if fitted:
             plan = planner.choose(target)
-            for p in plan.plans:
-                if p.operator in READING:
-                    session.use_plan(p)
+            use_reading_plans(session, plan)
     hop = pipeline.hop_table("", "", "")  # an empty hop, for EXPLAIN
     explain = session.explain(f"SELECT {READERS['text']}(q, context) AS text_answer, "
                               f"{READERS['table']}(q, context) AS table_answer FROM {hop}")
@@ -609,4 +613,4 @@ def run_planned(session: Session, data: QAData, target: Target, stream: int = 40
 
 __all__ = ["LLMS", "OPERATORS", "Outcomes", "PipelinePlanner", "PlannedRun", "ROUTE_LABELS",
            "SHORT", "calibrate_on_stream", "load_or_measure", "measure", "pipeline_inputs",
-           "first_stage_cascades", "run_planned"]
+           "first_stage_cascades", "run_planned", "use_reading_plans"]
