@@ -202,12 +202,14 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
         while window.pending and time.monotonic() < done_by:
             time.sleep(0.1)
         restarts = engine.worker_restarts
+        moved = engine.moved_batches
     server.shutdown()
     with window.lock:
         lost = len(window.pending)
         outcomes = dict(window.total)
     result = summarise(args, samples, events, window.submitted, outcomes, lost, restarts,
                        target_s, main, other)
+    result["moved_batches"] = moved
     result["decode_share"] = share
     result["classify_peak_qps"] = classify_peak
     return result
@@ -280,6 +282,10 @@ def summarise(args, samples, events, submitted, outcomes, lost, restarts, target
     calm = [s for s in warm if not s["in_burst"] and s["p99_ms"] is not None and
             not any(0 <= s["t_s"] - k <= 2 * args.sample_s for k in kill_times)]
     within = [s["p99_ms"] <= GOALS["p99_over_target"] * s["target_ms"] for s in calm]
+    # each kill's cost: the worst window p99 of the two windows after it
+    after_kill = [{"t_s": k, "worst_p99_ms": max(
+        (s["p99_ms"] for s in samples if s["p99_ms"] is not None
+         and 0 < s["t_s"] - k <= 2 * args.sample_s), default=None)} for k in kill_times]
     out = {
         "args": {k: str(v) for k, v in vars(args).items()},
         "plans": [main.headline(), other.headline()], "peak_qps": main.qps_max,
@@ -291,6 +297,9 @@ def summarise(args, samples, events, submitted, outcomes, lost, restarts, target
         "threads_growth": growth("threads"),
         "calm_windows": len(calm), "calm_windows_p99_within_2x": int(sum(within)),
         "calm_p99_ms_max": max((s["p99_ms"] for s in calm), default=None),
+        "after_kill": after_kill,
+        "kills_over_1s": sum(1 for a in after_kill
+                             if a["worst_p99_ms"] is not None and a["worst_p99_ms"] > 1000),
         "samples": samples}
     out["goals"] = {
         "rss_growth_under_50mb": out["rss_growth_mb"] is not None and
@@ -371,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "soak.json").write_text(json.dumps(result, indent=1))
     plot(result, args.out / "soak.png")
     print(json.dumps({k: result[k] for k in ("requests", "lost", "status", "worker_restarts",
+                                              "moved_batches", "kills_over_1s",
                                               "rss_growth_mb", "host_rss_growth_mb",
                                               "open_files_growth",
                                               "threads_growth", "calm_windows",

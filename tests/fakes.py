@@ -181,6 +181,22 @@ class CrashingModel(FakeModel):
         return super().predict(texts, batch_size)
 
 
+class CrashesOn(FakeModel):
+    """A model whose calls end its process at once when a row holds ``word`` (an input that
+    crashes native code); other calls answer as ``FakeModel``."""
+
+    def __init__(self, name: str, word: str) -> None:
+        super().__init__(name)
+        self.word = word
+
+    def predict(self, texts: Sequence[str], batch_size: int = 32) -> Prediction:
+        if any(self.word in t for t in texts):
+            import os
+
+            os._exit(70)
+        return super().predict(texts, batch_size)
+
+
 class EnvModel(Model):
     """Answers every row with the ``CUDA_VISIBLE_DEVICES`` of the process it runs in
     (``"<unset>"`` when unset): which GPUs a worker was given."""

@@ -738,7 +738,7 @@ def test_requests_are_served_by_the_other_replica_while_a_killed_worker_reloads(
     """Two replicas of one stage in worker processes; one is SIGKILLed with a batch in flight
     and takes 8 s to reload. The requests that arrive meanwhile are admitted and answered by
     the other replica (before: half were queued behind the reload, and the slowdown they
-    measured turned the plan's own load away)."""
+    measured turned the plan's own load away), and so is the row of the killed batch."""
     reload_s = 8.0
     hung = tmp_path / "hung"
     sources = {"a": functools.partial(fakes.reloads_slowly, "a", str(tmp_path), 2, reload_s,
@@ -754,18 +754,21 @@ def test_requests_are_served_by_the_other_replica_while_a_killed_worker_reloads(
         # answered by the other replica: well before the reload ends (which they would wait
         # for behind the held batch, on the replica the router picked for half of them)
         meanwhile = [f.result(timeout=reload_s / 2) for f in futures]
-        assert not held.done()  # the reload is not over: they did not wait for it
+        # the held row too: its retry ran on the other replica, not after the reload
+        outcome = held.result(timeout=reload_s / 2)
+        assert killed in engine.pool.loading()  # the reload is not over
         assert engine.pids()[killed] != pid
-        outcome = held.result(timeout=60)
         rejected, restarts = engine.rejected, engine.worker_restarts
     assert [o.status for o in meanwhile] == ["ok"] * 6 and rejected == 0
     assert [o.value for o in meanwhile] == labels("a", texts(6))
-    assert outcome.status == "ok" and restarts == 1  # the held row, retried after the reload
+    assert outcome.status == "ok" and restarts == 1
 
 
 def test_rows_queued_behind_a_killed_worker_move_to_the_other_replica(tmp_path: Path) -> None:
-    """Rows queued on a replica whose worker hangs on a batch: when the worker is killed and
-    reloads (8 s), they are served by the other replica at once, not after the reload."""
+    """A replica's worker hangs on a batch and is killed, and reloads for 8 s: the rows
+    queued behind it and the rows of the batch it was running are served by the other
+    replica at once, not after the reload; the killed worker is replaced meanwhile and serves
+    again once it has loaded."""
     reload_s = 8.0
     hung = tmp_path / "hung"
     sources = {"a": functools.partial(fakes.reloads_slowly, "a", str(tmp_path), 2, reload_s,
@@ -781,12 +784,38 @@ def test_rows_queued_behind_a_killed_worker_move_to_the_other_replica(tmp_path: 
         assert answered and waiting  # the rows the router sent behind the hung batch wait
         os.kill(pid, signal.SIGKILL)
         rest = [f.result(timeout=reload_s / 2) for f in futures]
-        assert not held.done()  # the reload is not over: they did not wait for it
+        outcome = held.result(timeout=reload_s / 2)  # its batch ran on the other replica
+        still_loading = killed in engine.pool.loading()
+        served_by = {r.device for r in engine.batch_log}
+        while killed in engine.pool.loading():  # the fresh worker loads its models
+            time.sleep(0.05)
+        after = [engine.submit(t) for t in texts(8)]
+        after = [f.result(timeout=10) for f in after]
+        back = {r.device for r in engine.batch_log} - served_by
+        moved, restarts = engine.moved_batches, engine.worker_restarts
         assert engine.pids()[killed] != pid
-        outcome = held.result(timeout=60)
-    assert [o.status for o in rest] == ["ok"] * 8
+    assert still_loading and served_by == {"cpu0", "cpu1"} - {killed}
+    assert [o.status for o in rest + after] == ["ok"] * 16
     assert [o.value for o in rest] == labels("a", texts(8))
     assert outcome.status == "ok"
+    assert outcome.value == labels("a", ["held until its worker is killed"])[0]
+    assert moved == 1 and restarts == 1 and back == {killed}  # the fresh worker serves
+
+
+def test_a_row_that_crashes_every_worker_ends_in_error_after_its_retries() -> None:
+    """A row whose call kills its worker process: its batch moves to the other replica once
+    (its one retry) and then ends in error naming the death; it does not bounce between the
+    replicas, the other rows are answered, and the model is not marked failed."""
+    sources = {"a": functools.partial(fakes.CrashesOn, "a", "poison")}
+    with Engine(two_replica_plan(), sources, workers="process", deadline=FAST) as engine:
+        poison = engine.submit("poison row")
+        bad = poison.result(timeout=60)
+        good = [f.result(timeout=60) for f in [engine.submit(t) for t in texts(8)]]
+        moved, failed = engine.moved_batches, dict(engine.failed_models)
+    assert bad.status == "error" and "died" in bad.error and "failed 2 times" in bad.error
+    assert moved == 1 and failed == {}
+    assert [o.status for o in good] == ["ok"] * 8 and [o.value for o in good] == \
+        labels("a", texts(8))
 
 
 def test_a_worker_killed_while_idle_is_replaced_at_once_and_routed_around(tmp_path: Path

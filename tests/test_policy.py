@@ -203,6 +203,51 @@ def test_rows_queued_on_a_reloading_device_move_to_the_other_replicas_oldest_fir
     assert d.queued_ids(3) == (99,)
 
 
+def test_a_failed_batch_requeues_at_the_other_replicas_and_keeps_its_devices_busy() -> None:
+    """``requeue``: a running batch whose worker died goes back to the queues of its model's
+    other replicas (the shortest queue first, ahead of rows queued after it started), and
+    what is ready starts there; its own devices stay busy (the worker reloads). A model with
+    no other replica, or whose others load too, gets None and nothing changes."""
+    plan = plan_of([("a", ("d0",)), ("a", ("d1",)), ("a", ("d2",))], (Cascade(("a",)),),
+                   ranges=[(0, (1.0, 1.0, 1.0), (1, 1, 1))], max_batch=(3, 3, 3),
+                   max_wait_s=0.05)
+    clock = VirtualClock()
+    d = Dispatcher(plan, clock)
+    started = d.admit(0, metered=False, replica=0)
+    started += d.admit(1, metered=False, replica=0)  # d0 is busy with row 0: row 1 waits
+    assert [b.request_ids for b in started] == [(0,)]
+    failed = started[0]
+    d._busy.update({"d1", "d2"})  # the other devices run batches too
+    clock.t = 0.01
+    d.admit(2, metered=False, replica=1)  # queued after the failed batch started
+    clock.t = 0.02
+    assert d.requeue(failed) == []  # nothing can start: every device is busy
+    assert d.busy_devices() == {"d0", "d1", "d2"}  # d0 stays busy: its worker reloads
+    assert d.queued_ids(2) == (0,) and d.queued_ids(1) == (2,)  # the shorter queue, d2
+    assert list(d._since[2]) == [0.0] and d.next_deadline() == pytest.approx(0.05)
+    d._busy.discard("d2")
+    assert [b.request_ids for b in d.poll({"d2"})] == [(0,)]
+    # ahead of the rows queued after the batch started; a replica whose device loads is avoided
+    clock2 = VirtualClock()
+    d2 = Dispatcher(plan, clock2)
+    d2._busy.add("d0")  # d0 runs another plan's batch
+    b = d2.admit(7, metered=False, replica=1)[0]  # runs on d1 from 0.0
+    clock2.t = 1.0
+    d2.admit(9, metered=False, replica=0)  # waits at d0
+    assert d2.requeue(b, avoid={"d2"}) == []  # d2 loads: 7 goes to d0, ahead of 9
+    assert d2.queued_ids(0) == (7, 9) and d2.queued(2) == 0
+    d2._busy.discard("d0")
+    assert [b.request_ids for b in d2.poll({"d0"})] == [(7, 9)]
+    with pytest.raises(PolicyError, match="not running here"):  # it was taken off
+        d2.requeue(b)
+    # one replica only (b): None, the batch still runs
+    one = plan_of([("b", ("d0",))], (Cascade(("b",)),), ranges=[(0, (1.0,), (1,))],
+                  max_batch=(2,))
+    d3 = Dispatcher(one, VirtualClock())
+    b3 = d3.admit(0, metered=False)[0]
+    assert d3.requeue(b3) is None and d3.busy_devices() == {"d0"}
+    assert d3.finish(b3, [1.0]).resolved == (0,)  # still running there
+
 # -- Router ------------------------------------------------------------------------------------
 
 

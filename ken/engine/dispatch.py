@@ -196,6 +196,11 @@ class Scheduler:
         # devices whose worker crashed or hung and reloads for the retry of its batch:
         # admission routes around them until that batch is back
         self._reloading: set[str] = set()
+        # the devices of a failed batch whose rows were moved to another replica, held busy
+        # until the worker (keyed by the batch's first device) is back
+        self._held: dict[str, tuple[str, ...]] = {}
+        self._row_attempts: dict[int, int] = {}  # moved rows -> failed attempts so far
+        self.moved_batches = 0  # failed batches whose rows ran on another replica
         self.rejected = 0  # online requests admission turned away (under requests.lock)
 
     def dispatcher(self, operator: str) -> Dispatcher:
@@ -232,8 +237,7 @@ class Scheduler:
             elif kind == "reloading":  # a worker found dead between batches restarts
                 self._reload(event[1])
             elif kind == "reloaded":
-                self._reloading.difference_update(event[1])
-                self._freed(event[1])
+                self._reloaded(event[1])
             elif kind == "swap":
                 self._swap(*event[1:])
             elif kind == "stop":
@@ -248,6 +252,7 @@ class Scheduler:
         for disp in self._dispatchers():
             disp.drain()
         self._bulk.clear()
+        self._row_attempts.clear()
         self.admission.forget_all()
         return self.requests.cancel_all("the engine shut down before it ran")
 
@@ -323,6 +328,9 @@ class Scheduler:
 
     def _finished(self, batch: Batch | BulkBatch, values: list, scores: np.ndarray) -> None:
         self.breaker.ran(batch)
+        if self._row_attempts:
+            for rid in batch.request_ids:
+                self._row_attempts.pop(rid, None)
         self._reloading.difference_update(batch.devices)
         if isinstance(batch, BulkBatch):
             for d in batch.devices:
@@ -356,14 +364,20 @@ class Scheduler:
     def _failed(self, batch: Batch | BulkBatch, message: str, crashed: bool,
                 expected_s: float | None, never_returned: bool = False) -> None:
         """A model call raised (``crashed``: or its worker died or hung; ``never_returned``:
-        past the first-call bound): run the batch once more on the replaced worker, else end
-        its rows in error."""
-        error = self.breaker.failed(batch, message, crashed, never_returned)
+        past the first-call bound): run its rows once more, else end them in error. After a
+        crash the rows run on another replica of the model while the worker reloads (its
+        devices held until it is back, ``_move_failed``); where there is none, the batch runs
+        again on the replaced worker."""
+        prior = max((self._row_attempts.pop(rid, 0) for rid in batch.request_ids), default=0) \
+            if self._row_attempts else 0
+        error = self.breaker.failed(batch, message, crashed, never_returned, prior)
         for rid in batch.request_ids:  # a failed attempt says nothing about queueing
             self.admission.forget(rid)
         if error is None:  # run the same batch again (the device stays busy)
             if crashed:
                 self._reload(batch.devices)
+                if self._move_failed(batch):
+                    return
             self.pool.run(batch, expected_s)
             return
         self._reloading.difference_update(batch.devices)
@@ -386,6 +400,40 @@ class Scheduler:
                                   error=error)
         self._launch(disp, fin.started)
         self._freed(batch.devices)
+
+    def _move_failed(self, batch: Batch | BulkBatch) -> bool:
+        """The rows of ``batch``, whose worker died or hung, to the other replicas of its
+        model (``Dispatcher.requeue``) while the worker reloads, instead of waiting for the
+        reload; the batch's devices stay busy until it is back (``_reloaded``). False when
+        nothing moved: a bulk batch, a worker the pool does not replace between batches, or
+        no other replica that does not reload too."""
+        if isinstance(batch, BulkBatch) or not self.pool.revivable(batch.devices[0]):
+            return False
+        disp = self._owner[id(batch)]
+        started = disp.requeue(batch, self._reloading | self.pool.loading())
+        if started is None:
+            return False
+        del self._owner[id(batch)]
+        attempts = self.breaker.moved(batch)
+        for rid in batch.request_ids:
+            self._row_attempts[rid] = attempts
+        self._held[batch.devices[0]] = batch.devices
+        self.moved_batches += 1
+        self.pool.revive(batch.devices[0])
+        self._forget_queued(disp, {batch.model}, started)
+        self._launch(disp, started)
+        return True
+
+    def _reloaded(self, devices: tuple[str, ...]) -> None:
+        """A fresh worker on ``devices`` loaded its models: take its devices back (those a
+        moved batch held too) and start what waits for them."""
+        freed = set(devices)
+        for d in devices:
+            held = self._held.pop(d, ())
+            freed.update(held)
+            self._busy.difference_update(held)
+        self._reloading.difference_update(freed)
+        self._freed(tuple(freed))
 
     def _reload(self, devices: tuple[str, ...]) -> None:
         """A fresh worker on ``devices`` reloads its models for the retry of a batch: route
@@ -411,14 +459,20 @@ class Scheduler:
                 continue
             models = {disp.plan.placement[rep].model for rep in stuck}
             started = disp.move_queued(self._reloading, loading)
-            for rep, r in enumerate(disp.plan.placement):
-                if r.model in models:
-                    for rid in disp.queued_ids(rep):
-                        self.admission.forget(rid)
-            for b in started:
-                for rid in b.request_ids:
-                    self.admission.forget(rid)
+            self._forget_queued(disp, models, started)
             self._launch(disp, started)
+
+    def _forget_queued(self, disp: Dispatcher, models: set[str], started: list[Batch]) -> None:
+        """Admission forgets the rows queued at ``models``' replicas and the rows of
+        ``started``: rows moved there from a reloading replica, queued ahead of them by age,
+        make their wait the reload's, not the load's."""
+        for rep, r in enumerate(disp.plan.placement):
+            if r.model in models:
+                for rid in disp.queued_ids(rep):
+                    self.admission.forget(rid)
+        for b in started:
+            for rid in b.request_ids:
+                self.admission.forget(rid)
 
     def _swap(self, plan: GearPlan, done: Future) -> None:
         op = plan.operator

@@ -8,7 +8,8 @@ batches, their deadlines, retries, the crash-loop breaker, restarts and memory c
   from its profiled runtime, else from what its model's calls took while serving,
   ``ObservedRuntimes``, else a first-call bound); a worker that dies or misses it is
   replaced by its runner (``workers.py``); one found dead while its device is idle is replaced
-  at once (looked for every ``IDLE_CHECK_S``). What a batch did is reported as an event:
+  at once (looked for every ``IDLE_CHECK_S``), as is one whose failed batch the scheduler
+  moved to another replica (``revive``). What a batch did is reported as an event:
   ``("done", batch, values, scores)`` or ``("failed", batch, message, crashed, expected_s,
   never_returned)``; an idle replacement as ``("reloading", devices)`` then ``("reloaded",
   devices)``.
@@ -202,18 +203,24 @@ class Breaker:
         """Why ``model`` is not run any more (None: it is)."""
         return self._failed.get(model)
 
+    def moved(self, batch: RunnableBatch) -> int:
+        """``batch`` failed and will not run again as such: its rows run in other batches.
+        Its failed attempts so far (what those batches pass as ``prior``)."""
+        return self._attempts.pop(id(batch), 0)
+
     def ran(self, batch: RunnableBatch) -> None:
         """``batch`` ran: its model's crashes are no longer "in a row"."""
         self._attempts.pop(id(batch), None)
         self._crashes.pop(batch.model, None)
 
     def failed(self, batch: RunnableBatch, message: str, crashed: bool,
-               never_returned: bool = False) -> str | None:
+               never_returned: bool = False, prior: int = 0) -> str | None:
         """An attempt of ``batch`` raised (``crashed``: or its worker died or hung). None: run
         it again; else the error its rows end with. ``never_returned``: it hung past the
         first-call bound, no call of its model having ever returned; when its retries are
         spent too the model is marked failed at once (the next batch would only wait the
-        bound again), not after ``max_crashes``."""
+        bound again), not after ``max_crashes``. ``prior``: failed attempts its rows had in
+        other batches (rows of a failed batch moved to another replica, ``moved``)."""
         model = batch.model
         if crashed and model not in self._failed:
             crashes = self._crashes[model] = self._crashes.get(model, 0) + 1
@@ -223,7 +230,7 @@ class Breaker:
                     f"in a row (last: {message}); the engine does not run it again: fix the "
                     "model and serve again")
         failed = self._failed.get(model)
-        attempts = self._attempts.get(id(batch), 0) + 1
+        attempts = self._attempts.get(id(batch), prior) + 1
         self._attempts[id(batch)] = attempts
         if attempts <= self.max_retries and failed is None:
             return None
@@ -419,6 +426,17 @@ class DevicePool:
         """Queue ``batch`` on its first device (``expected_s``: its profiled runtime)."""
         self._queues[batch.devices[0]].put(("run", batch, expected_s))
 
+    def revivable(self, device: str) -> bool:
+        """Whether ``device``'s worker is a process that ``revive`` replaces between batches
+        (a thread worker has nothing to reload; Ray restarts its own actors)."""
+        return isinstance(self._runners.get(device), ProcessRunner)
+
+    def revive(self, device: str) -> None:
+        """Replace ``device``'s worker, which died or was killed with a batch that now runs
+        elsewhere: reported as ``("reloading", (device,))`` then ``("reloaded", (device,))``
+        (see ``_revive``), in turn with what else is queued there."""
+        self._queues[device].put(("revive",))
+
     def hosts(self, model: str) -> list[str]:
         """Devices that have ``model`` loaded."""
         return [d for d, ms in self._loaded_on.items() if model in ms]
@@ -483,6 +501,9 @@ class DevicePool:
                 continue
             if item is _STOP:
                 return
+            if item[0] == "revive":
+                self._revive(device, runner, None)
+                continue
             if item[0] == "load":
                 _, name, source, done = item
                 try:
@@ -530,17 +551,20 @@ class DevicePool:
             self._report(("done", batch, values, scores))
 
     def _revive(self, device: str, runner: ProcessRunner | ThreadRunner | RayRunner,
-                code: int) -> None:
-        """Replace ``device``'s worker process, found dead between batches (exit ``code``).
+                code: int | None) -> None:
+        """Replace ``device``'s worker process, found dead between batches (exit ``code``), or
+        (``code`` None) asked by ``revive``: its batch died with it and runs elsewhere.
         The scheduler routes around the device and moves the rows queued there meanwhile
         (``("reloading", devices)``), and takes it back when the fresh worker has loaded its
         models (``("reloaded", devices)``). A fresh worker that fails to start is left to the
         next batch sent there, whose failure the breaker counts."""
-        self.idle_deaths += 1
+        if code is not None:
+            self.idle_deaths += 1
         self._report(("reloading", (device,)))
         try:
             runner.revive()
         except Exception as exc:  # noqa: BLE001 - this thread must never die
-            self.revive_errors.append(f"{device} (exit code {code}): {exc}")
+            why = "its batch ran elsewhere" if code is None else f"exit code {code}"
+            self.revive_errors.append(f"{device} ({why}): {exc}")
             del self.revive_errors[:-8]
         self._report(("reloaded", (device,)))

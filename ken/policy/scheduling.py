@@ -480,6 +480,30 @@ class Dispatcher:
                 moved[to] = None
         return self._start_ready(moved, now)
 
+    def requeue(self, batch: Batch, avoid: Iterable[str] = ()) -> list[Batch] | None:
+        """A running batch failed with its worker (killed, crashed or hung), which now
+        reloads for seconds: queue its rows at the other replicas of its model not on its
+        devices nor ``avoid`` (other devices that load), each to the shortest queue, ahead of
+        the rows queued after the batch started; start what is ready. The batch's devices
+        stay busy (the caller frees them when the worker is back). None, and nothing
+        changed, when its model has no such replica (the batch must run again in place)."""
+        if self._running.get(batch.replica) is not batch:
+            raise PolicyError(f"batch on replica {batch.replica} is not running here")
+        away = set(batch.devices) | set(avoid)
+        others = [r for r in self._replicas_of[batch.model]
+                  if r != batch.replica and away.isdisjoint(self._devices[r])]
+        if not others:
+            return None
+        del self._running[batch.replica]
+        moved: dict[int, None] = {}
+        for rid in batch.request_ids:
+            if rid not in self._req_stage:
+                raise PolicyError(f"request {rid} is not in flight")
+            to = min(others, key=lambda r: len(self._queue[r]))
+            self._insert(to, rid, batch.started_s)
+            moved[to] = None
+        return self._start_ready(moved, self.clock.now())
+
     def drain(self) -> list[int]:
         """Remove every queued (not running) request and return their ids, e.g. on shutdown."""
         out = []
