@@ -183,17 +183,23 @@ class CrashingModel(FakeModel):
 
 class CrashesOn(FakeModel):
     """A model whose calls end its process at once when a row holds ``word`` (an input that
-    crashes native code); other calls answer as ``FakeModel``."""
+    crashes native code), and take ``slow_s`` when a row holds ``slow_word``; other calls
+    answer as ``FakeModel``."""
 
-    def __init__(self, name: str, word: str) -> None:
+    def __init__(self, name: str, word: str, slow_word: str | None = None,
+                 slow_s: float = 0.0) -> None:
         super().__init__(name)
         self.word = word
+        self.slow_word = slow_word
+        self.slow_s = slow_s
 
     def predict(self, texts: Sequence[str], batch_size: int = 32) -> Prediction:
         if any(self.word in t for t in texts):
             import os
 
             os._exit(70)
+        if self.slow_word is not None and any(self.slow_word in t for t in texts):
+            time.sleep(self.slow_s)
         return super().predict(texts, batch_size)
 
 

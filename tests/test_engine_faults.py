@@ -783,23 +783,24 @@ def test_rows_queued_behind_a_killed_worker_move_to_the_other_replica(tmp_path: 
         answered, waiting = wait(futures, timeout=2.0)
         assert answered and waiting  # the rows the router sent behind the hung batch wait
         os.kill(pid, signal.SIGKILL)
+        wait_for(tmp_path / "reloading")  # the fresh worker loads (8 s)
         rest = [f.result(timeout=reload_s / 2) for f in futures]
         outcome = held.result(timeout=reload_s / 2)  # its batch ran on the other replica
         still_loading = killed in engine.pool.loading()
         served_by = {r.device for r in engine.batch_log}
-        while killed in engine.pool.loading():  # the fresh worker loads its models
-            time.sleep(0.05)
-        after = [engine.submit(t) for t in texts(8)]
-        after = [f.result(timeout=10) for f in after]
-        back = {r.device for r in engine.batch_log} - served_by
+        after: list = []
+        deadline = time.monotonic() + 30.0
+        while not any(r.device == killed for r in engine.batch_log):  # until it serves again
+            assert time.monotonic() < deadline, "the replaced worker never served again"
+            after.append(engine.submit(f"after the reload {len(after)}").result(timeout=30))
         moved, restarts = engine.moved_batches, engine.worker_restarts
         assert engine.pids()[killed] != pid
     assert still_loading and served_by == {"cpu0", "cpu1"} - {killed}
-    assert [o.status for o in rest + after] == ["ok"] * 16
+    assert [o.status for o in rest + after] == ["ok"] * (8 + len(after))
     assert [o.value for o in rest] == labels("a", texts(8))
     assert outcome.status == "ok"
     assert outcome.value == labels("a", ["held until its worker is killed"])[0]
-    assert moved == 1 and restarts == 1 and back == {killed}  # the fresh worker serves
+    assert moved == 1 and restarts == 1
 
 
 def test_a_row_that_crashes_every_worker_ends_in_error_after_its_retries() -> None:
@@ -816,6 +817,30 @@ def test_a_row_that_crashes_every_worker_ends_in_error_after_its_retries() -> No
     assert moved == 1 and failed == {}
     assert [o.status for o in good] == ["ok"] * 8 and [o.value for o in good] == \
         labels("a", texts(8))
+
+
+def test_rows_that_share_a_batch_with_a_crashing_row_get_their_own_retry() -> None:
+    """The crashing row's second batch, on the other replica, also holds rows queued there
+    that never failed: they are not failed with it (retries are counted per row) but run
+    again once a worker is back."""
+    sources = {"a": functools.partial(fakes.CrashesOn, "a", "poison", "slow", 3.0)}
+    patient = BatchDeadline(floor_s=60.0)  # the slow row is not a hang
+    with Engine(two_replica_plan(), sources, workers="process", deadline=patient,
+                admission="max_in_flight") as engine:
+        slow = engine.submit("slow row")  # one replica runs it for 3 s
+        poison = engine.submit("poison row")  # the other: its worker dies, it moves behind
+        deadline = time.monotonic() + 30.0
+        while engine.moved_batches < 1:
+            assert time.monotonic() < deadline, "the crashed batch never moved"
+            time.sleep(0.01)
+        fresh = [engine.submit(t) for t in texts(3)]  # queued behind the slow row with it
+        bad = poison.result(timeout=60)
+        good = [f.result(timeout=60) for f in [slow, *fresh]]
+        restarts = engine.worker_restarts
+    assert bad.status == "error" and "failed 2 times" in bad.error
+    assert [o.status for o in good] == ["ok"] * 4
+    assert [o.value for o in good[1:]] == labels("a", texts(3))
+    assert restarts == 2  # each replica's worker once
 
 
 def test_a_worker_killed_while_idle_is_replaced_at_once_and_routed_around(tmp_path: Path

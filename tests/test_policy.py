@@ -206,8 +206,9 @@ def test_rows_queued_on_a_reloading_device_move_to_the_other_replicas_oldest_fir
 def test_a_failed_batch_requeues_at_the_other_replicas_and_keeps_its_devices_busy() -> None:
     """``requeue``: a running batch whose worker died goes back to the queues of its model's
     other replicas (the shortest queue first, ahead of rows queued after it started), and
-    what is ready starts there; its own devices stay busy (the worker reloads). A model with
-    no other replica, or whose others load too, gets None and nothing changes."""
+    what is ready starts there; its own devices stay busy (the worker reloads). The rows
+    named failed leave the dispatcher. With no other replica (or only ones that load too)
+    the rows wait at the batch's own replica, for its devices."""
     plan = plan_of([("a", ("d0",)), ("a", ("d1",)), ("a", ("d2",))], (Cascade(("a",)),),
                    ranges=[(0, (1.0, 1.0, 1.0), (1, 1, 1))], max_batch=(3, 3, 3),
                    max_wait_s=0.05)
@@ -221,35 +222,46 @@ def test_a_failed_batch_requeues_at_the_other_replicas_and_keeps_its_devices_bus
     clock.t = 0.01
     d.admit(2, metered=False, replica=1)  # queued after the failed batch started
     clock.t = 0.02
-    assert d.requeue(failed) == []  # nothing can start: every device is busy
+    assert d.requeue(failed) == ([], True)  # nothing can start: every device is busy
     assert d.busy_devices() == {"d0", "d1", "d2"}  # d0 stays busy: its worker reloads
     assert d.queued_ids(2) == (0,) and d.queued_ids(1) == (2,)  # the shorter queue, d2
     assert list(d._since[2]) == [0.0] and d.next_deadline() == pytest.approx(0.05)
     d._busy.discard("d2")
     assert [b.request_ids for b in d.poll({"d2"})] == [(0,)]
-    # ahead of the rows queued after the batch started; a replica whose device loads is avoided
+    # ahead of the rows queued after the batch started; a replica whose device loads is
+    # avoided; a failed row leaves
     clock2 = VirtualClock()
     d2 = Dispatcher(plan, clock2)
     d2._busy.add("d0")  # d0 runs another plan's batch
     b = d2.admit(7, metered=False, replica=1)[0]  # runs on d1 from 0.0
+    assert d2.admit(8, metered=False, replica=1) == []  # waits for d1
     clock2.t = 1.0
     d2.admit(9, metered=False, replica=0)  # waits at d0
-    assert d2.requeue(b, avoid={"d2"}) == []  # d2 loads: 7 goes to d0, ahead of 9
-    assert d2.queued_ids(0) == (7, 9) and d2.queued(2) == 0
+    with pytest.raises(PolicyError, match="not in flight in this batch"):
+        d2.requeue(b, failed=[8])  # row 8 is not in the batch: nothing changes
+    assert d2.requeue(b, avoid={"d2"}) == ([], True)  # d2 loads: 7 goes to d0
+    assert d2.queued_ids(0) == (7, 9) and d2.queued(2) == 0 and d2.in_flight == 3
     d2._busy.discard("d0")
     assert [b.request_ids for b in d2.poll({"d0"})] == [(7, 9)]
     with pytest.raises(PolicyError, match="not running here"):  # it was taken off
         d2.requeue(b)
-    # one replica only (b): None, the batch still runs
+    # one replica only: the surviving rows wait at it until its devices are free again
     one = plan_of([("b", ("d0",))], (Cascade(("b",)),), ranges=[(0, (1.0,), (1,))],
-                  max_batch=(2,))
-    d3 = Dispatcher(one, VirtualClock())
-    b3 = d3.admit(0, metered=False)[0]
-    assert d3.requeue(b3) is None and d3.busy_devices() == {"d0"}
-    assert d3.finish(b3, [1.0]).resolved == (0,)  # still running there
-
-# -- Router ------------------------------------------------------------------------------------
-
+                  max_batch=(3,))
+    clock3 = VirtualClock()
+    d3 = Dispatcher(one, clock3)
+    running = d3.admit(0, metered=False)[0]
+    assert d3.admit(1, metered=False) == d3.admit(5, metered=False) == []  # they wait
+    clock3.t = 0.5
+    assert d3.requeue(running) == ([], False)
+    assert d3.busy_devices() == {"d0"} and d3.queued_ids(0) == (0, 1, 5)  # 0 ahead
+    d3._busy.discard("d0")
+    again = d3.poll({"d0"})
+    assert [x.request_ids for x in again] == [(0, 1, 5)]
+    assert d3.requeue(again[0], failed=[1]) == ([], False)  # row 1 ends in error
+    assert d3.in_flight == 2 and d3.queued_ids(0) == (0, 5)
+    with pytest.raises(KeyError):
+        d3.range_of(1)
 
 def test_router_follows_shares_and_is_deterministic() -> None:
     plan = plan_of([("a", ("d0",)), ("a", ("d1",)), ("a", ("d2",)), ("b", ("d3",))],

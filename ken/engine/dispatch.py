@@ -199,8 +199,8 @@ class Scheduler:
         # the devices of a failed batch whose rows were moved to another replica, held busy
         # until the worker (keyed by the batch's first device) is back
         self._held: dict[str, tuple[str, ...]] = {}
-        self._row_attempts: dict[int, int] = {}  # moved rows -> failed attempts so far
-        self.moved_batches = 0  # failed batches whose rows ran on another replica
+        self._row_attempts: dict[int, int] = {}  # rows of failed batches -> their failures
+        self.moved_batches = 0  # failed batches whose rows went on to another replica
         self.rejected = 0  # online requests admission turned away (under requests.lock)
 
     def dispatcher(self, operator: str) -> Dispatcher:
@@ -315,6 +315,7 @@ class Scheduler:
             now = self.clock.now() if drops else 0.0
             for drop in drops:
                 self.admission.forget(drop.request_id)
+                self._row_attempts.pop(drop.request_id, None)
                 self.requests.resolve(drop.request_id, "dropped", now, error=drop.reason)
 
     def _freed(self, devices: tuple[str, ...]) -> None:
@@ -364,20 +365,19 @@ class Scheduler:
     def _failed(self, batch: Batch | BulkBatch, message: str, crashed: bool,
                 expected_s: float | None, never_returned: bool = False) -> None:
         """A model call raised (``crashed``: or its worker died or hung; ``never_returned``:
-        past the first-call bound): run its rows once more, else end them in error. After a
-        crash the rows run on another replica of the model while the worker reloads (its
-        devices held until it is back, ``_move_failed``); where there is none, the batch runs
-        again on the replaced worker."""
-        prior = max((self._row_attempts.pop(rid, 0) for rid in batch.request_ids), default=0) \
-            if self._row_attempts else 0
-        error = self.breaker.failed(batch, message, crashed, never_returned, prior)
+        past the first-call bound): run its rows once more, else end them in error. When a
+        process worker died or hung, its rows do not wait in the batch for its reload
+        (``_requeue_failed``); otherwise the same batch runs again in place."""
         for rid in batch.request_ids:  # a failed attempt says nothing about queueing
             self.admission.forget(rid)
+        if crashed and not isinstance(batch, BulkBatch) and \
+                self.pool.revivable(batch.devices[0]):
+            self._requeue_failed(batch, message, never_returned)
+            return
+        error = self.breaker.failed(batch, message, crashed, never_returned)
         if error is None:  # run the same batch again (the device stays busy)
             if crashed:
                 self._reload(batch.devices)
-                if self._move_failed(batch):
-                    return
             self.pool.run(batch, expected_s)
             return
         self._reloading.difference_update(batch.devices)
@@ -401,28 +401,41 @@ class Scheduler:
         self._launch(disp, fin.started)
         self._freed(batch.devices)
 
-    def _move_failed(self, batch: Batch | BulkBatch) -> bool:
-        """The rows of ``batch``, whose worker died or hung, to the other replicas of its
-        model (``Dispatcher.requeue``) while the worker reloads, instead of waiting for the
-        reload; the batch's devices stay busy until it is back (``_reloaded``). False when
-        nothing moved: a bulk batch, a worker the pool does not replace between batches, or
-        no other replica that does not reload too."""
-        if isinstance(batch, BulkBatch) or not self.pool.revivable(batch.devices[0]):
-            return False
-        disp = self._owner[id(batch)]
-        started = disp.requeue(batch, self._reloading | self.pool.loading())
-        if started is None:
-            return False
-        del self._owner[id(batch)]
-        attempts = self.breaker.moved(batch)
-        for rid in batch.request_ids:
-            self._row_attempts[rid] = attempts
-        self._held[batch.devices[0]] = batch.devices
-        self.moved_batches += 1
-        self.pool.revive(batch.devices[0])
+    def _requeue_failed(self, batch: Batch, message: str, never_returned: bool) -> None:
+        """``batch``'s worker process died or hung: the pool replaces it at once, its devices
+        held busy until the fresh worker has loaded (``_reloaded``). Each row counts its own
+        failed attempts (``_row_attempts``, across the batches it was in): those past the
+        retries end in error, the others go to the other replicas of the model
+        (``Dispatcher.requeue``) instead of waiting for the reload, or, where there is none,
+        back to the batch's own queue, to run once the worker is back. A device whose every
+        model is marked failed is not revived (nothing would run there)."""
+        disp = self._owner.pop(id(batch))
+        ids = batch.request_ids
+        attempts = [self._row_attempts.pop(rid, 0) + 1 for rid in ids]
+        errors = self.breaker.failed_rows(batch, message, True, never_returned, attempts)
+        failed = {rid: e for rid, e in zip(ids, errors, strict=True) if e is not None}
+        gears = {rid: disp.range_of(rid) for rid in failed}
+        started, elsewhere = disp.requeue(batch, self._reloading | self.pool.loading(),
+                                          failed)
+        now = self.clock.now()
+        for rid, error in failed.items():
+            self.requests.resolve(rid, "error", now, model=batch.model, gear=gears[rid],
+                                  error=error)
+        for rid, n in zip(ids, attempts, strict=True):
+            if rid not in failed:
+                self._row_attempts[rid] = n
+        if elsewhere and len(failed) < len(ids):
+            self.moved_batches += 1
+        device = batch.devices[0]
+        if any(self.breaker.reason(m) is None for m in self.pool.models_on(device)):
+            self._held[device] = batch.devices
+            self.pool.revive(device)
+            self._reload(batch.devices)
+        else:
+            self._busy.difference_update(batch.devices)
+            self._freed(batch.devices)
         self._forget_queued(disp, {batch.model}, started)
         self._launch(disp, started)
-        return True
 
     def _reloaded(self, devices: tuple[str, ...]) -> None:
         """A fresh worker on ``devices`` loaded its models: take its devices back (those a

@@ -40,10 +40,10 @@ longer make its end-to-end deadline (below). Failure behaviour (DESIGN.md sectio
   plan without runtimes: of what its model's calls took while serving, or the first-call
   bound, 20 s by default, until one returned). A process worker that misses it is killed and
   replaced; a thread worker's call is abandoned (threads cannot be killed) and the device
-  gets a fresh thread. The batch runs once more (``max_retries``, counted per row), then its
-  rows end in ``error`` saying the model did not return within the deadline. A process
-  worker that died or was killed with a batch is replaced at once, and the batch's rows run
-  again on another replica of their model while it reloads (its own if there is none).
+  gets a fresh thread. The rows run once more (``max_retries``, counted per row), then they
+  end in ``error`` saying the model did not return within the deadline. A process worker
+  that died, hung or was killed with a batch is replaced at once, and the batch's rows run
+  again on another replica of their model while it reloads (with none, after the reload).
 - *crashes*: a model whose calls crash or hang their worker ``max_crashes`` times in a row is
   marked failed: its queued rows and later requests end in ``error`` at once, with the reason.
 - *shutdown*: admission stops, nothing is restarted, admitted requests drain (up to a

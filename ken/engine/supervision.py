@@ -203,25 +203,38 @@ class Breaker:
         """Why ``model`` is not run any more (None: it is)."""
         return self._failed.get(model)
 
-    def moved(self, batch: RunnableBatch) -> int:
-        """``batch`` failed and will not run again as such: its rows run in other batches.
-        Its failed attempts so far (what those batches pass as ``prior``)."""
-        return self._attempts.pop(id(batch), 0)
-
     def ran(self, batch: RunnableBatch) -> None:
         """``batch`` ran: its model's crashes are no longer "in a row"."""
         self._attempts.pop(id(batch), None)
         self._crashes.pop(batch.model, None)
 
     def failed(self, batch: RunnableBatch, message: str, crashed: bool,
-               never_returned: bool = False, prior: int = 0) -> str | None:
-        """An attempt of ``batch`` raised (``crashed``: or its worker died or hung). None: run
-        it again; else the error its rows end with. ``never_returned``: it hung past the
-        first-call bound, no call of its model having ever returned; when its retries are
-        spent too the model is marked failed at once (the next batch would only wait the
-        bound again), not after ``max_crashes``. ``prior``: failed attempts its rows had in
-        other batches (rows of a failed batch moved to another replica, ``moved``)."""
-        model = batch.model
+               never_returned: bool = False) -> str | None:
+        """An attempt of ``batch`` raised (``crashed``: or its worker died or hung), and the
+        same batch would run again in place. None: run it again; else the error its rows end
+        with. ``never_returned``: it hung past the first-call bound, no call of its model
+        having ever returned; when its retries are spent too the model is marked failed at
+        once (the next batch would only wait the bound again), not after ``max_crashes``."""
+        self._count(batch.model, message, crashed)
+        attempts = self._attempts.get(id(batch), 0) + 1
+        self._attempts[id(batch)] = attempts
+        error = self._verdicts(batch.model, message, [attempts], never_returned)[0]
+        if error is not None:
+            del self._attempts[id(batch)]
+        return error
+
+    def failed_rows(self, batch: RunnableBatch, message: str, crashed: bool,
+                    never_returned: bool, attempts: Sequence[int]) -> list[str | None]:
+        """An attempt of ``batch`` raised, as in ``failed``, and its rows run again in other
+        batches (a process worker that died or hung: they do not wait in this batch for its
+        reload). ``attempts``: each row's failed attempts, this one included. Per row: None
+        (it runs again) or the error it ends with."""
+        self._count(batch.model, message, crashed)
+        self._attempts.pop(id(batch), None)
+        return self._verdicts(batch.model, message, attempts, never_returned)
+
+    def _count(self, model: str, message: str, crashed: bool) -> None:
+        """A crash or hang of ``model`` in a row; at ``max_crashes`` it is marked failed."""
         if crashed and model not in self._failed:
             crashes = self._crashes[model] = self._crashes.get(model, 0) + 1
             if crashes >= self.max_crashes:
@@ -229,18 +242,20 @@ class Breaker:
                     f"{model} is marked failed: it {self.crash} {crashes} times "
                     f"in a row (last: {message}); the engine does not run it again: fix the "
                     "model and serve again")
+
+    def _verdicts(self, model: str, message: str, attempts: Sequence[int],
+                  never_returned: bool) -> list[str | None]:
+        spent = [a for a in attempts if a > self.max_retries]
+        if spent and never_returned and model not in self._failed:
+            self._failed[model] = (
+                f"{model} failed {max(spent)} times: {message}; no call of it has ever "
+                "returned, so it is marked failed and not run again: fix the model, or give "
+                "its first batch more time with BatchDeadline(first_call_s=...), and serve "
+                "again")
         failed = self._failed.get(model)
-        attempts = self._attempts.get(id(batch), prior) + 1
-        self._attempts[id(batch)] = attempts
-        if attempts <= self.max_retries and failed is None:
-            return None
-        del self._attempts[id(batch)]
-        if failed is None and never_returned:
-            failed = self._failed[model] = (
-                f"{model} failed {attempts} times: {message}; no call of it has ever returned, "
-                "so it is marked failed and not run again: fix the model, or give its first "
-                "batch more time with BatchDeadline(first_call_s=...), and serve again")
-        return failed or f"{model} failed {attempts} times: {message}"
+        return [failed if failed is not None else
+                None if a <= self.max_retries else f"{model} failed {a} times: {message}"
+                for a in attempts]
 
 
 class DevicePool:
@@ -425,6 +440,10 @@ class DevicePool:
     def run(self, batch: RunnableBatch, expected_s: float | None) -> None:
         """Queue ``batch`` on its first device (``expected_s``: its profiled runtime)."""
         self._queues[batch.devices[0]].put(("run", batch, expected_s))
+
+    def models_on(self, device: str) -> frozenset[str]:
+        """The models ``device`` hosts."""
+        return frozenset(self._loaded_on.get(device, ()))
 
     def revivable(self, device: str) -> bool:
         """Whether ``device``'s worker is a process that ``revive`` replaces between batches

@@ -480,29 +480,37 @@ class Dispatcher:
                 moved[to] = None
         return self._start_ready(moved, now)
 
-    def requeue(self, batch: Batch, avoid: Iterable[str] = ()) -> list[Batch] | None:
+    def requeue(self, batch: Batch, avoid: Iterable[str] = (), failed: Iterable[int] = ()
+                ) -> tuple[list[Batch], bool]:
         """A running batch failed with its worker (killed, crashed or hung), which now
-        reloads for seconds: queue its rows at the other replicas of its model not on its
-        devices nor ``avoid`` (other devices that load), each to the shortest queue, ahead of
-        the rows queued after the batch started; start what is ready. The batch's devices
-        stay busy (the caller frees them when the worker is back). None, and nothing
-        changed, when its model has no such replica (the batch must run again in place)."""
+        reloads for seconds. The rows in ``failed`` leave this dispatcher (the caller ends
+        them in error). The others are queued at the other replicas of the batch's model
+        not on its devices nor ``avoid`` (other devices that load), each at the shortest
+        queue, or, where there is none, back at the batch's own replica, where they run once
+        its devices are free again; either way ahead of the rows queued after the batch
+        started. The batch's devices stay busy (the caller frees them when the worker is
+        back). Returns the batches that start now, and whether the rows went to other
+        replicas."""
         if self._running.get(batch.replica) is not batch:
             raise PolicyError(f"batch on replica {batch.replica} is not running here")
+        gone = set(failed)
+        for rid in (*batch.request_ids, *gone):
+            if rid not in self._req_stage or rid not in batch.request_ids:
+                raise PolicyError(f"request {rid} is not in flight in this batch")
         away = set(batch.devices) | set(avoid)
         others = [r for r in self._replicas_of[batch.model]
                   if r != batch.replica and away.isdisjoint(self._devices[r])]
-        if not others:
-            return None
         del self._running[batch.replica]
-        moved: dict[int, None] = {}
-        for rid in batch.request_ids:
-            if rid not in self._req_stage:
-                raise PolicyError(f"request {rid} is not in flight")
-            to = min(others, key=lambda r: len(self._queue[r]))
-            self._insert(to, rid, batch.started_s)
-            moved[to] = None
-        return self._start_ready(moved, self.clock.now())
+        for rid in gone:
+            del self._req_stage[rid], self._req_cascade[rid], self._req_range[rid]
+        targets = others or [batch.replica]
+        rows = [rid for rid in batch.request_ids if rid not in gone]
+        queued: dict[int, None] = {}
+        for rid in reversed(rows):  # each ahead of the rows queued since it started
+            to = min(targets, key=lambda r: len(self._queue[r]))
+            self._insert(to, rid, batch.started_s, ahead=True)
+            queued[to] = None
+        return self._start_ready(queued, self.clock.now()), bool(others)
 
     def drain(self) -> list[int]:
         """Remove every queued (not running) request and return their ids, e.g. on shutdown."""
@@ -525,11 +533,12 @@ class Dispatcher:
         if len(q) == 1:
             heapq.heappush(self._deadlines, (self.trigger.deadline(now), rep))
 
-    def _insert(self, rep: int, rid: int, since_s: float) -> None:
-        """Queue ``rid`` at ``rep`` as if it had been queued at ``since_s``."""
+    def _insert(self, rep: int, rid: int, since_s: float, ahead: bool = False) -> None:
+        """Queue ``rid`` at ``rep`` as if it had been queued at ``since_s`` (``ahead``: before
+        the rows queued at that same time too)."""
         q, s = self._queue[rep], self._since[rep]
         at = len(s)
-        while at > 0 and s[at - 1] > since_s:
+        while at > 0 and (s[at - 1] > since_s or (ahead and s[at - 1] == since_s)):
             at -= 1
         q.insert(at, rid)
         s.insert(at, since_s)
