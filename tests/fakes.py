@@ -187,11 +187,13 @@ class CrashesOn(FakeModel):
     answer as ``FakeModel``."""
 
     def __init__(self, name: str, word: str, slow_word: str | None = None,
-                 slow_s: float = 0.0) -> None:
+                 slow_s: float = 0.0, slow_flag: str | None = None) -> None:
+        """``slow_flag``: a file written when a slow call starts."""
         super().__init__(name)
         self.word = word
         self.slow_word = slow_word
         self.slow_s = slow_s
+        self.slow_flag = slow_flag
 
     def predict(self, texts: Sequence[str], batch_size: int = 32) -> Prediction:
         if any(self.word in t for t in texts):
@@ -199,6 +201,10 @@ class CrashesOn(FakeModel):
 
             os._exit(70)
         if self.slow_word is not None and any(self.slow_word in t for t in texts):
+            if self.slow_flag is not None:
+                from pathlib import Path
+
+                Path(self.slow_flag).write_text("slow call started")
             time.sleep(self.slow_s)
         return super().predict(texts, batch_size)
 

@@ -100,12 +100,18 @@ def test_a_stuck_batch_is_killed_replaced_retried_once_then_fails_its_rows() -> 
         outcomes = [f.result(timeout=60) for f in [engine.submit(t) for t in rows]]
         took = time.monotonic() - started
         assert engine.in_flight == 0
+        deadline = time.monotonic() + 30.0
+        while engine.worker_restarts < 2:  # the second replacement starts after the errors
+            assert time.monotonic() < deadline, "the killed worker was not replaced"
+            time.sleep(0.01)
         timeouts, restarts = engine.timeouts, engine.worker_restarts
     assert [o.status for o in outcomes] == ["error"] * 4
     for o in outcomes:
         assert "failed 2 times" in o.error and "a did not return within 0.5 s" in o.error
         assert "worker process" in o.error and "was killed" in o.error
-    assert timeouts == 2 and restarts == 1  # killed twice; replaced for the one retry
+    # killed twice, replaced after each: for the retry, then so that the next batch does not
+    # wait for a reload
+    assert timeouts == 2 and restarts == 2
     assert not alive(first_pid)
     assert took < 30  # the old engine waited for ever
 
@@ -819,15 +825,18 @@ def test_a_row_that_crashes_every_worker_ends_in_error_after_its_retries() -> No
         labels("a", texts(8))
 
 
-def test_rows_that_share_a_batch_with_a_crashing_row_get_their_own_retry() -> None:
+def test_rows_that_share_a_batch_with_a_crashing_row_get_their_own_retry(tmp_path: Path
+                                                                          ) -> None:
     """The crashing row's second batch, on the other replica, also holds rows queued there
     that never failed: they are not failed with it (retries are counted per row) but run
     again once a worker is back."""
-    sources = {"a": functools.partial(fakes.CrashesOn, "a", "poison", "slow", 3.0)}
+    flag = tmp_path / "slow"
+    sources = {"a": functools.partial(fakes.CrashesOn, "a", "poison", "slow", 3.0, str(flag))}
     patient = BatchDeadline(floor_s=60.0)  # the slow row is not a hang
     with Engine(two_replica_plan(), sources, workers="process", deadline=patient,
                 admission="max_in_flight") as engine:
         slow = engine.submit("slow row")  # one replica runs it for 3 s
+        wait_for(flag)  # running: the poison row cannot share its batch
         poison = engine.submit("poison row")  # the other: its worker dies, it moves behind
         deadline = time.monotonic() + 30.0
         while engine.moved_batches < 1:
@@ -836,6 +845,10 @@ def test_rows_that_share_a_batch_with_a_crashing_row_get_their_own_retry() -> No
         fresh = [engine.submit(t) for t in texts(3)]  # queued behind the slow row with it
         bad = poison.result(timeout=60)
         good = [f.result(timeout=60) for f in [slow, *fresh]]
+        deadline = time.monotonic() + 30.0
+        while engine.worker_restarts < 2:  # the second replacement may start after the answers
+            assert time.monotonic() < deadline, "a crashed worker was not replaced"
+            time.sleep(0.01)
         restarts = engine.worker_restarts
     assert bad.status == "error" and "failed 2 times" in bad.error
     assert [o.status for o in good] == ["ok"] * 4
