@@ -467,8 +467,7 @@ class Dispatcher:
         moved: dict[int, None] = {}
         for rep in self.replicas_on(source):
             q, s = self._queue[rep], self._since[rep]
-            others = [r for r in self._replicas_of[self._model[rep]]
-                      if r != rep and away.isdisjoint(self._devices[r])]
+            others = self._other_replicas(rep, away)
             if not q or not others:
                 continue
             rows = list(zip(q, s, strict=True))
@@ -497,9 +496,7 @@ class Dispatcher:
         for rid in (*batch.request_ids, *gone):
             if rid not in self._req_stage or rid not in batch.request_ids:
                 raise PolicyError(f"request {rid} is not in flight in this batch")
-        away = set(batch.devices) | set(avoid)
-        others = [r for r in self._replicas_of[batch.model]
-                  if r != batch.replica and away.isdisjoint(self._devices[r])]
+        others = self._other_replicas(batch.replica, set(batch.devices) | set(avoid))
         del self._running[batch.replica]
         for rid in gone:
             del self._req_stage[rid], self._req_cascade[rid], self._req_range[rid]
@@ -525,6 +522,12 @@ class Dispatcher:
         return out
 
     # -- internals --------------------------------------------------------------------------
+
+    def _other_replicas(self, rep: int, away: set[str]) -> list[int]:
+        """The replicas of ``rep``'s model other than ``rep`` on none of the devices ``away``
+        (where rows waiting for ``rep`` may go instead)."""
+        return [r for r in self._replicas_of[self._model[rep]]
+                if r != rep and away.isdisjoint(self._devices[r])]
 
     def _enqueue(self, rep: int, rid: int, now: float) -> None:
         q = self._queue[rep]
