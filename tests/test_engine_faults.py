@@ -887,6 +887,71 @@ def test_a_worker_killed_while_idle_is_replaced_at_once_and_routed_around(tmp_pa
     assert restarts == idle_deaths == 1 and new_pid != pid
 
 
+
+def test_a_batch_sent_to_a_worker_killed_between_batches_runs_on_the_other_replica(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cpu0's worker is SIGKILLed between batches and the next batch reaches it before the
+    idle check does (under load the device is never idle for ``IDLE_CHECK_S``; here the check
+    is turned off). The batch goes back unrun and its rows are answered by cpu1 while the
+    fresh worker loads for 8 s (before: the batch waited in the device thread for the
+    reload, and so did every row escalated there meanwhile: the soak's 13-15 s kills)."""
+    from ken.engine import supervision
+
+    monkeypatch.setattr(supervision, "IDLE_CHECK_S", 3600.0)
+    reload_s = 8.0
+    flag = tmp_path / "hung"
+    flag.write_text("no call hangs")
+    sources = {"a": functools.partial(fakes.reloads_slowly, "a", str(tmp_path), 2, reload_s,
+                                      str(flag))}
+    with Engine(two_replica_plan(), sources, workers="process") as engine:
+        pid = engine.pids()["cpu0"]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10.0
+        # until its exit can be seen (a dying worker's threads take a moment to go)
+        while engine.pool._runners["cpu0"].died_idle() is None:
+            assert time.monotonic() < deadline, "the killed worker did not die"
+            time.sleep(0.01)
+        futures = [engine.submit(t) for t in texts(6)]
+        meanwhile = [f.result(timeout=reload_s / 2) for f in futures]
+        still_loading = "cpu0" in engine.pool.loading()
+        served_by = {r.device for r in engine.batch_log}
+        moved = engine.moved_batches
+        while "cpu0" in engine.pool.loading():  # the fresh worker loads its models
+            time.sleep(0.05)
+        after = [f.result(timeout=10) for f in [engine.submit(t) for t in texts(8)]]
+        restarts, idle_deaths, failures = (engine.worker_restarts, engine.idle_deaths,
+                                           engine.pool.failed_attempts)
+        after_by = {r.device for r in engine.batch_log}
+    assert (tmp_path / "reloading").exists() and still_loading
+    assert served_by == {"cpu1"} and moved >= 1  # cpu0's batch ran on cpu1, unrun on cpu0
+    assert [o.status for o in meanwhile + after] == ["ok"] * 14
+    assert [o.value for o in meanwhile] == labels("a", texts(6))
+    assert (restarts, idle_deaths, failures) == (1, 1, 0)  # no attempt was counted
+    assert after_by == {"cpu0", "cpu1"}  # cpu0 serves again once reloaded
+
+
+
+def test_a_batch_that_finds_the_only_replica_dead_runs_there_once_reloaded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no other replica, the batch handed back unrun waits in its queue for the fresh
+    worker and is answered; no attempt is counted against its rows."""
+    from ken.engine import supervision
+
+    monkeypatch.setattr(supervision, "IDLE_CHECK_S", 3600.0)
+    with Engine(plan(), {"a": functools.partial(FakeModel, "a")}, workers="process") as engine:
+        pid = engine.pids()["cpu0"]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10.0
+        while engine.pool._runners["cpu0"].died_idle() is None:
+            assert time.monotonic() < deadline, "the killed worker did not die"
+            time.sleep(0.01)
+        out = [f.result(timeout=60) for f in [engine.submit(t) for t in texts(5)]]
+        state = (engine.worker_restarts, engine.idle_deaths, engine.pool.failed_attempts,
+                 engine.moved_batches, engine.pids()["cpu0"] != pid)
+    assert [o.value for o in out] == labels("a", texts(5))
+    assert state == (1, 1, 0, 0, True)
+
+
 class _Scripted:
     """A device queue whose ``get`` hands out ``items`` in turn (``queue.Empty`` raised)."""
 
@@ -923,7 +988,8 @@ def test_a_worker_that_dies_again_while_idle_is_replaced_at_most_max_crashes_tim
         ) -> None:
     """The idle check replaces a dead worker up to the breaker's ``max_crashes`` times
     without a batch run between them (then the next batch and the breaker decide); a batch
-    that runs starts the count again; each replacement is announced and taken back."""
+    that runs starts the count again; each replacement is announced and taken back. A batch
+    that finds the worker dead is handed back unrun, under the same bound."""
     from types import SimpleNamespace
 
     from ken.engine.supervision import _STOP, Breaker, DevicePool
@@ -947,6 +1013,15 @@ def test_a_worker_that_dies_again_while_idle_is_replaced_at_most_max_crashes_tim
     pool._work("cpu0")
     assert failing.revived == 3 and len(pool.revive_errors) == 3
     assert "cpu0 (exit code -9): no memory left" in pool.revive_errors[0]
+    # a batch that finds the worker dead goes back unrun and the worker is replaced, under
+    # the same bound: the fourth batch in a row runs (its failure would be the breaker's)
+    events.clear()
+    runner = _DeadRunner()
+    pool._runners["cpu0"] = runner
+    pool._queues["cpu0"] = _Scripted([("run", batch, None)] * 4 + [_STOP])
+    pool._work("cpu0")
+    assert [e[0] for e in events] == ["unrun", "reloading", "reloaded"] * 3 + ["done"]
+    assert [e[1] for e in events if e[0] == "unrun"] == [batch] * 3 and runner.revived == 3
 
 
 def test_a_swap_that_loads_a_model_on_a_serving_worker_is_routed_around_meanwhile(

@@ -200,7 +200,7 @@ class Scheduler:
         # until the worker (keyed by the batch's first device) is back
         self._held: dict[str, tuple[str, ...]] = {}
         self._row_attempts: dict[int, int] = {}  # rows of failed batches -> their failures
-        self.moved_batches = 0  # failed batches whose rows went on to another replica
+        self.moved_batches = 0  # failed or unrun batches whose rows went to another replica
         self.rejected = 0  # online requests admission turned away (under requests.lock)
 
     def dispatcher(self, operator: str) -> Dispatcher:
@@ -234,6 +234,8 @@ class Scheduler:
                 self._finished(*event[1:])
             elif kind == "failed":
                 self._failed(*event[1:])
+            elif kind == "unrun":
+                self._unrun(event[1])
             elif kind == "reloading":  # a worker found dead between batches restarts
                 self._reload(event[1])
             elif kind == "reloaded":
@@ -434,6 +436,22 @@ class Scheduler:
         else:
             self._busy.difference_update(batch.devices)
             self._freed(batch.devices)
+        self._forget_queued(disp, {batch.model}, started)
+        self._launch(disp, started)
+
+    def _unrun(self, batch: Batch) -> None:
+        """``batch`` reached a worker process found dead before it ran (killed between
+        batches): the pool replaces the worker (``("reloading")`` and ``("reloaded")``
+        follow), its devices held busy until then. The batch's rows did not fail, so no
+        attempt is counted: they go to the other replicas of the model at once, ahead of the
+        rows queued after them, or, where there is none, back to their queue."""
+        disp = self._owner.pop(id(batch))
+        for rid in batch.request_ids:  # their wait so far was the dead worker's
+            self.admission.forget(rid)
+        started, elsewhere = disp.requeue(batch, self._reloading | self.pool.loading())
+        self.moved_batches += elsewhere
+        self._held[batch.devices[0]] = batch.devices
+        self._reload(batch.devices)
         self._forget_queued(disp, {batch.model}, started)
         self._launch(disp, started)
 

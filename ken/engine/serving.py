@@ -510,9 +510,9 @@ class Engine:
 
     @property
     def moved_batches(self) -> int:
-        """Batches whose worker died or hung and whose rows then ran on another replica of
-        their model while the worker reloaded (their workers are among
-        ``worker_restarts``)."""
+        """Batches whose worker died or hung (with the batch, or before it ran) and whose
+        rows then ran on another replica of their model while the worker reloaded (their
+        workers are among ``worker_restarts``)."""
         return self.scheduler.moved_batches
 
     @property

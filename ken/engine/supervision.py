@@ -8,11 +8,12 @@ batches, their deadlines, retries, the crash-loop breaker, restarts and memory c
   from its profiled runtime, else from what its model's calls took while serving,
   ``ObservedRuntimes``, else a first-call bound); a worker that dies or misses it is
   replaced by its runner (``workers.py``); one found dead while its device is idle is replaced
-  at once (looked for every ``IDLE_CHECK_S``), as is one whose failed batch the scheduler
-  moved to another replica (``revive``). What a batch did is reported as an event:
-  ``("done", batch, values, scores)`` or ``("failed", batch, message, crashed, expected_s,
-  never_returned)``; an idle replacement as ``("reloading", devices)`` then ``("reloaded",
-  devices)``.
+  at once (looked for every ``IDLE_CHECK_S``, and before every batch), as is one whose
+  failed batch the scheduler moved to another replica (``revive``). What a batch did is
+  reported as an event: ``("done", batch, values, scores)``, ``("failed", batch, message,
+  crashed, expected_s, never_returned)``, or ``("unrun", batch)`` when it reached a worker
+  process found dead before it ran (the scheduler runs its rows elsewhere); a replacement as
+  ``("reloading", devices)`` then ``("reloaded", devices)``.
 - ``Breaker``: whether a failed batch runs again (``max_retries``) and which models are
   marked failed: after ``max_crashes`` crashes or hangs in a row, or at once when a batch of
   a model that never returned a call spent its retries past the first-call bound.
@@ -537,6 +538,18 @@ class DevicePool:
                 continue
             texts = self._texts_of(batch)
             if texts is None:  # cancelled by shutdown while queued here
+                continue
+            if self.clock.now() - last_death > IDLE_DEATHS_FORGET_S:
+                idle_deaths = 0
+            if not isinstance(batch, BulkBatch) and idle_deaths < self.breaker.max_crashes \
+                    and (code := runner.died_idle()) is not None:
+                # killed between batches and found by this batch before the idle check: the
+                # batch goes back unrun (its rows run elsewhere meanwhile, no attempt counted)
+                # rather than wait in ``runner.run`` for a fresh worker to load its models
+                idle_deaths += 1
+                self._report(("unrun", batch))
+                self._revive(device, runner, code)
+                last_death = self.clock.now()
                 continue
             started = self.clock.now()
             if expected_s is not None:
