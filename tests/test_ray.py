@@ -123,6 +123,48 @@ def test_killing_an_actor_with_a_batch_in_flight_loses_no_request(local_ray) -> 
     assert restarts >= 1 and later.status == "ok" and new_pid != pid
 
 
+
+def wait_for(path, timeout_s: float = 60.0) -> str:
+    """The text of ``path`` once a worker has written it."""
+    deadline = time.monotonic() + timeout_s
+    while not (path.exists() and path.read_text()):
+        assert time.monotonic() < deadline, f"{path.name} was never written"
+        time.sleep(0.01)
+    return path.read_text()
+
+
+def test_the_batch_of_a_killed_actor_runs_on_the_other_replica_while_it_reloads(
+        local_ray, tmp_path) -> None:
+    """Two actors serve replicas of one model; one is SIGKILLed with a batch in flight and
+    takes 8 s to load its models again after Ray restarts it. The killed batch's row and the
+    rows that arrive meanwhile are answered by the other actor (before: the batch waited for
+    the reload, in place)."""
+    reload_s = 8.0
+    hung = tmp_path / "hung"
+    sources = {"a": functools.partial(fakes.reloads_slowly, "a", str(tmp_path), 2, reload_s,
+                                      str(hung))}
+    two = GearPlan("op", (0.0, 1e6), (Cascade(("a",)),),
+                   (Replica("a", ("cpu0",)), Replica("a", ("cpu1",))),
+                   (RangeSchedule(0, (0.5, 0.5), (1, 1)),), (4, 4), max_wait_s=0.005,
+                   predicted=PlanMetrics(1.0, 25.0, 45.0, 50.0, 25.0, 1000, 0, 10.0),
+                   batch_runtime_s=((0.01,) * 4, (0.01,) * 4))
+    patient = BatchDeadline(floor_s=120.0)  # the kill, not the deadline, ends the held call
+    with Engine(two, sources, workers="ray", deadline=patient,
+                admission="max_in_flight") as engine:
+        held = engine.submit("held until its actor is killed")
+        pid = int(wait_for(hung))
+        killed = next(d for d, p in engine.pids().items() if p == pid)
+        os.kill(pid, signal.SIGKILL)
+        outcome = held.result(timeout=reload_s / 2)  # its retry ran on the other actor
+        wait_for(tmp_path / "reloading")  # the restarted actor loads its models
+        futures = [engine.submit(f"row {i}") for i in range(6)]
+        meanwhile = [f.result(timeout=reload_s / 2) for f in futures]
+        loading = killed in engine.pool.loading()
+        moved, restarts = engine.moved_batches, engine.worker_restarts
+    assert outcome.status == "ok" and [o.status for o in meanwhile] == ["ok"] * 6
+    assert loading and moved == 1 and restarts == 1
+
+
 def test_a_stuck_actor_is_killed_at_its_deadline_and_the_batch_retried(local_ray, tmp_path
                                                                        ) -> None:
     flag = tmp_path / "hung-once"

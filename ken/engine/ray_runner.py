@@ -13,9 +13,10 @@ Ray hosts and restarts the actors; ken decides what runs. The engine's dispatche
 the simulator uses) batches, routes and escalates exactly as with local workers. Failures:
 
 - an actor that dies during a call (killed, out of memory, a crash in native code) fails the
-  call with ``WorkerDied``; Ray restarts it (``max_restarts``) and the next call reloads its
-  models first (a restarted actor runs only its constructor), then the engine's retry runs
-  the batch again;
+  call with ``WorkerDied``; Ray restarts it (``max_restarts``) and ``revive``, which the
+  engine calls between batches, reloads its models (a restarted actor runs only its
+  constructor) while the batch's rows run on another replica, or wait for it where there
+  is none (the next call reloads them too, if nothing did);
 - a call past its deadline gets its actor killed (Ray restarts it) and raises
   ``BatchTimeout``;
 - once Ray's restarts are spent the runner starts a fresh actor itself, as a process runner
@@ -176,9 +177,7 @@ class RayRunner:
         self.start_timeout_s = start_timeout_s
         self.restarts = 0  # actors that died or were killed and came back (Ray's or ours)
         self.closing = False
-        # Ray restarts a killed actor on its own; the engine counts the retry that follows
-        # as the reload (``Scheduler``), nothing to track here
-        self.restarting = False
+        self.restarting = False  # a restarted or fresh actor loads its models (``revive``)
         self.node_id: str | None = None  # where the actor runs (after start)
         self._actor: Any = None
         self._pid: int | None = None
@@ -272,6 +271,19 @@ class RayRunner:
                 + ("; it is not restarted: the engine is shutting down" if self.closing
                    else "")) from None
         return values, np.asarray(scores)
+
+    def revive(self) -> None:
+        """Between batches: load the models of an actor that died or was killed with a batch
+        (Ray restarted it, or a fresh one is started), so that the batch's rows, run on
+        another replica meanwhile, are not the ones to wait for it; nothing if it runs with
+        its models."""
+        if self._actor is not None and not self._reload:
+            return
+        self.restarting = True
+        try:
+            self._revive(ensure_ray())
+        finally:
+            self.restarting = False
 
     def _revive(self, ray: Any) -> None:
         """Before a call: load the models of an actor Ray restarted, or start a fresh actor

@@ -447,9 +447,10 @@ class DevicePool:
         return frozenset(self._loaded_on.get(device, ()))
 
     def revivable(self, device: str) -> bool:
-        """Whether ``device``'s worker is a process that ``revive`` replaces between batches
-        (a thread worker has nothing to reload; Ray restarts its own actors)."""
-        return isinstance(self._runners.get(device), ProcessRunner)
+        """Whether ``device``'s worker is a process or a Ray actor that ``revive`` replaces
+        (or reloads, after Ray restarted it) between batches (a thread worker has nothing to
+        reload)."""
+        return isinstance(self._runners.get(device), ProcessRunner | RayRunner)
 
     def revive(self, device: str) -> None:
         """Replace ``device``'s worker, which died or was killed with a batch that now runs
@@ -584,8 +585,10 @@ class DevicePool:
 
     def _revive(self, device: str, runner: ProcessRunner | ThreadRunner | RayRunner,
                 code: int | None) -> None:
-        """Replace ``device``'s worker process, found dead between batches (exit ``code``), or
-        (``code`` None) asked by ``revive``: its batch died with it and runs elsewhere.
+        """Replace ``device``'s worker process (or reload the models of its Ray actor, which
+        Ray restarted), found dead between batches (exit ``code``: by the idle check, or by
+        a batch it then handed back unrun), or (``code`` None) asked by ``revive``: its batch
+        died with it and runs elsewhere.
         The scheduler routes around the device and moves the rows queued there meanwhile
         (``("reloading", devices)``), and takes it back when the fresh worker has loaded its
         models (``("reloaded", devices)``). A fresh worker that fails to start is left to the
