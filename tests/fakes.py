@@ -78,6 +78,15 @@ class NodeMarking(SlowModel):
         return super().predict(texts, batch_size)
 
 
+
+def wait_for(path: Path, timeout_s: float = 60.0) -> str:
+    """The text of ``path`` once a worker (process or Ray actor) has written it."""
+    deadline = time.monotonic() + timeout_s
+    while not (path.exists() and path.read_text()):
+        assert time.monotonic() < deadline, f"{path.name} was never written"
+        time.sleep(0.01)
+    return path.read_text()
+
 def broken_loader(name: str) -> Model:
     """A loader that fails the way a missing weights file does."""
     raise FileNotFoundError(f"no weights for {name}")

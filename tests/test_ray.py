@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import fakes
 import numpy as np
 import pytest
-from fakes import FakeModel, SlowModel
+from fakes import FakeModel, SlowModel, wait_for
 
 from ken.engine.ray_runner import RayCluster
 from ken.engine.serving import BatchDeadline, Engine
@@ -122,15 +122,6 @@ def test_killing_an_actor_with_a_batch_in_flight_loses_no_request(local_ray) -> 
     assert len({o.request_id for o in outcomes}) == 12
     assert restarts >= 1 and later.status == "ok" and new_pid != pid
 
-
-
-def wait_for(path, timeout_s: float = 60.0) -> str:
-    """The text of ``path`` once a worker has written it."""
-    deadline = time.monotonic() + timeout_s
-    while not (path.exists() and path.read_text()):
-        assert time.monotonic() < deadline, f"{path.name} was never written"
-        time.sleep(0.01)
-    return path.read_text()
 
 
 def test_the_batch_of_a_killed_actor_runs_on_the_other_replica_while_it_reloads(
