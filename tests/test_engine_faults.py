@@ -902,7 +902,8 @@ def test_a_worker_killed_between_batches_is_replaced_at_once_and_routed_around(
         still_loading = "cpu0" in engine.pool.loading()
         served_by = {r.device for r in engine.batch_log}
         moved = engine.moved_batches
-        while "cpu0" in engine.pool.loading():  # the fresh worker loads its models
+        # until the scheduler has the fresh worker back (the pool's flag drops just before)
+        while "cpu0" in engine.scheduler._reloading:
             time.sleep(0.05)
         after = [f.result(timeout=10) for f in [engine.submit(t) for t in texts(8)]]
         state = (engine.worker_restarts, engine.idle_deaths, engine.pool.failed_attempts,
@@ -913,7 +914,7 @@ def test_a_worker_killed_between_batches_is_replaced_at_once_and_routed_around(
     assert [o.status for o in meanwhile + after] == ["ok"] * 14
     assert [o.value for o in meanwhile] == labels("a", texts(6))
     assert state == (1, 1, 0, 0) and new_pid != pid  # no attempt counted, none turned away
-    assert moved == (found_by == "next batch")  # cpu0's unrun batch ran on cpu1
+    assert moved == (1 if found_by == "next batch" else 0)  # cpu0's unrun batch ran on cpu1
     assert after_by == {"cpu0", "cpu1"}  # cpu0 serves again once reloaded
 
 
@@ -1003,6 +1004,31 @@ def test_a_worker_that_dies_again_while_idle_is_replaced_at_most_max_crashes_tim
     pool._work("cpu0")
     assert [e[0] for e in events] == ["unrun", "reloading", "reloaded"] * 3 + ["done"]
     assert [e[1] for e in events if e[0] == "unrun"] == [batch] * 3 and runner.revived == 3
+    # a bulk batch is not handed back: it waits for the fresh worker, the device announced
+    # as reloading meanwhile (so the online rows queued there move)
+    from ken.engine.bulk import BulkBatch
+
+    events.clear()
+    bulk = BulkBatch("a", ("cpu0",), (1, 2))
+    pool._runners["cpu0"] = _DeadRunner()
+    pool._queues["cpu0"] = _Scripted([("run", bulk, None), _STOP])
+    pool._work("cpu0")
+    assert [e[0] for e in events] == ["reloading", "reloaded", "done"] and events[2][1] is bulk
+
+
+def test_a_batch_leaving_its_retry_in_place_hands_its_failed_attempts_over() -> None:
+    """A batch retried in place that then leaves without running (its worker found dead):
+    the breaker gives up what it counted for it, for the caller to carry per row, and keeps
+    nothing under the batch's id (which a later batch may reuse)."""
+    from types import SimpleNamespace
+
+    from ken.engine.supervision import Breaker
+
+    breaker = Breaker(max_retries=1)
+    batch = SimpleNamespace(model="a", devices=("cpu0",), request_ids=(0, 1))
+    assert breaker.failed(batch, "ValueError: no", crashed=False) is None  # run it again
+    assert breaker.forget(batch) == 1 and breaker.forget(batch) == 0
+    assert breaker.failed(batch, "ValueError: no", crashed=False) is None  # a fresh count
 
 
 def test_a_swap_that_loads_a_model_on_a_serving_worker_is_routed_around_meanwhile(

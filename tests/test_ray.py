@@ -156,6 +156,32 @@ def test_the_batch_of_a_killed_actor_runs_on_the_other_replica_while_it_reloads(
     assert loading and moved == 1 and restarts == 1
 
 
+
+def test_an_actor_killed_between_calls_is_reloaded_and_its_rows_answered(local_ray) -> None:
+    """Ray restarts an actor SIGKILLed while idle, running only its constructor: the next
+    call finds it without its models, which are loaded again, and the rows are answered
+    (before: that call failed with a KeyError, retried in place, and the rows ended in
+    error)."""
+    plan = cascade_plan(threshold=0.0)  # every row is a's, on cpu0
+    with Engine(plan, loaders(), workers="ray", deadline=FAST,
+                admission="max_in_flight") as engine:
+        assert engine.submit("before").result(timeout=60).status == "ok"
+        actor = engine.pool._runners["cpu0"]._actor
+        pid = engine.pids()["cpu0"]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60.0
+        while True:  # until Ray has restarted it (a fresh process, no models)
+            with contextlib.suppress(ray.exceptions.RayActorError):
+                if ray.get(actor.where.remote(), timeout=60)[0] != pid:
+                    break
+            assert time.monotonic() < deadline, "Ray did not restart the actor"
+            time.sleep(0.1)
+        outcomes = [f.result(timeout=60) for f in [engine.submit(f"row {i}") for i in range(6)]]
+        restarts = engine.worker_restarts
+    assert [o.status for o in outcomes] == ["ok"] * 6, [o.error for o in outcomes]
+    assert restarts == 1
+
+
 def test_a_stuck_actor_is_killed_at_its_deadline_and_the_batch_retried(local_ray, tmp_path
                                                                        ) -> None:
     flag = tmp_path / "hung-once"

@@ -193,11 +193,11 @@ class Scheduler:
         self._past_switches: dict[str, list[tuple[float, int, int]]] = {}
         self.plan_swaps: list[tuple[float, int]] = []  # (time, queued rows moved)
         self._bulk = BulkRows()
-        # devices whose worker crashed or hung and reloads for the retry of its batch:
-        # admission routes around them until that batch is back
+        # devices whose worker crashed, hung or was found dead and reloads: admission routes
+        # around them, and rows queued or escalated there move, until it is back
         self._reloading: set[str] = set()
-        # the devices of a failed batch whose rows were moved to another replica, held busy
-        # until the worker (keyed by the batch's first device) is back
+        # the devices of a failed or unrun batch whose rows were requeued, held busy until
+        # the worker (keyed by the batch's first device) is back
         self._held: dict[str, tuple[str, ...]] = {}
         self._row_attempts: dict[int, int] = {}  # rows of failed batches -> their failures
         self.moved_batches = 0  # failed or unrun batches whose rows went to another replica
@@ -368,8 +368,8 @@ class Scheduler:
                 expected_s: float | None, never_returned: bool = False) -> None:
         """A model call raised (``crashed``: or its worker died or hung; ``never_returned``:
         past the first-call bound): run its rows once more, else end them in error. When a
-        process worker died or hung, its rows do not wait in the batch for its reload
-        (``_requeue_failed``); otherwise the same batch runs again in place."""
+        process worker (or Ray actor) died or hung, its rows do not wait in the batch for its
+        reload (``_requeue_failed``); otherwise the same batch runs again in place."""
         for rid in batch.request_ids:  # a failed attempt says nothing about queueing
             self.admission.forget(rid)
         if crashed and not isinstance(batch, BulkBatch) and \
@@ -413,7 +413,8 @@ class Scheduler:
         model is marked failed is not revived (nothing would run there)."""
         disp = self._owner.pop(id(batch))
         ids = batch.request_ids
-        attempts = [self._row_attempts.pop(rid, 0) + 1 for rid in ids]
+        before = self.breaker.forget(batch)  # the attempts it failed in place, if any
+        attempts = [max(self._row_attempts.pop(rid, 0), before) + 1 for rid in ids]
         errors = self.breaker.failed_rows(batch, message, True, never_returned, attempts)
         failed = {rid: e for rid, e in zip(ids, errors, strict=True) if e is not None}
         gears = {rid: disp.range_of(rid) for rid in failed}
@@ -446,8 +447,11 @@ class Scheduler:
         attempt is counted: they go to the other replicas of the model at once, ahead of the
         rows queued after them, or, where there is none, back to their queue."""
         disp = self._owner.pop(id(batch))
+        failed_before = self.breaker.forget(batch)  # a retry in place that never ran
         for rid in batch.request_ids:  # their wait so far was the dead worker's
             self.admission.forget(rid)
+            if failed_before:
+                self._row_attempts[rid] = max(self._row_attempts.get(rid, 0), failed_before)
         started, elsewhere = disp.requeue(batch, self._reloading | self.pool.loading())
         self.moved_batches += elsewhere
         self._held[batch.devices[0]] = batch.devices

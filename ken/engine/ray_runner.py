@@ -17,6 +17,8 @@ the simulator uses) batches, routes and escalates exactly as with local workers.
   engine calls between batches, reloads its models (a restarted actor runs only its
   constructor) while the batch's rows run on another replica, or wait for it where there
   is none (the next call reloads them too, if nothing did);
+- an actor killed between calls is restarted by Ray without its models: the next call finds
+  it so (``WorkerDied``) and is handled as above;
 - a call past its deadline gets its actor killed (Ray restarts it) and raises
   ``BatchTimeout``;
 - once Ray's restarts are spent the runner starts a fresh actor itself, as a process runner
@@ -126,6 +128,9 @@ class _DeviceActor:
         return os.getpid(), ray.get_runtime_context().get_node_id()
 
     def predict(self, model: str, texts: list) -> tuple[list, np.ndarray]:
+        if model not in self.models:  # Ray restarted this actor: only its constructor ran
+            raise WorkerDied(f"the Ray actor (pid {os.getpid()}) has not loaded {model}: "
+                             "Ray restarted it")
         try:
             out = self.models[model].predict(texts, batch_size=max(len(texts), 1))
             return answers(out, len(texts))
@@ -246,8 +251,7 @@ class RayRunner:
         first; past ``timeout_s`` the actor is killed (``BatchTimeout``); one that dies during
         the call raises ``WorkerDied``."""
         ray = ensure_ray()
-        if self._actor is None or self._reload:
-            self._revive(ray)
+        self.revive()
         try:
             values, scores = ray.get(self._actor.predict.remote(model, list(texts)),
                                      timeout=timeout_s)
@@ -259,6 +263,10 @@ class RayRunner:
                 + ("" if self.closing else " and is restarted")) from None
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if isinstance(exc.cause, Exception) else exc
+            if isinstance(cause, WorkerDied):  # killed while idle, restarted without models
+                self._reload = True
+                self.restarts += 1
+                raise WorkerDied(f"{cause}; its models are loaded again") from None
             if isinstance(cause, WorkerError):
                 raise WorkerError(str(cause)) from None
             raise WorkerError(f"{type(cause).__name__}: {cause}") from None
@@ -321,7 +329,8 @@ class RayRunner:
 
     def died_idle(self) -> int | None:
         """Not looked for between calls: Ray restarts a dead actor itself, and the next call
-        reloads its models."""
+        finds it without its models (``WorkerDied``, so the engine reloads them with
+        ``revive`` while the call's rows run elsewhere)."""
         return None
 
     def close(self) -> None:

@@ -8,11 +8,12 @@ batches, their deadlines, retries, the crash-loop breaker, restarts and memory c
   from its profiled runtime, else from what its model's calls took while serving,
   ``ObservedRuntimes``, else a first-call bound); a worker that dies or misses it is
   replaced by its runner (``workers.py``); one found dead while its device is idle is replaced
-  at once (looked for every ``IDLE_CHECK_S``, and before every batch), as is one whose
+  at once (looked for every ``IDLE_CHECK_S``, and before each batch), as is one whose
   failed batch the scheduler moved to another replica (``revive``). What a batch did is
   reported as an event: ``("done", batch, values, scores)``, ``("failed", batch, message,
-  crashed, expected_s, never_returned)``, or ``("unrun", batch)`` when it reached a worker
-  process found dead before it ran (the scheduler runs its rows elsewhere); a replacement as
+  crashed, expected_s, never_returned)``, or ``("unrun", batch)`` when an online batch
+  reached a worker process found dead before it ran (the scheduler runs its rows
+  elsewhere; a bulk batch waits for the fresh worker); a replacement as
   ``("reloading", devices)`` then ``("reloaded", devices)``.
 - ``Breaker``: whether a failed batch runs again (``max_retries``) and which models are
   marked failed: after ``max_crashes`` crashes or hangs in a row, or at once when a batch of
@@ -223,6 +224,11 @@ class Breaker:
         if error is not None:
             del self._attempts[id(batch)]
         return error
+
+    def forget(self, batch: RunnableBatch) -> int:
+        """``batch`` leaves without running again (its rows go on in other batches): its
+        failed attempts so far (run again in place), which the caller carries per row."""
+        return self._attempts.pop(id(batch), 0)
 
     def failed_rows(self, batch: RunnableBatch, message: str, crashed: bool,
                     never_returned: bool, attempts: Sequence[int]) -> list[str | None]:
@@ -463,8 +469,9 @@ class DevicePool:
         return [d for d, ms in self._loaded_on.items() if model in ms]
 
     def loading(self) -> set[str]:
-        """Devices loading models now: a worker process started afresh, or a model a swapped-in
-        plan adds to a running device (the load runs between its batches: seconds in which
+        """Devices loading models now: a worker process started afresh (or a Ray actor
+        reloading its models after a restart), or a model a swapped-in plan adds to a running
+        device (the load runs between its batches: seconds in which
         the rows queued there wait)."""
         return {d for d, r in list(self._runners.items()) if r.restarting} | set(self._loading)
 
@@ -542,16 +549,21 @@ class DevicePool:
                 continue
             if self.clock.now() - last_death > IDLE_DEATHS_FORGET_S:
                 idle_deaths = 0
-            if not isinstance(batch, BulkBatch) and idle_deaths < self.breaker.max_crashes \
-                    and (code := runner.died_idle()) is not None:
-                # killed between batches and found by this batch before the idle check: the
-                # batch goes back unrun (its rows run elsewhere meanwhile, no attempt counted)
-                # rather than wait in ``runner.run`` for a fresh worker to load its models
+            if idle_deaths < self.breaker.max_crashes and \
+                    (code := runner.died_idle()) is not None:
+                # killed between batches and found by this batch before the idle check: an
+                # online batch goes back unrun (its rows run elsewhere meanwhile, no attempt
+                # counted) rather than wait in ``runner.run`` for a fresh worker to load its
+                # models; a bulk batch waits for it, with the device announced as reloading
+                # (so the online rows queued or escalated there move meanwhile)
                 idle_deaths += 1
-                self._report(("unrun", batch))
+                online = not isinstance(batch, BulkBatch)
+                if online:
+                    self._report(("unrun", batch))
                 self._revive(device, runner, code)
                 last_death = self.clock.now()
-                continue
+                if online:
+                    continue
             started = self.clock.now()
             if expected_s is not None:
                 self._running_until[device] = started + expected_s
