@@ -78,7 +78,6 @@ class NodeMarking(SlowModel):
         return super().predict(texts, batch_size)
 
 
-
 def wait_for(path: Path, timeout_s: float = 60.0) -> str:
     """The text of ``path`` once a worker (process or Ray actor) has written it."""
     deadline = time.monotonic() + timeout_s
@@ -86,6 +85,7 @@ def wait_for(path: Path, timeout_s: float = 60.0) -> str:
         assert time.monotonic() < deadline, f"{path.name} was never written"
         time.sleep(0.01)
     return path.read_text()
+
 
 def broken_loader(name: str) -> Model:
     """A loader that fails the way a missing weights file does."""
@@ -355,3 +355,14 @@ def gen_plan(function: str = "gen"):  # noqa: ANN201
     from ken.policy.plan import single_gear
 
     return single_gear(function, Cascade(("g",)), max_running=2)
+
+
+def two_replica_plan():  # noqa: ANN201
+    """a on cpu0 and on cpu1, half the rows each; 10 ms a batch of <= 4 rows; target 50 ms."""
+    from ken.policy.plan import GearPlan, PlanMetrics, RangeSchedule, Replica
+
+    return GearPlan("op", (0.0, 1e6), (Cascade(("a",)),),
+                    (Replica("a", ("cpu0",)), Replica("a", ("cpu1",))),
+                    (RangeSchedule(0, (0.5, 0.5), (1, 1)),), (4, 4), max_wait_s=0.005,
+                    predicted=PlanMetrics(1.0, 25.0, 45.0, 50.0, 25.0, 1000, 0, 10.0),
+                    batch_runtime_s=((0.01,) * 4, (0.01,) * 4))

@@ -31,6 +31,7 @@ from fakes import (
     SlowModel,
     StandInGenerator,
     gen_plan,
+    two_replica_plan,
     wait_for,
 )
 
@@ -701,15 +702,6 @@ def test_admission_counts_the_later_stages_work_at_the_measured_escalation_rate(
     answered(two, "a", 96, 23)
     assert admission.escalations[first] == (100, 25)
     assert admission.downstream_row_s(disp) == pytest.approx(0.0025)
-
-
-def two_replica_plan() -> GearPlan:
-    """a on cpu0 and on cpu1, half the rows each; 10 ms a batch of <= 4 rows; target 50 ms."""
-    return GearPlan("op", (0.0, 1e6), (Cascade(("a",)),),
-                    (Replica("a", ("cpu0",)), Replica("a", ("cpu1",))),
-                    (RangeSchedule(0, (0.5, 0.5), (1, 1)),), (4, 4), max_wait_s=0.005,
-                    predicted=PlanMetrics(1.0, 25.0, 45.0, 50.0, 25.0, 1000, 0, 10.0),
-                    batch_runtime_s=((0.01,) * 4, (0.01,) * 4))
 
 
 def test_admission_asks_every_replica_of_the_stage_and_routes_around_a_reloading_one() -> None:

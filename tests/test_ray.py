@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import fakes
 import numpy as np
 import pytest
-from fakes import FakeModel, SlowModel, wait_for
+from fakes import FakeModel, SlowModel, two_replica_plan, wait_for
 
 from ken.engine.ray_runner import RayCluster
 from ken.engine.serving import BatchDeadline, Engine
@@ -123,7 +123,6 @@ def test_killing_an_actor_with_a_batch_in_flight_loses_no_request(local_ray) -> 
     assert restarts >= 1 and later.status == "ok" and new_pid != pid
 
 
-
 def test_the_batch_of_a_killed_actor_runs_on_the_other_replica_while_it_reloads(
         local_ray, tmp_path) -> None:
     """Two actors serve replicas of one model; one is SIGKILLed with a batch in flight and
@@ -134,13 +133,8 @@ def test_the_batch_of_a_killed_actor_runs_on_the_other_replica_while_it_reloads(
     hung = tmp_path / "hung"
     sources = {"a": functools.partial(fakes.reloads_slowly, "a", str(tmp_path), 2, reload_s,
                                       str(hung))}
-    two = GearPlan("op", (0.0, 1e6), (Cascade(("a",)),),
-                   (Replica("a", ("cpu0",)), Replica("a", ("cpu1",))),
-                   (RangeSchedule(0, (0.5, 0.5), (1, 1)),), (4, 4), max_wait_s=0.005,
-                   predicted=PlanMetrics(1.0, 25.0, 45.0, 50.0, 25.0, 1000, 0, 10.0),
-                   batch_runtime_s=((0.01,) * 4, (0.01,) * 4))
     patient = BatchDeadline(floor_s=120.0)  # the kill, not the deadline, ends the held call
-    with Engine(two, sources, workers="ray", deadline=patient,
+    with Engine(two_replica_plan(), sources, workers="ray", deadline=patient,
                 admission="max_in_flight") as engine:
         held = engine.submit("held until its actor is killed")
         pid = int(wait_for(hung))
@@ -154,7 +148,6 @@ def test_the_batch_of_a_killed_actor_runs_on_the_other_replica_while_it_reloads(
         moved, restarts = engine.moved_batches, engine.worker_restarts
     assert outcome.status == "ok" and [o.status for o in meanwhile] == ["ok"] * 6
     assert loading and moved == 1 and restarts == 1
-
 
 
 def test_an_actor_killed_between_calls_is_reloaded_and_its_rows_answered(local_ray) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -411,34 +411,16 @@ class Scheduler:
         (``Dispatcher.requeue``) instead of waiting for the reload, or, where there is none,
         back to the batch's own queue, to run once the worker is back. A device whose every
         model is marked failed is not revived (nothing would run there)."""
-        disp = self._owner.pop(id(batch))
         ids = batch.request_ids
-        before = self.breaker.forget(batch)  # the attempts it failed in place, if any
-        attempts = [max(self._row_attempts.pop(rid, 0), before) + 1 for rid in ids]
+        attempts = [n + 1 for n in self._attempts_so_far(batch)]
         errors = self.breaker.failed_rows(batch, message, True, never_returned, attempts)
         failed = {rid: e for rid, e in zip(ids, errors, strict=True) if e is not None}
-        gears = {rid: disp.range_of(rid) for rid in failed}
-        started, elsewhere = disp.requeue(batch, self._reloading | self.pool.loading(),
-                                          failed)
-        now = self.clock.now()
-        for rid, error in failed.items():
-            self.requests.resolve(rid, "error", now, model=batch.model, gear=gears[rid],
-                                  error=error)
-        for rid, n in zip(ids, attempts, strict=True):
-            if rid not in failed:
-                self._row_attempts[rid] = n
-        if elsewhere and len(failed) < len(ids):
-            self.moved_batches += 1
         device = batch.devices[0]
         if any(self.breaker.reason(m) is None for m in self.pool.models_on(device)):
-            self._held[device] = batch.devices
+            self._requeue(batch, attempts, failed)
             self.pool.revive(device)
-            self._reload(batch.devices)
         else:
-            self._busy.difference_update(batch.devices)
-            self._freed(batch.devices)
-        self._forget_queued(disp, {batch.model}, started)
-        self._launch(disp, started)
+            self._requeue(batch, attempts, failed, hold=False)
 
     def _unrun(self, batch: Batch) -> None:
         """``batch`` reached a worker process found dead before it ran (killed between
@@ -446,16 +428,42 @@ class Scheduler:
         follow), its devices held busy until then. The batch's rows did not fail, so no
         attempt is counted: they go to the other replicas of the model at once, ahead of the
         rows queued after them, or, where there is none, back to their queue."""
-        disp = self._owner.pop(id(batch))
-        failed_before = self.breaker.forget(batch)  # a retry in place that never ran
         for rid in batch.request_ids:  # their wait so far was the dead worker's
             self.admission.forget(rid)
-            if failed_before:
-                self._row_attempts[rid] = max(self._row_attempts.get(rid, 0), failed_before)
-        started, elsewhere = disp.requeue(batch, self._reloading | self.pool.loading())
-        self.moved_batches += elsewhere
-        self._held[batch.devices[0]] = batch.devices
-        self._reload(batch.devices)
+        self._requeue(batch, self._attempts_so_far(batch), {})
+
+    def _attempts_so_far(self, batch: Batch) -> list[int]:
+        """Each row's failed attempts before this batch's fate: its own (``_row_attempts``,
+        taken), or the batch's failed runs in place (``Breaker.forget``), whichever is more."""
+        before = self.breaker.forget(batch)
+        return [max(self._row_attempts.pop(rid, 0), before) for rid in batch.request_ids]
+
+    def _requeue(self, batch: Batch, attempts: Sequence[int], failed: Mapping[int, str],
+                 hold: bool = True) -> None:
+        """The rows of a batch that will not run where it was (``_requeue_failed``,
+        ``_unrun``): those in ``failed`` end in error with it, the others keep their
+        ``attempts`` and are queued again (``Dispatcher.requeue``). ``hold``: its devices
+        stay busy and count as reloading until the fresh worker is back (``_reloaded``);
+        otherwise they are freed now."""
+        disp = self._owner.pop(id(batch))
+        gears = {rid: disp.range_of(rid) for rid in failed}
+        started, elsewhere = disp.requeue(batch, self._reloading | self.pool.loading(),
+                                          failed)
+        now = self.clock.now()
+        for rid, error in failed.items():
+            self.requests.resolve(rid, "error", now, model=batch.model, gear=gears[rid],
+                                  error=error)
+        for rid, n in zip(batch.request_ids, attempts, strict=True):
+            if rid not in failed and n:
+                self._row_attempts[rid] = n
+        if elsewhere and len(failed) < len(batch.request_ids):
+            self.moved_batches += 1
+        if hold:
+            self._held[batch.devices[0]] = batch.devices
+            self._reload(batch.devices)
+        else:
+            self._busy.difference_update(batch.devices)
+            self._freed(batch.devices)
         self._forget_queued(disp, {batch.model}, started)
         self._launch(disp, started)
 

@@ -512,20 +512,30 @@ class DevicePool:
         idle_since = self.clock.now()
         idle_deaths = 0  # deaths found between batches since this device last ran one
         last_death = -math.inf
+
+        def replaced_if_dead(first: tuple | None = None) -> bool:
+            """Replace a worker that died between batches (reporting ``first`` before);
+            one that dies again and again without running a batch is left to the next batch
+            and the breaker. Whether it was replaced."""
+            nonlocal idle_deaths, last_death
+            if self.clock.now() - last_death > IDLE_DEATHS_FORGET_S:
+                idle_deaths = 0  # deaths this far apart are not a crash loop
+            if idle_deaths >= self.breaker.max_crashes or (code := runner.died_idle()) is None:
+                return False
+            idle_deaths += 1
+            if first is not None:
+                self._report(first)
+            self._revive(device, runner, code)
+            last_death = self.clock.now()
+            return True
+
         while True:
             try:
                 item = q.get(timeout=IDLE_CHECK_S)
             except queue.Empty:
                 # a worker killed while idle is replaced now, not by the next batch sent to it
-                # (whose rows would wait for the reload); a worker that dies again and again
-                # without running a batch is left to the next batch and the breaker
-                if self.clock.now() - last_death > IDLE_DEATHS_FORGET_S:
-                    idle_deaths = 0  # deaths this far apart are not a crash loop
-                if idle_deaths < self.breaker.max_crashes and \
-                        (code := runner.died_idle()) is not None:
-                    idle_deaths += 1
-                    self._revive(device, runner, code)
-                    last_death = self.clock.now()
+                # (whose rows would wait for the reload)
+                replaced_if_dead()
                 continue
             if item is _STOP:
                 return
@@ -547,23 +557,14 @@ class DevicePool:
             texts = self._texts_of(batch)
             if texts is None:  # cancelled by shutdown while queued here
                 continue
-            if self.clock.now() - last_death > IDLE_DEATHS_FORGET_S:
-                idle_deaths = 0
-            if idle_deaths < self.breaker.max_crashes and \
-                    (code := runner.died_idle()) is not None:
-                # killed between batches and found by this batch before the idle check: an
-                # online batch goes back unrun (its rows run elsewhere meanwhile, no attempt
-                # counted) rather than wait in ``runner.run`` for a fresh worker to load its
-                # models; a bulk batch waits for it, with the device announced as reloading
-                # (so the online rows queued or escalated there move meanwhile)
-                idle_deaths += 1
-                online = not isinstance(batch, BulkBatch)
-                if online:
-                    self._report(("unrun", batch))
-                self._revive(device, runner, code)
-                last_death = self.clock.now()
-                if online:
-                    continue
+            # killed between batches and found by this batch before the idle check: an online
+            # batch goes back unrun (its rows run elsewhere meanwhile, no attempt counted)
+            # rather than wait in ``runner.run`` for a fresh worker to load its models; a bulk
+            # batch waits for it, with the device announced as reloading (so the online rows
+            # queued or escalated there move meanwhile)
+            online = not isinstance(batch, BulkBatch)
+            if replaced_if_dead(("unrun", batch) if online else None) and online:
+                continue
             started = self.clock.now()
             if expected_s is not None:
                 self._running_until[device] = started + expected_s
