@@ -200,6 +200,45 @@ def test_gpu_workers_are_checked_against_the_gpu_memory_they_reserved() -> None:
     assert all(p is None for p in tight.pids().values())
 
 
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+def test_a_killed_gpu_worker_frees_its_gpu_memory_for_its_replacement() -> None:
+    """A GPU worker holding 55% of the GPU is SIGKILLed between batches: the next rows are
+    answered by a fresh worker on the same GPU, which needs that memory again (two such
+    workers do not fit). So the dead worker's GPU memory comes back once it is reaped; the
+    death is found by the idle check or by the next batch (which goes back unrun, no attempt
+    counted, and waits for the reload), and the fresh worker reports the memory it reserved."""
+    import os
+    import signal
+    import time
+
+    import torch
+    from fakes import GpuHog
+
+    free, total = torch.cuda.mem_get_info(0)
+    mb = int(0.55 * total / 2**20)
+    if free < 0.6 * total:
+        pytest.skip(f"needs 60% of the GPU free, {free / total:.0%} is")
+    plans = [_one_stage("hog", "g", "cuda0")]
+    gpu = {"g": functools.partial(GpuHog, "g", mb)}
+    with Engine(plans, {}, gpu_models=gpu, workers="process",
+                admission="max_in_flight") as engine:
+        first = engine.submit("before", operator="hog").result(timeout=120)
+        pid = engine.pids()["cuda0"]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30.0
+        while engine.pool._runners["cuda0"].died_idle() is None:  # the kill can be seen
+            assert time.monotonic() < deadline, "the killed GPU worker did not die"
+            time.sleep(0.01)
+        after = [f.result(timeout=180) for f in
+                 [engine.submit(f"after {i}", operator="hog") for i in range(4)]]
+        state = (engine.worker_restarts, engine.pool.failed_attempts, engine.pids()["cuda0"])
+        held = engine.pool._runners["cuda0"].gpu_usage()
+    assert first.status == "ok" and [o.status for o in after] == ["ok"] * 4, after
+    assert after[0].value == torch.cuda.get_device_name(0)
+    assert state[:2] == (1, 0) and state[2] != pid
+    assert held is not None and held[0] >= mb * 2**20 and held[1] == total
+
+
 def test_cpu_workers_report_no_gpu_memory() -> None:
     plans = [_one_stage("on_cpu", "c", "cpu0")]
     with Engine(plans, {"c": functools.partial(EnvModel, "c")}, workers="process",
