@@ -1050,6 +1050,37 @@ def test_a_swap_that_loads_a_model_on_a_serving_worker_is_routed_around_meanwhil
     assert [o.value for o in meanwhile] == labels("a", texts(6))
 
 
+def test_rows_escalated_to_a_worker_loading_a_swapped_in_model_run_on_another_replica(
+        tmp_path: Path) -> None:
+    """The plan in service escalates every row from a (on cpu1) to c, whose rows it routes to
+    cpu0's replica; a plan swapped in places a new model on cpu0, whose load takes 6 s in that
+    worker. The rows escalated meanwhile are answered by c's replica on cpu1 before the load
+    ends (before: their batch was sent to cpu0 and waited behind the load)."""
+    load_s = 6.0
+    flag = tmp_path / "loading"
+    sources = {m: functools.partial(fakes.FakeModel, m) for m in ("a", "c")}
+    sources["b"] = functools.partial(fakes.loads_slowly, "b", str(flag), load_s)
+    serving = GearPlan("op", (0.0, 1e6), (Cascade(("a", "c"), (1.01,)),),  # all escalate
+                       (Replica("a", ("cpu1",)), Replica("c", ("cpu0",)), Replica("c", ("cpu1",))),
+                       (RangeSchedule(0, (1.0, 1.0, 0.0), (1, 1, 1)),), (4, 4, 4),
+                       max_wait_s=0.005)
+    swapped = GearPlan("op", (0.0, 1e6), (Cascade(("b",)),), (Replica("b", ("cpu0",)),),
+                       (RangeSchedule(0, (1.0,), (1,)),), (4,), max_wait_s=0.005)
+    with Engine([serving], sources, workers="process", admission="max_in_flight") as engine:
+        before = [engine.submit(t).result(timeout=30) for t in texts(2)]
+        with ThreadPoolExecutor(1) as pool:
+            swap = pool.submit(engine.swap_plan, swapped)
+            wait_for(flag)  # cpu0's worker is loading b
+            futures = [engine.submit(f"meanwhile {t}") for t in texts(6)]
+            meanwhile = [f.result(timeout=load_s / 2) for f in futures]
+            assert not swap.done()  # answered before the load ended
+            swap.result(timeout=60)
+        c_on = [r.device for r in engine.batch_log if r.model == "c"]
+    assert [(o.status, o.model) for o in before + meanwhile] == [("ok", "c")] * 8
+    assert [o.value for o in meanwhile] == labels("c", [f"meanwhile {t}" for t in texts(6)])
+    assert c_on[0] == "cpu0" and set(c_on[-1:]) == {"cpu1"}  # routed to cpu0, moved off it
+
+
 # -- generating functions drain like classifiers ------------------------------------------------
 
 

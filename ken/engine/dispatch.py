@@ -185,17 +185,23 @@ class Scheduler:
         self.bulk_batch_size = bulk_batch_size
         self.deadlines = deadlines  # the dropping policy, if any (``deadlines.py``)
         self._busy: set[str] = set()  # devices running a batch, shared by all dispatchers
+        # devices whose worker crashed, hung or was found dead and reloads, or that load a
+        # model for a swapped-in plan: admission routes around them, no batch starts there,
+        # and rows queued or escalated there move, until it is back (shared with the
+        # dispatchers as their ``away``)
+        self._reloading: set[str] = set()
+        # those of them the pool announced (``("reloading")``): back at ``("reloaded")`` only,
+        # not when a batch sent there before ends
+        self._announced: set[str] = set()
         # the dispatcher of each operator's active plan (with its stage gate, if any)
         self._active: dict[str, Dispatcher] = {
-            op: Dispatcher(p, clock, self._busy, self._gate(op)) for op, p in plans.items()}
+            op: Dispatcher(p, clock, self._busy, self._gate(op), self._reloading)
+            for op, p in plans.items()}
         self._retiring: list[Dispatcher] = []  # swapped-out plans finishing running batches
         self._owner: dict[int, Dispatcher] = {}  # id(batch) -> dispatcher that started it
         self._past_switches: dict[str, list[tuple[float, int, int]]] = {}
         self.plan_swaps: list[tuple[float, int]] = []  # (time, queued rows moved)
         self._bulk = BulkRows()
-        # devices whose worker crashed, hung or was found dead and reloads: admission routes
-        # around them, and rows queued or escalated there move, until it is back
-        self._reloading: set[str] = set()
         # the devices of a failed or unrun batch whose rows were requeued, held busy until
         # the worker (keyed by the batch's first device) is back
         self._held: dict[str, tuple[str, ...]] = {}
@@ -236,8 +242,11 @@ class Scheduler:
                 self._failed(*event[1:])
             elif kind == "unrun":
                 self._unrun(event[1])
-            elif kind == "reloading":  # a worker found dead between batches restarts
+            elif kind == "reloading":  # a worker restarts, or loads a swapped-in model
+                self._announced.update(event[1])
                 self._reload(event[1])
+                if len(event) > 2:  # the pool waits for it before it queues the load
+                    event[2].set()
             elif kind == "reloaded":
                 self._reloaded(event[1])
             elif kind == "swap":
@@ -334,7 +343,7 @@ class Scheduler:
         if self._row_attempts:
             for rid in batch.request_ids:
                 self._row_attempts.pop(rid, None)
-        self._reloading.difference_update(batch.devices)
+        self._back(batch.devices)
         if isinstance(batch, BulkBatch):
             for d in batch.devices:
                 self._busy.discard(d)
@@ -382,7 +391,7 @@ class Scheduler:
                 self._reload(batch.devices)
             self.pool.run(batch, expected_s)
             return
-        self._reloading.difference_update(batch.devices)
+        self._back(batch.devices)
         if isinstance(batch, BulkBatch):
             for d in batch.devices:
                 self._busy.discard(d)
@@ -476,7 +485,14 @@ class Scheduler:
             freed.update(held)
             self._busy.difference_update(held)
         self._reloading.difference_update(freed)
+        self._announced.difference_update(freed)
         self._freed(tuple(freed))
+
+    def _back(self, devices: tuple[str, ...]) -> None:
+        """A batch on ``devices`` ended: a worker that reloaded to retry it in place is back,
+        unless the pool announced the reload (then only ``("reloaded")`` ends it)."""
+        if self._reloading:
+            self._reloading.difference_update(d for d in devices if d not in self._announced)
 
     def _reload(self, devices: tuple[str, ...]) -> None:
         """A fresh worker on ``devices`` reloads its models for the retry of a batch: route
@@ -526,7 +542,7 @@ class Scheduler:
             moved = sorted(old.drain())  # request ids grow with arrival: oldest first
             if old.in_flight:
                 self._retiring.append(old)
-        new = Dispatcher(plan, self.clock, self._busy, self._gate(op))
+        new = Dispatcher(plan, self.clock, self._busy, self._gate(op), self._reloading)
         self._active[op] = new
         self.plans[op] = plan
         for rid in moved:

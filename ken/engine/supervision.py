@@ -13,8 +13,9 @@ batches, their deadlines, retries, the crash-loop breaker, restarts and memory c
   reported as an event: ``("done", batch, values, scores)``, ``("failed", batch, message,
   crashed, expected_s, never_returned)``, or ``("unrun", batch)`` when an online batch
   reached a worker process found dead before it ran (the scheduler runs its rows
-  elsewhere; a bulk batch waits for the fresh worker); a replacement as
-  ``("reloading", devices)`` then ``("reloaded", devices)``.
+  elsewhere; a bulk batch waits for the fresh worker); a replacement, or a model a
+  swapped-in plan loads on a running worker, as ``("reloading", devices)`` (with an event
+  the scheduler sets once it routes around them, for the load) then ``("reloaded", devices)``.
 - ``Breaker``: whether a failed batch runs again (``max_retries``) and which models are
   marked failed: after ``max_crashes`` crashes or hangs in a row, or at once when a batch of
   a model that never returned a call spent its retries past the first-call bound.
@@ -52,6 +53,8 @@ from ken.policy.scheduling import WallClock
 IDLE_CHECK_S = 0.25
 #: idle deaths further apart than this (seconds) do not count as in a row
 IDLE_DEATHS_FORGET_S = 60.0
+#: how long a load for a swapped-in plan waits for the scheduler to route around its device
+ANNOUNCE_WAIT_S = 5.0
 
 Source = Model | Callable[[], Model]
 Workers = Literal["process", "thread", "ray"]
@@ -403,11 +406,17 @@ class DevicePool:
                     continue
                 done: Future = Future()
                 self._loading.add(d)  # admission routes around it meanwhile
+                # and the scheduler starts no batch there (it would wait behind the load) and
+                # moves the rows queued or escalated there: told before the load is queued
+                told = threading.Event()
+                self._report(("reloading", (d,), told))
+                told.wait(ANNOUNCE_WAIT_S)  # a scheduler that stopped never answers
                 try:
                     self._queues[d].put(("load", m, self._source(d, m), done))
                     seconds[f"{d}/{m}"] = done.result()
                 finally:
                     self._loading.discard(d)
+                    self._report(("reloaded", (d,)))
                 self._loaded_on[d].add(m)
         return seconds
 

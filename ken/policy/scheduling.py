@@ -252,11 +252,14 @@ class Dispatcher:
     """Queues, devices and per-request state of one gear plan (see the module docstring)."""
 
     def __init__(self, plan: GearPlan, clock: Clock, busy: set[str] | None = None,
-                 gate: BatchGate | None = None) -> None:
+                 gate: BatchGate | None = None, away: set[str] | None = None) -> None:
         """``busy``: the set of busy device ids, shared with other dispatchers whose plans
         place replicas on the same devices (a device still runs one batch at a time).
         ``gate``: when a batch is formed, chooses its rows from the whole queue and drops
-        requests (``ken.policy.dropping``); None: the oldest rows, nothing dropped."""
+        requests (``ken.policy.dropping``); None: the oldest rows, nothing dropped.
+        ``away``: devices that start no batch for now though not busy (the engine's: a worker
+        that reloads its models), shared likewise; their rows wait in their queues (or are
+        moved, ``move_queued``) instead of in the device's."""
         self.plan = plan
         self.gate = gate
         self.clock = clock
@@ -280,6 +283,7 @@ class Dispatcher:
         self._queue: list[deque[int]] = [deque() for _ in range(n)]
         self._since: list[deque[float]] = [deque() for _ in range(n)]
         self._busy: set[str] = set() if busy is None else busy
+        self._away: set[str] = set() if away is None else away
         self._deadlines: list[tuple[float, int]] = []
         self._running: dict[int, Batch] = {}  # replica -> its batch in flight
         self._req_cascade: dict[int, int] = {}
@@ -568,7 +572,7 @@ class Dispatcher:
     def _start_ready(self, candidates: Iterable[int], now: float) -> list[Batch]:
         """Start, oldest queue head first, every candidate replica whose trigger fired and
         whose devices are all free."""
-        busy = self._busy
+        busy, away = self._busy, self._away
         queue, since = self._queue, self._since
         min_queue = self._min_queue[self.gears.current]
         ready = []
@@ -576,7 +580,7 @@ class Dispatcher:
             q = queue[rep]
             if not q:
                 continue
-            if any(d in busy for d in self._devices[rep]):
+            if any(d in busy or d in away for d in self._devices[rep]):
                 continue
             if self.trigger.ready(len(q), min_queue[rep], since[rep][0], now):
                 ready.append((since[rep][0], rep))
