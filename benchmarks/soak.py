@@ -14,7 +14,7 @@ server runs every shape it will meet (``warm_up_decoding``; ``--gen-warmup 0`` s
 memory grows with the shapes it has seen, then levels off.
 
 Every ``--sample-s`` it records the resident memory, threads and open files of this process
-and its workers (``ken.engine.machine.tree_usage``), the classifier's p99 over the window
+and its workers (``ken.machine.tree_usage``), the classifier's p99 over the window
 (answered requests), and outcomes so far. At the end every request must have exactly one
 outcome. Goals (docs/reliability.md): RSS growth < 50 MB after warm-up (the first
 ``--warmup-s``), no growth in open files or threads, p99 within 2x the plan's latency target in
@@ -44,8 +44,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ken.engine.decode import DecodeServer  # noqa: E402
-from ken.engine.machine import tree_usage  # noqa: E402
 from ken.engine.serving import Engine  # noqa: E402
+from ken.machine import tree_usage  # noqa: E402
 from ken.models import family  # noqa: E402
 from ken.models.model import DeviceConfig  # noqa: E402
 from ken.ops.base import shared_resources  # noqa: E402

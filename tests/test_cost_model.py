@@ -247,7 +247,7 @@ def test_a_busy_machine_is_measured_again_and_the_quietest_fit_kept() -> None:
     import fakes
 
     from ken.engine.calibrate import measure_calibration
-    from ken.engine.machine import BUSY_CORES, OtherLoad
+    from ken.machine import BUSY_CORES, OtherLoad
     from ken.models.datasets import LabelledSample
     from ken.optimizer.workload import Hardware
     from ken.progress import Reporter

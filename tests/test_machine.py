@@ -1,4 +1,4 @@
-"""Other programs' share of the machine while ken measures (``ken.engine.machine``)."""
+"""Other programs' share of the machine while ken measures (``ken.machine``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 
 from ken.engine.calibrate import Calibration
-from ken.engine.machine import BUSY_CORES, CpuReading, OtherLoad, _tree_busy, other_cores
+from ken.errors import KenError
+from ken.machine import (
+    BUSY_CORES,
+    CpuReading,
+    OtherLoad,
+    _tree_busy,
+    least_loaded,
+    other_cores,
+)
 
 SPIN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0: pass\n"
 
@@ -70,7 +78,7 @@ def test_calibration_records_the_other_load(tmp_path: Path) -> None:
 def test_tree_usage_counts_a_child_its_threads_and_its_open_files() -> None:
     """A child holding 20 extra open files: it is one process with at least those 20
     descriptors and a thread, and this process's tree holds at least as much as the child."""
-    from ken.engine.machine import tree_usage
+    from ken.machine import tree_usage
 
     child = subprocess.Popen([sys.executable, "-c",
                               "import sys\nfiles = [open(sys.executable, 'rb') for _ in "
@@ -89,3 +97,38 @@ def test_tree_usage_counts_a_child_its_threads_and_its_open_files() -> None:
         assert child.stdin is not None
         child.stdin.close()
         child.wait(timeout=30)
+
+
+def fake_loads(cores: list[float | None]) -> type[OtherLoad]:
+    """An ``OtherLoad`` that reports ``cores`` in turn, one per measurement."""
+    seen = iter(cores)
+
+    class Fake(OtherLoad):
+        def __exit__(self, *exc: object) -> None:
+            self.cores = next(seen)
+
+    return Fake
+
+
+@pytest.mark.parametrize(("cores", "runs", "kept"), [
+    ([0.0], 1, 1),                                          # quiet: measured once
+    ([BUSY_CORES + 0.5, 0.1], 2, 2),                        # busy, then quiet
+    ([BUSY_CORES + 0.5, BUSY_CORES + 0.1, BUSY_CORES + 0.9], 3, 2),  # busy throughout: least
+    ([None], 1, 1),                                         # no /proc: nothing to compare
+])
+def test_least_loaded_measures_again_while_busy_and_keeps_the_quietest(
+        cores: list[float | None], runs: int, kept: int) -> None:
+    """Against brute force: the measurement kept is the one beside the least other load
+    among the runs made, and runs stop at the first quiet one or after ``attempts``."""
+    made: list[int] = []
+    notes: list[str] = []
+    result, load, attempt = least_loaded(lambda a: made.append(a) or f"run {a}", "probing",
+                                         3, fake_loads(cores), notes.append)
+    assert made == list(range(1, runs + 1))
+    assert (result, attempt, load.cores) == (f"run {kept}", kept, cores[kept - 1])
+    assert len(notes) == sum(c is not None and c >= BUSY_CORES for c in cores[:runs]) - (
+        runs == 3 and cores[2] is not None and cores[2] >= BUSY_CORES)
+    assert (load.warning("probing") is None) == (cores[kept - 1] is None
+                                                  or cores[kept - 1] < BUSY_CORES)
+    with pytest.raises(KenError, match="attempts must be >= 1"):
+        least_loaded(lambda a: a, "probing", 0)

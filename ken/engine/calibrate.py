@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 
 from ken import store
-from ken.engine.machine import OtherLoad
 from ken.engine.supervision import BatchRecord
 from ken.errors import KenError
+from ken.machine import OtherLoad, least_loaded
 from ken.models.cascade import Cascade
 from ken.optimizer.baselines import static_plans
 from ken.optimizer.perf import WAKE_IDLE_S, Catalog, ModelPerf, sized_runtime, woke
@@ -348,40 +348,29 @@ def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: An
     fit measured beside the least other load; a warning says so when every attempt was busy."""
     from ken.engine.replay import serve_trace  # the engine, only when measuring
 
-    if attempts < 1:
-        raise KenError(f"calibration attempts must be >= 1, got {attempts}")
     models = sorted(loaders)
     probe = gamma_trace(10.0, 10.0, 2.0, seed=seed)
     plan = calibration_plan(catalog, models, hardware, probe)
     per_row = sum(catalog.perf_on(m, plan.devices[0]).batch_runtime(1) for m in models)
     rate = CALIBRATION_LOAD * len(plan.devices) / per_row
     trace = calibration_trace(rate, seconds, seed=seed)
-    best: tuple[Calibration, OtherLoad] | None = None
-    for attempt in range(1, attempts + 1):
+
+    def serve(attempt: int) -> Any:
         reporter.note(f"calibrating runtimes: {len(trace)} rows through {' -> '.join(models)} "
                       f"on {len(plan.devices)} workers, {rate:.1f} rows/s and bursts for "
                       f"{seconds:g} s"
                       + ("" if attempt == 1 else f" (attempt {attempt} of {attempts})"))
-        with other_load() as load:
-            served = serve_trace(plan, loaders, trace, sample, seed=seed, reporter=reporter,
-                                 admission="max_in_flight", **engine_options)
-        fitted = fit_calibration(served.batch_log, catalog,
-                                 f"{len(trace)} rows at {rate:.1f}/s and bursts through "
-                                 "every model, "
-                                 f"{len(served.batch_log)} calls"
-                                 + ("" if load.cores is None else
-                                    f", other programs {load.cores:.2f} cores")
-                                 + ("" if attempt == 1 else f", attempt {attempt}"))
-        if best is None or (load.cores is not None and best[1].cores is not None
-                            and load.cores < best[1].cores):
-            best = (fitted, load)
-        warning = load.warning("calibrating")
-        if warning is None:
-            break
-        if attempt < attempts:
-            reporter.note(f"{warning}: measuring again")
-    assert best is not None
-    fitted, load = best
+        return serve_trace(plan, loaders, trace, sample, seed=seed, reporter=reporter,
+                           admission="max_in_flight", **engine_options)
+
+    served, load, attempt = least_loaded(serve, "calibrating", attempts, other_load,
+                                         reporter.note)
+    fitted = fit_calibration(served.batch_log, catalog,
+                             f"{len(trace)} rows at {rate:.1f}/s and bursts through every "
+                             f"model, {len(served.batch_log)} calls"
+                             + ("" if load.cores is None else
+                                f", other programs {load.cores:.2f} cores")
+                             + ("" if attempt == 1 else f", attempt {attempt}"))
     warning = load.warning("calibrating")
     if warning:
         reporter.warn(f"{warning} (the least of {attempts} attempts): calibrate again on a "

@@ -42,7 +42,6 @@ from typing import Any
 
 import numpy as np
 
-from ken.engine.machine import process_rss_bytes
 from ken.engine.workers import (
     Answers,
     Loader,
@@ -51,6 +50,7 @@ from ken.engine.workers import (
     load_models,
 )
 from ken.errors import BatchTimeout, KenError, WorkerDied, WorkerError
+from ken.machine import process_rss_bytes
 from ken.models.model import Model
 from ken.optimizer.workload import Hardware
 

@@ -42,8 +42,8 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from ken.engine.machine import process_rss_bytes
 from ken.errors import BatchTimeout, WorkerDied, WorkerError
+from ken.machine import process_rss_bytes
 from ken.models.model import Model, ModelOutput
 from ken.optimizer.workload import GPU_ID
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,6 +30,7 @@ import numpy as np
 
 from ken import store
 from ken.errors import ProfileError, StoreError
+from ken.machine import OtherLoad, least_loaded
 from ken.optimizer.profile import hardware_fingerprint
 from ken.paths import ken_home
 from ken.progress import QUIET, Reporter
@@ -37,7 +38,7 @@ from ken.progress import QUIET, Reporter
 if TYPE_CHECKING:
     from ken.models.resources import CausalLM
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: other_cores
 Point = tuple[int, int, float]  # (batch, tokens or width, seconds)
 
 
@@ -74,6 +75,9 @@ class TokenCost:
     kv_bytes_per_token: int
     prefill_error: float = 0.0  # worst relative error of the fit on the measured points
     decode_error: float = 0.0
+    #: cores other programs kept busy while it was measured (``ken.machine.OtherLoad``;
+    #: None: not measured, or not readable here)
+    other_cores: float | None = None
 
     @classmethod
     def fit(cls, model: str, hardware: str, prefill_points: Sequence[Point],
@@ -142,21 +146,46 @@ def random_prompts(lm: CausalLM, batch: int, tokens: int, rng: np.random.Generat
 
 def measure_token_cost(lm: CausalLM, model: str, batches: Sequence[int] = (1, 4, 8),
                        lengths: Sequence[int] = (32, 128, 256), decode_steps: int = 6,
-                       repeats: int = 2, reporter: Reporter = QUIET) -> TokenCost:
+                       repeats: int = 2, reporter: Reporter = QUIET, attempts: int = 3,
+                       other_load: Callable[[], OtherLoad] = OtherLoad) -> TokenCost:
     """Time prefill passes for every (batch, prompt length) and decode passes for every
-    (batch, cache width) of the grid on ``lm``'s device; the median of ``repeats`` runs."""
+    (batch, cache width) of the grid on ``lm``'s device; the median of ``repeats`` runs.
+
+    While it times them, ``other_load`` reads how many cores other programs kept busy; at
+    ``machine.BUSY_CORES`` or more it times the grid again, up to ``attempts`` times in all,
+    and keeps the cost measured beside the least other load, with a warning when every
+    attempt was busy (a cost measured beside a test run made ``ken demo``'s simulated time to
+    first token 16x the engine's). The reading is kept in ``other_cores``."""
+    if not batches or not lengths or min(batches) < 1 or min(lengths) < 1:
+        raise ProfileError("batch sizes and lengths must be positive")
+
+    def measure(attempt: int) -> TokenCost:
+        return _time_passes(lm, model, batches, lengths, decode_steps, repeats, reporter,
+                            "" if attempt == 1 else f" (attempt {attempt} of {attempts})")
+
+    what = f"timing the passes of {model}"
+    cost, load, _ = least_loaded(measure, what, attempts, other_load, reporter.note)
+    warning = load.warning(what)
+    if warning:
+        reporter.warn(f"{warning} (the least of {attempts} attempts): the simulated latencies "
+                      "of its generations will be too high; to measure it again on a quiet "
+                      f"machine, delete KEN_HOME/profiles/tokens-{model}-*.json")
+    return replace(cost, other_cores=load.cores)
+
+
+def _time_passes(lm: CausalLM, model: str, batches: Sequence[int], lengths: Sequence[int],
+                 decode_steps: int, repeats: int, reporter: Reporter, attempt: str
+                 ) -> TokenCost:
     import torch
 
     from ken.models.generation import DecodeBatch
 
-    if not batches or not lengths or min(batches) < 1 or min(lengths) < 1:
-        raise ProfileError("batch sizes and lengths must be positive")
     torch.set_num_threads(lm.device.threads)
     rng = np.random.default_rng(0)
     prefill: list[Point] = []
     decode: list[Point] = []
     grid = [(b, n) for b in batches for n in lengths]
-    with reporter.task(f"timing passes of {model}", len(grid)) as advance:
+    with reporter.task(f"timing passes of {model}{attempt}", len(grid)) as advance:
         for b, n in grid:
             pre_t, dec_t = [], []
             for r in range(repeats + 1):  # the first run warms up

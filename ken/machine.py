@@ -1,9 +1,13 @@
 """How much of the machine other programs used while ken measured something (issue 33).
 
-A runtime calibration (``calibrate.measure_calibration``) fits what serving calls take on this
-machine; when another program shares the cores meanwhile, every call is slower and the plans
-made from the fit are for a busier machine than the one they will run on (measured: factors of
-x1.70-2.05 against x1.03-1.17 on a quiet machine, ``docs/results.md``). ``OtherLoad`` reads
+A runtime calibration (``engine.calibrate.measure_calibration``) fits what serving calls take
+on this machine, and a token cost (``optimizer.tokens.measure_token_cost``) what an LLM's
+passes take; when another program shares the cores meanwhile, every call is slower and the
+plans and simulations made from them are for a busier machine than the one they will run on
+(measured: calibration factors of x1.70-2.05 against x1.03-1.17 on a quiet machine; a token
+cost measured beside a test run made ``ken demo``'s simulated time to first token 16x the
+engine's, ``docs/results.md``). ``least_loaded`` measures again while the machine is busy.
+``OtherLoad`` reads
 Linux's ``/proc``: the CPU time the whole machine spent busy over an interval, less the CPU time
 of this process and its descendants (ken's worker processes), in cores. Elsewhere (no
 ``/proc``) it measures nothing and says so.
@@ -13,8 +17,14 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+
+from ken.errors import KenError
+
+T = TypeVar("T")
 
 _PROC = Path("/proc")
 
@@ -173,5 +183,31 @@ class OtherLoad:
                 f"runtimes measured are for a busier machine than an idle one")
 
 
-__all__ = ["BUSY_CORES", "CpuReading", "OtherLoad", "TreeUsage", "cpu_reading", "other_cores",
-           "process_rss_bytes", "tree_usage"]
+def least_loaded(measure: Callable[[int], T], what: str, attempts: int = 3,
+                 other_load: Callable[[], OtherLoad] = OtherLoad,
+                 note: Callable[[str], None] = lambda _: None) -> tuple[T, OtherLoad, int]:
+    """``measure(attempt)`` (1, 2, ...) while an ``OtherLoad`` reads other programs' share of
+    the machine, again while that share is ``BUSY_CORES`` or more, up to ``attempts`` runs in
+    all (``note`` says why it measures again). Returns the result measured beside the least
+    other load, that reading (its ``warning(what)`` is not None when every run was busy) and
+    the attempt it came from."""
+    if attempts < 1:
+        raise KenError(f"{what}: attempts must be >= 1, got {attempts}")
+    best: tuple[T, OtherLoad, int] | None = None
+    for attempt in range(1, attempts + 1):
+        with other_load() as load:
+            result = measure(attempt)
+        if best is None or (load.cores is not None and best[1].cores is not None
+                            and load.cores < best[1].cores):
+            best = (result, load, attempt)
+        warning = load.warning(what)
+        if warning is None:
+            break
+        if attempt < attempts:
+            note(f"{warning}: measuring again")
+    assert best is not None
+    return best
+
+
+__all__ = ["BUSY_CORES", "CpuReading", "OtherLoad", "TreeUsage", "cpu_reading", "least_loaded",
+           "other_cores", "process_rss_bytes", "tree_usage"]
