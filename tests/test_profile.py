@@ -176,3 +176,58 @@ def test_split_is_disjoint_and_deterministic() -> None:
     train, test = split(s, 60, 30)
     assert not set(train.texts) & set(test.texts)
     assert split(s, 60, 30)[1].texts == test.texts
+
+
+def test_runtimes_timed_on_a_busy_machine_are_timed_again_and_the_quietest_kept(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While other programs keep ``BUSY_CORES`` or more busy the runtimes are timed again;
+    those timed beside the least other load are kept with that load (stored in the header,
+    read back; a profile from before has None), and a warning says when every attempt was
+    busy. The answers are the model's either way."""
+    from test_machine import fake_loads
+
+    from ken.machine import BUSY_CORES
+    from ken.optimizer import profile as profiling
+    from ken.progress import Reporter
+
+    timed = []
+    real = profiling.measure_batch_runtimes
+
+    def measure(model, texts, sizes, repeats, on_step, answers, single):  # noqa: ANN001, ANN202
+        timed.append(on_step)
+        real(model, texts, sizes, repeats, on_step, answers, single)
+        return [float(len(timed))] * len(sizes), 0  # each attempt's runtimes differ
+
+    class Said(Reporter):
+        def __init__(self) -> None:
+            super().__init__(quiet=True)
+            self.warnings: list[str] = []
+
+        def warn(self, message: str) -> None:
+            self.warnings.append(message)
+
+    monkeypatch.setattr(profiling, "measure_batch_runtimes", measure)
+    steps: list[int] = []
+    busy = [BUSY_CORES + 0.5, BUSY_CORES + 0.2, BUSY_CORES + 0.7]
+    said = Said()
+    model = FakeModel("a")
+    p = run_profile(model, sample(), (1, 4), repeats=1, on_step=steps.append, reporter=said,
+                    other_load=fake_loads(busy))
+    assert len(timed) == 3 and timed[1:] == [None, None]  # progress is reported once
+    assert steps == [1, 4, 0]
+    assert p.batch_runtime_s == (2.0, 2.0) and p.other_cores == busy[1]
+    assert len(said.warnings) == 1 and "timing a" in said.warnings[0]
+    assert p.values == tuple(model.predict(list(sample().texts)).label_strings())
+    assert Profile.load(p.save(tmp_path / "p")).other_cores == busy[1]
+
+    timed.clear()
+    said = Said()
+    q = run_profile(model, sample(), (1, 4), repeats=1, reporter=said,
+                    other_load=fake_loads([BUSY_CORES + 1.0, 0.01]))
+    assert len(timed) == 2 and q.batch_runtime_s == (2.0, 2.0) and q.other_cores == 0.01
+    assert said.warnings == []
+    header = json.loads((q.save(tmp_path / "q") / "header.json").read_text())
+    del header["other_cores"]  # a profile saved before the reading was kept
+    (tmp_path / "q" / "header.json").write_text(json.dumps(header))
+    store.seal(profile_entry(tmp_path / "q"))
+    assert Profile.load(tmp_path / "q").other_cores is None

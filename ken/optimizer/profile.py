@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 
 from ken import store
 from ken.errors import ProfileError, StoreError
+from ken.machine import OtherLoad, least_loaded
 from ken.models.certainty import certainty_of
 from ken.models.datasets import LabelledSample
 from ken.models.model import DeviceConfig, Model, ModelOutput, Prediction, row_size
@@ -66,6 +67,9 @@ class Profile:
     # runtime that grows with the size of its largest row (``size_share``; 0: none measured)
     row_sizes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
     size_share: float = 0.0
+    #: cores other programs kept busy while the runtimes were timed (``ken.machine.OtherLoad``;
+    #: None: not read, or a profile from before it was)
+    other_cores: float | None = None
 
     def __post_init__(self) -> None:
         if len(self.batch_sizes) != len(self.batch_runtime_s) or not self.batch_sizes:
@@ -135,6 +139,7 @@ class Profile:
             "num_rows": self.num_rows,
             "accuracy": self.accuracy,
             "size_share": self.size_share,
+            "other_cores": self.other_cores,
         }
 
     def save(self, folder: Path) -> Path:
@@ -208,6 +213,7 @@ class Profile:
             row_sizes=(table.column("size").to_numpy() if "size" in table.column_names
                        else np.zeros(0, np.int64)),
             size_share=float(header.get("size_share", 0.0)),
+            other_cores=header.get("other_cores"),
         )
 
 
@@ -401,11 +407,17 @@ def _row_scores(out: ModelOutput) -> np.ndarray:
 def run_profile(
     model: Model, sample: Sample, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
     repeats: int = 3, on_step: Callable[[int], None] | None = None,
+    reporter: Reporter = QUIET, attempts: int = 3,
+    other_load: Callable[[], OtherLoad] = OtherLoad,
 ) -> Profile:
     """Measure ``model`` on ``sample``: batch runtimes, memory, values, certainty, quality.
 
     Rows the timing already ran keep those answers; the rest run once more at batch 32.
     ``on_step`` is called after each batch size and once more (with 0) after the predictions.
+    While the runtimes are timed, ``other_load`` reads how many cores other programs kept
+    busy; at ``machine.BUSY_CORES`` or more they are timed again, up to ``attempts`` times in
+    all, and those timed beside the least other load are kept (``Profile.other_cores``), with
+    a warning when every attempt was busy (``machine.least_loaded``, as a calibration is).
     """
     if isinstance(sample, LabelledSample):
         if tuple(model.spec.labels) != tuple(sample.label_names):
@@ -418,9 +430,21 @@ def run_profile(
         sample = sample.as_eval()
     inputs = list(sample.inputs)
     answers: dict[int, tuple] = {}
-    single: list[tuple[int, float]] = []
-    runtimes, peak = measure_batch_runtimes(model, inputs, batch_sizes, repeats, on_step,
-                                            answers, single)
+
+    def timed(attempt: int) -> tuple[list[float], int, list[tuple[int, float]]]:
+        single: list[tuple[int, float]] = []
+        runtimes, peak = measure_batch_runtimes(model, inputs, batch_sizes, repeats,
+                                                on_step if attempt == 1 else None, answers,
+                                                single)
+        return runtimes, peak, single
+
+    what = f"timing {model.name}"
+    (runtimes, peak, single), load, _ = least_loaded(timed, what, attempts, other_load,
+                                                     reporter.note)
+    if (warning := load.warning(what)) is not None:
+        reporter.warn(f"{warning} (the least of {attempts} attempts): plans made from this "
+                      "profile expect slower calls than a quiet machine makes; profile again "
+                      "on a quiet machine (delete its folder under KEN_HOME/profiles)")
     sizes = np.array([row_size(x) for x in inputs], dtype=np.int64)
     rest = [i for i in range(len(inputs)) if i not in answers]
     if rest:
@@ -461,6 +485,7 @@ def run_profile(
         values=values,
         row_sizes=sizes,
         size_share=size_share(sizes, single),
+        other_cores=load.cores,
     )
 
 
@@ -509,7 +534,7 @@ def load_or_run_profile(
         with store.store_lock(home, f"profiling {model.name}", reporter.note):
             cached = _cached_profile(folder, QUIET)  # measured by another process meanwhile?
             if cached is None:
-                profile = run_profile(model, sample, batch_sizes, repeats, on_step)
+                profile = run_profile(model, sample, batch_sizes, repeats, on_step, reporter)
                 profile.save(folder)
                 return profile
     if on_step:  # report every step as done, so progress bars show a cache hit as complete
