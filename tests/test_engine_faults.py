@@ -1068,6 +1068,7 @@ def test_rows_escalated_to_a_worker_loading_a_swapped_in_model_run_on_another_re
                        (RangeSchedule(0, (1.0,), (1,)),), (4,), max_wait_s=0.005)
     with Engine([serving], sources, workers="process", admission="max_in_flight") as engine:
         before = [engine.submit(t).result(timeout=30) for t in texts(2)]
+        c_before = [r.device for r in engine.batch_log if r.model == "c"]
         with ThreadPoolExecutor(1) as pool:
             swap = pool.submit(engine.swap_plan, swapped)
             wait_for(flag)  # cpu0's worker is loading b
@@ -1075,10 +1076,29 @@ def test_rows_escalated_to_a_worker_loading_a_swapped_in_model_run_on_another_re
             meanwhile = [f.result(timeout=load_s / 2) for f in futures]
             assert not swap.done()  # answered before the load ended
             swap.result(timeout=60)
-        c_on = [r.device for r in engine.batch_log if r.model == "c"]
+        c_meanwhile = [r.device for r in engine.batch_log if r.model == "c"][len(c_before):]
     assert [(o.status, o.model) for o in before + meanwhile] == [("ok", "c")] * 8
     assert [o.value for o in meanwhile] == labels("c", [f"meanwhile {t}" for t in texts(6)])
-    assert c_on[0] == "cpu0" and set(c_on[-1:]) == {"cpu1"}  # routed to cpu0, moved off it
+    assert set(c_before) == {"cpu0"} and set(c_meanwhile) == {"cpu1"}  # moved off cpu0
+
+
+def test_a_load_for_a_new_plan_on_a_stopped_device_ends_in_an_error() -> None:
+    """A model loaded for a swapped-in plan on a device whose thread has stopped (the engine
+    shut down meanwhile) ends the wait with an error naming the device and the model, and
+    the device comes back to the scheduler (before: the wait had no end)."""
+    from ken.errors import EngineError
+
+    sources = {m: functools.partial(fakes.FakeModel, m) for m in ("a", "b")}
+    with Engine(two_replica_plan(), sources, workers="process") as engine:
+        engine.pool.close()  # the device threads stop, as at shutdown
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match="shut down while cpu0 was loading b"):
+            engine.pool.add({"cpu0": ["a", "b"]})
+        waited = time.monotonic() - t0
+        while "cpu0" in engine.scheduler._reloading:  # the "reloaded" that follows
+            assert time.monotonic() - t0 < 10.0, "cpu0 stayed away"
+            time.sleep(0.01)
+    assert waited < 5.0
 
 
 # -- generating functions drain like classifiers ------------------------------------------------

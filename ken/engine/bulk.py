@@ -6,7 +6,7 @@ by that plan's dispatcher rule. They are not metered, so they never move the gea
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,15 +54,16 @@ class BulkRows:
             self.enqueue(rid, disp, cascade, 0)
 
     def batches(self, devices_of: Callable[[str], list[str]], busy: set[str],
-                batch_size: int) -> list[BulkBatch]:
+                batch_size: int, away: Collection[str] = ()) -> list[BulkBatch]:
         """Batches of up to ``batch_size`` waiting rows, one per idle device that hosts their
-        model (``devices_of``); their devices are added to ``busy``."""
+        model (``devices_of``) and is not ``away`` (reloading); their devices are added to
+        ``busy``."""
         out = []
         for model, q in self._queue.items():
             for device in devices_of(model):
                 if not q:
                     break
-                if device in busy:
+                if device in busy or device in away:
                     continue
                 ids = tuple(q.popleft() for _ in range(min(len(q), batch_size)))
                 busy.add(device)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -190,9 +191,10 @@ class Scheduler:
         # and rows queued or escalated there move, until it is back (shared with the
         # dispatchers as their ``away``)
         self._reloading: set[str] = set()
-        # those of them the pool announced (``("reloading")``): back at ``("reloaded")`` only,
-        # not when a batch sent there before ends
-        self._announced: set[str] = set()
+        # those of them the pool announced (``("reloading")``), with how many announced
+        # reloads are under way: back when the last one's ``("reloaded")`` comes, not when a
+        # batch sent there before ends
+        self._announced: Counter[str] = Counter()
         # the dispatcher of each operator's active plan (with its stage gate, if any)
         self._active: dict[str, Dispatcher] = {
             op: Dispatcher(p, clock, self._busy, self._gate(op), self._reloading)
@@ -478,14 +480,21 @@ class Scheduler:
 
     def _reloaded(self, devices: tuple[str, ...]) -> None:
         """A fresh worker on ``devices`` loaded its models: take its devices back (those a
-        moved batch held too) and start what waits for them."""
-        freed = set(devices)
+        moved batch held too) and start what waits for them; a device with another announced
+        reload under way (a load for a swapped-in plan beside a revive) stays away."""
+        back = []
         for d in devices:
+            if self._announced[d] > 1:
+                self._announced[d] -= 1
+            else:
+                self._announced.pop(d, None)
+                back.append(d)
+        freed = set(back)
+        for d in back:
             held = self._held.pop(d, ())
             freed.update(held)
             self._busy.difference_update(held)
         self._reloading.difference_update(freed)
-        self._announced.difference_update(freed)
         self._freed(tuple(freed))
 
     def _back(self, devices: tuple[str, ...]) -> None:
@@ -554,7 +563,8 @@ class Scheduler:
     # -- bulk rows --------------------------------------------------------------------------
 
     def _launch_bulk(self) -> None:
-        for b in self._bulk.batches(self._bulk_devices, self._busy, self.bulk_batch_size):
+        for b in self._bulk.batches(self._bulk_devices, self._busy, self.bulk_batch_size,
+                                    self._reloading):
             self.pool.run(b, self._bulk_seconds(b.model, b.devices[0], len(b.request_ids)))
 
     def _bulk_devices(self, model: str) -> list[str]:

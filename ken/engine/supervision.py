@@ -30,6 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal, Protocol
@@ -404,21 +405,33 @@ class DevicePool:
             for m in ms:
                 if m in self._loaded_on[d]:
                     continue
-                done: Future = Future()
-                self._loading.add(d)  # admission routes around it meanwhile
-                # and the scheduler starts no batch there (it would wait behind the load) and
-                # moves the rows queued or escalated there: told before the load is queued
-                told = threading.Event()
-                self._report(("reloading", (d,), told))
-                told.wait(ANNOUNCE_WAIT_S)  # a scheduler that stopped never answers
-                try:
-                    self._queues[d].put(("load", m, self._source(d, m), done))
-                    seconds[f"{d}/{m}"] = done.result()
-                finally:
-                    self._loading.discard(d)
-                    self._report(("reloaded", (d,)))
+                seconds[f"{d}/{m}"] = self._load_on_running(d, m)
                 self._loaded_on[d].add(m)
         return seconds
+
+    def _load_on_running(self, device: str, model: str) -> float:
+        """Load ``model`` on the running ``device`` (a swapped-in plan adds it), between its
+        batches; seconds. Admission routes around the device meanwhile (``loading``), and the
+        scheduler, told before the load is queued, starts no batch there (it would wait
+        behind the load) and moves the rows queued or escalated there. An engine that shuts
+        down meanwhile ends the wait with an ``EngineError``."""
+        done: Future = Future()
+        self._loading.add(device)
+        told = threading.Event()
+        try:
+            self._report(("reloading", (device,), told))
+            told.wait(ANNOUNCE_WAIT_S)  # a scheduler that stopped never answers
+            self._queues[device].put(("load", model, self._source(device, model), done))
+            while True:
+                try:
+                    return done.result(timeout=0.5)
+                except FutureTimeout:
+                    if not self._threads[device].is_alive():  # stopped: nobody loads it
+                        raise EngineError(f"the engine shut down while {device} was loading "
+                                          f"{model} for a new plan") from None
+        finally:
+            self._loading.discard(device)
+            self._report(("reloaded", (device,)))
 
     def check_memory(self, budget: int | None, stop: bool = True,
                      gpu_budget: int | None = None) -> tuple[dict[str, int], dict[str, int]]:
