@@ -11,9 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ken.machine import OtherLoad
 from ken.models.cascade import Cascade
 from ken.models.model import WARM_UP_TEXT, DeviceConfig, Model, ModelSpec, Output, Prediction
 from ken.ops.base import ModelOperator
+from ken.progress import Reporter
 
 LABELS = ("negative", "neutral", "positive")
 
@@ -366,3 +368,25 @@ def two_replica_plan():  # noqa: ANN201
                     (RangeSchedule(0, (0.5, 0.5), (1, 1)),), (4, 4), max_wait_s=0.005,
                     predicted=PlanMetrics(1.0, 25.0, 45.0, 50.0, 25.0, 1000, 0, 10.0),
                     batch_runtime_s=((0.01,) * 4, (0.01,) * 4))
+
+
+class Warnings(Reporter):
+    """A quiet reporter that keeps the warnings it is given."""
+
+    def __init__(self) -> None:
+        super().__init__(quiet=True)
+        self.warnings: list[str] = []
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
+
+
+def fake_loads(cores: list[float | None]) -> type[OtherLoad]:
+    """An ``OtherLoad`` that reports ``cores`` in turn, one per measurement."""
+    seen = iter(cores)
+
+    class Fake(OtherLoad):
+        def __exit__(self, *exc: object) -> None:
+            self.cores = next(seen)
+
+    return Fake

@@ -247,10 +247,9 @@ def test_a_busy_machine_is_measured_again_and_the_quietest_fit_kept() -> None:
     import fakes
 
     from ken.engine.calibrate import measure_calibration
-    from ken.machine import BUSY_CORES, OtherLoad
+    from ken.machine import BUSY_CORES
     from ken.models.datasets import LabelledSample
     from ken.optimizer.workload import Hardware
-    from ken.progress import Reporter
 
     rows = 20
     sample = LabelledSample("t", tuple(f"row {i}" for i in range(rows)), np.arange(rows) % 3,
@@ -259,40 +258,23 @@ def test_a_busy_machine_is_measured_again_and_the_quietest_fit_kept() -> None:
     cat = Catalog(perf, {"a": np.ones(rows)}, {"a": np.full((rows, 3), 1 / 3)}, "t")
     loaders = {"a": functools.partial(fakes.SlowModel, "a", 0.003, 0.001)}
 
-    class Said(Reporter):
-        def __init__(self) -> None:
-            super().__init__(quiet=True)
-            self.warnings: list[str] = []
-
-        def warn(self, message: str) -> None:
-            self.warnings.append(message)
-
-    def other_loads(cores: list[float]):  # noqa: ANN202
-        seen = iter(cores)
-
-        class Fake(OtherLoad):
-            def __exit__(self, *exc: object) -> None:
-                self.cores = next(seen)
-
-        return Fake
-
-    said = Said()
+    said = fakes.Warnings()
     quiet_at_last = [BUSY_CORES + 0.6, BUSY_CORES + 0.1, 0.05]
     cal = measure_calibration(cat, loaders, sample, Hardware.cpu_workers(1, 2**30),
                               seconds=1.0, workers="thread", reporter=said,
-                              other_load=other_loads(quiet_at_last))
+                              other_load=fakes.fake_loads(quiet_at_last))
     assert cal.other_cores == 0.05 and "attempt 3" in cal.source
     assert said.warnings == []
 
-    said = Said()
+    said = fakes.Warnings()
     busy = [BUSY_CORES + 0.5, BUSY_CORES + 0.2, BUSY_CORES + 0.7]
     cal = measure_calibration(cat, loaders, sample, Hardware.cpu_workers(1, 2**30),
                               seconds=1.0, workers="thread", reporter=said,
-                              other_load=other_loads(busy))
+                              other_load=fakes.fake_loads(busy))
     assert cal.other_cores == busy[1] and "attempt 2" in cal.source
     assert len(said.warnings) == 1 and "least of 3 attempts" in said.warnings[0]
 
     quiet = measure_calibration(cat, loaders, sample, Hardware.cpu_workers(1, 2**30),
                                 seconds=1.0, workers="thread",
-                                other_load=other_loads([0.0]))  # one attempt, nothing more
+                                other_load=fakes.fake_loads([0.0]))  # one attempt, nothing more
     assert quiet.other_cores == 0.0 and "attempt" not in quiet.source

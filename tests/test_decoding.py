@@ -167,11 +167,10 @@ def test_a_token_cost_timed_on_a_busy_machine_is_timed_again_and_the_quietest_ke
     cost timed beside a test run made ``ken demo``'s simulated TTFT 16x the engine's); the
     cost timed beside the least other load is kept, with that load, and a warning says so
     when every attempt was busy."""
-    from test_machine import fake_loads
+    from fakes import Warnings, fake_loads
 
     from ken.machine import BUSY_CORES
     from ken.optimizer import tokens
-    from ken.progress import Reporter
 
     timed: list[str] = []
 
@@ -180,16 +179,8 @@ def test_a_token_cost_timed_on_a_busy_machine_is_timed_again_and_the_quietest_ke
         slow = 1.0 + len(timed)  # each attempt's cost differs
         return TokenCost(model, "hw", (), (), (slow, 0.0, 0.0), (slow, 0.0, 0.0), 0, 1)
 
-    class Said(Reporter):
-        def __init__(self) -> None:
-            super().__init__(quiet=True)
-            self.warnings: list[str] = []
-
-        def warn(self, message: str) -> None:
-            self.warnings.append(message)
-
     monkeypatch.setattr(tokens, "_time_passes", time_passes)
-    said = Said()
+    said = Warnings()
     busy = [BUSY_CORES + 0.5, BUSY_CORES + 0.2, BUSY_CORES + 0.7]
     cost = tokens.measure_token_cost(None, "lm", reporter=said, other_load=fake_loads(busy))
     assert timed == ["", " (attempt 2 of 3)", " (attempt 3 of 3)"]
@@ -198,7 +189,7 @@ def test_a_token_cost_timed_on_a_busy_machine_is_timed_again_and_the_quietest_ke
     assert TokenCost.from_json(cost.to_json()) == cost  # the reading is kept in the file
 
     timed.clear()
-    said = Said()
+    said = Warnings()
     cost = tokens.measure_token_cost(None, "lm", reporter=said,
                                      other_load=fake_loads([BUSY_CORES + 1.0, 0.02]))
     assert len(timed) == 2 and cost.other_cores == 0.02 and said.warnings == []

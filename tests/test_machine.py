@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fakes import fake_loads
 
 from ken.engine.calibrate import Calibration
 from ken.errors import KenError
@@ -97,17 +98,6 @@ def test_tree_usage_counts_a_child_its_threads_and_its_open_files() -> None:
         assert child.stdin is not None
         child.stdin.close()
         child.wait(timeout=30)
-
-
-def fake_loads(cores: list[float | None]) -> type[OtherLoad]:
-    """An ``OtherLoad`` that reports ``cores`` in turn, one per measurement."""
-    seen = iter(cores)
-
-    class Fake(OtherLoad):
-        def __exit__(self, *exc: object) -> None:
-            self.cores = next(seen)
-
-    return Fake
 
 
 @pytest.mark.parametrize(("cores", "runs", "kept"), [

@@ -185,11 +185,10 @@ def test_runtimes_timed_on_a_busy_machine_are_timed_again_and_the_quietest_kept(
     those timed beside the least other load are kept with that load (stored in the header,
     read back; a profile from before has None), and a warning says when every attempt was
     busy. The answers are the model's either way."""
-    from test_machine import fake_loads
+    from fakes import Warnings, fake_loads
 
     from ken.machine import BUSY_CORES
     from ken.optimizer import profile as profiling
-    from ken.progress import Reporter
 
     timed = []
     real = profiling.measure_batch_runtimes
@@ -199,18 +198,10 @@ def test_runtimes_timed_on_a_busy_machine_are_timed_again_and_the_quietest_kept(
         real(model, texts, sizes, repeats, on_step, answers, single)
         return [float(len(timed))] * len(sizes), 0  # each attempt's runtimes differ
 
-    class Said(Reporter):
-        def __init__(self) -> None:
-            super().__init__(quiet=True)
-            self.warnings: list[str] = []
-
-        def warn(self, message: str) -> None:
-            self.warnings.append(message)
-
     monkeypatch.setattr(profiling, "measure_batch_runtimes", measure)
     steps: list[int] = []
     busy = [BUSY_CORES + 0.5, BUSY_CORES + 0.2, BUSY_CORES + 0.7]
-    said = Said()
+    said = Warnings()
     model = FakeModel("a")
     p = run_profile(model, sample(), (1, 4), repeats=1, on_step=steps.append, reporter=said,
                     other_load=fake_loads(busy))
@@ -222,7 +213,7 @@ def test_runtimes_timed_on_a_busy_machine_are_timed_again_and_the_quietest_kept(
     assert Profile.load(p.save(tmp_path / "p")).other_cores == busy[1]
 
     timed.clear()
-    said = Said()
+    said = Warnings()
     q = run_profile(model, sample(), (1, 4), repeats=1, reporter=said,
                     other_load=fake_loads([BUSY_CORES + 1.0, 0.01]))
     assert len(timed) == 2 and q.batch_runtime_s == (2.0, 2.0) and q.other_cores == 0.01
