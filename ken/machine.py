@@ -185,12 +185,14 @@ class OtherLoad:
 
 def least_loaded(measure: Callable[[int], T], what: str, attempts: int = 3,
                  other_load: Callable[[], OtherLoad] = OtherLoad,
-                 note: Callable[[str], None] = lambda _: None) -> tuple[T, OtherLoad, int]:
+                 note: Callable[[str], None] = lambda _: None,
+                 warn: Callable[[str], None] | None = None, advice: str = ""
+                 ) -> tuple[T, OtherLoad, int]:
     """``measure(attempt)`` (1, 2, ...) while an ``OtherLoad`` reads other programs' share of
     the machine, again while that share is ``BUSY_CORES`` or more, up to ``attempts`` runs in
     all (``note`` says why it measures again). Returns the result measured beside the least
     other load, that reading (its ``warning(what)`` is not None when every run was busy) and
-    the attempt it came from."""
+    the attempt it came from. When every run was busy, ``warn`` is told so, with ``advice``."""
     if attempts < 1:
         raise KenError(f"{what}: attempts must be >= 1, got {attempts}")
     best: tuple[T, OtherLoad, int] | None = None
@@ -206,6 +208,8 @@ def least_loaded(measure: Callable[[int], T], what: str, attempts: int = 3,
         if attempt < attempts:
             note(f"{warning}: measuring again")
     assert best is not None
+    if warn is not None and (warning := best[1].warning(what)) is not None:
+        warn(f"{warning} (the least of {attempts} attempts): {advice}")
     return best
 
 

@@ -363,18 +363,15 @@ def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: An
         return serve_trace(plan, loaders, trace, sample, seed=seed, reporter=reporter,
                            admission="max_in_flight", **engine_options)
 
-    served, load, attempt = least_loaded(serve, "calibrating", attempts, other_load,
-                                         reporter.note)
+    served, load, attempt = least_loaded(
+        serve, "calibrating", attempts, other_load, reporter.note, reporter.warn,
+        "calibrate again on a quiet machine, or plan with --no-calibration")
     fitted = fit_calibration(served.batch_log, catalog,
                              f"{len(trace)} rows at {rate:.1f}/s and bursts through every "
                              f"model, {len(served.batch_log)} calls"
                              + ("" if load.cores is None else
                                 f", other programs {load.cores:.2f} cores")
                              + ("" if attempt == 1 else f", attempt {attempt}"))
-    warning = load.warning("calibrating")
-    if warning:
-        reporter.warn(f"{warning} (the least of {attempts} attempts): calibrate again on a "
-                      "quiet machine, or plan with --no-calibration")
     return replace(fitted, other_cores=load.cores)
 
 

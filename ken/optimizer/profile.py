@@ -438,13 +438,10 @@ def run_profile(
                                                 single)
         return runtimes, peak, single
 
-    what = f"timing {model.name}"
-    (runtimes, peak, single), load, _ = least_loaded(timed, what, attempts, other_load,
-                                                     reporter.note)
-    if (warning := load.warning(what)) is not None:
-        reporter.warn(f"{warning} (the least of {attempts} attempts): plans made from this "
-                      "profile expect slower calls than a quiet machine makes; profile again "
-                      "on a quiet machine (delete its folder under KEN_HOME/profiles)")
+    (runtimes, peak, single), load, _ = least_loaded(
+        timed, f"timing {model.name}", attempts, other_load, reporter.note, reporter.warn,
+        "plans made from this profile expect slower calls than a quiet machine makes; "
+        "profile again on a quiet machine (delete its folder under KEN_HOME/profiles)")
     sizes = np.array([row_size(x) for x in inputs], dtype=np.int64)
     rest = [i for i in range(len(inputs)) if i not in answers]
     if rest:

@@ -163,13 +163,10 @@ def measure_token_cost(lm: CausalLM, model: str, batches: Sequence[int] = (1, 4,
         return _time_passes(lm, model, batches, lengths, decode_steps, repeats, reporter,
                             "" if attempt == 1 else f" (attempt {attempt} of {attempts})")
 
-    what = f"timing the passes of {model}"
-    cost, load, _ = least_loaded(measure, what, attempts, other_load, reporter.note)
-    warning = load.warning(what)
-    if warning:
-        reporter.warn(f"{warning} (the least of {attempts} attempts): the simulated latencies "
-                      "of its generations will be too high; to measure it again on a quiet "
-                      f"machine, delete KEN_HOME/profiles/tokens-{model}-*.json")
+    cost, load, _ = least_loaded(
+        measure, f"timing the passes of {model}", attempts, other_load, reporter.note,
+        reporter.warn, "the simulated latencies of its generations will be too high; to "
+        f"measure it again on a quiet machine, delete KEN_HOME/profiles/tokens-{model}-*.json")
     return replace(cost, other_cores=load.cores)
 
 
