@@ -9,7 +9,7 @@ import threading
 from collections.abc import Sequence
 
 import pytest
-from fakes import FakeModel
+from fakes import FakeModel, SlowModel
 
 from ken.engine.serving import Engine, EngineError
 from ken.engine.supervision import BatchDeadline
@@ -21,10 +21,11 @@ PROFILE_S = 0.05  # profiled seconds of a batch of one, each stage
 NO_DEADLINE = BatchDeadline(floor_s=60.0)  # a blocked test batch is not a hung worker
 
 
-def stage(op: str, model: str, device: str, max_batch: int = 4) -> GearPlan:
+def stage(op: str, model: str, device: str, max_batch: int = 4,
+          profile_s: float = PROFILE_S) -> GearPlan:
     return GearPlan(op, (0.0, 1e6), (Cascade((model,)),), (Replica(model, (device,)),),
                     (RangeSchedule(0, (1.0,), (1,)),), (max_batch,), max_wait_s=0.005,
-                    batch_runtime_s=((tuple(PROFILE_S * (1 + 0.2 * b)
+                    batch_runtime_s=((tuple(profile_s * (1 + 0.2 * b)
                                             for b in range(max_batch))),))
 
 
@@ -112,6 +113,38 @@ def test_requests_that_can_make_their_deadline_on_idle_stages_are_never_dropped(
         metrics = engine.deadline_metrics()
     assert (metrics.requests, metrics.dropped) == (20, 0)
     assert metrics.on_time + metrics.late == 20 and metrics.device_s > 0
+
+
+@pytest.mark.parametrize("policy", ["proactive", "proactive-profiled"])
+def test_a_stage_slower_than_its_profile_drops_what_it_would_answer_late(policy: str) -> None:
+    """A model profiled at 5 ms a call that takes 200 ms: after a few calls the forecast
+    reads the measured speed, so a request with 100 ms to go is dropped at once instead of
+    answered late; on the profiles alone it is run, and late. After a swap to a plan whose
+    profile is right (200 ms) the forecast reads that profile, not the old one nor the speed
+    measured against it: 100 ms to go is dropped, 300 ms served on time."""
+    fast, slow = 0.005, 0.2
+    plan = stage("a", "ma", "cpu0", profile_s=fast)
+    with Engine(plan, {"ma": SlowModel("ma", slow)}, dropping=policy,
+                deadline=NO_DEADLINE) as engine:
+        for i in range(3):  # no deadline: measured, never dropped
+            assert engine.submit(f"warm {i}", "a").result(timeout=10).status == "ok"
+        out = engine.submit("tight", "a", deadline_s=engine.clock.now() + 0.1).result(
+            timeout=10)
+        if policy == "proactive":
+            assert out.status == "dropped" and out.error.startswith("at a: predicted finish")
+        else:
+            assert out.status == "ok"
+        engine.swap_plan(stage("a", "ma", "cpu0", profile_s=slow))
+        # the new plan's profile, and no speed measured against the old one
+        out = engine.submit("tight again", "a", deadline_s=engine.clock.now() + 0.1).result(
+            timeout=10)
+        assert out.status == "dropped"
+        out = engine.submit("roomy", "a", deadline_s=engine.clock.now() + 0.3).result(
+            timeout=10)
+        assert out.status == "ok"
+        metrics = engine.deadline_metrics()
+    assert metrics.late == (0 if policy == "proactive" else 1)
+    assert metrics.dropped == (2 if policy == "proactive" else 1)
 
 
 def test_without_a_dropping_policy_outcomes_are_unchanged() -> None:

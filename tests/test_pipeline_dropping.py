@@ -276,6 +276,69 @@ def test_least_budget_first_meets_every_deadline_when_some_order_does(
                                                                           0.5, 0.6)
 
 
+# -- the forecast reads how fast batches ran ----------------------------------------------------
+
+
+def _learned(policy: DropPolicy, seconds: float, batches: int = 16) -> PipelineDropper:
+    """Two stages profiled at 10 ms and 20 ms a batch of one, whose last ``batches``
+    batches of one row each took ``seconds`` (stage 0) and twice that (stage 1)."""
+    dropper = PipelineDropper(policy, [StageProfile("a", (0.01, 0.015)),
+                                       StageProfile("b", (0.02, 0.03))])
+    gate_a, gate_b = dropper.gate(0), dropper.gate(1)
+    for _ in range(batches):
+        gate_a.ran(0, 1, seconds)
+        gate_b.ran(0, 1, 2 * seconds)
+    return dropper
+
+
+@pytest.mark.parametrize(("seconds", "dropped"), [(0.03, True), (0.005, False)])
+def test_the_forecast_scales_the_profiles_by_the_measured_speed(seconds: float,
+                                                                dropped: bool) -> None:
+    """Batches that ran 3x their profile (a machine busier than when it was profiled): a
+    request that makes its deadline on the profiles (30 ms of 40) is dropped at once, as it
+    needs 90 ms; batches that ran at half: one that misses on the profiles (30 ms of 20) is
+    kept, as it needs 15 ms. The profiles alone (``proactive-profiled``) decide the other way
+    round in both cases."""
+    deadline = 0.04 if dropped else 0.02
+    for name, expect in (("proactive", dropped), ("proactive-profiled", not dropped)):
+        dropper = _learned(DropPolicy.named(name), seconds)
+        dropper.register(0, deadline, (0, 1))
+        drop = dropper.enter(0, 0, now=0.0)
+        assert (drop is not None) == expect, name
+        if drop is not None and name == "proactive":
+            assert drop.predicted_finish_s == pytest.approx(seconds + 2 * seconds)
+    speed = _learned(DropPolicy.named("proactive"), seconds).forecast
+    assert speed.speed(0) == pytest.approx(seconds / 0.01)
+    assert speed.speed(1) == pytest.approx(seconds / 0.01)
+
+
+def test_the_measured_speed_is_the_median_of_the_last_batches_against_their_replica() -> None:
+    """A stage of two replicas with different profiles: each batch is read against the
+    replica that ran it and its size; one hung batch among many does not move the median;
+    only the last ``runtime_batches`` count; a re-plan (``restage``) forgets them."""
+    stage = StageProfile("s", (0.01, 0.02), replicas=1,
+                         replica_runtime_s=((0.01, 0.02), (0.1, 0.2, 0.3)))
+    dropper = PipelineDropper(DropPolicy("proactive", "adaptive", runtime_batches=4), [stage])
+    f, gate = dropper.forecast, dropper.gate(0)
+    assert f.speed(0) == 1.0  # nothing measured yet: the profile
+    gate.ran(0, 2, 0.04)   # 2x its replica's 2-row profile
+    gate.ran(1, 3, 0.6)    # 2x replica 1's 3-row profile
+    gate.ran(1, 9, 60.0)   # a hung batch (more rows than profiled: the largest batch)
+    assert f.speed(0) == pytest.approx(2.0)
+    for _ in range(4):
+        gate.ran(0, 1, 0.005)  # faster now: the last 4 batches only
+    assert f.speed(0) == pytest.approx(0.5)
+    assert f.exec_at(0, 2) == pytest.approx(0.01)
+    gate.ran(5, 1, 0.02)  # a replica the profile does not know (an old plan's): read
+    assert f.speed(0) == pytest.approx(0.5)  # against the stage's own profile: 2x
+    f.restage(0, StageProfile("s", (0.04,)))
+    assert f.speed(0) == 1.0 and f.exec_at(0, 1) == pytest.approx(0.04)
+    with pytest.raises(PolicyError, match="runtime_batches"):
+        DropPolicy("proactive", runtime_batches=-1)
+    with pytest.raises(PolicyError, match="every replica"):
+        StageProfile("s", (0.01,), replica_runtime_s=((0.01,), ()))
+
+
 # -- through evaluate_pipeline ------------------------------------------------------------------
 
 

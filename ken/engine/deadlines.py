@@ -201,6 +201,13 @@ class EngineDeadlines:
     def gate(self, operator: str) -> StageGate | None:
         return self._gates.get(operator)
 
+    def replanned(self, plan: GearPlan) -> None:
+        """``plan`` now serves its operator (a swap): the forecast reads its runtimes. A plan
+        without profiled runtimes leaves the old plan's in the forecast."""
+        stage = self.stage_of.get(plan.operator)
+        if stage is not None and plan.batch_runtime_s:
+            self.dropper.forecast.restage(stage, stage_profile(plan))
+
     def arrive(self, rid: int, operator: str, now: float, arrival_s: float,
                deadline_s: float | None, route: Sequence[str], job: Hashable | None
                ) -> Drop | None:

@@ -552,6 +552,8 @@ class Scheduler:
             if old.in_flight:
                 self._retiring.append(old)
         new = Dispatcher(plan, self.clock, self._busy, self._gate(op), self._reloading)
+        if self.deadlines is not None:
+            self.deadlines.replanned(plan)
         self._active[op] = new
         self.plans[op] = plan
         for rid in moved:

@@ -206,12 +206,21 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
 
 def _stage_profile(plan: GearPlan, catalog: Catalog) -> StageProfile:
     """``dropping.stage_profile`` with the catalog's profiled runtimes."""
+    _check_profiled(plan, catalog)
+
     def runtimes(rep: int) -> list[float]:
         r = plan.placement[rep]
         return catalog.perf_on(r.model, r.devices).runtime_table(
             r.degree, plan.max_batch[rep])[1:]
 
     return stage_profile(plan, runtimes)
+
+
+def _check_profiled(plan: GearPlan, catalog: Catalog) -> None:
+    missing = sorted({r.model for r in plan.placement} - set(catalog.perf))
+    if missing:
+        raise SimulationError(f"plan {plan.operator!r} places {missing}, which have no "
+                              f"profile in the catalog ({list(catalog.models)})")
 
 
 class _Operator:
@@ -221,10 +230,7 @@ class _Operator:
     def __init__(self, index: int, plan: GearPlan, catalog: Catalog, clock: VirtualClock,
                  busy: set[str], record: Record, seed: int,
                  rows: Sequence[int] | None = None, gate: StageGate | None = None) -> None:
-        missing = sorted({r.model for r in plan.placement} - set(catalog.perf))
-        if missing:
-            raise SimulationError(f"plan {plan.operator!r} places {missing}, which have no "
-                                  f"profile in the catalog ({list(catalog.models)})")
+        _check_profiled(plan, catalog)
         self.dispatcher = Dispatcher(plan, clock, busy, gate)
         self._gate = gate
         kind = plan.certainty

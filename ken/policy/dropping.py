@@ -16,7 +16,12 @@ batch from its queue — the policy decides whether it is still worth serving:
   are measured together, as a sliding-window mean) plus its profiled execution time at its
   recent mean batch size. With no recent measurement (idle stages) the prediction is the
   profiled time of a batch of one per stage, so a request that can make its deadline on idle
-  stages is never dropped.
+  stages is never dropped. The profiled times are scaled by how fast the stage's batches
+  actually ran: the median of measured over profiled seconds of its last ``runtime_batches``
+  batches (each against the profile of the replica that ran it; 1 before any batch). A
+  machine that got busier, or quieter, since the profiles were measured (or calibrated) then
+  moves the forecast with it, where a profile alone drops requests the engine would have
+  answered in time, or keeps ones it will answer late.
 
 **Which requests a batch takes** (PARD section 4.3). Under ``proactive`` the requests a stage
 keeps are ordered by their remaining budget (deadline minus now minus the predicted time left,
@@ -54,12 +59,15 @@ PRIORITIES: tuple[PriorityRule, ...] = ("fcfs", "lbf", "hbf", "adaptive")
 class DropPolicy:
     """When to drop (``rule``) and in which order a stage serves its queue (``priority``);
     ``window_s``: the sliding window of the measured waits, batch sizes and arrival rates;
-    ``delta_min``: the narrowest band of the adaptive priority's delayed transition."""
+    ``delta_min``: the narrowest band of the adaptive priority's delayed transition;
+    ``runtime_batches``: how many of a stage's last batches scale its profiled runtimes by
+    their measured speed (0: the profiles as they are)."""
 
     rule: DropRule = "none"
     priority: PriorityRule = "fcfs"
     window_s: float = 1.0
     delta_min: float = 0.1
+    runtime_batches: int = 16
 
     def __post_init__(self) -> None:
         if self.rule not in DROP_RULES:
@@ -69,16 +77,24 @@ class DropPolicy:
         if not (math.isfinite(self.window_s) and self.window_s > 0
                 and 0 <= self.delta_min < 1):
             raise PolicyError("window_s must be > 0 and delta_min in [0, 1)")
+        if isinstance(self.runtime_batches, bool) or not isinstance(self.runtime_batches, int) \
+                or self.runtime_batches < 0:
+            raise PolicyError(f"runtime_batches must be an int >= 0, got "
+                              f"{self.runtime_batches!r}")
 
     @classmethod
     def named(cls, name: str, **kwargs: float) -> DropPolicy:
-        """The three policies compared: ``none`` and ``reactive`` (FIFO) and ``proactive``
-        (PARD: predicted finish and adaptive priority)."""
+        """The policies compared: ``none`` and ``reactive`` (FIFO), ``proactive`` (PARD:
+        predicted finish and adaptive priority) and ``proactive-profiled`` (the same on the
+        profiled runtimes alone, not scaled by the measured speed: ``runtime_batches=0``)."""
         if name == "proactive":
-            return cls("proactive", "adaptive", **kwargs)
+            return cls("proactive", "adaptive", **kwargs)  # type: ignore[arg-type]
+        if name == "proactive-profiled":
+            return cls("proactive", "adaptive", **{"runtime_batches": 0, **kwargs})  # type: ignore[arg-type]
         if name in ("none", "reactive"):
             return cls(name, "fcfs", **kwargs)  # type: ignore[arg-type]
-        raise PolicyError(f"no dropping policy {name!r}; use one of {DROP_RULES}")
+        raise PolicyError(f"no dropping policy {name!r}; use one of "
+                          f"{(*DROP_RULES, 'proactive-profiled')}")
 
 
 @dataclass(frozen=True)
@@ -176,17 +192,32 @@ class _Window:
 @dataclass(frozen=True)
 class StageProfile:
     """What the forecast knows of a stage from its profile: seconds of a batch of 1, 2, ...,
-    ``max_batch`` rows on one replica, and how many replicas share its load."""
+    ``max_batch`` rows on one replica, and how many replicas share its load;
+    ``replica_runtime_s``: per replica of the stage's plan (every model it places), the
+    profiled seconds of its batches of 1, 2, ... rows, against which a batch's measured time
+    is read (empty: ``batch_runtime_s`` for every replica)."""
 
     name: str
     batch_runtime_s: tuple[float, ...]
     replicas: int = 1
+    replica_runtime_s: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self) -> None:
         rt = self.batch_runtime_s
         if not rt or not all(math.isfinite(t) and t > 0 for t in rt) or self.replicas < 1:
             raise PolicyError(f"stage {self.name!r}: need positive batch runtimes and >= 1 "
                               "replica")
+        if not all(row and all(math.isfinite(t) and t > 0 for t in row)
+                   for row in self.replica_runtime_s):
+            raise PolicyError(f"stage {self.name!r}: need positive runtimes for every "
+                              "replica")
+
+    def profiled_s(self, replica: int, rows: int) -> float:
+        """Profiled seconds of a batch of ``rows`` rows on ``replica`` (the largest profiled
+        batch for more rows)."""
+        reps = self.replica_runtime_s
+        rt = reps[replica] if 0 <= replica < len(reps) else self.batch_runtime_s
+        return rt[min(max(rows, 1), len(rt)) - 1]
 
     def exec_s(self, batch: float) -> float:
         """Profiled seconds of a batch of ``batch`` rows (rounded, within 1..max batch)."""
@@ -203,22 +234,28 @@ class StageProfile:
 def stage_profile(plan: GearPlan, runtimes: Callable[[int], Sequence[float]]) -> StageProfile:
     """What the forecast knows of an operator served by ``plan``: the batch runtimes
     (``runtimes(replica)``: seconds of a batch of 1, 2, ... rows) of one replica of the first
-    model of its first gear, and how many replicas that model has."""
+    model of its first gear, how many replicas that model has, and every replica's runtimes."""
     first = plan.cascade_of(0).models[0]
     reps = plan.replicas_of(first)
-    return StageProfile(plan.operator, tuple(float(t) for t in runtimes(reps[0])), len(reps))
+    every = tuple(tuple(float(t) for t in runtimes(r)) for r in range(len(plan.placement)))
+    return StageProfile(plan.operator, every[reps[0]], len(reps), every)
 
 
 class PipelineForecast:
     """Per stage, its profile and what was measured in the last ``window_s``: rows' waits in
     the queue, batch sizes and arrivals; predicts the time a request still needs."""
 
-    def __init__(self, stages: Sequence[StageProfile], window_s: float = 1.0) -> None:
+    def __init__(self, stages: Sequence[StageProfile], window_s: float = 1.0,
+                 runtime_batches: int = 0) -> None:
         self.stages = tuple(stages)
         self._wait = [_Window(window_s) for _ in self.stages]
         self._batch = [_Window(window_s) for _ in self.stages]
         self._arrive = [_Window(window_s) for _ in self.stages]
         self._arrive_short = [_Window(window_s / 5) for _ in self.stages]
+        # measured / profiled seconds of each stage's last ``runtime_batches`` batches
+        self._speed: list[deque[float]] = [deque(maxlen=runtime_batches or 1)
+                                           for _ in self.stages]
+        self._learn = runtime_batches > 0
 
     def observe_arrival(self, stage: int, now: float) -> None:
         self._arrive[stage].add(now)
@@ -231,9 +268,38 @@ class PipelineForecast:
             w.add(now, x)
         self._batch[stage].add(now, float(len(waits)))
 
+    def restage(self, stage: int, profile: StageProfile) -> None:
+        """``stage`` is served by another plan from now on (a re-plan): its profile, and the
+        speeds measured against the old one forgotten."""
+        stages = list(self.stages)
+        stages[stage] = profile
+        self.stages = tuple(stages)
+        self._speed[stage].clear()
+
+    def observe_run(self, stage: int, replica: int, rows: int, seconds: float) -> None:
+        """A batch of ``rows`` rows on ``replica`` of ``stage`` took ``seconds`` (started to
+        answered, as the caller measures it)."""
+        if self._learn and seconds >= 0 and math.isfinite(seconds):
+            self._speed[stage].append(seconds / self.stages[stage].profiled_s(replica, rows))
+
+    def speed(self, stage: int) -> float:
+        """Measured over profiled seconds of the stage's recent batches (the median; 1 before
+        any batch, or when the policy reads the profiles alone)."""
+        ratios = self._speed[stage]
+        if not ratios:
+            return 1.0
+        ordered = sorted(ratios)
+        mid = len(ordered) // 2
+        return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+    def exec_at(self, stage: int, rows: float) -> float:
+        """Predicted execution of a batch of ``rows`` rows at ``stage``: profiled, scaled by
+        the measured speed."""
+        return self.stages[stage].exec_s(rows) * self.speed(stage)
+
     def exec_s(self, stage: int, now: float) -> float:
-        """Profiled execution at the stage's recent mean batch size (1 when idle)."""
-        return self.stages[stage].exec_s(self._batch[stage].mean(now, 1.0))
+        """Predicted execution at the stage's recent mean batch size (1 when idle)."""
+        return self.exec_at(stage, self._batch[stage].mean(now, 1.0))
 
     def stage_s(self, stage: int, now: float) -> float:
         """Predicted time a request arriving now spends at ``stage``: recent mean wait plus
@@ -267,7 +333,7 @@ class PipelineDropper:
 
     def __init__(self, policy: DropPolicy, stages: Sequence[StageProfile]) -> None:
         self.policy = policy
-        self.forecast = PipelineForecast(stages, policy.window_s)
+        self.forecast = PipelineForecast(stages, policy.window_s, policy.runtime_batches)
         self.priority = [AdaptivePriority() for _ in stages]
         self.drops: dict[int, Drop] = {}
         self._deadline: dict[int, float] = {}
@@ -333,7 +399,7 @@ class PipelineDropper:
         if rule == "none" and self.policy.priority == "fcfs":
             kept = list(queued[:take])
         else:
-            exec_now = f.stages[stage].exec_s(min(len(queued), take))
+            exec_now = f.exec_at(stage, min(len(queued), take))
             ahead_cache: dict[tuple[int, ...], float] = {}
             for rid in queued:
                 ahead = self._ahead(rid, stage)
@@ -371,6 +437,10 @@ class StageGate:
         kept, drops = self.dropper.select(self.stage, queued, since, now, take)
         self.dropped.extend(drops)
         return kept, [d.request_id for d in drops]
+
+    def ran(self, replica: int, rows: int, seconds: float) -> None:
+        """A batch the stage's dispatcher started finished (``Dispatcher.finish``)."""
+        self.dropper.forecast.observe_run(self.stage, replica, rows, seconds)
 
     def take(self) -> list[Drop]:
         """The drops made since the last call (the caller answers them)."""

@@ -242,10 +242,14 @@ class Finished:
 
 class BatchGate(Protocol):
     """Chooses a batch's rows (at most ``take``, in serving order) from a queue's request ids
-    (arrival order, queued since ``since``) and the requests to drop now."""
+    (arrival order, queued since ``since``) and the requests to drop now; told how long each
+    batch it let start ran (``ran``)."""
 
     def select(self, queued: Sequence[int], since: Sequence[float], now: float, take: int
                ) -> tuple[list[int], list[int]]: ...
+
+    def ran(self, replica: int, rows: int, seconds: float) -> None:
+        """A batch of ``rows`` rows on ``replica`` finished after ``seconds``."""
 
 
 class Dispatcher:
@@ -402,6 +406,8 @@ class Dispatcher:
         del self._running[batch.replica]
         for d in batch.devices:
             self._busy.discard(d)
+        if self.gate is not None:  # the dropping forecast reads how fast batches ran
+            self.gate.ran(batch.replica, len(ids), now - batch.started_s)
         if isinstance(certainties, np.ndarray):
             certainties = certainties.tolist()
         req_cascade, req_stage, req_range = self._req_cascade, self._req_stage, self._req_range
