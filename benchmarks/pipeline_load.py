@@ -82,14 +82,18 @@ requests dropped later or answered late) and where the drops happened.
    ``deadline_metrics()`` (goodput, drop rate, late rate, wasted model seconds: the measured
    wall time of each batch, shared by its rows) beside the simulator's prediction for the same
    plans, trace and rows. Admission is ``max_in_flight`` (no latency-target rejections), so
-   the policies alone decide what is dropped.
+   the policies alone decide what is dropped. The policies: ``none``, ``reactive``,
+   ``proactive`` (its forecast scaled by the measured speed of each stage's recent batches)
+   and ``proactive-profiled`` (the same on the calibrated profiles alone).
+   ``--engine-busy-cores N`` keeps N busy loops running from after the calibration to the
+   end: a machine busier than when its runtimes were measured.
 
 Writes ``--out``/pipeline_load.json and pipeline_load.png.
 
     python benchmarks/pipeline_load.py --out benchmarks/results/pipeline_load
     python benchmarks/pipeline_load.py --quick   # under a minute: fewer requests
     python benchmarks/pipeline_load.py --cases engine --out benchmarks/results/pipeline_engine
-        # about 2.5 minutes: the packaged models served on 2 worker processes
+        # about 3.5 minutes: the packaged models served on 2 worker processes
 """
 
 from __future__ import annotations
@@ -105,8 +109,10 @@ from pathlib import Path
 import numpy as np
 
 RESULTS = Path(__file__).parent / "results" / "pipeline_load"
-POLICIES = ("none", "reactive", "proactive", "proactive-fifo", "proactive-lbf",
-            "proactive-hbf", "proactive-d0.3")
+POLICIES = ("none", "reactive", "proactive", "proactive-profiled", "proactive-fifo",
+            "proactive-lbf", "proactive-hbf", "proactive-d0.3")
+#: the policies the engine case serves (``DropPolicy.named``)
+ENGINE_POLICIES = ("none", "reactive", "proactive", "proactive-profiled")
 LOADS = (1.0, 1.5, 2.0, 3.0)
 #: the online case's closed loop read the backlog this many times a period (one variant)
 ONLINE_CHECKS = 4
@@ -230,6 +236,7 @@ def run_case(name: str, catalog, plans, kinds: dict, gaps: np.ndarray, duration_
         "duration_s": duration_s, "points": []}
     policy_of = {"none": DropPolicy.named("none"), "reactive": DropPolicy.named("reactive"),
                  "proactive": DropPolicy.named("proactive"),
+                 "proactive-profiled": DropPolicy.named("proactive-profiled"),
                  "proactive-fifo": DropPolicy("proactive", "fcfs"),
                  "proactive-lbf": DropPolicy("proactive", "lbf"),
                  "proactive-hbf": DropPolicy("proactive", "hbf"),
@@ -586,10 +593,33 @@ def serve_pipeline(engine, texts: list[str], arrival_s: np.ndarray, budget_s: fl
     return t0
 
 
+def _spin() -> None:  # a busy loop (``--engine-busy-cores``)
+    while True:
+        pass
+
+
 def run_engine_case(gaps: np.ndarray, duration_s: float, deadline_s: float,  # noqa: ANN001
                     loads: list[float], policies: list[str], max_batch: int, seed: int,
-                    calibrate: bool = True) -> dict:
-    """The measured part (see the module docstring, item 4)."""
+                    calibrate: bool = True, busy_cores: int = 0) -> dict:
+    """The measured part (see the module docstring, item 4); ``busy_cores`` busy loops run
+    from after the calibration to the end."""
+    import multiprocessing as mp
+
+    spinners = [mp.get_context("spawn").Process(target=_spin, daemon=True)
+                for _ in range(busy_cores)]
+    try:
+        return _engine_case(gaps, duration_s, deadline_s, loads, policies, max_batch, seed,
+                            calibrate, spinners)
+    finally:
+        for p in spinners:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def _engine_case(gaps: np.ndarray, duration_s: float, deadline_s: float,  # noqa: ANN001
+                 loads: list[float], policies: list[str], max_batch: int, seed: int,
+                 calibrate: bool, spinners: list) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from e2e import family_setup
 
@@ -617,6 +647,10 @@ def run_engine_case(gaps: np.ndarray, duration_s: float, deadline_s: float,  # n
                                           workers="process")
         catalog = calibration.apply(catalog)
         print(f"engine: calibrated runtimes, {calibration.describe()}", flush=True)
+    for p in spinners:  # a machine busier than the calibration saw
+        p.start()
+    if spinners:
+        print(f"engine: {len(spinners)} busy loop(s) running from now on", flush=True)
     plans = engine_plans(catalog, max_batch)
     routes = [(0, 1)] * catalog.num_rows
     cap, per_stage = capacity_qps(catalog, plans, [1.0, 1.0])
@@ -627,6 +661,7 @@ def run_engine_case(gaps: np.ndarray, duration_s: float, deadline_s: float,  # n
         for (op, m, d), c in zip(ENGINE_STAGES, per_stage, strict=True)],
         "capacity_qps": cap, "sustained_qps": sustained, "deadline_s": deadline_s,
         "duration_s": duration_s, "workers": "process (1 torch thread each)",
+        "busy_cores": len(spinners),
         "calibration": None if calibration is None else calibration.describe(),
         "points": []}
     traces = {load: arrivals(gaps, duration_s, load * sustained) for load in loads}
@@ -798,8 +833,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-max-batch", type=int, default=8)
     ap.add_argument("--engine-profiles-only", action="store_true",
                     help="plan the engine case on the raw profiles (no serving calibration)")
+    ap.add_argument("--engine-busy-cores", type=int, default=0,
+                    help="after the calibration, keep this many busy-looping processes "
+                         "running while the engine case serves: a machine busier than "
+                         "when its runtimes were measured")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.engine_busy_cores < 0:
+        ap.error("--engine-busy-cores must be >= 0")
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from ken.optimizer.artifact import bert_catalog
@@ -829,10 +870,10 @@ def main(argv: list[str] | None = None) -> int:
         elif case == "engine":
             d = args.engine_duration_s or (4.0 if args.quick else 6.0)
             cases.append(run_engine_case(gaps, d, args.engine_deadline_ms / 1000, loads,
-                                         [p for p in policies if p in ("none", "reactive",
-                                                                       "proactive")],
+                                         [p for p in policies if p in ENGINE_POLICIES],
                                          args.engine_max_batch, args.seed,
-                                         not args.engine_profiles_only))
+                                         not args.engine_profiles_only,
+                                         busy_cores=args.engine_busy_cores))
         elif case == "online":
             cases.append(run_online_case(catalog, args.gpus, args.alloc_slo_ms / 1000,
                                          args.online_phase_s or (6.0 if args.quick else 20.0),
