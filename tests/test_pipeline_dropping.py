@@ -25,8 +25,10 @@ from ken.policy.dropping import (
     StageProfile,
     priority_order,
     should_drop,
+    stage_profile,
 )
 from ken.policy.plan import GearPlan, RangeSchedule, Replica
+from ken.policy.scheduling import Dispatcher, VirtualClock
 
 
 def catalog(runtimes: dict[str, tuple[float, ...]], sizes: tuple[int, ...] = (1, 8, 32),
@@ -337,6 +339,38 @@ def test_the_measured_speed_is_the_median_of_the_last_batches_against_their_repl
         DropPolicy("proactive", runtime_batches=-1)
     with pytest.raises(PolicyError, match="every replica"):
         StageProfile("s", (0.01,), replica_runtime_s=((0.01,), ()))
+
+
+def test_the_forecast_reads_the_profile_of_the_gear_the_stage_serves_in() -> None:
+    """A plan that serves a slow model below 10 requests/s and a fast one above (the QA
+    stream's reading operators shift so): once the dispatcher switches gear, the forecast
+    charges the fast model's profile and its capacity, not the first gear's."""
+    plan = GearPlan("op", (0.0, 10.0, 1e6), (Cascade(("slow",)), Cascade(("fast",))),
+                    (Replica("slow", ("d0",)), Replica("fast", ("d1",)), Replica("fast", ("d2",))),
+                    (RangeSchedule(0, (1.0, 0.0, 0.0), (1, 1, 1)),
+                     RangeSchedule(1, (0.0, 1.0, 1.0), (1, 1, 1))),
+                    (2, 2, 2), rate_window_s=0.25)
+    table = {0: (0.2, 0.3), 1: (0.02, 0.03), 2: (0.02, 0.03)}
+    dropper = PipelineDropper(DropPolicy.named("proactive"),
+                              [stage_profile(plan, table.__getitem__)])
+    clock = VirtualClock()
+    dispatcher = Dispatcher(plan, clock, gate=dropper.gate(0))
+    profile = dropper.forecast.stages[0]
+    assert profile.gear_replicas == ((0,), (1, 2))
+    assert profile.capacity(0) == pytest.approx(2 / 0.3)
+    assert profile.capacity(1) == pytest.approx(2 * 2 / 0.03)
+    dropper.register(0, 0.1, (0,))
+    assert dropper.enter(0, 0, 0.0) is not None  # the slow gear: 200 ms > 100 ms
+    for rid, t in enumerate([0.01, 0.02, 0.03, 0.04, 0.3], start=1):  # 16 requests/s
+        dropper.register(rid, 1e9, (0,))
+        clock.t = t
+        dispatcher.admit(rid)
+    assert dispatcher.current_range == 1
+    dropper.register(6, 0.3 + 0.1, (0,))
+    assert dropper.enter(6, 0, 0.3) is None  # the fast gear: 20 ms < 100 ms
+    assert dropper.forecast.exec_at(0, 1) == pytest.approx(0.02)
+    with pytest.raises(PolicyError, match="each gear"):
+        StageProfile("s", (0.1,), replica_runtime_s=((0.1,),), gear_replicas=((0,), (1,)))
 
 
 # -- through evaluate_pipeline ------------------------------------------------------------------

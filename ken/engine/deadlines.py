@@ -93,7 +93,7 @@ def call_deadline() -> CallDeadline | None:
 
 def stage_profile(plan: GearPlan) -> StageProfile:
     """What the dropping forecast knows of a served operator: the profiled batch runtimes of
-    one replica of its first model (gear 0) and how many replicas that model has — the
+    every replica, and each gear's first-model replicas (``dropping.stage_profile``) — the
     simulator's ``_stage_profile``, read from the runtimes the plan carries."""
     if not plan.batch_runtime_s:
         raise EngineError(f"dropping needs profiled batch runtimes; the plan of "

@@ -14,7 +14,8 @@ batch from its queue — the policy decides whether it is still worth serving:
   route) > deadline``. The time of a stage ahead is its recent measured wait (PARD's queueing
   delay and batch wait: in ken's dispatcher both are the time a row spends in a queue, so they
   are measured together, as a sliding-window mean) plus its profiled execution time at its
-  recent mean batch size. With no recent measurement (idle stages) the prediction is the
+  recent mean batch size, for the first model of the gear the stage serves in now (its
+  dispatcher says when it switches). With no recent measurement (idle stages) the prediction is the
   profiled time of a batch of one per stage, so a request that can make its deadline on idle
   stages is never dropped. The profiled times are scaled by how fast the stage's batches
   actually ran: the median of measured over profiled seconds of its last ``runtime_batches``
@@ -192,15 +193,18 @@ class _Window:
 @dataclass(frozen=True)
 class StageProfile:
     """What the forecast knows of a stage from its profile: seconds of a batch of 1, 2, ...,
-    ``max_batch`` rows on one replica, and how many replicas share its load;
-    ``replica_runtime_s``: per replica of the stage's plan (every model it places), the
-    profiled seconds of its batches of 1, 2, ... rows, against which a batch's measured time
-    is read (empty: ``batch_runtime_s`` for every replica)."""
+    ``max_batch`` rows on one replica, and how many replicas share its load (both of the first
+    model of the plan's first gear); ``replica_runtime_s``: per replica of the stage's plan
+    (every model it places), the profiled seconds of its batches of 1, 2, ... rows, against
+    which a batch's measured time is read (empty: ``batch_runtime_s`` for every replica);
+    ``gear_replicas``: per gear of the plan, the replicas of its first model, whose profile
+    the forecast reads while that gear serves (empty: the first gear's always)."""
 
     name: str
     batch_runtime_s: tuple[float, ...]
     replicas: int = 1
     replica_runtime_s: tuple[tuple[float, ...], ...] = ()
+    gear_replicas: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         rt = self.batch_runtime_s
@@ -211,6 +215,17 @@ class StageProfile:
                    for row in self.replica_runtime_s):
             raise PolicyError(f"stage {self.name!r}: need positive runtimes for every "
                               "replica")
+        if not all(reps and all(0 <= r < len(self.replica_runtime_s) for r in reps)
+                   for reps in self.gear_replicas):
+            raise PolicyError(f"stage {self.name!r}: each gear needs replicas of the stage's "
+                              f"profiled replicas")
+
+    def runtimes(self, gear: int = 0) -> tuple[float, ...]:
+        """Profiled seconds of batches of 1, 2, ... rows of the first model of ``gear`` (of
+        the first gear where the profile does not know that gear)."""
+        gears = self.gear_replicas
+        return self.replica_runtime_s[gears[gear][0]] if 0 <= gear < len(gears) \
+            else self.batch_runtime_s
 
     def profiled_s(self, replica: int, rows: int) -> float:
         """Profiled seconds of a batch of ``rows`` rows on ``replica`` (the largest profiled
@@ -219,26 +234,38 @@ class StageProfile:
         rt = reps[replica] if 0 <= replica < len(reps) else self.batch_runtime_s
         return rt[min(max(rows, 1), len(rt)) - 1]
 
-    def exec_s(self, batch: float) -> float:
-        """Profiled seconds of a batch of ``batch`` rows (rounded, within 1..max batch)."""
-        rt = self.batch_runtime_s
+    def exec_s(self, batch: float, gear: int = 0) -> float:
+        """Profiled seconds of a batch of ``batch`` rows (rounded, within 1..max batch) of
+        ``gear``'s first model."""
+        rt = self.runtimes(gear)
         return rt[min(max(int(round(batch)), 1), len(rt)) - 1]
+
+    def capacity(self, gear: int = 0) -> float:
+        """Rows per second ``gear``'s first model sustains with full batches on every
+        replica."""
+        rt = self.runtimes(gear)
+        gears = self.gear_replicas
+        replicas = len(gears[gear]) if 0 <= gear < len(gears) else self.replicas
+        return replicas * len(rt) / rt[-1]
 
     @property
     def capacity_qps(self) -> float:
-        """Rows per second the stage sustains with full batches on every replica."""
-        rt = self.batch_runtime_s
-        return self.replicas * len(rt) / rt[-1]
+        """Rows per second the stage's first gear sustains with full batches on every
+        replica."""
+        return self.capacity(0)
 
 
 def stage_profile(plan: GearPlan, runtimes: Callable[[int], Sequence[float]]) -> StageProfile:
     """What the forecast knows of an operator served by ``plan``: the batch runtimes
     (``runtimes(replica)``: seconds of a batch of 1, 2, ... rows) of one replica of the first
-    model of its first gear, how many replicas that model has, and every replica's runtimes."""
+    model of its first gear, how many replicas that model has, every replica's runtimes and
+    each gear's first-model replicas."""
     first = plan.cascade_of(0).models[0]
     reps = plan.replicas_of(first)
     every = tuple(tuple(float(t) for t in runtimes(r)) for r in range(len(plan.placement)))
-    return StageProfile(plan.operator, every[reps[0]], len(reps), every)
+    gears = tuple(tuple(plan.replicas_of(plan.cascade_of(k).models[0]))
+                  for k in range(plan.num_ranges))
+    return StageProfile(plan.operator, every[reps[0]], len(reps), every, gears)
 
 
 class PipelineForecast:
@@ -256,6 +283,7 @@ class PipelineForecast:
         self._speed: list[deque[float]] = [deque(maxlen=runtime_batches or 1)
                                            for _ in self.stages]
         self._learn = runtime_batches > 0
+        self._gear = [0] * len(self.stages)  # the gear each stage serves in now
 
     def observe_arrival(self, stage: int, now: float) -> None:
         self._arrive[stage].add(now)
@@ -275,6 +303,11 @@ class PipelineForecast:
         stages[stage] = profile
         self.stages = tuple(stages)
         self._speed[stage].clear()
+        self._gear[stage] = 0
+
+    def observe_gear(self, stage: int, gear: int) -> None:
+        """``stage`` serves in ``gear`` from now on (its plan's range index)."""
+        self._gear[stage] = gear
 
     def observe_run(self, stage: int, replica: int, rows: int, seconds: float) -> None:
         """A batch of ``rows`` rows on ``replica`` of ``stage`` took ``seconds`` (started to
@@ -293,9 +326,9 @@ class PipelineForecast:
         return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
 
     def exec_at(self, stage: int, rows: float) -> float:
-        """Predicted execution of a batch of ``rows`` rows at ``stage``: profiled, scaled by
-        the measured speed."""
-        return self.stages[stage].exec_s(rows) * self.speed(stage)
+        """Predicted execution of a batch of ``rows`` rows at ``stage``: profiled for the
+        first model of the gear it serves in, scaled by the measured speed."""
+        return self.stages[stage].exec_s(rows, self._gear[stage]) * self.speed(stage)
 
     def exec_s(self, stage: int, now: float) -> float:
         """Predicted execution at the stage's recent mean batch size (1 when idle)."""
@@ -313,7 +346,7 @@ class PipelineForecast:
     def load(self, stage: int, now: float) -> tuple[float, float]:
         """The stage's load factor ``rho`` and the delayed-transition band ``delta`` (without
         its floor)."""
-        mu = self.stages[stage].capacity_qps
+        mu = self.stages[stage].capacity(self._gear[stage])
         lam = self._arrive[stage].rate(now)
         short = self._arrive_short[stage].rate(now)
         return lam / mu, abs(short - lam) / mu
@@ -441,6 +474,10 @@ class StageGate:
     def ran(self, replica: int, rows: int, seconds: float) -> None:
         """A batch the stage's dispatcher started finished (``Dispatcher.finish``)."""
         self.dropper.forecast.observe_run(self.stage, replica, rows, seconds)
+
+    def gear(self, current: int) -> None:
+        """The stage's dispatcher serves in gear ``current`` from now on."""
+        self.dropper.forecast.observe_gear(self.stage, current)
 
     def take(self) -> list[Drop]:
         """The drops made since the last call (the caller answers them)."""

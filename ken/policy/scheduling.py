@@ -243,13 +243,16 @@ class Finished:
 class BatchGate(Protocol):
     """Chooses a batch's rows (at most ``take``, in serving order) from a queue's request ids
     (arrival order, queued since ``since``) and the requests to drop now; told how long each
-    batch it let start ran (``ran``)."""
+    batch it let start ran (``ran``) and which gear the dispatcher serves in (``gear``)."""
 
     def select(self, queued: Sequence[int], since: Sequence[float], now: float, take: int
                ) -> tuple[list[int], list[int]]: ...
 
     def ran(self, replica: int, rows: int, seconds: float) -> None:
         """A batch of ``rows`` rows on ``replica`` finished after ``seconds``."""
+
+    def gear(self, current: int) -> None:
+        """The dispatcher serves in gear (range) ``current`` from now on."""
 
 
 class Dispatcher:
@@ -293,6 +296,8 @@ class Dispatcher:
         self._req_cascade: dict[int, int] = {}
         self._req_range: dict[int, int] = {}
         self._req_stage: dict[int, int] = {}
+        if gate is not None:
+            gate.gear(self.gears.current)
 
     # -- state views ------------------------------------------------------------------------
 
@@ -346,9 +351,12 @@ class Dispatcher:
         if now is None:
             now = self.clock.now()
         if self.meter.record(now):
-            first = self._first_model[self.gears.current]
+            was = self.gears.current
+            first = self._first_model[was]
             backlog = sum(len(self._queue[r]) for r in self._replicas_of[first])
-            self.gears.update(now, self.meter.rate(now), backlog)
+            if self.gears.update(now, self.meter.rate(now), backlog) != was \
+                    and self.gate is not None:
+                self.gate.gear(self.gears.current)
         return self.gears.current
 
     def first_stage_replicas(self) -> tuple[int, ...]:
