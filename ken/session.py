@@ -366,7 +366,9 @@ class Session:
         by deadline and pending time (Apt-Serve's rule, ``ken.policy.decoding``) rather than in
         arrival order, with each model's passes estimated by its measured token cost.
 
-        ``dropping`` (``"none"``, ``"reactive"``, ``"proactive"``): the served functions are
+        ``dropping`` (``"none"``, ``"reactive"``, ``"proactive"``, or ``"proactive-profiled"``:
+        proactive on the profiled runtimes alone, not scaled by how fast batches ran; see
+        ``ken.policy.dropping``): the served functions are
         the stages of a pipeline whose requests carry end-to-end deadlines
         (``session.engines[function].submit(..., deadline_s=, route=)``, or the calls of the
         queries run inside ``with ken.engine.deadlines.within(deadline):``, e.g.

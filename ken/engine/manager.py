@@ -36,6 +36,7 @@ from ken.ops.base import Bound, OpContext, Operator
 from ken.optimizer.replan import GearReplan
 from ken.optimizer.tokens import load_or_measure_token_cost
 from ken.policy.decoding import ServiceTargets
+from ken.policy.dropping import POLICY_NAMES
 from ken.policy.plan import GearPlan, GenPlan, Plan
 
 
@@ -216,9 +217,9 @@ class ServingManager:
             raise KenError(f"a Ray cluster serves with workers='ray', not {workers!r}")
         if admission not in ("plan", "max_in_flight"):
             raise KenError(f"admission must be 'plan' or 'max_in_flight' (got {admission!r})")
-        if dropping not in (None, "none", "reactive", "proactive"):
-            raise KenError("dropping must be 'none', 'reactive' or 'proactive' (got "
-                           f"{dropping!r})")
+        if dropping is not None and dropping not in POLICY_NAMES:
+            raise KenError(f"dropping must be one of {', '.join(map(repr, POLICY_NAMES))} "
+                           f"(got {dropping!r})")
         if deadline is not None and not isinstance(deadline, BatchDeadline):
             raise KenError("deadline must be ken.engine.supervision.BatchDeadline(factor, "
                            f"floor_s, first_call_s), not {deadline!r}")

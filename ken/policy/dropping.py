@@ -53,6 +53,8 @@ from ken.policy.plan import GearPlan
 DropRule = Literal["none", "reactive", "proactive"]
 PriorityRule = Literal["fcfs", "lbf", "hbf", "adaptive"]
 DROP_RULES: tuple[DropRule, ...] = ("none", "reactive", "proactive")
+#: the policies ``DropPolicy.named`` knows
+POLICY_NAMES = (*DROP_RULES, "proactive-profiled")
 PRIORITIES: tuple[PriorityRule, ...] = ("fcfs", "lbf", "hbf", "adaptive")
 
 
@@ -94,8 +96,7 @@ class DropPolicy:
             return cls("proactive", "adaptive", **{"runtime_batches": 0, **kwargs})  # type: ignore[arg-type]
         if name in ("none", "reactive"):
             return cls(name, "fcfs", **kwargs)  # type: ignore[arg-type]
-        raise PolicyError(f"no dropping policy {name!r}; use one of "
-                          f"{(*DROP_RULES, 'proactive-profiled')}")
+        raise PolicyError(f"no dropping policy {name!r}; use one of {POLICY_NAMES}")
 
 
 @dataclass(frozen=True)
