@@ -121,7 +121,8 @@ def test_a_stage_slower_than_its_profile_drops_what_it_would_answer_late(policy:
     reads the measured speed, so a request with 100 ms to go is dropped at once instead of
     answered late; on the profiles alone it is run, and late. After a swap to a plan whose
     profile is right (200 ms) the forecast reads that profile, not the old one nor the speed
-    measured against it: 100 ms to go is dropped, 300 ms served on time."""
+    measured against it: 100 ms to go is dropped, 1 s served on time (a speed not forgotten
+    would predict 8 s)."""
     fast, slow = 0.005, 0.2
     plan = stage("a", "ma", "cpu0", profile_s=fast)
     with Engine(plan, {"ma": SlowModel("ma", slow)}, dropping=policy,
@@ -139,12 +140,49 @@ def test_a_stage_slower_than_its_profile_drops_what_it_would_answer_late(policy:
         out = engine.submit("tight again", "a", deadline_s=engine.clock.now() + 0.1).result(
             timeout=10)
         assert out.status == "dropped"
-        out = engine.submit("roomy", "a", deadline_s=engine.clock.now() + 0.3).result(
+        out = engine.submit("roomy", "a", deadline_s=engine.clock.now() + 1.0).result(
             timeout=10)
         assert out.status == "ok"
         metrics = engine.deadline_metrics()
     assert metrics.late == (0 if policy == "proactive" else 1)
     assert metrics.dropped == (2 if policy == "proactive" else 1)
+
+
+class RaisesOn(FakeModel):
+    """A model whose calls raise when a row is ``bad``."""
+
+    def predict(self, texts: Sequence[str], batch_size: int = 32) -> Prediction:
+        if "bad" in texts:
+            raise ValueError("bad row")
+        return super().predict(texts, batch_size)
+
+
+def test_only_batches_that_ran_once_and_answered_tell_the_forecast_its_speed() -> None:
+    """A batch that failed (run again in place, then ended in error) says nothing of how fast
+    the model runs; nor does a batch of a plan swapped out that finishes after the swap (it is
+    read against the new plan's replicas). Neither moves the measured speed."""
+    ma = BlockingModel("ma")
+    models = {"ma": ma, "mb": RaisesOn("mb")}
+    with Engine(PLANS, models, dropping="proactive", deadline=NO_DEADLINE) as engine:
+        assert engine.deadlines is not None
+        forecast = engine.deadlines.dropper.forecast
+        out = engine.submit("bad", "b").result(timeout=10)
+        assert out.status == "error" and "bad row" in (out.error or "")
+        assert forecast.speed(1) == 1.0  # nothing measured
+        assert engine.submit("good", "b").result(timeout=10).status == "ok"
+        assert len(forecast._speed[1]) == 1
+        blocked = engine.submit("block", "a")
+        assert ma.started.wait(10)
+        # the new plan's profile is 200x the old: the old batch read against it would give
+        # a speed near 0
+        engine.swap_plan(stage("a", "ma", "cpu0", profile_s=200 * PROFILE_S))
+        ma.release.set()
+        assert blocked.result(timeout=10).status == "ok"
+        assert forecast.speed(0) == 1.0 and len(forecast._speed[0]) == 0
+        with pytest.raises(EngineError, match="profiled batch runtimes"):
+            engine.swap_plan(GearPlan("a", (0.0, 1e6), (Cascade(("ma",)),),
+                                      (Replica("ma", ("cpu0",)),),
+                                      (RangeSchedule(0, (1.0,), (1,)),), (4,)))
 
 
 def test_without_a_dropping_policy_outcomes_are_unchanged() -> None:

@@ -102,8 +102,8 @@ def stage_profile(plan: GearPlan) -> StageProfile:
 
 
 def drop_policy(dropping: DropPolicy | str) -> DropPolicy:
-    """A policy, or the name of one of the three compared (``none``, ``reactive``,
-    ``proactive``)."""
+    """A policy, or the name of one (``DropPolicy.named``: ``none``, ``reactive``,
+    ``proactive``, ``proactive-profiled``)."""
     return dropping if isinstance(dropping, DropPolicy) else DropPolicy.named(dropping)
 
 
@@ -201,11 +201,17 @@ class EngineDeadlines:
     def gate(self, operator: str) -> StageGate | None:
         return self._gates.get(operator)
 
+    def check_swap(self, plan: GearPlan) -> None:
+        """A plan to swap in for an operator under the policy must carry profiled runtimes
+        (as at the start): the forecast reads them (raises ``EngineError``)."""
+        if plan.operator in self.stage_of:
+            stage_profile(plan)
+
     def replanned(self, plan: GearPlan) -> None:
-        """``plan`` now serves its operator (a swap): the forecast reads its runtimes. A plan
-        without profiled runtimes leaves the old plan's in the forecast."""
+        """``plan`` now serves its operator (a swap; checked by ``check_swap``): the forecast
+        reads its runtimes."""
         stage = self.stage_of.get(plan.operator)
-        if stage is not None and plan.batch_runtime_s:
+        if stage is not None:
             self.dropper.forecast.restage(stage, stage_profile(plan))
 
     def arrive(self, rid: int, operator: str, now: float, arrival_s: float,

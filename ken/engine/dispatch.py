@@ -208,6 +208,7 @@ class Scheduler:
         # the worker (keyed by the batch's first device) is back
         self._held: dict[str, tuple[str, ...]] = {}
         self._row_attempts: dict[int, int] = {}  # rows of failed batches -> their failures
+        self._rerun: set[int] = set()  # id() of batches run again in place after a failure
         self.moved_batches = 0  # failed or unrun batches whose rows went to another replica
         self.rejected = 0  # online requests admission turned away (under requests.lock)
 
@@ -266,6 +267,7 @@ class Scheduler:
             disp.drain()
         self._bulk.clear()
         self._row_attempts.clear()
+        self._rerun.clear()
         self.admission.forget_all()
         return self.requests.cancel_all("the engine shut down before it ran")
 
@@ -342,6 +344,8 @@ class Scheduler:
 
     def _finished(self, batch: Batch | BulkBatch, values: list, scores: np.ndarray) -> None:
         self.breaker.ran(batch)
+        measured = id(batch) not in self._rerun  # a rerun's time counts its failed attempt
+        self._rerun.discard(id(batch))
         if self._row_attempts:
             for rid in batch.request_ids:
                 self._row_attempts.pop(rid, None)
@@ -363,7 +367,7 @@ class Scheduler:
             share = (now - batch.started_s) * len(batch.devices) / len(batch.request_ids)
             for rid in batch.request_ids:
                 self.deadlines.charge(rid, share)
-        fin = disp.finish(batch, certs)
+        fin = disp.finish(batch, certs, measured)
         self.admission.count_escalations(disp.plan, batch.model, gears, fin.escalated)
         row = {rid: j for j, rid in enumerate(batch.request_ids)}
         for rid, stage in zip(fin.resolved, fin.resolved_stages, strict=True):
@@ -383,6 +387,7 @@ class Scheduler:
         reload (``_requeue_failed``); otherwise the same batch runs again in place."""
         for rid in batch.request_ids:  # a failed attempt says nothing about queueing
             self.admission.forget(rid)
+        self._rerun.discard(id(batch))  # added again below if it runs again in place
         if crashed and not isinstance(batch, BulkBatch) and \
                 self.pool.revivable(batch.devices[0]):
             self._requeue_failed(batch, message, never_returned)
@@ -391,6 +396,7 @@ class Scheduler:
         if error is None:  # run the same batch again (the device stays busy)
             if crashed:
                 self._reload(batch.devices)
+            self._rerun.add(id(batch))  # its time then counts this attempt too
             self.pool.run(batch, expected_s)
             return
         self._back(batch.devices)
@@ -406,7 +412,7 @@ class Scheduler:
         disp = self._owner.pop(id(batch))
         gears = {rid: disp.range_of(rid) for rid in batch.request_ids}
         # resolve every row (certainty +inf never escalates) to free the devices
-        fin = disp.finish(batch, [np.inf] * len(batch.request_ids))
+        fin = disp.finish(batch, [np.inf] * len(batch.request_ids), measured=False)
         now = self.clock.now()
         for rid in fin.resolved:  # admission forgot them above
             self.requests.resolve(rid, "error", now, model=batch.model, gear=gears[rid],
@@ -551,6 +557,8 @@ class Scheduler:
             moved = sorted(old.drain())  # request ids grow with arrival: oldest first
             if old.in_flight:
                 self._retiring.append(old)
+            if isinstance(old.gate, StageGate):  # its batches no longer tell the forecast
+                old.gate = old.gate.retired()
         new = Dispatcher(plan, self.clock, self._busy, self._gate(op), self._reloading)
         if self.deadlines is not None:
             self.deadlines.replanned(plan)

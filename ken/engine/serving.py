@@ -144,9 +144,10 @@ class Engine:
     worker against ``gpu_memory_budget_bytes`` (the GPU memory its allocator reserved;
     default: ``gpus.GPU_MEMORY_SHARE`` of the GPU, what a plan may place there).
 
-    ``dropping`` (``"none"``, ``"reactive"``, ``"proactive"`` or a ``DropPolicy``): serve the
-    operators as stages of a pipeline whose requests carry end-to-end deadlines (see the
-    module docstring; the plans need profiled runtimes); None (the default): deadlines given
+    ``dropping`` (``"none"``, ``"reactive"``, ``"proactive"``, ``"proactive-profiled"`` or a
+    ``DropPolicy``): serve the operators as stages of a pipeline whose requests carry
+    end-to-end deadlines (see the module docstring; the plans, and plans swapped in for them,
+    need profiled runtimes); None (the default): deadlines given
     to ``submit`` are ignored and nothing is dropped.
     """
 
@@ -346,6 +347,8 @@ class Engine:
         if thread is None:
             raise EngineError("the engine is not running; start() it, or pass the plan to "
                               "Engine(...)")
+        if self.deadlines is not None:
+            self.deadlines.check_swap(plan)
         self.pool.add_sources(models, gpu_models)
         self.pool.check_plans([plan])
         self.pool.add(_placed(plan))
@@ -473,7 +476,8 @@ class Engine:
         or late (wasted) out of all."""
         if self.deadlines is None:
             raise EngineError("this engine serves without a dropping policy; start it with "
-                              "Engine(..., dropping='none' | 'reactive' | 'proactive')")
+                              "Engine(..., dropping='none' | 'reactive' | 'proactive' | "
+                              "'proactive-profiled')")
         return self.deadlines.ledger.metrics(since_s)
 
     @property

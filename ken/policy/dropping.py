@@ -480,10 +480,33 @@ class StageGate:
         """The stage's dispatcher serves in gear ``current`` from now on."""
         self.dropper.forecast.observe_gear(self.stage, current)
 
+    def retired(self) -> RetiredGate:
+        """This gate for a dispatcher whose plan was swapped out: it still chooses and drops
+        the rows that finish there, but its batches and gears no longer tell the forecast,
+        which reads the new plan's profile."""
+        return RetiredGate(self)
+
     def take(self) -> list[Drop]:
         """The drops made since the last call (the caller answers them)."""
         out, self.dropped = self.dropped, []
         return out
+
+
+class RetiredGate:
+    """A ``StageGate`` whose ``ran`` and ``gear`` are ignored (``StageGate.retired``)."""
+
+    def __init__(self, gate: StageGate) -> None:
+        self.inner = gate
+
+    def select(self, queued: Sequence[int], since: Sequence[float], now: float, take: int
+               ) -> tuple[list[int], list[int]]:
+        return self.inner.select(queued, since, now, take)
+
+    def ran(self, replica: int, rows: int, seconds: float) -> None:
+        """Measured against another plan's replicas: not read."""
+
+    def gear(self, current: int) -> None:
+        """Another plan's gear: not read."""
 
 
 @dataclass(frozen=True)

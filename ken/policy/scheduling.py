@@ -403,8 +403,11 @@ class Dispatcher:
                 work[d] = work.get(d, 0.0) + seconds
         return work
 
-    def finish(self, batch: Batch, certainties: np.ndarray | Sequence[float]) -> Finished:
-        """A batch's model call returned ``certainties`` (one per row, in batch order)."""
+    def finish(self, batch: Batch, certainties: np.ndarray | Sequence[float],
+               measured: bool = True) -> Finished:
+        """A batch's model call returned ``certainties`` (one per row, in batch order);
+        ``measured=False``: its time since ``started_s`` is not a model call's (it failed, or
+        ran again after a failure), so the gate is not told it."""
         now = self.clock.now()
         ids = batch.request_ids
         if len(certainties) != len(ids):
@@ -414,7 +417,7 @@ class Dispatcher:
         del self._running[batch.replica]
         for d in batch.devices:
             self._busy.discard(d)
-        if self.gate is not None:  # the dropping forecast reads how fast batches ran
+        if self.gate is not None and measured:  # the dropping forecast reads batch times
             self.gate.ran(batch.replica, len(ids), now - batch.started_s)
         if isinstance(certainties, np.ndarray):
             certainties = certainties.tolist()
