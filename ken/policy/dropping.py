@@ -15,9 +15,9 @@ batch from its queue — the policy decides whether it is still worth serving:
   delay and batch wait: in ken's dispatcher both are the time a row spends in a queue, so they
   are measured together, as a sliding-window mean) plus its profiled execution time at its
   recent mean batch size, for the first model of the gear the stage serves in now (its
-  dispatcher says when it switches). With no recent measurement (idle stages) the prediction is the
-  profiled time of a batch of one per stage, so a request that can make its deadline on idle
-  stages is never dropped. The profiled times are scaled by how fast the stage's batches
+  dispatcher says when it switches). With no recent measurement (idle stages) the prediction
+  is the profiled time of a batch of one per stage, so a request that can make its deadline on
+  idle stages is never dropped. The profiled times are scaled by how fast the stage's batches
   actually ran: the median of measured over profiled seconds of its last ``runtime_batches``
   batches (each against the profile of the replica that ran it; 1 before any batch). A
   machine that got busier, or quieter, since the profiles were measured (or calibrated) then
@@ -284,6 +284,7 @@ class PipelineForecast:
         self._speed: list[deque[float]] = [deque(maxlen=runtime_batches or 1)
                                            for _ in self.stages]
         self._learn = runtime_batches > 0
+        self._median = [1.0] * len(self.stages)  # of ``_speed``, kept as batches finish
         self._gear = [0] * len(self.stages)  # the gear each stage serves in now
 
     def observe_arrival(self, stage: int, now: float) -> None:
@@ -304,6 +305,7 @@ class PipelineForecast:
         stages[stage] = profile
         self.stages = tuple(stages)
         self._speed[stage].clear()
+        self._median[stage] = 1.0
         self._gear[stage] = 0
 
     def observe_gear(self, stage: int, gear: int) -> None:
@@ -314,17 +316,17 @@ class PipelineForecast:
         """A batch of ``rows`` rows on ``replica`` of ``stage`` took ``seconds`` (started to
         answered, as the caller measures it)."""
         if self._learn and seconds >= 0 and math.isfinite(seconds):
-            self._speed[stage].append(seconds / self.stages[stage].profiled_s(replica, rows))
+            ratios = self._speed[stage]
+            ratios.append(seconds / self.stages[stage].profiled_s(replica, rows))
+            ordered = sorted(ratios)  # once per batch, not per request forecast
+            mid = len(ordered) // 2
+            self._median[stage] = ordered[mid] if len(ordered) % 2 else \
+                0.5 * (ordered[mid - 1] + ordered[mid])
 
     def speed(self, stage: int) -> float:
         """Measured over profiled seconds of the stage's recent batches (the median; 1 before
         any batch, or when the policy reads the profiles alone)."""
-        ratios = self._speed[stage]
-        if not ratios:
-            return 1.0
-        ordered = sorted(ratios)
-        mid = len(ordered) // 2
-        return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+        return self._median[stage]
 
     def exec_at(self, stage: int, rows: float) -> float:
         """Predicted execution of a batch of ``rows`` rows at ``stage``: profiled for the
