@@ -33,10 +33,17 @@ stream that ``benchmarks/pipeline_load.py`` could only simulate with stand-ins).
   hops dropped later or answered late: each call is its own job, since a SQL call does not say
   which hops follow, so a first hop's time is not counted when the second hop is dropped).
 
+``--replays N`` serves every point N times, the policies in alternating order from one replay
+to the next (the same arrivals and questions in each), and adds ``summary``: per load and
+policy the median goodput and wasted model time with their range, and per replay each
+policy's goodput over reactive dropping's.
+
 Writes ``--out``/qa_load.json.
 
     python benchmarks/qa_load.py --out DIR    # about 25 minutes with the measurement cached
     python benchmarks/qa_load.py --duration-s 45 --out DIR    # about 20 minutes
+    python benchmarks/qa_load.py --loads 2 --policies reactive,proactive --replays 3 \
+        --duration-s 360 --out DIR    # about 50 minutes
 """
 
 from __future__ import annotations
@@ -99,6 +106,36 @@ def calibrate(session, planner, pipeline, outcomes, by_qid, gaps: np.ndarray,  #
             "fits": {op: cal.describe() for op, cal in fitted.items()}}
 
 
+def summarise(points: list[dict]) -> dict:
+    """Per load and policy, the median and range over replays of goodput and wasted model
+    seconds; per load and replay, each policy's goodput over reactive dropping's."""
+    out: dict = {"points": [], "against_reactive": []}
+    keys = sorted({(p["load"], p["policy"]) for p in points})
+    for load, policy in keys:
+        mine = [p for p in points if p["load"] == load and p["policy"] == policy]
+        good = [p["goodput_qps"] for p in mine]
+        waste = [p["wasted_model_s"] for p in mine]
+        out["points"].append({
+            "load": load, "policy": policy, "replays": len(mine),
+            "questions": [p["questions"] for p in mine],
+            "goodput_qps_median": float(np.median(good)),
+            "goodput_qps_range": [min(good), max(good)],
+            "wasted_model_s_median": float(np.median(waste)),
+            "wasted_model_s_range": [min(waste), max(waste)]})
+    by = {(p["load"], p["policy"], p["replay"]): p for p in points}
+    for (load, policy, replay), p in sorted(by.items()):
+        base = by.get((load, "reactive", replay))
+        if policy == "reactive" or base is None:
+            continue
+        out["against_reactive"].append({
+            "load": load, "policy": policy, "replay": replay,
+            "goodput_ratio": (p["goodput_qps"] / base["goodput_qps"]
+                              if base["goodput_qps"] > 0 else None),
+            "wasted_ratio": (p["wasted_model_s"] / base["wasted_model_s"]
+                             if base["wasted_model_s"] > 0 else None)})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -112,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=20.0,
                     help="each question's end-to-end deadline after its arrival")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--replays", type=int, default=1,
+                    help="serve every point this many times (policies in alternating order)")
     ap.add_argument("--calibrate-s", type=float, default=60.0,
                     help="seconds of a served stream (at the uncalibrated 1x, no dropping) "
                          "whose reading calls calibrate the LMs' runtimes before anything "
@@ -122,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             args.duration_s <= 0 or args.budget_s <= 0 or args.calibrate_s < 0:
         ap.error("--duration-s and --budget-s must be positive numbers, --calibrate-s a "
                  "number at least 0")
+    if args.replays < 1:
+        ap.error("--replays must be at least 1")
     loads = [float(x) for x in args.loads.split(",")]
     policies = args.policies.split(",")
 
@@ -189,76 +230,83 @@ def main(argv: list[str] | None = None) -> int:
             trace = arrivals(gaps, args.duration_s, load * one_x)
             rows = rng.integers(0, len(outcomes.qids), len(trace))
             streams[load] = (trace, rows)
-        for policy in policies:
-            # admission by max_in_flight: the policies alone decide what is not answered
-            session.serve(list(READING), workers="auto", threads_per_device=1, memory_gb=8.0,
-                          dropping=policy, admission="max_in_flight", replan=False)
-            engine = session.engines[READING[0]]
-            try:
-                for load in loads:
-                    trace, rows = streams[load]
-                    questions = [by_qid[outcomes.qids[r]] for r in rows]
-                    t0 = engine.clock.now()
-                    t_wall = time.perf_counter()
-                    report = run_pipeline(session, data, reporter=Reporter(quiet=True),
-                                          pipeline=pipeline,
-                                          stream=(questions, trace.arrival_s.tolist()),
-                                          budget_s=args.budget_s)
-                    wall = time.perf_counter() - t_wall
-                    m = engine.deadline_metrics(since_s=t0)
-                    answers = report.answers
-                    ok = np.array([a.status == "ok" for a in answers])
-                    latency = np.array([a.latency_s for a in answers])
-                    on_time = ok & (latency <= args.budget_s)
-                    f1 = np.array([a.f1 for a in answers])
-                    sim = evaluate_pipeline(list(plan.plans), catalogs, trace, planner.sample,
-                                            args.seed, rows=rows.tolist(),
-                                            deadline_s=args.budget_s,
-                                            dropping=DropPolicy.named(policy))
-                    sd = sim.deadline
-                    raw = evaluate_pipeline(list(plan.plans), alone, trace, planner.sample,
-                                            args.seed, rows=rows.tolist(),
-                                            deadline_s=args.budget_s,
-                                            dropping=DropPolicy.named(policy)).deadline
-                    point = {
-                        "load": load, "policy": policy, "questions": len(answers),
-                        "offered_qps": len(answers) / args.duration_s,
-                        "goodput_qps": float(on_time.sum()) / args.duration_s,
-                        "drop_rate": float(np.mean([a.status == "dropped" for a in answers])),
-                        "late_rate": float(np.mean(ok & ~on_time)),
-                        "other_statuses": {s: int(sum(a.status == s for a in answers))
-                                           for s in {a.status for a in answers}
-                                           if s not in ("ok", "dropped")},
-                        "f1_all": float(np.where(on_time, f1, 0.0).mean()) * 100,
-                        "f1_answered": float(f1[ok].mean()) * 100 if ok.any() else None,
-                        "p50_s": float(np.percentile(latency[ok], 50)) if ok.any() else None,
-                        "model_s": m.device_s, "wasted_model_s": m.wasted_device_s,
-                        "wall_s": wall, "loadavg_1min": os.getloadavg()[0],
-                        "simulated": {"goodput_qps": sd.goodput_qps, "drop_rate": sd.drop_rate,
-                                      "late_rate": sd.late_rate,
-                                      "wasted_model_s": sd.wasted_device_s,
-                                      "model_s": sd.device_s,
-                                      "f1_all": 100 * float(sim.quality)},
-                        "simulated_alone": {"goodput_qps": raw.goodput_qps,
-                                            "drop_rate": raw.drop_rate,
-                                            "late_rate": raw.late_rate,
-                                            "model_s": raw.device_s},
-                    }
-                    result["points"].append(point)
-                    print(f"{load:>4}x {policy:>9}: goodput {point['goodput_qps']:.3f}/s (sim "
-                          f"{sd.goodput_qps:.3f}, alone {raw.goodput_qps:.3f}), drop "
-                          f"{point['drop_rate']:.0%} "
-                          f"({sd.drop_rate:.0%}), late {point['late_rate']:.0%} "
-                          f"({sd.late_rate:.0%}), F1 all {point['f1_all']:.1f}, answered "
-                          f"{point['f1_answered'] or 0:.1f}, wasted {m.wasted_device_s:.1f} of "
-                          f"{m.device_s:.1f} model s ({sd.wasted_device_s:.1f} of "
-                          f"{sd.device_s:.1f})  [{len(answers)} questions, {wall:.0f} s]",
-                          flush=True)
-                    args.out.mkdir(parents=True, exist_ok=True)  # keep what is measured
-                    (args.out / "qa_load.json").write_text(json.dumps(result, indent=1))
-                    time.sleep(1.2)  # the forecast's 1-s windows forget this load
-            finally:
-                session.stop_serving()
+        for replay in range(args.replays):
+            # alternate the order so that a drift of the machine's speed is shared
+            order = policies if replay % 2 == 0 else policies[::-1]
+            for policy in order:
+                # admission by max_in_flight: the policies alone decide what is not answered
+                session.serve(list(READING), workers="auto", threads_per_device=1, memory_gb=8.0,
+                              dropping=policy, admission="max_in_flight", replan=False)
+                engine = session.engines[READING[0]]
+                try:
+                    for load in loads:
+                        trace, rows = streams[load]
+                        questions = [by_qid[outcomes.qids[r]] for r in rows]
+                        t0 = engine.clock.now()
+                        t_wall = time.perf_counter()
+                        report = run_pipeline(session, data, reporter=Reporter(quiet=True),
+                                              pipeline=pipeline,
+                                              stream=(questions, trace.arrival_s.tolist()),
+                                              budget_s=args.budget_s)
+                        wall = time.perf_counter() - t_wall
+                        m = engine.deadline_metrics(since_s=t0)
+                        answers = report.answers
+                        ok = np.array([a.status == "ok" for a in answers])
+                        latency = np.array([a.latency_s for a in answers])
+                        on_time = ok & (latency <= args.budget_s)
+                        f1 = np.array([a.f1 for a in answers])
+                        sim = evaluate_pipeline(list(plan.plans), catalogs, trace, planner.sample,
+                                                args.seed, rows=rows.tolist(),
+                                                deadline_s=args.budget_s,
+                                                dropping=DropPolicy.named(policy))
+                        sd = sim.deadline
+                        raw = evaluate_pipeline(list(plan.plans), alone, trace, planner.sample,
+                                                args.seed, rows=rows.tolist(),
+                                                deadline_s=args.budget_s,
+                                                dropping=DropPolicy.named(policy)).deadline
+                        point = {
+                            "load": load, "policy": policy, "replay": replay,
+                        "questions": len(answers),
+                            "offered_qps": len(answers) / args.duration_s,
+                            "goodput_qps": float(on_time.sum()) / args.duration_s,
+                            "drop_rate": float(np.mean([a.status == "dropped" for a in answers])),
+                            "late_rate": float(np.mean(ok & ~on_time)),
+                            "other_statuses": {s: int(sum(a.status == s for a in answers))
+                                               for s in {a.status for a in answers}
+                                               if s not in ("ok", "dropped")},
+                            "f1_all": float(np.where(on_time, f1, 0.0).mean()) * 100,
+                            "f1_answered": float(f1[ok].mean()) * 100 if ok.any() else None,
+                            "p50_s": float(np.percentile(latency[ok], 50)) if ok.any() else None,
+                            "model_s": m.device_s, "wasted_model_s": m.wasted_device_s,
+                            "wall_s": wall, "loadavg_1min": os.getloadavg()[0],
+                            "simulated": {"goodput_qps": sd.goodput_qps, "drop_rate": sd.drop_rate,
+                                          "late_rate": sd.late_rate,
+                                          "wasted_model_s": sd.wasted_device_s,
+                                          "model_s": sd.device_s,
+                                          "f1_all": 100 * float(sim.quality)},
+                            "simulated_alone": {"goodput_qps": raw.goodput_qps,
+                                                "drop_rate": raw.drop_rate,
+                                                "late_rate": raw.late_rate,
+                                                "model_s": raw.device_s},
+                        }
+                        result["points"].append(point)
+                        print(f"[{replay}] {load:>4}x {policy:>9}: goodput "
+                              f"{point['goodput_qps']:.3f}/s (sim "
+                              f"{sd.goodput_qps:.3f}, alone {raw.goodput_qps:.3f}), drop "
+                              f"{point['drop_rate']:.0%} "
+                              f"({sd.drop_rate:.0%}), late {point['late_rate']:.0%} "
+                              f"({sd.late_rate:.0%}), F1 all {point['f1_all']:.1f}, answered "
+                              f"{point['f1_answered'] or 0:.1f}, wasted {m.wasted_device_s:.1f} of "
+                              f"{m.device_s:.1f} model s ({sd.wasted_device_s:.1f} of "
+                              f"{sd.device_s:.1f})  [{len(answers)} questions, {wall:.0f} s]",
+                              flush=True)
+                        result["summary"] = summarise(result["points"])
+                        args.out.mkdir(parents=True, exist_ok=True)  # keep what is measured
+                        (args.out / "qa_load.json").write_text(json.dumps(result, indent=1))
+                        time.sleep(1.2)  # the forecast's 1-s windows forget this load
+                finally:
+                    session.stop_serving()
+        result["summary"] = summarise(result["points"])
     result["seconds"] = time.perf_counter() - started
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "qa_load.json").write_text(json.dumps(result, indent=1))
