@@ -370,7 +370,68 @@ def test_the_forecast_reads_the_profile_of_the_gear_the_stage_serves_in() -> Non
     assert dropper.enter(6, 0, 0.3) is None  # the fast gear: 20 ms < 100 ms
     assert dropper.forecast.exec_at(0, 1) == pytest.approx(0.02)
     with pytest.raises(PolicyError, match="each gear"):
-        StageProfile("s", (0.1,), replica_runtime_s=((0.1,),), gear_replicas=((0,), (1,)))
+        StageProfile("s", (0.1,), replica_runtime_s=((0.1,),), gear_cascades=(((0,),), ((1,),)))
+
+
+def _cascade_stage(policy: str = "proactive") -> tuple[PipelineDropper, Dispatcher,
+                                                          VirtualClock]:
+    """One stage served by a two-model cascade on two devices: ``cheap`` (10 ms a row)
+    resolves rows whose certainty reaches 0.5, the rest go to ``big`` (200 ms a row)."""
+    plan = GearPlan("op", (0.0, 1e6), (Cascade(("cheap", "big"), (0.5,)),),
+                    (Replica("cheap", ("d0",)), Replica("big", ("d1",))),
+                    (RangeSchedule(0, (1.0, 1.0), (1, 1)),), (1, 1), max_wait_s=1e-3)
+    table = {0: (0.01,), 1: (0.2,)}
+    dropper = PipelineDropper(DropPolicy.named(policy),
+                              [stage_profile(plan, table.__getitem__)])
+    clock = VirtualClock()
+    return dropper, Dispatcher(plan, clock, gate=dropper.gate(0)), clock
+
+
+def test_a_batch_at_a_cascades_later_model_is_charged_that_models_profile() -> None:
+    """A row escalated to the cascade's big model (200 ms) with 100 ms of budget left is
+    dropped when the big model's batch forms; charged the cascade's first model (10 ms), as
+    the forecast did before, it was kept and answered late."""
+    dropper, dispatcher, clock = _cascade_stage()
+    profile = dropper.forecast.stages[0]
+    assert profile.gear_cascades == (((0,), (1,)),) and profile.gear_replicas == ((0,),)
+    dropper.register(1, 0.1 + 0.01, (0,))
+    (batch,) = dispatcher.admit(1)
+    assert batch.replica == 0
+    clock.t = 0.01
+    done = dispatcher.finish(batch, [0.1])  # unsure: escalated to big, whose device is free
+    assert done.escalated == (1,) and done.started == ()  # dropped as its batch formed
+    (drop,) = dropper.gate(0).dropper.drops.values()
+    assert drop.request_id == 1 and drop.predicted_finish_s == pytest.approx(0.01 + 0.2)
+    assert dispatcher.in_flight == 0
+
+
+def test_the_forecast_charges_the_escalations_it_measured() -> None:
+    """Once half of the cheap model's rows escalated (told by ``Dispatcher.finish``), a
+    request entering the stage is predicted 10 ms + 0.5 x 200 ms: with 100 ms of budget it is
+    dropped at once; before any escalation (or when every row resolved at the cheap model)
+    the prediction is the cheap model's 10 ms and it is kept."""
+    for certainties, dropped in (([0.9, 0.9], False), ([0.1, 0.9], True)):
+        dropper, dispatcher, clock = _cascade_stage()
+        dropper.register(99, 0.1, (0,))
+        assert dropper.enter(99, 0, 0.0) is None  # nothing measured: the cheap model alone
+        rid = 0
+        for _ in range(8):
+            for c in certainties:
+                dropper.register(rid, 1e9, (0,))
+                (batch,) = [b for b in dispatcher.admit(rid) if b.replica == 0]
+                clock.t += 0.01
+                dispatcher.finish(batch, [c])
+                for b in dispatcher.poll(["d1"]):
+                    clock.t += 0.2
+                    dispatcher.finish(b, [1.0])
+                rid += 1
+        assert dropper.forecast.escalation(0, (0,)) == pytest.approx(0.5 if dropped else 0.0)
+        now = clock.t + 10.0  # past the 1-s windows: the profiled times, no queueing
+        dropper.register(100, now + 0.1, (0,))
+        drop = dropper.enter(100, 0, now)
+        assert (drop is not None) == dropped
+        if drop is not None:
+            assert drop.predicted_finish_s == pytest.approx(now + 0.01 + 0.5 * 0.2)
 
 
 # -- through evaluate_pipeline ------------------------------------------------------------------

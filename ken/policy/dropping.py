@@ -11,13 +11,17 @@ batch from its queue — the policy decides whether it is still worth serving:
   Clipper-like systems do;
 - ``proactive`` (PARD, section 4.2): drop a request whose *predicted* finish is past its
   deadline: ``now + (this stage's time) + (predicted time of the stages still ahead on its
-  route) > deadline``. The time of a stage ahead is its recent measured wait (PARD's queueing
-  delay and batch wait: in ken's dispatcher both are the time a row spends in a queue, so they
-  are measured together, as a sliding-window mean) plus its profiled execution time at its
-  recent mean batch size, for the first model of the gear the stage serves in now (its
-  dispatcher says when it switches). With no recent measurement (idle stages) the prediction
-  is the profiled time of a batch of one per stage, so a request that can make its deadline on
-  idle stages is never dropped. The profiled times are scaled by how fast the stage's batches
+  route) > deadline``. The time of a stage ahead is, for the first model of the gear the stage
+  serves in now (its dispatcher says when it switches), the recent measured wait at its
+  replicas (PARD's queueing delay and batch wait: in ken's dispatcher both are the time a row
+  spends in a queue, so they are measured together, as a sliding-window mean) plus its
+  profiled execution time at their recent mean batch size; and, for a cascade, the same for
+  each later model times the share of rows that reach it, measured as the stage's rows
+  escalate (the share of each model's rows in its last ``ESCALATION_BATCHES`` batches that went
+  on; none before any batch). A batch formed at a later model of the cascade is charged that
+  model's profile. With no recent measurement (idle stages) the prediction is the profiled
+  time of a batch of one per model, so a request that can make its deadline on idle stages is
+  never dropped. The profiled times are scaled by how fast the stage's batches
   actually ran: the median of measured over profiled seconds of its last ``runtime_batches``
   batches (each against the profile of the replica that ran it; 1 before any batch). A
   machine that got busier, or quieter, since the profiles were measured (or calibrated) then
@@ -49,6 +53,9 @@ from typing import Literal
 
 from ken.errors import PolicyError
 from ken.policy.plan import GearPlan
+
+#: how many of a model's last batches give the share of its rows that escalate
+ESCALATION_BATCHES = 16
 
 DropRule = Literal["none", "reactive", "proactive"]
 PriorityRule = Literal["fcfs", "lbf", "hbf", "adaptive"]
@@ -198,14 +205,15 @@ class StageProfile:
     model of the plan's first gear); ``replica_runtime_s``: per replica of the stage's plan
     (every model it places), the profiled seconds of its batches of 1, 2, ... rows, against
     which a batch's measured time is read (empty: ``batch_runtime_s`` for every replica);
-    ``gear_replicas``: per gear of the plan, the replicas of its first model, whose profile
-    the forecast reads while that gear serves (empty: the first gear's always)."""
+    ``gear_cascades``: per gear of the plan, per model of its cascade in order, that model's
+    replicas, whose profiles the forecast reads while that gear serves (empty: one model,
+    ``batch_runtime_s``, in every gear)."""
 
     name: str
     batch_runtime_s: tuple[float, ...]
     replicas: int = 1
     replica_runtime_s: tuple[tuple[float, ...], ...] = ()
-    gear_replicas: tuple[tuple[int, ...], ...] = ()
+    gear_cascades: tuple[tuple[tuple[int, ...], ...], ...] = ()
 
     def __post_init__(self) -> None:
         rt = self.batch_runtime_s
@@ -216,21 +224,33 @@ class StageProfile:
                    for row in self.replica_runtime_s):
             raise PolicyError(f"stage {self.name!r}: need positive runtimes for every "
                               "replica")
-        if not all(reps and all(0 <= r < len(self.replica_runtime_s) for r in reps)
-                   for reps in self.gear_replicas):
-            raise PolicyError(f"stage {self.name!r}: each gear needs replicas of the stage's "
-                              f"profiled replicas")
+        if not all(models and all(reps and all(0 <= r < len(self.replica_runtime_s)
+                                               for r in reps) for reps in models)
+                   for models in self.gear_cascades):
+            raise PolicyError(f"stage {self.name!r}: each gear needs, per model of its "
+                              "cascade, replicas of the stage's profiled replicas")
+
+    @property
+    def gear_replicas(self) -> tuple[tuple[int, ...], ...]:
+        """Per gear, the replicas of its cascade's first model."""
+        return tuple(models[0] for models in self.gear_cascades)
+
+    def cascade(self, gear: int) -> tuple[tuple[int, ...], ...]:
+        """Per model of ``gear``'s cascade, its replicas (``((-1,),)`` where the profile does
+        not know the gear: one model, read from ``batch_runtime_s``)."""
+        gears = self.gear_cascades
+        return gears[gear] if 0 <= gear < len(gears) else ((-1,),)
 
     def runtimes(self, gear: int = 0) -> tuple[float, ...]:
         """Profiled seconds of batches of 1, 2, ... rows of the first model of ``gear`` (of
         the first gear where the profile does not know that gear)."""
-        gears = self.gear_replicas
-        return self.replica_runtime_s[gears[gear][0]] if 0 <= gear < len(gears) \
+        gears = self.gear_cascades
+        return self.replica_runtime_s[gears[gear][0][0]] if 0 <= gear < len(gears) \
             else self.batch_runtime_s
 
     def profiled_s(self, replica: int, rows: int) -> float:
         """Profiled seconds of a batch of ``rows`` rows on ``replica`` (the largest profiled
-        batch for more rows)."""
+        batch for more rows; ``batch_runtime_s`` for a replica the profile does not know)."""
         reps = self.replica_runtime_s
         rt = reps[replica] if 0 <= replica < len(reps) else self.batch_runtime_s
         return rt[min(max(rows, 1), len(rt)) - 1]
@@ -245,8 +265,8 @@ class StageProfile:
         """Rows per second ``gear``'s first model sustains with full batches on every
         replica."""
         rt = self.runtimes(gear)
-        gears = self.gear_replicas
-        replicas = len(gears[gear]) if 0 <= gear < len(gears) else self.replicas
+        gears = self.gear_cascades
+        replicas = len(gears[gear][0]) if 0 <= gear < len(gears) else self.replicas
         return replicas * len(rt) / rt[-1]
 
     @property
@@ -260,61 +280,82 @@ def stage_profile(plan: GearPlan, runtimes: Callable[[int], Sequence[float]]) ->
     """What the forecast knows of an operator served by ``plan``: the batch runtimes
     (``runtimes(replica)``: seconds of a batch of 1, 2, ... rows) of one replica of the first
     model of its first gear, how many replicas that model has, every replica's runtimes and
-    each gear's first-model replicas."""
+    the replicas of each model of each gear's cascade."""
     first = plan.cascade_of(0).models[0]
     reps = plan.replicas_of(first)
     every = tuple(tuple(float(t) for t in runtimes(r)) for r in range(len(plan.placement)))
-    gears = tuple(tuple(plan.replicas_of(plan.cascade_of(k).models[0]))
+    gears = tuple(tuple(tuple(plan.replicas_of(m)) for m in plan.cascade_of(k).models)
                   for k in range(plan.num_ranges))
     return StageProfile(plan.operator, every[reps[0]], len(reps), every, gears)
 
 
 class PipelineForecast:
-    """Per stage, its profile and what was measured in the last ``window_s``: rows' waits in
-    the queue, batch sizes and arrivals; predicts the time a request still needs."""
+    """Per stage, its profile and what was measured: per replica, rows' waits in its queue and
+    its batch sizes over the last ``window_s``; the stage's arrivals; the measured speed of its
+    last ``runtime_batches`` batches; per gear and replica, the share of rows that escalated in
+    its last ``ESCALATION_BATCHES`` batches. Predicts the time a request still needs."""
 
     def __init__(self, stages: Sequence[StageProfile], window_s: float = 1.0,
                  runtime_batches: int = 0) -> None:
         self.stages = tuple(stages)
-        self._wait = [_Window(window_s) for _ in self.stages]
-        self._batch = [_Window(window_s) for _ in self.stages]
-        self._arrive = [_Window(window_s) for _ in self.stages]
-        self._arrive_short = [_Window(window_s / 5) for _ in self.stages]
+        self.window_s = window_s
+        n = len(self.stages)
+        self._wait: list[dict[int, _Window]] = [{} for _ in range(n)]  # per replica
+        self._batch: list[dict[int, _Window]] = [{} for _ in range(n)]  # per replica
+        self._arrive = [_Window(window_s) for _ in range(n)]
+        self._arrive_short = [_Window(window_s / 5) for _ in range(n)]
         # measured / profiled seconds of each stage's last ``runtime_batches`` batches
-        self._speed: list[deque[float]] = [deque(maxlen=runtime_batches or 1)
-                                           for _ in self.stages]
+        self._speed: list[deque[float]] = [deque(maxlen=runtime_batches or 1) for _ in range(n)]
         self._learn = runtime_batches > 0
-        self._median = [1.0] * len(self.stages)  # of ``_speed``, kept as batches finish
-        self._gear = [0] * len(self.stages)  # the gear each stage serves in now
+        self._median = [1.0] * n  # of ``_speed``, kept as batches finish
+        self._gear = [0] * n  # the gear each stage serves in now
+        # per (gear, replica): (escalated, rows) of its last batches
+        self._esc: list[dict[tuple[int, int], deque[tuple[int, int]]]] = [{} for _ in range(n)]
 
     def observe_arrival(self, stage: int, now: float) -> None:
         self._arrive[stage].add(now)
         self._arrive_short[stage].add(now)
 
-    def observe_batch(self, stage: int, now: float, waits: Sequence[float]) -> None:
-        """A batch started at ``stage``: its rows waited ``waits`` seconds in the queue."""
-        w = self._wait[stage]
+    def observe_batch(self, stage: int, now: float, waits: Sequence[float],
+                      replica: int = -1) -> None:
+        """A batch started on ``replica`` of ``stage``: its rows waited ``waits`` seconds in
+        the queue."""
+        w = self._wait[stage].get(replica)
+        if w is None:
+            w = self._wait[stage][replica] = _Window(self.window_s)
+            self._batch[stage][replica] = _Window(self.window_s)
         for x in waits:
             w.add(now, x)
-        self._batch[stage].add(now, float(len(waits)))
+        self._batch[stage][replica].add(now, float(len(waits)))
 
     def restage(self, stage: int, profile: StageProfile) -> None:
         """``stage`` is served by another plan from now on (a re-plan): its profile, and the
-        speeds measured against the old one forgotten."""
+        speeds, waits and escalations measured against the old one's replicas forgotten."""
         stages = list(self.stages)
         stages[stage] = profile
         self.stages = tuple(stages)
         self._speed[stage].clear()
         self._median[stage] = 1.0
         self._gear[stage] = 0
+        self._wait[stage].clear()
+        self._batch[stage].clear()
+        self._esc[stage].clear()
 
     def observe_gear(self, stage: int, gear: int) -> None:
         """``stage`` serves in ``gear`` from now on (its plan's range index)."""
         self._gear[stage] = gear
 
-    def observe_run(self, stage: int, replica: int, rows: int, seconds: float) -> None:
+    def observe_run(self, stage: int, replica: int, rows: int, seconds: float,
+                    escalated: int = 0) -> None:
         """A batch of ``rows`` rows on ``replica`` of ``stage`` took ``seconds`` (started to
-        answered, as the caller measures it)."""
+        answered, as the caller measures it) and sent ``escalated`` of them on to the
+        cascade's next model."""
+        if rows > 0:
+            key = (self._gear[stage], replica)
+            runs = self._esc[stage].get(key)
+            if runs is None:
+                runs = self._esc[stage][key] = deque(maxlen=ESCALATION_BATCHES)
+            runs.append((min(max(escalated, 0), rows), rows))
         if self._learn and seconds >= 0 and math.isfinite(seconds):
             ratios = self._speed[stage]
             ratios.append(seconds / self.stages[stage].profiled_s(replica, rows))
@@ -328,19 +369,73 @@ class PipelineForecast:
         any batch, or when the policy reads the profiles alone)."""
         return self._median[stage]
 
-    def exec_at(self, stage: int, rows: float) -> float:
-        """Predicted execution of a batch of ``rows`` rows at ``stage``: profiled for the
-        first model of the gear it serves in, scaled by the measured speed."""
-        return self.stages[stage].exec_s(rows, self._gear[stage]) * self.speed(stage)
+    def exec_at(self, stage: int, rows: float, replica: int | None = None) -> float:
+        """Predicted execution of a batch of ``rows`` rows (rounded) on ``replica`` of
+        ``stage`` (None: the first model of the gear it serves in), scaled by the measured
+        speed."""
+        profile = self.stages[stage]
+        if replica is None:
+            replica = profile.cascade(self._gear[stage])[0][0]
+        return profile.profiled_s(replica, int(round(rows))) * self.speed(stage)
 
-    def exec_s(self, stage: int, now: float) -> float:
-        """Predicted execution at the stage's recent mean batch size (1 when idle)."""
-        return self.exec_at(stage, self._batch[stage].mean(now, 1.0))
+    def escalation(self, stage: int, replicas: Sequence[int]) -> float:
+        """The share of the rows of ``replicas`` (one model's) that escalated in their last
+        batches in the gear the stage serves in now (0 before any batch)."""
+        gear, esc = self._gear[stage], self._esc[stage]
+        up = rows = 0
+        for r in replicas:
+            for e, n in esc.get((gear, r), ()):
+                up += e
+                rows += n
+        return up / rows if rows else 0.0
+
+    def model_s(self, stage: int, replicas: Sequence[int], now: float) -> float:
+        """Predicted time a row arriving now at one model's ``replicas`` spends there: per
+        replica its recent mean wait plus execution at its recent mean batch size, averaged
+        over the replicas weighted by their recent rows (equally when none ran)."""
+        waits, batches = self._wait[stage], self._batch[stage]
+        total = weight = 0.0
+        for r in replicas:
+            b = batches.get(r)
+            rows = b.rate(now) if b is not None else 0.0
+            t = (waits[r].mean(now, 0.0) if b is not None else 0.0) + \
+                self.exec_at(stage, b.mean(now, 1.0) if b is not None else 1.0, r)
+            total += t * rows
+            weight += rows
+        if weight > 0:
+            return total / weight
+        return math.fsum(self.exec_at(stage, 1.0, r) for r in replicas) / len(replicas)
+
+    def from_model(self, stage: int, position: int, now: float) -> float:
+        """Predicted time left at ``stage`` for a row arriving now at model ``position`` of the
+        cascade of the gear it serves in: that model's time, then each later model's times
+        the measured share of rows that reach it."""
+        models = self.stages[stage].cascade(self._gear[stage])
+        total, reach = 0.0, 1.0
+        for reps in models[position:]:
+            total += reach * self.model_s(stage, reps, now)
+            reach *= self.escalation(stage, reps)
+            if reach <= 0.0:
+                break
+        return total
+
+    def after_batch(self, stage: int, replica: int, now: float) -> float:
+        """Predicted time at ``stage`` after a batch on ``replica`` for one of its rows: the
+        later models of the cascade times the share that reaches them (0 for a replica not in
+        the serving gear's cascade, or at its last model)."""
+        models = self.stages[stage].cascade(self._gear[stage])
+        for p, reps in enumerate(models):
+            if replica in reps:
+                if p + 1 >= len(models):
+                    return 0.0
+                up = self.escalation(stage, reps)
+                return up * self.from_model(stage, p + 1, now) if up > 0 else 0.0
+        return 0.0
 
     def stage_s(self, stage: int, now: float) -> float:
-        """Predicted time a request arriving now spends at ``stage``: recent mean wait plus
-        execution at the recent mean batch size."""
-        return self._wait[stage].mean(now, 0.0) + self.exec_s(stage, now)
+        """Predicted time a request arriving now spends at ``stage``: from its gear's first
+        model through the escalations of its cascade."""
+        return self.from_model(stage, 0, now)
 
     def remaining_s(self, ahead: Sequence[int], now: float) -> float:
         """Predicted time of the stages ``ahead``, in route order."""
@@ -424,10 +519,11 @@ class PipelineDropper:
         return self.priority[stage].update(rho, max(self.policy.delta_min, spread))
 
     def select(self, stage: int, queued: Sequence[int], since: Sequence[float], now: float,
-               take: int) -> tuple[list[int], list[Drop]]:
+               take: int, replica: int | None = None) -> tuple[list[int], list[Drop]]:
         """``stage`` forms a batch of at most ``take`` rows from ``queued`` (request ids in
-        arrival order, queued since ``since``): the rows it runs, in serving order, and the
-        requests dropped now (the whole queue is checked)."""
+        arrival order, queued since ``since``) on ``replica`` (None: the first model of the
+        gear it serves in): the rows it runs, in serving order, and the requests dropped now
+        (the whole queue is checked)."""
         rule, f = self.policy.rule, self.forecast
         kept: list[int] = []
         budgets: list[float] = []
@@ -435,7 +531,9 @@ class PipelineDropper:
         if rule == "none" and self.policy.priority == "fcfs":
             kept = list(queued[:take])
         else:
-            exec_now = f.exec_at(stage, min(len(queued), take))
+            exec_now = f.exec_at(stage, min(len(queued), take), replica)
+            if replica is not None:  # a cascade's later models, for the rows that escalate
+                exec_now += f.after_batch(stage, replica, now)
             ahead_cache: dict[tuple[int, ...], float] = {}
             for rid in queued:
                 ahead = self._ahead(rid, stage)
@@ -453,7 +551,8 @@ class PipelineDropper:
             kept = [kept[i] for i in order[:take]]
         if kept:
             pos = {rid: i for i, rid in enumerate(queued)}
-            f.observe_batch(stage, now, [now - since[pos[r]] for r in kept])
+            f.observe_batch(stage, now, [now - since[pos[r]] for r in kept],
+                            -1 if replica is None else replica)
         return kept, drops
 
     def gate(self, stage: int) -> StageGate:
@@ -468,15 +567,15 @@ class StageGate:
         self.dropper, self.stage = dropper, stage
         self.dropped: list[Drop] = []
 
-    def select(self, queued: Sequence[int], since: Sequence[float], now: float, take: int
-               ) -> tuple[list[int], list[int]]:
-        kept, drops = self.dropper.select(self.stage, queued, since, now, take)
+    def select(self, queued: Sequence[int], since: Sequence[float], now: float, take: int,
+               replica: int | None = None) -> tuple[list[int], list[int]]:
+        kept, drops = self.dropper.select(self.stage, queued, since, now, take, replica)
         self.dropped.extend(drops)
         return kept, [d.request_id for d in drops]
 
-    def ran(self, replica: int, rows: int, seconds: float) -> None:
+    def ran(self, replica: int, rows: int, seconds: float, escalated: int = 0) -> None:
         """A batch the stage's dispatcher started finished (``Dispatcher.finish``)."""
-        self.dropper.forecast.observe_run(self.stage, replica, rows, seconds)
+        self.dropper.forecast.observe_run(self.stage, replica, rows, seconds, escalated)
 
     def gear(self, current: int) -> None:
         """The stage's dispatcher serves in gear ``current`` from now on."""
@@ -500,11 +599,13 @@ class RetiredGate:
     def __init__(self, gate: StageGate) -> None:
         self.inner = gate
 
-    def select(self, queued: Sequence[int], since: Sequence[float], now: float, take: int
-               ) -> tuple[list[int], list[int]]:
-        return self.inner.select(queued, since, now, take)
+    def select(self, queued: Sequence[int], since: Sequence[float], now: float, take: int,
+               replica: int | None = None) -> tuple[list[int], list[int]]:
+        """Chosen by the new plan's forecast; ``replica`` is the old plan's, which its
+        profile does not know (so -1: the profile's first model)."""
+        return self.inner.select(queued, since, now, take, -1)
 
-    def ran(self, replica: int, rows: int, seconds: float) -> None:
+    def ran(self, replica: int, rows: int, seconds: float, escalated: int = 0) -> None:
         """Measured against another plan's replicas: not read."""
 
     def gear(self, current: int) -> None:

@@ -241,15 +241,17 @@ class Finished:
 
 
 class BatchGate(Protocol):
-    """Chooses a batch's rows (at most ``take``, in serving order) from a queue's request ids
-    (arrival order, queued since ``since``) and the requests to drop now; told how long each
-    batch it let start ran (``ran``) and which gear the dispatcher serves in (``gear``)."""
+    """Chooses a batch's rows (at most ``take``, in serving order) from the queue of one
+    replica (request ids in arrival order, queued since ``since``) and the requests to drop
+    now; told how long each batch it let start ran and how many of its rows escalated
+    (``ran``) and which gear the dispatcher serves in (``gear``)."""
 
-    def select(self, queued: Sequence[int], since: Sequence[float], now: float, take: int
-               ) -> tuple[list[int], list[int]]: ...
+    def select(self, queued: Sequence[int], since: Sequence[float], now: float, take: int,
+               replica: int | None = None) -> tuple[list[int], list[int]]: ...
 
-    def ran(self, replica: int, rows: int, seconds: float) -> None:
-        """A batch of ``rows`` rows on ``replica`` finished after ``seconds``."""
+    def ran(self, replica: int, rows: int, seconds: float, escalated: int = 0) -> None:
+        """A batch of ``rows`` rows on ``replica`` finished after ``seconds``; ``escalated``
+        of them went on to the cascade's next model."""
 
     def gear(self, current: int) -> None:
         """The dispatcher serves in gear (range) ``current`` from now on."""
@@ -417,8 +419,6 @@ class Dispatcher:
         del self._running[batch.replica]
         for d in batch.devices:
             self._busy.discard(d)
-        if self.gate is not None and measured:  # the dropping forecast reads batch times
-            self.gate.ran(batch.replica, len(ids), now - batch.started_s)
         if isinstance(certainties, np.ndarray):
             certainties = certainties.tolist()
         req_cascade, req_stage, req_range = self._req_cascade, self._req_stage, self._req_range
@@ -443,6 +443,8 @@ class Dispatcher:
                 resolved.append(rid)
                 resolved_stages.append(stage)
                 del req_stage[rid], req_cascade[rid], req_range[rid]
+        if self.gate is not None and measured:  # the dropping forecast reads batch times
+            self.gate.ran(batch.replica, len(ids), now - batch.started_s, len(escalated))
         candidates = [r for d in batch.devices for r in self._on_device[d]]
         candidates.extend(dict.fromkeys(touched))
         started = self._start_ready(candidates, now)
@@ -574,7 +576,7 @@ class Dispatcher:
         and this dispatcher, the rest keep waiting in arrival order."""
         assert self.gate is not None
         q, s = self._queue[rep], self._since[rep]
-        ids, dropped = self.gate.select(list(q), list(s), now, self._max_batch[rep])
+        ids, dropped = self.gate.select(list(q), list(s), now, self._max_batch[rep], rep)
         gone = set(ids) | set(dropped)
         rest = [(r, t) for r, t in zip(q, s, strict=True) if r not in gone]
         q.clear()
