@@ -21,6 +21,12 @@ narrowest band from 0.1 to 0.3.
    question answered by every LM assignment: tens of minutes of CPU LMs), which are not
    available offline, so this pipeline's stages and placement are fixed by hand and answer
    quality (F1) is not reported.
+   ``qa-cascade``: the same pipeline with a cascaded reader (BERT-base on two GPUs answers the
+   rows it is sure of, the 40% it is least sure of go on to BERT-large on two more), to
+   compare ``proactive`` (the forecast follows the cascade: a batch at BERT-large is charged
+   BERT-large, the reader's time includes the measured share of escalations) with
+   ``proactive-first-model`` (every reader batch charged BERT-base, the forecast before
+   session 28).
 2. **64-GPU cluster** (``cluster``): a four-stage pipeline of the V100 profiles (BERT-tiny ->
    BERT-base -> BERT-large -> BERT-small, every request through all four) on 64 V100s, the
    GPUs split so that the stages' profiled capacities are as even as whole GPUs allow — the
@@ -109,8 +115,8 @@ from pathlib import Path
 import numpy as np
 
 RESULTS = Path(__file__).parent / "results" / "pipeline_load"
-POLICIES = ("none", "reactive", "proactive", "proactive-profiled", "proactive-fifo",
-            "proactive-lbf", "proactive-hbf", "proactive-d0.3")
+POLICIES = ("none", "reactive", "proactive", "proactive-profiled", "proactive-first-model",
+            "proactive-fifo", "proactive-lbf", "proactive-hbf", "proactive-d0.3")
 #: the policies the engine case serves (``DropPolicy.named``)
 ENGINE_POLICIES = ("none", "reactive", "proactive", "proactive-profiled")
 LOADS = (1.0, 1.5, 2.0, 3.0)
@@ -131,12 +137,20 @@ def stage_plan(name: str, model: str, devices: list[str], max_batch: int, max_wa
 
 
 def capacity_qps(catalog, plans, visits: list[float]) -> tuple[float, list[float]]:  # noqa: ANN001
-    """The pipeline's profiled capacity and each stage's (rows/s at full batches)."""
+    """The pipeline's profiled capacity and each stage's (rows/s at full batches; for a
+    cascade, the least over its models of their rows/s over the share of rows reaching
+    them, on the catalog's rows)."""
     per_stage = []
     for p in plans:
-        r = p.placement[0]
-        table = catalog.perf_on(r.model, r.devices).runtime_table(1, p.max_batch[0])
-        per_stage.append(len(p.placement) * p.max_batch[0] / table[-1])
+        cascade = p.cascade_of(0)
+        reach = catalog.stage_fractions(cascade)
+        rates = []
+        for m, share in zip(cascade.models, reach, strict=True):
+            reps = p.replicas_of(m)
+            r = p.placement[reps[0]]
+            table = catalog.perf_on(r.model, r.devices).runtime_table(1, p.max_batch[reps[0]])
+            rates.append(len(reps) * p.max_batch[reps[0]] / table[-1] / max(share, 1e-9))
+        per_stage.append(min(rates))
     return min(c / v for c, v in zip(per_stage, visits, strict=True) if v > 0), per_stage
 
 
@@ -147,6 +161,25 @@ def qa_pipeline(catalog):  # noqa: ANN001, ANN201
              stage_plan("table_hop", "medium", ["gpu0"], 32, 0.002),
              stage_plan("reader", "large", [f"gpu{i}" for i in range(1, 5)], 8, 0.002)]
     kinds = {(0, 1, 3): 0.4, (0, 2, 3): 0.3, (0, 1, 2, 3): 0.3}  # text, table, both
+    return plans, kinds
+
+
+def qa_cascade_pipeline(catalog, escalated: float = 0.4):  # noqa: ANN001, ANN201
+    """The QA-like pipeline with a cascaded reader: BERT-base on gpu1-2 answers the rows it is
+    sure of, the ``escalated`` share it is least sure of (on the catalog's rows) goes on to
+    BERT-large on gpu3-4."""
+    from ken.models.cascade import Cascade
+    from ken.policy.plan import GearPlan, RangeSchedule, Replica
+
+    plans, kinds = qa_pipeline(catalog)
+    base, large = "bert-base", "bert-large"
+    threshold = float(np.quantile(catalog.certainty(base), escalated))
+    cascade = Cascade((base, large), (threshold,))
+    placement = (Replica(base, ("gpu1",)), Replica(base, ("gpu2",)),
+                 Replica(large, ("gpu3",)), Replica(large, ("gpu4",)))
+    plans[-1] = GearPlan("reader", (0.0, 1e9), (cascade,), placement,
+                         (RangeSchedule(0, (0.5, 0.5, 0.5, 0.5), (1, 1, 1, 1)),),
+                         (8, 8, 8, 8), max_wait_s=0.002)
     return plans, kinds
 
 
@@ -228,7 +261,8 @@ def run_case(name: str, catalog, plans, kinds: dict, gaps: np.ndarray, duration_
     cap, per_stage = capacity_qps(catalog, plans, visits)
     sustained = sustained_qps(catalog, plans, routes, gaps, duration_s, cap, deadline_s, seed)
     out = {"pipeline": name, "stages": [
-        {"name": p.operator, "model": p.placement[0].model, "replicas": len(p.placement),
+        {"name": p.operator, "model": " -> ".join(p.cascade_of(0).models),
+         "replicas": len(p.placement),
          "max_batch": p.max_batch[0], "capacity_qps": c, "visit_share": v}
         for p, c, v in zip(plans, per_stage, visits, strict=True)],
         "routes": {"-".join(plans[k].operator for k in r): s for r, s in kinds.items()},
@@ -237,6 +271,7 @@ def run_case(name: str, catalog, plans, kinds: dict, gaps: np.ndarray, duration_
     policy_of = {"none": DropPolicy.named("none"), "reactive": DropPolicy.named("reactive"),
                  "proactive": DropPolicy.named("proactive"),
                  "proactive-profiled": DropPolicy.named("proactive-profiled"),
+                 "proactive-first-model": DropPolicy.named("proactive-first-model"),
                  "proactive-fifo": DropPolicy("proactive", "fcfs"),
                  "proactive-lbf": DropPolicy("proactive", "lbf"),
                  "proactive-hbf": DropPolicy("proactive", "hbf"),
@@ -860,6 +895,11 @@ def main(argv: list[str] | None = None) -> int:
             plans, kinds = qa_pipeline(catalog)
             d = args.duration_s or (10.0 if args.quick else 30.0)
             cases.append(run_case("qa", catalog, plans, kinds, gaps, d,
+                                  args.qa_deadline_ms / 1000, loads, policies, args.seed))
+        elif case == "qa-cascade":
+            plans, kinds = qa_cascade_pipeline(catalog)
+            d = args.duration_s or (10.0 if args.quick else 30.0)
+            cases.append(run_case("qa-cascade", catalog, plans, kinds, gaps, d,
                                   args.qa_deadline_ms / 1000, loads, policies, args.seed))
         elif case == "cluster":
             plans, kinds = cluster_pipeline(catalog, args.gpus)

@@ -366,8 +366,9 @@ class Session:
         by deadline and pending time (Apt-Serve's rule, ``ken.policy.decoding``) rather than in
         arrival order, with each model's passes estimated by its measured token cost.
 
-        ``dropping`` (``"none"``, ``"reactive"``, ``"proactive"``, or ``"proactive-profiled"``:
-        proactive on the profiled runtimes alone, not scaled by how fast batches ran; see
+        ``dropping`` (``"none"``, ``"reactive"``, ``"proactive"``, ``"proactive-profiled"``:
+        proactive on the profiled runtimes alone, not scaled by how fast batches ran, or
+        ``"proactive-first-model"``: a cascade charged its first model alone; see
         ``ken.policy.dropping``): the served functions are
         the stages of a pipeline whose requests carry end-to-end deadlines
         (``session.engines[function].submit(..., deadline_s=, route=)``, or the calls of the

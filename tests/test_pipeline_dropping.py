@@ -387,11 +387,12 @@ def _cascade_stage(policy: str = "proactive") -> tuple[PipelineDropper, Dispatch
     return dropper, Dispatcher(plan, clock, gate=dropper.gate(0)), clock
 
 
-def test_a_batch_at_a_cascades_later_model_is_charged_that_models_profile() -> None:
+@pytest.mark.parametrize("policy", ["proactive", "proactive-first-model"])
+def test_a_batch_at_a_cascades_later_model_is_charged_that_models_profile(policy: str) -> None:
     """A row escalated to the cascade's big model (200 ms) with 100 ms of budget left is
     dropped when the big model's batch forms; charged the cascade's first model (10 ms), as
-    the forecast did before, it was kept and answered late."""
-    dropper, dispatcher, clock = _cascade_stage()
+    the forecast did before (``proactive-first-model``), it is kept and answered late."""
+    dropper, dispatcher, clock = _cascade_stage(policy)
     profile = dropper.forecast.stages[0]
     assert profile.gear_cascades == (((0,), (1,)),) and profile.gear_replicas == ((0,),)
     dropper.register(1, 0.1 + 0.01, (0,))
@@ -399,7 +400,11 @@ def test_a_batch_at_a_cascades_later_model_is_charged_that_models_profile() -> N
     assert batch.replica == 0
     clock.t = 0.01
     done = dispatcher.finish(batch, [0.1])  # unsure: escalated to big, whose device is free
-    assert done.escalated == (1,) and done.started == ()  # dropped as its batch formed
+    assert done.escalated == (1,)
+    if policy == "proactive-first-model":
+        assert [b.replica for b in done.started] == [1] and not dropper.drops
+        return
+    assert done.started == ()  # dropped as its batch formed
     (drop,) = dropper.gate(0).dropper.drops.values()
     assert drop.request_id == 1 and drop.predicted_finish_s == pytest.approx(0.01 + 0.2)
     assert dispatcher.in_flight == 0
@@ -410,8 +415,10 @@ def test_the_forecast_charges_the_escalations_it_measured() -> None:
     request entering the stage is predicted 10 ms + 0.5 x 200 ms: with 100 ms of budget it is
     dropped at once; before any escalation (or when every row resolved at the cheap model)
     the prediction is the cheap model's 10 ms and it is kept."""
-    for certainties, dropped in (([0.9, 0.9], False), ([0.1, 0.9], True)):
-        dropper, dispatcher, clock = _cascade_stage()
+    for certainties, dropped, policy in (([0.9, 0.9], False, "proactive"),
+                                         ([0.1, 0.9], True, "proactive"),
+                                         ([0.1, 0.9], False, "proactive-first-model")):
+        dropper, dispatcher, clock = _cascade_stage(policy)
         dropper.register(99, 0.1, (0,))
         assert dropper.enter(99, 0, 0.0) is None  # nothing measured: the cheap model alone
         rid = 0
@@ -425,7 +432,8 @@ def test_the_forecast_charges_the_escalations_it_measured() -> None:
                     clock.t += 0.2
                     dispatcher.finish(b, [1.0])
                 rid += 1
-        assert dropper.forecast.escalation(0, (0,)) == pytest.approx(0.5 if dropped else 0.0)
+        assert dropper.forecast.escalation(0, (0,)) == pytest.approx(
+            0.0 if certainties[0] > 0.5 else 0.5)
         now = clock.t + 10.0  # past the 1-s windows: the profiled times, no queueing
         dropper.register(100, now + 0.1, (0,))
         drop = dropper.enter(100, 0, now)

@@ -103,7 +103,7 @@ def stage_profile(plan: GearPlan) -> StageProfile:
 
 def drop_policy(dropping: DropPolicy | str) -> DropPolicy:
     """A policy, or the name of one (``DropPolicy.named``: ``none``, ``reactive``,
-    ``proactive``, ``proactive-profiled``)."""
+    ``proactive``, ``proactive-profiled``, ``proactive-first-model``)."""
     return dropping if isinstance(dropping, DropPolicy) else DropPolicy.named(dropping)
 
 

@@ -477,7 +477,7 @@ class Engine:
         if self.deadlines is None:
             raise EngineError("this engine serves without a dropping policy; start it with "
                               "Engine(..., dropping='none' | 'reactive' | 'proactive' | "
-                              "'proactive-profiled')")
+                              "'proactive-profiled' | 'proactive-first-model')")
         return self.deadlines.ledger.metrics(since_s)
 
     @property

@@ -61,7 +61,7 @@ DropRule = Literal["none", "reactive", "proactive"]
 PriorityRule = Literal["fcfs", "lbf", "hbf", "adaptive"]
 DROP_RULES: tuple[DropRule, ...] = ("none", "reactive", "proactive")
 #: the policies ``DropPolicy.named`` knows
-POLICY_NAMES = (*DROP_RULES, "proactive-profiled")
+POLICY_NAMES = (*DROP_RULES, "proactive-profiled", "proactive-first-model")
 PRIORITIES: tuple[PriorityRule, ...] = ("fcfs", "lbf", "hbf", "adaptive")
 
 
@@ -71,13 +71,17 @@ class DropPolicy:
     ``window_s``: the sliding window of the measured waits, batch sizes and arrival rates;
     ``delta_min``: the narrowest band of the adaptive priority's delayed transition;
     ``runtime_batches``: how many of a stage's last batches scale its profiled runtimes by
-    their measured speed (0: the profiles as they are)."""
+    their measured speed (0: the profiles as they are); ``escalations``: the forecast follows
+    a cascade's later models (each batch charged its own model, a stage's time the later
+    models' times the measured share of rows that reach them); False: every batch and stage
+    charged the serving gear's first model alone (the forecast before session 28)."""
 
     rule: DropRule = "none"
     priority: PriorityRule = "fcfs"
     window_s: float = 1.0
     delta_min: float = 0.1
     runtime_batches: int = 16
+    escalations: bool = True
 
     def __post_init__(self) -> None:
         if self.rule not in DROP_RULES:
@@ -95,12 +99,16 @@ class DropPolicy:
     @classmethod
     def named(cls, name: str, **kwargs: float) -> DropPolicy:
         """The policies compared: ``none`` and ``reactive`` (FIFO), ``proactive`` (PARD:
-        predicted finish and adaptive priority) and ``proactive-profiled`` (the same on the
-        profiled runtimes alone, not scaled by the measured speed: ``runtime_batches=0``)."""
+        predicted finish and adaptive priority), ``proactive-profiled`` (the same on the
+        profiled runtimes alone, not scaled by the measured speed: ``runtime_batches=0``) and
+        ``proactive-first-model`` (a cascade charged its first model alone:
+        ``escalations=False``)."""
         if name == "proactive":
             return cls("proactive", "adaptive", **kwargs)  # type: ignore[arg-type]
         if name == "proactive-profiled":
             return cls("proactive", "adaptive", **{"runtime_batches": 0, **kwargs})  # type: ignore[arg-type]
+        if name == "proactive-first-model":
+            return cls("proactive", "adaptive", **{"escalations": False, **kwargs})  # type: ignore[arg-type]
         if name in ("none", "reactive"):
             return cls(name, "fcfs", **kwargs)  # type: ignore[arg-type]
         raise PolicyError(f"no dropping policy {name!r}; use one of {POLICY_NAMES}")
@@ -296,9 +304,10 @@ class PipelineForecast:
     its last ``ESCALATION_BATCHES`` batches. Predicts the time a request still needs."""
 
     def __init__(self, stages: Sequence[StageProfile], window_s: float = 1.0,
-                 runtime_batches: int = 0) -> None:
+                 runtime_batches: int = 0, escalations: bool = True) -> None:
         self.stages = tuple(stages)
         self.window_s = window_s
+        self.escalations = escalations  # False: every stage charged its first model alone
         n = len(self.stages)
         self._wait: list[dict[int, _Window]] = [{} for _ in range(n)]  # per replica
         self._batch: list[dict[int, _Window]] = [{} for _ in range(n)]  # per replica
@@ -411,6 +420,8 @@ class PipelineForecast:
         cascade of the gear it serves in: that model's time, then each later model's times
         the measured share of rows that reach it."""
         models = self.stages[stage].cascade(self._gear[stage])
+        if not self.escalations:
+            models = models[:1]
         total, reach = 0.0, 1.0
         for reps in models[position:]:
             total += reach * self.model_s(stage, reps, now)
@@ -464,7 +475,8 @@ class PipelineDropper:
 
     def __init__(self, policy: DropPolicy, stages: Sequence[StageProfile]) -> None:
         self.policy = policy
-        self.forecast = PipelineForecast(stages, policy.window_s, policy.runtime_batches)
+        self.forecast = PipelineForecast(stages, policy.window_s, policy.runtime_batches,
+                                         policy.escalations)
         self.priority = [AdaptivePriority() for _ in stages]
         self.drops: dict[int, Drop] = {}
         self._deadline: dict[int, float] = {}
@@ -525,6 +537,8 @@ class PipelineDropper:
         gear it serves in): the rows it runs, in serving order, and the requests dropped now
         (the whole queue is checked)."""
         rule, f = self.policy.rule, self.forecast
+        if not self.policy.escalations:
+            replica = None  # the serving gear's first model, whatever the queue's
         kept: list[int] = []
         budgets: list[float] = []
         drops: list[Drop] = []
