@@ -414,7 +414,8 @@ def test_the_forecast_charges_the_escalations_it_measured() -> None:
     """Once half of the cheap model's rows escalated (told by ``Dispatcher.finish``), a
     request entering the stage is predicted 10 ms + 0.5 x 200 ms: with 100 ms of budget it is
     dropped at once; before any escalation (or when every row resolved at the cheap model)
-    the prediction is the cheap model's 10 ms and it is kept."""
+    the prediction is the cheap model's 10 ms and it is kept, as it is under
+    ``proactive-first-model``, which charges the cheap model alone."""
     for certainties, dropped, policy in (([0.9, 0.9], False, "proactive"),
                                          ([0.1, 0.9], True, "proactive"),
                                          ([0.1, 0.9], False, "proactive-first-model")):
