@@ -443,6 +443,23 @@ def test_the_forecast_charges_the_escalations_it_measured() -> None:
             assert drop.predicted_finish_s == pytest.approx(now + 0.01 + 0.5 * 0.2)
 
 
+@pytest.mark.parametrize("policy", ["proactive", "proactive-first-model"])
+def test_the_measured_wait_counts_with_or_without_following_the_cascade(policy: str) -> None:
+    """Rows that waited 0.5 s at the cheap model's queue (its batch formed through the
+    dispatcher's replica): a request entering now is forecast that wait plus 10 ms under both
+    forecasts, and dropped with 0.3 s of budget; after a quiet second it is forecast 10 ms
+    and kept."""
+    dropper, _, _ = _cascade_stage(policy)
+    for rid in range(4):
+        dropper.register(rid, 1e9, (0,))
+    kept, drops = dropper.select(0, [0, 1, 2, 3], [0.0] * 4, 0.5, 1, replica=0)
+    assert kept == [0] and drops == []
+    assert dropper.forecast.stage_s(0, 0.5) == pytest.approx(0.5 + 0.01)
+    dropper.register(9, 0.5 + 0.3, (0,))
+    assert dropper.enter(9, 0, 0.5) is not None
+    assert dropper.forecast.stage_s(0, 2.0) == pytest.approx(0.01)
+
+
 # -- through evaluate_pipeline ------------------------------------------------------------------
 
 

@@ -93,7 +93,8 @@ def call_deadline() -> CallDeadline | None:
 
 def stage_profile(plan: GearPlan) -> StageProfile:
     """What the dropping forecast knows of a served operator: the profiled batch runtimes of
-    every replica, and each gear's first-model replicas (``dropping.stage_profile``) — the
+    every replica, and the replicas of each model of each gear's cascade
+    (``dropping.stage_profile``) — the
     simulator's ``_stage_profile``, read from the runtimes the plan carries."""
     if not plan.batch_runtime_s:
         raise EngineError(f"dropping needs profiled batch runtimes; the plan of "

@@ -326,9 +326,14 @@ class PipelineForecast:
         self._arrive_short[stage].add(now)
 
     def observe_batch(self, stage: int, now: float, waits: Sequence[float],
-                      replica: int = -1) -> None:
-        """A batch started on ``replica`` of ``stage``: its rows waited ``waits`` seconds in
-        the queue."""
+                      replica: int | None = None) -> None:
+        """A batch started on ``replica`` of ``stage`` (None: the serving gear's first model's
+        first replica): its rows waited ``waits`` seconds in the queue. Without
+        ``escalations`` every batch of the stage goes into one window (the stage's)."""
+        if not self.escalations:
+            replica = -1
+        elif replica is None:
+            replica = self.first_replica(stage)
         w = self._wait[stage].get(replica)
         if w is None:
             w = self._wait[stage][replica] = _Window(self.window_s)
@@ -336,6 +341,10 @@ class PipelineForecast:
         for x in waits:
             w.add(now, x)
         self._batch[stage][replica].add(now, float(len(waits)))
+
+    def first_replica(self, stage: int) -> int:
+        """The first replica of the first model of the gear ``stage`` serves in."""
+        return self.stages[stage].cascade(self._gear[stage])[0][0]
 
     def restage(self, stage: int, profile: StageProfile) -> None:
         """``stage`` is served by another plan from now on (a re-plan): its profile, and the
@@ -382,10 +391,9 @@ class PipelineForecast:
         """Predicted execution of a batch of ``rows`` rows (rounded) on ``replica`` of
         ``stage`` (None: the first model of the gear it serves in), scaled by the measured
         speed."""
-        profile = self.stages[stage]
         if replica is None:
-            replica = profile.cascade(self._gear[stage])[0][0]
-        return profile.profiled_s(replica, int(round(rows))) * self.speed(stage)
+            replica = self.first_replica(stage)
+        return self.stages[stage].profiled_s(replica, int(round(rows))) * self.speed(stage)
 
     def escalation(self, stage: int, replicas: Sequence[int]) -> float:
         """The share of the rows of ``replicas`` (one model's) that escalated in their last
@@ -419,9 +427,12 @@ class PipelineForecast:
         """Predicted time left at ``stage`` for a row arriving now at model ``position`` of the
         cascade of the gear it serves in: that model's time, then each later model's times
         the measured share of rows that reach it."""
+        if not self.escalations:  # the stage's window, charged its gear's first model
+            b = self._batch[stage].get(-1)
+            if b is None:
+                return self.exec_at(stage, 1.0)
+            return self._wait[stage][-1].mean(now, 0.0) + self.exec_at(stage, b.mean(now, 1.0))
         models = self.stages[stage].cascade(self._gear[stage])
-        if not self.escalations:
-            models = models[:1]
         total, reach = 0.0, 1.0
         for reps in models[position:]:
             total += reach * self.model_s(stage, reps, now)
@@ -537,17 +548,18 @@ class PipelineDropper:
         gear it serves in): the rows it runs, in serving order, and the requests dropped now
         (the whole queue is checked)."""
         rule, f = self.policy.rule, self.forecast
-        if not self.policy.escalations:
-            replica = None  # the serving gear's first model, whatever the queue's
+        # the model the batch is charged: its own, or (without ``escalations``, or for a
+        # queue of a swapped-out plan) the serving gear's first
+        charge = replica if self.policy.escalations else None
         kept: list[int] = []
         budgets: list[float] = []
         drops: list[Drop] = []
         if rule == "none" and self.policy.priority == "fcfs":
             kept = list(queued[:take])
         else:
-            exec_now = f.exec_at(stage, min(len(queued), take), replica)
-            if replica is not None:  # a cascade's later models, for the rows that escalate
-                exec_now += f.after_batch(stage, replica, now)
+            exec_now = f.exec_at(stage, min(len(queued), take), charge)
+            if charge is not None:  # a cascade's later models, for the rows that escalate
+                exec_now += f.after_batch(stage, charge, now)
             ahead_cache: dict[tuple[int, ...], float] = {}
             for rid in queued:
                 ahead = self._ahead(rid, stage)
@@ -565,8 +577,7 @@ class PipelineDropper:
             kept = [kept[i] for i in order[:take]]
         if kept:
             pos = {rid: i for i, rid in enumerate(queued)}
-            f.observe_batch(stage, now, [now - since[pos[r]] for r in kept],
-                            -1 if replica is None else replica)
+            f.observe_batch(stage, now, [now - since[pos[r]] for r in kept], replica)
         return kept, drops
 
     def gate(self, stage: int) -> StageGate:
@@ -616,8 +627,9 @@ class RetiredGate:
     def select(self, queued: Sequence[int], since: Sequence[float], now: float, take: int,
                replica: int | None = None) -> tuple[list[int], list[int]]:
         """Chosen by the new plan's forecast; ``replica`` is the old plan's, which its
-        profile does not know (so -1: the profile's first model)."""
-        return self.inner.select(queued, since, now, take, -1)
+        profile does not know, so the batch is charged (and its waits counted) as one of the
+        serving gear's first model."""
+        return self.inner.select(queued, since, now, take, None)
 
     def ran(self, replica: int, rows: int, seconds: float, escalated: int = 0) -> None:
         """Measured against another plan's replicas: not read."""
