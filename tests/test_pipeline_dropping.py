@@ -460,27 +460,6 @@ def test_the_measured_wait_counts_with_or_without_following_the_cascade(policy: 
     assert dropper.forecast.stage_s(0, 2.0) == pytest.approx(0.01)
 
 
-def test_a_cascades_capacity_counts_the_rows_its_later_models_take() -> None:
-    """Half the cheap model's rows escalate to the big one (200 ms a row, one replica: 5
-    rows/s), so the stage sustains 10 requests/s, not the cheap model's 100: at 50 arrivals a
-    second the adaptive priority serves most budget first. Charged the first model alone
-    (``proactive-first-model``), the load looks like half the capacity: least budget first."""
-    for policy, mode in (("proactive", "hbf"), ("proactive-first-model", "lbf")):
-        dropper, dispatcher, clock = _cascade_stage(policy)
-        for rid in range(16):
-            dropper.register(rid, 1e9, (0,))
-            (batch,) = [b for b in dispatcher.admit(rid) if b.replica == 0]
-            clock.t += 0.001
-            dispatcher.finish(batch, [0.1 if rid % 2 else 0.9])
-        f = dropper.forecast
-        expect = 10.0 if policy == "proactive" else 100.0
-        assert f.capacity(0) == pytest.approx(expect)
-        for i in range(50):
-            dropper.register(100 + i, 1e9, (0,))
-            dropper.enter(100 + i, 0, 10.0 + i / 50)
-        assert dropper.mode(0, 11.0) == mode
-
-
 # -- through evaluate_pipeline ------------------------------------------------------------------
 
 

@@ -272,13 +272,10 @@ class StageProfile:
     def capacity(self, gear: int = 0) -> float:
         """Rows per second ``gear``'s first model sustains with full batches on every
         replica."""
-        return self.model_capacity(self.cascade(gear)[0])
-
-    def model_capacity(self, replicas: Sequence[int]) -> float:
-        """Rows per second one model sustains with full batches on its ``replicas``."""
-        rt = self.replica_runtime_s[replicas[0]] if 0 <= replicas[0] < len(
-            self.replica_runtime_s) else self.batch_runtime_s
-        return (len(replicas) if replicas[0] >= 0 else self.replicas) * len(rt) / rt[-1]
+        rt = self.runtimes(gear)
+        gears = self.gear_cascades
+        replicas = len(gears[gear][0]) if 0 <= gear < len(gears) else self.replicas
+        return replicas * len(rt) / rt[-1]
 
     @property
     def capacity_qps(self) -> float:
@@ -466,26 +463,10 @@ class PipelineForecast:
         """Predicted time of the stages ``ahead``, in route order."""
         return math.fsum(self.stage_s(k, now) for k in ahead)
 
-    def capacity(self, stage: int) -> float:
-        """Requests per second ``stage`` sustains in the gear it serves in: its first model's
-        rows per second at full batches on every replica, and for a cascade (with
-        ``escalations``) the least over its models of their rows per second over the
-        measured share of requests that reach them."""
-        profile, gear = self.stages[stage], self._gear[stage]
-        if not self.escalations:
-            return profile.capacity(gear)
-        mu, reach = math.inf, 1.0
-        for reps in profile.cascade(gear):
-            mu = min(mu, profile.model_capacity(reps) / reach)
-            reach *= self.escalation(stage, reps)
-            if reach <= 0.0:
-                break
-        return mu
-
     def load(self, stage: int, now: float) -> tuple[float, float]:
         """The stage's load factor ``rho`` and the delayed-transition band ``delta`` (without
         its floor)."""
-        mu = self.capacity(stage)
+        mu = self.stages[stage].capacity(self._gear[stage])
         lam = self._arrive[stage].rate(now)
         short = self._arrive_short[stage].rate(now)
         return lam / mu, abs(short - lam) / mu
