@@ -263,12 +263,6 @@ class StageProfile:
         rt = reps[replica] if 0 <= replica < len(reps) else self.batch_runtime_s
         return rt[min(max(rows, 1), len(rt)) - 1]
 
-    def exec_s(self, batch: float, gear: int = 0) -> float:
-        """Profiled seconds of a batch of ``batch`` rows (rounded, within 1..max batch) of
-        ``gear``'s first model."""
-        rt = self.runtimes(gear)
-        return rt[min(max(int(round(batch)), 1), len(rt)) - 1]
-
     def capacity(self, gear: int = 0) -> float:
         """Rows per second ``gear``'s first model sustains with full batches on every
         replica."""
