@@ -206,6 +206,24 @@ class _Window:
         return self._sum / self.span_s
 
 
+class _Escalations:
+    """The last ``ESCALATION_BATCHES`` batches of one replica: (rows escalated, rows), and
+    their sums."""
+
+    def __init__(self) -> None:
+        self.runs: deque[tuple[int, int]] = deque()
+        self.up = self.rows = 0
+
+    def add(self, up: int, rows: int) -> None:
+        if len(self.runs) == ESCALATION_BATCHES:
+            old_up, old_rows = self.runs.popleft()
+            self.up -= old_up
+            self.rows -= old_rows
+        self.runs.append((up, rows))
+        self.up += up
+        self.rows += rows
+
+
 @dataclass(frozen=True)
 class StageProfile:
     """What the forecast knows of a stage from its profile: seconds of a batch of 1, 2, ...,
@@ -312,8 +330,9 @@ class PipelineForecast:
         self._learn = runtime_batches > 0
         self._median = [1.0] * n  # of ``_speed``, kept as batches finish
         self._gear = [0] * n  # the gear each stage serves in now
-        # per (gear, replica): (escalated, rows) of its last batches
-        self._esc: list[dict[tuple[int, int], deque[tuple[int, int]]]] = [{} for _ in range(n)]
+        # per (gear, replica): (escalated, rows) of its last batches, and their sums (kept as
+        # batches finish, not added up again for every request's forecast)
+        self._esc: list[dict[tuple[int, int], _Escalations]] = [{} for _ in range(n)]
 
     def observe_arrival(self, stage: int, now: float) -> None:
         self._arrive[stage].add(now)
@@ -366,8 +385,8 @@ class PipelineForecast:
             key = (self._gear[stage], replica)
             runs = self._esc[stage].get(key)
             if runs is None:
-                runs = self._esc[stage][key] = deque(maxlen=ESCALATION_BATCHES)
-            runs.append((min(max(escalated, 0), rows), rows))
+                runs = self._esc[stage][key] = _Escalations()
+            runs.add(min(max(escalated, 0), rows), rows)
         if self._learn and seconds >= 0 and math.isfinite(seconds):
             ratios = self._speed[stage]
             ratios.append(seconds / self.stages[stage].profiled_s(replica, rows))
@@ -395,9 +414,10 @@ class PipelineForecast:
         gear, esc = self._gear[stage], self._esc[stage]
         up = rows = 0
         for r in replicas:
-            for e, n in esc.get((gear, r), ()):
-                up += e
-                rows += n
+            runs = esc.get((gear, r))
+            if runs is not None:
+                up += runs.up
+                rows += runs.rows
         return up / rows if rows else 0.0
 
     def model_s(self, stage: int, replicas: Sequence[int], now: float) -> float:
