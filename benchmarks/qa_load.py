@@ -109,19 +109,17 @@ def calibrate(session, planner, pipeline, outcomes, by_qid, gaps: np.ndarray,  #
 def summarise(points: list[dict]) -> dict:
     """Per load and policy, the median and range over replays of goodput and wasted model
     seconds; per load and replay, each policy's goodput over reactive dropping's."""
+    from decode_deadlines import spread
+
     out: dict = {"points": [], "against_reactive": []}
     keys = sorted({(p["load"], p["policy"]) for p in points})
     for load, policy in keys:
         mine = [p for p in points if p["load"] == load and p["policy"] == policy]
-        good = [p["goodput_qps"] for p in mine]
-        waste = [p["wasted_model_s"] for p in mine]
         out["points"].append({
             "load": load, "policy": policy, "replays": len(mine),
             "questions": [p["questions"] for p in mine],
-            "goodput_qps_median": float(np.median(good)),
-            "goodput_qps_range": [min(good), max(good)],
-            "wasted_model_s_median": float(np.median(waste)),
-            "wasted_model_s_range": [min(waste), max(waste)]})
+            "goodput_qps": spread([p["goodput_qps"] for p in mine]),
+            "wasted_model_s": spread([p["wasted_model_s"] for p in mine])})
     by = {(p["load"], p["policy"], p["replay"]): p for p in points}
     for (load, policy, replay), p in sorted(by.items()):
         base = by.get((load, "reactive", replay))
