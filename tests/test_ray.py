@@ -113,14 +113,19 @@ def test_killing_an_actor_with_a_batch_in_flight_loses_no_request(local_ray) -> 
         time.sleep(0.2)
         pid = engine.pids()["cpu0"]
         assert pid is not None
+        actor = engine.pool._runners["cpu0"]._actor
         os.kill(pid, signal.SIGKILL)
         outcomes = [f.result(timeout=120) for f in futures]
         restarts = engine.worker_restarts
         later = engine.submit("after the kill").result(timeout=60)
         new_pid = engine.pids()["cpu0"]
+        after = engine.pool._runners["cpu0"]._actor
     assert [o.status for o in outcomes] == ["ok"] * 12
     assert len({o.request_id for o in outcomes}) == 12
     assert restarts >= 1 and later.status == "ok" and new_pid != pid
+    # the actor Ray restarted serves again (before: the runner found it restarting, killed
+    # it and started a fresh actor, throwing Ray's restart away)
+    assert after._actor_id == actor._actor_id
 
 
 def test_the_batch_of_a_killed_actor_runs_on_the_other_replica_while_it_reloads(

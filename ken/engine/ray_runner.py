@@ -14,9 +14,9 @@ the simulator uses) batches, routes and escalates exactly as with local workers.
 
 - an actor that dies during a call (killed, out of memory, a crash in native code) fails the
   call with ``WorkerDied``; Ray restarts it (``max_restarts``) and ``revive``, which the
-  engine calls between batches, reloads its models (a restarted actor runs only its
-  constructor) while the batch's rows run on another replica, or wait for it where there
-  is none (the next call reloads them too, if nothing did);
+  engine calls between batches, waits for Ray's restart and reloads its models (a
+  restarted actor runs only its constructor) while the batch's rows run on another replica,
+  or wait for it where there is none (the next call reloads them too, if nothing did);
 - an actor killed between calls is restarted by Ray without its models: the next call finds
   it so (``WorkerDied``) and is handled as above;
 - a call past its deadline gets its actor killed (Ray restarts it) and raises
@@ -218,12 +218,18 @@ class RayRunner:
                               f"{exc}") from None
         return self._load_all(ray, "while loading its models")
 
-    def _load_all(self, ray: Any, doing: str) -> dict[str, float]:
+    def _load_all(self, ray: Any, doing: str, restarted: bool = False) -> dict[str, float]:
+        """Load every model of ``sources`` the actor has not loaded. For an actor Ray is
+        ``restarted`` (after it died), the calls wait for the restart to finish (they are
+        retried while the actor is restarting: both are safe to run again) instead of failing
+        at once, which threw Ray's restart away for a fresh actor; an actor whose restarts
+        are spent fails them at once. Either wait is bounded by ``start_timeout_s``."""
         raw = pickle.dumps(self.sources)
+        retries = {"max_task_retries": -1} if restarted else {}
         try:
-            seconds = ray.get(self._actor.ensure_loaded.remote(raw),
+            seconds = ray.get(self._actor.ensure_loaded.options(**retries).remote(raw),
                               timeout=self.start_timeout_s)
-            self._pid, self.node_id = ray.get(self._actor.where.remote(),
+            self._pid, self.node_id = ray.get(self._actor.where.options(**retries).remote(),
                                               timeout=self.start_timeout_s)
         except ray.exceptions.GetTimeoutError:
             self._kill(restart=False)
@@ -301,7 +307,7 @@ class RayRunner:
                              "shutting down: it is not restarted")
         if self._actor is not None:
             try:
-                self._load_all(ray, "after a restart")
+                self._load_all(ray, "after a restart", restarted=True)
                 return
             except WorkerError:
                 pass  # Ray's restarts are spent, or it cannot load: a fresh actor below
