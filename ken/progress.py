@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+#: on a console that is not a terminal (a log file, a pipe, CI), a task's progress is a plain
+#: line at most this often, instead of a bar drawn only when the task ends
+PLAIN_EVERY_S = 30.0
 
 
 class Reporter:
@@ -61,11 +66,47 @@ class Reporter:
         if not self.showing:
             yield lambda n: None
             return
+        if not self.console.is_terminal:
+            with self._plain_task(description, total) as advance:
+                yield advance
+            return
         columns = (TextColumn("{task.description}", markup=False), BarColumn(),
                    MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=self.console, transient=False) as bar:
             task_id = bar.add_task(description, total=total)
             yield lambda n: bar.advance(task_id, n)
+
+
+    #: the clock of the plain progress lines (tests replace it)
+    clock: Callable[[], float] = staticmethod(time.monotonic)
+
+    @contextmanager
+    def _plain_task(self, description: str, total: int) -> Iterator[Callable[[int], None]]:
+        """``task`` on a console that is not a terminal: a line when it starts, one at most
+        every ``PLAIN_EVERY_S`` while it advances, and one when it ends (a bar there would be
+        drawn once, at the end: nothing to see for the minutes a task takes)."""
+        lock = threading.Lock()
+        started = self.clock()
+        state = {"done": 0, "said": started}
+
+        def say(prefix: str) -> None:
+            elapsed = self.clock() - started
+            self.console.print(f"{description}: {prefix}{state['done']}/{total}, "
+                               f"{elapsed:.0f} s", markup=False, highlight=False)
+
+        def advance(n: int) -> None:
+            with lock:
+                state["done"] += n
+                if self.clock() - state["said"] >= PLAIN_EVERY_S:
+                    state["said"] = self.clock()
+                    say("")
+
+        self.console.print(f"{description}: 0/{total}", markup=False, highlight=False)
+        try:
+            yield advance
+        finally:
+            with lock:
+                say("done " if state["done"] >= total else "stopped at ")
 
 
 QUIET = Reporter(quiet=True)
