@@ -8,7 +8,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 #: on a console that is not a terminal (a log file, a pipe, CI), a task's progress is a plain
 #: line at most this often, instead of a bar drawn only when the task ends
@@ -62,7 +69,8 @@ class Reporter:
 
     @contextmanager
     def task(self, description: str, total: int) -> Iterator[Callable[[int], None]]:
-        """Context yielding ``advance(n)``; draws a bar with rows done, total and elapsed time."""
+        """Context yielding ``advance(n)``; draws a bar with rows done, total, elapsed time and the
+        time left at the rate so far (plain lines on a console that is not a terminal)."""
         if not self.showing:
             yield lambda n: None
             return
@@ -71,7 +79,7 @@ class Reporter:
                 yield advance
             return
         columns = (TextColumn("{task.description}", markup=False), BarColumn(),
-                   MofNCompleteColumn(), TimeElapsedColumn())
+                   MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
         with Progress(*columns, console=self.console, transient=False) as bar:
             task_id = bar.add_task(description, total=total)
             yield lambda n: bar.advance(task_id, n)
@@ -89,17 +97,21 @@ class Reporter:
         started = self.clock()
         state = {"done": 0, "said": started}
 
-        def say(prefix: str) -> None:
+        def say(prefix: str, left: bool = False) -> None:
             elapsed = self.clock() - started
-            self.console.print(f"{description}: {prefix}{state['done']}/{total}, "
-                               f"{elapsed:.0f} s", markup=False, highlight=False)
+            done = state["done"]
+            rest = ""
+            if left and 0 < done < total:  # at the rate so far
+                rest = f", about {elapsed / done * (total - done):.0f} s left"
+            self.console.print(f"{description}: {prefix}{done}/{total}, {elapsed:.0f} s{rest}",
+                               markup=False, highlight=False)
 
         def advance(n: int) -> None:
             with lock:
                 state["done"] += n
                 if self.clock() - state["said"] >= PLAIN_EVERY_S:
                     state["said"] = self.clock()
-                    say("")
+                    say("", left=True)
 
         self.console.print(f"{description}: 0/{total}", markup=False, highlight=False)
         try:

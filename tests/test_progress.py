@@ -25,7 +25,8 @@ def test_a_task_on_a_log_says_its_progress_while_it_runs() -> None:
             seen.append(out.getvalue())
     lines = out.getvalue().splitlines()
     assert lines[0] == "fine-tuning: 0/10"
-    assert lines[1:-1] == ["fine-tuning: 4/10, 30 s", "fine-tuning: 8/10, 60 s"]
+    assert lines[1:-1] == ["fine-tuning: 4/10, 30 s, about 45 s left",
+                           "fine-tuning: 8/10, 60 s, about 15 s left"]
     assert lines[-1] == "fine-tuning: done 10/10, 75 s"
     # each line was written when its step was, not at the end
     assert "4/10" in seen[4] and "4/10" not in seen[3]
