@@ -74,7 +74,7 @@ class Reporter:
         if not self.showing:
             yield lambda n: None
             return
-        if not self.console.is_terminal:
+        if not (self.console.is_terminal or self.console.is_jupyter):
             with self._plain_task(description, total) as advance:
                 yield advance
             return
@@ -91,11 +91,12 @@ class Reporter:
     @contextmanager
     def _plain_task(self, description: str, total: int) -> Iterator[Callable[[int], None]]:
         """``task`` on a console that is not a terminal: a line when it starts, one at most
-        every ``PLAIN_EVERY_S`` while it advances, and one when it ends (a bar there would be
-        drawn once, at the end: nothing to see for the minutes a task takes)."""
+        every ``PLAIN_EVERY_S`` while it advances, and one when it ends ("done", or "stopped
+        at" when an exception ends it; a bar there would be drawn once, at the end: nothing to
+        see for the minutes a task takes)."""
         lock = threading.Lock()
         started = self.clock()
-        state = {"done": 0, "said": started}
+        state = {"done": 0, "said": started, "ended": False}
 
         def say(prefix: str, left: bool = False) -> None:
             elapsed = self.clock() - started
@@ -108,6 +109,8 @@ class Reporter:
 
         def advance(n: int) -> None:
             with lock:
+                if state["ended"]:  # a callback after the task's end says nothing more
+                    return
                 state["done"] += n
                 if self.clock() - state["said"] >= PLAIN_EVERY_S:
                     state["said"] = self.clock()
@@ -116,9 +119,14 @@ class Reporter:
         self.console.print(f"{description}: 0/{total}", markup=False, highlight=False)
         try:
             yield advance
-        finally:
+        except BaseException:
             with lock:
-                say("done " if state["done"] >= total else "stopped at ")
+                state["ended"] = True
+                say("stopped at ")
+            raise
+        with lock:  # work may end before its total (an early stop), or count after it ends
+            state["ended"] = True
+            say("done ")
 
 
 QUIET = Reporter(quiet=True)

@@ -13,7 +13,7 @@ from ken.progress import Reporter
 
 def test_a_task_on_a_log_says_its_progress_while_it_runs() -> None:
     out = io.StringIO()
-    reporter = Reporter(console=Console(file=out, width=200))
+    reporter = Reporter(console=Console(file=out, width=200, force_terminal=False))
     now = [100.0]
     reporter.clock = lambda: now[0]
     seen = []
@@ -34,7 +34,7 @@ def test_a_task_on_a_log_says_its_progress_while_it_runs() -> None:
 
 def test_a_task_that_stops_early_says_where_and_quiet_says_nothing() -> None:
     out = io.StringIO()
-    reporter = Reporter(console=Console(file=out, width=200))
+    reporter = Reporter(console=Console(file=out, width=200, force_terminal=False))
     try:
         with reporter.task("profiling", 5) as advance:
             advance(2)
@@ -42,6 +42,14 @@ def test_a_task_that_stops_early_says_where_and_quiet_says_nothing() -> None:
     except RuntimeError:
         pass
     assert out.getvalue().splitlines()[-1].startswith("profiling: stopped at 2/5")
+    # a task that ends early without an error is done; a count after its end says nothing
+    early = io.StringIO()
+    stops = Reporter(console=Console(file=early, force_terminal=False))
+    stops.clock = lambda: 7.0
+    with stops.task("plans", 9) as advance:
+        advance(4)
+    advance(1)
+    assert early.getvalue().splitlines() == ["plans: 0/9", "plans: done 4/9, 0 s"]
     silent = io.StringIO()
     with Reporter(quiet=True, console=Console(file=silent)).task("x", 3) as advance:
         advance(3)

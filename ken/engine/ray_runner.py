@@ -223,7 +223,8 @@ class RayRunner:
         ``restarted`` (after it died), the calls wait for the restart to finish (they are
         retried while the actor is restarting: both are safe to run again) instead of failing
         at once, which threw Ray's restart away for a fresh actor; an actor whose restarts
-        are spent fails them at once. Either wait is bounded by ``start_timeout_s``."""
+        are spent fails them at once. Each of the two calls waits at most ``start_timeout_s``;
+        past it the actor is killed (``WorkerError``) and ``revive`` starts a fresh one."""
         raw = pickle.dumps(self.sources)
         retries = {"max_task_retries": -1} if restarted else {}
         try:
