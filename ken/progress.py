@@ -31,6 +31,9 @@ class Reporter:
     progress; everything else stays quiet.
     """
 
+    #: the clock of the plain progress lines (tests replace it)
+    clock: Callable[[], float] = staticmethod(time.monotonic)
+
     def __init__(self, quiet: bool = False, console: Console | None = None,
                  long_work_only: bool = False) -> None:
         self.quiet = quiet
@@ -84,10 +87,6 @@ class Reporter:
             task_id = bar.add_task(description, total=total)
             yield lambda n: bar.advance(task_id, n)
 
-
-    #: the clock of the plain progress lines (tests replace it)
-    clock: Callable[[], float] = staticmethod(time.monotonic)
-
     @contextmanager
     def _plain_task(self, description: str, total: int) -> Iterator[Callable[[int], None]]:
         """``task`` on a console that is not a terminal: a line when it starts, one at most
@@ -112,8 +111,8 @@ class Reporter:
                 if state["ended"]:  # a callback after the task's end says nothing more
                     return
                 state["done"] += n
-                if self.clock() - state["said"] >= PLAIN_EVERY_S:
-                    state["said"] = self.clock()
+                if (now := self.clock()) - state["said"] >= PLAIN_EVERY_S:
+                    state["said"] = now
                     say("", left=True)
 
         self.console.print(f"{description}: 0/{total}", markup=False, highlight=False)
