@@ -40,10 +40,10 @@ from ken.models import family
 from ken.models.model import DeviceConfig, Model, Output, Prediction
 from ken.models.quality import EvalSample
 from ken.models.records import PLAIN, as_record, check_pairs
-from ken.models.resources import CausalLM, Resources, short_hash
+from ken.models.resources import CausalLM, Resources, normalise_rows, short_hash
 from ken.ops.base import OpContext, Stage, shared_resources
 from ken.ops.filter_models import ChoiceFilterModel
-from ken.ops.join_training import JoinFit, fit_join, shifted
+from ken.ops.join_training import JoinFit, fit_join, head_log_odds, log_odds
 from ken.ops.llm_operator import LLMOperator, stage_prefix
 from ken.ops.prompts import SEM_CHOICE, SEM_FILTER_CHOICE, SEM_JOIN
 from ken.ops.sem_choice import load_choice_stage
@@ -141,11 +141,17 @@ class ShiftedModel(Model):
         fingerprint = inner.spec.fingerprint and f"{inner.spec.fingerprint}~{self.offset:.6g}"
         self.spec = replace(inner.spec, name=name, fingerprint=fingerprint)
 
+    def yes_log_odds(self, texts: Sequence, p: np.ndarray, batch_size: int) -> np.ndarray:
+        """The log-odds of yes of rows the inner model decided, from its P(yes) ``p``."""
+        return log_odds(p)
+
     def predict(self, texts: Sequence, batch_size: int = 8) -> Prediction | Output:
         probs = two_way(self.inner, texts, batch_size)
         p = probs[:, self.yes]
         live = ~np.isnan(p)
-        probs[live, self.yes] = shifted(p[live], self.offset)
+        x = self.yes_log_odds([t for t, ok in zip(texts, live, strict=True) if ok], p[live],
+                              batch_size)
+        probs[live, self.yes] = 1.0 / (1.0 + np.exp(-(x - self.offset)))
         probs[live, 1 - self.yes] = 1.0 - probs[live, self.yes]
         best = np.where(live, np.nan_to_num(probs).argmax(axis=1), 0).astype(np.int64)
         options = getattr(self.inner, "options", None)
@@ -156,6 +162,26 @@ class ShiftedModel(Model):
         values = [options[b] if ok else None for b, ok in zip(best, live, strict=True)]
         certainty = np.where(live, 2.0 * np.nan_to_num(probs).max(axis=1) - 1.0, 1.0)
         return Output(values, certainty)
+
+
+class HeadModel(ShiftedModel):
+    """A per-side model whose yes log-odds are a trained head over the inner model's log-odds
+    and the side's sentence embedding (``ken.ops.join_training.head_log_odds``), with its
+    boundary at ``offset``."""
+
+    def __init__(self, inner: Model, offset: float, yes: int, name: str, body: object,
+                 encoder: str, params: Sequence[float]) -> None:
+        super().__init__(inner, offset, yes, name)
+        self.body, self.params = body, np.asarray(params, dtype=np.float64)
+        fingerprint = self.spec.fingerprint and \
+            f"{self.spec.fingerprint}~{encoder}-{short_hash(tuple(self.params.round(8)))}"
+        self.spec = replace(self.spec, fingerprint=fingerprint)
+
+    def yes_log_odds(self, texts: Sequence, p: np.ndarray, batch_size: int) -> np.ndarray:
+        if len(p) == 0:
+            return np.zeros(0)
+        features = normalise_rows(self.body.features(list(texts), batch_size))  # type: ignore[attr-defined]
+        return head_log_odds(self.params, log_odds(p), features.astype(np.float64))
 
 
 def load_pair_stage(resources: Resources, device: DeviceConfig, name: str, lm_name: str,
@@ -272,10 +298,13 @@ def side_rewrite(predicate: str) -> tuple[SideRewrite | None, str]:
 
 
 def load_side_stage(resources: Resources, device: DeviceConfig, name: str, lm_name: str,
-                    rewrite: SideRewrite, offset: float | None = None) -> Model:
+                    rewrite: SideRewrite, offset: float | None = None,
+                    head: tuple[str, tuple[float, ...]] | None = None) -> Model:
     """The per-side model of ``rewrite``: the statement as ``sem_filter``'s yes/no choice, or
     the property's values as ``sem_choice``'s options; with ``offset``, the boundary between
-    yes and no (or the first and second of two values) as trained on labelled pairs."""
+    yes and no (or the first and second of two values) as trained on labelled pairs; with
+    ``head`` (an encoder and its weights), that boundary on a trained head over the LM's
+    log-odds and the side's embedding."""
     inner_name = name if offset is None else f"{name}~raw"
     if rewrite.kind in ("both", "neither"):
         model: Model = ChoiceFilterModel(resources.causal_lm(lm_name, device),
@@ -284,7 +313,13 @@ def load_side_stage(resources: Resources, device: DeviceConfig, name: str, lm_na
     else:
         model = load_choice_stage(resources, device, inner_name, lm_name, rewrite.options)
         yes = 0
-    return model if offset is None else ShiftedModel(model, offset, yes, name)
+    if offset is None:
+        return model
+    if head is None:
+        return ShiftedModel(model, offset, yes, name)
+    encoder, params = head
+    return HeadModel(model, offset, yes, name, resources.encoder(encoder, device), encoder,
+                     params)
 
 
 def side_scores(model: Model, texts: Sequence[str], kind: str) -> np.ndarray:
@@ -316,6 +351,9 @@ class SemJoin(LLMOperator):
     check_agreement = 0.95
     #: blocking: estimated recall below which "auto" does not block (it runs every pair)
     recall_target = 0.9
+    #: encoders whose embeddings training may add to the per-side questions (a head chosen
+    #: by cross-validation, ``ken.ops.join_training``); empty: a threshold only
+    side_encoders: tuple[str, ...] = ("minilm-l3", "minilm-l6")
 
     def set_option(self, name: str, value: str | None) -> object:
         """Set one of :data:`OPTIONS` from its SQL text (``SET sem_join_plan = 'blocking'``),
@@ -380,24 +418,38 @@ class SemJoin(LLMOperator):
         trained for ``predicate`` when there is one."""
         lm_name = lm_name or self.llms[-1]
         fit = self.fit_for(predicate, lm_name) if predicate is not None else None
-        return self.side_stage_on(rewrite, lm_name, fit.side_offset if fit else None)
+        if fit is None or fit.side_offset is None:
+            return self.side_stage_on(rewrite, lm_name)
+        head = None if fit.side_head is None else (fit.side_encoder or "", fit.side_head)
+        return self.side_stage_on(rewrite, lm_name, fit.side_offset, head)
 
-    def side_stage_on(self, rewrite: SideRewrite, lm_name: str,
-                      offset: float | None = None) -> Stage:
+    def side_stage_on(self, rewrite: SideRewrite, lm_name: str, offset: float | None = None,
+                      head: tuple[str, tuple[float, ...]] | None = None) -> Stage:
         """The per-side model of ``rewrite`` on ``lm_name``; with ``offset``, its trained
-        boundary."""
+        boundary, on a trained ``head`` (encoder, weights) when given."""
         key = (SEM_FILTER_CHOICE.key if rewrite.kind in ("both", "neither") else SEM_CHOICE.key)
         name = (f"{stage_prefix('join_side', lm_name)}"
                 f"[{short_hash(key, rewrite.kind, rewrite.statement, rewrite.options)}]")
         if offset is None:
             return Stage(name, load_side_stage, (name, lm_name, rewrite))
         name = f"{name}~t{short_hash(repr(offset))}"
-        return Stage(name, load_side_stage, (name, lm_name, rewrite, offset))
+        if head is None:
+            return Stage(name, load_side_stage, (name, lm_name, rewrite, offset))
+        name = f"{name}~{head[0]}-{short_hash(head[1])}"
+        return Stage(name, load_side_stage, (name, lm_name, rewrite, offset, head))
+
+    def embed_sides(self, resources: Resources, device: DeviceConfig, encoder: str,
+                    texts: Sequence[str]) -> np.ndarray:
+        """Each text's sentence embedding by ``encoder`` (unit rows), as a per-side head
+        reads it."""
+        body = resources.encoder(encoder, device)
+        return normalise_rows(body.features(list(texts), 32)).astype(np.float64)
 
     def binding_key(self) -> tuple:
         return (*super().binding_key(), self.plan, self.block_size, self.nested_max,
                 self.check_pairs, self.check_agreement, self.recall_target,
-                tuple(sorted((k, v[0].pair_offset, v[0].side_offset)
+                self.side_encoders,
+                tuple(sorted((k, v[0].pair_offset, v[0].side_offset, v[0].side_head)
                              for k, v in getattr(self, "trained", {}).items())))
 
     def train(self, ctx: OpContext, data: TrainingData, *, predicate: str = "",
@@ -421,7 +473,8 @@ class SemJoin(LLMOperator):
         normal = check_predicate(predicate)
         lm_name = self.llms[-1]
         truth = data.booleans()
-        prompts = f"{SEM_JOIN.key}|{SEM_FILTER_CHOICE.key}|{SEM_CHOICE.key}"
+        prompts = (f"{SEM_JOIN.key}|{SEM_FILTER_CHOICE.key}|{SEM_CHOICE.key}|"
+                   f"{','.join(self.side_encoders)}")
         key = hashlib.sha256(f"{data.content_hash}|{normal}|{lm_name}|{prompts}".encode()
                              ).hexdigest()
         entry = trained_entry(ctx.home, key)
@@ -460,18 +513,26 @@ class SemJoin(LLMOperator):
                                nan=0.5)
         rewrite, _ = side_rewrite(predicate)
         side = None
+        features: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         if rewrite is not None and (rewrite.kind in ("both", "neither") or
                                     len(rewrite.options) == 2):
             values = sorted(set(left) | set(right))
             ctx.reporter.note(f"training sem_join: the per-side question on {len(values)} "
                               "distinct texts")
             model = self.side_stage_on(rewrite, lm_name).build(resources, ctx.device)
-            p = dict(zip(values, side_scores(model, [side_text(v) or "" for v in values],
-                                             rewrite.kind), strict=True))
+            shown = [side_text(v) or "" for v in values]
+            p = dict(zip(values, side_scores(model, shown, rewrite.kind), strict=True))
             side = (rewrite.kind, np.array([p[v] for v in left]),
                     np.array([p[v] for v in right]))
+            at = {v: i for i, v in enumerate(values)}
+            li, ri = [at[v] for v in left], [at[v] for v in right]
+            for encoder in self.side_encoders:
+                ctx.reporter.note(f"training sem_join: {encoder} embeddings of the "
+                                  f"{len(values)} texts, for a per-side head")
+                e = self.embed_sides(resources, ctx.device, encoder, shown)
+                features[encoder] = (e[li], e[ri])
         return fit_join(lm_name, pair_p, truth, fit, held, side,
-                        rewrite.describe() if side is not None else "")
+                        rewrite.describe() if side is not None else "", features)
 
     def store_entries(self, home: Path) -> list[tuple[str, store.Entry]]:
         """Every trained sem_join in ``home``."""
