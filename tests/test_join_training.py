@@ -390,3 +390,4 @@ def test_a_per_side_question_blind_to_the_property_is_rescued_by_a_head(session)
     assert set(map(tuple, after.fetchall())) == truth and truth
     assert run.plan == "per-side rewrite" and run.pair_questions == 0
     assert run.side_questions == 30 + 25
+    assert "with a head over words embeddings" in run.reason

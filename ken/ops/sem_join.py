@@ -458,9 +458,12 @@ class SemJoin(LLMOperator):
         true/false (two text columns, left then right): the pair question's threshold, and
         the per-side rewrite's when the predicate has one with at most two values
         (``ken.ops.join_training``), fitted on four fifths of the pairs and scored on the
-        rest. Trained for the last LM of ``llms`` (the one that answers pairs). A rewrite at
-        least as accurate as the pair question on the held-out pairs is trusted: queries run
-        it without the agreement check. Cached by the rows' hash, the predicate and the LM."""
+        rest; the rewrite's per-side questions may gain a head over each side's embedding by
+        one of :attr:`side_encoders`, when cross-validation on those pairs prefers it.
+        Trained for the last LM of ``llms`` (the one that answers pairs). A rewrite at least
+        as accurate as the pair question on the held-out pairs is trusted: queries run it
+        without the agreement check. Cached by the rows' hash, the predicate, the LM and the
+        encoders."""
         check_predicate_option(self.name, options, predicate,
                                "session.train('sem_join', 'pairs', label='both_positive', "
                                "predicate='both reviews are positive')")

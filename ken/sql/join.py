@@ -303,9 +303,13 @@ class JoinPlanner:
                 answers = self.side_answers(rewrite)
                 run.side_questions = len(answers.left) + len(answers.right)
                 run.plan = "per-side rewrite"
+                head = ("" if fit.side_head is None else
+                        f" (its per-side questions with a head over {fit.side_encoder} "
+                        "embeddings)")
                 run.reason = (f"trained on labelled pairs: on {fit.held_rows} held out, the "
-                              f"rewrite {fit.rewrite_trained:.0%} against the pair question's "
-                              f"{fit.pair_trained:.0%} (balanced accuracy), so no check")
+                              f"rewrite{head} {fit.rewrite_trained:.0%} against the pair "
+                              f"question's {fit.pair_trained:.0%} (balanced accuracy), so no "
+                              "check")
                 self.runner.shortcut = answers
                 return run
             answers, agreed, asked = self.check_rewrite(rewrite)
