@@ -391,3 +391,42 @@ def test_a_per_side_question_blind_to_the_property_is_rescued_by_a_head(session)
     assert run.plan == "per-side rewrite" and run.pair_questions == 0
     assert run.side_questions == 30 + 25
     assert "with a head over words embeddings" in run.reason
+
+
+class ScaledBody:
+    """A stand-in encoder whose features are not unit rows: (length, 2)."""
+
+    def features(self, texts: Sequence[str], batch_size: int = 32) -> np.ndarray:
+        return np.array([[float(len(t)), 2.0] for t in texts])
+
+
+class SomeUndecided(BiasedChoice):
+    """A two-option choice model that leaves empty texts undecided (NaN rows)."""
+
+    def option_probabilities(self, texts: Sequence, batch_size: int = 16) -> np.ndarray:
+        p = super().option_probabilities(texts, batch_size)
+        p[[not t for t in texts]] = np.nan
+        return p
+
+
+def test_a_served_head_reads_the_features_training_read_and_skips_undecided_rows() -> None:
+    texts = ["a good one", "", "bad", "quite good indeed", ""]
+    params = (0.5, -0.2, 1.5, -3.0)
+    model = HeadModel(SomeUndecided("side", "side"), 0.3, 0, "head", ScaledBody(), "enc",
+                      params)
+    out = model.predict(texts)
+    live = [i for i, t in enumerate(texts) if t]
+    assert [out.values[i] for i in range(len(texts)) if i not in live] == [None, None]
+
+    class Resources:
+        def encoder(self, name: str, device: object) -> ScaledBody:
+            return ScaledBody()
+
+    # training's features (SemJoin.embed_sides) are the ones the served head reads
+    features = SemJoin().embed_sides(Resources(), DeviceConfig(), "enc", [texts[i] for i in live])
+    assert np.allclose(np.linalg.norm(features, axis=1), 1.0)
+    p = np.array([0.95 if _good(texts[i]) else 0.75 for i in live])
+    x = head_log_odds(np.array(params), log_odds(p), features)
+    want = np.where(1.0 / (1.0 + np.exp(-(x - 0.3))) >= 0.5, "good", "bad")
+    assert [out.values[i] for i in live] == want.tolist()
+    assert len(set(want.tolist())) == 2  # the head's features decide, not the LM alone

@@ -303,9 +303,9 @@ class JoinFit:
         floats = ("pair_untrained", "pair_trained", "rewrite_untrained", "rewrite_trained",
                   "rewrite_threshold_only")
         values = {k: (math.nan if k in floats and v is None else v) for k, v in data.items()}
-        if values.get("side_head") is not None:
-            values["side_head"] = tuple(values["side_head"])
         try:
+            if values.get("side_head") is not None:
+                values["side_head"] = tuple(values["side_head"])
             return cls(**values)
         except TypeError as exc:
             raise DataError(f"a sem_join fit that does not read back: {exc}") from None

@@ -43,7 +43,14 @@ from ken.models.records import PLAIN, as_record, check_pairs
 from ken.models.resources import CausalLM, Resources, normalise_rows, short_hash
 from ken.ops.base import OpContext, Stage, shared_resources
 from ken.ops.filter_models import ChoiceFilterModel
-from ken.ops.join_training import JoinFit, fit_join, head_log_odds, log_odds
+from ken.ops.join_training import (
+    HEAD_FOLDS,
+    HEAD_PENALTIES,
+    JoinFit,
+    fit_join,
+    head_log_odds,
+    log_odds,
+)
 from ken.ops.llm_operator import LLMOperator, stage_prefix
 from ken.ops.prompts import SEM_CHOICE, SEM_FILTER_CHOICE, SEM_JOIN
 from ken.ops.sem_choice import load_choice_stage
@@ -164,6 +171,13 @@ class ShiftedModel(Model):
         return Output(values, certainty)
 
 
+def side_features(body: object, texts: Sequence[str], batch_size: int = 32) -> np.ndarray:
+    """Each side's sentence embedding as a per-side head reads it, in training and serving:
+    ``body.features`` (an encoder's mean-pooled features), rows scaled to unit length."""
+    features = body.features(list(texts), batch_size)  # type: ignore[attr-defined]
+    return normalise_rows(np.asarray(features, dtype=np.float64))
+
+
 class HeadModel(ShiftedModel):
     """A per-side model whose yes log-odds are a trained head over the inner model's log-odds
     and the side's sentence embedding (``ken.ops.join_training.head_log_odds``), with its
@@ -180,8 +194,8 @@ class HeadModel(ShiftedModel):
     def yes_log_odds(self, texts: Sequence, p: np.ndarray, batch_size: int) -> np.ndarray:
         if len(p) == 0:
             return np.zeros(0)
-        features = normalise_rows(self.body.features(list(texts), batch_size))  # type: ignore[attr-defined]
-        return head_log_odds(self.params, log_odds(p), features.astype(np.float64))
+        return head_log_odds(self.params, log_odds(p), side_features(self.body, texts,
+                                                                     batch_size))
 
 
 def load_pair_stage(resources: Resources, device: DeviceConfig, name: str, lm_name: str,
@@ -442,8 +456,7 @@ class SemJoin(LLMOperator):
                     texts: Sequence[str]) -> np.ndarray:
         """Each text's sentence embedding by ``encoder`` (unit rows), as a per-side head
         reads it."""
-        body = resources.encoder(encoder, device)
-        return normalise_rows(body.features(list(texts), 32)).astype(np.float64)
+        return side_features(resources.encoder(encoder, device), texts)
 
     def binding_key(self) -> tuple:
         return (*super().binding_key(), self.plan, self.block_size, self.nested_max,
@@ -477,7 +490,7 @@ class SemJoin(LLMOperator):
         lm_name = self.llms[-1]
         truth = data.booleans()
         prompts = (f"{SEM_JOIN.key}|{SEM_FILTER_CHOICE.key}|{SEM_CHOICE.key}|"
-                   f"{','.join(self.side_encoders)}")
+                   f"{','.join(self.side_encoders)}|{HEAD_PENALTIES}|{HEAD_FOLDS}")
         key = hashlib.sha256(f"{data.content_hash}|{normal}|{lm_name}|{prompts}".encode()
                              ).hexdigest()
         entry = trained_entry(ctx.home, key)
@@ -529,6 +542,13 @@ class SemJoin(LLMOperator):
                     np.array([p[v] for v in right]))
             at = {v: i for i, v in enumerate(values)}
             li, ri = [at[v] for v in left], [at[v] for v in right]
+            reused = len(left) + len(right) - len(values)
+            if self.side_encoders and reused > 0.1 * (len(left) + len(right)):
+                ctx.reporter.note(
+                    f"sem_join: {reused} of the {len(left) + len(right)} sides repeat a text "
+                    "of another pair; the pairs are split for validation by pair, so a "
+                    "per-side head can learn those texts and its validation scores read "
+                    "high. Labelled pairs of distinct texts validate it honestly.")
             for encoder in self.side_encoders:
                 ctx.reporter.note(f"training sem_join: {encoder} embeddings of the "
                                   f"{len(values)} texts, for a per-side head")
