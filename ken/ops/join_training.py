@@ -31,6 +31,7 @@ import numpy as np
 from scipy.optimize import minimize
 
 from ken.errors import DataError
+from ken.models.resources import sigmoid
 
 JOIN_FIT_SCHEMA_VERSION = 2  # 2: the per-side head
 #: held-out pairs of each label a rewrite must be scored on before it is trusted unchecked
@@ -46,11 +47,6 @@ HEAD_FOLDS = 4
 def log_odds(p: np.ndarray) -> np.ndarray:
     p = np.clip(np.asarray(p, dtype=np.float64), EPS, 1.0 - EPS)
     return np.log(p) - np.log1p(-p)
-
-
-def shifted(p: np.ndarray, offset: float) -> np.ndarray:
-    """``sigmoid(logit(p) - offset)``: ``p`` with its yes/no boundary moved to ``offset``."""
-    return 1.0 / (1.0 + np.exp(-(log_odds(p) - offset)))
 
 
 def balanced(predicted: np.ndarray, truth: np.ndarray) -> np.ndarray:
@@ -115,10 +111,6 @@ def fit_side_threshold(kind: str, x_left: np.ndarray, x_right: np.ndarray,
     return _best(t, balanced(pairs, truth))
 
 
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 0.5 * (1.0 + np.tanh(0.5 * x))
-
-
 def head_log_odds(params: np.ndarray, q: np.ndarray, e: np.ndarray) -> np.ndarray:
     """A side's log-odds under a head ``params = (a, b, w...)``: ``a * q + b + e @ w`` from
     the LM's log-odds ``q`` (n,) and the side's embedding ``e`` (n, d)."""
@@ -147,7 +139,7 @@ def head_loss(params: np.ndarray, kind: str, q: tuple[np.ndarray, np.ndarray],
     |w|^2``, and its gradient in ``params``."""
     y = np.asarray(truth, dtype=np.float64)
     xl, xr = head_log_odds(params, q[0], e[0]), head_log_odds(params, q[1], e[1])
-    pl, pr = _sigmoid(xl), _sigmoid(xr)
+    pl, pr = sigmoid(xl), sigmoid(xr)
     p = np.clip(pair_probability(kind, pl, pr), 1e-12, 1 - 1e-12)
     w = params[2:]
     loss = float(-np.mean(y * np.log(p) + (1 - y) * np.log1p(-p)) + penalty * (w @ w))
@@ -166,13 +158,11 @@ def head_loss(params: np.ndarray, kind: str, q: tuple[np.ndarray, np.ndarray],
 
 
 def fit_head(kind: str, q: tuple[np.ndarray, np.ndarray], e: tuple[np.ndarray, np.ndarray],
-             truth: np.ndarray, penalty: float, start: np.ndarray | None = None) -> np.ndarray:
-    """The head ``(a, b, w...)`` that minimises :func:`head_loss`, from ``start`` (default:
-    the LM's log-odds as they are, ``a = 1``, nothing else)."""
-    d = e[0].shape[1]
-    x0 = np.zeros(d + 2) if start is None else np.asarray(start, dtype=np.float64)
-    if start is None:
-        x0[0] = 1.0
+             truth: np.ndarray, penalty: float) -> np.ndarray:
+    """The head ``(a, b, w...)`` that minimises :func:`head_loss`, from the LM's log-odds as
+    they are (``a = 1``, nothing else)."""
+    x0 = np.zeros(e[0].shape[1] + 2)
+    x0[0] = 1.0
     result = minimize(head_loss, x0, args=(kind, q, e, np.asarray(truth, bool), penalty),
                       jac=True, method="L-BFGS-B", options={"maxiter": 500})
     return np.asarray(result.x, dtype=np.float64)

@@ -40,7 +40,7 @@ from ken.models import family
 from ken.models.model import DeviceConfig, Model, Output, Prediction
 from ken.models.quality import EvalSample
 from ken.models.records import PLAIN, as_record, check_pairs
-from ken.models.resources import CausalLM, Resources, normalise_rows, short_hash
+from ken.models.resources import CausalLM, Resources, normalise_rows, short_hash, sigmoid
 from ken.ops.base import OpContext, Stage, shared_resources
 from ken.ops.filter_models import ChoiceFilterModel
 from ken.ops.join_training import (
@@ -158,7 +158,7 @@ class ShiftedModel(Model):
         live = ~np.isnan(p)
         x = self.yes_log_odds([t for t, ok in zip(texts, live, strict=True) if ok], p[live],
                               batch_size)
-        probs[live, self.yes] = 1.0 / (1.0 + np.exp(-(x - self.offset)))
+        probs[live, self.yes] = sigmoid(x - self.offset)
         probs[live, 1 - self.yes] = 1.0 - probs[live, self.yes]
         best = np.where(live, np.nan_to_num(probs).argmax(axis=1), 0).astype(np.int64)
         options = getattr(self.inner, "options", None)
