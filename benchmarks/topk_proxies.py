@@ -14,6 +14,16 @@ proxy fitted per query on the same sample would do better, offline:
   (the packaged encoder), its penalty chosen by the smallest leave-one-out margin;
 - ``embedding+cheap``: the same with the cheap score as a feature too.
 
+Two more kinds of cheap stage replace the first stage outright (every row escalated, its
+value the expensive stage's score):
+
+- ``first-L-layers`` (``--early-exit L,...``): the expensive LM cut after its first ``L``
+  decoder layers, its final norm and head reading that layer (an early exit; calibrated
+  afresh), margin as ``cheap``; it costs about ``L / layers`` of the whole LM;
+- ``synthetic r=...`` (``--synthetic``): the expensive score plus Gaussian noise scaled to that
+  correlation, margin as ``cheap``: how closely a cheap stage must track the expensive one
+  for the plan to send few rows on.
+
 Every row of the first ``--rows`` SST-2 dev sentences is scored by both stages and encoded
 once; then, for each proxy and sample size, ``--seeds`` samples of escalated rows replay the
 plan's steps 2-3 on those numbers (most promising first, in batches, until no row can reach the
@@ -21,6 +31,7 @@ k-th best). Reported per proxy: the expensive stage's share of the rows (mean, m
 recall of the exact top k (the top k of every row's cascade value).
 
     python benchmarks/topk_proxies.py --out DIR    # about 2 minutes on 2 cores, models cached
+    python benchmarks/topk_proxies.py --rows 200 --early-exit 8,12 --out DIR
 
 Writes DIR/topk_proxies.json and topk_proxies.png (cheap against expensive scores; each
 proxy's expensive share).
@@ -81,11 +92,48 @@ def fitted(x: np.ndarray, free: int) -> Proxy:
 def proxies(cheap: np.ndarray, emb: np.ndarray) -> dict[str, Proxy]:
     ones = np.ones((len(cheap), 1))
     return {
-        "cheap": lambda s, y: (cheap, float(np.max(np.abs(y - cheap[s])))),
+        "cheap": max_gap(cheap),
         "affine": fitted(np.c_[ones, cheap], 2),
         "embedding": fitted(np.c_[ones, emb], 1),
         "embedding+cheap": fitted(np.c_[ones, cheap, emb], 2),
     }
+
+
+def max_gap(estimate: np.ndarray) -> Proxy:
+    """A fixed estimate of every row, margin = the sample's largest ``|expensive - estimate|``
+    (the rule the plan applies to its cheap stage)."""
+    return lambda s, y: (estimate, float(np.max(np.abs(y - estimate[s]))))
+
+
+def early_exit(model, texts: list[str], layers: int) -> tuple[np.ndarray, float]:  # noqa: ANN001
+    """``model`` (a score stage over a decoder-only transformers LM) with its LM cut after its
+    first ``layers`` decoder layers, scoring ``texts`` (calibrated afresh on the cut LM); the
+    scores and the seconds they took. The LM is whole again afterwards."""
+    import torch
+
+    net = model.lm.net
+    stack = getattr(getattr(net, "model", None), "layers", None)
+    if not isinstance(stack, torch.nn.ModuleList):
+        raise SystemExit(f"--early-exit: {model.name}'s LM has no decoder layer list to cut")
+    if not 0 < layers < len(stack):
+        raise SystemExit(f"--early-exit {layers}: {model.name}'s LM has {len(stack)} layers; "
+                         f"give 1 to {len(stack) - 1}")
+    net.model.layers = torch.nn.ModuleList(list(stack)[:layers])
+    try:
+        cut = type(model)(model.lm, model.scale, model.prompter,
+                          f"{model.name}-first-{layers}-layers", "sem-score", "early-exit")
+        t0 = time.perf_counter()
+        values = np.array(cut.predict(texts).values, dtype=np.float64)
+        return values, time.perf_counter() - t0
+    finally:
+        net.model.layers = stack
+
+
+def synthetic(expensive: np.ndarray, correlation: float, seed: int) -> np.ndarray:
+    """The expensive scores plus Gaussian noise whose size gives ``correlation`` with them
+    (in expectation)."""
+    sd = float(np.std(expensive)) * np.sqrt(1.0 / correlation ** 2 - 1.0)
+    return expensive + np.random.default_rng(seed).normal(0.0, sd, len(expensive))
 
 
 def replay(final: np.ndarray, escalated: np.ndarray, proxy: Proxy, sample_rows: int, k: int,
@@ -122,6 +170,10 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--samples", default="19,38", help="sample sizes, comma-separated")
     ap.add_argument("--seeds", type=int, default=20, help="samples drawn per size")
+    ap.add_argument("--early-exit", default="",
+                    help="also the expensive LM cut after these many layers, comma-separated")
+    ap.add_argument("--synthetic", default="0.9,0.95,0.98,0.99",
+                    help="correlations of synthetic cheap stages, comma-separated ('' for none)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--quiet", action="store_true")
@@ -148,6 +200,17 @@ def main() -> int:
             certainty = np.asarray(out.certainty(bound.cascade.certainty), dtype=np.float64)
         reporter.note(f"{name} scored {len(texts)} rows in {timings[name]:.1f} s")
     assert certainty is not None
+    layers = [int(x) for x in args.early_exit.split(",") if x.strip()]
+    correlations = [float(x) for x in args.synthetic.split(",") if x.strip()]
+    if any(not 0.0 < r < 1.0 for r in correlations):
+        raise SystemExit(f"--synthetic {args.synthetic}: correlations lie strictly between 0 "
+                         "and 1")
+    replacements: dict[str, np.ndarray] = {}
+    for n_layers in layers:
+        name = f"first-{n_layers}-layers"
+        replacements[name], timings[name] = early_exit(bound.models[second], texts, n_layers)
+        reporter.note(f"{second} cut after {n_layers} layers scored {len(texts)} rows in "
+                      f"{timings[name]:.1f} s")
     emb = normalise_rows(Resources(DeviceConfig(threads=args.threads)).encoder("minilm-l6")
                          .features(texts))
     cheap, expensive = values[first], values[second]
@@ -161,9 +224,20 @@ def main() -> int:
                     "proxies": []}
     reporter.note(f"{result['escalated']} of {len(texts)} rows escalated; correlation of the "
                   f"two stages' scores {result['correlation']:.3f}")
+    for i, r in enumerate(correlations):
+        replacements[f"synthetic r={r:g}"] = synthetic(expensive, r, seed=i)
+    result["replacements"] = {
+        name: {"correlation": float(np.corrcoef(v, expensive)[0, 1]),
+               "seconds": timings.get(name)} for name, v in replacements.items()}
+    for name, info in result["replacements"].items():
+        reporter.note(f"{name}: correlation with {second}'s scores {info['correlation']:.3f}")
+    every = np.ones(len(texts), dtype=bool)
     for size in (int(x) for x in args.samples.split(",")):
-        for name, proxy in proxies(cheap, emb).items():
-            runs = np.array([replay(final, escalated, proxy, size, args.k, seed, batch)
+        cases = [(name, proxy, final, escalated)
+                 for name, proxy in proxies(cheap, emb).items()]
+        cases += [(name, max_gap(v), expensive, every) for name, v in replacements.items()]
+        for name, proxy, truth, escalates in cases:
+            runs = np.array([replay(truth, escalates, proxy, size, args.k, seed, batch)
                              for seed in range(args.seeds)])
             row = {"proxy": name, "sample": size, "expensive_share": float(runs[:, 0].mean()),
                    "expensive_share_min": float(runs[:, 0].min()),
