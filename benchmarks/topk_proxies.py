@@ -30,8 +30,8 @@ plan's steps 2-3 on those numbers (most promising first, in batches, until no ro
 k-th best). Reported per proxy: the expensive stage's share of the rows (mean, min, max) and the
 recall of the exact top k (the top k of every row's cascade value).
 
-    python benchmarks/topk_proxies.py --out DIR    # about 2 minutes on 2 cores, models cached
-    python benchmarks/topk_proxies.py --rows 200 --early-exit 8,12 --out DIR
+    python benchmarks/topk_proxies.py --out DIR    # 2 min on 2 cores with bf16, 9 in fp32
+    python benchmarks/topk_proxies.py --early-exit 8,12 --out DIR   # 16 min in fp32
 
 Writes DIR/topk_proxies.json and topk_proxies.png (cheap against expensive scores; each
 proxy's expensive share).
@@ -105,6 +105,20 @@ def max_gap(estimate: np.ndarray) -> Proxy:
     return lambda s, y: (estimate, float(np.max(np.abs(y - estimate[s]))))
 
 
+def cut_layers(model, layers: int):  # noqa: ANN001, ANN201 - a score stage, torch modules
+    """The decoder layer list of ``model``'s LM, after checking that it can be cut after
+    ``layers`` of them."""
+    import torch
+
+    stack = getattr(getattr(model.lm.net, "model", None), "layers", None)
+    if not isinstance(stack, torch.nn.ModuleList):
+        raise SystemExit(f"--early-exit: {model.name}'s LM has no decoder layer list to cut")
+    if not 0 < layers < len(stack):
+        raise SystemExit(f"--early-exit {layers}: {model.name}'s LM has {len(stack)} layers; "
+                         f"give 1 to {len(stack) - 1}")
+    return stack
+
+
 def early_exit(model, texts: list[str], layers: int) -> tuple[np.ndarray, float]:  # noqa: ANN001
     """``model`` (a score stage over a decoder-only transformers LM) with its LM cut after its
     first ``layers`` decoder layers, scoring ``texts`` (calibrated afresh on the cut LM); the
@@ -112,12 +126,7 @@ def early_exit(model, texts: list[str], layers: int) -> tuple[np.ndarray, float]
     import torch
 
     net = model.lm.net
-    stack = getattr(getattr(net, "model", None), "layers", None)
-    if not isinstance(stack, torch.nn.ModuleList):
-        raise SystemExit(f"--early-exit: {model.name}'s LM has no decoder layer list to cut")
-    if not 0 < layers < len(stack):
-        raise SystemExit(f"--early-exit {layers}: {model.name}'s LM has {len(stack)} layers; "
-                         f"give 1 to {len(stack) - 1}")
+    stack = cut_layers(model, layers)
     net.model.layers = torch.nn.ModuleList(list(stack)[:layers])
     try:
         cut = type(model)(model.lm, model.scale, model.prompter,
@@ -178,6 +187,14 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args()
+    try:
+        layers = [int(x) for x in args.early_exit.split(",") if x.strip()]
+        correlations = [float(x) for x in args.synthetic.split(",") if x.strip()]
+    except ValueError as e:
+        ap.error(f"--early-exit takes layer counts and --synthetic correlations, "
+                 f"comma-separated: {e}")
+    if any(not 0.0 < r < 1.0 for r in correlations):
+        ap.error(f"--synthetic {args.synthetic}: correlations lie strictly between 0 and 1")
     reporter = Reporter(args.quiet)
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -189,6 +206,8 @@ def main() -> int:
     op.llms = TOPK_LLMS
     bound = session.bind("sem_score", (RUBRIC,))
     first, second = bound.cascade.models[:2]
+    for n_layers in layers:
+        cut_layers(bound.models[second], n_layers)  # fails now, not after the scoring
     values, timings = {}, {}
     certainty = None
     for name in (first, second):
@@ -200,11 +219,6 @@ def main() -> int:
             certainty = np.asarray(out.certainty(bound.cascade.certainty), dtype=np.float64)
         reporter.note(f"{name} scored {len(texts)} rows in {timings[name]:.1f} s")
     assert certainty is not None
-    layers = [int(x) for x in args.early_exit.split(",") if x.strip()]
-    correlations = [float(x) for x in args.synthetic.split(",") if x.strip()]
-    if any(not 0.0 < r < 1.0 for r in correlations):
-        raise SystemExit(f"--synthetic {args.synthetic}: correlations lie strictly between 0 "
-                         "and 1")
     replacements: dict[str, np.ndarray] = {}
     for n_layers in layers:
         name = f"first-{n_layers}-layers"
