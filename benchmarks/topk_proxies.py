@@ -20,6 +20,8 @@ value the expensive stage's score):
 - ``first-L-layers`` (``--early-exit L,...``): the expensive LM cut after its first ``L``
   decoder layers, its final norm and head reading that layer (an early exit; calibrated
   afresh), margin as ``cheap``; it costs about ``L / layers`` of the whole LM;
+- ``int8`` (``--int8``): the expensive LM with every linear layer quantised to int8 (torch's
+  dynamic quantisation of a copy; calibrated afresh), margin as ``cheap``;
 - ``synthetic r=...`` (``--synthetic``): the expensive score plus Gaussian noise scaled to that
   correlation, margin as ``cheap``: how closely a cheap stage must track the expensive one
   for the plan to send few rows on.
@@ -32,6 +34,7 @@ recall of the exact top k (the top k of every row's cascade value).
 
     python benchmarks/topk_proxies.py --out DIR    # 2 min on 2 cores with bf16, 9 in fp32
     python benchmarks/topk_proxies.py --early-exit 8,12 --out DIR   # 16 min in fp32
+    python benchmarks/topk_proxies.py --rows 200 --int8 --synthetic '' --out DIR
 
 Writes DIR/topk_proxies.json and topk_proxies.png (cheap against expensive scores; each
 proxy's expensive share).
@@ -138,6 +141,25 @@ def early_exit(model, texts: list[str], layers: int) -> tuple[np.ndarray, float]
         net.model.layers = stack
 
 
+def quantised(model, texts: list[str]) -> tuple[np.ndarray, float]:  # noqa: ANN001
+    """``model`` (a score stage over a transformers LM) with an int8 copy of its LM (every
+    linear layer, torch's dynamic quantisation), scoring ``texts`` (calibrated afresh); the
+    scores and the seconds they took. The LM is the original again afterwards."""
+    import torch
+
+    net = model.lm.net
+    model.lm.net = torch.ao.quantization.quantize_dynamic(net, {torch.nn.Linear},
+                                                           dtype=torch.qint8)
+    try:
+        copy = type(model)(model.lm, model.scale, model.prompter, f"{model.name}-int8",
+                           "sem-score", "int8")
+        t0 = time.perf_counter()
+        values = np.array(copy.predict(texts).values, dtype=np.float64)
+        return values, time.perf_counter() - t0
+    finally:
+        model.lm.net = net
+
+
 def synthetic(expensive: np.ndarray, correlation: float, seed: int) -> np.ndarray:
     """The expensive scores plus Gaussian noise whose size gives ``correlation`` with them
     (in expectation)."""
@@ -181,6 +203,8 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=20, help="samples drawn per size")
     ap.add_argument("--early-exit", default="",
                     help="also the expensive LM cut after these many layers, comma-separated")
+    ap.add_argument("--int8", action="store_true",
+                    help="also an int8 copy of the expensive LM as the cheap stage")
     ap.add_argument("--synthetic", default="0.9,0.95,0.98,0.99",
                     help="correlations of synthetic cheap stages, comma-separated ('' for none)")
     ap.add_argument("--threads", type=int, default=2)
@@ -225,6 +249,10 @@ def main() -> int:
         replacements[name], timings[name] = early_exit(bound.models[second], texts, n_layers)
         reporter.note(f"{second} cut after {n_layers} layers scored {len(texts)} rows in "
                       f"{timings[name]:.1f} s")
+    if args.int8:
+        replacements["int8"], timings["int8"] = quantised(bound.models[second], texts)
+        reporter.note(f"an int8 copy of {second} scored {len(texts)} rows in "
+                      f"{timings['int8']:.1f} s")
     emb = normalise_rows(Resources(DeviceConfig(threads=args.threads)).encoder("minilm-l6")
                          .features(texts))
     cheap, expensive = values[first], values[second]
