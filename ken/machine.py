@@ -215,3 +215,32 @@ def least_loaded(measure: Callable[[int], T], what: str, attempts: int = 3,
 
 __all__ = ["BUSY_CORES", "CpuReading", "OtherLoad", "TreeUsage", "cpu_reading", "least_loaded",
            "other_cores", "process_rss_bytes", "tree_usage"]
+
+
+def yield_cores() -> bool:
+    """Put the calling thread in the CPU scheduler's idle class (Linux ``SCHED_IDLE``): it runs
+    on the cores no other thread of the machine wants, and a thread that wakes takes its core
+    at once, rather than sharing it for a time slice. For work that can wait behind work with
+    a tighter latency target on the same cores (a decode server beside classifier workers,
+    ``DecodeServer(cpu_priority="background")``). The class holds for the thread's life: an
+    unprivileged thread cannot leave it. False where the OS has no such class (the thread
+    keeps its priority)."""
+    idle = getattr(os, "SCHED_IDLE", None)
+    if idle is None or not hasattr(os, "sched_setscheduler"):
+        return False
+    try:
+        os.sched_setscheduler(0, idle, os.sched_param(0))
+    except OSError:
+        return False
+    return True
+
+
+def runqueue_wait_s(tid: int, proc: Path = _PROC) -> float | None:
+    """Seconds thread ``tid`` of this process has spent runnable but waiting for a core, over
+    its life (``/proc/self/task/<tid>/schedstat``'s second field); None where the kernel does
+    not keep it or the thread is gone."""
+    try:
+        fields = (proc / "self" / "task" / str(tid) / "schedstat").read_text().split()
+        return int(fields[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None

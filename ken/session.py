@@ -331,8 +331,8 @@ class Session:
               memory_gb: float | None = None, admission: str = "plan",
               latency_target_s: float | None = None, cluster: str | None = None,
               replan: bool = True, decode_targets: ServiceTargets | None = None,
-              dropping: str | None = None, deadline: BatchDeadline | None = None
-              ) -> dict[str, LoadReport]:
+              dropping: str | None = None, deadline: BatchDeadline | None = None,
+              decode_priority: str = "normal") -> dict[str, LoadReport]:
         """Serve the functions with a gear plan (all of them by default) on one online engine.
 
         From then on every query's calls of a served function go through its engine, from any
@@ -365,6 +365,11 @@ class Session:
         ``ttft_s`` of arrival, then one every ``tbt_s``) its prefills take the waiting requests
         by deadline and pending time (Apt-Serve's rule, ``ken.policy.decoding``) rather than in
         arrival order, with each model's passes estimated by its measured token cost.
+        ``decode_priority="background"`` runs a decode server's passes on a CPU only on the
+        cores nothing else wants (Linux's idle scheduling class), so that classifier functions
+        served on the same cores keep their tail latency beside it
+        (``benchmarks/decode_priority.py``); its generations then take what the cores leave
+        and wait while the classifiers saturate them. Default ``"normal"``: they share.
 
         ``dropping`` (``"none"``, ``"reactive"``, ``"proactive"``, ``"proactive-profiled"``:
         proactive on the profiled runtimes alone, not scaled by how fast batches ran, or
@@ -396,7 +401,8 @@ class Session:
         """
         reports = self.serving.serve(functions, workers, threads_per_device, max_in_flight,
                                      bulk_threshold, memory_gb, admission, latency_target_s,
-                                     cluster, decode_targets, dropping, deadline)
+                                     cluster, decode_targets, dropping, deadline,
+                                     decode_priority)
         if replan:
             for name in reports:
                 recipe = self.replans.get(name)

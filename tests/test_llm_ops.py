@@ -6,6 +6,8 @@ cascade to Qwen2.5-Coder-0.5B is measured in ``benchmarks/hellaswag.py``."""
 
 from __future__ import annotations
 
+import os
+
 import pyarrow as pa
 import pytest
 from conftest import REFERENCE_DEVICE, SMALL_FAMILY
@@ -178,11 +180,17 @@ def test_sem_qa_served_by_a_decode_server(session, monkeypatch) -> None:  # noqa
         monkeypatch.setattr(manager, "load_or_measure_token_cost", cost)
         with pytest.raises(KenError, match="ServiceTargets"):
             s.serve(["sem_qa"], decode_targets=(60.0, 5.0))  # type: ignore[arg-type]
-        s.serve(["sem_qa"], decode_targets=ken.ServiceTargets(60.0, 5.0))
-        lanes = s.engines["sem_qa"].server._lanes.values()
-        assert measured and all(lane.scheduler.order == "deadline" for lane in lanes)
+        with pytest.raises(KenError, match="decode_priority must be"):
+            s.serve(["sem_qa"], decode_priority="urgent")
+        s.serve(["sem_qa"], decode_targets=ken.ServiceTargets(60.0, 5.0),
+                decode_priority="background")  # its passes on the cores nothing else wants
+        server = s.engines["sem_qa"].server
+        assert measured and all(lane.scheduler.order == "deadline"
+                                for lane in server._lanes.values())
         result = s.sql("SELECT id, sem_qa(q, x) FROM t ORDER BY id")
         assert [r[1] for r in result.fetchall()] == expected
+        assert server.cpu_priority == "background"
+        assert server.yielded == hasattr(os, "SCHED_IDLE")
     finally:
         s.stop_serving()
         s.bulk_threshold = 64

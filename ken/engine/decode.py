@@ -40,6 +40,7 @@ from ken.engine.decode_admission import DecodeAdmission, Verdict
 from ken.engine.outcome import Outcome, Status
 from ken.engine.supervision import BatchDeadline, Breaker
 from ken.errors import EngineError, ModelError, PolicyError
+from ken.machine import runqueue_wait_s, yield_cores
 from ken.models.generation import DecodeBatch, Generation, end_token_ids
 from ken.models.llm import GenerativeModel
 from ken.models.model import Output
@@ -64,6 +65,9 @@ from ken.policy.scheduling import WallClock
 MAX_FAILED_PASSES = 3
 
 AdmissionMode = Literal["target", "none"]
+#: ``"normal"``: the server's thread shares the cores as any thread does; ``"background"``: on
+#: a CPU it takes only the cores nothing else wants (``ken.machine.yield_cores``)
+CpuPriority = Literal["normal", "background"]
 
 #: the default deadline of a forward pass: the classifier engine's rule (10x what such passes
 #: were seen to take) with a floor of 10 s, not 2 s, and 60 s (the old fixed bound) until
@@ -219,7 +223,8 @@ class DecodeServer:
                  pass_timeout_s: float | None = None,
                  latency_target_s: float | None = None,
                  admission: AdmissionMode = "target",
-                 deadline: BatchDeadline | None = None) -> None:
+                 deadline: BatchDeadline | None = None,
+                 cpu_priority: CpuPriority = "normal") -> None:
         """``memory_budget_bytes``: the device memory for weights plus KV cache; the cache gets
         what the weights leave (``kv_budget_tokens`` slots, whichever is smaller).
 
@@ -239,7 +244,15 @@ class DecodeServer:
         ``latency_target_s`` (arrival to last token): admission by capacity holds requests to
         it (``ken.engine.decode_admission``: turned away at once, ``rejected`` with a reason
         and a retry hint, when the queue ahead would make them miss it); None (the default
-        here) or ``admission="none"``: every request is queued."""
+        here) or ``admission="none"``: every request is queued.
+
+        ``cpu_priority="background"``: on a CPU the server's thread runs its passes only on
+        cores no other thread wants (Linux's idle class, ``ken.machine.yield_cores``), so
+        that classifier workers with tighter latency targets on the same cores are never
+        slowed by a pass (measured: ``benchmarks/decode_priority.py``); its generations take
+        what the cores leave, and wait while the cores are saturated. A pass's deadline then
+        counts only the time the pass was not waiting for a core. ``"normal"`` (the default):
+        the passes share the cores. ``EngineError`` for another value."""
         if memory_budget_bytes is not None:
             room = kv_tokens_in(lm, memory_budget_bytes)
             kv_budget_tokens = room if kv_budget_tokens is None else min(kv_budget_tokens, room)
@@ -247,10 +260,20 @@ class DecodeServer:
             "": _Lane(lm, max_running, kv_budget_tokens, mode, stop, ignore_eos, order,
                       targets, pass_cost)}
         self._init_loop(pass_timeout_s, _admission(admission, latency_target_s,
-                                                   {"": pass_cost}), deadline)
+                                                   {"": pass_cost}), deadline, cpu_priority)
 
     def _init_loop(self, pass_timeout_s: float | None, admission: DecodeAdmission,
-                   deadline: BatchDeadline | None) -> None:
+                   deadline: BatchDeadline | None, cpu_priority: CpuPriority = "normal"
+                   ) -> None:
+        if cpu_priority not in ("normal", "background"):
+            raise EngineError(f"cpu_priority must be 'normal' or 'background', not "
+                              f"{cpu_priority!r}")
+        self.cpu_priority = cpu_priority
+        #: the loop's thread took only spare cores (``cpu_priority="background"`` on a CPU
+        #: whose OS has the idle class); its native id while it runs
+        self.yielded = False
+        self._tid: int | None = None
+        self._pass_wait0: float | None = None  # the thread's core wait when the pass began
         if pass_timeout_s is not None and not (math.isfinite(pass_timeout_s)
                                                and pass_timeout_s > 0):
             raise EngineError(f"pass_timeout_s must be finite and > 0, got {pass_timeout_s}")
@@ -500,6 +523,9 @@ class DecodeServer:
         import torch
 
         torch.set_num_threads(self.lm.device.threads)
+        self._tid = threading.get_native_id()
+        if self.cpu_priority == "background" and self.lm.device.kind == "cpu":
+            self.yielded = yield_cores()
         lanes = [self._lanes[n] for n in self._lane_names]
         while True:
             self._boundary += 1
@@ -514,8 +540,10 @@ class DecodeServer:
                 continue
             name, lane = self._lane_names[k], lanes[k]
             start = self.clock.now()
+            wait0 = runqueue_wait_s(self._tid) if self.yielded else None
             with self._pass_lock:
                 self._pass_started = start
+                self._pass_wait0 = wait0
             try:
                 step, finished, failed = lane.run(
                     self._pending, self.clock,
@@ -598,7 +626,9 @@ class DecodeServer:
         """Give up on a pass that has not returned within its deadline (``_set_limit``; a
         stuck model: its thread cannot be stopped, so it is left behind, as a thread
         worker's call is): every request in the server ends ``error`` at once, and
-        ``submit`` refuses more."""
+        ``submit`` refuses more. A server at background priority is not charged the time its
+        pass waited for a core (``_pass_elapsed``): a pass starved by busier threads is slow,
+        not stuck."""
         thread = self._thread
         tick = 0.1 if self.pass_timeout_s is None else min(0.1, self.pass_timeout_s / 10)
         while thread is not None and thread.is_alive():
@@ -606,7 +636,7 @@ class DecodeServer:
             with self._pass_lock:
                 started = self._pass_started
                 limit, why = self._pass_limit
-                if started is None or self.clock.now() - started <= limit:
+                if started is None or self._pass_elapsed(started) <= limit:
                     continue
                 self._abandoned = True
                 self._crashed = (f"{self._pass_model or self._lm_name()} did not return from a "
@@ -620,6 +650,16 @@ class DecodeServer:
                     self._failed(rid, self._crashed, now)
                 self._reject_inbox(self._crashed, "error")
             return
+
+    def _pass_elapsed(self, started: float) -> float:
+        """Seconds the pass under way has run, less (at background priority, where the kernel
+        says) the time its thread waited for a core since it began."""
+        elapsed = self.clock.now() - started
+        if self._pass_wait0 is not None and self._tid is not None:
+            waited = runqueue_wait_s(self._tid)
+            if waited is not None:
+                elapsed -= max(0.0, waited - self._pass_wait0)
+        return elapsed
 
     def _lm_name(self) -> str:
         """The model the server runs, for messages."""
@@ -650,13 +690,14 @@ class CascadeServer(DecodeServer):
                  pass_timeout_s: float | None = None,
                  latency_target_s: float | None = None,
                  admission: AdmissionMode = "target",
-                 deadline: BatchDeadline | None = None) -> None:
+                 deadline: BatchDeadline | None = None,
+                 cpu_priority: CpuPriority = "normal") -> None:
         """``order``, ``targets`` and ``pass_costs`` (per model): each lane's order of joiners,
-        as in ``DecodeServer`` (the function's targets hold on every lane); ``pass_timeout_s``
-        and ``deadline`` as there. Admission holds each new request to ``latency_target_s``,
-        by default the plan's predicted p99 (none when the plan was not simulated, e.g.
-        written by hand); ``admission="none"`` queues every request. Rows sent with a gear
-        (a table's rows in bulk) are always queued."""
+        as in ``DecodeServer`` (the function's targets hold on every lane); ``pass_timeout_s``,
+        ``deadline`` and ``cpu_priority`` as there. Admission holds each new request to
+        ``latency_target_s``, by default the plan's predicted p99 (none when the plan was not
+        simulated, e.g. written by hand); ``admission="none"`` queues every request. Rows
+        sent with a gear (a table's rows in bulk) are always queued."""
         missing = [m for m in plan.models if m not in models]
         if missing:
             raise EngineError(f"the plan uses models {missing} that were not given")
@@ -671,7 +712,7 @@ class CascadeServer(DecodeServer):
         target = latency_target_s if latency_target_s is not None else plan.latency_target_s()
         self._init_loop(pass_timeout_s, _admission(admission, target,
                                                    {m: costs.get(m) for m in plan.models}),
-                        deadline)
+                        deadline, cpu_priority)
 
     @property
     def lm(self) -> CausalLM:

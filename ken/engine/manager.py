@@ -202,8 +202,8 @@ class ServingManager:
               bulk_threshold: int | None = None, memory_gb: float | None = None,
               admission: str = "plan", latency_target_s: float | None = None,
               cluster: str | None = None, decode_targets: ServiceTargets | None = None,
-              dropping: str | None = None, deadline: BatchDeadline | None = None
-              ) -> dict[str, LoadReport]:
+              dropping: str | None = None, deadline: BatchDeadline | None = None,
+              decode_priority: str = "normal") -> dict[str, LoadReport]:
         """Serve ``functions`` (every function with a plan by default): the gear plans on one
         engine, each generation plan on a decode server; see ``Session.serve``."""
         if bulk_threshold is not None:
@@ -223,6 +223,9 @@ class ServingManager:
         if deadline is not None and not isinstance(deadline, BatchDeadline):
             raise KenError("deadline must be ken.engine.supervision.BatchDeadline(factor, "
                            f"floor_s, first_call_s), not {deadline!r}")
+        if decode_priority not in ("normal", "background"):
+            raise KenError(f"decode_priority must be 'normal' or 'background' (got "
+                           f"{decode_priority!r})")
         if decode_targets is not None and not isinstance(decode_targets, ServiceTargets):
             raise KenError("decode_targets must be ken.ServiceTargets(ttft_s, tbt_s), not "
                            f"{decode_targets!r}")
@@ -244,7 +247,8 @@ class ServingManager:
         for n in by_kind.pop(GenPlan.kind, []):
             self._decode_settings[n] = {
                 "targets": decode_targets, "latency_target_s": latency_target_s,
-                "admission": "target" if admission == "plan" else "none", "deadline": deadline}
+                "admission": "target" if admission == "plan" else "none", "deadline": deadline,
+                "cpu_priority": decode_priority}
             reports[n] = self._start_generation(n, **self._decode_settings[n])
         names = by_kind.pop(GearPlan.kind, [])
         if not names:
@@ -290,13 +294,15 @@ class ServingManager:
 
     def _start_generation(self, name: str, targets: ServiceTargets | None = None,
                           latency_target_s: float | None = None, admission: str = "target",
-                          deadline: BatchDeadline | None = None) -> LoadReport:
+                          deadline: BatchDeadline | None = None,
+                          cpu_priority: str = "normal") -> LoadReport:
         """A decode server for a generating function's plan, on the session's models (loaded
         in this process; the server's thread runs every pass); with ``targets``, joiners by
         deadline, each model's passes estimated by its token cost (measured once per
         machine). Admission by capacity (``admission="target"``) holds new requests to
         ``latency_target_s``, by default the plan's predicted p99; every pass has a deadline
-        (``deadline``, the classifier engine's rule)."""
+        (``deadline``, the classifier engine's rule); ``cpu_priority`` as
+        ``DecodeServer``'s."""
         plan = cast(GenPlan, self._plans[name])
         op = self.operators[name]
         started = time.perf_counter()
@@ -317,7 +323,9 @@ class ServingManager:
                                    "fcfs" if targets is None else "deadline", targets,
                                    costs, latency_target_s=latency_target_s,
                                    admission=admission,  # type: ignore[arg-type]
-                                   deadline=deadline).start()
+                                   deadline=deadline,
+                                   cpu_priority=cpu_priority,  # type: ignore[arg-type]
+                                   ).start()
             advance(1)
         self._servers[name] = GenerationEngine(server)
         return LoadReport({}, time.perf_counter() - started, "thread")
