@@ -5,7 +5,8 @@ The packaged sentiment family, planned for 2 CPU workers x 1 thread on Poisson a
 worker processes (the online engine, default admission), swapped every ``--replan-every-s``
 (the plan-swap path a re-plan takes); a generating function beside it in this process
 (SmolLM2-135M on a continuous-batching decode server, a short answer every
-``--gen-every-s``). Arrivals are Poisson at ``--load`` (0.8) x the plan's peak on the cores
+``--gen-every-s``; at background CPU priority by default, ``--decode-priority``). Arrivals
+are Poisson at ``--load`` (0.8) x the plan's peak on the cores
 the decode server leaves (its share measured for 20 s before the clock starts; the plan was
 made for every core, and two servers share one machine), with a burst at ``--burst`` (1.5)
 x that peak for ``--burst-s`` every ``--burst-every-s``; a worker is
@@ -97,6 +98,7 @@ class Window:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.latency_ms: list[float] = []
+        self.gen_ms: list[float] = []
         self.status: dict[str, int] = {}
         self.total: dict[str, int] = {}
         self.pending: set[Future] = set()
@@ -115,13 +117,14 @@ class Window:
             key = f"{kind}:{o.status}"
             self.status[key] = self.status.get(key, 0) + 1
             self.total[key] = self.total.get(key, 0) + 1
-            if kind == "classify" and o.status == "ok":
-                self.latency_ms.append(1000 * o.latency_s)
+            if o.status == "ok":
+                (self.latency_ms if kind == "classify" else self.gen_ms).append(
+                    1000 * o.latency_s)
 
-    def take(self) -> tuple[list[float], dict[str, int]]:
+    def take(self) -> tuple[list[float], list[float], dict[str, int]]:
         with self.lock:
-            out = self.latency_ms, self.status
-            self.latency_ms, self.status = [], {}
+            out = self.latency_ms, self.gen_ms, self.status
+            self.latency_ms, self.gen_ms, self.status = [], [], {}
         return out
 
 
@@ -144,7 +147,7 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
                   f"{args.burst_every_s:g} s, a worker killed every {args.kill_every_s:g} s, "
                   f"the plan swapped every {args.replan_every_s:g} s, a generation every "
                   f"{args.gen_every_s:g} s; target p99 {1000 * target_s:.0f} ms")
-    server = DecodeServer(lm, 4, ignore_eos=True).start()
+    server = DecodeServer(lm, 4, ignore_eos=True, cpu_priority=args.decode_priority).start()
     warm_up_decoding(server, lm, range(16, 64), 4 if args.gen_warmup else 0, 12, rng,
                      reporter)
     share = decode_share(server, prompts, args, rng) if args.account_decode else 0.0
@@ -163,7 +166,7 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
         arrival = 0.0
         while (now := time.monotonic() - t0) < duration:
             if now >= next_at["sample"]:
-                lat, status = window.take()
+                lat, gen, status = window.take()
                 use = tree_usage()
                 host = tree_usage(os.getpid(), alone=True)
                 samples.append({
@@ -174,6 +177,7 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
                     "processes": use.processes if use else None,
                     "answered": len(lat),
                     "p99_ms": float(np.percentile(lat, 99)) if lat else None,
+                    "gen_max_ms": max(gen) if gen else None,
                     "status": status, "in_burst": in_burst(now - args.sample_s, now, args),
                     "target_ms": 1000 * (serving.latency_target_s() or target_s)})
                 next_at["sample"] += args.sample_s
@@ -215,6 +219,7 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
     result["moved_batches"] = moved
     result["placement"] = placement
     result["decode_share"] = share
+    result["decode_priority"] = args.decode_priority
     result["classify_peak_qps"] = classify_peak
     return result
 
@@ -301,6 +306,7 @@ def summarise(args, samples, events, submitted, outcomes, lost, restarts, target
         "open_files_growth": growth("open_files"),
         "threads_growth": growth("threads"),
         "calm_windows": len(calm), "calm_windows_p99_within_2x": int(sum(within)),
+        "generation_max_ms": generation_max_ms(samples),
         "calm_p99_ms_max": max((s["p99_ms"] for s in calm), default=None),
         "after_kill": after_kill,
         "kills_over_1s": sum(1 for a in after_kill
@@ -315,6 +321,16 @@ def summarise(args, samples, events, submitted, outcomes, lost, restarts, target
         out["threads_growth"] <= 0,
         "calm_p99_within_2x": bool(calm) and all(within), "none_lost": lost == 0}
     return out
+
+
+def generation_max_ms(samples: list[dict]) -> dict | None:
+    """The generations' latency (arrival to last token): the median, p99 and largest over the
+    run of each window's slowest generation."""
+    gens = [s["gen_max_ms"] for s in samples if s.get("gen_max_ms") is not None]
+    if not gens:
+        return None
+    return {"p50": float(np.median(gens)), "p99": float(np.percentile(gens, 99)),
+            "max": float(max(gens))}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -337,6 +353,8 @@ def plot(result: dict, path: Path) -> None:
     ax[2].plot(t, [x["target_ms"] for x in s], color="k", lw=0.8,
                label="the serving plan's target")
     ax[2].plot(t, [2 * x["target_ms"] for x in s], color="r", lw=0.8, ls="--", label="2x")
+    ax[2].plot(t, [x.get("gen_max_ms") for x in s], ".", ms=2, color="0.6",
+               label="the window's slowest generation")
     ax[2].set_yscale("log")
     ax[2].set_ylabel("ms")
     ax[2].legend(fontsize=8)
@@ -371,6 +389,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="1 (default): the classifier's load is --load x the peak of what "
                          "the decode server leaves of the plan's cores (measured for 20 s "
                          "first); 0: x the plan's peak, as if the plan had its cores alone")
+    ap.add_argument("--decode-priority", choices=("background", "normal"),
+                    default="background",
+                    help="the decode server's CPU priority (default background: its passes "
+                         "on the cores the classifier leaves, benchmarks/decode_priority.py; "
+                         "normal: they share the cores, as before session 32)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--quiet", action="store_true")
@@ -389,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
                                               "rss_growth_mb", "host_rss_growth_mb",
                                               "open_files_growth",
                                               "threads_growth", "calm_windows",
+                                              "generation_max_ms",
                                               "calm_windows_p99_within_2x", "goals")}))
     print(f"wrote {args.out}/soak.json and soak.png in {result['seconds']:.0f} s")
     return 0
