@@ -218,9 +218,11 @@ __all__ = ["BUSY_CORES", "CpuReading", "OtherLoad", "TreeUsage", "cpu_reading", 
 
 
 def yield_cores() -> bool:
-    """Put the calling thread in the CPU scheduler's idle class (Linux ``SCHED_IDLE``): it runs
-    on the cores no other thread of the machine wants, and a thread that wakes takes its core
-    at once, rather than sharing it for a time slice. For work that can wait behind work with
+    """Put the calling thread in the CPU scheduler's idle class (Linux ``SCHED_IDLE``): it gets
+    a tiny share of a core any other thread wants (a weight of 3 against a normal thread's
+    1,024), and a normal thread that wakes takes its core at once rather than sharing it for
+    a time slice. It still holds what it holds meanwhile (Python's GIL between its C calls:
+    ken's other threads wait for it until it next runs). For work that can wait behind work with
     a tighter latency target on the same cores (a decode server beside classifier workers,
     ``DecodeServer(cpu_priority="background")``). The class holds for the thread's life: an
     unprivileged thread cannot leave it. False where the OS has no such class (the thread

@@ -88,8 +88,8 @@ SPIN = ("import sys, time\nprint('go', flush=True)\nt = time.time()\n"
 
 @needs_idle_class
 def test_a_starved_background_pass_is_slow_not_stuck() -> None:
-    """Every core busy with normal threads for 3 s while a background pass needs 0.2 s of CPU:
-    the pass takes longer than its 1-s timeout on the wall clock, but was waiting for a core,
+    """Every core busy with normal threads for 5 s while a background pass needs 0.2 s of CPU:
+    the pass takes longer than its 2-s timeout on the wall clock, but was waiting for a core,
     so its requests are answered; without the wait taken off, the watchdog would have failed
     them as a model that did not return."""
     lm = GatedLM()
@@ -107,9 +107,9 @@ def test_a_starved_background_pass_is_slow_not_stuck() -> None:
 
     lm.net.forward = forward
     cores = len(os.sched_getaffinity(0))
-    server = CascadeServer({"g": StandInGenerator(lm)}, gen_plan(), pass_timeout_s=1.0,
+    server = CascadeServer({"g": StandInGenerator(lm)}, gen_plan(), pass_timeout_s=2.0,
                            cpu_priority="background").start()
-    spinners = [subprocess.Popen([sys.executable, "-c", SPIN.format(s=3.0)],
+    spinners = [subprocess.Popen([sys.executable, "-c", SPIN.format(s=5.0)],
                                  stdout=subprocess.PIPE, text=True) for _ in range(cores)]
     try:
         for p in spinners:  # every core is taken before the pass begins
@@ -122,4 +122,26 @@ def test_a_starved_background_pass_is_slow_not_stuck() -> None:
         server.shutdown()
     assert server.yielded
     assert outcome.status == "ok", outcome.error
-    assert spun and spun[0] > 1.0  # starved past the timeout on the wall clock
+    assert spun and spun[0] > 2.0  # starved past the timeout on the wall clock
+
+
+@needs_idle_class
+def test_a_stuck_pass_at_background_priority_still_fails_at_its_deadline() -> None:
+    """A pass that blocks (its gate never opens) waits for no core: the watchdog fails it
+    after ``pass_timeout_s`` as at normal priority."""
+    lm = GatedLM()
+    server = CascadeServer({"g": StandInGenerator(lm)}, gen_plan(), pass_timeout_s=1.0,
+                           cpu_priority="background").start()
+    try:
+        t0 = time.monotonic()
+        future = server.submit_row("abc")
+        assert lm.entered.wait(timeout=30)
+        outcome = future.result(timeout=30)
+        waited = time.monotonic() - t0
+        assert server.yielded
+        assert outcome.status == "error"
+        assert "did not return from a forward pass within 1 s" in (outcome.error or "")
+        assert waited < 10.0
+    finally:
+        lm.gate.set()
+        server.shutdown()

@@ -7,6 +7,7 @@ cascade to Qwen2.5-Coder-0.5B is measured in ``benchmarks/hellaswag.py``."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pyarrow as pa
 import pytest
@@ -15,6 +16,7 @@ from conftest import REFERENCE_DEVICE, SMALL_FAMILY
 import ken
 from ken.engine import manager
 from ken.errors import DataError, KenError
+from ken.machine import runqueue_wait_s
 from ken.models.resources import Resources
 from ken.ops.prompts import SEM_QA, extracted_value
 from ken.ops.sem_choice import parse_options
@@ -190,7 +192,8 @@ def test_sem_qa_served_by_a_decode_server(session, monkeypatch) -> None:  # noqa
         result = s.sql("SELECT id, sem_qa(q, x) FROM t ORDER BY id")
         assert [r[1] for r in result.fetchall()] == expected
         assert server.cpu_priority == "background"
-        assert server.yielded == hasattr(os, "SCHED_IDLE")
+        if hasattr(os, "SCHED_IDLE") and runqueue_wait_s(threading.get_native_id()) is not None:
+            assert server.yielded  # Linux: the idle class
     finally:
         s.stop_serving()
         s.bulk_threshold = 64

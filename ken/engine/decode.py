@@ -66,7 +66,7 @@ MAX_FAILED_PASSES = 3
 
 AdmissionMode = Literal["target", "none"]
 #: ``"normal"``: the server's thread shares the cores as any thread does; ``"background"``: on
-#: a CPU it takes only the cores nothing else wants (``ken.machine.yield_cores``)
+#: a CPU it runs in the scheduler's idle class (``ken.machine.yield_cores``)
 CpuPriority = Literal["normal", "background"]
 
 #: the default deadline of a forward pass: the classifier engine's rule (10x what such passes
@@ -246,13 +246,17 @@ class DecodeServer:
         and a retry hint, when the queue ahead would make them miss it); None (the default
         here) or ``admission="none"``: every request is queued.
 
-        ``cpu_priority="background"``: on a CPU the server's thread runs its passes only on
-        cores no other thread wants (Linux's idle class, ``ken.machine.yield_cores``), so
-        that classifier workers with tighter latency targets on the same cores are never
-        slowed by a pass (measured: ``benchmarks/decode_priority.py``); its generations take
-        what the cores leave, and wait while the cores are saturated. A pass's deadline then
-        counts only the time the pass was not waiting for a core. ``"normal"`` (the default):
-        the passes share the cores. ``EngineError`` for another value."""
+        ``cpu_priority="background"``: on a CPU the server's thread runs in the scheduler's
+        idle class (Linux's ``SCHED_IDLE``, ``ken.machine.yield_cores``): a classifier worker
+        that wakes on its core takes the core at once instead of sharing it for a time slice,
+        so workers with tighter latency targets on the same cores keep their tail (measured:
+        ``benchmarks/decode_priority.py``); the passes get what the cores leave, and slow
+        down while the cores are saturated (admission, which times the passes, then turns
+        new requests away sooner). A pass's deadline then leaves out the waits for a core
+        the kernel has accounted (``_pass_elapsed``). Applied only where the kernel reports
+        those waits (``/proc/self/task/<tid>/schedstat``); ``yielded`` says whether it was,
+        once ``start`` has returned. ``"normal"`` (the default): the passes share the cores.
+        ``EngineError`` for another value."""
         if memory_budget_bytes is not None:
             room = kv_tokens_in(lm, memory_budget_bytes)
             kv_budget_tokens = room if kv_budget_tokens is None else min(kv_budget_tokens, room)
@@ -269,10 +273,11 @@ class DecodeServer:
             raise EngineError(f"cpu_priority must be 'normal' or 'background', not "
                               f"{cpu_priority!r}")
         self.cpu_priority = cpu_priority
-        #: the loop's thread took only spare cores (``cpu_priority="background"`` on a CPU
-        #: whose OS has the idle class); its native id while it runs
+        #: the loop's thread runs in the idle class (``cpu_priority="background"`` on a CPU
+        #: whose kernel has the class and reports a thread's waits for a core)
         self.yielded = False
-        self._tid: int | None = None
+        self._settled = threading.Event()  # the loop's thread has taken its priority
+        self._tid: int | None = None  # the loop thread's native id
         self._pass_wait0: float | None = None  # the thread's core wait when the pass began
         if pass_timeout_s is not None and not (math.isfinite(pass_timeout_s)
                                                and pass_timeout_s > 0):
@@ -340,6 +345,7 @@ class DecodeServer:
                                         daemon=True)
         self._thread.start()
         threading.Thread(target=self._watch, name="ken-decode-watchdog", daemon=True).start()
+        self._settled.wait(timeout=10.0)  # ``yielded`` is known when start returns
         return self
 
     def submit(self, prompt: Sequence[int], max_new_tokens: int) -> Future:
@@ -499,6 +505,7 @@ class DecodeServer:
         try:
             self._loop()
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting request
+            self._settled.set()
             self._crashed = f"{type(exc).__name__}: {exc}"
             with self._lock:
                 self.closing.set()
@@ -524,8 +531,11 @@ class DecodeServer:
 
         torch.set_num_threads(self.lm.device.threads)
         self._tid = threading.get_native_id()
-        if self.cpu_priority == "background" and self.lm.device.kind == "cpu":
+        # the idle class only where the watchdog can tell a starved pass from a stuck one
+        if (self.cpu_priority == "background" and self.lm.device.kind == "cpu"
+                and runqueue_wait_s(self._tid) is not None):
             self.yielded = yield_cores()
+        self._settled.set()
         lanes = [self._lanes[n] for n in self._lane_names]
         while True:
             self._boundary += 1
@@ -628,7 +638,8 @@ class DecodeServer:
         worker's call is): every request in the server ends ``error`` at once, and
         ``submit`` refuses more. A server at background priority is not charged the time its
         pass waited for a core (``_pass_elapsed``): a pass starved by busier threads is slow,
-        not stuck."""
+        not stuck. A pass stuck blocked still fails at its deadline; one stuck spinning, once
+        it has spun that long between its waits."""
         thread = self._thread
         tick = 0.1 if self.pass_timeout_s is None else min(0.1, self.pass_timeout_s / 10)
         while thread is not None and thread.is_alive():
@@ -652,8 +663,12 @@ class DecodeServer:
             return
 
     def _pass_elapsed(self, started: float) -> float:
-        """Seconds the pass under way has run, less (at background priority, where the kernel
-        says) the time its thread waited for a core since it began."""
+        """Seconds the pass under way has run, less (at background priority) the time its
+        thread waited for a core since it began. The kernel accounts a wait when it ends, so
+        a wait under way counts until the thread next runs (a slice comes every second or so
+        even on saturated cores: small against the deadline's 10-s floor); with more than one
+        thread per pass (``DeviceConfig.threads``), only the loop thread's waits are left
+        out."""
         elapsed = self.clock.now() - started
         if self._pass_wait0 is not None and self._tid is not None:
             waited = runqueue_wait_s(self._tid)

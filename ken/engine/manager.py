@@ -224,8 +224,8 @@ class ServingManager:
             raise KenError("deadline must be ken.engine.supervision.BatchDeadline(factor, "
                            f"floor_s, first_call_s), not {deadline!r}")
         if decode_priority not in ("normal", "background"):
-            raise KenError(f"decode_priority must be 'normal' or 'background' (got "
-                           f"{decode_priority!r})")
+            raise KenError(f"decode_priority must be 'normal' or 'background', not "
+                           f"{decode_priority!r}")
         if decode_targets is not None and not isinstance(decode_targets, ServiceTargets):
             raise KenError("decode_targets must be ken.ServiceTargets(ttft_s, tbt_s), not "
                            f"{decode_targets!r}")
@@ -327,6 +327,12 @@ class ServingManager:
                                    cpu_priority=cpu_priority,  # type: ignore[arg-type]
                                    ).start()
             advance(1)
+        if cpu_priority == "background" and not server.yielded:
+            self.ctx.reporter.warn(
+                f"{name}()'s decode server keeps the normal CPU priority: decode_priority="
+                f"'background' applies to a decode server on a CPU whose kernel has the idle "
+                f"scheduling class and reports a thread's waits for a core (Linux); this one "
+                f"runs on {server.lm.device.torch_device}")
         self._servers[name] = GenerationEngine(server)
         return LoadReport({}, time.perf_counter() - started, "thread")
 
