@@ -213,10 +213,6 @@ def least_loaded(measure: Callable[[int], T], what: str, attempts: int = 3,
     return best
 
 
-__all__ = ["BUSY_CORES", "CpuReading", "OtherLoad", "TreeUsage", "cpu_reading", "least_loaded",
-           "other_cores", "process_rss_bytes", "tree_usage"]
-
-
 def yield_cores() -> bool:
     """Put the calling thread in the CPU scheduler's idle class (Linux ``SCHED_IDLE``): it gets
     a tiny share of a core any other thread wants (a weight of 3 against a normal thread's
@@ -246,3 +242,7 @@ def runqueue_wait_s(tid: int, proc: Path = _PROC) -> float | None:
         return int(fields[1]) / 1e9
     except (OSError, ValueError, IndexError):
         return None
+
+
+__all__ = ["BUSY_CORES", "CpuReading", "OtherLoad", "TreeUsage", "cpu_reading", "least_loaded",
+           "other_cores", "process_rss_bytes", "runqueue_wait_s", "tree_usage", "yield_cores"]

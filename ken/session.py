@@ -365,11 +365,11 @@ class Session:
         ``ttft_s`` of arrival, then one every ``tbt_s``) its prefills take the waiting requests
         by deadline and pending time (Apt-Serve's rule, ``ken.policy.decoding``) rather than in
         arrival order, with each model's passes estimated by its measured token cost.
-        ``decode_priority="background"`` runs a decode server's passes on a CPU only on the
-        cores nothing else wants (Linux's idle scheduling class), so that classifier functions
-        served on the same cores keep their tail latency beside it
-        (``benchmarks/decode_priority.py``); its generations then take what the cores leave
-        and wait while the classifiers saturate them. Default ``"normal"``: they share.
+        ``decode_priority="background"`` runs a decode server's passes on a CPU in Linux's
+        idle scheduling class (a classifier worker that wakes takes the core at once), so that
+        classifier functions served on the same cores keep their tail latency beside it
+        (``benchmarks/decode_priority.py``); its generations then get what the cores leave and
+        slow down while the classifiers saturate them. Default ``"normal"``: they share.
 
         ``dropping`` (``"none"``, ``"reactive"``, ``"proactive"``, ``"proactive-profiled"``:
         proactive on the profiled runtimes alone, not scaled by how fast batches ran, or

@@ -1,5 +1,5 @@
 """A decode server at background CPU priority (``DecodeServer(cpu_priority="background")``):
-its thread takes only the cores nothing else wants, and a pass starved by busier threads is
+its thread runs in the CPU scheduler's idle class, and a pass starved by busier threads is
 slow, not stuck (its deadline counts only the time it was not waiting for a core)."""
 
 from __future__ import annotations

@@ -185,7 +185,7 @@ def test_sem_qa_served_by_a_decode_server(session, monkeypatch) -> None:  # noqa
         with pytest.raises(KenError, match="decode_priority must be"):
             s.serve(["sem_qa"], decode_priority="urgent")
         s.serve(["sem_qa"], decode_targets=ken.ServiceTargets(60.0, 5.0),
-                decode_priority="background")  # its passes on the cores nothing else wants
+                decode_priority="background")  # its passes in the idle scheduling class
         server = s.engines["sem_qa"].server
         assert measured and all(lane.scheduler.order == "deadline"
                                 for lane in server._lanes.values())

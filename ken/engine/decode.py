@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 
@@ -68,6 +68,7 @@ AdmissionMode = Literal["target", "none"]
 #: ``"normal"``: the server's thread shares the cores as any thread does; ``"background"``: on
 #: a CPU it runs in the scheduler's idle class (``ken.machine.yield_cores``)
 CpuPriority = Literal["normal", "background"]
+CPU_PRIORITIES: tuple[str, ...] = get_args(CpuPriority)
 
 #: the default deadline of a forward pass: the classifier engine's rule (10x what such passes
 #: were seen to take) with a floor of 10 s, not 2 s, and 60 s (the old fixed bound) until
@@ -269,7 +270,7 @@ class DecodeServer:
     def _init_loop(self, pass_timeout_s: float | None, admission: DecodeAdmission,
                    deadline: BatchDeadline | None, cpu_priority: CpuPriority = "normal"
                    ) -> None:
-        if cpu_priority not in ("normal", "background"):
+        if cpu_priority not in CPU_PRIORITIES:
             raise EngineError(f"cpu_priority must be 'normal' or 'background', not "
                               f"{cpu_priority!r}")
         self.cpu_priority = cpu_priority

@@ -21,7 +21,7 @@ from types import MappingProxyType
 from typing import Any, Protocol, cast
 
 from ken.engine.calibrate import recent_ratio
-from ken.engine.decode import CascadeServer, GenerationEngine
+from ken.engine.decode import CPU_PRIORITIES, CascadeServer, GenerationEngine
 from ken.engine.planner_process import PlannerProcess
 from ken.engine.ray_runner import RayCluster
 from ken.engine.replanning import ReplanEvent, Replanner
@@ -223,7 +223,7 @@ class ServingManager:
         if deadline is not None and not isinstance(deadline, BatchDeadline):
             raise KenError("deadline must be ken.engine.supervision.BatchDeadline(factor, "
                            f"floor_s, first_call_s), not {deadline!r}")
-        if decode_priority not in ("normal", "background"):
+        if decode_priority not in CPU_PRIORITIES:
             raise KenError(f"decode_priority must be 'normal' or 'background', not "
                            f"{decode_priority!r}")
         if decode_targets is not None and not isinstance(decode_targets, ServiceTargets):
