@@ -10,7 +10,8 @@ are Poisson at ``--load`` (0.8) x the plan's peak on the cores
 the decode server leaves (its share measured for 20 s before the clock starts; the plan was
 made for every core, and two servers share one machine), with a burst at ``--burst`` (1.5)
 x that peak for ``--burst-s`` every ``--burst-every-s``; a worker is
-SIGKILLed every ``--kill-every-s`` (the devices in turn). Before the clock starts the decode
+SIGKILLed every ``--kill-every-s`` (the devices in turn; a model a plan places on one worker
+has a standby copy on the other by default, ``--standby``). Before the clock starts the decode
 server runs every shape it will meet (``warm_up_decoding``; ``--gen-warmup 0`` skips it): its
 memory grows with the shapes it has seen, then levels off.
 
@@ -155,7 +156,7 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
     reporter.note(f"the decode server takes {share:.1%} of the plan's cores at one "
                   f"generation every {args.gen_every_s:g} s: the classifier's load is "
                   f"{args.load:g}x the {classify_peak:.1f} qps the plan can serve on the rest")
-    with Engine(main, loaders, workers="process") as engine:
+    with Engine(main, loaders, workers="process", standby=bool(args.standby)) as engine:
         devices = sorted(engine.pids())
         plans = [main, other]
         serving = main
@@ -186,7 +187,8 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
                 pid = engine.pids().get(device)
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
-                    events.append({"t_s": round(now, 1), "event": f"SIGKILL {device}"})
+                    events.append({"t_s": round(now, 1), "event": f"SIGKILL {device}",
+                                   "plan": plans.index(serving)})
                 kills += 1
                 next_at["kill"] += args.kill_every_s
             if now >= next_at["replan"]:
@@ -287,15 +289,17 @@ def summarise(args, samples, events, submitted, outcomes, lost, restarts, target
         return float(np.median([s[key] for s in warm[-3:]]) -
                      np.median([s[key] for s in warm[:3]]))
 
-    kill_times = [e["t_s"] for e in events if e["event"].startswith("SIGKILL")]
+    kill_events = [e for e in events if e["event"].startswith("SIGKILL")]
+    kill_times = [e["t_s"] for e in kill_events]
     calm = [s for s in warm if not s["in_burst"] and s["p99_ms"] is not None and
             not any(0 <= s["t_s"] - k <= 2 * args.sample_s for k in kill_times)]
     within = [s["p99_ms"] <= GOALS["p99_over_target"] * s["target_ms"] for s in calm]
     # each kill's cost: the worst window p99 of the 30 s after it (rows that wait for a
     # reload are answered when it ends, which can be after the 10 s the goal leaves out)
-    after_kill = [{"t_s": k, "worst_p99_ms": max(
+    after_kill = [{"t_s": e["t_s"], "device": e["event"].split()[1],
+                   "plan": ("main", "fast")[e["plan"]], "worst_p99_ms": max(
         (s["p99_ms"] for s in samples if s["p99_ms"] is not None
-         and 0 < s["t_s"] - k <= KILL_COST_S), default=None)} for k in kill_times]
+         and 0 < s["t_s"] - e["t_s"] <= KILL_COST_S), default=None)} for e in kill_events]
     out = {
         "args": {k: str(v) for k, v in vars(args).items()},
         "plans": [main.headline(), other.headline()], "peak_qps": main.qps_max,
@@ -394,6 +398,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="the decode server's CPU priority (default background: its passes "
                          "on the cores the classifier leaves, benchmarks/decode_priority.py; "
                          "normal: they share the cores, as before session 32)")
+    ap.add_argument("--standby", type=int, default=1, choices=(0, 1),
+                    help="1 (default): a model a plan places on one worker has a standby "
+                         "copy on the other (Engine(standby=True)); 0: only what the plans "
+                         "place, as before session 33")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--quiet", action="store_true")

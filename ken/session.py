@@ -332,7 +332,8 @@ class Session:
               latency_target_s: float | None = None, cluster: str | None = None,
               replan: bool = True, decode_targets: ServiceTargets | None = None,
               dropping: str | None = None, deadline: BatchDeadline | None = None,
-              decode_priority: str = "normal") -> dict[str, LoadReport]:
+              decode_priority: str = "normal", standby: bool = True
+              ) -> dict[str, LoadReport]:
         """Serve the functions with a gear plan (all of them by default) on one online engine.
 
         From then on every query's calls of a served function go through its engine, from any
@@ -388,6 +389,13 @@ class Session:
         or ``ken.errors.ServingStopped`` for rows sent after the drain began; a statement still
         running 5 s after the drain is interrupted (``ShuttingDown``).
 
+        ``standby`` (default True): with worker processes or Ray actors, a model a plan places
+        on one CPU worker is loaded on another one too, with no share of the rows, and
+        serves the rows that would wait for its own worker while that worker reloads after a
+        crash or a kill (``ken.engine.standby``; EXPLAIN names the copies); each such worker
+        holds one more model's memory, counted against ``memory_gb``. False: only what the
+        plans place.
+
         ``deadline`` (``ken.engine.supervision.BatchDeadline``) bounds each model call: 10x
         its profiled runtime (at least 2 s); for a plan without runtimes (``use_plan`` of a
         plan written by hand), 10x what the model's calls took while serving, and
@@ -402,7 +410,7 @@ class Session:
         reports = self.serving.serve(functions, workers, threads_per_device, max_in_flight,
                                      bulk_threshold, memory_gb, admission, latency_target_s,
                                      cluster, decode_targets, dropping, deadline,
-                                     decode_priority)
+                                     decode_priority, standby)
         if replan:
             for name in reports:
                 recipe = self.replans.get(name)

@@ -400,11 +400,18 @@ def test_process_workers_report_memory_and_respect_a_budget() -> None:
         rss = engine.load_report.rss_bytes
         assert set(rss) == {"cpu0", "cpu1"} and all(b > 1_000_000 for b in rss.values())
         assert engine.submit("fits").result(timeout=10).status == "ok"
+    # each worker also holds the other's model, as a standby (ken/engine/standby.py)
     tight = Engine(plan(), sources, memory_budget_bytes=1_000_000)
     with pytest.raises(EngineError,
-                       match="cpu0 holds .* MB with a, over the memory budget of 1 MB per device"):
+                       match="cpu0 holds .* MB with a, b, over the memory budget of 1 MB per "
+                             r"device.*\(the standby copies a@cpu1, b@cpu0 count too: "
+                             r"Engine\(standby=False\)"):
         tight.start()
     assert all(p is None for p in tight.pids().values()) or tight.pids() == {}
+    alone = Engine(plan(), sources, memory_budget_bytes=1_000_000, standby=False)
+    with pytest.raises(EngineError, match="cpu0 holds .* MB with a, over the memory budget of "
+                                          r"1 MB per device; .*plan with less$"):
+        alone.start()
 
 
 def test_a_worker_that_cannot_restart_ends_its_requests_in_error(tmp_path) -> None:  # noqa: ANN001
@@ -416,7 +423,8 @@ def test_a_worker_that_cannot_restart_ends_its_requests_in_error(tmp_path) -> No
 
     sources = {"a": functools.partial(fakes.load_once, "a", str(tmp_path / "flag"), 0.5),
                "b": functools.partial(fakes.FakeModel, "b")}
-    with Engine(plan(max_batch=4), sources, max_retries=1) as engine:
+    # a, loadable once, on its one worker (a standby copy would be a second load)
+    with Engine(plan(max_batch=4), sources, max_retries=1, standby=False) as engine:
         futures = [engine.submit(t) for t in texts(6)]
         time.sleep(0.25)
         os.kill(engine.pids()["cpu0"], signal.SIGKILL)

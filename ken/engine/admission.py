@@ -150,8 +150,7 @@ class Admission:
         (``answered``): profiles time each model alone, and serving runs the same batches
         slower on a busy machine."""
         plan = disp.plan
-        ready = [r for r in disp.first_stage_replicas()
-                 if reloading.isdisjoint(plan.placement[r].devices)]
+        ready = list(disp.first_stage_replicas(avoid=reloading))
         if routed not in ready:
             ready = ready or [routed]
             routed = ready[0]

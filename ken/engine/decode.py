@@ -864,7 +864,7 @@ class GenerationEngine:
     def plan(self) -> GenPlan:
         return self.server.plan
 
-    def describe_serving(self, bulk_threshold: int) -> str:
+    def describe_serving(self, bulk_threshold: int, operator: str | None = None) -> str:
         return (f"served by a decode server, a lane per model: chunks of < {bulk_threshold} "
                 "new inputs as requests whose gear follows the load, larger ones by gear 1")
 

@@ -25,6 +25,7 @@ from ken.engine.admission import Admission
 from ken.engine.bulk import BulkBatch, BulkRows
 from ken.engine.deadlines import EngineDeadlines
 from ken.engine.outcome import Outcome, Status
+from ken.engine.standby import with_standby
 from ken.engine.supervision import Breaker, DevicePool, RunnableBatch
 from ken.models.certainty import certainty_of
 from ken.policy.dropping import StageGate
@@ -175,8 +176,9 @@ class Scheduler:
     def __init__(self, plans: dict[str, GearPlan], clock: WallClock, requests: Requests,
                  events: queue.Queue, pool: DevicePool, breaker: Breaker,
                  admission: Admission, bulk_batch_size: int,
-                 deadlines: EngineDeadlines | None = None) -> None:
+                 deadlines: EngineDeadlines | None = None, standby: bool = True) -> None:
         self.plans = plans
+        self.standby = standby  # serve each plan with its standby replicas (``served``)
         self.clock = clock
         self.requests = requests
         self.events = events
@@ -197,7 +199,7 @@ class Scheduler:
         self._announced: Counter[str] = Counter()
         # the dispatcher of each operator's active plan (with its stage gate, if any)
         self._active: dict[str, Dispatcher] = {
-            op: Dispatcher(p, clock, self._busy, self._gate(op), self._reloading)
+            op: Dispatcher(self.served(p), clock, self._busy, self._gate(op), self._reloading)
             for op, p in plans.items()}
         self._retiring: list[Dispatcher] = []  # swapped-out plans finishing running batches
         self._owner: dict[int, Dispatcher] = {}  # id(batch) -> dispatcher that started it
@@ -214,6 +216,13 @@ class Scheduler:
 
     def dispatcher(self, operator: str) -> Dispatcher:
         return self._active[operator]
+
+    def served(self, plan: GearPlan) -> GearPlan:
+        """What the dispatcher of ``plan`` serves: ``plan`` with a standby replica of each
+        model it places on one CPU worker (``standby.with_standby``), unless the engine was
+        made without them. The workers load the standby models too; ``plans`` keeps the plan
+        as given."""
+        return with_standby(plan, self.pool.workers) if self.standby else plan
 
     def _gate(self, operator: str) -> StageGate | None:
         return None if self.deadlines is None else self.deadlines.gate(operator)
@@ -559,7 +568,8 @@ class Scheduler:
                 self._retiring.append(old)
             if isinstance(old.gate, StageGate):  # its batches no longer tell the forecast
                 old.gate = old.gate.retired()
-        new = Dispatcher(plan, self.clock, self._busy, self._gate(op), self._reloading)
+        new = Dispatcher(self.served(plan), self.clock, self._busy, self._gate(op),
+                         self._reloading)
         if self.deadlines is not None:
             self.deadlines.replanned(plan)
         self._active[op] = new

@@ -203,7 +203,8 @@ class ServingManager:
               admission: str = "plan", latency_target_s: float | None = None,
               cluster: str | None = None, decode_targets: ServiceTargets | None = None,
               dropping: str | None = None, deadline: BatchDeadline | None = None,
-              decode_priority: str = "normal") -> dict[str, LoadReport]:
+              decode_priority: str = "normal", standby: bool = True
+              ) -> dict[str, LoadReport]:
         """Serve ``functions`` (every function with a plan by default): the gear plans on one
         engine, each generation plan on a decode server; see ``Session.serve``."""
         if bulk_threshold is not None:
@@ -282,7 +283,7 @@ class ServingManager:
                         admission=admission,  # type: ignore[arg-type]
                         latency_target_s=latency_target_s, drain_on_sigterm=False,
                         ray_cluster=None if cluster is None else RayCluster.connect(cluster),
-                        dropping=dropping, deadline=deadline)
+                        dropping=dropping, deadline=deadline, standby=standby)
         devices = sorted({d for n in names for d in self._gear_plan(n).devices})
         with self.ctx.reporter.task(f"start the engine for {', '.join(f'{n}()' for n in names)}"
                                     f": {kind} workers on {', '.join(devices)}", 1) as advance:

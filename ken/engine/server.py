@@ -30,6 +30,6 @@ class Server(Protocol):
         Returns how many were cancelled."""
         ...
 
-    def describe_serving(self, bulk_threshold: int) -> str:
-        """How it serves a query's calls (EXPLAIN)."""
+    def describe_serving(self, bulk_threshold: int, operator: str | None = None) -> str:
+        """How it serves a query's calls (EXPLAIN), of ``operator`` where that matters."""
         ...

@@ -100,7 +100,7 @@ from ken.engine.supervision import (
 from ken.errors import EngineError
 from ken.models.model import Model
 from ken.policy.dropping import DeadlineMetrics, DropPolicy
-from ken.policy.plan import GearPlan
+from ken.policy.plan import GearPlan, Replica
 from ken.policy.scheduling import Dispatcher, WallClock
 
 
@@ -149,6 +149,11 @@ class Engine:
     end-to-end deadlines (see the module docstring; the plans, and plans swapped in for them,
     need profiled runtimes); None (the default): deadlines given
     to ``submit`` are ignored and nothing is dropped.
+
+    ``standby`` (default True): with worker processes or Ray actors, each model a plan places
+    on one CPU device only is also loaded on another CPU device of the plan, with no share of
+    the rows, and serves the rows that would wait for its own worker while that worker
+    reloads after a crash or a kill (``standby.py``); False loads only what the plans place.
     """
 
     def __init__(self, plan: GearPlan | Sequence[GearPlan], models: Mapping[str, Source],
@@ -164,7 +169,7 @@ class Engine:
                  max_crashes: int = 3, drain_on_sigterm: bool = True,
                  drain_timeout_s: float = 30.0, ray_cluster: RayCluster | None = None,
                  gpu_models: Mapping[str, Source] | None = None,
-                 dropping: DropPolicy | str | None = None) -> None:
+                 dropping: DropPolicy | str | None = None, standby: bool = True) -> None:
         plans = [plan] if isinstance(plan, GearPlan) else list(plan)
         if not plans:
             raise EngineError("an engine needs at least one gear plan")
@@ -214,7 +219,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.plans, self.clock, self._requests, self._events, self.pool, self.breaker,
             self.admission, bulk_batch_size or max(b for p in plans for b in p.max_batch),
-            self.deadlines)
+            self.deadlines, standby)
         self._thread: threading.Thread | None = None
         self._accepting = False
         self._shutdown_lock = threading.Lock()
@@ -251,10 +256,22 @@ class Engine:
     def bulk_batch_size(self) -> int:
         return self.scheduler.bulk_batch_size
 
-    def describe_serving(self, bulk_threshold: int) -> str:
+    def describe_serving(self, bulk_threshold: int, operator: str | None = None) -> str:
+        """How the engine serves a query's calls; of ``operator``, its standby copies."""
+        standby = self.standby_replicas(operator) if operator in self.plans else []
         return (f"served by the online engine ({self.workers} workers): chunks of < "
                 f"{bulk_threshold} new inputs as online requests, larger ones as bulk rows of "
-                f"gear 1 in batches of {self.bulk_batch_size}")
+                f"gear 1 in batches of {self.bulk_batch_size}"
+                + (f"; standby {', '.join(r.label() for r in standby)} (no share of the "
+                   "rows: serves while its own worker reloads)" if standby else ""))
+
+    def standby_replicas(self, operator: str | None = None) -> list[Replica]:
+        """The standby copies the engine serves ``operator``'s plan with (``standby.py``): a
+        replica of each model the plan places on one CPU worker, on another one."""
+        return self._standby_of(self.plans[self._operator(operator)])
+
+    def _standby_of(self, plan: GearPlan) -> list[Replica]:
+        return list(self.scheduler.served(plan).placement[len(plan.placement):])
 
     @property
     def plan(self) -> GearPlan:
@@ -282,9 +299,8 @@ class Engine:
         if self._thread is not None:
             raise EngineError("the engine is already running")
         t0 = time.perf_counter()
-        seconds = self.pool.add(_placed(*self.plans.values()))
-        rss, gpu = self.pool.check_memory(self.memory_budget_bytes,
-                                          gpu_budget=self.gpu_memory_budget_bytes)
+        seconds = self.pool.add(_placed(*map(self.scheduler.served, self.plans.values())))
+        rss, gpu = self._check_memory(self.plans.values(), stop=True)
         self.load_report = LoadReport(seconds, time.perf_counter() - t0, self.workers, rss, gpu)
         self._thread = threading.Thread(target=self.scheduler.run, name="ken-scheduler",
                                         daemon=True)
@@ -293,6 +309,21 @@ class Engine:
         if self.drain_on_sigterm:
             self._sigterm = SigtermDrain.install(lambda: self.shutdown(drain=True))
         return self.load_report
+
+    def _check_memory(self, plans: Iterable[GearPlan], stop: bool
+                      ) -> tuple[dict[str, int], dict[str, int]]:
+        """``DevicePool.check_memory`` against the engine's budgets; an error over budget
+        names the standby copies of ``plans`` that count too, and how to leave them out."""
+        try:
+            return self.pool.check_memory(self.memory_budget_bytes, stop=stop,
+                                          gpu_budget=self.gpu_memory_budget_bytes)
+        except EngineError as exc:
+            standby = [r.label() for p in plans for r in self._standby_of(p)]
+            if not standby:
+                raise
+            raise EngineError(f"{exc} (the standby copies {', '.join(standby)} count too: "
+                              "Engine(standby=False), or session.serve(standby=False), loads "
+                              "only what the plans place)") from exc
 
     def shutdown(self, drain: bool = True, timeout_s: float | None = None) -> int:
         """Stop accepting requests and restarting workers. With ``drain``, wait (up to
@@ -351,10 +382,9 @@ class Engine:
             self.deadlines.check_swap(plan)
         self.pool.add_sources(models, gpu_models)
         self.pool.check_plans([plan])
-        self.pool.add(_placed(plan))
+        self.pool.add(_placed(self.scheduler.served(plan)))
         self.scheduler.bulk_batch_size = max(self.scheduler.bulk_batch_size, *plan.max_batch)
-        self.pool.check_memory(self.memory_budget_bytes, stop=False,  # over: keep the old plan
-                               gpu_budget=self.gpu_memory_budget_bytes)
+        self._check_memory([plan], stop=False)  # over: keep the old plan
         done: Future = Future()
         self._events.put(("swap", plan, done))
         while True:

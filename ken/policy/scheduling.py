@@ -361,12 +361,17 @@ class Dispatcher:
                 self.gate.gear(self.gears.current)
         return self.gears.current
 
-    def first_stage_replicas(self) -> tuple[int, ...]:
+    def first_stage_replicas(self, avoid: Iterable[str] = ()) -> tuple[int, ...]:
         """The replicas a new request may be queued at: those of the current range's first
-        model that the range gives a share (all of them when it gives none, as ``route``)."""
+        model that the range gives a share (all of them when it gives none, as ``route``),
+        none on a device in ``avoid`` (e.g. a worker reloading its models). When every
+        replica with a share is on such a device, the model's other replicas (a standby
+        copy the range gives no share); empty when every replica is."""
         rng = self.gears.current
-        replicas = self._replicas_of[self._first_model[rng]]
         shares = self.plan.ranges[rng].shares
+        away = set(avoid)
+        replicas = [r for r in self._replicas_of[self._first_model[rng]]
+                    if away.isdisjoint(self._devices[r])]
         return tuple(r for r in replicas if shares[r] > 0) or tuple(replicas)
 
     def queued_ids(self, replica: int) -> tuple[int, ...]:

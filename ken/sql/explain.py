@@ -217,7 +217,7 @@ def plan_lines(serving: ServingManager, function: str, constants: tuple[str, ...
                 "this call has other constants, so it runs the implementation above "
                 "in-process"]
     server = serving.engine_for(function, constants)
-    how = (server.describe_serving(serving.bulk_threshold) if server is not None else
+    how = (server.describe_serving(serving.bulk_threshold, function) if server is not None else
            "for online serving, session.serve(); until then queries run the "
            "implementation above")
     events = serving.replan_log.get(function, [])
