@@ -92,7 +92,8 @@ def test_ray_workers_give_the_process_workers_outcomes(local_ray) -> None:
     with Engine(cascade_plan(), loaders(), workers="ray",
                 admission="max_in_flight") as engine:
         assert engine.load_report is not None and engine.load_report.workers == "ray"
-        assert set(engine.load_report.seconds) == {"cpu0/a", "cpu1/b"}
+        # each model on its own actor, and a standby copy on the other (standby.py)
+        assert set(engine.load_report.seconds) == {"cpu0/a", "cpu1/b", "cpu1/a", "cpu0/b"}
         got = outcomes_of(engine, rows)
         pids = engine.pids()
     assert got == expected
@@ -106,9 +107,10 @@ def test_killing_an_actor_with_a_batch_in_flight_loses_no_request(local_ray) -> 
     # runs the batch again, every request gets exactly one outcome
     plan = cascade_plan(threshold=0.0)  # no escalation: every row is a's
     # admission="max_in_flight": the plan's runtimes are not a's 0.4 s, and turning requests
-    # away is not what this test is about
+    # away is not what this test is about; nor is a's standby copy on cpu1, which would
+    # answer the rows while the actor restarts (tests/test_standby.py)
     with Engine(plan, loaders(0.4), workers="ray", deadline=FAST,
-                admission="max_in_flight") as engine:
+                admission="max_in_flight", standby=False) as engine:
         futures = [engine.submit(f"row {i}") for i in range(12)]
         time.sleep(0.2)
         pid = engine.pids()["cpu0"]
