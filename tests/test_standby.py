@@ -52,6 +52,13 @@ def test_a_model_on_one_cpu_worker_gets_a_standby_without_a_share() -> None:
     assert served.batch_runtime_s[3] == plan.batch_runtime_s[2] == (0.02,) * 3
     assert served.replicas_of("b") == [2, 3] and served.qps_edges == plan.qps_edges
     assert with_standby(plan, "ray") == served
+    # where the model's one replica has no share in a range, it gets all of it there (the
+    # router would spread a model without shares over the standby too)
+    unshared = cascade_plan(plan.placement, (0.5, 0.5, 0.0))
+    assert [rs.shares for rs in with_standby(unshared, "process").ranges] == \
+        [(0.5, 0.5, 1.0, 0.0)] * 2
+    router = Dispatcher(with_standby(unshared, "process"), VirtualClock(0.0)).router
+    assert {router.pick(0, "b") for _ in range(100)} == {2}
     # a thread worker shares one copy of each model: nothing to add
     assert with_standby(plan, "thread") is plan
     # a plan without runtimes stays without them
@@ -176,3 +183,6 @@ def test_the_engine_names_its_standby_copies_for_explain() -> None:
     alone = Engine(plan, loaders, workers="process", standby=False)
     assert alone.standby_replicas() == [] and "standby" not in alone.describe_serving(64, "op")
     assert alone.dispatcher().plan is plan
+    # none under a dropping policy: its forecast reads the plan's replicas as simulated
+    dropping = Engine(plan, loaders, workers="process", dropping="proactive")
+    assert dropping.standby_replicas() == [] and dropping.dispatcher().plan is plan

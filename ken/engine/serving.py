@@ -154,6 +154,7 @@ class Engine:
     on one CPU device only is also loaded on another CPU device of the plan, with no share of
     the rows, and serves the rows that would wait for its own worker while that worker
     reloads after a crash or a kill (``standby.py``); False loads only what the plans place.
+    Not with ``dropping``: the forecast reads each plan's replicas as simulated.
     """
 
     def __init__(self, plan: GearPlan | Sequence[GearPlan], models: Mapping[str, Source],
@@ -219,7 +220,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.plans, self.clock, self._requests, self._events, self.pool, self.breaker,
             self.admission, bulk_batch_size or max(b for p in plans for b in p.max_batch),
-            self.deadlines, standby)
+            self.deadlines, standby and dropping is None)
         self._thread: threading.Thread | None = None
         self._accepting = False
         self._shutdown_lock = threading.Lock()

@@ -20,7 +20,10 @@ Only models on one CPU device get a standby, and only on another CPU device of t
 plan, served by worker processes or Ray actors: a thread worker shares one copy of each
 model and has nothing to reload, and a copy on another GPU would take GPU memory the plan
 did not budget for. Standby replicas are appended after the plan's own, so every replica
-index of the plan means the same replica in both.
+index of the plan means the same replica in both. Where the plan gives such a model's one
+replica no share in a range, the served plan gives it all (the router spreads a model
+without shares evenly over its replicas: the standby would get half). The engine serves no
+standby under a dropping policy: its forecast reads the plan's replicas as simulated.
 """
 
 from __future__ import annotations
@@ -64,7 +67,15 @@ def with_standby(plan: GearPlan, workers: str) -> GearPlan:
     if not extra:
         return plan
     own = [plan.replicas_of(r.model)[0] for r in extra]
-    ranges = tuple(RangeSchedule(rs.cascade, (*rs.shares, *(0.0 for _ in own)),
+
+    def shares(rs: RangeSchedule) -> tuple[float, ...]:
+        # where the plan gives the model's one replica no share (a range whose rows it does
+        # not expect), all of it: the router spreads a model without shares evenly over its
+        # replicas, and the standby must get none of them
+        kept = [1.0 if i in own and s == 0 else s for i, s in enumerate(rs.shares)]
+        return (*kept, *(0.0 for _ in own))
+
+    ranges = tuple(RangeSchedule(rs.cascade, shares(rs),
                                  (*rs.min_queue, *(rs.min_queue[i] for i in own)), rs.feasible)
                    for rs in plan.ranges)
     runtimes = (*plan.batch_runtime_s, *(plan.batch_runtime_s[i] for i in own)) \
