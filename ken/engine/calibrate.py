@@ -360,8 +360,10 @@ def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: An
                       f"on {len(plan.devices)} workers, {rate:.1f} rows/s and bursts for "
                       f"{seconds:g} s"
                       + ("" if attempt == 1 else f" (attempt {attempt} of {attempts})"))
+        # no standby copies (standby.py): they take no rows in a replay without faults, and
+        # would only add their load time and memory to the measurement's
         return serve_trace(plan, loaders, trace, sample, seed=seed, reporter=reporter,
-                           admission="max_in_flight", **engine_options)
+                           admission="max_in_flight", **{"standby": False, **engine_options})
 
     served, load, attempt = least_loaded(
         serve, "calibrating", attempts, other_load, reporter.note, reporter.warn,
