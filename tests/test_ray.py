@@ -157,6 +157,36 @@ def test_the_batch_of_a_killed_actor_runs_on_the_other_replica_while_it_reloads(
     assert loading and moved == 1 and restarts == 1
 
 
+def test_rows_of_a_model_on_a_killed_actor_alone_run_on_its_standby(local_ray, tmp_path
+                                                                     ) -> None:
+    """b on cpu1's actor alone (a on cpu0, every row escalates): cpu1's actor is SIGKILLed
+    with b's batch in flight and takes 8 s to load its models again after Ray restarts it.
+    That batch's row and the rows escalated meanwhile run on b's standby copy on cpu0's actor
+    (``ken.engine.standby``), not after the reload."""
+    reload_s = 8.0
+    hung = tmp_path / "hung"
+    sources = {"a": functools.partial(FakeModel, "a"),
+               "b": functools.partial(fakes.reloads_slowly, "b", str(tmp_path), 2, reload_s,
+                                      str(hung))}
+    patient = BatchDeadline(floor_s=120.0)  # the kill, not the deadline, ends the held call
+    with Engine(cascade_plan(threshold=2.0), sources, workers="ray", deadline=patient,
+                admission="max_in_flight") as engine:
+        assert engine.standby_replicas() == [Replica("a", ("cpu1",)), Replica("b", ("cpu0",))]
+        held = engine.submit("held until its actor is killed")
+        pid = int(wait_for(hung))
+        assert engine.pids()["cpu1"] == pid
+        os.kill(pid, signal.SIGKILL)
+        outcome = held.result(timeout=reload_s / 2)  # its retry ran on the standby
+        wait_for(tmp_path / "reloading")  # the restarted actor loads its models
+        futures = [engine.submit(f"row {i}") for i in range(6)]
+        meanwhile = [f.result(timeout=reload_s / 2) for f in futures]
+        loading = "cpu1" in engine.pool.loading()
+        b_on = {r.device for r in engine.batch_log if r.model == "b"}
+    assert outcome.status == "ok" and [o.status for o in meanwhile] == ["ok"] * 6
+    assert [o.model for o in meanwhile] == ["b"] * 6
+    assert loading and b_on == {"cpu0"}
+
+
 def test_an_actor_killed_between_calls_is_reloaded_and_its_rows_answered(local_ray) -> None:
     """Ray restarts an actor SIGKILLed while idle, running only its constructor: the next
     call finds it without its models, which are loaded again, and the rows are answered
