@@ -392,9 +392,9 @@ class Session:
         ``standby`` (default True): with worker processes or Ray actors, a model a plan places
         on one CPU worker is loaded on another one too, with no share of the rows, and
         serves the rows that would wait for its own worker while that worker reloads after a
-        crash or a kill (``ken.engine.standby``; EXPLAIN names the copies); each such worker
-        holds one more model's memory, counted against ``memory_gb``. False: only what the
-        plans place.
+        crash or a kill (``ken.engine.standby``; EXPLAIN names the copies); a worker holds its
+        standby copies beside its own models, counted against ``memory_gb``. Not on GPUs, nor
+        with ``dropping``. False: only what the plans place.
 
         ``deadline`` (``ken.engine.supervision.BatchDeadline``) bounds each model call: 10x
         its profiled runtime (at least 2 s); for a plan without runtimes (``use_plan`` of a

@@ -21,7 +21,7 @@ import heapq
 import time
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -361,7 +361,7 @@ class Dispatcher:
                 self.gate.gear(self.gears.current)
         return self.gears.current
 
-    def first_stage_replicas(self, avoid: Iterable[str] = ()) -> tuple[int, ...]:
+    def first_stage_replicas(self, avoid: Collection[str] = ()) -> tuple[int, ...]:
         """The replicas a new request may be queued at: those of the current range's first
         model that the range gives a share (all of them when it gives none, as ``route``),
         none on a device in ``avoid`` (e.g. a worker reloading its models). When every
@@ -369,9 +369,8 @@ class Dispatcher:
         copy the range gives no share); empty when every replica is."""
         rng = self.gears.current
         shares = self.plan.ranges[rng].shares
-        away = set(avoid)
         replicas = [r for r in self._replicas_of[self._first_model[rng]]
-                    if away.isdisjoint(self._devices[r])]
+                    if not any(d in avoid for d in self._devices[r])]
         return tuple(r for r in replicas if shares[r] > 0) or tuple(replicas)
 
     def queued_ids(self, replica: int) -> tuple[int, ...]:
