@@ -105,18 +105,18 @@ def test_the_simulator_charges_long_rows_more_and_knows_nothing_without_sizes() 
     assert np.allclose(unshared, RT)
 
 
-def _log(factors: dict[int, float], n: int = 300, seed: int = 0, wake: float = 1.0
-         ) -> list[BatchRecord]:
+def _log(factors: dict[int, float], n: int = 300, seed: int = 0, wake: float = 1.0,
+         noise_sd: float = 0.05) -> list[BatchRecord]:
     """Calls of model "a" of 1-4 rows, each ``factors[rows] x predicted`` long times a noise
-    factor (median 1), with two stalls of a second; every other call after 0.2 s of idle
-    and ``wake`` times longer, the rest back to back."""
+    factor (median 1, ``noise_sd``), with two stalls of a second; every other call after 0.2
+    s of idle and ``wake`` times longer, the rest back to back."""
     rng = np.random.default_rng(seed)
     cat = catalog(None)
     out = []
     for i in range(n):
         idle = 0.2 if i % 2 else 0.0
         r = BatchRecord("d0", "a", int(rng.integers(1, 5)), i * 1.0, i * 1.0, idle)
-        noise = 1.0 + 0.05 * rng.standard_normal() + (100.0 if i in (7, 90) else 0.0)
+        noise = 1.0 + noise_sd * rng.standard_normal() + (100.0 if i in (7, 90) else 0.0)
         noise *= wake if idle else 1.0
         out.append(BatchRecord("d0", "a", r.rows, r.start_s,
                                r.start_s + factors[r.rows] * predicted_s(r, cat) * noise, idle))
@@ -180,6 +180,32 @@ def test_fit_calibration_recovers_a_factor_per_batch_size() -> None:
     assert max(f for _, f in flat.fits["a"]) - min(f for _, f in flat.fits["a"]) < 0.01
 
 
+def test_fit_calibration_keeps_what_is_left_of_each_call_as_a_spread_of_mean_one() -> None:
+    """Calls whose noise has a 20% sd around their size's factor: the spread is that noise
+    (mean 1, its sd, its tail), not the differences between sizes or the wake-up, and not the
+    two stalls; the simulator then draws it, so a one-row plan's p99 grows and its mean
+    does not."""
+    factors = {1: 0.85, 2: 1.1, 3: 1.3, 4: 1.3}
+    cal = fit_calibration(_log(factors, n=2000, wake=1.2, noise_sd=0.2), catalog(None))
+    spread = np.array(cal.spread["a"])
+    assert len(spread) == 51 and np.mean(spread) == pytest.approx(1.0)
+    assert np.std(spread) == pytest.approx(0.2, rel=0.15)
+    assert spread.max() < 2.0  # the stalls (100x) are not in it
+    narrow = fit_calibration(_log(factors, n=2000, wake=1.2), catalog(None))
+    assert np.std(narrow.spread["a"]) == pytest.approx(0.05, rel=0.15)
+    cat = cal.apply(catalog(None))
+    assert cat.perf["a"].spread == cal.spread["a"] and cat.perf["b"].spread == ()
+    trace = Trace(np.arange(400) * 1.0)  # calls never queue: latency is the call
+    plain = Calibration(cal.fits, cal.calls, wake=cal.wake).apply(catalog(None))
+    drawn = simulate_many([one_model(max_batch=1)], [cat], trace, rows=[0] * 400,
+                          routes=[(0,)] * 400).latency_s
+    fixed = simulate_many([one_model(max_batch=1)], [plain], trace, rows=[0] * 400,
+                          routes=[(0,)] * 400).latency_s
+    assert np.ptp(fixed[1:]) == pytest.approx(0.0, abs=1e-12)
+    assert np.mean(drawn[1:]) == pytest.approx(np.mean(fixed[1:]), rel=0.05)
+    assert np.percentile(drawn, 99) > 1.3 * np.percentile(fixed, 99)
+
+
 def test_calibration_applies_round_trips_and_refuses_bad_files(tmp_path) -> None:  # noqa: ANN001
     cal = Calibration({"a": ((1, 0.8), (4, 1.2))}, {"a": 50}, "test")
     assert cal.factor("a", 2) == pytest.approx(1.0)  # halfway in log2 of the rows
@@ -191,6 +217,19 @@ def test_calibration_applies_round_trips_and_refuses_bad_files(tmp_path) -> None
     path = cal.save(tmp_path / "calibration.json")
     again = Calibration.load(path)
     assert again.fits == cal.fits and again.calls == cal.calls and again.source == "test"
+    assert again.spread == {}
+    spread = Calibration(cal.fits, cal.calls, "test", spread={"a": (0.8, 1.0, 1.2)})
+    assert "(p95 call x1.18)" in spread.describe() and spread.key() != cal.key()
+    assert Calibration.load(spread.save(tmp_path / "s.json")).spread == {"a": (0.8, 1.0, 1.2)}
+    v3 = json.loads(path.read_text())  # before the spread was fitted: every call its mean
+    v3["version"] = 3
+    for f in v3["fits"].values():
+        del f["spread"]
+    (tmp_path / "v3.json").write_text(json.dumps(v3))
+    assert Calibration.load(tmp_path / "v3.json").fits == cal.fits
+    for bad in ({"a": (0.0, 1.0)}, {"b": (1.0,)}):
+        with pytest.raises(KenError, match="runtime spread"):
+            Calibration(cal.fits, spread=bad)
     with pytest.raises(KenError, match="ken replay"):
         Calibration.load(tmp_path / "missing.json")
     for version, old in ((1, {"spreads": {"a": [1.0]}}),

@@ -74,10 +74,8 @@ def runtime_spread(log: Iterable[BatchRecord], catalog: Catalog, points: int = 1
     """Per model: the measured / profiled runtime ratio as ``points`` equally likely values
     (the quantile at the middle of each of ``points`` equal-mass bins, so drawing one
     uniformly reproduces the distribution; the single worst call is not given 1/points)."""
-    ratios = {m: [x for _, x in calls]
-              for m, calls in runtime_ratios(log, catalog, include_bulk).items()}
-    qs = (np.arange(points) + 0.5) * 100.0 / points
-    return {m: tuple(float(x) for x in np.percentile(v, qs)) for m, v in ratios.items()}
+    return {m: residual_spread(np.array([x for _, x in calls]), points)
+            for m, calls in runtime_ratios(log, catalog, include_bulk).items()}
 
 
 def calibrated(catalog: Catalog, spreads: Mapping[str, tuple[float, ...]]) -> Catalog:
@@ -103,7 +101,15 @@ class Calibration:
     Per size, not one line through all calls: the packaged encoders' one-row calls ran at
     0.8-0.9x their profile while their four-row calls ran at 1.1-1.2x (``docs/results.md``,
     "Calibration per batch size"), so a line fitted on a quiet replay's one-row calls
-    undercharged the batches a burst forms."""
+    undercharged the batches a burst forms.
+
+    ``spread[model]``: what is left of each call's ratio after its factor (and the wake-up
+    factor), as equally likely values of mean 1 (``SPREAD_POINTS`` quantiles); the simulator
+    draws one per batch (``ModelPerf.spread``). Two calls of the same size and row length
+    differ by up to 2x while serving (the machine's cores, caches and the other processes):
+    a simulator that charges every call its mean predicts the median well and the tail of a
+    plan whose latency is one or two calls too low (``docs/results.md``, "The calls' own
+    spread")."""
 
     fits: Mapping[str, tuple[tuple[int, float], ...]]
     calls: Mapping[str, int] = field(default_factory=dict)
@@ -114,10 +120,19 @@ class Calibration:
     #: how much longer a call runs after its device idled ``perf.WAKE_IDLE_S`` or more than
     #: back to back (the ``fits`` are back-to-back factors); every fitted model's ``wake``
     wake: float = 1.0
+    spread: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not (np.isfinite(self.wake) and self.wake > 0):
             raise KenError(f"a wake-up factor must be > 0, got {self.wake}")
+        spread = {}
+        for m, factors in self.spread.items():
+            factors = tuple(float(f) for f in factors)
+            if m not in self.fits or not all(np.isfinite(f) and f > 0 for f in factors):
+                raise KenError(f"runtime spread of {m}: give factors > 0 of a fitted model, "
+                               f"got {list(factors)[:5]}")
+            spread[str(m)] = factors
+        object.__setattr__(self, "spread", MappingProxyType(spread))
         fits = {}
         for m, pairs in self.fits.items():
             pairs = tuple(sorted((int(b), float(f)) for b, f in pairs))
@@ -152,14 +167,18 @@ class Calibration:
         for m in self.fits:
             p = perf[m]
             perf[m] = replace(p.scaled([self.factor(m, b) for b in p.batch_sizes]),
-                              wake=self.wake)
+                              wake=self.wake, spread=self.spread.get(m, p.spread))
         return catalog.with_perf(perf)
 
     def describe(self) -> str:
         """One line: ``model x factor@rows ...`` per model, then the wake-up factor."""
         if not self.fits:
             return "no model calls"
-        return ", ".join(f"{m} " + " ".join(f"x{f:.2f}@{b}" for b, f in pairs)
+        def tail(m: str) -> str:
+            f = self.spread.get(m)
+            return f" (p95 call x{np.percentile(f, 95):.2f})" if f else ""
+
+        return ", ".join(f"{m} " + " ".join(f"x{f:.2f}@{b}" for b, f in pairs) + tail(m)
                          for m, pairs in sorted(self.fits.items())) + \
             f"; x{self.wake:.2f} after {1000 * WAKE_IDLE_S:g} ms idle"
 
@@ -167,14 +186,16 @@ class Calibration:
         """What a cached frontier planned with it depends on."""
         return {"wake": round(self.wake, 4),
                 "fits": {m: tuple((b, round(f, 4)) for b, f in pairs)
-                         for m, pairs in self.fits.items()}}
+                         for m, pairs in self.fits.items()},
+                "spread": {m: tuple(round(f, 3) for f in v) for m, v in self.spread.items()}}
 
     def save(self, path: str | Path) -> Path:
         """Write it as JSON, atomically (``Calibration.load`` reads it)."""
         return store.write_text(Path(path), json.dumps({
-            "kind": CALIBRATION_KIND, "version": 3, "source": self.source,
+            "kind": CALIBRATION_KIND, "version": 4, "source": self.source,
             "other_cores": self.other_cores, "wake": self.wake,
-            "fits": {m: {"factors": [[b, f] for b, f in pairs], "calls": self.calls.get(m, 0)}
+            "fits": {m: {"factors": [[b, f] for b, f in pairs], "calls": self.calls.get(m, 0),
+                         "spread": list(self.spread.get(m, ()))}
                      for m, pairs in self.fits.items()}}, indent=1))
 
     @classmethod
@@ -188,15 +209,18 @@ class Calibration:
             data = json.loads(path.read_text())
             if data.get("kind") != CALIBRATION_KIND:
                 raise ValueError(f"kind is {data.get('kind')!r}")
-            if data.get("version") != 3:
+            if data.get("version") not in (3, 4):
                 raise ValueError(f"it is version {data.get('version')} (one factor for all "
                                  "batch sizes or runtime spreads, written before the fit per "
                                  "batch size); run `ken replay` or `ken plan` again")
             fits = {m: tuple(tuple(x) for x in f["factors"]) for m, f in data["fits"].items()}
             calls = {m: f.get("calls", 0) for m, f in data["fits"].items()}
+            # version 3 (before the calls' spread was fitted): every call charged its mean
+            spread = {m: tuple(f["spread"]) for m, f in data["fits"].items() if f.get("spread")}
             other = data.get("other_cores")
             return cls(fits, calls, str(data.get("source", "")),
-                       None if other is None else float(other), float(data.get("wake", 1.0)))
+                       None if other is None else float(other), float(data.get("wake", 1.0)),
+                       spread)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise KenError(f"{path} is not a runtime calibration file: {exc}") from None
 
@@ -215,6 +239,8 @@ MIN_FIT_CALLS = 10
 PRIOR_CALLS = 8
 #: the bounds a fitted factor is held to (a fit outside them is a broken measurement)
 FACTOR_RANGE = (0.5, 4.0)
+#: how many equally likely values a model's residual spread keeps (``Calibration.spread``)
+SPREAD_POINTS = 51
 
 
 def fit_calibration(log: Iterable[BatchRecord], catalog: Catalog, source: str = "",
@@ -228,10 +254,16 @@ def fit_calibration(log: Iterable[BatchRecord], catalog: Catalog, source: str = 
 
     Richer forms were tried on the same logs (``docs/results.md``, "A simulator that predicts
     the engine"): a slowdown while the other devices are busy, and the residual spread drawn
-    per batch. Neither predicted held-out replays better on this machine; a line through all
-    calls (``overhead + factor x predicted``, the previous form) fitted one-row calls and
-    undercharged larger batches."""
-    fits, calls = {}, {}
+    per batch. Neither predicted held-out replays' p95 better on this machine; a line through
+    all calls (``overhead + factor x predicted``, the previous form) fitted one-row calls and
+    undercharged larger batches.
+
+    The spread is fitted since (``Calibration.spread``): each kept call's ratio over its
+    bin's factor, as ``SPREAD_POINTS`` equally likely values scaled to mean 1 (so the busy
+    time the factors charge stays as it is). The earlier spread drew the ratio to the
+    profile, row length and batch size included, and charged the round trip of small
+    batches to large ones; this one is what is left after both."""
+    fits, calls, spread = {}, {}, {}
     ratios = {m: pairs for m, pairs in runtime_ratios(log, catalog).items()
               if len(pairs) >= min_calls}
     # on top of what ``catalog`` charges for waking (1.0 for profiles, which never idle)
@@ -248,7 +280,17 @@ def fit_calibration(log: Iterable[BatchRecord], catalog: Catalog, source: str = 
                 for b in np.unique(size)]
         fits[m] = tuple((b, float(np.clip(f, *FACTOR_RANGE))) for b, f in bins)
         calls[m] = len(pairs)
-    return Calibration(fits, calls, source, wake=wake)
+        by_bin = dict(bins)
+        values = residual_spread(ratio / np.array([by_bin[int(b)] for b in size]))
+        spread[m] = tuple(v / float(np.mean(values)) for v in values)
+    return Calibration(fits, calls, source, wake=wake, spread=spread)
+
+
+def residual_spread(ratios: np.ndarray, points: int = SPREAD_POINTS) -> tuple[float, ...]:
+    """``ratios`` as ``points`` equally likely values: the quantile at the middle of each of
+    ``points`` equal-mass bins (drawing one uniformly reproduces the distribution)."""
+    qs = (np.arange(points) + 0.5) * 100.0 / points
+    return tuple(float(x) for x in np.percentile(ratios, qs))
 
 
 def recent_ratio(log: Sequence[BatchRecord], catalog: Catalog, since_s: float
