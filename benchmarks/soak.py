@@ -1,8 +1,10 @@
 """Soak: serve a plan for an hour and watch what grows (issue 38, item 4).
 
 The packaged sentiment family, planned for 2 CPU workers x 1 thread on Poisson arrivals (as
-``benchmarks/reliability.py``): the middle plan of the frontier and the fastest are served in
-worker processes (the online engine, default admission), swapped every ``--replan-every-s``
+``benchmarks/reliability.py``) with runtimes calibrated as ``ken plan`` does by default
+(``--calibration-s``, 0 plans on the profiles as before session 34): the middle plan of the
+frontier and the fastest are served in worker processes (the online engine, default
+admission), swapped every ``--replan-every-s``
 (the plan-swap path a re-plan takes); a generating function beside it in this process
 (SmolLM2-135M on a continuous-batching decode server, a short answer every
 ``--gen-every-s``; at background CPU priority by default, ``--decode-priority``). Arrivals
@@ -45,6 +47,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ken.engine.calibrate import measure_calibration  # noqa: E402
 from ken.engine.decode import DecodeServer  # noqa: E402
 from ken.engine.serving import Engine  # noqa: E402
 from ken.machine import tree_usage  # noqa: E402
@@ -71,24 +74,33 @@ KILL_COST_S = 30.0
 PLAN_CORES = 2
 
 
-def plans_to_serve(reporter: Reporter, seed: int):  # noqa: ANN201
+def plans_to_serve(reporter: Reporter, seed: int, calibration_s: float = 0.0):  # noqa: ANN201
     """The family's frontier on Poisson arrivals; the middle plan (under 1 s) and the
-    fastest, with loaders for every model either places."""
+    fastest, with loaders for every model either places. With ``calibration_s`` > 0 the
+    runtimes are calibrated first, as ``ken plan`` does by default (``measure_calibration``:
+    every model of the cascades served for that long); else the profiles' are planned on."""
     data, cards, sample, profiles = family_profiles(reporter)
     device = DeviceConfig(threads=1)
     catalog, cascades = planning_inputs(profiles)
+    hardware = Hardware.cpu_workers(PLAN_CORES, 4 * 2**30)
+    loaders = {c.name: functools.partial(family.load_model, c, device, None, data)
+               for c in cards}
+    if calibration_s > 0:
+        models = {m for c in cascades for m in c.models}
+        calibration = measure_calibration(catalog, {m: loaders[m] for m in models}, sample,
+                                          hardware, calibration_s, seed=seed + 1,
+                                          reporter=reporter)
+        reporter.note(f"runtimes calibrated: {calibration.describe()}")
+        catalog = calibration.apply(catalog)
     peak = default_peak_qps(catalog, cascades, PLAN_CORES)
     trace = planning_trace("poisson", peak, 60.0, seed=seed)
-    frontier, _ = plan_frontier("sentiment", cascades, catalog,
-                                Hardware.cpu_workers(PLAN_CORES, 4 * 2**30), trace,
+    frontier, _ = plan_frontier("sentiment", cascades, catalog, hardware, trace,
                                 settings=PlannerSettings(num_ranges=4, seed=seed),
                                 reporter=reporter)
     usable = [p for p in frontier.plans if p.predicted.p95_ms < 1000.0]
     main, other = usable[len(usable) // 2], usable[0]
     used = {r.model for p in (main, other) for r in p.placement}
-    loaders = {c.name: functools.partial(family.load_model, c, device, None, data)
-               for c in cards if c.name in used}
-    return main, other, loaders, sample
+    return main, other, {m: f for m, f in loaders.items() if m in used}, sample
 
 
 class Window:
@@ -130,7 +142,7 @@ class Window:
 
 
 def run(args: argparse.Namespace, reporter: Reporter) -> dict:
-    main, other, loaders, sample = plans_to_serve(reporter, args.seed)
+    main, other, loaders, sample = plans_to_serve(reporter, args.seed, args.calibration_s)
     placement = [[f"{r.model}@{'+'.join(r.devices)}" for r in p.placement] for p in (main, other)]
     target_s = main.latency_target_s()
     assert target_s is not None
@@ -402,12 +414,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="1 (default): a model a plan places on one worker has a standby "
                          "copy on the other (Engine(standby=True)); 0: only what the plans "
                          "place, as before session 33")
+    ap.add_argument("--calibration-s", type=float, default=10.0,
+                    help="seconds of serving that calibrate the runtimes the plans are made "
+                         "on, as `ken plan` does by default (10); 0: plan on the profiles "
+                         "alone, as before session 34")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
     if args.minutes <= 0 or args.load <= 0 or args.sample_s <= 0:
         ap.error("--minutes, --load and --sample-s must be > 0")
+    if args.calibration_s < 0:
+        ap.error("--calibration-s must be >= 0")
     reporter = Reporter(args.quiet)
     started = time.perf_counter()
     result = run(args, reporter)
