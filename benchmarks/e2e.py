@@ -595,6 +595,9 @@ def main() -> int:
                   "devices": "2 CPU workers x 1 thread", "workers": args.workers,
                   "calibration": {m: [list(x) for x in pairs]
                                   for m, pairs in calibration.fits.items()},
+                  # each model's call spread (drawn per batch since session 34): its p95
+                  "calibration_spread_p95": {m: float(np.percentile(v, 95))
+                                             for m, v in calibration.spread.items()},
                   "calibration_source": calibration.source,
                   "calibration_other_cores": calibration.other_cores,
                   "most_accurate_model": accurate,

@@ -78,6 +78,7 @@ def main() -> int:
                                                (0.757, 0.564)),
                 "L6 alone": Cascade(("minilm-l6",))}
     out = {"calibration": {"fits": {m: list(f) for m, f in calibration.fits.items()},
+                           "spread": {m: list(v) for m, v in calibration.spread.items()},
                            "source": calibration.source},
            "size_share": {m: p.size_share for m, p in sized.perf.items()},
            "window_s": WINDOW_S, "replays": args.replays, "plans": {}}

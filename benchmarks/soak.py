@@ -78,13 +78,15 @@ def plans_to_serve(reporter: Reporter, seed: int, calibration_s: float = 0.0):  
     """The family's frontier on Poisson arrivals; the middle plan (under 1 s) and the
     fastest, with loaders for every model either places. With ``calibration_s`` > 0 the
     runtimes are calibrated first, as ``ken plan`` does by default (``measure_calibration``:
-    every model of the cascades served for that long); else the profiles' are planned on."""
+    every model of the cascades served for that long); else the profiles' are planned on.
+    Returns the two plans, the loaders, the sample and the calibration (None without)."""
     data, cards, sample, profiles = family_profiles(reporter)
     device = DeviceConfig(threads=1)
     catalog, cascades = planning_inputs(profiles)
     hardware = Hardware.cpu_workers(PLAN_CORES, 4 * 2**30)
     loaders = {c.name: functools.partial(family.load_model, c, device, None, data)
                for c in cards}
+    calibration = None
     if calibration_s > 0:
         models = {m for c in cascades for m in c.models}
         calibration = measure_calibration(catalog, {m: loaders[m] for m in models}, sample,
@@ -100,7 +102,7 @@ def plans_to_serve(reporter: Reporter, seed: int, calibration_s: float = 0.0):  
     usable = [p for p in frontier.plans if p.predicted.p95_ms < 1000.0]
     main, other = usable[len(usable) // 2], usable[0]
     used = {r.model for p in (main, other) for r in p.placement}
-    return main, other, {m: f for m, f in loaders.items() if m in used}, sample
+    return main, other, {m: f for m, f in loaders.items() if m in used}, sample, calibration
 
 
 class Window:
@@ -142,7 +144,8 @@ class Window:
 
 
 def run(args: argparse.Namespace, reporter: Reporter) -> dict:
-    main, other, loaders, sample = plans_to_serve(reporter, args.seed, args.calibration_s)
+    main, other, loaders, sample, calibration = plans_to_serve(reporter, args.seed,
+                                                               args.calibration_s)
     placement = [[f"{r.model}@{'+'.join(r.devices)}" for r in p.placement] for p in (main, other)]
     target_s = main.latency_target_s()
     assert target_s is not None
@@ -232,6 +235,7 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
                        target_s, main, other)
     result["moved_batches"] = moved
     result["placement"] = placement
+    result["calibration"] = None if calibration is None else calibration.describe()
     result["decode_share"] = share
     result["decode_priority"] = args.decode_priority
     result["classify_peak_qps"] = classify_peak

@@ -4,9 +4,11 @@ Two calibrations. ``Calibration`` (what ``ken plan`` measures by default, issue 
 and batch size, a serving call takes ``factor x`` what the simulator charges it (the profiled
 runtime of its size, scaled by its largest row's size: ``predicted_s``), fitted on the calls of
 a short replay with bursts (``measure_calibration``) and folded into the runtime tables
-(``apply``). The older runtime *spread* (below) draws a measured ratio per batch instead; it
-charges the round trip of small batches to large ones too, and was no closer than the
-profiles in ``benchmarks/serving_time.py``.
+(``apply``), with what is left of each call after its factor kept as a spread of mean 1 that
+the simulator draws per batch (``Calibration.spread``, since session 34). The older runtime
+*spread* (below) draws a measured ratio to the profile per batch instead; it charges the round
+trip of small batches to large ones too, and was no closer than the profiles in
+``benchmarks/serving_time.py``.
 
 Profiles time each model back to back, alone, in the profiling process. Serving differs: the
 engine's calls include the worker round trip, a device may have idled before a call (cold
@@ -241,6 +243,13 @@ PRIOR_CALLS = 8
 FACTOR_RANGE = (0.5, 4.0)
 #: how many equally likely values a model's residual spread keeps (``Calibration.spread``)
 SPREAD_POINTS = 51
+#: calls of a model its spread needs (with fewer its calls are charged their mean: a handful
+#: of calls, such as a pipeline's reading LM in a calibration stream, is no distribution)
+SPREAD_MIN_CALLS = 50
+#: a call this many times its model's median residual is a stall of the machine, not spread
+STALL = 5.0
+#: the least residual kept (a call timed at 0 s would make a factor of 0)
+SPREAD_FLOOR = 0.05
 
 
 def fit_calibration(log: Iterable[BatchRecord], catalog: Catalog, source: str = "",
@@ -258,11 +267,13 @@ def fit_calibration(log: Iterable[BatchRecord], catalog: Catalog, source: str = 
     all calls (``overhead + factor x predicted``, the previous form) fitted one-row calls and
     undercharged larger batches.
 
-    The spread is fitted since (``Calibration.spread``): each kept call's ratio over its
-    bin's factor, as ``SPREAD_POINTS`` equally likely values scaled to mean 1 (so the busy
-    time the factors charge stays as it is). The earlier spread drew the ratio to the
-    profile, row length and batch size included, and charged the round trip of small
-    batches to large ones; this one is what is left after both."""
+    The spread is fitted since (``Calibration.spread``), per model with ``SPREAD_MIN_CALLS``
+    calls or more: each call's ratio over what the fitted calibration charges it (its size's
+    interpolated factor, the wake-up), the machine's stalls (``STALL`` x the median) left out
+    but not the slowest 1% (the tail is what it models), as ``SPREAD_POINTS`` equally likely
+    values scaled to mean 1 (so the busy time the factors charge stays as it is). The earlier
+    spread drew the ratio to the profile, row length and batch size included, and charged
+    the round trip of small batches to large ones; this one is what is left after both."""
     fits, calls, spread = {}, {}, {}
     ratios = {m: pairs for m, pairs in runtime_ratios(log, catalog).items()
               if len(pairs) >= min_calls}
@@ -280,8 +291,16 @@ def fit_calibration(log: Iterable[BatchRecord], catalog: Catalog, source: str = 
                 for b in np.unique(size)]
         fits[m] = tuple((b, float(np.clip(f, *FACTOR_RANGE))) for b, f in bins)
         calls[m] = len(pairs)
-        by_bin = dict(bins)
-        values = residual_spread(ratio / np.array([by_bin[int(b)] for b in size]))
+    charged = Calibration(fits, calls, wake=wake)
+    for m, pairs in ratios.items():
+        if len(pairs) < SPREAD_MIN_CALLS:
+            continue
+        # each call against what the simulator will charge it (its size's interpolated
+        # factor, the wake-up); every call but the machine's stalls: the spread is the tail
+        rest = np.array([q / (charged.factor(m, r.rows) * (wake if woke(r.idle_before_s)
+                                                            else 1.0)) for r, q in pairs])
+        rest = np.maximum(rest[rest <= STALL * np.median(rest)], SPREAD_FLOOR)
+        values = residual_spread(rest)
         spread[m] = tuple(v / float(np.mean(values)) for v in values)
     return Calibration(fits, calls, source, wake=wake, spread=spread)
 
