@@ -197,7 +197,7 @@ def test_fit_calibration_keeps_what_is_left_of_each_call_as_a_spread_of_mean_one
     assert "(p95 call x1.3" in cal.describe()  # the noise's p95: 1 + 1.645 x 0.2
     narrow = fit_calibration(_log(factors, n=2000, wake=1.2), catalog(None))
     assert np.std(narrow.spread["a"]) == pytest.approx(0.05, rel=0.15)
-    few = fit_calibration(_log(factors, n=40, noise_sd=0.2), catalog(None))
+    few = fit_calibration(_log(factors, n=15, noise_sd=0.2), catalog(None))
     assert few.fits["a"] and few.spread == {}
     cat = cal.apply(catalog(None))
     assert cat.perf["a"].spread == cal.spread["a"] and cat.perf["b"].spread == ()

@@ -244,8 +244,10 @@ FACTOR_RANGE = (0.5, 4.0)
 #: how many equally likely values a model's residual spread keeps (``Calibration.spread``)
 SPREAD_POINTS = 51
 #: calls of a model its spread needs (with fewer its calls are charged their mean: a handful
-#: of calls, such as a pipeline's reading LM in a calibration stream, is no distribution)
-SPREAD_MIN_CALLS = 50
+#: of calls, such as a pipeline's reading LM in a calibration stream, is no distribution;
+#: `ken plan`'s 10-s calibration of the packaged family's three models made fewer than 50
+#: calls of each in session 34)
+SPREAD_MIN_CALLS = 20
 #: a call this many times its model's median residual is a stall of the machine, not spread
 STALL = 5.0
 #: the least residual kept (a call timed at 0 s would make a factor of 0)
