@@ -27,11 +27,12 @@ RELOAD_S = 8.0
 
 
 def cascade_plan(placement: tuple[Replica, ...], shares: tuple[float, ...],
-                 runtimes: bool = True) -> GearPlan:
-    """a -(escalates every row)-> b over ``placement``; 10 ms a batch of <= 4 rows, except
-    a batch size of 3 and runtimes 20 ms on the last replica (to see them copied)."""
+                 runtimes: bool = True, split_qps: float = 10.0) -> GearPlan:
+    """a -(escalates every row)-> b over ``placement`` up to ``split_qps``, a alone above;
+    10 ms a batch of <= 4 rows, except a batch size of 3 and runtimes 20 ms on the last
+    replica (to see them copied)."""
     n = len(placement)
-    return GearPlan("op", (0.0, 10.0, 1e6),
+    return GearPlan("op", (0.0, split_qps, 1e6),
                     (Cascade(("a", "b"), (ALWAYS,)), Cascade(("a",))),
                     placement,
                     (RangeSchedule(0, shares, (1,) * n), RangeSchedule(1, shares, (2,) * n)),
@@ -128,8 +129,10 @@ def test_rows_escalated_to_a_model_on_the_killed_worker_run_on_its_standby(tmp_p
     reloads for 8 s. That batch's row, and the rows that escalate to b meanwhile, are
     answered by b's standby on cpu1 at once, not after the reload (without the standby
     they wait for it)."""
+    # the six rows arrive at once: the escalating gear must cover their rate (at 10 qps
+    # the rate meter can switch to the gear without b, and a answers them)
     plan = cascade_plan((Replica("a", ("cpu0",)), Replica("a", ("cpu1",)),
-                         Replica("b", ("cpu0",))), (0.5, 0.5, 1.0))
+                         Replica("b", ("cpu0",))), (0.5, 0.5, 1.0), split_qps=1e5)
     patient = BatchDeadline(floor_s=120.0)  # the kill, not the deadline, ends the held call
     with Engine(plan, _sources(tmp_path, "b"), workers="process", deadline=patient,
                 admission="max_in_flight") as engine:
