@@ -281,9 +281,11 @@ def fit_calibration(log: Iterable[BatchRecord], catalog: Catalog, source: str = 
               if len(pairs) >= min_calls}
     # on top of what ``catalog`` charges for waking (1.0 for profiles, which never idle)
     wake = wake_factor(ratios)
+    # back-to-back ratios: a call after idle counts as ``wake`` times its own
+    back = {m: np.array([q / (wake if woke(r.idle_before_s) else 1.0) for r, q in pairs])
+            for m, pairs in ratios.items()}
     for m, pairs in ratios.items():
-        # back-to-back factors: a call after idle counts as ``wake`` times its own
-        ratio = np.array([q / (wake if woke(r.idle_before_s) else 1.0) for r, q in pairs])
+        ratio = back[m]
         size = np.array([2 ** round(np.log2(max(r.rows, 1))) for r, _ in pairs])
         keep = _not_slowest(ratio)
         ratio, size = ratio[keep], size[keep]
@@ -299,8 +301,7 @@ def fit_calibration(log: Iterable[BatchRecord], catalog: Catalog, source: str = 
             continue
         # each call against what the simulator will charge it (its size's interpolated
         # factor, the wake-up); every call but the machine's stalls: the spread is the tail
-        rest = np.array([q / (charged.factor(m, r.rows) * (wake if woke(r.idle_before_s)
-                                                            else 1.0)) for r, q in pairs])
+        rest = back[m] / np.array([charged.factor(m, r.rows) for r, _ in pairs])
         rest = np.maximum(rest[rest <= STALL * np.median(rest)], SPREAD_FLOOR)
         values = residual_spread(rest)
         spread[m] = tuple(v / float(np.mean(values)) for v in values)
