@@ -13,7 +13,10 @@ mean, as before session 34) and with the factors and the spread (now), over thre
 seeds. The serving calls are also compared with the calibrated charge: their mean ratio (how
 far the calibration's level is from serving) and what is left after it (the spread serving
 shows against the one the calibration fitted), split by whether the other worker was
-computing at the same time.
+computing at the same time. Then each replay is compared with simulations on runtimes
+fitted on serving calls, out of sample (``served_fits``): the same plan's other replays, and
+the other plan's replays (what `ken replay` writes as calibration.json, for `ken plan
+--calibration`).
 
 Writes DIR/call_spread.json and DIR/call_spread.png (latency CDFs per plan).
 
@@ -23,7 +26,6 @@ Writes DIR/call_spread.json and DIR/call_spread.png (latency CDFs per plan).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 from dataclasses import replace
@@ -34,17 +36,18 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from soak import PLAN_CORES, plans_to_serve  # noqa: E402 - the soak's plans
+from soak import plans_to_serve  # noqa: E402 - the soak's plans
 
-from ken.engine.calibrate import measure_calibration, predicted_s  # noqa: E402
+from ken.engine.calibrate import (  # noqa: E402
+    Calibration,
+    fit_calibration,
+    predicted_s,
+)
 from ken.engine.replay import serve_trace  # noqa: E402
 from ken.engine.supervision import BatchRecord  # noqa: E402
-from ken.models import family  # noqa: E402
-from ken.models.model import DeviceConfig  # noqa: E402
 from ken.optimizer.perf import Catalog, woke  # noqa: E402
-from ken.optimizer.planning import family_profiles, planning_inputs  # noqa: E402
 from ken.optimizer.simulator import sample_rows, simulate_many  # noqa: E402
-from ken.optimizer.workload import Hardware, poisson_trace  # noqa: E402
+from ken.optimizer.workload import Trace, poisson_trace  # noqa: E402
 from ken.progress import Reporter  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "call_spread"
@@ -81,17 +84,9 @@ def serving_calls(log: list[BatchRecord], catalog: Catalog) -> dict[str, dict]:
 
 
 def run(args: argparse.Namespace, reporter: Reporter) -> dict:
-    main, fast, used, sample, _ = plans_to_serve(reporter, args.seed)
-    data, cards, _, profiles = family_profiles(reporter)
-    catalog, cascades = planning_inputs(profiles)
-    hardware = Hardware.cpu_workers(PLAN_CORES, 4 * 2**30)
-    models = {m for c in cascades for m in c.models}
-    device = DeviceConfig(threads=1)
-    loaders = {c.name: functools.partial(family.load_model, c, device, None, data)
-               for c in cards if c.name in models}
-    calibration = measure_calibration(catalog, loaders, sample, hardware, args.calibration_s,
-                                      seed=args.seed + 1, reporter=reporter)
-    reporter.note(f"runtimes calibrated: {calibration.describe()}")
+    # the plans of sessions 32-33 (on the profiles), and the calibration `ken plan` makes
+    main, fast, used, sample, calibration, catalog = plans_to_serve(
+        reporter, args.seed, args.calibration_s, plan_calibrated=False)
     spread = calibration.apply(catalog)
     level = catalog.with_perf({m: replace(p, spread=()) for m, p in spread.perf.items()})
     catalogs = {"profiles": catalog, "calibrated, no spread": level,
@@ -117,6 +112,7 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
             entry["simulated"][label] = {k: float(np.median([r[k] for r in runs]))
                                          for k in runs[0]}
         out["plans"][name] = entry
+    logs: dict[str, list[list[BatchRecord]]] = {name: [] for name in plans}
     for r in range(args.replays):
         for name, plan in plans.items():
             reporter.note(f"replay {r + 1}/{args.replays} of the {name} plan")
@@ -132,6 +128,9 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
                                                         for o in outcomes),
                                      "latency_ms": ms.tolist()})
             entry["calls"].append(serving_calls(list(served.batch_log), spread))
+            logs[name].append(list(served.batch_log))
+    if args.replays > 1:
+        served_fits(out, plans, logs, calibration, catalog, trace, rows, routes)
     for entry in out["plans"].values():
         measured = {k: float(np.median([r[k] for r in entry["replays"]]))
                     for k in ("p50_ms", "p95_ms", "p99_ms")}
@@ -139,6 +138,45 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
         entry["error"] = {label: {k: sim[k] / measured[k] - 1 for k in measured}
                           for label, sim in entry["simulated"].items()}
     return out
+
+
+def served_fits(out: dict, plans: dict, logs: dict[str, list[list[BatchRecord]]],
+                calibration: Calibration, catalog: Catalog, trace: Trace,
+                rows: np.ndarray, routes: list) -> None:
+    """Each replay against simulations on runtimes fitted on *serving* calls, out of sample:
+    the same plan's other replays (another minute of the same load), and every replay of the
+    other plan (a plan the fit never saw served: what a planner needs); the calibration's
+    fits kept for the models those calls did not run (``Calibration.updated``). Beside them,
+    the same replay against the calibration's simulation, so every error is per replay."""
+    for name, plan in plans.items():
+        other = [x for n, ls in logs.items() if n != name for log in ls for x in log]
+        entry = out["plans"][name]
+        fits: dict[str, list] = {"calibrated with spread": [], "served: same plan, other "
+                                 "replays": [], "served: the other plan": []}
+        per_replay = []
+        for r, measured in enumerate(entry["replays"]):
+            same = [x for k, log in enumerate(logs[name]) if k != r for x in log]
+            cats = {"calibrated with spread": calibration.apply(catalog)}
+            for label, log in (("served: same plan, other replays", same),
+                               ("served: the other plan", other)):
+                fit = calibration.updated(fit_calibration(log, catalog, label))
+                fits[label].append(fit.describe())
+                cats[label] = fit.apply(catalog)
+            errors = {}
+            for label, cat in cats.items():
+                sims = [percentiles(1000 * simulate_many([plan], [cat], trace, seed=s,
+                                                         rows=rows, routes=routes).latency_s)
+                        for s in range(3)]
+                sim = {k: float(np.median([x[k] for x in sims])) for k in sims[0]}
+                errors[label] = {"simulated": sim, "error": {
+                    k: sim[k] / measured[k] - 1 for k in ("p50_ms", "p95_ms", "p99_ms")}}
+            per_replay.append(errors)
+        entry["per_replay"] = per_replay
+        entry["served_fits"] = {k: v for k, v in fits.items() if v}
+        entry["per_replay_abs_error_median"] = {
+            label: {k: float(np.median([abs(e[label]["error"][k]) for e in per_replay]))
+                    for k in ("p50_ms", "p95_ms", "p99_ms")}
+            for label in per_replay[0]}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -193,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
             err = entry["error"][label]
             print(f"  simulated, {label}: {sim['p50_ms']:.1f} / {sim['p95_ms']:.1f} / "
                   f"{sim['p99_ms']:.1f} ms (p99 {err['p99_ms']:+.0%})")
+        for label, err in entry.get("per_replay_abs_error_median", {}).items():
+            print(f"  per replay, {label}: median |error| p50 {err['p50_ms']:.0%}, "
+                  f"p95 {err['p95_ms']:.0%}, p99 {err['p99_ms']:.0%}")
     print(f"wrote {args.out / 'call_spread.json'}")
     return 0
 

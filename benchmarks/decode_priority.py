@@ -82,7 +82,7 @@ def serve_condition(engine: Engine, servers: dict, condition: str, rate: float,
 
 
 def run(args: argparse.Namespace, reporter: Reporter) -> dict:
-    main, fast, loaders, sample, _ = plans_to_serve(reporter, args.seed)
+    main, fast, loaders, sample, _, _ = plans_to_serve(reporter, args.seed)
     plan = fast if args.plan == "fast" else main
     target_ms = 1000 * (plan.latency_target_s() or float("nan"))
     with connect(device=DeviceConfig(threads=1)) as session:

@@ -42,18 +42,20 @@ import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ken.engine.calibrate import measure_calibration  # noqa: E402
+from ken.engine.calibrate import Calibration, measure_calibration  # noqa: E402
 from ken.engine.decode import DecodeServer  # noqa: E402
 from ken.engine.serving import Engine  # noqa: E402
 from ken.machine import tree_usage  # noqa: E402
 from ken.models import family  # noqa: E402
 from ken.models.model import DeviceConfig  # noqa: E402
 from ken.ops.base import shared_resources  # noqa: E402
+from ken.optimizer.perf import Catalog  # noqa: E402
 from ken.optimizer.planner import PlannerSettings, plan_frontier  # noqa: E402
 from ken.optimizer.planning import (  # noqa: E402
     default_peak_qps,
@@ -63,6 +65,7 @@ from ken.optimizer.planning import (  # noqa: E402
 )
 from ken.optimizer.tokens import random_prompts  # noqa: E402
 from ken.optimizer.workload import Hardware  # noqa: E402
+from ken.policy.plan import GearPlan  # noqa: E402
 from ken.progress import Reporter  # noqa: E402
 from ken.session import connect  # noqa: E402
 
@@ -74,35 +77,49 @@ KILL_COST_S = 30.0
 PLAN_CORES = 2
 
 
-def plans_to_serve(reporter: Reporter, seed: int, calibration_s: float = 0.0):  # noqa: ANN201
+class ToServe(NamedTuple):
+    """What ``plans_to_serve`` returns."""
+
+    main: GearPlan
+    fast: GearPlan
+    loaders: dict  # for every model either plan places
+    sample: Any
+    calibration: Calibration | None
+    profiles: Catalog  # the profiles' runtimes (the calibration not applied)
+
+
+def plans_to_serve(reporter: Reporter, seed: int, calibration_s: float = 0.0,
+                   plan_calibrated: bool = True) -> ToServe:
     """The family's frontier on Poisson arrivals; the middle plan (under 1 s) and the
     fastest, with loaders for every model either places. With ``calibration_s`` > 0 the
     runtimes are calibrated first, as ``ken plan`` does by default (``measure_calibration``:
-    every model of the cascades served for that long); else the profiles' are planned on.
-    Returns the two plans, the loaders, the sample and the calibration (None without)."""
+    every model of the cascades served for that long), and planned on unless
+    ``plan_calibrated`` is False; else the profiles' are planned on."""
     data, cards, sample, profiles = family_profiles(reporter)
     device = DeviceConfig(threads=1)
     catalog, cascades = planning_inputs(profiles)
     hardware = Hardware.cpu_workers(PLAN_CORES, 4 * 2**30)
     loaders = {c.name: functools.partial(family.load_model, c, device, None, data)
                for c in cards}
-    calibration = None
+    calibration, planned = None, catalog
     if calibration_s > 0:
         models = {m for c in cascades for m in c.models}
         calibration = measure_calibration(catalog, {m: loaders[m] for m in models}, sample,
                                           hardware, calibration_s, seed=seed + 1,
                                           reporter=reporter)
         reporter.note(f"runtimes calibrated: {calibration.describe()}")
-        catalog = calibration.apply(catalog)
-    peak = default_peak_qps(catalog, cascades, PLAN_CORES)
+        if plan_calibrated:
+            planned = calibration.apply(catalog)
+    peak = default_peak_qps(planned, cascades, PLAN_CORES)
     trace = planning_trace("poisson", peak, 60.0, seed=seed)
-    frontier, _ = plan_frontier("sentiment", cascades, catalog, hardware, trace,
+    frontier, _ = plan_frontier("sentiment", cascades, planned, hardware, trace,
                                 settings=PlannerSettings(num_ranges=4, seed=seed),
                                 reporter=reporter)
     usable = [p for p in frontier.plans if p.predicted.p95_ms < 1000.0]
-    main, other = usable[len(usable) // 2], usable[0]
-    used = {r.model for p in (main, other) for r in p.placement}
-    return main, other, {m: f for m, f in loaders.items() if m in used}, sample, calibration
+    main, fast = usable[len(usable) // 2], usable[0]
+    used = {r.model for p in (main, fast) for r in p.placement}
+    return ToServe(main, fast, {m: f for m, f in loaders.items() if m in used}, sample,
+                   calibration, catalog)
 
 
 class Window:
@@ -144,8 +161,8 @@ class Window:
 
 
 def run(args: argparse.Namespace, reporter: Reporter) -> dict:
-    main, other, loaders, sample, calibration = plans_to_serve(reporter, args.seed,
-                                                               args.calibration_s)
+    main, other, loaders, sample, calibration, _ = plans_to_serve(reporter, args.seed,
+                                                                  args.calibration_s)
     placement = [[f"{r.model}@{'+'.join(r.devices)}" for r in p.placement] for p in (main, other)]
     target_s = main.latency_target_s()
     assert target_s is not None

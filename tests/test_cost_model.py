@@ -252,6 +252,22 @@ def test_calibration_applies_round_trips_and_refuses_bad_files(tmp_path) -> None
             Calibration({"a": bad})
 
 
+def test_a_calibration_updated_by_serving_calls_keeps_the_models_they_did_not_call() -> None:
+    first = Calibration({"a": ((1, 0.8),), "b": ((1, 1.3), (4, 1.5))}, {"a": 40, "b": 30},
+                        "ken plan", wake=1.1, spread={"a": (0.9, 1.1), "b": (0.5, 1.5)})
+    served = Calibration({"a": ((1, 1.2), (2, 1.25))}, {"a": 200}, "a replay", wake=1.05,
+                         spread={"a": (0.8, 1.2)})
+    both = first.updated(served)
+    assert both.fits == {"a": ((1, 1.2), (2, 1.25)), "b": ((1, 1.3), (4, 1.5))}
+    assert both.calls == {"a": 200, "b": 30} and both.wake == 1.05
+    assert both.spread == {"a": (0.8, 1.2), "b": (0.5, 1.5)}
+    assert both.source == "a replay; b from ken plan"
+    cat = both.apply(catalog(None))
+    assert cat.perf["a"].batch_runtime(1) == pytest.approx(1.2 * RT)
+    assert cat.perf["b"].batch_runtime(1) == pytest.approx(1.3 * RT)
+    assert first.updated(Calibration({**first.fits})).source == ""  # nothing kept from first
+
+
 def test_measure_calibration_serves_every_model_and_fits_what_it_saw() -> None:
     """The engine, process workers and fake models whose calls sleep twice as long as their
     profile says: the fit finds a factor near 2 for both (a sleep does not contend)."""

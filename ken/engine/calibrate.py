@@ -172,6 +172,21 @@ class Calibration:
                               wake=self.wake, spread=self.spread.get(m, p.spread))
         return catalog.with_perf(perf)
 
+    def updated(self, newer: Calibration) -> Calibration:
+        """This calibration with ``newer``'s fits (and spreads) for the models ``newer``
+        fitted, and ``newer``'s wake-up factor: e.g. ``ken plan``'s calibration, which served
+        every candidate model, updated by a replay's serving calls (``ken replay``'s
+        calibration.json), which fitted only the models of the plan it served."""
+        keep = [m for m in self.fits if m not in newer.fits]
+        source = newer.source if not keep else (
+            f"{newer.source or 'serving calls'}; {', '.join(keep)} from "
+            f"{self.source or 'an earlier calibration'}")
+        return Calibration({**{m: self.fits[m] for m in keep}, **newer.fits},
+                           {**{m: self.calls.get(m, 0) for m in keep}, **newer.calls},
+                           source, newer.other_cores, newer.wake,
+                           {**{m: v for m, v in self.spread.items() if m in keep},
+                            **newer.spread})
+
     def describe(self) -> str:
         """One line: ``model x factor@rows ...`` per model, then the wake-up factor."""
         if not self.fits:
