@@ -273,6 +273,21 @@ def test_ken_plan_calibrates_by_default_and_records_it(home, fake_profiles, tmp_
                  "--out", str(again)]) == 0
     assert len(measured) == 1  # the file was used, nothing measured
     assert "from cache" in capsys.readouterr().out  # same calibration: the same frontier
+    # a replay's calibration fits only the models its plan served: the others measured now
+    first, *rest = sorted(PROFILES)
+    Calibration({first: ((1, 2.0),)}, {first: 500}, "a replay").save(tmp_path / "r.json")
+    assert main([*base, "--calibration", str(tmp_path / "r.json"),
+                 "--out", str(tmp_path / "part")]) == 0
+    assert measured[-1][0] == rest
+    both = Calibration.load(tmp_path / "part" / "calibration.json")
+    assert both.fits == {first: ((1, 2.0),), **{m: ((1, 1.5),) for m in rest}}
+    assert both.source == f"a replay; {', '.join(rest)} from stand-in replay"
+    assert main([*base, "--calibration", str(tmp_path / "r.json"), "--no-calibration",
+                 "--out", str(tmp_path / "part-profiles")]) == 0
+    assert len(measured) == 2  # --no-calibration: the others on their profiles
+    assert Calibration.load(tmp_path / "part-profiles" / "calibration.json").fits == {
+        first: ((1, 2.0),)}
+    capsys.readouterr()
 
     def broken(*_a: Any, **_kw: Any) -> Calibration:
         raise KenError("a worker could not load its model")

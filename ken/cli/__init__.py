@@ -245,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--seed", type=int, default=0)
     plan.add_argument("--calibration", type=Path, default=None,
                       help="plan with this runtime calibration (a calibration.json written "
-                      "by `ken plan` or `ken replay`) instead of measuring one")
+                      "by `ken plan` or `ken replay`) instead of measuring one; candidate "
+                      "models it does not fit are measured now")
     plan.add_argument("--no-calibration", action="store_true",
                       help="plan with the profiles' runtimes as measured: skip the short "
                       "replay that calibrates them to serving on this machine")

@@ -176,11 +176,45 @@ def _runtime_calibration(args: argparse.Namespace, op: Operator, catalog: Catalo
                          ) -> Calibration | None:
     """The runtime calibration `ken plan` plans with: the file ``--calibration`` names, none
     with ``--no-calibration``, else measured now by serving every candidate model on this
-    machine's CPU workers for ``--calibration-seconds`` (``measure_calibration``)."""
+    machine's CPU workers for ``--calibration-seconds`` (``measure_calibration``).
+
+    A file that covers only some candidate models (a `ken replay`'s calibration.json fits
+    the models of the plan it served) is completed: the other models are measured now and the
+    file's fits kept over theirs (``Calibration.updated``); with ``--no-calibration``, or
+    where nothing can be measured, the others are planned on their profiles, and a note says
+    so."""
+    used = {m for c in cascades for m in c.models}
+    given = None
     if args.calibration is not None:
-        return _load_calibration(args.calibration, reporter)
-    if args.no_calibration:
+        given = _load_calibration(args.calibration, reporter)
+        missing = sorted(used - set(given.fits))
+        if not missing:
+            return given
+        if args.no_calibration:
+            reporter.note(f"{', '.join(missing)}: not in {args.calibration}; planned on "
+                          "their profiles (--no-calibration)")
+            return given
+        used = set(missing)
+    elif args.no_calibration:
         return None
+    measured = _measure_calibration(args, op, catalog, used, hardware, reporter)
+    if given is None:
+        return measured
+    if measured is None:
+        reporter.note(f"{', '.join(sorted(used))}: not in {args.calibration}; planned on "
+                      "their profiles")
+        return given
+    calibration = measured.updated(given)
+    reporter.note(f"runtimes: {args.calibration} for {', '.join(sorted(given.fits))}, "
+                  f"measured now for {', '.join(sorted(used))}")
+    return calibration
+
+
+def _measure_calibration(args: argparse.Namespace, op: Operator, catalog: Catalog,
+                         used: set[str], hardware: Hardware, reporter: Reporter
+                         ) -> Calibration | None:
+    """``measure_calibration`` of the models ``used`` on this machine's CPU workers; None
+    (with a note or a message saying why) where it cannot measure."""
     if args.ray is not None or hardware.kinds != ("cpu",):
         reporter.note("runtime calibration measures this machine's CPU workers; skipped for "
                       "a plan on " + ("a Ray cluster" if args.ray is not None else "GPUs")
@@ -193,7 +227,6 @@ def _runtime_calibration(args: argparse.Namespace, op: Operator, catalog: Catalo
         reporter.note(f"{op.name}() has no models to serve in worker processes; its runtimes "
                       "are not calibrated")
         return None
-    used = {m for c in cascades for m in c.models}
     try:
         calibration = measure_calibration(
             catalog, {m: f for m, f in loaders.items() if m in used}, sample, hardware,
