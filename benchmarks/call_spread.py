@@ -3,24 +3,26 @@
 
 The soak's two plans as sessions 32-33 served them (``benchmarks/soak.py`` with
 ``--calibration-s 0``: the packaged family planned on its profiles for 2 CPU workers on Poisson
-arrivals; the fastest plan of the frontier and the middle one) serve ``--seconds``
-of Poisson arrivals at ``--rate`` on worker processes, ``--replays`` times each, interleaved,
-every request admitted (``admission="max_in_flight"``, as the simulator serves them).
-Before that the runtimes are calibrated as ``ken plan`` does by default (every model of the
-cascades served for ``--calibration-s``). Each plan is simulated on the same arrivals and rows
-with the profiles' runtimes, with the calibration's factors alone (every call charged its
-mean, as before session 34) and with the factors and the spread (now), over three simulator
-seeds. The serving calls are also compared with the calibrated charge: their mean ratio (how
-far the calibration's level is from serving) and what is left after it (the spread serving
-shows against the one the calibration fitted), split by whether the other worker was
-computing at the same time. Then each replay is compared with simulations on runtimes
-fitted on serving calls, out of sample (``served_fits``): the same plan's other replays, and
-the other plan's replays (what `ken replay` writes as calibration.json, for `ken plan
---calibration`).
+arrivals; the fastest plan of the frontier and the middle one) serve ``--seconds`` of Poisson
+arrivals at ``--rate`` on worker processes, ``--replays`` times each, interleaved, every
+request admitted (``admission="max_in_flight"``, as the simulator serves them). Before that the
+runtimes are calibrated as ``ken plan`` does by default (every model of the cascades served for
+``--calibration-s``). Each plan is simulated on the same arrivals and rows with the profiles'
+runtimes, with the calibration's factors alone (every call charged its mean, as before session
+34) and with the factors and the spread, over three simulator seeds; and on a second
+calibration made at ``--rate`` (``measure_calibration(rate=...)``, as `ken plan` calibrates
+since session 35: half the seconds serve the cheapest model alone at that rate, and every model
+is moved to the level its calls ran at). The serving calls are also compared with the
+calibrated charge: their mean ratio (how far the calibration's level is from serving) and what
+is left after it (the spread serving shows against the one the calibration fitted), split by
+whether the other worker was computing at the same time. Then each replay is compared with
+simulations on runtimes fitted on serving calls, out of sample (``served_fits``): the same
+plan's other replays, and the other plan's replays (what `ken replay` writes as
+calibration.json, for `ken plan --calibration`).
 
 Writes DIR/call_spread.json and DIR/call_spread.png (latency CDFs per plan).
 
-    python benchmarks/call_spread.py --out DIR      # about 9 minutes with cached models
+    python benchmarks/call_spread.py --out DIR      # about 11 minutes with cached models
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from soak import plans_to_serve  # noqa: E402 - the soak's plans
+from soak import family_calibration, plans_to_serve  # noqa: E402 - the soak's plans
 
 from ken.engine.calibrate import (  # noqa: E402
     Calibration,
@@ -87,14 +89,18 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
     # the plans of sessions 32-33 (on the profiles), and the calibration `ken plan` makes
     main, fast, used, sample, calibration, catalog = plans_to_serve(
         reporter, args.seed, args.calibration_s, plan_calibrated=False)
+    # the calibration at the serving rate (``measure_calibration(rate=...)``)
+    at_rate = family_calibration(reporter, args.seed, args.calibration_s, args.rate)
     spread = calibration.apply(catalog)
     level = catalog.with_perf({m: replace(p, spread=()) for m, p in spread.perf.items()})
     catalogs = {"profiles": catalog, "calibrated, no spread": level,
-                "calibrated with spread": spread}
+                "calibrated with spread": spread,
+                "calibrated at the serving rate": at_rate.apply(catalog)}
     trace = poisson_trace(args.rate, args.seconds, seed=args.seed + 5)
     plans = {"fast": fast, "main": main}
     out: dict = {"args": {k: str(v) for k, v in vars(args).items()},
                  "calibration": calibration.describe(), "requests": len(trace),
+                 "calibration_at_rate": f"{at_rate.describe()} ({at_rate.source})",
                  "calibration_spread": {m: {"p95": float(np.percentile(v, 95)),
                                             "p99": float(np.percentile(v, 99))}
                                         for m, v in calibration.spread.items()},
@@ -130,7 +136,7 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
             entry["calls"].append(serving_calls(list(served.batch_log), spread))
             logs[name].append(list(served.batch_log))
     if args.replays > 1:
-        served_fits(out, plans, logs, calibration, catalog, trace, rows, routes)
+        served_fits(out, plans, logs, calibration, at_rate, catalog, trace, rows, routes)
     for entry in out["plans"].values():
         measured = {k: float(np.median([r[k] for r in entry["replays"]]))
                     for k in ("p50_ms", "p95_ms", "p99_ms")}
@@ -141,13 +147,15 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
 
 
 def served_fits(out: dict, plans: dict, logs: dict[str, list[list[BatchRecord]]],
-                calibration: Calibration, catalog: Catalog, trace: Trace,
+                calibration: Calibration, at_rate: Calibration, catalog: Catalog,
+                trace: Trace,
                 rows: np.ndarray, routes: list) -> None:
     """Each replay against simulations on runtimes fitted on *serving* calls, out of sample:
     the same plan's other replays (another minute of the same load), and every replay of the
     other plan (a plan the fit never saw served: what a planner needs); the calibration's
     fits kept for the models those calls did not run (``Calibration.updated``). Beside them,
-    the same replay against the calibration's simulation, so every error is per replay."""
+    the same replay against the calibrations' simulations (``ken plan``'s, and the one at the
+    serving rate), so every error is per replay."""
     for name, plan in plans.items():
         other = [x for n, ls in logs.items() if n != name for log in ls for x in log]
         entry = out["plans"][name]
@@ -156,7 +164,8 @@ def served_fits(out: dict, plans: dict, logs: dict[str, list[list[BatchRecord]]]
         per_replay = []
         for r, measured in enumerate(entry["replays"]):
             same = [x for k, log in enumerate(logs[name]) if k != r for x in log]
-            cats = {"calibrated with spread": calibration.apply(catalog)}
+            cats = {"calibrated with spread": calibration.apply(catalog),
+                    "calibrated at the serving rate": at_rate.apply(catalog)}
             for label, log in (("served: same plan, other replays", same),
                                ("served: the other plan", other)):
                 fit = calibration.updated(fit_calibration(log, catalog, label))

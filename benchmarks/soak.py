@@ -88,6 +88,30 @@ class ToServe(NamedTuple):
     profiles: Catalog  # the profiles' runtimes (the calibration not applied)
 
 
+def family_setup(reporter: Reporter) -> tuple[Catalog, list, Hardware, dict, Any]:
+    """The packaged family's profiles as a catalog, its Pareto cascades, the soak's two CPU
+    workers, a loader per model (one thread each) and the sample."""
+    data, cards, sample, profiles = family_profiles(reporter)
+    device = DeviceConfig(threads=1)
+    catalog, cascades = planning_inputs(profiles)
+    loaders = {c.name: functools.partial(family.load_model, c, device, None, data)
+               for c in cards}
+    return catalog, cascades, Hardware.cpu_workers(PLAN_CORES, 4 * 2**30), loaders, sample
+
+
+def family_calibration(reporter: Reporter, seed: int, seconds: float,
+                       rate: float | None = None) -> Calibration:
+    """The runtimes of every model of the family's cascades calibrated as ``ken plan`` does
+    (``measure_calibration``; with ``rate``, at that serving rate too)."""
+    catalog, cascades, hardware, loaders, sample = family_setup(reporter)
+    models = {m for c in cascades for m in c.models}
+    calibration = measure_calibration(catalog, {m: loaders[m] for m in models}, sample,
+                                      hardware, seconds, seed=seed + 1, reporter=reporter,
+                                      rate=rate)
+    reporter.note(f"runtimes calibrated: {calibration.describe()}")
+    return calibration
+
+
 def plans_to_serve(reporter: Reporter, seed: int, calibration_s: float = 0.0,
                    plan_calibrated: bool = True) -> ToServe:
     """The family's frontier on Poisson arrivals; the middle plan (under 1 s) and the
@@ -95,19 +119,10 @@ def plans_to_serve(reporter: Reporter, seed: int, calibration_s: float = 0.0,
     runtimes are calibrated first, as ``ken plan`` does by default (``measure_calibration``:
     every model of the cascades served for that long), and planned on unless
     ``plan_calibrated`` is False; else the profiles' are planned on."""
-    data, cards, sample, profiles = family_profiles(reporter)
-    device = DeviceConfig(threads=1)
-    catalog, cascades = planning_inputs(profiles)
-    hardware = Hardware.cpu_workers(PLAN_CORES, 4 * 2**30)
-    loaders = {c.name: functools.partial(family.load_model, c, device, None, data)
-               for c in cards}
+    catalog, cascades, hardware, loaders, sample = family_setup(reporter)
     calibration, planned = None, catalog
     if calibration_s > 0:
-        models = {m for c in cascades for m in c.models}
-        calibration = measure_calibration(catalog, {m: loaders[m] for m in models}, sample,
-                                          hardware, calibration_s, seed=seed + 1,
-                                          reporter=reporter)
-        reporter.note(f"runtimes calibrated: {calibration.describe()}")
+        calibration = family_calibration(reporter, seed, calibration_s)
         if plan_calibrated:
             planned = calibration.apply(catalog)
     peak = default_peak_qps(planned, cascades, PLAN_CORES)

@@ -371,11 +371,15 @@ def two_replica_plan():  # noqa: ANN201
 
 
 class Warnings(Reporter):
-    """A quiet reporter that keeps the warnings it is given."""
+    """A quiet reporter that keeps the warnings and notes it is given."""
 
     def __init__(self) -> None:
         super().__init__(quiet=True)
         self.warnings: list[str] = []
+        self.notes: list[str] = []
+
+    def note(self, message: str) -> None:
+        self.notes.append(message)
 
     def warn(self, message: str) -> None:
         self.warnings.append(message)

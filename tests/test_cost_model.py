@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ken.engine.calibrate import Calibration, fit_calibration, predicted_s
+from ken.engine.calibrate import SPREAD_POINTS, Calibration, fit_calibration, predicted_s
 from ken.engine.supervision import BatchRecord
 from ken.errors import KenError, ProfileError
 from ken.models.cascade import Cascade
@@ -298,6 +298,63 @@ def test_measure_calibration_serves_every_model_and_fits_what_it_saw() -> None:
         assert 1.6 < cal.factor(m, 1) < 2.8, cal.describe()
         assert max(b for b, _ in cal.fits[m]) > 1, cal.describe()
     assert "every model" in cal.source
+
+
+def test_a_calibration_moved_to_the_serving_rate_scales_every_model_by_the_cheap_ones_calls(
+        ) -> None:
+    """The cheapest model's calls at the plans' rate ran 1.25x what the calibration charged
+    them: it is fitted on them (its factors and spread), and every other model's factors are
+    1.25x (their spreads kept); too few calls leave the calibration as it was."""
+    from ken.engine.calibrate import at_serving_rate
+
+    fitted = Calibration({"a": ((1, 0.8), (2, 0.8)), "b": ((1, 1.5), (4, 2.0))},
+                         {"a": 40, "b": 30}, "cascade", wake=1.1,
+                         spread={"b": (0.9, 1.1)})
+    log = _log({1: 1.0, 2: 1.0}, n=400, wake=1.1)  # 1.25 x the fitted 0.8, woken x1.1
+    moved = at_serving_rate(fitted, log, catalog(None), "a", "400 rows of a")
+    shift = moved.fits["b"][0][1] / 1.5
+    assert shift == pytest.approx(1.25, rel=0.03)
+    assert moved.fits["b"][1][1] == pytest.approx(2.0 * shift)
+    assert moved.factor("a", 1) == pytest.approx(1.0, rel=0.03)  # fitted on the calls
+    assert moved.spread["b"] == (0.9, 1.1) and len(moved.spread["a"]) == SPREAD_POINTS
+    assert moved.calls == {"a": 440, "b": 30} and moved.wake == 1.1
+    assert "400 rows of a: a's calls x1.2" in moved.source
+    assert at_serving_rate(fitted, log[:5], catalog(None), "a", "few") is fitted
+
+
+def test_measure_calibration_at_a_rate_serves_the_cheapest_model_alone_at_it() -> None:
+    """With ``rate`` the calibration also serves the cheapest model alone at that rate (fake
+    models that sleep twice their profile: the same level either way), and says so."""
+    import functools
+
+    import fakes
+
+    from ken.engine.calibrate import measure_calibration
+    from ken.models.datasets import LabelledSample
+    from ken.optimizer.workload import Hardware
+
+    rows = 40
+    sample = LabelledSample("t", tuple(f"row {i}" for i in range(rows)), np.arange(rows) % 3,
+                            fakes.LABELS)
+    perf = {m: ModelPerf(m, (1, 8), ((base + 0.001, base + 0.008),), (1000,))
+            for m, base in (("a", 0.004), ("b", 0.008))}
+    cat = Catalog(perf, {m: np.ones(rows) for m in perf},
+                  {m: np.full((rows, 3), 1 / 3) for m in perf}, "t")
+    loaders = {m: functools.partial(fakes.SlowModel, m, 2 * base, 0.002)
+               for m, base in (("a", 0.004), ("b", 0.008))}
+    hardware = Hardware.cpu_workers(2, 2**30)
+    said = fakes.Warnings()
+    cal = measure_calibration(cat, loaders, sample, hardware, seconds=4.0, rate=150.0,
+                              workers="thread", reporter=said)
+    assert "a at 150.0/s" in cal.source and "every model moved" in cal.source, cal.source
+    assert any("at the serving rate" in n and "150.0 rows/s" in n for n in said.notes)
+    for m in ("a", "b"):
+        assert 1.6 < cal.factor(m, 1) < 2.8, cal.describe()
+    slow = measure_calibration(cat, loaders, sample, hardware, seconds=2.0, rate=1.0,
+                               workers="thread")
+    assert "every model moved" not in slow.source  # 1 row/s: the cascade's rows are faster
+    with pytest.raises(KenError, match="serving rate must be > 0"):
+        measure_calibration(cat, loaders, sample, hardware, rate=0.0)
 
 
 def test_a_busy_machine_is_measured_again_and_the_quietest_fit_kept() -> None:

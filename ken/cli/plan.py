@@ -113,7 +113,11 @@ def _plan_frontier(args: argparse.Namespace, op: Operator) -> int:
     profiles, on_gpu = device_profiles(op, op_context(args, reporter), args.device_threads,
                                        gpu, "cpu" in hardware.kinds, DEFAULT_BATCH_SIZES)
     catalog, cascades = planning_inputs(profiles, args.max_stages, args.grid, on_gpu)
-    calibration = _runtime_calibration(args, op, catalog, cascades, hardware, reporter)
+    # the mean rate the plans will serve (the peak from the profiles: the calibration's
+    # serving rate needs to be near it, not exact)
+    rate = planning_trace(args.trace, args.peak_qps or default_peak_qps(
+        catalog, cascades, hardware), args.duration, seed=args.seed, cv=args.cv).mean_qps
+    calibration = _runtime_calibration(args, op, catalog, cascades, hardware, reporter, rate)
     if calibration is not None:
         catalog = calibration.apply(catalog)
     best = max(cascades, key=catalog.accuracy)
@@ -172,11 +176,12 @@ _PLANNERS = {"gear": _plan_frontier, "generation": _plan_generating}
 
 
 def _runtime_calibration(args: argparse.Namespace, op: Operator, catalog: Catalog,
-                         cascades: Sequence[Cascade], hardware: Hardware, reporter: Reporter
-                         ) -> Calibration | None:
+                         cascades: Sequence[Cascade], hardware: Hardware, reporter: Reporter,
+                         rate: float) -> Calibration | None:
     """The runtime calibration `ken plan` plans with: the file ``--calibration`` names, none
     with ``--no-calibration``, else measured now by serving every candidate model on this
-    machine's CPU workers for ``--calibration-seconds`` (``measure_calibration``).
+    machine's CPU workers for ``--calibration-seconds`` (``measure_calibration``), half of
+    it the cheapest model alone at ``rate``, the planning trace's mean rate.
 
     A file that covers only some candidate models (a `ken replay`'s calibration.json fits
     the models of the plan it served) is completed: the other models are measured now and the
@@ -197,7 +202,7 @@ def _runtime_calibration(args: argparse.Namespace, op: Operator, catalog: Catalo
         used = set(missing)
     elif args.no_calibration:
         return None
-    measured = _measure_calibration(args, op, catalog, used, hardware, reporter)
+    measured = _measure_calibration(args, op, catalog, used, hardware, reporter, rate)
     if given is None:
         return measured
     if measured is None:
@@ -211,8 +216,8 @@ def _runtime_calibration(args: argparse.Namespace, op: Operator, catalog: Catalo
 
 
 def _measure_calibration(args: argparse.Namespace, op: Operator, catalog: Catalog,
-                         used: set[str], hardware: Hardware, reporter: Reporter
-                         ) -> Calibration | None:
+                         used: set[str], hardware: Hardware, reporter: Reporter,
+                         rate: float) -> Calibration | None:
     """``measure_calibration`` of the models ``used`` on this machine's CPU workers; None
     (with a note or a message saying why) where it cannot measure."""
     if args.ray is not None or hardware.kinds != ("cpu",):
@@ -231,7 +236,7 @@ def _measure_calibration(args: argparse.Namespace, op: Operator, catalog: Catalo
         calibration = measure_calibration(
             catalog, {m: f for m, f in loaders.items() if m in used}, sample, hardware,
             args.calibration_seconds, seed=args.seed, reporter=reporter, workers="process",
-            threads_per_device=args.device_threads)
+            threads_per_device=args.device_threads, rate=rate)
     except KenError as exc:  # a plan from the profiles beats no plan; say what happened
         console.print(f"runtime calibration failed ({exc}); planning with the profiles' "
                       "runtimes (--no-calibration skips the attempt)", highlight=False,

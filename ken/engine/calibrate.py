@@ -411,15 +411,29 @@ def calibration_trace(rate: float, seconds: float, seed: int = 0) -> Trace:
                  f"{BURST_EVERY_S:g} s")
 
 
+#: with ``measure_calibration(rate=...)``: the share of its seconds spent serving the cheapest
+#: model alone at the rate the plans will serve, and the most of that model's capacity offered
+AT_RATE_SHARE = 0.5
+AT_RATE_MAX_LOAD = 0.8
+
+
 def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: Any,
                         hardware: Hardware, seconds: float = 10.0, seed: int = 0,
                         reporter: Reporter = QUIET, attempts: int = 3,
                         other_load: Callable[[], OtherLoad] = OtherLoad,
-                        **engine_options: Any) -> Calibration:
+                        rate: float | None = None, **engine_options: Any) -> Calibration:
     """Serve ``calibration_plan`` of every model in ``loaders`` with the online engine on
     bursty arrivals at ``CALIBRATION_LOAD`` of its capacity for ``seconds``, with bursts of
     rows arriving at once (``calibration_trace``), and fit the serving calls against the
     simulator's charges per batch size (``fit_calibration``).
+
+    With ``rate`` (the mean arrival rate the plans will serve), half the seconds
+    (``AT_RATE_SHARE``) go to the cheapest model alone, served on ``rate`` arrivals (at most
+    ``AT_RATE_MAX_LOAD`` of its capacity; all go to the cascade where ``rate`` is no faster
+    than the cascade's own rows), and the fit is moved to that level
+    (``at_serving_rate``): a call runs slower when requests arrive faster (the router's and the
+    arrivals' share of the cores grows), which the cascade's few rows per second do not show
+    (``docs/results.md``, "Fits on serving calls").
 
     While it serves, ``other_load`` (``machine.OtherLoad``) reads how many cores other programs
     kept busy. At ``machine.BUSY_CORES`` or more the fit is for a busier machine than the one
@@ -427,33 +441,83 @@ def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: An
     fit measured beside the least other load; a warning says so when every attempt was busy."""
     from ken.engine.replay import serve_trace  # the engine, only when measuring
 
+    if rate is not None and not (np.isfinite(rate) and rate > 0):
+        raise KenError(f"the calibration's serving rate must be > 0 rows/s, got {rate}")
     models = sorted(loaders)
     probe = gamma_trace(10.0, 10.0, 2.0, seed=seed)
     plan = calibration_plan(catalog, models, hardware, probe)
     per_row = sum(catalog.perf_on(m, plan.devices[0]).batch_runtime(1) for m in models)
-    rate = CALIBRATION_LOAD * len(plan.devices) / per_row
-    trace = calibration_trace(rate, seconds, seed=seed)
+    cascade_rate = CALIBRATION_LOAD * len(plan.devices) / per_row
+    if rate is not None and rate <= cascade_rate:
+        rate = None  # the cascade's rows already arrive as fast as the plans' will
+    share = 0.0 if rate is None else AT_RATE_SHARE
+    trace = calibration_trace(cascade_rate, seconds * (1 - share), seed=seed)
+    if rate is not None:
+        cheapest = min(models, key=lambda m: catalog.perf[m].batch_runtime(1))
+        alone = calibration_plan(catalog, [cheapest], hardware,
+                                 gamma_trace(rate, 10.0, 2.0, seed=seed))
+        capacity = len(alone.devices) / catalog.perf_on(cheapest, alone.devices[0]
+                                                        ).batch_runtime(1)
+        at = min(rate, AT_RATE_MAX_LOAD * capacity)
+        at_trace = calibration_trace(at, seconds * share, seed=seed + 1)
 
     def serve(attempt: int) -> Any:
+        again = "" if attempt == 1 else f" (attempt {attempt} of {attempts})"
         reporter.note(f"calibrating runtimes: {len(trace)} rows through {' -> '.join(models)} "
-                      f"on {len(plan.devices)} workers, {rate:.1f} rows/s and bursts for "
-                      f"{seconds:g} s"
-                      + ("" if attempt == 1 else f" (attempt {attempt} of {attempts})"))
+                      f"on {len(plan.devices)} workers, {cascade_rate:.1f} rows/s and bursts "
+                      f"for {seconds * (1 - share):g} s" + again)
         # no standby copies (standby.py): they take no rows in a replay without faults, and
         # would only add their load time and memory to the measurement's
-        return serve_trace(plan, loaders, trace, sample, seed=seed, reporter=reporter,
-                           admission="max_in_flight", **{"standby": False, **engine_options})
+        options = {"admission": "max_in_flight", "standby": False, **engine_options}
+        first = serve_trace(plan, loaders, trace, sample, seed=seed, reporter=reporter,
+                            **options)
+        if rate is None:
+            return first, None
+        reporter.note(f"calibrating runtimes at the serving rate: {len(at_trace)} rows through "
+                      f"{cheapest} on {len(alone.devices)} workers, {at:.1f} rows/s and "
+                      f"bursts for {seconds * share:g} s" + again)
+        return first, serve_trace(alone, {cheapest: loaders[cheapest]}, at_trace, sample,
+                                  seed=seed, reporter=reporter, **options)
 
-    served, load, attempt = least_loaded(
+    (served, at_rate), load, attempt = least_loaded(
         serve, "calibrating", attempts, other_load, reporter.note, reporter.warn,
         "calibrate again on a quiet machine, or plan with --no-calibration")
+    where = (("" if load.cores is None else f", other programs {load.cores:.2f} cores")
+             + ("" if attempt == 1 else f", attempt {attempt}"))
     fitted = fit_calibration(served.batch_log, catalog,
-                             f"{len(trace)} rows at {rate:.1f}/s and bursts through every "
-                             f"model, {len(served.batch_log)} calls"
-                             + ("" if load.cores is None else
-                                f", other programs {load.cores:.2f} cores")
-                             + ("" if attempt == 1 else f", attempt {attempt}"))
+                             f"{len(trace)} rows at {cascade_rate:.1f}/s and bursts through "
+                             f"every model, {len(served.batch_log)} calls" + where)
+    if at_rate is not None:
+        fitted = at_serving_rate(fitted, at_rate.batch_log, catalog, cheapest,
+                                 f"{len(at_trace)} rows of {cheapest} at {at:.1f}/s")
     return replace(fitted, other_cores=load.cores)
+
+
+def at_serving_rate(fitted: Calibration, log: Iterable[BatchRecord], catalog: Catalog,
+                    model: str, what: str) -> Calibration:
+    """``fitted`` moved to the level of ``log``'s calls of ``model`` (served alone at the rate
+    the plans will serve): ``model``'s factors and spread fitted on those calls, and every
+    other model's factors times how much slower those calls ran than ``fitted`` charges them
+    (back to back, the slowest 1% left out). Every model's calls pay the share of the cores
+    the router and the arrivals take at that rate; each call's own spread is kept as
+    ``fitted`` measured it for the other models. ``fitted`` as it is where ``log`` holds
+    fewer than ``MIN_FIT_CALLS`` calls of ``model``."""
+    log = list(log)
+    alone = fit_calibration(log, catalog)
+    if model not in alone.fits or model not in fitted.fits:
+        return fitted
+    back = np.array([q / (fitted.wake if woke(r.idle_before_s) else 1.0)
+                     / fitted.factor(model, r.rows)
+                     for r, q in runtime_ratios(log, catalog)[model]])
+    shift = float(back[_not_slowest(back)].mean())
+    fits = {m: pairs if m == model else tuple(
+                (b, float(np.clip(f * shift, *FACTOR_RANGE))) for b, f in pairs)
+            for m, pairs in {**fitted.fits, model: alone.fits[model]}.items()}
+    spread = {**fitted.spread, **{m: v for m, v in alone.spread.items() if m == model}}
+    return Calibration(fits, {**fitted.calls, model: fitted.calls.get(model, 0)
+                              + alone.calls[model]},
+                       f"{fitted.source}; {what}: {model}'s calls x{shift:.2f} that level, "
+                       "every model moved to it", fitted.other_cores, fitted.wake, spread)
 
 
 CALIBRATION_KIND = "ken-runtime-calibration"
