@@ -88,7 +88,7 @@ class ToServe(NamedTuple):
     profiles: Catalog  # the profiles' runtimes (the calibration not applied)
 
 
-def family_setup(reporter: Reporter) -> tuple[Catalog, list, Hardware, dict, Any]:
+def soak_setup(reporter: Reporter) -> tuple[Catalog, list, Hardware, dict, Any]:
     """The packaged family's profiles as a catalog, its Pareto cascades, the soak's two CPU
     workers, a loader per model (one thread each) and the sample."""
     data, cards, sample, profiles = family_profiles(reporter)
@@ -103,7 +103,7 @@ def family_calibration(reporter: Reporter, seed: int, seconds: float,
                        rate: float | None = None) -> Calibration:
     """The runtimes of every model of the family's cascades calibrated as ``ken plan`` does
     (``measure_calibration``; with ``rate``, at that serving rate too)."""
-    catalog, cascades, hardware, loaders, sample = family_setup(reporter)
+    catalog, cascades, hardware, loaders, sample = soak_setup(reporter)
     models = {m for c in cascades for m in c.models}
     calibration = measure_calibration(catalog, {m: loaders[m] for m in models}, sample,
                                       hardware, seconds, seed=seed + 1, reporter=reporter,
@@ -119,7 +119,7 @@ def plans_to_serve(reporter: Reporter, seed: int, calibration_s: float = 0.0,
     runtimes are calibrated first, as ``ken plan`` does by default (``measure_calibration``:
     every model of the cascades served for that long), and planned on unless
     ``plan_calibrated`` is False; else the profiles' are planned on."""
-    catalog, cascades, hardware, loaders, sample = family_setup(reporter)
+    catalog, cascades, hardware, loaders, sample = soak_setup(reporter)
     calibration, planned = None, catalog
     if calibration_s > 0:
         calibration = family_calibration(reporter, seed, calibration_s)

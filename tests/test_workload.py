@@ -70,6 +70,11 @@ def test_rate_scaled_window_and_qps_max_by_hand() -> None:
     w = t.window(0.3, 1.0)  # [0.3, 1.3): 0.4, 1.0, 1.1 re-based by 0.3
     np.testing.assert_allclose(w.arrival_s, [0.1, 0.7, 0.8])
     np.testing.assert_array_equal(w.context_tokens, [3, 4, 5])
+    # the rate each request arrived in: 3 requests met 3/s, 2 met 2/s, 1 met 1/s
+    assert t.request_qps() == pytest.approx((3 * 3 + 2 * 2 + 1 * 1) / 6)
+    assert t.request_qps(2.0) == pytest.approx((5 * 2.5 + 1 * 0.5) / 6)
+    with pytest.raises(WorkloadError, match="window_s"):
+        t.request_qps(0.0)
 
 
 def test_bad_traces_raise() -> None:

@@ -8,7 +8,7 @@ import argparse
 import functools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -113,10 +113,14 @@ def _plan_frontier(args: argparse.Namespace, op: Operator) -> int:
     profiles, on_gpu = device_profiles(op, op_context(args, reporter), args.device_threads,
                                        gpu, "cpu" in hardware.kinds, DEFAULT_BATCH_SIZES)
     catalog, cascades = planning_inputs(profiles, args.max_stages, args.grid, on_gpu)
-    # the mean rate the plans will serve (the peak from the profiles: the calibration's
-    # serving rate needs to be near it, not exact)
-    rate = planning_trace(args.trace, args.peak_qps or default_peak_qps(
-        catalog, cascades, hardware), args.duration, seed=args.seed, cv=args.cv).mean_qps
+    def rate() -> float:
+        """About the rate the plans' requests will arrive in (``Trace.request_qps``: near the
+        busy periods' for a bursty trace; without --peak-qps the peak comes from the profiles
+        here: the calibration's serving rate needs to be near it, not exact)."""
+        return planning_trace(args.trace, args.peak_qps or default_peak_qps(
+            catalog, cascades, hardware), args.duration, seed=args.seed,
+            cv=args.cv).request_qps()
+
     calibration = _runtime_calibration(args, op, catalog, cascades, hardware, reporter, rate)
     if calibration is not None:
         catalog = calibration.apply(catalog)
@@ -177,11 +181,12 @@ _PLANNERS = {"gear": _plan_frontier, "generation": _plan_generating}
 
 def _runtime_calibration(args: argparse.Namespace, op: Operator, catalog: Catalog,
                          cascades: Sequence[Cascade], hardware: Hardware, reporter: Reporter,
-                         rate: float) -> Calibration | None:
+                         rate: Callable[[], float]) -> Calibration | None:
     """The runtime calibration `ken plan` plans with: the file ``--calibration`` names, none
     with ``--no-calibration``, else measured now by serving every candidate model on this
-    machine's CPU workers for ``--calibration-seconds`` (``measure_calibration``), half of
-    it the cheapest model alone at ``rate``, the planning trace's mean rate.
+    machine's CPU workers for ``--calibration-seconds`` (``measure_calibration``), then the
+    cheapest model alone at ``rate()``, about the rate the planning trace's requests arrive
+    in.
 
     A file that covers only some candidate models (a `ken replay`'s calibration.json fits
     the models of the plan it served) is completed: the other models are measured now and the
@@ -202,22 +207,19 @@ def _runtime_calibration(args: argparse.Namespace, op: Operator, catalog: Catalo
         used = set(missing)
     elif args.no_calibration:
         return None
-    measured = _measure_calibration(args, op, catalog, used, hardware, reporter, rate)
-    if given is None:
-        return measured
-    if measured is None:
-        reporter.note(f"{', '.join(sorted(used))}: not in {args.calibration}; planned on "
-                      "their profiles")
-        return given
-    calibration = measured.updated(given)
-    reporter.note(f"runtimes: {args.calibration} for {', '.join(sorted(given.fits))}, "
-                  f"measured now for {', '.join(sorted(used))}")
-    return calibration
+    measured = _measure_calibration(args, op, catalog, used, hardware, reporter, rate,
+                                    partial=given is not None)
+    if given is None or measured is None:
+        return measured if given is None else given
+    reporter.note(f"runtimes: {args.calibration} for {', '.join(sorted(given.fits)) or 'none'}"
+                  f", measured now for {', '.join(sorted(used))}")
+    return measured.updated(given)
 
 
 def _measure_calibration(args: argparse.Namespace, op: Operator, catalog: Catalog,
                          used: set[str], hardware: Hardware, reporter: Reporter,
-                         rate: float) -> Calibration | None:
+                         rate: Callable[[], float], partial: bool = False
+                         ) -> Calibration | None:
     """``measure_calibration`` of the models ``used`` on this machine's CPU workers; None
     (with a note or a message saying why) where it cannot measure."""
     if args.ray is not None or hardware.kinds != ("cpu",):
@@ -236,10 +238,11 @@ def _measure_calibration(args: argparse.Namespace, op: Operator, catalog: Catalo
         calibration = measure_calibration(
             catalog, {m: f for m, f in loaders.items() if m in used}, sample, hardware,
             args.calibration_seconds, seed=args.seed, reporter=reporter, workers="process",
-            threads_per_device=args.device_threads, rate=rate)
+            threads_per_device=args.device_threads, rate=rate())
     except KenError as exc:  # a plan from the profiles beats no plan; say what happened
         console.print(f"runtime calibration failed ({exc}); planning with the profiles' "
-                      "runtimes (--no-calibration skips the attempt)", highlight=False,
+                      "runtimes" + (f" of {', '.join(sorted(used))}" if partial else "")
+                      + " (--no-calibration skips the attempt)", highlight=False,
                       markup=False)
         return None
     reporter.note(f"runtimes calibrated: {calibration.describe()}")

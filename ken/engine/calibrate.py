@@ -181,6 +181,8 @@ class Calibration:
         source = newer.source if not keep else (
             f"{newer.source or 'serving calls'}; {', '.join(keep)} from "
             f"{self.source or 'an earlier calibration'}")
+        if not newer.fits:
+            return self
         return Calibration({**{m: self.fits[m] for m in keep}, **newer.fits},
                            {**{m: self.calls.get(m, 0) for m in keep}, **newer.calls},
                            source, newer.other_cores, newer.wake,
@@ -270,8 +272,8 @@ SPREAD_FLOOR = 0.05
 
 
 def fit_calibration(log: Iterable[BatchRecord], catalog: Catalog, source: str = "",
-                    min_calls: int = MIN_FIT_CALLS, prior_calls: float = PRIOR_CALLS
-                    ) -> Calibration:
+                    min_calls: int = MIN_FIT_CALLS, prior_calls: float = PRIOR_CALLS,
+                    wake: float | None = None) -> Calibration:
     """Per model with at least ``min_calls`` online calls in ``log``: its calls binned by
     batch size (the nearest power of two) and, per bin, the mean ratio measured / predicted
     runtime (``runtime_ratios``) pooled with the model's mean ratio over all its calls, which
@@ -295,7 +297,8 @@ def fit_calibration(log: Iterable[BatchRecord], catalog: Catalog, source: str = 
     ratios = {m: pairs for m, pairs in runtime_ratios(log, catalog).items()
               if len(pairs) >= min_calls}
     # on top of what ``catalog`` charges for waking (1.0 for profiles, which never idle)
-    wake = wake_factor(ratios)
+    if wake is None:  # else the wake-up factor given (one fitted on other calls)
+        wake = wake_factor(ratios)
     # back-to-back ratios: a call after idle counts as ``wake`` times its own
     back = {m: np.array([q / (wake if woke(r.idle_before_s) else 1.0) for r, q in pairs])
             for m, pairs in ratios.items()}
@@ -411,8 +414,9 @@ def calibration_trace(rate: float, seconds: float, seed: int = 0) -> Trace:
                  f"{BURST_EVERY_S:g} s")
 
 
-#: with ``measure_calibration(rate=...)``: the share of its seconds spent serving the cheapest
-#: model alone at the rate the plans will serve, and the most of that model's capacity offered
+#: with ``measure_calibration(rate=...)``: how long it serves the cheapest model alone at the
+#: rate the plans will serve, as a share of its ``seconds`` (on top of them), and the most of
+#: that model's capacity offered
 AT_RATE_SHARE = 0.5
 AT_RATE_MAX_LOAD = 0.8
 
@@ -427,10 +431,10 @@ def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: An
     rows arriving at once (``calibration_trace``), and fit the serving calls against the
     simulator's charges per batch size (``fit_calibration``).
 
-    With ``rate`` (the mean arrival rate the plans will serve), half the seconds
-    (``AT_RATE_SHARE``) go to the cheapest model alone, served on ``rate`` arrivals (at most
-    ``AT_RATE_MAX_LOAD`` of its capacity; all go to the cascade where ``rate`` is no faster
-    than the cascade's own rows), and the fit is moved to that level
+    With ``rate`` (the mean arrival rate the plans will serve), it then serves the cheapest
+    model alone for ``AT_RATE_SHARE`` x ``seconds`` more, on ``rate`` arrivals (at most
+    ``AT_RATE_MAX_LOAD`` of its capacity; not where ``rate`` is no faster than the cascade's
+    own rows), and the fit is moved to that level
     (``at_serving_rate``): a call runs slower when requests arrive faster (the router's and the
     arrivals' share of the cores grows), which the cascade's few rows per second do not show
     (``docs/results.md``, "Fits on serving calls").
@@ -450,8 +454,7 @@ def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: An
     cascade_rate = CALIBRATION_LOAD * len(plan.devices) / per_row
     if rate is not None and rate <= cascade_rate:
         rate = None  # the cascade's rows already arrive as fast as the plans' will
-    share = 0.0 if rate is None else AT_RATE_SHARE
-    trace = calibration_trace(cascade_rate, seconds * (1 - share), seed=seed)
+    trace = calibration_trace(cascade_rate, seconds, seed=seed)
     if rate is not None:
         cheapest = min(models, key=lambda m: catalog.perf[m].batch_runtime(1))
         alone = calibration_plan(catalog, [cheapest], hardware,
@@ -459,13 +462,13 @@ def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: An
         capacity = len(alone.devices) / catalog.perf_on(cheapest, alone.devices[0]
                                                         ).batch_runtime(1)
         at = min(rate, AT_RATE_MAX_LOAD * capacity)
-        at_trace = calibration_trace(at, seconds * share, seed=seed + 1)
+        at_trace = calibration_trace(at, seconds * AT_RATE_SHARE, seed=seed + 1)
 
     def serve(attempt: int) -> Any:
         again = "" if attempt == 1 else f" (attempt {attempt} of {attempts})"
         reporter.note(f"calibrating runtimes: {len(trace)} rows through {' -> '.join(models)} "
                       f"on {len(plan.devices)} workers, {cascade_rate:.1f} rows/s and bursts "
-                      f"for {seconds * (1 - share):g} s" + again)
+                      f"for {seconds:g} s" + again)
         # no standby copies (standby.py): they take no rows in a replay without faults, and
         # would only add their load time and memory to the measurement's
         options = {"admission": "max_in_flight", "standby": False, **engine_options}
@@ -475,7 +478,7 @@ def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: An
             return first, None
         reporter.note(f"calibrating runtimes at the serving rate: {len(at_trace)} rows through "
                       f"{cheapest} on {len(alone.devices)} workers, {at:.1f} rows/s and "
-                      f"bursts for {seconds * share:g} s" + again)
+                      f"bursts for {seconds * AT_RATE_SHARE:g} s" + again)
         return first, serve_trace(alone, {cheapest: loaders[cheapest]}, at_trace, sample,
                                   seed=seed, reporter=reporter, **options)
 
@@ -488,8 +491,12 @@ def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: An
                              f"{len(trace)} rows at {cascade_rate:.1f}/s and bursts through "
                              f"every model, {len(served.batch_log)} calls" + where)
     if at_rate is not None:
-        fitted = at_serving_rate(fitted, at_rate.batch_log, catalog, cheapest,
-                                 f"{len(at_trace)} rows of {cheapest} at {at:.1f}/s")
+        moved = at_serving_rate(fitted, at_rate.batch_log, catalog, cheapest,
+                                f"{len(at_trace)} rows of {cheapest} at {at:.1f}/s")
+        if moved is fitted:
+            reporter.note(f"too few calls of {cheapest} at {at:.1f} rows/s to move the "
+                          "calibration to the serving rate; kept as the cascade measured it")
+        fitted = moved
     return replace(fitted, other_cores=load.cores)
 
 
@@ -503,7 +510,8 @@ def at_serving_rate(fitted: Calibration, log: Iterable[BatchRecord], catalog: Ca
     ``fitted`` measured it for the other models. ``fitted`` as it is where ``log`` holds
     fewer than ``MIN_FIT_CALLS`` calls of ``model``."""
     log = list(log)
-    alone = fit_calibration(log, catalog)
+    # the wake-up as ``fitted`` found it (a call every 30 ms seldom finds its device idle)
+    alone = fit_calibration(log, catalog, wake=fitted.wake)
     if model not in alone.fits or model not in fitted.fits:
         return fitted
     back = np.array([q / (fitted.wake if woke(r.idle_before_s) else 1.0)
@@ -514,8 +522,7 @@ def at_serving_rate(fitted: Calibration, log: Iterable[BatchRecord], catalog: Ca
                 (b, float(np.clip(f * shift, *FACTOR_RANGE))) for b, f in pairs)
             for m, pairs in {**fitted.fits, model: alone.fits[model]}.items()}
     spread = {**fitted.spread, **{m: v for m, v in alone.spread.items() if m == model}}
-    return Calibration(fits, {**fitted.calls, model: fitted.calls.get(model, 0)
-                              + alone.calls[model]},
+    return Calibration(fits, {**fitted.calls, model: alone.calls[model]},
                        f"{fitted.source}; {what}: {model}'s calls x{shift:.2f} that level, "
                        "every model moved to it", fitted.other_cores, fitted.wake, spread)
 
