@@ -22,7 +22,7 @@ calibration.json, for `ken plan --calibration`).
 
 Writes DIR/call_spread.json and DIR/call_spread.png (latency CDFs per plan).
 
-    python benchmarks/call_spread.py --out DIR      # about 11 minutes with cached models
+    python benchmarks/call_spread.py --out DIR      # about 9 minutes with cached models
 """
 
 from __future__ import annotations
