@@ -267,6 +267,8 @@ def test_a_calibration_updated_by_serving_calls_keeps_the_models_they_did_not_ca
     assert cat.perf["b"].batch_runtime(1) == pytest.approx(1.3 * RT)
     assert first.updated(Calibration({**first.fits})).source == ""  # nothing kept from first
     assert first.updated(Calibration({})) is first  # a file that fitted nothing
+    measured = Calibration(first.fits, other_cores=0.1)  # the reading kept: the file has none
+    assert measured.updated(served).other_cores == 0.1
 
 
 def test_measure_calibration_serves_every_model_and_fits_what_it_saw() -> None:

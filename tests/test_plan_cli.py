@@ -245,7 +245,8 @@ def test_ken_plan_calibrates_by_default_and_records_it(home, fake_profiles, tmp_
     def measure(catalog: Any, loaders: Any, sample: Any, hardware: Any, seconds: float,
                 **_kw: Any) -> Calibration:
         measured.append((sorted(loaders), seconds, hardware.ids))
-        assert 0 < _kw["rate"] <= 30  # the planning trace's mean rate (its peak is 30 qps)
+        # the rate the planning trace's requests arrive in (its peak is 30 qps)
+        assert 0 < _kw["rate"] <= 30
         return Calibration({m: ((1, 1.5),) for m in loaders}, {m: 40 for m in loaders},
                            "stand-in replay")
 

@@ -185,7 +185,8 @@ class Calibration:
             return self
         return Calibration({**{m: self.fits[m] for m in keep}, **newer.fits},
                            {**{m: self.calls.get(m, 0) for m in keep}, **newer.calls},
-                           source, newer.other_cores, newer.wake,
+                           source, self.other_cores if newer.other_cores is None
+                           else newer.other_cores, newer.wake,
                            {**{m: v for m, v in self.spread.items() if m in keep},
                             **newer.spread})
 
@@ -431,7 +432,8 @@ def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: An
     rows arriving at once (``calibration_trace``), and fit the serving calls against the
     simulator's charges per batch size (``fit_calibration``).
 
-    With ``rate`` (the mean arrival rate the plans will serve), it then serves the cheapest
+    With ``rate`` (the rate the plans' requests will arrive in, e.g. ``Trace.request_qps``),
+    it then serves the cheapest
     model alone for ``AT_RATE_SHARE`` x ``seconds`` more, on ``rate`` arrivals (at most
     ``AT_RATE_MAX_LOAD`` of its capacity; not where ``rate`` is no faster than the cascade's
     own rows), and the fit is moved to that level
@@ -452,9 +454,9 @@ def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: An
     plan = calibration_plan(catalog, models, hardware, probe)
     per_row = sum(catalog.perf_on(m, plan.devices[0]).batch_runtime(1) for m in models)
     cascade_rate = CALIBRATION_LOAD * len(plan.devices) / per_row
+    trace = calibration_trace(cascade_rate, seconds, seed=seed)
     if rate is not None and rate <= cascade_rate:
         rate = None  # the cascade's rows already arrive as fast as the plans' will
-    trace = calibration_trace(cascade_rate, seconds, seed=seed)
     if rate is not None:
         cheapest = min(models, key=lambda m: catalog.perf[m].batch_runtime(1))
         alone = calibration_plan(catalog, [cheapest], hardware,
@@ -462,7 +464,10 @@ def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: An
         capacity = len(alone.devices) / catalog.perf_on(cheapest, alone.devices[0]
                                                         ).batch_runtime(1)
         at = min(rate, AT_RATE_MAX_LOAD * capacity)
-        at_trace = calibration_trace(at, seconds * AT_RATE_SHARE, seed=seed + 1)
+        if at <= cascade_rate:  # as fast as the cheapest model alone can take them
+            rate = None
+        else:
+            at_trace = calibration_trace(at, seconds * AT_RATE_SHARE, seed=seed + 1)
 
     def serve(attempt: int) -> Any:
         again = "" if attempt == 1 else f" (attempt {attempt} of {attempts})"
@@ -494,8 +499,10 @@ def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: An
         moved = at_serving_rate(fitted, at_rate.batch_log, catalog, cheapest,
                                 f"{len(at_trace)} rows of {cheapest} at {at:.1f}/s")
         if moved is fitted:
-            reporter.note(f"too few calls of {cheapest} at {at:.1f} rows/s to move the "
-                          "calibration to the serving rate; kept as the cascade measured it")
+            few = (f"{cheapest} at {at:.1f} rows/s" if cheapest in fitted.fits
+                   else f"{cheapest} in the cascade")
+            reporter.note(f"too few calls of {few} to move the calibration to the serving "
+                          "rate; kept as the cascade measured it")
         fitted = moved
     return replace(fitted, other_cores=load.cores)
 
