@@ -176,13 +176,15 @@ class Calibration:
         """This calibration with ``newer``'s fits (and spreads) for the models ``newer``
         fitted, and ``newer``'s wake-up factor: e.g. ``ken plan``'s calibration, which served
         every candidate model, updated by a replay's serving calls (``ken replay``'s
-        calibration.json), which fitted only the models of the plan it served."""
+        calibration.json), which fitted only the models of the plan it served. A ``newer``
+        that fitted nothing leaves this one as it is; this one's other-load reading is kept
+        where ``newer`` has none."""
+        if not newer.fits:
+            return self
         keep = [m for m in self.fits if m not in newer.fits]
         source = newer.source if not keep else (
             f"{newer.source or 'serving calls'}; {', '.join(keep)} from "
             f"{self.source or 'an earlier calibration'}")
-        if not newer.fits:
-            return self
         return Calibration({**{m: self.fits[m] for m in keep}, **newer.fits},
                            {**{m: self.calls.get(m, 0) for m in keep}, **newer.calls},
                            source, self.other_cores if newer.other_cores is None
@@ -433,13 +435,12 @@ def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: An
     simulator's charges per batch size (``fit_calibration``).
 
     With ``rate`` (the rate the plans' requests will arrive in, e.g. ``Trace.request_qps``),
-    it then serves the cheapest
-    model alone for ``AT_RATE_SHARE`` x ``seconds`` more, on ``rate`` arrivals (at most
-    ``AT_RATE_MAX_LOAD`` of its capacity; not where ``rate`` is no faster than the cascade's
-    own rows), and the fit is moved to that level
-    (``at_serving_rate``): a call runs slower when requests arrive faster (the router's and the
-    arrivals' share of the cores grows), which the cascade's few rows per second do not show
-    (``docs/results.md``, "Fits on serving calls").
+    it then serves the cheapest model alone for ``AT_RATE_SHARE`` x ``seconds`` more, on
+    ``rate`` arrivals (at most ``AT_RATE_MAX_LOAD`` of its capacity; not where that is no
+    faster than the cascade's own rows), and the fit is moved to that level
+    (``at_serving_rate``): a call runs slower when requests arrive faster (the router's and
+    the arrivals' share of the cores grows), which the cascade's few rows per second do not
+    show (``docs/results.md``, "Fits on serving calls").
 
     While it serves, ``other_load`` (``machine.OtherLoad``) reads how many cores other programs
     kept busy. At ``machine.BUSY_CORES`` or more the fit is for a busier machine than the one
