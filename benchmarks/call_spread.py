@@ -11,13 +11,13 @@ runtimes are calibrated as ``ken plan`` does by default (every model of the casc
 runtimes, with the calibration's factors alone (every call charged its mean, as before session
 34) and with the factors and the spread, over three simulator seeds; and on a second
 calibration made at ``--rate`` (``measure_calibration(rate=...)``, as `ken plan` calibrates
-since session 35: half the seconds serve the cheapest model alone at that rate, and every model
-is moved to the level its calls ran at). The serving calls are also compared with the
-calibrated charge: their mean ratio (how far the calibration's level is from serving) and what
-is left after it (the spread serving shows against the one the calibration fitted), split by
-whether the other worker was computing at the same time. Then each replay is compared with
-simulations on runtimes fitted on serving calls, out of sample (``served_fits``): the same
-plan's other replays, and the other plan's replays (what `ken replay` writes as
+since session 35: after the cascade, the cheapest model alone at that rate for half as long
+again, and every model moved to the level its calls ran at). The serving calls are also
+compared with the calibrated charge: their mean ratio (how far the calibration's level is from
+serving) and what is left after it (the spread serving shows against the one the calibration
+fitted), split by whether the other worker was computing at the same time. Then each replay is
+compared with simulations on runtimes fitted on serving calls, out of sample (``served_fits``):
+the same plan's other replays, and the other plan's replays (what `ken replay` writes as
 calibration.json, for `ken plan --calibration`).
 
 Writes DIR/call_spread.json and DIR/call_spread.png (latency CDFs per plan).
@@ -50,6 +50,7 @@ from ken.engine.supervision import BatchRecord  # noqa: E402
 from ken.optimizer.perf import Catalog, woke  # noqa: E402
 from ken.optimizer.simulator import sample_rows, simulate_many  # noqa: E402
 from ken.optimizer.workload import Trace, poisson_trace  # noqa: E402
+from ken.policy.plan import GearPlan  # noqa: E402
 from ken.progress import Reporter  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "call_spread"
@@ -136,7 +137,7 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
             entry["calls"].append(serving_calls(list(served.batch_log), spread))
             logs[name].append(list(served.batch_log))
     if args.replays > 1:
-        served_fits(out, plans, logs, calibration, at_rate, catalog, trace, rows, routes)
+        served_fits(out, plans, logs, calibration, catalog, trace, rows, routes)
     for entry in out["plans"].values():
         measured = {k: float(np.median([r[k] for r in entry["replays"]]))
                     for k in ("p50_ms", "p95_ms", "p99_ms")}
@@ -147,8 +148,7 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
 
 
 def served_fits(out: dict, plans: dict, logs: dict[str, list[list[BatchRecord]]],
-                calibration: Calibration, at_rate: Calibration, catalog: Catalog,
-                trace: Trace,
+                calibration: Calibration, catalog: Catalog, trace: Trace,
                 rows: np.ndarray, routes: list) -> None:
     """Each replay against simulations on runtimes fitted on *serving* calls, out of sample:
     the same plan's other replays (another minute of the same load), and every replay of the
@@ -156,32 +156,39 @@ def served_fits(out: dict, plans: dict, logs: dict[str, list[list[BatchRecord]]]
     fits kept for the models those calls did not run (``Calibration.updated``). Beside them,
     the same replay against the calibrations' simulations (``ken plan``'s, and the one at the
     serving rate), so every error is per replay."""
+    def simulated(plan: GearPlan, fit: Calibration) -> dict[str, float]:
+        sims = [percentiles(1000 * simulate_many([plan], [fit.apply(catalog)], trace, seed=s,
+                                                 rows=rows, routes=routes).latency_s)
+                for s in range(3)]
+        return {k: float(np.median([x[k] for x in sims])) for k in sims[0]}
+
     for name, plan in plans.items():
-        other = [x for n, ls in logs.items() if n != name for log in ls for x in log]
         entry = out["plans"][name]
-        fits: dict[str, list] = {"calibrated with spread": [], "served: same plan, other "
-                                 "replays": [], "served: the other plan": []}
+        # the same for every replay: the calibrations' simulations (made in ``run``, on the
+        # same arrivals, rows and seeds) and the fit on the other plan's calls
+        other = calibration.updated(fit_calibration(
+            [x for n, ls in logs.items() if n != name for log in ls for x in log], catalog,
+            "served: the other plan"))
+        fixed = {"calibrated with spread": entry["simulated"]["calibrated with spread"],
+                 "calibrated at the serving rate":
+                     entry["simulated"]["calibrated at the serving rate"],
+                 "served: the other plan": simulated(plan, other)}
+        fits: dict[str, list] = {"served: same plan, other replays": [],
+                                 "served: the other plan": []}
         per_replay = []
         for r, measured in enumerate(entry["replays"]):
-            same = [x for k, log in enumerate(logs[name]) if k != r for x in log]
-            cats = {"calibrated with spread": calibration.apply(catalog),
-                    "calibrated at the serving rate": at_rate.apply(catalog)}
-            for label, log in (("served: same plan, other replays", same),
-                               ("served: the other plan", other)):
-                fit = calibration.updated(fit_calibration(log, catalog, label))
-                fits[label].append(fit.describe())
-                cats[label] = fit.apply(catalog)
-            errors = {}
-            for label, cat in cats.items():
-                sims = [percentiles(1000 * simulate_many([plan], [cat], trace, seed=s,
-                                                         rows=rows, routes=routes).latency_s)
-                        for s in range(3)]
-                sim = {k: float(np.median([x[k] for x in sims])) for k in sims[0]}
-                errors[label] = {"simulated": sim, "error": {
-                    k: sim[k] / measured[k] - 1 for k in ("p50_ms", "p95_ms", "p99_ms")}}
-            per_replay.append(errors)
+            same = calibration.updated(fit_calibration(
+                [x for k, log in enumerate(logs[name]) if k != r for x in log], catalog,
+                "served: same plan, other replays"))
+            fits["served: same plan, other replays"].append(same.describe())
+            fits["served: the other plan"].append(other.describe())
+            sims = {**fixed, "served: same plan, other replays": simulated(plan, same)}
+            per_replay.append({label: {"simulated": sims[label], "error": {
+                k: sims[label][k] / measured[k] - 1 for k in ("p50_ms", "p95_ms", "p99_ms")}}
+                for label in ("calibrated with spread", "calibrated at the serving rate",
+                              "served: same plan, other replays", "served: the other plan")})
         entry["per_replay"] = per_replay
-        entry["served_fits"] = {k: v for k, v in fits.items() if v}
+        entry["served_fits"] = fits
         entry["per_replay_abs_error_median"] = {
             label: {k: float(np.median([abs(e[label]["error"][k]) for e in per_replay]))
                     for k in ("p50_ms", "p95_ms", "p99_ms")}

@@ -51,9 +51,8 @@ call's ratio to its size-scaled profiled runtime fitted per batch size); every s
 and simulated with the calibrated catalog. Each workload's replayed plans are also simulated on
 a second calibration measured at the rate its planning window's requests arrive in
 (``Trace.request_qps``; ``measure_calibration(rate=...)``, as ``ken plan`` calibrates since
-session 35; ``fidelity``'s ``error_at_rate``), so the
-two calibrations' predictions are compared on the same replays; with ``--calibration FILE`` it
-is not measured.
+session 35; ``fidelity``'s ``error_at_rate``), so the two calibrations' predictions are
+compared on the same replays; with ``--calibration FILE`` it is not measured.
 
 Writes ``OUT/summary.json`` (``points``: workload, baseline, accuracies, measured and simulated
 ratios, replays, spread; ``fidelity``: simulated against measured p95 of every replayed plan;

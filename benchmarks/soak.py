@@ -100,10 +100,11 @@ def soak_setup(reporter: Reporter) -> tuple[Catalog, list, Hardware, dict, Any]:
 
 
 def family_calibration(reporter: Reporter, seed: int, seconds: float,
-                       rate: float | None = None) -> Calibration:
+                       rate: float | None = None, setup: tuple | None = None) -> Calibration:
     """The runtimes of every model of the family's cascades calibrated as ``ken plan`` does
-    (``measure_calibration``; with ``rate``, at that serving rate too)."""
-    catalog, cascades, hardware, loaders, sample = soak_setup(reporter)
+    (``measure_calibration``; with ``rate``, at that serving rate too), on ``setup``
+    (``soak_setup``'s, made here when not given)."""
+    catalog, cascades, hardware, loaders, sample = setup or soak_setup(reporter)
     models = {m for c in cascades for m in c.models}
     calibration = measure_calibration(catalog, {m: loaders[m] for m in models}, sample,
                                       hardware, seconds, seed=seed + 1, reporter=reporter,
@@ -119,10 +120,11 @@ def plans_to_serve(reporter: Reporter, seed: int, calibration_s: float = 0.0,
     runtimes are calibrated first, as ``ken plan`` does by default (``measure_calibration``:
     every model of the cascades served for that long), and planned on unless
     ``plan_calibrated`` is False; else the profiles' are planned on."""
-    catalog, cascades, hardware, loaders, sample = soak_setup(reporter)
+    setup = soak_setup(reporter)
+    catalog, cascades, hardware, loaders, sample = setup
     calibration, planned = None, catalog
     if calibration_s > 0:
-        calibration = family_calibration(reporter, seed, calibration_s)
+        calibration = family_calibration(reporter, seed, calibration_s, setup=setup)
         if plan_calibrated:
             planned = calibration.apply(catalog)
     peak = default_peak_qps(planned, cascades, PLAN_CORES)
