@@ -271,10 +271,24 @@ def test_a_calibration_updated_by_serving_calls_keeps_the_models_they_did_not_ca
     assert measured.updated(served).other_cores == 0.1
 
 
+def _sleeping_models(rows: int, bases: dict[str, float]) -> tuple[Catalog, dict]:
+    """Profiles of ``base`` + 1 ms per row for each model of ``bases`` over ``rows`` rows, and
+    loaders of fake models whose calls sleep twice that."""
+    import functools
+
+    import fakes
+
+    perf = {m: ModelPerf(m, (1, 8), ((base + 0.001, base + 0.008),), (1000,))
+            for m, base in bases.items()}
+    cat = Catalog(perf, {m: np.ones(rows) for m in perf},
+                  {m: np.full((rows, 3), 1 / 3) for m in perf}, "t")
+    return cat, {m: functools.partial(fakes.SlowModel, m, 2 * base, 0.002)
+                 for m, base in bases.items()}
+
+
 def test_measure_calibration_serves_every_model_and_fits_what_it_saw() -> None:
     """The engine, process workers and fake models whose calls sleep twice as long as their
     profile says: the fit finds a factor near 2 for both (a sleep does not contend)."""
-    import functools
 
     import fakes
 
@@ -286,12 +300,7 @@ def test_measure_calibration_serves_every_model_and_fits_what_it_saw() -> None:
     sample = LabelledSample("t", tuple(f"row {i} " + "x" * (i % 7) for i in range(rows)),
                             np.arange(rows) % 3, fakes.LABELS)
     # the profiles: a 5 ms + 1 ms per row, b 10 ms + 1 ms per row; the models take twice that
-    perf = {m: ModelPerf(m, (1, 8), ((base + 0.001, base + 0.008),), (1000,))
-            for m, base in (("a", 0.005), ("b", 0.010))}
-    cat = Catalog(perf, {m: np.ones(rows) for m in perf},
-                  {m: np.full((rows, 3), 1 / 3) for m in perf}, "t")
-    loaders = {m: functools.partial(fakes.SlowModel, m, 2 * base, 0.002)
-               for m, base in (("a", 0.005), ("b", 0.010))}
+    cat, loaders = _sleeping_models(rows, {"a": 0.005, "b": 0.010})
     cal = measure_calibration(cat, loaders, sample, Hardware.cpu_workers(2, 2**30),
                               seconds=3.0, workers="process")
     assert set(cal.fits) == {"a", "b"}
@@ -328,7 +337,6 @@ def test_a_calibration_moved_to_the_serving_rate_scales_every_model_by_the_cheap
 def test_measure_calibration_at_a_rate_serves_the_cheapest_model_alone_at_it() -> None:
     """With ``rate`` the calibration also serves the cheapest model alone at that rate (fake
     models that sleep twice their profile: the same level either way), and says so."""
-    import functools
 
     import fakes
 
@@ -339,12 +347,7 @@ def test_measure_calibration_at_a_rate_serves_the_cheapest_model_alone_at_it() -
     rows = 40
     sample = LabelledSample("t", tuple(f"row {i}" for i in range(rows)), np.arange(rows) % 3,
                             fakes.LABELS)
-    perf = {m: ModelPerf(m, (1, 8), ((base + 0.001, base + 0.008),), (1000,))
-            for m, base in (("a", 0.004), ("b", 0.008))}
-    cat = Catalog(perf, {m: np.ones(rows) for m in perf},
-                  {m: np.full((rows, 3), 1 / 3) for m in perf}, "t")
-    loaders = {m: functools.partial(fakes.SlowModel, m, 2 * base, 0.002)
-               for m, base in (("a", 0.004), ("b", 0.008))}
+    cat, loaders = _sleeping_models(rows, {"a": 0.004, "b": 0.008})
     hardware = Hardware.cpu_workers(2, 2**30)
     said = fakes.Warnings()
     cal = measure_calibration(cat, loaders, sample, hardware, seconds=3.0, rate=150.0,
