@@ -106,8 +106,8 @@ def test_the_simulator_charges_long_rows_more_and_knows_nothing_without_sizes() 
 
 
 def _log(factors: dict[int, float], n: int = 300, seed: int = 0, wake: float = 1.0,
-         noise_sd: float = 0.05) -> list[BatchRecord]:
-    """Calls of model "a" of 1-4 rows (the sizes ``factors`` has), each ``factors[rows] x
+         noise_sd: float = 0.05, model: str = "a") -> list[BatchRecord]:
+    """Calls of ``model`` of 1-4 rows (the sizes ``factors`` has), each ``factors[rows] x
     predicted`` long times a noise factor (median 1, ``noise_sd``), with two stalls of a
     second; every other call after 0.2 s of idle and ``wake`` times longer, the rest back to
     back."""
@@ -117,11 +117,11 @@ def _log(factors: dict[int, float], n: int = 300, seed: int = 0, wake: float = 1
     out = []
     for i in range(n):
         idle = 0.2 if i % 2 else 0.0
-        r = BatchRecord("d0", "a", int(sizes[rng.integers(len(sizes))]), i * 1.0, i * 1.0,
+        r = BatchRecord("d0", model, int(sizes[rng.integers(len(sizes))]), i * 1.0, i * 1.0,
                         idle)
         noise = 1.0 + noise_sd * rng.standard_normal() + (100.0 if i in (7, 90) else 0.0)
         noise *= wake if idle else 1.0
-        out.append(BatchRecord("d0", "a", r.rows, r.start_s,
+        out.append(BatchRecord("d0", model, r.rows, r.start_s,
                                r.start_s + factors[r.rows] * predicted_s(r, cat) * noise, idle))
     return out
 
@@ -312,31 +312,46 @@ def test_measure_calibration_serves_every_model_and_fits_what_it_saw() -> None:
     assert "every model" in cal.source
 
 
-def test_a_calibration_moved_to_the_serving_rate_scales_every_model_by_the_cheap_ones_calls(
-        ) -> None:
-    """The cheapest model's calls at the plans' rate ran 1.25x what the calibration charged
-    them: it is fitted on them (its factors and spread), and every other model's factors are
-    1.25x (their spreads kept); too few calls leave the calibration as it was."""
+def test_a_calibration_moved_to_the_serving_rate_fits_each_model_on_its_calls_there() -> None:
+    """Each model's calls at the plans' rate: ``a``'s ran 1.25x what the calibration charged,
+    ``b``'s 1.5x; each is fitted on its own calls (factors and spread), and a model served
+    there with too few calls (``c``: none) moves by their call-weighted mean shift, its
+    spread kept; no model with enough calls leaves the calibration as it was."""
     from ken.engine.calibrate import at_serving_rate
 
-    fitted = Calibration({"a": ((1, 0.8), (2, 0.8)), "b": ((1, 1.5), (4, 2.0))},
-                         {"a": 40, "b": 30}, "cascade", wake=1.1,
-                         spread={"b": (0.9, 1.1)})
-    log = _log({1: 1.0, 2: 1.0}, n=400, wake=1.1)  # 1.25 x the fitted 0.8, woken x1.1
-    moved = at_serving_rate(fitted, log, catalog(None), "a", "400 rows of a")
-    shift = moved.fits["b"][0][1] / 1.5
-    assert shift == pytest.approx(1.25, rel=0.03)
-    assert moved.fits["b"][1][1] == pytest.approx(2.0 * shift)
-    assert moved.factor("a", 1) == pytest.approx(1.0, rel=0.03)  # fitted on the calls
-    assert moved.spread["b"] == (0.9, 1.1) and len(moved.spread["a"]) == SPREAD_POINTS
-    assert moved.calls == {"a": 400, "b": 30} and moved.wake == 1.1
-    assert "400 rows of a: a's calls x1.2" in moved.source
-    assert at_serving_rate(fitted, log[:5], catalog(None), "a", "few") is fitted
+    fitted = Calibration({"a": ((1, 0.8), (2, 0.8)), "b": ((1, 1.0), (2, 1.0)),
+                          "c": ((1, 1.5), (4, 2.0))},
+                         {"a": 40, "b": 40, "c": 30}, "cascade", wake=1.1,
+                         spread={"c": (0.9, 1.1)})
+    logs = {"a": _log({1: 1.0, 2: 1.0}, n=400, wake=1.1),  # 1.25 x the fitted 0.8, woken x1.1
+            "b": _log({1: 1.5, 2: 1.5}, n=200, wake=1.1, model="b", seed=1)}
+    moved = at_serving_rate(fitted, logs, catalog(None), "at the rate")
+    assert moved.shifts["a"] == pytest.approx(1.25, rel=0.03)
+    assert moved.shifts["b"] == pytest.approx(1.5, rel=0.03)
+    rest = moved.calibration.fits["c"][0][1] / 1.5
+    assert rest == pytest.approx((400 * 1.25 + 200 * 1.5) / 600, rel=0.03)
+    assert moved.calibration.fits["c"][1][1] == pytest.approx(2.0 * rest)
+    assert moved.calibration.factor("a", 1) == pytest.approx(1.0, rel=0.03)  # on the calls
+    assert moved.calibration.factor("b", 2) == pytest.approx(1.5, rel=0.03)
+    assert moved.calibration.spread["c"] == (0.9, 1.1)
+    assert len(moved.calibration.spread["a"]) == len(moved.calibration.spread["b"]) == \
+        SPREAD_POINTS
+    assert moved.calibration.calls == {"a": 400, "b": 200, "c": 30}
+    assert moved.calibration.wake == 1.1
+    assert "charge a x1.2" in moved.calibration.source and "b x1." in moved.calibration.source
+    assert "every other model moved x1.3" in moved.calibration.source
+    few = at_serving_rate(fitted, {"a": logs["a"][:5]}, catalog(None), "few")
+    assert few.calibration is fitted and few.shifts == {}
+    # every model fitted there: none moved by the others' shift
+    both = at_serving_rate(Calibration({m: fitted.fits[m] for m in "ab"}, wake=1.1), logs,
+                           catalog(None), "both")
+    assert "every other model" not in both.calibration.source
 
 
-def test_measure_calibration_at_a_rate_serves_the_cheapest_model_alone_at_it() -> None:
-    """With ``rate`` the calibration also serves the cheapest model alone at that rate (fake
-    models that sleep twice their profile: the same level either way), and says so."""
+def test_measure_calibration_at_a_rate_serves_each_model_alone_at_it() -> None:
+    """With ``rate`` the calibration also serves each model alone at that rate, capped at 0.8
+    of its capacity (fake models that sleep twice their profile: the same level either way),
+    and says so."""
 
     import fakes
 
@@ -352,13 +367,15 @@ def test_measure_calibration_at_a_rate_serves_the_cheapest_model_alone_at_it() -
     said = fakes.Warnings()
     cal = measure_calibration(cat, loaders, sample, hardware, seconds=3.0, rate=150.0,
                               workers="thread", reporter=said)
-    assert "a at 150.0/s" in cal.source and "every model moved" in cal.source, cal.source
-    assert any("at the serving rate" in n and "150.0 rows/s" in n for n in said.notes)
+    assert "a at 150.0/s" in cal.source and "b at 1" in cal.source, cal.source
+    assert "fitted on those calls" in cal.source, cal.source
+    for m in ("a", "b"):  # each model alone, at most 0.8 of its capacity
+        assert any("at the serving rate" in n and f"through {m} " in n for n in said.notes)
     for m in ("a", "b"):  # (thread workers: a busy machine can slow the sleeps' wake-ups)
         assert 1.6 < cal.factor(m, 1) < 3.5, cal.describe()
     slow = measure_calibration(cat, loaders, sample, hardware, seconds=2.0, rate=1.0,
                                workers="thread")
-    assert "every model moved" not in slow.source  # 1 row/s: the cascade's rows are faster
+    assert "serving rate" not in slow.source  # 1 row/s: the cascade's rows are faster
     with pytest.raises(KenError, match="serving rate must be > 0"):
         measure_calibration(cat, loaders, sample, hardware, rate=0.0)
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -417,11 +417,35 @@ def calibration_trace(rate: float, seconds: float, seed: int = 0) -> Trace:
                  f"{BURST_EVERY_S:g} s")
 
 
-#: with ``measure_calibration(rate=...)``: how long it serves the cheapest model alone at the
-#: rate the plans will serve, as a share of its ``seconds`` (on top of them), and the most of
-#: that model's capacity offered
+#: with ``measure_calibration(rate=...)``: how long it serves each model alone at the rate
+#: the plans will serve, as a share of its ``seconds`` (on top of them, per model), and the
+#: most of that model's capacity offered
 AT_RATE_SHARE = 0.5
 AT_RATE_MAX_LOAD = 0.8
+
+
+class _AtRate(NamedTuple):
+    """One model served alone at the serving rate: its plan, rate and arrivals."""
+    model: str
+    plan: GearPlan
+    rate: float
+    trace: Trace
+
+
+def _at_rate_parts(catalog: Catalog, models: Sequence[str], hardware: Hardware, rate: float,
+                   faster_than: float, seconds: float, seed: int) -> list[_AtRate]:
+    """Per model, cheapest first: the model alone, placed by ken, on bursty arrivals at
+    ``rate`` (at most ``AT_RATE_MAX_LOAD`` of its capacity there); none for a model whose
+    capped rate is no faster than ``faster_than`` (the cascade's own rows)."""
+    parts = []
+    for i, m in enumerate(sorted(models, key=lambda m: catalog.perf[m].batch_runtime(1))):
+        alone = calibration_plan(catalog, [m], hardware, gamma_trace(rate, 10.0, 2.0, seed=seed))
+        capacity = len(alone.devices) / catalog.perf_on(m, alone.devices[0]).batch_runtime(1)
+        at = min(rate, AT_RATE_MAX_LOAD * capacity)
+        if at > faster_than:
+            parts.append(_AtRate(m, alone, at, calibration_trace(
+                at, seconds * AT_RATE_SHARE, seed=seed + 1 + i)))
+    return parts
 
 
 def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: Any,
@@ -435,12 +459,13 @@ def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: An
     simulator's charges per batch size (``fit_calibration``).
 
     With ``rate`` (the rate the plans' requests will arrive in, e.g. ``Trace.request_qps``),
-    it then serves the cheapest model alone for ``AT_RATE_SHARE`` x ``seconds`` more, on
-    ``rate`` arrivals (at most ``AT_RATE_MAX_LOAD`` of its capacity; not where that is no
-    faster than the cascade's own rows), and the fit is moved to that level
-    (``at_serving_rate``): a call runs slower when requests arrive faster (the router's and
-    the arrivals' share of the cores grows), which the cascade's few rows per second do not
-    show (``docs/results.md``, "Fits on serving calls").
+    it then serves each model alone for ``AT_RATE_SHARE`` x ``seconds`` more, cheapest
+    first, on ``rate`` arrivals (at most ``AT_RATE_MAX_LOAD`` of that model's capacity; not
+    where that is no faster than the cascade's own rows), and each model's fit is moved to
+    the level of its own calls there (``at_serving_rate``): a call runs slower when requests
+    arrive faster (the router's and the arrivals' share of the cores grows, both workers
+    compute at once), which the cascade's few rows per second do not show, and by how much
+    differs per model (``docs/results.md``, "Fits on serving calls").
 
     While it serves, ``other_load`` (``machine.OtherLoad``) reads how many cores other programs
     kept busy. At ``machine.BUSY_CORES`` or more the fit is for a busier machine than the one
@@ -456,19 +481,8 @@ def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: An
     per_row = sum(catalog.perf_on(m, plan.devices[0]).batch_runtime(1) for m in models)
     cascade_rate = CALIBRATION_LOAD * len(plan.devices) / per_row
     trace = calibration_trace(cascade_rate, seconds, seed=seed)
-    if rate is not None and rate <= cascade_rate:
-        rate = None  # the cascade's rows already arrive as fast as the plans' will
-    if rate is not None:
-        cheapest = min(models, key=lambda m: catalog.perf[m].batch_runtime(1))
-        alone = calibration_plan(catalog, [cheapest], hardware,
-                                 gamma_trace(rate, 10.0, 2.0, seed=seed))
-        capacity = len(alone.devices) / catalog.perf_on(cheapest, alone.devices[0]
-                                                        ).batch_runtime(1)
-        at = min(rate, AT_RATE_MAX_LOAD * capacity)
-        if at <= cascade_rate:  # as fast as the cheapest model alone can take them
-            rate = None
-        else:
-            at_trace = calibration_trace(at, seconds * AT_RATE_SHARE, seed=seed + 1)
+    parts = ([] if rate is None else
+             _at_rate_parts(catalog, models, hardware, rate, cascade_rate, seconds, seed))
 
     def serve(attempt: int) -> Any:
         again = "" if attempt == 1 else f" (attempt {attempt} of {attempts})"
@@ -480,15 +494,18 @@ def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: An
         options = {"admission": "max_in_flight", "standby": False, **engine_options}
         first = serve_trace(plan, loaders, trace, sample, seed=seed, reporter=reporter,
                             **options)
-        if rate is None:
-            return first, None
-        reporter.note(f"calibrating runtimes at the serving rate: {len(at_trace)} rows through "
-                      f"{cheapest} on {len(alone.devices)} workers, {at:.1f} rows/s and "
-                      f"bursts for {seconds * AT_RATE_SHARE:g} s" + again)
-        return first, serve_trace(alone, {cheapest: loaders[cheapest]}, at_trace, sample,
-                                  seed=seed, reporter=reporter, **options)
+        logs = {}
+        for part in parts:
+            reporter.note(f"calibrating runtimes at the serving rate: {len(part.trace)} rows "
+                          f"through {part.model} on {len(part.plan.devices)} workers, "
+                          f"{part.rate:.1f} rows/s and bursts for "
+                          f"{seconds * AT_RATE_SHARE:g} s" + again)
+            logs[part.model] = serve_trace(part.plan, {part.model: loaders[part.model]},
+                                           part.trace, sample, seed=seed, reporter=reporter,
+                                           **options).batch_log
+        return first, logs
 
-    (served, at_rate), load, attempt = least_loaded(
+    (served, logs), load, attempt = least_loaded(
         serve, "calibrating", attempts, other_load, reporter.note, reporter.warn,
         "calibrate again on a quiet machine, or plan with --no-calibration")
     where = (("" if load.cores is None else f", other programs {load.cores:.2f} cores")
@@ -496,43 +513,65 @@ def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: An
     fitted = fit_calibration(served.batch_log, catalog,
                              f"{len(trace)} rows at {cascade_rate:.1f}/s and bursts through "
                              f"every model, {len(served.batch_log)} calls" + where)
-    if at_rate is not None:
-        moved = at_serving_rate(fitted, at_rate.batch_log, catalog, cheapest,
-                                f"{len(at_trace)} rows of {cheapest} at {at:.1f}/s")
-        if moved is fitted:
-            few = (f"{cheapest} at {at:.1f} rows/s" if cheapest in fitted.fits
-                   else f"{cheapest} in the cascade")
-            reporter.note(f"too few calls of {few} to move the calibration to the serving "
-                          "rate; kept as the cascade measured it")
-        fitted = moved
+    if parts:
+        moved = at_serving_rate(fitted, logs, catalog, "at the serving rate: " + ", ".join(
+            f"{len(p.trace)} rows of {p.model} at {p.rate:.1f}/s" for p in parts))
+        few = [p.model for p in parts if p.model not in moved.shifts]
+        if few:
+            reporter.note(f"too few calls of {', '.join(few)} at the serving rate to fit "
+                          + ("it there" if len(few) == 1 else "them there")
+                          + ("; kept as the cascade measured" if not moved.shifts else
+                             "; moved as the others' calls were"))
+        fitted = moved.calibration
     return replace(fitted, other_cores=load.cores)
 
 
-def at_serving_rate(fitted: Calibration, log: Iterable[BatchRecord], catalog: Catalog,
-                    model: str, what: str) -> Calibration:
-    """``fitted`` moved to the level of ``log``'s calls of ``model`` (served alone at the rate
-    the plans will serve): ``model``'s factors and spread fitted on those calls, and every
-    other model's factors times how much slower those calls ran than ``fitted`` charges them
-    (back to back, the slowest 1% left out). Every model's calls pay the share of the cores
-    the router and the arrivals take at that rate; each call's own spread is kept as
-    ``fitted`` measured it for the other models. ``fitted`` as it is where ``log`` holds
-    fewer than ``MIN_FIT_CALLS`` calls of ``model``."""
-    log = list(log)
-    # the wake-up as ``fitted`` found it (a call every 30 ms seldom finds its device idle)
-    alone = fit_calibration(log, catalog, wake=fitted.wake)
-    if model not in alone.fits or model not in fitted.fits:
-        return fitted
-    back = np.array([q / (fitted.wake if woke(r.idle_before_s) else 1.0)
-                     / fitted.factor(model, r.rows)
-                     for r, q in runtime_ratios(log, catalog)[model]])
-    shift = float(back[_not_slowest(back)].mean())
-    fits = {m: pairs if m == model else tuple(
-                (b, float(np.clip(f * shift, *FACTOR_RANGE))) for b, f in pairs)
-            for m, pairs in {**fitted.fits, model: alone.fits[model]}.items()}
-    spread = {**fitted.spread, **{m: v for m, v in alone.spread.items() if m == model}}
-    return Calibration(fits, {**fitted.calls, model: alone.calls[model]},
-                       f"{fitted.source}; {what}: {model}'s calls x{shift:.2f} that level, "
-                       "every model moved to it", fitted.other_cores, fitted.wake, spread)
+class AtServingRate(NamedTuple):
+    """What ``at_serving_rate`` returns: the calibration moved, and per model fitted on its
+    calls at the rate how much slower they ran than the first calibration charged them."""
+    calibration: Calibration
+    shifts: Mapping[str, float]
+
+
+def at_serving_rate(fitted: Calibration, logs: Mapping[str, Iterable[BatchRecord]],
+                    catalog: Catalog, what: str) -> AtServingRate:
+    """``fitted`` moved to the level of ``logs[model]``'s calls (each model served alone at
+    the rate the plans will serve): per model with ``MIN_FIT_CALLS`` calls there or more
+    (and fitted in ``fitted``), its factors and spread fitted on those calls; every other
+    model's factors times the mean of those models' shifts, weighted by their calls (a shift:
+    how much slower a model's calls ran than ``fitted`` charges them, back to back, the
+    slowest 1% left out; every model's calls pay the share of the cores the router and the
+    arrivals take at that rate). The other models' spreads are kept as ``fitted`` measured
+    them. ``fitted`` as it is, with no shifts, where no model has enough calls."""
+    alone, shifts, calls = {}, {}, {}
+    for model, log in logs.items():
+        log = list(log)
+        # the wake-up as ``fitted`` found it (a call every 30 ms seldom finds its device idle)
+        fit = fit_calibration(log, catalog, wake=fitted.wake)
+        if model not in fit.fits or model not in fitted.fits:
+            continue
+        back = np.array([q / (fitted.wake if woke(r.idle_before_s) else 1.0)
+                         / fitted.factor(model, r.rows)
+                         for r, q in runtime_ratios(log, catalog)[model]])
+        alone[model] = fit
+        shifts[model] = float(back[_not_slowest(back)].mean())
+        calls[model] = fit.calls[model]
+    if not shifts:
+        return AtServingRate(fitted, {})
+    rest = sum(shifts[m] * calls[m] for m in shifts) / sum(calls.values())
+    fits = {m: alone[m].fits[m] if m in alone else tuple(
+                (b, float(np.clip(f * rest, *FACTOR_RANGE))) for b, f in pairs)
+            for m, pairs in fitted.fits.items()}
+    spread = {**fitted.spread, **{m: alone[m].spread[m] for m in alone
+                                  if m in alone[m].spread}}
+    moved = ", ".join(f"{m} x{s:.2f}" for m, s in shifts.items())
+    others = ("" if set(fitted.fits) <= set(shifts) else
+              f"; every other model moved x{rest:.2f}")
+    return AtServingRate(
+        Calibration(fits, {**fitted.calls, **calls},
+                    f"{fitted.source}; {what}: fitted on those calls (the cascade's charge "
+                    f"{moved}){others}", fitted.other_cores, fitted.wake, spread),
+        shifts)
 
 
 CALIBRATION_KIND = "ken-runtime-calibration"
