@@ -11,8 +11,9 @@ runtimes are calibrated as ``ken plan`` does by default (every model of the casc
 runtimes, with the calibration's factors alone (every call charged its mean, as before session
 34) and with the factors and the spread, over three simulator seeds; and on a second
 calibration made at ``--rate`` (``measure_calibration(rate=...)``, as `ken plan` calibrates
-since session 35: after the cascade, the cheapest model alone at that rate for half as long
-again, and every model moved to the level its calls ran at). The serving calls are also
+since session 35: after the cascade, each model alone at that rate for half as long again,
+and each model fitted on its calls there; session 35 served the cheapest model alone and moved
+every model to the level its calls ran at). The serving calls are also
 compared with the calibrated charge: their mean ratio (how far the calibration's level is from
 serving) and what is left after it (the spread serving shows against the one the calibration
 fitted), split by whether the other worker was computing at the same time. Then each replay is
@@ -38,7 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from soak import family_calibration, plans_to_serve  # noqa: E402 - the soak's plans
+from soak import family_calibration_calls, plans_to_serve  # noqa: E402 - the soak's plans
 
 from ken.engine.calibrate import (  # noqa: E402
     Calibration,
@@ -55,6 +56,10 @@ from ken.progress import Reporter  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "call_spread"
 QUANTILES = (50, 95, 99)
+
+
+#: session 35's calibration at the serving rate: the cheapest model's calls there moved every model
+AT_CHEAPEST = "at the serving rate, the cheapest model's shift"
 
 
 def percentiles(ms: np.ndarray) -> dict[str, float]:
@@ -90,18 +95,27 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
     # the plans of sessions 32-33 (on the profiles), and the calibration `ken plan` makes
     main, fast, used, sample, calibration, catalog = plans_to_serve(
         reporter, args.seed, args.calibration_s, plan_calibrated=False)
-    # the calibration at the serving rate (``measure_calibration(rate=...)``)
-    at_rate = family_calibration(reporter, args.seed, args.calibration_s, args.rate)
+    # the calibration at the serving rate (``measure_calibration(rate=...)``): each model
+    # fitted on its own calls there, and (session 35's form) every model moved by the
+    # cheapest one's calls, on the same calls
+    at_calls = family_calibration_calls(reporter, args.seed, args.calibration_s, args.rate)
+    at_rate = at_calls.moved(reporter=reporter)
+    cheapest = min(at_calls.at_rate, key=lambda m: catalog.perf[m].batch_runtime(1))
+    at_cheapest = at_calls.moved([cheapest])
+    reporter.note(f"runtimes calibrated at the serving rate: {at_rate.describe()}")
     spread = calibration.apply(catalog)
     level = catalog.with_perf({m: replace(p, spread=()) for m, p in spread.perf.items()})
     catalogs = {"profiles": catalog, "calibrated, no spread": level,
                 "calibrated with spread": spread,
-                "calibrated at the serving rate": at_rate.apply(catalog)}
+                "calibrated at the serving rate": at_rate.apply(catalog),
+                AT_CHEAPEST: at_cheapest.apply(catalog)}
     trace = poisson_trace(args.rate, args.seconds, seed=args.seed + 5)
     plans = {"fast": fast, "main": main}
     out: dict = {"args": {k: str(v) for k, v in vars(args).items()},
                  "calibration": calibration.describe(), "requests": len(trace),
                  "calibration_at_rate": f"{at_rate.describe()} ({at_rate.source})",
+                 "calibration_at_rate_cheapest":
+                     f"{at_cheapest.describe()} ({at_cheapest.source})",
                  "calibration_spread": {m: {"p95": float(np.percentile(v, 95)),
                                             "p99": float(np.percentile(v, 99))}
                                         for m, v in calibration.spread.items()},
@@ -172,6 +186,7 @@ def served_fits(out: dict, plans: dict, logs: dict[str, list[list[BatchRecord]]]
         fixed = {"calibrated with spread": entry["simulated"]["calibrated with spread"],
                  "calibrated at the serving rate":
                      entry["simulated"]["calibrated at the serving rate"],
+                 AT_CHEAPEST: entry["simulated"][AT_CHEAPEST],
                  "served: the other plan": simulated(plan, other)}
         fits: dict[str, list] = {"served: same plan, other replays": [],
                                  "served: the other plan": []}
@@ -186,7 +201,8 @@ def served_fits(out: dict, plans: dict, logs: dict[str, list[list[BatchRecord]]]
             per_replay.append({label: {"simulated": sims[label], "error": {
                 k: sims[label][k] / measured[k] - 1 for k in ("p50_ms", "p95_ms", "p99_ms")}}
                 for label in ("calibrated with spread", "calibrated at the serving rate",
-                              "served: same plan, other replays", "served: the other plan")})
+                              AT_CHEAPEST, "served: same plan, other replays",
+                              "served: the other plan")})
         entry["per_replay"] = per_replay
         entry["served_fits"] = fits
         entry["per_replay_abs_error_median"] = {

@@ -51,8 +51,10 @@ call's ratio to its size-scaled profiled runtime fitted per batch size); every s
 and simulated with the calibrated catalog. Each workload's replayed plans are also simulated on
 a second calibration measured at the rate its planning window's requests arrive in
 (``Trace.request_qps``; ``measure_calibration(rate=...)``, as ``ken plan`` calibrates since
-session 35; ``fidelity``'s ``error_at_rate``), so the two calibrations' predictions are
-compared on the same replays; with ``--calibration FILE`` it is not measured.
+session 35; ``fidelity``'s ``error_at_rate``: each model fitted on its own calls at the rate;
+``error_at_rate_cheapest``: session 35's form on the same calls, every model moved by the
+cheapest one's), so the calibrations' predictions are compared on the same replays; with
+``--calibration FILE`` it is not measured.
 
 Writes ``OUT/summary.json`` (``points``: workload, baseline, accuracies, measured and simulated
 ratios, replays, spread; ``fidelity``: simulated against measured p95 of every replayed plan;
@@ -73,12 +75,13 @@ import functools
 import json
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-from ken.engine.calibrate import Calibration, measure_calibration
+from ken.engine.calibrate import Calibration, calibration_calls, measure_calibration
 from ken.engine.replay import replay_rounds
 from ken.errors import WorkloadError
 from ken.models import family
@@ -351,11 +354,18 @@ def point(workload: str, b: System, k: System | None) -> dict:
     return out
 
 
-def fidelity(systems: list[System], at_rate: Catalog | None = None,
+#: the calibrations at the serving rate the fidelity is also simulated on (``fidelity``):
+#: each model fitted on its calls there (``ken plan``'s), and every model moved by the
+#: cheapest one's calls (session 35's form)
+AT_RATE = ("at_rate", "at_rate_cheapest")
+
+
+def fidelity(systems: list[System], at_rate: Mapping[str, Catalog] | None = None,
              window: Trace | None = None, seed: int = 0) -> list[dict]:
     """Per replayed plan: its simulated p95 on the replayed window against the measured; with
-    ``at_rate`` (the catalog of a calibration at the planning window's rate) also simulated
-    on that, on the replayed ``window``."""
+    ``at_rate`` (catalogs of calibrations at the planning window's rate, by a suffix such as
+    ``"at_rate"``) also simulated on each, on the replayed ``window``
+    (``simulated_p95_ms_<suffix>``, ``error_<suffix>``)."""
     seen: dict[str, dict] = {}
     for s in systems:
         if s.replays and s.plan.serving_key() not in seen:
@@ -364,11 +374,11 @@ def fidelity(systems: list[System], at_rate: Catalog | None = None,
                 "measured_p95_ms": s.measured_p95(),
                 "measured_p95s_ms": [m.p95_ms for m in s.replays],
                 "error": s.measured_p95() / s.window.p95_ms - 1.0}
-            if at_rate is not None and window is not None:
-                sim = simulate(s.plan, at_rate, window, seed).metrics(0, s.plan).p95_ms
-                seen[s.plan.serving_key()].update(
-                    simulated_p95_ms_at_rate=sim,
-                    error_at_rate=s.measured_p95() / sim - 1.0)
+            for suffix, cat in ({} if window is None else at_rate or {}).items():
+                sim = simulate(s.plan, cat, window, seed).metrics(0, s.plan).p95_ms
+                seen[s.plan.serving_key()].update({
+                    f"simulated_p95_ms_{suffix}": sim,
+                    f"error_{suffix}": s.measured_p95() / sim - 1.0})
     return list(seen.values())
 
 
@@ -388,9 +398,9 @@ def goals(points: list[dict], fid: list[dict], bursty: set[str]) -> dict:
             "median_goal_1_5x_on_bursty_met": all(med.get(w, 0) >= 1.5 for w in bursty),
             "fidelity_within_10pct": sum(abs(f["error"]) <= 0.10 for f in fid),
             "fidelity_plans": len(fid),
-            **({"fidelity_within_10pct_at_rate": sum(abs(f["error_at_rate"]) <= 0.10
-                                                     for f in fid)}
-               if fid and all("error_at_rate" in f for f in fid) else {})}
+            **{f"fidelity_within_10pct_{suffix}": sum(abs(f[f"error_{suffix}"]) <= 0.10
+                                                      for f in fid)
+               for suffix in AT_RATE if fid and all(f"error_{suffix}" in f for f in fid)}}
 
 
 def markdown(results: dict) -> str:
@@ -417,12 +427,14 @@ def markdown(results: dict) -> str:
                        f"{ms(p['baseline_p95_ms'])} | {p['ken'] or '—'} | {ka} | "
                        f"{ms(p['ken_p95_ms'])} | {rm} | {fmt_ratio(p['ratio_simulated'])} |")
         out += ["", "| replayed plan | simulated p95 ms | measured p95 ms (replays) | error "
-                "| calibrated at the serving rate: simulated p95 ms | error |",
-                "|---|---|---|---|---|---|"]
+                "| at the serving rate, each model: simulated p95 ms | error "
+                "| the cheapest model's shift: simulated p95 ms | error |",
+                "|---|---|---|---|---|---|---|---|"]
         for f in w["fidelity"]:
             reps = ", ".join(f"{x:,.0f}" for x in f["measured_p95s_ms"])
-            rate = (f"{f['simulated_p95_ms_at_rate']:,.0f} | {f['error_at_rate']:+.0%}"
-                    if "error_at_rate" in f else "— | —")
+            rate = " | ".join(
+                f"{f[f'simulated_p95_ms_{k}']:,.0f} | {f[f'error_{k}']:+.0%}"
+                if f"error_{k}" in f else "— | —" for k in AT_RATE)
             out.append(f"| {f['plan']} | {f['simulated_p95_ms']:,.0f} | "
                        f"{f['measured_p95_ms']:,.0f} ({reps}) | {f['error']:+.0%} | {rate} |")
         out.append("")
@@ -643,17 +655,23 @@ def main() -> int:
         # the fidelity also on a calibration at the planning window's request rate, as `ken
         # plan` now measures (every system still chooses on ``cal``: only the prediction of
         # the replays changes); not with --calibration (the same runtimes as another run)
-        at_rate = None if args.calibration is not None else measure_calibration(
+        # (each model fitted on its calls at the rate, as `ken plan` does; and session 35's
+        # form on the same calls: the cheapest model's calls moved every model)
+        at_rate = None if args.calibration is not None else calibration_calls(
             catalog, {m: f for m, f in loaders.items() if m in used}, sample, hardware,
             args.calibration_s, seed=args.seed + 2, reporter=reporter, workers=args.workers,
             rate=plan_t.request_qps())
+        at_rate_forms = {} if at_rate is None else {
+            "at_rate": at_rate.moved(reporter=reporter),
+            "at_rate_cheapest": at_rate.moved(sorted(
+                at_rate.at_rate, key=lambda m: catalog.perf[m].batch_runtime(1))[:1])}
         points, systems, info = run_workload(name, plan_t, eval_t, args, cal, cascades,
                                              hardware, loaders, sample, reporter)
         info["peak_over_most_accurate_model_capacity"] = eval_t.qps_max() / model_qps
         info["peak_over_most_accurate_cascade_capacity"] = eval_t.qps_max() / capacity
-        info["calibration_at_rate"] = None if at_rate is None else \
-            f"{at_rate.describe()} ({at_rate.source})"
-        fid = fidelity(systems, None if at_rate is None else at_rate.apply(catalog),
+        for suffix, form in at_rate_forms.items():
+            info[f"calibration_{suffix}"] = f"{form.describe()} ({form.source})"
+        fid = fidelity(systems, {k: form.apply(catalog) for k, form in at_rate_forms.items()},
                        eval_t.around_peak(args.measure_s), args.seed)
         all_points += points
         all_fidelity += [{"workload": name, **f} for f in fid]

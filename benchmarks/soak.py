@@ -48,7 +48,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ken.engine.calibrate import Calibration, measure_calibration  # noqa: E402
+from ken.engine.calibrate import Calibration, CalibrationCalls, calibration_calls  # noqa: E402
 from ken.engine.decode import DecodeServer  # noqa: E402
 from ken.engine.serving import Engine  # noqa: E402
 from ken.machine import tree_usage  # noqa: E402
@@ -104,13 +104,21 @@ def family_calibration(reporter: Reporter, seed: int, seconds: float,
     """The runtimes of every model of the family's cascades calibrated as ``ken plan`` does
     (``measure_calibration``; with ``rate``, at that serving rate too), on ``setup``
     (``soak_setup``'s, made here when not given)."""
-    catalog, cascades, hardware, loaders, sample = setup or soak_setup(reporter)
-    models = {m for c in cascades for m in c.models}
-    calibration = measure_calibration(catalog, {m: loaders[m] for m in models}, sample,
-                                      hardware, seconds, seed=seed + 1, reporter=reporter,
-                                      rate=rate)
+    calibration = family_calibration_calls(reporter, seed, seconds, rate, setup).moved(
+        reporter=reporter)
     reporter.note(f"runtimes calibrated: {calibration.describe()}")
     return calibration
+
+
+def family_calibration_calls(reporter: Reporter, seed: int, seconds: float,
+                             rate: float | None = None,
+                             setup: tuple | None = None) -> CalibrationCalls:
+    """What ``family_calibration`` measures, before it is moved to the serving rate
+    (``calibration_calls``)."""
+    catalog, cascades, hardware, loaders, sample = setup or soak_setup(reporter)
+    models = {m for c in cascades for m in c.models}
+    return calibration_calls(catalog, {m: loaders[m] for m in models}, sample, hardware,
+                             seconds, seed=seed + 1, reporter=reporter, rate=rate)
 
 
 def plans_to_serve(reporter: Reporter, seed: int, calibration_s: float = 0.0,

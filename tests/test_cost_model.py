@@ -319,7 +319,7 @@ def test_a_calibration_moved_to_the_serving_rate_fits_each_model_on_its_calls_th
     spread kept; no model with enough calls leaves the calibration as it was."""
     from ken.engine.calibrate import at_serving_rate
 
-    fitted = Calibration({"a": ((1, 0.8), (2, 0.8)), "b": ((1, 1.0), (2, 1.0)),
+    fitted = Calibration({"a": ((1, 0.8), (2, 0.8)), "b": ((1, 1.0), (2, 1.0), (4, 2.0)),
                           "c": ((1, 1.5), (4, 2.0))},
                          {"a": 40, "b": 40, "c": 30}, "cascade", wake=1.1,
                          spread={"c": (0.9, 1.1)})
@@ -333,6 +333,8 @@ def test_a_calibration_moved_to_the_serving_rate_fits_each_model_on_its_calls_th
     assert moved.calibration.fits["c"][1][1] == pytest.approx(2.0 * rest)
     assert moved.calibration.factor("a", 1) == pytest.approx(1.0, rel=0.03)  # on the calls
     assert moved.calibration.factor("b", 2) == pytest.approx(1.5, rel=0.03)
+    # b made no calls of 4 rows at the rate: the cascade's factor there, shifted as b's were
+    assert dict(moved.calibration.fits["b"])[4] == pytest.approx(2.0 * moved.shifts["b"])
     assert moved.calibration.spread["c"] == (0.9, 1.1)
     assert len(moved.calibration.spread["a"]) == len(moved.calibration.spread["b"]) == \
         SPREAD_POINTS

@@ -184,9 +184,8 @@ def _runtime_calibration(args: argparse.Namespace, op: Operator, catalog: Catalo
                          rate: Callable[[], float]) -> Calibration | None:
     """The runtime calibration `ken plan` plans with: the file ``--calibration`` names, none
     with ``--no-calibration``, else measured now by serving every candidate model on this
-    machine's CPU workers for ``--calibration-seconds`` (``measure_calibration``), then the
-    cheapest model alone at ``rate()``, about the rate the planning trace's requests arrive
-    in.
+    machine's CPU workers for ``--calibration-seconds`` (``measure_calibration``), then each
+    model alone at ``rate()``, about the rate the planning trace's requests arrive in.
 
     A file that covers only some candidate models (a `ken replay`'s calibration.json fits
     the models of the plan it served) is completed: the other models are measured now and the

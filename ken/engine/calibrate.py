@@ -453,6 +453,48 @@ def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: An
                         reporter: Reporter = QUIET, attempts: int = 3,
                         other_load: Callable[[], OtherLoad] = OtherLoad,
                         rate: float | None = None, **engine_options: Any) -> Calibration:
+    """The calibration ``calibration_calls`` measures (the same arguments), moved to the
+    serving rate where it served models at ``rate`` (``CalibrationCalls.moved``)."""
+    return calibration_calls(catalog, loaders, sample, hardware, seconds, seed, reporter,
+                             attempts, other_load, rate, **engine_options).moved(
+                                 reporter=reporter)
+
+
+class CalibrationCalls(NamedTuple):
+    """What ``calibration_calls`` measured: the fit on the cascade's calls, and each model's
+    calls served alone at the serving rate (none without a rate)."""
+    cascade: Calibration
+    at_rate: Mapping[str, tuple[BatchRecord, ...]]
+    #: what was served at the rate, per model, e.g. "152 rows of minilm-l3 at 31.6/s"
+    served: Mapping[str, str]
+    #: the profiles the calls are measured against
+    catalog: Catalog
+
+    def moved(self, models: Iterable[str] | None = None,
+              reporter: Reporter = QUIET) -> Calibration:
+        """``cascade`` moved to the level of the calls at the rate of ``models`` (all of
+        them by default; ``at_serving_rate``), with a note for a model served there with too
+        few calls; ``cascade`` itself where none was served at the rate."""
+        models = list(self.at_rate if models is None else models)
+        if not models:
+            return self.cascade
+        out = at_serving_rate(self.cascade, {m: self.at_rate[m] for m in models},
+                              self.catalog, "at the serving rate: "
+                              + ", ".join(self.served[m] for m in models))
+        few = [m for m in models if m not in out.shifts]
+        if few:
+            reporter.note(f"too few calls of {', '.join(few)} at the serving rate to fit "
+                          + ("it there" if len(few) == 1 else "them there")
+                          + ("; kept as the cascade measured" if not out.shifts else
+                             "; moved as the others' calls were"))
+        return out.calibration
+
+
+def calibration_calls(catalog: Catalog, loaders: Mapping[str, Any], sample: Any,
+                      hardware: Hardware, seconds: float = 10.0, seed: int = 0,
+                      reporter: Reporter = QUIET, attempts: int = 3,
+                      other_load: Callable[[], OtherLoad] = OtherLoad,
+                      rate: float | None = None, **engine_options: Any) -> CalibrationCalls:
     """Serve ``calibration_plan`` of every model in ``loaders`` with the online engine on
     bursty arrivals at ``CALIBRATION_LOAD`` of its capacity for ``seconds``, with bursts of
     rows arriving at once (``calibration_trace``), and fit the serving calls against the
@@ -461,8 +503,9 @@ def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: An
     With ``rate`` (the rate the plans' requests will arrive in, e.g. ``Trace.request_qps``),
     it then serves each model alone for ``AT_RATE_SHARE`` x ``seconds`` more, cheapest
     first, on ``rate`` arrivals (at most ``AT_RATE_MAX_LOAD`` of that model's capacity; not
-    where that is no faster than the cascade's own rows), and each model's fit is moved to
-    the level of its own calls there (``at_serving_rate``): a call runs slower when requests
+    where that is no faster than the cascade's own rows), and keeps each model's calls there:
+    ``CalibrationCalls.moved`` fits each model at the level of its own calls there
+    (``at_serving_rate``; what ``measure_calibration`` returns): a call runs slower when requests
     arrive faster (the router's and the arrivals' share of the cores grows, both workers
     compute at once), which the cascade's few rows per second do not show, and by how much
     differs per model (``docs/results.md``, "Fits on serving calls").
@@ -500,9 +543,9 @@ def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: An
                           f"through {part.model} on {len(part.plan.devices)} workers, "
                           f"{part.rate:.1f} rows/s and bursts for "
                           f"{seconds * AT_RATE_SHARE:g} s" + again)
-            logs[part.model] = serve_trace(part.plan, {part.model: loaders[part.model]},
-                                           part.trace, sample, seed=seed, reporter=reporter,
-                                           **options).batch_log
+            logs[part.model] = tuple(serve_trace(
+                part.plan, {part.model: loaders[part.model]}, part.trace, sample, seed=seed,
+                reporter=reporter, **options).batch_log)
         return first, logs
 
     (served, logs), load, attempt = least_loaded(
@@ -513,17 +556,9 @@ def measure_calibration(catalog: Catalog, loaders: Mapping[str, Any], sample: An
     fitted = fit_calibration(served.batch_log, catalog,
                              f"{len(trace)} rows at {cascade_rate:.1f}/s and bursts through "
                              f"every model, {len(served.batch_log)} calls" + where)
-    if parts:
-        moved = at_serving_rate(fitted, logs, catalog, "at the serving rate: " + ", ".join(
-            f"{len(p.trace)} rows of {p.model} at {p.rate:.1f}/s" for p in parts))
-        few = [p.model for p in parts if p.model not in moved.shifts]
-        if few:
-            reporter.note(f"too few calls of {', '.join(few)} at the serving rate to fit "
-                          + ("it there" if len(few) == 1 else "them there")
-                          + ("; kept as the cascade measured" if not moved.shifts else
-                             "; moved as the others' calls were"))
-        fitted = moved.calibration
-    return replace(fitted, other_cores=load.cores)
+    return CalibrationCalls(replace(fitted, other_cores=load.cores), logs,
+                            {p.model: f"{len(p.trace)} rows of {p.model} at {p.rate:.1f}/s"
+                             for p in parts}, catalog)
 
 
 class AtServingRate(NamedTuple):
@@ -537,12 +572,13 @@ def at_serving_rate(fitted: Calibration, logs: Mapping[str, Iterable[BatchRecord
                     catalog: Catalog, what: str) -> AtServingRate:
     """``fitted`` moved to the level of ``logs[model]``'s calls (each model served alone at
     the rate the plans will serve): per model with ``MIN_FIT_CALLS`` calls there or more
-    (and fitted in ``fitted``), its factors and spread fitted on those calls; every other
-    model's factors times the mean of those models' shifts, weighted by their calls (a shift:
-    how much slower a model's calls ran than ``fitted`` charges them, back to back, the
-    slowest 1% left out; every model's calls pay the share of the cores the router and the
-    arrivals take at that rate). The other models' spreads are kept as ``fitted`` measured
-    them. ``fitted`` as it is, with no shifts, where no model has enough calls."""
+    (and fitted in ``fitted``), its factors and spread fitted on those calls, and for the
+    batch sizes it made no calls of there, ``fitted``'s factors times its shift (how much
+    slower its calls ran than ``fitted`` charges them, back to back, the slowest 1% left
+    out); every other model's factors times the mean of those shifts, weighted by their calls
+    (every model's calls pay the share of the cores the router and the arrivals take at that
+    rate). The other models' spreads are kept as ``fitted`` measured them. ``fitted`` as it
+    is, with no shifts, where no model has enough calls."""
     alone, shifts, calls = {}, {}, {}
     for model, log in logs.items():
         log = list(log)
@@ -559,9 +595,13 @@ def at_serving_rate(fitted: Calibration, logs: Mapping[str, Iterable[BatchRecord
     if not shifts:
         return AtServingRate(fitted, {})
     rest = sum(shifts[m] * calls[m] for m in shifts) / sum(calls.values())
-    fits = {m: alone[m].fits[m] if m in alone else tuple(
-                (b, float(np.clip(f * rest, *FACTOR_RANGE))) for b, f in pairs)
-            for m, pairs in fitted.fits.items()}
+    def moved(m: str, pairs: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+        there = dict(alone[m].fits[m]) if m in alone else {}
+        by = shifts.get(m, rest)  # sizes not served at the rate: the cascade's, shifted
+        return tuple(sorted({**{b: float(np.clip(f * by, *FACTOR_RANGE)) for b, f in pairs},
+                             **there}.items()))
+
+    fits = {m: moved(m, pairs) for m, pairs in fitted.fits.items()}
     spread = {**fitted.spread, **{m: alone[m].spread[m] for m in alone
                                   if m in alone[m].spread}}
     moved = ", ".join(f"{m} x{s:.2f}" for m, s in shifts.items())
