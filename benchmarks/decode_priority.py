@@ -18,6 +18,10 @@ generations' latency (arrival to last token) p50 and max. Medians over ``--round
 
     python benchmarks/decode_priority.py --out DIR                  # ~6 min
     python benchmarks/decode_priority.py --loads 0.8,1.2 --out DIR  # and past the peak
+    python benchmarks/decode_priority.py --workers thread --out DIR # thread workers
+
+The classifier's workers are processes unless ``--workers thread`` (threads in this process,
+beside the decode server's pass thread: they need the GIL to run a batch).
 
 Writes DIR/decode_priority.json and DIR/decode_priority.png.
 """
@@ -102,7 +106,7 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
                       f"{args.gen_every_s:g} s")
         texts = list(sample.texts)
         rows = []
-        with Engine(plan, loaders, workers="process", admission=args.admission) as engine:
+        with Engine(plan, loaders, workers=args.workers, admission=args.admission) as engine:
             for _ in range(args.warm_requests):
                 engine.submit(texts[0]).result()
             for load in args.loads:
@@ -171,8 +175,8 @@ def plot(result: dict, path: Path) -> None:
         a.set_xlabel("load (x the plan's peak on the cores the decode server leaves)")
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
-    fig.suptitle(f"{result['plan']}: a decode server beside it at normal and at background "
-                 "priority", fontsize=9)
+    fig.suptitle(f"{result['plan']} ({result['args'].get('workers', 'process')} workers): a "
+                 "decode server beside it at normal and at background priority", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -184,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loads", default="0.8",
                     help="comma-separated loads, x the plan's peak on what the decode "
                          "server leaves (default 0.8, the soak's)")
+    ap.add_argument("--workers", choices=("process", "thread"), default="process",
+                    help="the classifier's workers: processes (default), or threads in this "
+                         "process beside the decode server (they need the GIL to run a batch)")
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--gen-every-s", type=float, default=2.0)
