@@ -100,8 +100,9 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
     # cheapest one's calls, on the same calls
     at_calls = family_calibration_calls(reporter, args.seed, args.calibration_s, args.rate)
     at_rate = at_calls.moved(reporter=reporter)
-    cheapest = min(at_calls.at_rate, key=lambda m: catalog.perf[m].batch_runtime(1))
-    at_cheapest = at_calls.moved([cheapest])
+    # (none where ``--rate`` is no faster than the cascade's rows: both are the cascade's fit)
+    at_cheapest = at_calls.moved(sorted(
+        at_calls.at_rate, key=lambda m: catalog.perf[m].batch_runtime(1))[:1])
     reporter.note(f"runtimes calibrated at the serving rate: {at_rate.describe()}")
     spread = calibration.apply(catalog)
     level = catalog.with_perf({m: replace(p, spread=()) for m, p in spread.perf.items()})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -348,6 +349,40 @@ def test_a_calibration_moved_to_the_serving_rate_fits_each_model_on_its_calls_th
     both = at_serving_rate(Calibration({m: fitted.fits[m] for m in "ab"}, wake=1.1), logs,
                            catalog(None), "both")
     assert "every other model" not in both.calibration.source
+    # a model the first calibration did not fit is taken as its calls at the rate show it
+    new = at_serving_rate(Calibration({"a": fitted.fits["a"]}, wake=1.1), logs,
+                          catalog(None), "new")
+    assert new.fitted == {"a", "b"} and set(new.shifts) == {"a"}
+    assert new.calibration.factor("b", 1) == pytest.approx(1.5, rel=0.03)
+
+
+def test_calibration_calls_move_the_models_asked_and_say_what_they_could_not_fit() -> None:
+    """``CalibrationCalls.moved``: by default every model served at the rate; one with too
+    few calls there, and one the cascade fitted but the rate part did not serve, move by the
+    others' shift, each with a note; a subset moves by its own calls; a model not served
+    there is an error."""
+    import fakes
+
+    from ken.engine.calibrate import CalibrationCalls
+
+    fitted = Calibration({"a": ((1, 0.8),), "b": ((1, 1.0),), "c": ((1, 2.0),)},
+                         {"a": 40, "b": 40, "c": 30}, "cascade", wake=1.1)
+    calls = CalibrationCalls(fitted, {"a": tuple(_log({1: 1.0}, n=200, wake=1.1)),
+                                      "b": tuple(_log({1: 1.5}, n=5, wake=1.1, model="b"))},
+                             {"a": "200 rows of a", "b": "5 rows of b"}, catalog(None))
+    said = fakes.Warnings()
+    cal = calls.moved(reporter=said)
+    assert cal.factor("a", 1) == pytest.approx(1.0, rel=0.03)  # 1.25 x the cascade's 0.8
+    assert cal.factor("b", 1) == pytest.approx(1.25, rel=0.03)  # a's shift: too few of b
+    assert cal.factor("c", 1) == pytest.approx(2.5, rel=0.03)  # not served there: a's shift
+    assert any("too few calls of b at the serving rate" in n and "moved x1.2" in n
+               for n in said.notes), said.notes
+    assert any(n.startswith("c not served alone at the serving rate") for n in said.notes)
+    quiet = fakes.Warnings()
+    assert calls.moved(["a"], reporter=quiet).fits == cal.fits and not quiet.notes
+    assert calls.moved([]) is fitted
+    with pytest.raises(KenError, match="not served at the serving rate: c"):
+        calls.moved(["c"])
 
 
 def test_measure_calibration_at_a_rate_serves_each_model_alone_at_it() -> None:
@@ -367,9 +402,12 @@ def test_measure_calibration_at_a_rate_serves_each_model_alone_at_it() -> None:
     cat, loaders = _sleeping_models(rows, {"a": 0.004, "b": 0.008})
     hardware = Hardware.cpu_workers(2, 2**30)
     said = fakes.Warnings()
-    cal = measure_calibration(cat, loaders, sample, hardware, seconds=3.0, rate=150.0,
+    cal = measure_calibration(cat, loaders, sample, hardware, seconds=3.0, rate=250.0,
                               workers="thread", reporter=said)
-    assert "a at 150.0/s" in cal.source and "b at 1" in cal.source, cal.source
+    assert "a at 250.0/s" in cal.source, cal.source
+    # b's capacity (a 9-ms row on each worker): 0.8 of it is under 250 rows/s
+    b_rate = re.search(r"rows of b at ([0-9.]+)/s", cal.source)
+    assert b_rate and float(b_rate.group(1)) < 250.0, cal.source
     assert "fitted on those calls" in cal.source, cal.source
     for m in ("a", "b"):  # each model alone, at most 0.8 of its capacity
         assert any("at the serving rate" in n and f"through {m} " in n for n in said.notes)

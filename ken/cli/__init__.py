@@ -251,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="plan with the profiles' runtimes as measured: skip the short "
                       "replay that calibrates them to serving on this machine")
     plan.add_argument("--calibration-seconds", type=float, default=10.0,
-                      help="seconds of serving the runtime calibration measures (default 10)")
+                      help="seconds of serving every candidate model as one cascade "
+                      "(default 10); then half as long per model at the planning trace's rate")
     plan.add_argument("--ray", metavar="ADDRESS", default=None,
                       help="plan for the devices of the Ray cluster at ADDRESS (auto, "
                       "ray://host:port, host:port or local) instead of --devices: each node's "

@@ -472,21 +472,31 @@ class CalibrationCalls(NamedTuple):
 
     def moved(self, models: Iterable[str] | None = None,
               reporter: Reporter = QUIET) -> Calibration:
-        """``cascade`` moved to the level of the calls at the rate of ``models`` (all of
-        them by default; ``at_serving_rate``), with a note for a model served there with too
-        few calls; ``cascade`` itself where none was served at the rate."""
+        """``cascade`` moved to the level of the calls at the rate of ``models`` (every model
+        served there by default; ``at_serving_rate``), with a note for a model served there
+        with too few calls, and (by default) for a model the cascade fitted that was not
+        served there; ``cascade`` itself where none was served at the rate."""
         models = list(self.at_rate if models is None else models)
+        unknown = [m for m in models if m not in self.at_rate]
+        if unknown:
+            raise KenError(f"not served at the serving rate: {', '.join(unknown)} (served "
+                           f"there: {', '.join(self.at_rate) or 'none'})")
         if not models:
             return self.cascade
         out = at_serving_rate(self.cascade, {m: self.at_rate[m] for m in models},
                               self.catalog, "at the serving rate: "
                               + ", ".join(self.served[m] for m in models))
-        few = [m for m in models if m not in out.shifts]
+        how = ("kept as the cascade measured" if out.rest is None else
+               f"moved x{out.rest:.2f} as the others' calls were")
+        few = [m for m in models if m not in out.fitted]
         if few:
             reporter.note(f"too few calls of {', '.join(few)} at the serving rate to fit "
-                          + ("it there" if len(few) == 1 else "them there")
-                          + ("; kept as the cascade measured" if not out.shifts else
-                             "; moved as the others' calls were"))
+                          f"{'it' if len(few) == 1 else 'them'} there; {how}")
+        unserved = [m for m in self.cascade.fits if m not in self.at_rate]
+        if unserved and len(models) == len(self.at_rate):
+            reporter.note(f"{', '.join(unserved)} not served alone at the serving rate (at "
+                          f"most {AT_RATE_MAX_LOAD:g} of {'its' if len(unserved) == 1 else 'their'}"
+                          f" capacity is no faster than the cascade's rows); {how}")
         return out.calibration
 
 
@@ -562,56 +572,64 @@ def calibration_calls(catalog: Catalog, loaders: Mapping[str, Any], sample: Any,
 
 
 class AtServingRate(NamedTuple):
-    """What ``at_serving_rate`` returns: the calibration moved, and per model fitted on its
-    calls at the rate how much slower they ran than the first calibration charged them."""
+    """What ``at_serving_rate`` returns: the calibration moved; the models fitted on their
+    calls at the rate; per model also fitted in the first calibration, how much slower its
+    calls there ran than that one charged them; and the call-weighted mean of those shifts
+    the other models were moved by (None: no shift, nothing moved)."""
     calibration: Calibration
+    fitted: frozenset[str]
     shifts: Mapping[str, float]
+    rest: float | None
 
 
 def at_serving_rate(fitted: Calibration, logs: Mapping[str, Iterable[BatchRecord]],
                     catalog: Catalog, what: str) -> AtServingRate:
     """``fitted`` moved to the level of ``logs[model]``'s calls (each model served alone at
-    the rate the plans will serve): per model with ``MIN_FIT_CALLS`` calls there or more
-    (and fitted in ``fitted``), its factors and spread fitted on those calls, and for the
-    batch sizes it made no calls of there, ``fitted``'s factors times its shift (how much
+    the rate the plans will serve): per model with ``MIN_FIT_CALLS`` calls there or more, its
+    factors and spread fitted on those calls, and, where ``fitted`` has the model, for the
+    batch sizes it made no calls of there ``fitted``'s factors times its shift (how much
     slower its calls ran than ``fitted`` charges them, back to back, the slowest 1% left
     out); every other model's factors times the mean of those shifts, weighted by their calls
     (every model's calls pay the share of the cores the router and the arrivals take at that
     rate). The other models' spreads are kept as ``fitted`` measured them. ``fitted`` as it
-    is, with no shifts, where no model has enough calls."""
+    is where no model has enough calls."""
     alone, shifts, calls = {}, {}, {}
     for model, log in logs.items():
         log = list(log)
         # the wake-up as ``fitted`` found it (a call every 30 ms seldom finds its device idle)
         fit = fit_calibration(log, catalog, wake=fitted.wake)
-        if model not in fit.fits or model not in fitted.fits:
+        if model not in fit.fits:
             continue
-        back = np.array([q / (fitted.wake if woke(r.idle_before_s) else 1.0)
-                         / fitted.factor(model, r.rows)
-                         for r, q in runtime_ratios(log, catalog)[model]])
-        alone[model] = fit
-        shifts[model] = float(back[_not_slowest(back)].mean())
-        calls[model] = fit.calls[model]
-    if not shifts:
-        return AtServingRate(fitted, {})
-    rest = sum(shifts[m] * calls[m] for m in shifts) / sum(calls.values())
-    def moved(m: str, pairs: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
-        there = dict(alone[m].fits[m]) if m in alone else {}
-        by = shifts.get(m, rest)  # sizes not served at the rate: the cascade's, shifted
-        return tuple(sorted({**{b: float(np.clip(f * by, *FACTOR_RANGE)) for b, f in pairs},
-                             **there}.items()))
+        alone[model], calls[model] = fit, fit.calls[model]
+        if model in fitted.fits:
+            back = np.array([q / (fitted.wake if woke(r.idle_before_s) else 1.0)
+                             / fitted.factor(model, r.rows)
+                             for r, q in runtime_ratios(log, catalog)[model]])
+            shifts[model] = float(back[_not_slowest(back)].mean())
+    if not alone:
+        return AtServingRate(fitted, frozenset(), {}, None)
+    rest = (sum(shifts[m] * calls[m] for m in shifts) / sum(calls[m] for m in shifts)
+            if shifts else None)
 
-    fits = {m: moved(m, pairs) for m, pairs in fitted.fits.items()}
+    def factors(m: str) -> tuple[tuple[int, float], ...]:
+        there = dict(alone[m].fits[m]) if m in alone else {}
+        # sizes not served at the rate: the cascade's, shifted (as it was: no shift known)
+        by = shifts.get(m, 1.0 if rest is None else rest)
+        cascade = {b: float(np.clip(f * by, *FACTOR_RANGE)) for b, f in fitted.fits.get(m, ())}
+        return tuple(sorted({**cascade, **there}.items()))
+
+    fits = {m: factors(m) for m in {**fitted.fits, **alone}}
     spread = {**fitted.spread, **{m: alone[m].spread[m] for m in alone
                                   if m in alone[m].spread}}
     moved = ", ".join(f"{m} x{s:.2f}" for m, s in shifts.items())
-    others = ("" if set(fitted.fits) <= set(shifts) else
+    others = ("" if rest is None or set(fitted.fits) <= set(alone) else
               f"; every other model moved x{rest:.2f}")
     return AtServingRate(
         Calibration(fits, {**fitted.calls, **calls},
-                    f"{fitted.source}; {what}: fitted on those calls (the cascade's charge "
-                    f"{moved}){others}", fitted.other_cores, fitted.wake, spread),
-        shifts)
+                    f"{fitted.source}; {what}: fitted on those calls"
+                    + (f" (the cascade's charge {moved})" if moved else "") + others,
+                    fitted.other_cores, fitted.wake, spread),
+        frozenset(alone), shifts, rest)
 
 
 CALIBRATION_KIND = "ken-runtime-calibration"
