@@ -341,7 +341,7 @@ def test_a_calibration_moved_to_the_serving_rate_fits_each_model_on_its_calls_th
         SPREAD_POINTS
     assert moved.calibration.calls == {"a": 400, "b": 200, "c": 30}
     assert moved.calibration.wake == 1.1
-    assert "charge a x1.2" in moved.calibration.source and "b x1." in moved.calibration.source
+    assert "charge: a x1.2" in moved.calibration.source and "b x1." in moved.calibration.source
     assert "every other model moved x1.3" in moved.calibration.source
     few = at_serving_rate(fitted, {"a": logs["a"][:5]}, catalog(None), "few")
     assert few.calibration is fitted and few.shifts == {}

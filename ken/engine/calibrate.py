@@ -627,7 +627,8 @@ def at_serving_rate(fitted: Calibration, logs: Mapping[str, Iterable[BatchRecord
     return AtServingRate(
         Calibration(fits, {**fitted.calls, **calls},
                     f"{fitted.source}; {what}: fitted on those calls"
-                    + (f" (the cascade's charge {moved})" if moved else "") + others,
+                    + (f" (their calls over the cascade's charge: {moved})" if moved else "")
+                    + others,
                     fitted.other_cores, fitted.wake, spread),
         frozenset(alone), shifts, rest)
 
