@@ -43,6 +43,7 @@ from soak import family_calibration_calls, plans_to_serve  # noqa: E402 - the so
 
 from ken.engine.calibrate import (  # noqa: E402
     Calibration,
+    cheapest_only,
     fit_calibration,
     predicted_s,
 )
@@ -100,9 +101,7 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
     # cheapest one's calls, on the same calls
     at_calls = family_calibration_calls(reporter, args.seed, args.calibration_s, args.rate)
     at_rate = at_calls.moved(reporter=reporter)
-    # (none where ``--rate`` is no faster than the cascade's rows: both are the cascade's fit)
-    at_cheapest = at_calls.moved(sorted(
-        at_calls.at_rate, key=lambda m: catalog.perf[m].batch_runtime(1))[:1])
+    at_cheapest = cheapest_only(at_calls)
     reporter.note(f"runtimes calibrated at the serving rate: {at_rate.describe()}")
     spread = calibration.apply(catalog)
     level = catalog.with_perf({m: replace(p, spread=()) for m, p in spread.perf.items()})

@@ -81,7 +81,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ken.engine.calibrate import Calibration, calibration_calls, measure_calibration
+from ken.engine.calibrate import (
+    Calibration,
+    calibration_calls,
+    cheapest_only,
+    measure_calibration,
+)
 from ken.engine.replay import replay_rounds
 from ken.errors import WorkloadError
 from ken.models import family
@@ -663,8 +668,7 @@ def main() -> int:
             rate=plan_t.request_qps())
         at_rate_forms = {} if at_rate is None else {
             "at_rate": at_rate.moved(reporter=reporter),
-            "at_rate_cheapest": at_rate.moved(sorted(
-                at_rate.at_rate, key=lambda m: catalog.perf[m].batch_runtime(1))[:1])}
+            "at_rate_cheapest": cheapest_only(at_rate)}
         points, systems, info = run_workload(name, plan_t, eval_t, args, cal, cascades,
                                              hardware, loaders, sample, reporter)
         info["peak_over_most_accurate_model_capacity"] = eval_t.qps_max() / model_qps

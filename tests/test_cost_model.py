@@ -363,7 +363,7 @@ def test_calibration_calls_move_the_models_asked_and_say_what_they_could_not_fit
     there is an error."""
     import fakes
 
-    from ken.engine.calibrate import CalibrationCalls
+    from ken.engine.calibrate import CalibrationCalls, cheapest_only
 
     fitted = Calibration({"a": ((1, 0.8),), "b": ((1, 1.0),), "c": ((1, 2.0),)},
                          {"a": 40, "b": 40, "c": 30}, "cascade", wake=1.1)
@@ -381,6 +381,7 @@ def test_calibration_calls_move_the_models_asked_and_say_what_they_could_not_fit
     quiet = fakes.Warnings()
     assert calls.moved(["a"], reporter=quiet).fits == cal.fits and not quiet.notes
     assert calls.moved([]) is fitted
+    assert cheapest_only(calls).fits == calls.moved(["a"]).fits  # "a" was served first
     with pytest.raises(KenError, match="not served at the serving rate: c"):
         calls.moved(["c"])
 

@@ -464,6 +464,7 @@ class CalibrationCalls(NamedTuple):
     """What ``calibration_calls`` measured: the fit on the cascade's calls, and each model's
     calls served alone at the serving rate (none without a rate)."""
     cascade: Calibration
+    #: per model served alone at the rate, cheapest first: its calls there
     at_rate: Mapping[str, tuple[BatchRecord, ...]]
     #: what was served at the rate, per model, e.g. "152 rows of minilm-l3 at 31.6/s"
     served: Mapping[str, str]
@@ -498,6 +499,13 @@ class CalibrationCalls(NamedTuple):
                           f"most {AT_RATE_MAX_LOAD:g} of {'its' if len(unserved) == 1 else 'their'}"
                           f" capacity is no faster than the cascade's rows); {how}")
         return out.calibration
+
+
+def cheapest_only(calls: CalibrationCalls) -> Calibration:
+    """Session 35's form of the calibration at the serving rate, from the same calls: moved by
+    the cheapest model's calls alone (``at_rate`` is cheapest first); the cascade's fit where
+    none was served at the rate. For comparing the two forms on one measurement."""
+    return calls.moved(list(calls.at_rate)[:1])
 
 
 def calibration_calls(catalog: Catalog, loaders: Mapping[str, Any], sample: Any,
