@@ -383,12 +383,17 @@ def wake_factor(ratios: Mapping[str, list[tuple[BatchRecord, float]]],
     return float(np.clip(num / den, *WAKE_RANGE)) if den else 1.0
 
 
+def cheapest_first(catalog: Catalog, models: Iterable[str]) -> list[str]:
+    """``models`` by their profiled one-row runtime, cheapest first."""
+    return sorted(models, key=lambda m: catalog.perf[m].batch_runtime(1))
+
+
 def calibration_plan(catalog: Catalog, models: Sequence[str], hardware: Hardware,
                      trace: Trace) -> GearPlan:
     """A one-gear plan that runs every row through every one of ``models`` (a cascade of
     them, cheapest first, whose thresholds pass every row on), placed by ken's search on
     ``hardware``: what ``measure_calibration`` serves."""
-    order = sorted(models, key=lambda m: catalog.perf[m].batch_runtime(1))
+    order = cheapest_first(catalog, models)
     cascade = Cascade(tuple(order), (PASS_ALL,) * (len(order) - 1))
     ctx = planning_context("calibration", [cascade], catalog, hardware, trace,
                            settings=PlannerSettings(num_ranges=1, include_static=False))
@@ -438,7 +443,7 @@ def _at_rate_parts(catalog: Catalog, models: Sequence[str], hardware: Hardware, 
     ``rate`` (at most ``AT_RATE_MAX_LOAD`` of its capacity there); none for a model whose
     capped rate is no faster than ``faster_than`` (the cascade's own rows)."""
     parts = []
-    for i, m in enumerate(sorted(models, key=lambda m: catalog.perf[m].batch_runtime(1))):
+    for i, m in enumerate(cheapest_first(catalog, models)):
         alone = calibration_plan(catalog, [m], hardware, gamma_trace(rate, 10.0, 2.0, seed=seed))
         capacity = len(alone.devices) / catalog.perf_on(m, alone.devices[0]).batch_runtime(1)
         at = min(rate, AT_RATE_MAX_LOAD * capacity)
