@@ -86,8 +86,10 @@ from ken.engine.calibrate import (
     calibration_calls,
     cheapest_only,
     measure_calibration,
+    recent_ratio,
 )
 from ken.engine.replay import replay_rounds
+from ken.engine.supervision import BatchRecord
 from ken.errors import WorkloadError
 from ken.models import family
 from ken.models.cascade import Cascade
@@ -135,6 +137,7 @@ class System:
     replays: list[PlanMetrics] = field(default_factory=list)
     replay_info: list[dict] = field(default_factory=list)
     note: str = ""
+    calls: list[tuple[BatchRecord, ...]] = field(default_factory=list)  # per replay
 
     @property
     def label(self) -> str:
@@ -321,11 +324,14 @@ def run_workload(name: str, plan_t: Trace, eval_t: Trace, args: argparse.Namespa
         s.replay_info = [{"status": r.replay.status_counts(),
                           "max_send_lag_s": r.replay.max_send_lag_s,
                           "host_cpu_s": r.replay.host_cpu_s,
-                          "load_s": r.load.total_s} for r in served]
+                          "load_s": r.load.total_s,
+                          "paths": None if r.paths is None else r.paths.to_dict()}
+                         for r in served]
+        s.calls = [r.batch_log for r in served]
     for s in systems:  # a plan served under two names shares its replays
         twin = unique.get(s.plan.serving_key())
         if twin is not None and twin is not s:
-            s.replays, s.replay_info = twin.replays, twin.replay_info
+            s.replays, s.replay_info, s.calls = twin.replays, twin.replay_info, twin.calls
     points = [point(name, b, k) for b, k in pairs]
     for p in points:
         ken = "—" if p["ken_accuracy"] is None else f"{p['ken_accuracy']:.1%}"
@@ -370,20 +376,28 @@ def fidelity(systems: list[System], at_rate: Mapping[str, Catalog] | None = None
     """Per replayed plan: its simulated p95 on the replayed window against the measured; with
     ``at_rate`` (catalogs of calibrations at the planning window's rate, by a suffix such as
     ``"at_rate"``) also simulated on each, on the replayed ``window``
-    (``simulated_p95_ms_<suffix>``, ``error_<suffix>``)."""
+    (``simulated_p95_ms_<suffix>``, ``error_<suffix>``), with how long the replays' batches
+    held their devices against what that calibration charges them (``calls_<suffix>``: the
+    mean ratio per replay, the slowest 1% left out: above 1, the calls ran slower than
+    calibrated). ``host_ms``: per replay, the median and 95th percentile of the parts of a
+    request's latency spent outside queues and calls (``request_path``)."""
     seen: dict[str, dict] = {}
     for s in systems:
         if s.replays and s.plan.serving_key() not in seen:
-            seen[s.plan.serving_key()] = {
+            entry = seen[s.plan.serving_key()] = {
                 "plan": s.label, "simulated_p95_ms": s.window.p95_ms,
                 "measured_p95_ms": s.measured_p95(),
                 "measured_p95s_ms": [m.p95_ms for m in s.replays],
-                "error": s.measured_p95() / s.window.p95_ms - 1.0}
+                "error": s.measured_p95() / s.window.p95_ms - 1.0,
+                "host_ms": [None if i.get("paths") is None else
+                            [i["paths"]["median_ms"]["host"], i["paths"]["p95_ms"]["host"]]
+                            for i in s.replay_info]}
             for suffix, cat in ({} if window is None else at_rate or {}).items():
                 sim = simulate(s.plan, cat, window, seed).metrics(0, s.plan).p95_ms
-                seen[s.plan.serving_key()].update({
-                    f"simulated_p95_ms_{suffix}": sim,
-                    f"error_{suffix}": s.measured_p95() / sim - 1.0})
+                level = [recent_ratio(calls, cat, -np.inf) for calls in s.calls]
+                entry.update({f"simulated_p95_ms_{suffix}": sim,
+                              f"error_{suffix}": s.measured_p95() / sim - 1.0,
+                              f"calls_{suffix}": [None if x is None else x[0] for x in level]})
     return list(seen.values())
 
 
@@ -433,15 +447,22 @@ def markdown(results: dict) -> str:
                        f"{ms(p['ken_p95_ms'])} | {rm} | {fmt_ratio(p['ratio_simulated'])} |")
         out += ["", "| replayed plan | simulated p95 ms | measured p95 ms (replays) | error "
                 "| at the serving rate, each model: simulated p95 ms | error "
-                "| the cheapest model's shift: simulated p95 ms | error |",
-                "|---|---|---|---|---|---|---|---|"]
+                "| the cheapest model's shift: simulated p95 ms | error "
+                "| batches held x the charge at the rate (replays) "
+                "| outside queues and calls, ms p50/p95 (replays) |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for f in w["fidelity"]:
             reps = ", ".join(f"{x:,.0f}" for x in f["measured_p95s_ms"])
             rate = " | ".join(
                 f"{f[f'simulated_p95_ms_{k}']:,.0f} | {f[f'error_{k}']:+.0%}"
                 if f"error_{k}" in f else "— | —" for k in AT_RATE)
+            calls = ", ".join("—" if x is None else f"{x:.2f}"
+                              for x in f.get("calls_at_rate", [])) or "—"
+            host = ", ".join("—" if x is None else f"{x[0]:.1f}/{x[1]:.1f}"
+                             for x in f.get("host_ms", [])) or "—"
             out.append(f"| {f['plan']} | {f['simulated_p95_ms']:,.0f} | "
-                       f"{f['measured_p95_ms']:,.0f} ({reps}) | {f['error']:+.0%} | {rate} |")
+                       f"{f['measured_p95_ms']:,.0f} ({reps}) | {f['error']:+.0%} | {rate} | "
+                       f"{calls} | {host} |")
         out.append("")
     out += ["## goals", "", "```", json.dumps(results["goals"], indent=1), "```", ""]
     return "\n".join(out)

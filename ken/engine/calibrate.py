@@ -47,7 +47,8 @@ from ken.progress import QUIET, Reporter
 
 
 def predicted_s(record: BatchRecord, catalog: Catalog) -> float:
-    """What the simulator charges the call ``record``: the profiled runtime of its size,
+    """What the simulator charges the batch ``record`` before calibration: the profiled
+    runtime of its size,
     scaled by its largest row's size where the catalog knows sizes (``Catalog.size_factors``),
     times the model's ``wake`` when its device idled ``WAKE_IDLE_S`` or more before it."""
     if record.model not in catalog.perf:
@@ -62,12 +63,14 @@ def predicted_s(record: BatchRecord, catalog: Catalog) -> float:
 def runtime_ratios(log: Iterable[BatchRecord], catalog: Catalog, include_bulk: bool = False
                    ) -> dict[str, list[tuple[BatchRecord, float]]]:
     """Per model: every model call with its ratio measured / predicted runtime
-    (``predicted_s``)."""
+    (``predicted_s``), measured as the time the engine held the device for it
+    (``BatchRecord.held_s``: the call, and the hand-off before it and the report after it,
+    during which no other batch can start there either; since session 37)."""
     out: dict[str, list[tuple[BatchRecord, float]]] = {}
     for r in log:
         if r.bulk and not include_bulk:
             continue
-        out.setdefault(r.model, []).append((r, r.seconds / predicted_s(r, catalog)))
+        out.setdefault(r.model, []).append((r, r.held_s / predicted_s(r, catalog)))
     return out
 
 
@@ -95,7 +98,9 @@ def calibrated(catalog: Catalog, spreads: Mapping[str, tuple[float, ...]]) -> Ca
 @dataclass(frozen=True)
 class Calibration:
     """Per model, how much longer than its predicted runtime (``predicted_s``) a serving call
-    takes, by batch size: ``fits[model]`` is ``((rows, factor), ...)`` in ascending rows, and a
+    holds its device (``BatchRecord.held_s``: the hand-off to the device's thread and the
+    report back to the scheduler included, 0.5-0.6 ms a batch on 2 cores at 30-60 requests/s),
+    by batch size: ``fits[model]`` is ``((rows, factor), ...)`` in ascending rows, and a
     batch of ``b`` rows is charged ``factor(model, b)`` x its prediction (interpolated in
     log2 of the rows between fitted sizes, the nearest one's outside them); ``calls`` per model
     it was fitted on, and where the calls came from.
@@ -475,6 +480,8 @@ class CalibrationCalls(NamedTuple):
     served: Mapping[str, str]
     #: the profiles the calls are measured against
     catalog: Catalog
+    #: the cascade's calls ``cascade`` was fitted on
+    cascade_calls: tuple[BatchRecord, ...] = ()
 
     def moved(self, models: Iterable[str] | None = None,
               reporter: Reporter = QUIET) -> Calibration:
@@ -581,7 +588,7 @@ def calibration_calls(catalog: Catalog, loaders: Mapping[str, Any], sample: Any,
                              f"every model, {len(served.batch_log)} calls" + where)
     return CalibrationCalls(replace(fitted, other_cores=load.cores), logs,
                             {p.model: f"{len(p.trace)} rows of {p.model} at {p.rate:.1f}/s"
-                             for p in parts}, catalog)
+                             for p in parts}, catalog, tuple(served.batch_log))
 
 
 class AtServingRate(NamedTuple):

@@ -16,7 +16,7 @@ import threading
 from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -25,8 +25,9 @@ from ken.engine.admission import Admission
 from ken.engine.bulk import BulkBatch, BulkRows
 from ken.engine.deadlines import EngineDeadlines
 from ken.engine.outcome import Outcome, Status
+from ken.engine.request_path import BatchPath, PathLog
 from ken.engine.standby import with_standby
-from ken.engine.supervision import Breaker, DevicePool, RunnableBatch
+from ken.engine.supervision import BatchRecord, Breaker, DevicePool, RunnableBatch
 from ken.models.certainty import certainty_of
 from ken.policy.dropping import StageGate
 from ken.policy.plan import GearPlan
@@ -213,6 +214,7 @@ class Scheduler:
         self._rerun: set[int] = set()  # id() of batches run again in place after a failure
         self.moved_batches = 0  # failed or unrun batches whose rows went to another replica
         self.rejected = 0  # online requests admission turned away (under requests.lock)
+        self.path_log = PathLog()  # where online requests' time went (``request_path``)
 
     def dispatcher(self, operator: str) -> Dispatcher:
         return self._active[operator]
@@ -315,6 +317,7 @@ class Scheduler:
                 self.requests.resolve(rid, "rejected", gear=rng, error=placed.reason,
                                       retry_after_s=placed.retry_after_s)
                 continue
+            self.path_log.admit(rid, self.clock.now())
             self._launch(disp, disp.admit(rid, metered=False, replica=placed.replica))
 
     def _device_work(self) -> dict[str, float]:
@@ -351,10 +354,15 @@ class Scheduler:
         self._launch_bulk()
         self._retiring = [d for d in self._retiring if d.in_flight]
 
-    def _finished(self, batch: Batch | BulkBatch, values: list, scores: np.ndarray) -> None:
+    def _finished(self, batch: Batch | BulkBatch, values: list, scores: np.ndarray,
+                  record: BatchRecord) -> None:
         self.breaker.ran(batch)
         measured = id(batch) not in self._rerun  # a rerun's time counts its failed attempt
         self._rerun.discard(id(batch))
+        now = self.clock.now()
+        record = replace(record, report_s=now - record.end_s, handoff_s=(
+            record.start_s - batch.started_s if measured and isinstance(batch, Batch) else 0.0))
+        self.pool.log_call(record)
         if self._row_attempts:
             for rid in batch.request_ids:
                 self._row_attempts.pop(rid, None)
@@ -362,7 +370,6 @@ class Scheduler:
         if isinstance(batch, BulkBatch):
             for d in batch.devices:
                 self._busy.discard(d)
-            now = self.clock.now()
             for a in self._bulk.finished(batch, values, scores):
                 self.requests.resolve(a.request_id, "ok", now, value=a.value, certainty=a.certainty,
                                       stage=a.stage, model=batch.model)
@@ -371,7 +378,8 @@ class Scheduler:
         disp = self._owner.pop(id(batch))
         certs = certainty_of(scores, disp.plan.certainty)
         gears = {rid: disp.range_of(rid) for rid in batch.request_ids}
-        now = self.clock.now()
+        if measured:
+            self.path_log.batch(BatchPath(record, batch.request_ids))
         if self.deadlines is not None:  # each row's share of the batch's device time
             share = (now - batch.started_s) * len(batch.devices) / len(batch.request_ids)
             for rid in batch.request_ids:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ken.engine.outcome import Outcome
+from ken.engine.request_path import PathSummary, request_paths, summarize
 from ken.engine.serving import Engine
 from ken.engine.supervision import BatchRecord, LoadReport
 from ken.models.datasets import LabelledSample
@@ -106,11 +107,14 @@ def replay(engine: Engine, trace: Trace, sample: EvalSample | LabelledSample, se
 
 @dataclass(frozen=True, eq=False)
 class Served:
-    """What ``serve_trace`` measured: the replay, the model load, and every model call."""
+    """What ``serve_trace`` measured: the replay, the model load, every model call, and
+    where the requests' time went."""
 
     replay: Replay
     load: LoadReport
     batch_log: tuple[BatchRecord, ...]
+    #: where the answered requests' time went (``request_path``; None: none answered)
+    paths: PathSummary | None = None
 
 
 def serve_trace(plan: GearPlan, models: Mapping[str, Any], trace: Trace,
@@ -121,7 +125,9 @@ def serve_trace(plan: GearPlan, models: Mapping[str, Any], trace: Trace,
     with Engine(plan, models, **engine_options) as engine:
         rep = replay(engine, trace, sample, seed=seed, reporter=reporter)
     assert engine.load_report is not None
-    return Served(rep, engine.load_report, tuple(engine.batch_log))
+    paths = request_paths(rep.outcomes, engine.path_log)
+    return Served(rep, engine.load_report, tuple(engine.batch_log),
+                  summarize(paths, engine.path_log.batches()) if paths else None)
 
 
 def replay_rounds(plans: Sequence[GearPlan], models: Mapping[str, Any], trace: Trace,

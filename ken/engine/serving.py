@@ -88,6 +88,7 @@ from ken.engine.deadlines import EngineDeadlines, drop_policy, job_key
 from ken.engine.dispatch import Requests, Scheduler
 from ken.engine.outcome import Outcome
 from ken.engine.ray_runner import RayCluster
+from ken.engine.request_path import PathLog
 from ken.engine.sigterm import SigtermDrain
 from ken.engine.supervision import (
     BatchDeadline,
@@ -515,6 +516,12 @@ class Engine:
     def plan_swaps(self) -> list[tuple[float, int]]:
         """``(time, queued rows moved)`` per plan swap."""
         return self.scheduler.plan_swaps
+
+    @property
+    def path_log(self) -> PathLog:
+        """When each online request was admitted and each online batch formed, started,
+        ended and was taken in (``request_path``: where a request's time went)."""
+        return self.scheduler.path_log
 
     @property
     def batch_log(self) -> list[BatchRecord]:

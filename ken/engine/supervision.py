@@ -10,12 +10,14 @@ batches, their deadlines, retries, the crash-loop breaker, restarts and memory c
   replaced by its runner (``workers.py``); one found dead while its device is idle is replaced
   at once (looked for every ``IDLE_CHECK_S``, and before each batch), as is one whose
   failed batch the scheduler moved to another replica (``revive``). What a batch did is
-  reported as an event: ``("done", batch, values, scores)``, ``("failed", batch, message,
-  crashed, expected_s, never_returned)``, or ``("unrun", batch)`` when an online batch
-  reached a worker process found dead before it ran (the scheduler runs its rows
-  elsewhere; a bulk batch waits for the fresh worker); a replacement, or a model a
-  swapped-in plan loads on a running worker, as ``("reloading", devices)`` (with an event
-  the scheduler sets once it routes around them, for the load) then ``("reloaded", devices)``.
+  reported as an event: ``("done", batch, values, scores, record)`` (its ``BatchRecord``,
+  which the scheduler completes and logs, ``log_call``),
+  ``("failed", batch, message, crashed, expected_s, never_returned)``, or
+  ``("unrun", batch)`` when an online batch reached a worker process found dead before it
+  ran (the scheduler runs its rows elsewhere; a bulk batch waits for the fresh worker); a
+  replacement, or a model a swapped-in plan loads on a running worker, as
+  ``("reloading", devices)`` (with an event the scheduler sets once it routes around them,
+  for the load) then ``("reloaded", devices)``.
 - ``Breaker``: whether a failed batch runs again (``max_retries``) and which models are
   marked failed: after ``max_crashes`` crashes or hangs in a row, or at once when a batch of
   a model that never returned a call spent its retries past the first-call bound.
@@ -90,7 +92,11 @@ BATCH_LOG = 50_000
 
 @dataclass(frozen=True, slots=True)
 class BatchRecord:
-    """One model call as a device ran it (engine clock; includes the worker round trip)."""
+    """One model call as a device ran it (engine clock; includes the worker round trip), and
+    how long the engine held the device around it: from the dispatcher starting the batch to
+    the call (``handoff_s``: the device's thread taking it), and from the call's answer to the
+    scheduler taking it in (``report_s``: the event queue). The device counts as busy to the
+    dispatcher for all of it (``held_s``), which is what the simulator charges a batch."""
 
     device: str
     model: str
@@ -100,10 +106,18 @@ class BatchRecord:
     idle_before_s: float  # how long the device had been idle before this call
     bulk: bool = False
     largest: int = 0  # the size of its largest row (``row_size``), which its runtime grows with
+    handoff_s: float = 0.0  # online batches: dispatcher start to this call's start
+    report_s: float = 0.0  # this call's end to the scheduler taking its answer in
 
     @property
     def seconds(self) -> float:
+        """The call itself (the worker round trip)."""
         return self.end_s - self.start_s
+
+    @property
+    def held_s(self) -> float:
+        """The device held for the batch: hand-off, call, report."""
+        return self.handoff_s + self.end_s - self.start_s + self.report_s
 
 
 @dataclass(frozen=True)
@@ -470,6 +484,13 @@ class DevicePool:
         """Queue ``batch`` on its first device (``expected_s``: its profiled runtime)."""
         self._queues[batch.devices[0]].put(("run", batch, expected_s))
 
+    def log_call(self, record: BatchRecord) -> None:
+        """Keep a finished call in ``batch_log`` (the scheduler, when it takes the answer in,
+        with the hand-off and report times)."""
+        self.batch_log.append(record)
+        if len(self.batch_log) > self.batch_log_limit:
+            del self.batch_log[: len(self.batch_log) // 2]
+
     def models_on(self, device: str) -> frozenset[str]:
         """The models ``device`` hosts."""
         return frozenset(self._loaded_on.get(device, ()))
@@ -611,12 +632,10 @@ class DevicePool:
             idle_deaths = 0
             idle_since, idle_s = self.clock.now(), started - idle_since
             self.observed.add(batch.model, len(texts), idle_since - started)
-            self.batch_log.append(BatchRecord(device, batch.model, len(texts), started,
-                                              idle_since, idle_s, isinstance(batch, BulkBatch),
-                                              max(map(row_size, texts), default=0)))
-            if len(self.batch_log) > self.batch_log_limit:
-                del self.batch_log[: len(self.batch_log) // 2]
-            self._report(("done", batch, values, scores))
+            record = BatchRecord(device, batch.model, len(texts), started, idle_since,
+                                 idle_s, isinstance(batch, BulkBatch),
+                                 max(map(row_size, texts), default=0))
+            self._report(("done", batch, values, scores, record))  # logged when taken in
 
     def _revive(self, device: str, runner: ProcessRunner | ThreadRunner | RayRunner,
                 code: int | None) -> None:
