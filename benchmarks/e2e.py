@@ -83,9 +83,11 @@ import numpy as np
 
 from ken.engine.calibrate import (
     Calibration,
+    at_levels,
     calibration_calls,
     cheapest_only,
     measure_calibration,
+    model_levels,
     recent_ratio,
 )
 from ken.engine.replay import replay_rounds
@@ -398,6 +400,16 @@ def fidelity(systems: list[System], at_rate: Mapping[str, Catalog] | None = None
                 entry.update({f"simulated_p95_ms_{suffix}": sim,
                               f"error_{suffix}": s.measured_p95() / sim - 1.0,
                               f"calls_{suffix}": [None if x is None else x[0] for x in level]})
+            if window is not None and at_rate and "at_rate" in at_rate:
+                # in hindsight, a diagnosis: each replay simulated with every model at the
+                # level its own batches ran at there (what the calibration's level missed,
+                # against what the simulator's structure misses)
+                own = [simulate(s.plan, at_levels(at_rate["at_rate"], model_levels(
+                    calls, at_rate["at_rate"])), window, seed).metrics(0, s.plan).p95_ms
+                    for calls in s.calls]
+                entry.update({"simulated_p95_ms_at_own_level": own,
+                              "error_at_own_level": [m.p95_ms / x - 1.0 for m, x in
+                                                     zip(s.replays, own, strict=True)]})
     return list(seen.values())
 
 

@@ -7,7 +7,7 @@ import pytest
 from fakes import SlowModel
 from test_engine import CASCADE, plan, texts
 
-from ken.engine.calibrate import predicted_s, runtime_ratios
+from ken.engine.calibrate import at_levels, model_levels, predicted_s, runtime_ratios
 from ken.engine.outcome import Outcome
 from ken.engine.request_path import BatchPath, PathLog, request_paths, summarize
 from ken.engine.serving import Engine
@@ -52,6 +52,8 @@ def test_the_parts_of_a_two_stage_request_and_what_is_left_out() -> None:
     assert s.batch_host_ms["mean"] == pytest.approx((1.0 + 1.0) / 2)
     assert s.median_ms["call"] == pytest.approx(30.0)
     assert s.host_share == pytest.approx(3.0 / 37.0)
+    assert "admission 1.0/1.0, queues 4.0/4.0" in s.describe()
+    assert "8.1% of all latency" in s.describe()
     with pytest.raises(ValueError, match="no answered request"):
         summarize([], [])
 
@@ -99,3 +101,19 @@ def test_calibration_charges_the_time_a_batch_holds_its_device() -> None:
     assert plain == pytest.approx(1.0)
     assert around == pytest.approx(1.3)
 
+
+
+def test_a_replays_own_level_and_the_catalog_moved_to_it() -> None:
+    """Calls held 1.2x their charge: ``model_levels`` finds 1.2 (the slowest 1%, here two
+    stalls, left out); on ``at_levels`` of it the same calls run at 1.0; a model without
+    calls keeps its runtimes."""
+    from test_cost_model import _log, catalog
+
+    cat = catalog(None)
+    log = _log({1: 1.2, 2: 1.2, 3: 1.2, 4: 1.2}, n=400, noise_sd=0.0)
+    levels = model_levels(log, cat)
+    assert list(levels) == ["a"] and levels["a"] == pytest.approx(1.2)
+    moved = at_levels(cat, levels)
+    assert model_levels(log, moved)["a"] == pytest.approx(1.0)
+    others = [m for m in cat.perf if m != "a"]
+    assert others and all(moved.perf[m] == cat.perf[m] for m in others)

@@ -17,6 +17,7 @@ from ken.cli import family_data, op_context, pick_plan
 from ken.engine.calibrate import Calibration, fit_calibration, measure_calibration
 from ken.engine.ray_runner import RayCluster
 from ken.engine.replay import plot_replay, replay
+from ken.engine.request_path import request_paths, summarize
 from ken.engine.serving import Engine
 from ken.engine.workers import gpu_index
 from ken.errors import KenError, UsageError
@@ -318,9 +319,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
     console.print(latency_table(f"replay of {trace.name} ({len(trace):,} requests)",
                                 [(label, simulated), ("measured", measured)]))
     console.print(f"outcomes: {rep.status_counts()}; worst send lag {rep.max_send_lag_s:.3f} s")
+    answered = request_paths(rep.outcomes, engine.path_log)
+    paths = summarize(answered, engine.path_log.batches()) if answered else None
+    if paths is not None:
+        console.print(paths.describe())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    store.write_text(out / "replay.json", rep.to_json(plan))
+    store.write_text(out / "replay.json", rep.to_json(plan, paths))
     store.write_text(out / "plan.json", plan.to_json())
     fit_calibration(engine.batch_log, profiled,
                     f"ken replay of {trace.name}, {len(trace)} requests"

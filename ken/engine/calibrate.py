@@ -360,6 +360,29 @@ def recent_ratio(log: Sequence[BatchRecord], catalog: Catalog, since_s: float
     return float(x[_not_slowest(x)].mean()), len(ratios)
 
 
+def model_levels(log: Iterable[BatchRecord], catalog: Catalog) -> dict[str, float]:
+    """Per model with online calls in ``log``: the mean ratio of their held time to what
+    ``catalog`` charges them (``recent_ratio``: the slowest 1% left out). Above 1: the model
+    ran slower than ``catalog`` says."""
+    by_model: dict[str, list[BatchRecord]] = {}
+    for r in log:
+        if not r.bulk and r.model in catalog.perf:
+            by_model.setdefault(r.model, []).append(r)
+    out = {}
+    for model, calls in sorted(by_model.items()):
+        got = recent_ratio(calls, catalog, -np.inf)
+        if got is not None:
+            out[model] = got[0]
+    return out
+
+
+def at_levels(catalog: Catalog, levels: Mapping[str, float]) -> Catalog:
+    """``catalog`` with each model in ``levels`` that many times as long (``model_levels``
+    of a replay: that replay's runtimes, in hindsight)."""
+    return catalog.with_perf({m: p.scaled(levels[m]) if m in levels else p
+                              for m, p in catalog.perf.items()})
+
+
 #: one-row calls of a model after idle and back to back that its wake-up ratio needs
 MIN_WAKE_CALLS = 5
 #: the bounds the wake-up factor is held to

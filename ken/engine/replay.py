@@ -47,10 +47,12 @@ class Replay:
             out[o.status] = out.get(o.status, 0) + 1
         return out
 
-    def to_json(self, plan: GearPlan) -> str:
+    def to_json(self, plan: GearPlan, paths: PathSummary | None = None) -> str:
+        """The metrics, outcomes and requests; ``paths``: where their time went."""
         m = self.result.metrics(0, plan)
         return json.dumps({
             "metrics": m.to_dict(), "status": self.status_counts(),
+            "paths": None if paths is None else paths.to_dict(),
             "max_send_lag_s": self.max_send_lag_s, "host_cpu_s": self.host_cpu_s,
             "gear_switches": [list(s) for s in self.result.gear_switches[0]],
             "requests": [{"arrival_s": o.arrival_s, "completion_s": o.completion_s,

@@ -141,6 +141,16 @@ class PathSummary:
     batch_host_ms: dict[str, float]  # handoff + report per batch: mean, median, p95
     host_share: float  # host parts / latency, summed over requests
 
+    def describe(self) -> str:
+        """One line: the median and p95 of each part, and the host parts' share."""
+        names = {"admit": "admission", "wait": "queues", "handoff": "hand-offs",
+                 "call": "model calls", "report": "reports"}
+        parts = ", ".join(f"{label} {self.median_ms[k]:.1f}/{self.p95_ms[k]:.1f}"
+                          for k, label in names.items())
+        return (f"where the time went, ms median/p95 per request over {self.requests:,} "
+                f"answered: {parts}; outside queues and model calls "
+                f"{100 * self.host_share:.1f}% of all latency")
+
     def to_dict(self) -> dict:
         return {"requests": self.requests, "batches": self.batches,
                 "median_ms": self.median_ms, "p95_ms": self.p95_ms,
