@@ -431,7 +431,12 @@ def goals(points: list[dict], fid: list[dict], bursty: set[str]) -> dict:
             "fidelity_plans": len(fid),
             **{f"fidelity_within_10pct_{suffix}": sum(abs(f[f"error_{suffix}"]) <= 0.10
                                                       for f in fid)
-               for suffix in AT_RATE if fid and all(f"error_{suffix}" in f for f in fid)}}
+               for suffix in AT_RATE if fid and all(f"error_{suffix}" in f for f in fid)},
+            # in hindsight (a diagnosis): replays, not plans, within 10% at their own level
+            **({"fidelity_within_10pct_at_own_level": sum(
+                abs(e) <= 0.10 for f in fid for e in f["error_at_own_level"]),
+                "fidelity_replays": sum(len(f["error_at_own_level"]) for f in fid)}
+               if fid and all("error_at_own_level" in f for f in fid) else {})}
 
 
 def markdown(results: dict) -> str:
