@@ -69,13 +69,14 @@ def percentiles(ms: np.ndarray) -> dict[str, float]:
 
 def serving_calls(log: list[BatchRecord], catalog: Catalog) -> dict[str, dict]:
     """Per model: the online calls' ratio to the calibrated charge (``predicted_s`` on the
-    calibrated catalog, wake-up included): mean and quantiles, and the ratio's median for
+    calibrated catalog, wake-up included; the time each held its device, ``held_s``, as the
+    calibration fits it): mean and quantiles, and the ratio's median for
     calls that overlapped the other workers' calls by under 1% and by half or more."""
     calls = [r for r in log if not r.bulk]
     out = {}
     for model in sorted({r.model for r in calls}):
         own = [r for r in calls if r.model == model]
-        ratio = np.array([r.seconds / predicted_s(r, catalog) for r in own])
+        ratio = np.array([r.held_s / predicted_s(r, catalog) for r in own])
         overlap = np.array([sum(max(0.0, min(r.end_s, o.end_s) - max(r.start_s, o.start_s))
                                 for o in calls if o.device != r.device) / r.seconds
                             for r in own])

@@ -47,7 +47,7 @@ def affine(catalog: Catalog, log) -> tuple[Catalog, dict]:  # noqa: ANN001
         if len(calls) < 20:
             continue
         x = np.array([p.batch_runtime(r.rows) for r in calls])
-        y = np.array([r.seconds for r in calls])
+        y = np.array([r.held_s for r in calls])  # what the device was held for, as calibrated
         b, a = np.polyfit(x, y, 1)
         a, b = max(a, 0.0), max(b, 0.1)
         table = tuple(tuple(a + b * t for t in row) for row in p.runtime_s)

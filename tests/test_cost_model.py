@@ -235,6 +235,8 @@ def test_calibration_applies_round_trips_and_refuses_bad_files(tmp_path) -> None
     (tmp_path / "v3.json").write_text(json.dumps(v3))
     assert Calibration.load(tmp_path / "v3.json").fits == cal.fits
     assert Calibration.load(tmp_path / "v3.json").spread == {}
+    assert "fitted on the calls alone" in Calibration.load(tmp_path / "v3.json").source
+    assert "calls alone" not in again.source  # version 5: fitted on the held time
     for bad in ({"a": (0.0, 1.0)}, {"b": (1.0,)}):
         with pytest.raises(KenError, match="runtime spread"):
             Calibration(cal.fits, spread=bad)

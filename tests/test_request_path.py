@@ -22,8 +22,8 @@ def _record(model: str, formed: float, start: float, end: float, taken: float,
 
 def test_the_parts_of_a_two_stage_request_and_what_is_left_out() -> None:
     """Request 0: admitted 1 ms after submit, formed at once, escalated, waits 4 ms for stage
-    b; every part by hand. Request 1 has no batch in the log, request 2 was rejected, request
-    3 was admitted before the log's oldest admission: none has a path."""
+    b; every part by hand. Request 1's stage-b batch is not in the log, request 2 was
+    rejected, request 3 was admitted before the log's oldest admission: none has a path."""
     log = PathLog(capacity=3)
     log.admit(3, 0.0)  # pushed out by the three below
     log.admit(0, 0.001)
@@ -53,7 +53,7 @@ def test_the_parts_of_a_two_stage_request_and_what_is_left_out() -> None:
     assert s.median_ms["call"] == pytest.approx(30.0)
     assert s.host_share == pytest.approx(3.0 / 37.0)
     assert "admission 1.0/1.0, queues 4.0/4.0" in s.describe()
-    assert "8.1% of all latency" in s.describe()
+    assert "reports 8.1% of all latency" in s.describe()
     with pytest.raises(ValueError, match="no answered request"):
         summarize([], [])
 
@@ -61,8 +61,9 @@ def test_the_parts_of_a_two_stage_request_and_what_is_left_out() -> None:
 def test_the_engine_logs_every_answered_requests_path() -> None:
     """A two-stage cascade of a 5-ms and a 10-ms model on thread workers: every answered
     request has a path whose batches are the stages it ran, in the engine's call log with the
-    same hand-off and report times; its parts are non-negative and add up to its latency; a
-    request resolved by a batch completes when the scheduler took that batch in."""
+    same hand-off and report times (filled in: not left at 0); its parts are non-negative and
+    add up to its latency; a request resolved by a batch completes when the scheduler took
+    that batch in."""
     models = {"a": SlowModel("a", 0.005), "b": SlowModel("b", 0.010)}
     with Engine(plan(max_wait_s=0.002), models, workers="thread") as engine:
         outcomes = [f.result(timeout=30) for f in [engine.submit(t) for t in texts(60)]]
@@ -83,8 +84,11 @@ def test_the_engine_logs_every_answered_requests_path() -> None:
         assert last.record.model == CASCADE.models[o.stage]
     for b in batches:
         r = b.record
-        assert r.held_s == pytest.approx(b.taken_s - b.formed_s)
         assert r.seconds >= (0.005 if r.model == "a" else 0.010)
+        assert r.handoff_s >= 0 and r.report_s >= 0
+    # the scheduler fills both in: a thread's hand-off and an event queue take some time
+    assert any(b.record.handoff_s > 0 for b in batches)
+    assert any(b.record.report_s > 0 for b in batches)
 
 
 def test_calibration_charges_the_time_a_batch_holds_its_device() -> None:
@@ -100,7 +104,6 @@ def test_calibration_charges_the_time_a_batch_holds_its_device() -> None:
     (_, plain), (_, around) = runtime_ratios([call, held], cat)["a"]
     assert plain == pytest.approx(1.0)
     assert around == pytest.approx(1.3)
-
 
 
 def test_a_replays_own_level_and_the_catalog_moved_to_it() -> None:

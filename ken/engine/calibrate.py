@@ -219,7 +219,7 @@ class Calibration:
     def save(self, path: str | Path) -> Path:
         """Write it as JSON, atomically (``Calibration.load`` reads it)."""
         return store.write_text(Path(path), json.dumps({
-            "kind": CALIBRATION_KIND, "version": 4, "source": self.source,
+            "kind": CALIBRATION_KIND, "version": 5, "source": self.source,
             "other_cores": self.other_cores, "wake": self.wake,
             "fits": {m: {"factors": [[b, f] for b, f in pairs], "calls": self.calls.get(m, 0),
                          "spread": list(self.spread.get(m, ()))}
@@ -236,7 +236,7 @@ class Calibration:
             data = json.loads(path.read_text())
             if data.get("kind") != CALIBRATION_KIND:
                 raise ValueError(f"kind is {data.get('kind')!r}")
-            if data.get("version") not in (3, 4):
+            if data.get("version") not in (3, 4, 5):
                 raise ValueError(f"it is version {data.get('version')} (one factor for all "
                                  "batch sizes or runtime spreads, written before the fit per "
                                  "batch size); run `ken replay` or `ken plan` again")
@@ -245,7 +245,11 @@ class Calibration:
             # version 3 (before the calls' spread was fitted): every call charged its mean
             spread = {m: tuple(f["spread"]) for m, f in data["fits"].items() if f.get("spread")}
             other = data.get("other_cores")
-            return cls(fits, calls, str(data.get("source", "")),
+            source = str(data.get("source", ""))
+            if data["version"] < 5:  # fitted on the calls alone, before session 37
+                source += (" (fitted on the calls alone, without the hand-off and report "
+                           "around them: charges 3-7% less than serving holds a device)")
+            return cls(fits, calls, source,
                        None if other is None else float(other), float(data.get("wake", 1.0)),
                        spread)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:

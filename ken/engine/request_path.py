@@ -17,6 +17,7 @@ to reproduce it.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -51,25 +52,30 @@ class BatchPath:
 
 
 class PathLog:
-    """The newest ``capacity`` admissions (request id, time) and finished online batches.
-    Written by the scheduler thread only; read after serving, or as a snapshot (``batches``,
-    ``admitted``), which copies under no lock: a row written meanwhile may be missed."""
+    """The newest ``capacity`` admissions (request id, time) and finished online batches
+    (a replay of more requests is split over its newest ``capacity``). Written by the
+    scheduler thread; ``admitted`` and ``batches`` copy it under its lock, from any thread."""
 
     def __init__(self, capacity: int = PATH_LOG) -> None:
+        self._lock = threading.Lock()
         self._admitted: deque[tuple[int, float]] = deque(maxlen=capacity)
         self._batches: deque[BatchPath] = deque(maxlen=capacity)
 
     def admit(self, rid: int, now: float) -> None:
-        self._admitted.append((rid, now))
+        with self._lock:
+            self._admitted.append((rid, now))
 
     def batch(self, path: BatchPath) -> None:
-        self._batches.append(path)
+        with self._lock:
+            self._batches.append(path)
 
     def admitted(self) -> dict[int, float]:
-        return dict(list(self._admitted))
+        with self._lock:
+            return dict(self._admitted)
 
     def batches(self) -> list[BatchPath]:
-        return list(self._batches)
+        with self._lock:
+            return list(self._batches)
 
 
 @dataclass(frozen=True)
@@ -99,7 +105,10 @@ class RequestPath:
 def request_paths(outcomes: Iterable[Outcome], log: PathLog) -> list[RequestPath]:
     """The parts of every ``ok`` online request's latency that the log covers (requests
     admitted before the log's oldest admission, or answered by a batch the log no longer
-    holds, are left out)."""
+    holds, are left out; so is a request whose batch ran again in place after a failure).
+    A batch that failed or reached a dead worker and whose rows were queued again is not in
+    the log (only batches whose answers were taken in are): its time counts as its rows'
+    wait."""
     admitted = log.admitted()
     by_request: dict[int, list[BatchPath]] = {}
     for b in log.batches():
@@ -148,7 +157,7 @@ class PathSummary:
         parts = ", ".join(f"{label} {self.median_ms[k]:.1f}/{self.p95_ms[k]:.1f}"
                           for k, label in names.items())
         return (f"where the time went, ms median/p95 per request over {self.requests:,} "
-                f"answered: {parts}; outside queues and model calls "
+                f"answered: {parts}; admission, hand-offs and reports "
                 f"{100 * self.host_share:.1f}% of all latency")
 
     def to_dict(self) -> dict:

@@ -486,7 +486,8 @@ class DevicePool:
 
     def log_call(self, record: BatchRecord) -> None:
         """Keep a finished call in ``batch_log`` (the scheduler, when it takes the answer in,
-        with the hand-off and report times)."""
+        with the hand-off and report times; a call whose answer comes after the scheduler
+        stopped, at shutdown, is not logged)."""
         self.batch_log.append(record)
         if len(self.batch_log) > self.batch_log_limit:
             del self.batch_log[: len(self.batch_log) // 2]
