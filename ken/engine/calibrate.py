@@ -99,7 +99,8 @@ def calibrated(catalog: Catalog, spreads: Mapping[str, tuple[float, ...]]) -> Ca
 class Calibration:
     """Per model, how much longer than its predicted runtime (``predicted_s``) a serving call
     holds its device (``BatchRecord.held_s``: the hand-off to the device's thread and the
-    report back to the scheduler included, 0.5-0.6 ms a batch on 2 cores at 30-60 requests/s),
+    report back to the scheduler included, 0.45-0.65 ms a batch on 2 cores at 30-60
+    requests/s),
     by batch size: ``fits[model]`` is ``((rows, factor), ...)`` in ascending rows, and a
     batch of ``b`` rows is charged ``factor(model, b)`` x its prediction (interpolated in
     log2 of the rows between fitted sizes, the nearest one's outside them); ``calls`` per model

@@ -1,18 +1,19 @@
 """Where a request's time goes in the online engine (issue 33, item 3).
 
-The simulator charges a request its queue wait and its model calls. The engine spends more:
+A simulator charges a request its queue waits and its model calls. The engine spends more:
 the scheduler thread takes an arrival in some time after ``submit`` (``admit``); a batch it
 starts waits for its device's thread to hand it to the worker (``handoff``); the call's
 answer waits in the event queue until the scheduler takes it in and resolves the rows or
 escalates them (``report``). During ``handoff`` and ``report`` the device counts as busy to
 the dispatcher, so the next batch cannot start either: time the device is held without
-computing.
+computing. Since session 37 the calibration fits the time a batch held its device
+(``BatchRecord.held_s``), so the simulator charges hand-offs and reports through its factors;
+admission it does not charge (it runs on the scheduler thread and delays every request alike).
 
 ``PathLog`` (the scheduler keeps one, ``Engine.path_log``) records when each online request
 was admitted and, per finished online batch, when it was formed, started, ended and taken in.
 ``request_paths`` splits each answered request's latency into those parts; ``PathSummary``
-gives the medians and the per-batch host time (``handoff + report``) a simulator would charge
-to reproduce it.
+gives the medians and the per-batch host time (``handoff + report``).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class RequestPath:
 
     @property
     def host_s(self) -> float:
-        """The parts the simulator does not charge: admission, hand-offs, reports."""
+        """The parts outside queues and model calls: admission, hand-offs, reports."""
         return self.admit_s + self.handoff_s + self.report_s + self.resolve_s
 
 
