@@ -9,7 +9,13 @@ from test_engine import CASCADE, plan, texts
 
 from ken.engine.calibrate import at_levels, model_levels, predicted_s, runtime_ratios
 from ken.engine.outcome import Outcome
-from ken.engine.request_path import BatchPath, PathLog, request_paths, summarize
+from ken.engine.request_path import (
+    BatchPath,
+    PathLog,
+    request_paths,
+    summarize,
+    where_time_went,
+)
 from ken.engine.serving import Engine
 from ken.engine.supervision import BatchRecord
 
@@ -56,6 +62,8 @@ def test_the_parts_of_a_two_stage_request_and_what_is_left_out() -> None:
     assert "reports 8.1% of all latency" in s.describe()
     with pytest.raises(ValueError, match="no answered request"):
         summarize([], [])
+    assert where_time_went(outcomes[2:], log) is None  # none of them has a path
+    assert where_time_went(outcomes, log) == s
 
 
 def test_the_engine_logs_every_answered_requests_path() -> None:

@@ -17,7 +17,7 @@ from ken.cli import family_data, op_context, pick_plan
 from ken.engine.calibrate import Calibration, fit_calibration, measure_calibration
 from ken.engine.ray_runner import RayCluster
 from ken.engine.replay import plot_replay, replay
-from ken.engine.request_path import request_paths, summarize
+from ken.engine.request_path import where_time_went
 from ken.engine.serving import Engine
 from ken.engine.workers import gpu_index
 from ken.errors import KenError, UsageError
@@ -319,8 +319,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     console.print(latency_table(f"replay of {trace.name} ({len(trace):,} requests)",
                                 [(label, simulated), ("measured", measured)]))
     console.print(f"outcomes: {rep.status_counts()}; worst send lag {rep.max_send_lag_s:.3f} s")
-    answered = request_paths(rep.outcomes, engine.path_log)
-    paths = summarize(answered, engine.path_log.batches()) if answered else None
+    paths = where_time_went(rep.outcomes, engine.path_log)
     if paths is not None:
         console.print(paths.describe())
     out = Path(args.out)

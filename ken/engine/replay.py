@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ken.engine.outcome import Outcome
-from ken.engine.request_path import PathSummary, request_paths, summarize
+from ken.engine.request_path import PathSummary, where_time_went
 from ken.engine.serving import Engine
 from ken.engine.supervision import BatchRecord, LoadReport
 from ken.models.datasets import LabelledSample
@@ -127,9 +127,8 @@ def serve_trace(plan: GearPlan, models: Mapping[str, Any], trace: Trace,
     with Engine(plan, models, **engine_options) as engine:
         rep = replay(engine, trace, sample, seed=seed, reporter=reporter)
     assert engine.load_report is not None
-    paths = request_paths(rep.outcomes, engine.path_log)
     return Served(rep, engine.load_report, tuple(engine.batch_log),
-                  summarize(paths, engine.path_log.batches()) if paths else None)
+                  where_time_went(rep.outcomes, engine.path_log))
 
 
 def replay_rounds(plans: Sequence[GearPlan], models: Mapping[str, Any], trace: Trace,

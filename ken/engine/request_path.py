@@ -128,15 +128,10 @@ def request_paths(outcomes: Iterable[Outcome], log: PathLog) -> list[RequestPath
             wait += b.formed_s - at
             at = b.taken_s
         out.append(RequestPath(
-            o.request_id, at_least_zero(admitted[o.request_id] - o.arrival_s), wait,
+            o.request_id, admitted[o.request_id] - o.arrival_s, wait,
             sum(b.record.handoff_s for b in batches), sum(b.record.seconds for b in batches),
             sum(b.record.report_s for b in batches), o.completion_s - at, len(batches)))
     return out
-
-
-def at_least_zero(seconds: float) -> float:
-    """Two clock reads of one thread can differ by rounding only: no negative part."""
-    return max(seconds, 0.0)
 
 
 @dataclass(frozen=True)
@@ -168,6 +163,13 @@ class PathSummary:
 
 
 PARTS = ("admit", "wait", "handoff", "call", "report", "resolve", "host", "latency")
+
+
+def where_time_went(outcomes: Iterable[Outcome], log: PathLog) -> PathSummary | None:
+    """``summarize`` of ``request_paths`` and the log's batches; None when the log covers no
+    answered request."""
+    paths = request_paths(outcomes, log)
+    return summarize(paths, log.batches()) if paths else None
 
 
 def summarize(paths: Sequence[RequestPath], batches: Sequence[BatchPath]) -> PathSummary:
