@@ -49,8 +49,10 @@ from ken.engine.calibrate import (  # noqa: E402
 )
 from ken.engine.replay import serve_trace  # noqa: E402
 from ken.engine.supervision import BatchRecord  # noqa: E402
+from ken.optimizer.perf import Catalog  # noqa: E402
 from ken.optimizer.simulator import simulate  # noqa: E402
-from ken.optimizer.workload import poisson_trace  # noqa: E402
+from ken.optimizer.workload import Trace, poisson_trace  # noqa: E402
+from ken.policy.plan import GearPlan  # noqa: E402
 from ken.progress import Reporter  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "request_path"
@@ -62,6 +64,12 @@ FORMS = ("held", "calls_only")
 def calls_only(log: tuple[BatchRecord, ...]) -> tuple[BatchRecord, ...]:
     """The calls as the calibration saw them before session 37: the call alone."""
     return tuple(replace(r, handoff_s=0.0, report_s=0.0) for r in log)
+
+
+def sim_p95(plan: GearPlan, catalog: Catalog, trace: Trace) -> float:
+    """The simulated p95 (ms) of ``plan`` on ``trace``: the median over three seeds."""
+    return float(np.median([simulate(plan, catalog, trace, seed=s).metrics(0, plan).p95_ms
+                            for s in range(3)]))
 
 
 def both_forms(calls: CalibrationCalls) -> dict:
@@ -89,7 +97,7 @@ def main() -> int:
     reporter = Reporter()
     started = time.perf_counter()
     setup = soak_setup(reporter)
-    to_serve = plans_to_serve(reporter, args.seed)
+    to_serve = plans_to_serve(reporter, args.seed, setup=setup)
     plans = {"fast": to_serve.fast, "main": to_serve.main}
     out: dict = {"plans": {k: p.describe() for k, p in plans.items()}, "rates": {}}
     for rate in args.rates:
@@ -97,9 +105,8 @@ def main() -> int:
         forms = both_forms(calls)
         cats = {k: c.apply(to_serve.profiles) for k, c in forms.items()}
         trace = poisson_trace(rate, args.seconds, seed=args.seed + 1)
-        sims = {k: {name: float(np.median([
-            simulate(p, cat, trace, seed=s).metrics(0, p).p95_ms for s in range(3)]))
-            for name, p in plans.items()} for k, cat in cats.items()}
+        sims = {k: {name: sim_p95(p, cat, trace) for name, p in plans.items()}
+                for k, cat in cats.items()}
         entry: dict = {"calibration": {k: c.describe() for k, c in forms.items()},
                        "simulated_p95_ms": sims, "replays": {name: [] for name in plans}}
         for r in range(args.replays):
@@ -110,9 +117,7 @@ def main() -> int:
                 assert served.paths is not None
                 p95 = served.replay.result.metrics(0, plan).p95_ms
                 level = model_levels(served.batch_log, cats["held"])
-                hindsight = float(np.median([
-                    simulate(plan, at_levels(cats["held"], level), trace, seed=s)
-                    .metrics(0, plan).p95_ms for s in range(3)]))
+                hindsight = sim_p95(plan, at_levels(cats["held"], level), trace)
                 entry["replays"][name].append({
                     "measured_p95_ms": p95,
                     "error": {k: p95 / sims[k][name] - 1.0 for k in FORMS},

@@ -122,13 +122,14 @@ def family_calibration_calls(reporter: Reporter, seed: int, seconds: float,
 
 
 def plans_to_serve(reporter: Reporter, seed: int, calibration_s: float = 0.0,
-                   plan_calibrated: bool = True) -> ToServe:
+                   plan_calibrated: bool = True, setup: tuple | None = None) -> ToServe:
     """The family's frontier on Poisson arrivals; the middle plan (under 1 s) and the
     fastest, with loaders for every model either places. With ``calibration_s`` > 0 the
     runtimes are calibrated first, as ``ken plan`` does by default (``measure_calibration``:
     every model of the cascades served for that long), and planned on unless
-    ``plan_calibrated`` is False; else the profiles' are planned on."""
-    setup = soak_setup(reporter)
+    ``plan_calibrated`` is False; else the profiles' are planned on. ``setup``: what
+    ``soak_setup`` returned, if the caller has it."""
+    setup = setup or soak_setup(reporter)
     catalog, cascades, hardware, loaders, sample = setup
     calibration, planned = None, catalog
     if calibration_s > 0:
