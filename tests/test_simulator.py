@@ -528,7 +528,7 @@ def test_simulate_many_routes_conserve_requests(p1: GearPlan, p2: GearPlan, p3: 
 def test_simulate_many_routes_reject_bad_input() -> None:
     trace = Trace(np.arange(4) * 0.1)
     plans, cats = [single("a"), single("b")], [CATALOG, CATALOG]
-    with pytest.raises(SimulationError, match="together"):
+    with pytest.raises(SimulationError, match="give routes with rows"):
         simulate_many(plans, cats, trace, routes=[(0,)])
     with pytest.raises(SimulationError, match="distinct plans"):
         simulate_many(plans, cats, trace, routes=[(0, 0)], rows=[0, 0, 0, 0])

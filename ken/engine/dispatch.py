@@ -296,7 +296,8 @@ class Scheduler:
         arrival is metered and routed, rejected ones too: the gear follows the offered load
         and the replicas keep their shares of it."""
         for rid in rids:
-            rng = disp.arrival()
+            now = self.clock.now()  # metered, and logged as admitted, at the same instant
+            rng = disp.arrival(now)
             first = disp.plan.cascade_of(rng).models[0]
             reason = self.breaker.reason(first)
             if reason is not None:
@@ -317,7 +318,7 @@ class Scheduler:
                 self.requests.resolve(rid, "rejected", gear=rng, error=placed.reason,
                                       retry_after_s=placed.retry_after_s)
                 continue
-            self.path_log.admit(rid, self.clock.now())
+            self.path_log.admit(rid, now)
             self._launch(disp, disp.admit(rid, metered=False, replica=placed.replica))
 
     def _device_work(self) -> dict[str, float]:

@@ -40,6 +40,8 @@ class Replay:
     # CPU seconds this process (the sender, the engine's scheduler and its pipes to the
     # workers) used during the replay: cores the devices' workers did not get
     host_cpu_s: float = 0.0
+    #: the sample row each request asked (``sample_rows(seed)``'s, or the ``rows`` given)
+    rows: np.ndarray | None = field(default=None, repr=False)
 
     def status_counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -104,7 +106,7 @@ def replay(engine: Engine, trace: Trace, sample: EvalSample | LabelledSample, se
         batches=0,
         stage_rows=(),
     )
-    return Replay(result, outcomes, lag, host_cpu_s)
+    return Replay(result, outcomes, lag, host_cpu_s, np.asarray(rows))
 
 
 @dataclass(frozen=True, eq=False)

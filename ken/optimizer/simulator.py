@@ -112,9 +112,16 @@ def sample_rows(num_requests: int, num_rows: int, seed: int) -> np.ndarray:
     return order[np.arange(num_requests) % num_rows]
 
 
-def simulate(plan: GearPlan, catalog: Catalog, trace: Trace, seed: int = 0) -> SimResult:
-    """Replay ``trace`` through one plan."""
-    return simulate_many([plan], [catalog], trace, seed)
+#: a batch's runtime given from outside the catalog (``simulate_many(runtimes=...)``): called
+#: with the operator's index, the batch and the virtual time it starts; None: the catalog's
+Runtimes = Callable[[int, Batch, float], "float | None"]
+
+
+def simulate(plan: GearPlan, catalog: Catalog, trace: Trace, seed: int = 0,
+             rows: Sequence[int] | None = None, runtimes: Runtimes | None = None
+             ) -> SimResult:
+    """Replay ``trace`` through one plan (``rows``, ``runtimes``: as ``simulate_many``'s)."""
+    return simulate_many([plan], [catalog], trace, seed, rows=rows, runtimes=runtimes)
 
 
 def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace: Trace,
@@ -122,8 +129,8 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
                   rows: Sequence[int] | None = None, hits: Sequence[bool] | None = None,
                   deadline_s: np.ndarray | Sequence[float] | float | None = None,
                   dropping: DropPolicy | None = None,
-                  timers: Sequence[tuple[float, Callable[[EventLoop, float], None]]] = ()
-                  ) -> SimResult:
+                  timers: Sequence[tuple[float, Callable[[EventLoop, float], None]]] = (),
+                  runtimes: Runtimes | None = None) -> SimResult:
     """Replay ``trace`` through ``plans`` in order (request ``i`` enters plan ``k + 1`` when
     plan ``k`` resolved it); plans share devices with the same id.
 
@@ -143,12 +150,21 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
 
     ``timers`` (optional): changes made at given times (``sim_core.EventLoop``), e.g. a new
     allocation of a pipeline's devices that takes the queued requests
-    (``ken.optimizer.reallocation``)."""
+    (``ken.optimizer.reallocation``).
+
+    ``rows`` without ``routes``: request ``i`` is sample row ``rows[i]`` in every plan (an
+    engine replay's rows), instead of the seeded permutation's.
+
+    ``runtimes`` (optional): each batch's runtime from outside the catalog where it returns a
+    number (e.g. the time the engine's batch of the same rows took: ``ken.engine.hindsight``),
+    the catalog's where it returns None."""
     if not plans or len(plans) != len(catalogs):
         raise SimulationError("give one catalog per plan (and at least one plan)")
     n = len(trace)
-    if (routes is None) != (rows is None):
-        raise SimulationError("give routes and rows together")
+    if routes is not None and rows is None:
+        raise SimulationError("give routes with rows (each request's sample row)")
+    if rows is not None and len(rows) != n:
+        raise SimulationError(f"rows gives {len(rows)} sample rows for {n} requests")
     if routes is not None and rows is not None:
         if len(rows) != n:
             raise SimulationError(f"rows gives {len(rows)} sample rows for {n} requests")
@@ -178,7 +194,7 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
     gated = dropper is not None and (dropper.policy.rule, dropper.policy.priority) != \
         ("none", "fcfs")
     ops = [_Operator(k, p, c, clock, busy, record, seed + k, rows,
-                     dropper.gate(k) if gated and dropper is not None else None)
+                     dropper.gate(k) if gated and dropper is not None else None, runtimes)
            for k, (p, c) in enumerate(zip(plans, catalogs, strict=True))]
     if hits is not None and len(hits) != n:
         raise SimulationError(f"hits gives {len(hits)} flags for {n} requests")
@@ -229,8 +245,11 @@ class _Operator:
 
     def __init__(self, index: int, plan: GearPlan, catalog: Catalog, clock: VirtualClock,
                  busy: set[str], record: Record, seed: int,
-                 rows: Sequence[int] | None = None, gate: StageGate | None = None) -> None:
+                 rows: Sequence[int] | None = None, gate: StageGate | None = None,
+                 runtimes: Runtimes | None = None) -> None:
         _check_profiled(plan, catalog)
+        self._index = index
+        self._given = runtimes
         self.dispatcher = Dispatcher(plan, clock, busy, gate)
         self._gate = gate
         kind = plan.certainty
@@ -271,7 +290,14 @@ class _Operator:
         its largest row against an average batch's (``perf.size_factor``, where the profile
         measured a size share), times a drawn spread factor where the profile has them, times
         the model's ``wake`` factor when its devices idled ``WAKE_IDLE_S`` or more before it
-        (a device's first batch too: the engine's workers idle from warm-up to the first)."""
+        (a device's first batch too: the engine's workers idle from warm-up to the first).
+        A runtime given from outside (``simulate_many(runtimes=...)``) replaces all of it."""
+        given = None if self._given is None else self._given(self._index, batch, now)
+        if given is not None:
+            if self._woken:
+                for d in batch.devices:
+                    self._free_at[d] = now + given
+            return given
         b = len(batch.request_ids)
         dt = self._runtime[batch.replica][b]
         if self._size is not None:

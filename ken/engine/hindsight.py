@@ -1,0 +1,156 @@
+"""The simulator fed a replay's own call times (issue 33, item 3).
+
+When a replay's p95 misses its simulation, the miss is either in the simulator's structure
+(queues, batching triggers, routing, gears, escalations: the ``Dispatcher`` the engine shares)
+or in the runtimes it charges each batch: their level (the machine ran slower or faster than
+the calibration said) or how they fall (which batches ran slow, and when). ``hindsight``
+tells them apart after the fact:
+
+- **own times**: the replay's admitted requests are simulated at the times the engine admitted
+  them, on the sample rows they asked, and each batch is charged the time the engine's batch
+  of the same model and rows held its device (``BatchRecord.held_s``); a batch the engine did
+  not form (the two diverged) is charged the catalog's. If the structure is the engine's, the
+  simulation forms the engine's batches and answers each request when the engine did.
+- **own calibration**: the same requests simulated on a catalog calibrated on the replay's own
+  calls (``fit_calibration``: a factor per batch size and the spread of the rest, drawn per
+  batch), the median p95 over a few seeds: the level is the replay's, each batch's draw is the
+  simulator's.
+
+Measured against own times is the structure's error; own times against own calibration is what
+drawing each batch's time independently misses; the planned calibration against own
+calibration is the level's. Admission (submit to the scheduler taking a request in), which
+the simulator does not model, is added to each simulated latency as measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ken.engine.calibrate import fit_calibration
+from ken.engine.outcome import Outcome
+from ken.engine.request_path import PathLog
+from ken.errors import KenError
+from ken.optimizer.perf import Catalog
+from ken.optimizer.simulator import simulate
+from ken.optimizer.workload import Trace
+from ken.policy.plan import GearPlan
+from ken.policy.scheduling import Batch
+
+#: seeds the own-calibration simulation takes the median p95 of
+SEEDS = 3
+
+
+@dataclass(frozen=True)
+class Hindsight:
+    """A replay against the simulator fed its own batch times and its own calibration
+    (milliseconds; errors as measured / simulated - 1)."""
+
+    requests: int  # simulated: answered and in the engine's path log
+    left_out: int  # the replay's other requests (rejected, failed, or older than the log)
+    batches: int  # batches the own-times simulation ran
+    own_batches: int  # of them, charged the time of the engine's batch of the same rows
+    measured_p95_ms: float
+    own_times_p95_ms: float
+    own_calibration_p95_ms: float | None  # None: too few calls to fit
+    median_abs_ms: float  # per request, |own-times latency - measured|: median and 95th pct
+    p95_abs_ms: float
+    other_gear: int  # requests the own-times simulation admitted in another gear
+    other_stage: int  # ... answered at another stage of the cascade than the engine did
+    latency_s: np.ndarray = field(repr=False)  # own-times latency per simulated request
+
+    @property
+    def own_times_error(self) -> float:
+        return self.measured_p95_ms / self.own_times_p95_ms - 1.0
+
+    @property
+    def own_calibration_error(self) -> float | None:
+        if self.own_calibration_p95_ms is None:
+            return None
+        return self.measured_p95_ms / self.own_calibration_p95_ms - 1.0
+
+    def describe(self) -> str:
+        """Two sentences: the own-times simulation, then the own calibration's."""
+        out = (f"in hindsight, fed this replay's own batch times ({self.own_batches:,} of "
+               f"{self.batches:,} batches), the simulator puts the p95 at "
+               f"{self.own_times_p95_ms:.1f} ms against {self.measured_p95_ms:.1f} measured "
+               f"({self.own_times_error:+.0%}), each request within {self.median_abs_ms:.1f} "
+               f"ms at the median ({self.p95_abs_ms:.1f} at the 95th percentile)")
+        if self.other_gear or self.other_stage:
+            out += (f"; {self.other_gear:,} requests admitted in another gear and "
+                    f"{self.other_stage:,} answered at another stage than the engine's")
+        if self.own_calibration_p95_ms is not None:
+            out += (f"; on this replay's own calibration, each batch's time drawn, "
+                    f"{self.own_calibration_p95_ms:.1f} ms ({self.own_calibration_error:+.0%})")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"requests": self.requests, "left_out": self.left_out,
+                "batches": self.batches, "own_batches": self.own_batches,
+                "measured_p95_ms": self.measured_p95_ms,
+                "own_times_p95_ms": self.own_times_p95_ms,
+                "own_times_error": self.own_times_error,
+                "own_calibration_p95_ms": self.own_calibration_p95_ms,
+                "own_calibration_error": self.own_calibration_error,
+                "median_abs_ms": self.median_abs_ms, "p95_abs_ms": self.p95_abs_ms,
+                "other_gear": self.other_gear, "other_stage": self.other_stage}
+
+
+def hindsight(plan: GearPlan, catalog: Catalog, outcomes: Sequence[Outcome],
+              rows: Sequence[int], log: PathLog, calls: Sequence[Any] = (),
+              seeds: int = SEEDS) -> Hindsight:
+    """``outcomes`` of a replay through an engine serving ``plan`` (one plan: no swap), in
+    trace order, ``rows`` the sample row of each, ``log`` the engine's path log; ``catalog``
+    the profiles (certainties decide the simulated escalations; its runtimes charge the
+    batches the engine did not form); ``calls``: the engine's batch log, for the own
+    calibration (skipped when empty). See the module docstring."""
+    if len(rows) != len(outcomes):
+        raise KenError(f"{len(rows)} sample rows for {len(outcomes)} outcomes")
+    admitted = log.admitted()
+    held: dict[tuple[str, frozenset[int]], float] = {}
+    in_batch: set[int] = set()
+    for b in log.batches():
+        held[(b.record.model, frozenset(b.request_ids))] = b.record.held_s
+        in_batch.update(b.request_ids)
+    keep = [i for i, o in enumerate(outcomes)
+            if o.status == "ok" and o.request_id in admitted and o.request_id in in_batch]
+    if not keep:
+        raise KenError("no answered request of the replay is in the engine's path log")
+    keep.sort(key=lambda i: admitted[outcomes[i].request_id])
+    rid = [outcomes[i].request_id for i in keep]
+    at = np.array([admitted[r] for r in rid])
+    trace = Trace(at - at[0], name="admissions")
+    sim_rows = [int(rows[i]) for i in keep]
+    counts = {"batches": 0, "own": 0}
+
+    def own(_: int, batch: Batch, now: float) -> float | None:
+        counts["batches"] += 1
+        seconds = held.get((batch.model, frozenset(rid[j] for j in batch.request_ids)))
+        counts["own"] += seconds is not None
+        return seconds
+
+    admit = np.array([admitted[r] - outcomes[i].arrival_s for r, i in zip(rid, keep,
+                                                                          strict=True)])
+    measured = np.array([outcomes[i].completion_s - outcomes[i].arrival_s for i in keep])
+    res = simulate(plan, catalog, trace, rows=sim_rows, runtimes=own)
+    lat = res.latency_s + admit
+    stage = np.array([-1 if outcomes[i].stage is None else outcomes[i].stage for i in keep])
+    gear = np.array([-1 if outcomes[i].gear is None else outcomes[i].gear for i in keep])
+    own_cal = None
+    if calls:
+        cal = fit_calibration(calls, catalog)
+        if cal.fits:
+            fitted = cal.apply(catalog)
+            own_cal = float(np.median([
+                np.percentile(simulate(plan, fitted, trace, seed=s, rows=sim_rows).latency_s
+                              + admit, 95) for s in range(seeds)])) * 1000.0
+    diff = np.abs(lat - measured) * 1000.0
+    return Hindsight(len(keep), len(outcomes) - len(keep), counts["batches"], counts["own"],
+                     float(np.percentile(measured, 95)) * 1000.0,
+                     float(np.percentile(lat, 95)) * 1000.0, own_cal,
+                     float(np.median(diff)), float(np.percentile(diff, 95)),
+                     int((res.range_index[0] != gear).sum()), int((res.stage[0] != stage).sum()),
+                     lat)
