@@ -9,6 +9,7 @@ import pytest
 from fakes import LABELS, SlowModel
 from test_engine import plan, texts
 
+from ken.engine.calibrate import fit_calibration
 from ken.engine.hindsight import hindsight
 from ken.engine.outcome import Outcome
 from ken.engine.replay import replay
@@ -16,10 +17,12 @@ from ken.engine.request_path import BatchPath, PathLog
 from ken.engine.serving import Engine
 from ken.engine.supervision import BatchRecord
 from ken.errors import KenError, SimulationError
+from ken.models.cascade import Cascade
 from ken.models.datasets import LabelledSample
 from ken.optimizer.perf import Catalog, ModelPerf
-from ken.optimizer.simulator import sample_rows, simulate
+from ken.optimizer.simulator import sample_rows, simulate, simulate_many
 from ken.optimizer.workload import Trace, poisson_trace
+from ken.policy.plan import GearPlan, RangeSchedule, Replica
 from ken.policy.scheduling import Batch
 
 
@@ -57,6 +60,12 @@ def test_a_runtime_given_per_batch_replaces_the_catalogs() -> None:
     stages = fixed.stage[0] + 1
     assert np.allclose(fixed.latency_s, 0.03 * stages)
     rows = sample_rows(len(trace), cat.num_rows, 2)
+    two = two_gears()
+    others = simulate_many([two], [cat], trace, runtimes=lambda k, b, now: 0.001,
+                           replicas=[1] * len(trace))
+    assert others.device_busy_s == (("cpu1", pytest.approx(0.001 * others.batches)),)
+    with pytest.raises(SimulationError, match="one first-stage replica"):
+        simulate_many([two], [cat], trace, replicas=[1])
     given = simulate(p, cat, trace, seed=0, rows=rows)
     assert np.array_equal(given.stage, plain.stage)
     assert np.array_equal(given.completion_s, plain.completion_s)
@@ -64,13 +73,28 @@ def test_a_runtime_given_per_batch_replaces_the_catalogs() -> None:
         simulate(p, cat, trace, rows=[0, 1, 2])
 
 
+def two_gears() -> GearPlan:
+    """Model a on two devices, then b; a second gear (above 60 requests/s) escalates less;
+    batches of up to 4 rows, a 4-ms wait."""
+    placement = (Replica("a", ("cpu0",)), Replica("a", ("cpu1",)), Replica("b", ("cpu1",)))
+    cascades = (Cascade(("a", "b"), (0.7,)), Cascade(("a", "b"), (0.4,)))
+    return GearPlan("op", (0.0, 60.0, 1e6), cascades, placement,
+                    tuple(RangeSchedule(k, (0.5, 0.5, 1.0), (1, 1, 1)) for k in (0, 1)),
+                    (4, 4, 4), max_wait_s=0.004)
+
+
 def test_hindsight_of_the_simulators_own_batches_reproduces_it() -> None:
-    """A replay built by hand from a simulation (its batches as the engine's log, admitted
-    when they arrived, submitted 0.5 ms before; every batch's time drawn from 5-25 ms):
-    fed those times, the simulation forms every batch again and answers each request when
-    the log says; requests rejected or missing from the log are left out."""
-    cat, p = _catalog(), plan(max_batch=4, max_wait_s=0.004)
-    trace = poisson_trace(120.0, 1.0, seed=4)
+    """A replay built by hand from a simulation of a two-gear plan (its batches as the
+    engine's log, admitted when they arrived, submitted 0.5 ms before; every batch's time
+    drawn from 5-25 ms; a tenth of the requests queued at the other replica of a, as
+    admission may; every third turned away, metered all the same): fed those times, the
+    simulation forms every batch again, switches gear when the engine did and answers each
+    request when the log says."""
+    cat, p = _catalog(), two_gears()
+    arrivals = poisson_trace(75.0, 2.0, seed=4).arrival_s
+    turned = set(range(2, len(arrivals), 3))  # offered 75/s, admitted 50/s: gear 0 or 1
+    served = [i for i in range(len(arrivals)) if i not in turned]
+    trace = Trace(arrivals[served] - arrivals[served[0]])
     rng = np.random.default_rng(1)
     runs: list[tuple[Batch, float, float]] = []
 
@@ -79,22 +103,30 @@ def test_hindsight_of_the_simulators_own_batches_reproduces_it() -> None:
         runs.append((batch, now, dt))
         return dt
 
+    def meter(loop: object, now: float) -> None:
+        loop.runners[0].dispatcher.arrival(now)  # type: ignore[attr-defined]
+
     rows = sample_rows(len(trace), cat.num_rows, 0)
-    sim = simulate(p, cat, trace, rows=rows, runtimes=drawn)
+    moved = [1 if j % 10 == 3 else None for j in range(len(trace))]  # the router's is 0, 1, ..
+    sim = simulate_many([p], [cat], trace, rows=rows, runtimes=drawn, replicas=moved,
+                        timers=[(arrivals[i] - arrivals[served[0]], meter) for i in turned])
+    assert len(set(sim.range_index[0])) == 2 and sim.stage[0].max() == 1  # both gears, stages
     log = PathLog()
     rid = [100 + i for i in range(len(trace))]  # the engine's ids are not trace indices
-    for i, t in enumerate(trace.arrival_s):
-        log.admit(rid[i], 5.0 + t)  # the engine's clock has another origin
+    for j, t in enumerate(trace.arrival_s):
+        log.admit(rid[j], 5.0 + t)  # the engine's clock has another origin
     for batch, now, dt in runs:
         record = BatchRecord(batch.devices[0], batch.model, len(batch.request_ids),
                              5.0 + now, 5.0 + now + dt, 0.0)
         log.batch(BatchPath(record, tuple(rid[j] for j in batch.request_ids)))
-    outcomes = [Outcome(rid[i], "ok", 5.0 + t - 0.0005, 5.0 + sim.completion_s[i], "x",
-                        stage=int(sim.stage[0][i]), gear=int(sim.range_index[0][i]))
-                for i, t in enumerate(trace.arrival_s)]
-    outcomes.append(Outcome(999, "rejected", 6.0, 6.0))
-    h = hindsight(p, cat, [*outcomes], [*rows, 0], log)
-    assert h.requests == len(trace) and h.left_out == 1
+    outcomes = [Outcome(rid[j], "ok", 5.0 + t - 0.0005, 5.0 + sim.completion_s[j], "x",
+                        stage=int(sim.stage[0][j]), gear=int(sim.range_index[0][j]))
+                for j, t in enumerate(trace.arrival_s)]
+    outcomes += [Outcome(900 + i, "rejected", 5.0 + arrivals[i] - arrivals[served[0]],
+                         5.0 + arrivals[i] - arrivals[served[0]]) for i in sorted(turned)]
+    rows = [*rows, *[0] * len(turned)]
+    h = hindsight(p, cat, outcomes, rows, log)
+    assert h.requests == len(trace) and h.left_out == len(turned)
     assert h.own_batches == h.batches == len(runs)
     assert h.other_gear == h.other_stage == 0
     assert h.median_abs_ms == pytest.approx(0.0, abs=1e-6)
@@ -102,13 +134,16 @@ def test_hindsight_of_the_simulators_own_batches_reproduces_it() -> None:
     measured = np.percentile(sim.latency_s + 0.0005, 95) * 1000
     assert h.measured_p95_ms == pytest.approx(measured)
     assert h.own_times_p95_ms == pytest.approx(measured)
-    assert h.own_calibration_p95_ms is None  # no calls given
+    assert h.own_calibration_p95_ms is None  # no own calibration given
     assert h.to_dict()["own_times_error"] == pytest.approx(0.0, abs=1e-9)
-    assert f"({h.batches:,} of {h.batches:,} batches)" in h.describe() and "+0%" in h.describe()
+    assert f"({h.batches:,} of {h.batches:,} batches)" in h.describe()
+    assert "in another gear" not in h.describe()
     with pytest.raises(KenError, match="sample rows for"):
-        hindsight(p, cat, outcomes, rows, log)
+        hindsight(p, cat, outcomes, rows[1:], log)
     with pytest.raises(KenError, match="no answered request"):
         hindsight(p, cat, outcomes[-1:], [0], log)
+    # without the turned-away requests' metering the gears are no longer the engine's
+    assert hindsight(p, cat, outcomes[:len(trace)], rows[:len(trace)], log).other_gear > 0
 
 
 def test_fed_the_engines_own_batch_times_the_simulator_answers_when_the_engine_did() -> None:
@@ -126,8 +161,8 @@ def test_fed_the_engines_own_batch_times_the_simulator_answers_when_the_engine_d
     trace = poisson_trace(150.0, 1.5, seed=3)
     with Engine(p, models, workers="thread") as engine:
         rep = replay(engine, trace, sample, seed=5)
-        h = hindsight(p, cat, rep.outcomes, rep.rows, engine.path_log,
-                      [r for r in engine.batch_log])
+        own = fit_calibration(engine.batch_log, cat)
+        h = hindsight(p, cat, rep.outcomes, rep.rows, engine.path_log, own.apply(cat))
     assert rep.status_counts() == {"ok": len(trace)}
     assert h.requests == len(trace) and h.left_out == 0
     assert h.other_stage == 0 and h.other_gear == 0

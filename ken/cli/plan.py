@@ -15,6 +15,7 @@ from pathlib import Path
 from ken import store
 from ken.cli import family_data, op_context, pick_plan
 from ken.engine.calibrate import Calibration, fit_calibration, measure_calibration
+from ken.engine.hindsight import hindsight
 from ken.engine.ray_runner import RayCluster
 from ken.engine.replay import plot_replay, replay
 from ken.engine.request_path import where_time_went
@@ -320,15 +321,22 @@ def cmd_replay(args: argparse.Namespace) -> int:
                                 [(label, simulated), ("measured", measured)]))
     console.print(f"outcomes: {rep.status_counts()}; worst send lag {rep.max_send_lag_s:.3f} s")
     paths = where_time_went(rep.outcomes, engine.path_log)
+    own = fit_calibration(engine.batch_log, profiled,
+                          f"ken replay of {trace.name}, {len(trace)} requests")
+    seen = None
     if paths is not None:
         console.print(paths.describe())
+        # the simulator fed this replay's own batch times (what of a miss is its structure)
+        # and drawing them from this replay's calibration (what is their draw)
+        assert rep.rows is not None
+        seen = hindsight(plan, profiled, rep.outcomes, rep.rows, engine.path_log,
+                         own.apply(profiled) if own.fits else None)
+        console.print(seen.describe())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    store.write_text(out / "replay.json", rep.to_json(plan, paths))
+    store.write_text(out / "replay.json", rep.to_json(plan, paths, seen))
     store.write_text(out / "plan.json", plan.to_json())
-    fit_calibration(engine.batch_log, profiled,
-                    f"ken replay of {trace.name}, {len(trace)} requests"
-                    ).save(out / "calibration.json")
+    own.save(out / "calibration.json")
     plot_replay(rep, plan, out / "replay.png")
     console.print(f"wrote {out / 'replay.json'}, {out / 'replay.png'}, {out / 'plan.json'} and "
                   f"{out / 'calibration.json'} (for `ken plan --calibration`)")

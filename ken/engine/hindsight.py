@@ -11,10 +11,10 @@ tells them apart after the fact:
   of the same model and rows held its device (``BatchRecord.held_s``); a batch the engine did
   not form (the two diverged) is charged the catalog's. If the structure is the engine's, the
   simulation forms the engine's batches and answers each request when the engine did.
-- **own calibration**: the same requests simulated on a catalog calibrated on the replay's own
-  calls (``fit_calibration``: a factor per batch size and the spread of the rest, drawn per
-  batch), the median p95 over a few seeds: the level is the replay's, each batch's draw is the
-  simulator's.
+- **own calibration** (``drawn``): the same requests simulated on a catalog calibrated on the
+  replay's own calls (the caller's ``fit_calibration(calls, profiles).apply(profiles)``: a
+  factor per batch size and the spread of the rest, drawn per batch), the median p95 over a
+  few seeds: the level is the replay's, each batch's draw is the simulator's.
 
 Measured against own times is the structure's error; own times against own calibration is what
 drawing each batch's time independently misses; the planned calibration against own
@@ -30,12 +30,12 @@ from typing import Any
 
 import numpy as np
 
-from ken.engine.calibrate import fit_calibration
 from ken.engine.outcome import Outcome
-from ken.engine.request_path import PathLog
+from ken.engine.request_path import BatchPath, PathLog
 from ken.errors import KenError
 from ken.optimizer.perf import Catalog
-from ken.optimizer.simulator import simulate
+from ken.optimizer.sim_core import EventLoop
+from ken.optimizer.simulator import Runtimes, SimResult, simulate_many
 from ken.optimizer.workload import Trace
 from ken.policy.plan import GearPlan
 from ken.policy.scheduling import Batch
@@ -55,7 +55,7 @@ class Hindsight:
     own_batches: int  # of them, charged the time of the engine's batch of the same rows
     measured_p95_ms: float
     own_times_p95_ms: float
-    own_calibration_p95_ms: float | None  # None: too few calls to fit
+    own_calibration_p95_ms: float | None  # None: no own calibration given
     median_abs_ms: float  # per request, |own-times latency - measured|: median and 95th pct
     p95_abs_ms: float
     other_gear: int  # requests the own-times simulation admitted in another gear
@@ -75,8 +75,9 @@ class Hindsight:
     def describe(self) -> str:
         """Two sentences: the own-times simulation, then the own calibration's."""
         out = (f"in hindsight, fed this replay's own batch times ({self.own_batches:,} of "
-               f"{self.batches:,} batches), the simulator puts the p95 at "
-               f"{self.own_times_p95_ms:.1f} ms against {self.measured_p95_ms:.1f} measured "
+               f"{self.batches:,} batches), the simulator puts the p95 of the "
+               f"{self.requests:,} answered requests at {self.own_times_p95_ms:.1f} ms "
+               f"against {self.measured_p95_ms:.1f} measured "
                f"({self.own_times_error:+.0%}), each request within {self.median_abs_ms:.1f} "
                f"ms at the median ({self.p95_abs_ms:.1f} at the 95th percentile)")
         if self.other_gear or self.other_stage:
@@ -100,13 +101,19 @@ class Hindsight:
 
 
 def hindsight(plan: GearPlan, catalog: Catalog, outcomes: Sequence[Outcome],
-              rows: Sequence[int], log: PathLog, calls: Sequence[Any] = (),
+              rows: Sequence[int], log: PathLog, drawn: Catalog | None = None,
               seeds: int = SEEDS) -> Hindsight:
     """``outcomes`` of a replay through an engine serving ``plan`` (one plan: no swap), in
     trace order, ``rows`` the sample row of each, ``log`` the engine's path log; ``catalog``
     the profiles (certainties decide the simulated escalations; its runtimes charge the
-    batches the engine did not form); ``calls``: the engine's batch log, for the own
-    calibration (skipped when empty). See the module docstring."""
+    batches the engine did not form); ``drawn``: a catalog calibrated on the replay's own
+    calls, to simulate the same requests on too (the median p95 of ``seeds`` seeds). See
+    the module docstring.
+
+    Simulated: every admitted request the log has a batch of (a failed one too: it took
+    its place in batches); compared: the answered ones. A request the engine turned away
+    (rejected, dropped, a failed model) is metered when it was turned away, as the engine's
+    dispatcher metered it, so the gears see the offered load in both."""
     if len(rows) != len(outcomes):
         raise KenError(f"{len(rows)} sample rows for {len(outcomes)} outcomes")
     admitted = log.admitted()
@@ -115,15 +122,28 @@ def hindsight(plan: GearPlan, catalog: Catalog, outcomes: Sequence[Outcome],
     for b in log.batches():
         held[(b.record.model, frozenset(b.request_ids))] = b.record.held_s
         in_batch.update(b.request_ids)
-    keep = [i for i, o in enumerate(outcomes)
-            if o.status == "ok" and o.request_id in admitted and o.request_id in in_batch]
-    if not keep:
+    keep = sorted((i for i, o in enumerate(outcomes)
+                   if o.request_id in admitted and o.request_id in in_batch),
+                  key=lambda i: admitted[outcomes[i].request_id])
+    ok = np.array([outcomes[i].status == "ok" for i in keep], dtype=bool)
+    if not ok.any():
         raise KenError("no answered request of the replay is in the engine's path log")
-    keep.sort(key=lambda i: admitted[outcomes[i].request_id])
     rid = [outcomes[i].request_id for i in keep]
     at = np.array([admitted[r] for r in rid])
     trace = Trace(at - at[0], name="admissions")
     sim_rows = [int(rows[i]) for i in keep]
+    # turned away at admission: metered then (resolved in the same step), never queued
+    turned = [(o.completion_s - at[0], _meter) for o in outcomes
+              if o.request_id not in admitted and o.status != "cancelled"]
+    # the replica admission queued each request at (it may route around the router's pick):
+    # the replica of its first-stage model on the device its first batch ran on
+    first_batch: dict[int, BatchPath] = {}
+    for b in sorted(log.batches(), key=lambda b: b.formed_s):
+        for r in b.request_ids:
+            first_batch.setdefault(r, b)
+    where = {(x.model, d): k for k, x in enumerate(plan.placement) for d in x.devices}
+    queued_at = [where.get((first_batch[r].record.model, first_batch[r].record.device))
+                 for r in rid]
     counts = {"batches": 0, "own": 0}
 
     def own(_: int, batch: Batch, now: float) -> float | None:
@@ -132,25 +152,28 @@ def hindsight(plan: GearPlan, catalog: Catalog, outcomes: Sequence[Outcome],
         counts["own"] += seconds is not None
         return seconds
 
-    admit = np.array([admitted[r] - outcomes[i].arrival_s for r, i in zip(rid, keep,
-                                                                          strict=True)])
-    measured = np.array([outcomes[i].completion_s - outcomes[i].arrival_s for i in keep])
-    res = simulate(plan, catalog, trace, rows=sim_rows, runtimes=own)
-    lat = res.latency_s + admit
-    stage = np.array([-1 if outcomes[i].stage is None else outcomes[i].stage for i in keep])
-    gear = np.array([-1 if outcomes[i].gear is None else outcomes[i].gear for i in keep])
-    own_cal = None
-    if calls:
-        cal = fit_calibration(calls, catalog)
-        if cal.fits:
-            fitted = cal.apply(catalog)
-            own_cal = float(np.median([
-                np.percentile(simulate(plan, fitted, trace, seed=s, rows=sim_rows).latency_s
-                              + admit, 95) for s in range(seeds)])) * 1000.0
+    def run(cat: Catalog, seed: int = 0, runtimes: Runtimes | None = None) -> SimResult:
+        return simulate_many([plan], [cat], trace, seed, rows=sim_rows, timers=turned,
+                             runtimes=runtimes, replicas=queued_at)
+
+    answered = [outcomes[i] for i, good in zip(keep, ok, strict=True) if good]
+    admit = (at - np.array([outcomes[i].arrival_s for i in keep]))[ok]
+    measured = np.array([o.latency_s for o in answered])
+    res = run(catalog, runtimes=own)
+    lat = res.latency_s[ok] + admit
+    stage = np.array([-1 if o.stage is None else o.stage for o in answered])
+    gear = np.array([-1 if o.gear is None else o.gear for o in answered])
+    own_cal = None if drawn is None else float(np.median([
+        np.percentile(run(drawn, s).latency_s[ok] + admit, 95) for s in range(seeds)])) * 1000.0
     diff = np.abs(lat - measured) * 1000.0
-    return Hindsight(len(keep), len(outcomes) - len(keep), counts["batches"], counts["own"],
-                     float(np.percentile(measured, 95)) * 1000.0,
+    return Hindsight(len(answered), len(outcomes) - len(answered), counts["batches"],
+                     counts["own"], float(np.percentile(measured, 95)) * 1000.0,
                      float(np.percentile(lat, 95)) * 1000.0, own_cal,
                      float(np.median(diff)), float(np.percentile(diff, 95)),
-                     int((res.range_index[0] != gear).sum()), int((res.stage[0] != stage).sum()),
-                     lat)
+                     int((res.range_index[0][ok] != gear).sum()),
+                     int((res.stage[0][ok] != stage).sum()), lat)
+
+
+def _meter(loop: EventLoop, now: float) -> None:
+    """A request the engine turned away: its plan's dispatcher meters it, queues nothing."""
+    loop.runners[0].dispatcher.arrival(now)

@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from ken.engine.hindsight import Hindsight
 from ken.engine.outcome import Outcome
-from ken.engine.request_path import PathSummary, where_time_went
+from ken.engine.request_path import PathLog, PathSummary, where_time_went
 from ken.engine.serving import Engine
 from ken.engine.supervision import BatchRecord, LoadReport
 from ken.models.datasets import LabelledSample
@@ -49,12 +50,15 @@ class Replay:
             out[o.status] = out.get(o.status, 0) + 1
         return out
 
-    def to_json(self, plan: GearPlan, paths: PathSummary | None = None) -> str:
-        """The metrics, outcomes and requests; ``paths``: where their time went."""
+    def to_json(self, plan: GearPlan, paths: PathSummary | None = None,
+                seen: Hindsight | None = None) -> str:
+        """The metrics, outcomes and requests; ``paths``: where their time went; ``seen``:
+        the simulator fed the replay's own batch times (``hindsight``)."""
         m = self.result.metrics(0, plan)
         return json.dumps({
             "metrics": m.to_dict(), "status": self.status_counts(),
             "paths": None if paths is None else paths.to_dict(),
+            "hindsight": None if seen is None else seen.to_dict(),
             "max_send_lag_s": self.max_send_lag_s, "host_cpu_s": self.host_cpu_s,
             "gear_switches": [list(s) for s in self.result.gear_switches[0]],
             "requests": [{"arrival_s": o.arrival_s, "completion_s": o.completion_s,
@@ -119,6 +123,9 @@ class Served:
     batch_log: tuple[BatchRecord, ...]
     #: where the answered requests' time went (``request_path``; None: none answered)
     paths: PathSummary | None = None
+    #: the engine's path log (``hindsight`` sets the replay against the simulator fed its
+    #: own batch times)
+    path_log: PathLog | None = field(default=None, repr=False)
 
 
 def serve_trace(plan: GearPlan, models: Mapping[str, Any], trace: Trace,
@@ -130,7 +137,7 @@ def serve_trace(plan: GearPlan, models: Mapping[str, Any], trace: Trace,
         rep = replay(engine, trace, sample, seed=seed, reporter=reporter)
     assert engine.load_report is not None
     return Served(rep, engine.load_report, tuple(engine.batch_log),
-                  where_time_went(rep.outcomes, engine.path_log))
+                  where_time_went(rep.outcomes, engine.path_log), engine.path_log)
 
 
 def replay_rounds(plans: Sequence[GearPlan], models: Mapping[str, Any], trace: Trace,

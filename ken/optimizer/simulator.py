@@ -130,7 +130,8 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
                   deadline_s: np.ndarray | Sequence[float] | float | None = None,
                   dropping: DropPolicy | None = None,
                   timers: Sequence[tuple[float, Callable[[EventLoop, float], None]]] = (),
-                  runtimes: Runtimes | None = None) -> SimResult:
+                  runtimes: Runtimes | None = None,
+                  replicas: Sequence[int | None] | None = None) -> SimResult:
     """Replay ``trace`` through ``plans`` in order (request ``i`` enters plan ``k + 1`` when
     plan ``k`` resolved it); plans share devices with the same id.
 
@@ -157,7 +158,10 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
 
     ``runtimes`` (optional): each batch's runtime from outside the catalog where it returns a
     number (e.g. the time the engine's batch of the same rows took: ``ken.engine.hindsight``),
-    the catalog's where it returns None."""
+    the catalog's where it returns None. ``replicas`` (optional, one plan): the first-stage
+    replica each request is queued at where not None (an engine's admission, which may
+    route around the router's pick; the router's turn is taken all the same), instead of
+    the router's."""
     if not plans or len(plans) != len(catalogs):
         raise SimulationError("give one catalog per plan (and at least one plan)")
     n = len(trace)
@@ -193,8 +197,12 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
     # a policy that never drops nor reorders needs no gate (its queues stay the dispatcher's)
     gated = dropper is not None and (dropper.policy.rule, dropper.policy.priority) != \
         ("none", "fcfs")
+    if replicas is not None and (len(plans) != 1 or len(replicas) != n):
+        raise SimulationError("replicas: one plan, and one first-stage replica (or None) per "
+                              f"request; got {len(plans)} plans, {len(replicas)} for {n}")
     ops = [_Operator(k, p, c, clock, busy, record, seed + k, rows,
-                     dropper.gate(k) if gated and dropper is not None else None, runtimes)
+                     dropper.gate(k) if gated and dropper is not None else None, runtimes,
+                     replicas)
            for k, (p, c) in enumerate(zip(plans, catalogs, strict=True))]
     if hits is not None and len(hits) != n:
         raise SimulationError(f"hits gives {len(hits)} flags for {n} requests")
@@ -246,10 +254,12 @@ class _Operator:
     def __init__(self, index: int, plan: GearPlan, catalog: Catalog, clock: VirtualClock,
                  busy: set[str], record: Record, seed: int,
                  rows: Sequence[int] | None = None, gate: StageGate | None = None,
-                 runtimes: Runtimes | None = None) -> None:
+                 runtimes: Runtimes | None = None,
+                 first: Sequence[int | None] | None = None) -> None:
         _check_profiled(plan, catalog)
         self._index = index
         self._given = runtimes
+        self._first = first
         self.dispatcher = Dispatcher(plan, clock, busy, gate)
         self._gate = gate
         kind = plan.certainty
@@ -281,7 +291,14 @@ class _Operator:
         self._depth = max(c.num_stages for c in plan.cascades)
 
     def arrive(self, request_id: int, now: float) -> list[Batch]:
-        started = self.dispatcher.admit(request_id)
+        given = None if self._first is None else self._first[request_id]
+        if given is None:
+            started = self.dispatcher.admit(request_id)
+        else:  # as the engine: metered, the router's turn taken, queued where admission said
+            d = self.dispatcher
+            d.arrival(now)
+            d.route()
+            started = d.admit(request_id, metered=False, replica=given)
         self._gear[request_id] = self.dispatcher.current_range
         return started
 
