@@ -86,11 +86,13 @@ from ken.engine.calibrate import (
     at_levels,
     calibration_calls,
     cheapest_only,
+    fit_calibration,
     measure_calibration,
     model_levels,
     recent_ratio,
 )
-from ken.engine.replay import replay_rounds
+from ken.engine.hindsight import hindsight
+from ken.engine.replay import Served, replay_rounds
 from ken.engine.supervision import BatchRecord
 from ken.errors import WorkloadError
 from ken.models import family
@@ -230,12 +232,14 @@ def make_workloads(args: argparse.Namespace, capacity: float) -> dict[str, tuple
 
 def run_workload(name: str, plan_t: Trace, eval_t: Trace, args: argparse.Namespace,
                  catalog: Catalog, cascades: list[Cascade], hardware: Hardware,
-                 loaders: dict, sample, reporter: Reporter) -> tuple[list[dict], list[System],
-                                                                     dict]:
+                 loaders: dict, sample, reporter: Reporter, profiles: Catalog
+                 ) -> tuple[list[dict], list[System], dict]:
     """Every system chooses its configurations on the planning window; each baseline point is
     paired with ken's matched plan; all are replayed ``--replays`` times, interleaved, on the
     evaluation window's busiest ``--measure-s`` seconds. Returns the pairs, the systems and
-    what the windows were."""
+    what the windows were. Each replay is also set against the simulator fed its own batch
+    times and on its own calibration (``hindsight``, relative to ``profiles``: the
+    uncalibrated catalog)."""
     measure_t = eval_t.around_peak(args.measure_s)
     info = {"planning_trace": plan_t.name, "planning_requests": len(plan_t),
             "planning_peak_qps": plan_t.qps_max(), "planning_mean_qps": plan_t.mean_qps,
@@ -327,7 +331,8 @@ def run_workload(name: str, plan_t: Trace, eval_t: Trace, args: argparse.Namespa
                           "max_send_lag_s": r.replay.max_send_lag_s,
                           "host_cpu_s": r.replay.host_cpu_s,
                           "load_s": r.load.total_s,
-                          "paths": None if r.paths is None else r.paths.to_dict()}
+                          "paths": None if r.paths is None else r.paths.to_dict(),
+                          "hindsight": own_times(s.plan, profiles, r)}
                          for r in served]
         s.calls = [r.batch_log for r in served]
     for s in systems:  # a plan served under two names shares its replays
@@ -341,6 +346,16 @@ def run_workload(name: str, plan_t: Trace, eval_t: Trace, args: argparse.Namespa
                       f"ratio measured {fmt_ratio(p['ratio_measured'])} "
                       f"(spread {p['spread']:.2f}), simulated {fmt_ratio(p['ratio_simulated'])}")
     return points, systems, info
+
+
+def own_times(plan: GearPlan, profiles: Catalog, served: Served) -> dict | None:
+    """``hindsight`` of one replay: the simulator fed its own batch times, and on a
+    calibration fitted on its own calls (None when no request was answered)."""
+    if served.paths is None or served.path_log is None or served.replay.rows is None:
+        return None
+    own = fit_calibration(served.batch_log, profiles)
+    return hindsight(plan, profiles, served.replay.outcomes, served.replay.rows,
+                     served.path_log, own.apply(profiles) if own.fits else None).to_dict()
 
 
 def point(workload: str, b: System, k: System | None) -> dict:
@@ -394,6 +409,14 @@ def fidelity(systems: list[System], at_rate: Mapping[str, Catalog] | None = None
                 "host_ms": [None if i.get("paths") is None else
                             [i["paths"]["median_ms"]["host"], i["paths"]["p95_ms"]["host"]]
                             for i in s.replay_info]}
+            seen = [i.get("hindsight") for i in s.replay_info]
+            if all(h is not None for h in seen):
+                # in hindsight: fed each replay's own batch times (the structure's error),
+                # and on its own calibration, each batch drawn (the draw's)
+                entry.update({
+                    "error_with_own_times": [h["own_times_error"] for h in seen],
+                    "own_batches": [h["own_batches"] / max(h["batches"], 1) for h in seen],
+                    "error_at_own_calibration": [h["own_calibration_error"] for h in seen]})
             for suffix, cat in ({} if window is None else at_rate or {}).items():
                 sim = simulate(s.plan, cat, window, seed).metrics(0, s.plan).p95_ms
                 level = [recent_ratio(calls, cat, -np.inf) for calls in s.calls]
@@ -436,7 +459,11 @@ def goals(points: list[dict], fid: list[dict], bursty: set[str]) -> dict:
             **({"fidelity_within_10pct_at_own_level": sum(
                 abs(e) <= 0.10 for f in fid for e in f["error_at_own_level"]),
                 "fidelity_replays": sum(len(f["error_at_own_level"]) for f in fid)}
-               if fid and all("error_at_own_level" in f for f in fid) else {})}
+               if fid and all("error_at_own_level" in f for f in fid) else {}),
+            **({f"fidelity_within_10pct_{key}": sum(
+                e is not None and abs(e) <= 0.10 for f in fid for e in f[f"error_{key}"])
+                for key in ("with_own_times", "at_own_calibration")}
+               if fid and all("error_with_own_times" in f for f in fid) else {})}
 
 
 def markdown(results: dict) -> str:
@@ -466,8 +493,9 @@ def markdown(results: dict) -> str:
                 "| at the serving rate, each model: simulated p95 ms | error "
                 "| the cheapest model's shift: simulated p95 ms | error "
                 "| batches held x the charge at the rate (replays) "
-                "| outside queues and calls, ms p50/p95 (replays) |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
+                "| outside queues and calls, ms p50/p95 (replays) "
+                "| error fed its own batch times / on its own calibration (replays) |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
         for f in w["fidelity"]:
             reps = ", ".join(f"{x:,.0f}" for x in f["measured_p95s_ms"])
             rate = " | ".join(
@@ -477,9 +505,12 @@ def markdown(results: dict) -> str:
                               for x in f.get("calls_at_rate", [])) or "—"
             host = ", ".join("—" if x is None else f"{x[0]:.1f}/{x[1]:.1f}"
                              for x in f.get("host_ms", [])) or "—"
+            seen = ", ".join(f"{a:+.0%}/" + ("—" if b is None else f"{b:+.0%}") for a, b in zip(
+                f.get("error_with_own_times", []), f.get("error_at_own_calibration", []),
+                strict=True)) or "—"
             out.append(f"| {f['plan']} | {f['simulated_p95_ms']:,.0f} | "
                        f"{f['measured_p95_ms']:,.0f} ({reps}) | {f['error']:+.0%} | {rate} | "
-                       f"{calls} | {host} |")
+                       f"{calls} | {host} | {seen} |")
         out.append("")
     out += ["## goals", "", "```", json.dumps(results["goals"], indent=1), "```", ""]
     return "\n".join(out)
@@ -708,7 +739,7 @@ def main() -> int:
             "at_rate": at_rate.moved(reporter=reporter),
             "at_rate_cheapest": cheapest_only(at_rate)}
         points, systems, info = run_workload(name, plan_t, eval_t, args, cal, cascades,
-                                             hardware, loaders, sample, reporter)
+                                             hardware, loaders, sample, reporter, catalog)
         info["peak_over_most_accurate_model_capacity"] = eval_t.qps_max() / model_qps
         info["peak_over_most_accurate_cascade_capacity"] = eval_t.qps_max() / capacity
         for suffix, form in at_rate_forms.items():
