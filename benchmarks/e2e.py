@@ -409,14 +409,14 @@ def fidelity(systems: list[System], at_rate: Mapping[str, Catalog] | None = None
                 "host_ms": [None if i.get("paths") is None else
                             [i["paths"]["median_ms"]["host"], i["paths"]["p95_ms"]["host"]]
                             for i in s.replay_info]}
-            seen = [i.get("hindsight") for i in s.replay_info]
-            if all(h is not None for h in seen):
+            looked = [i.get("hindsight") for i in s.replay_info]
+            if all(h is not None for h in looked):
                 # in hindsight: fed each replay's own batch times (the structure's error),
                 # and on its own calibration, each batch drawn (the draw's)
                 entry.update({
-                    "error_with_own_times": [h["own_times_error"] for h in seen],
-                    "own_batches": [h["own_batches"] / max(h["batches"], 1) for h in seen],
-                    "error_at_own_calibration": [h["own_calibration_error"] for h in seen]})
+                    "error_with_own_times": [h["own_times_error"] for h in looked],
+                    "own_batches": [h["own_batches"] / max(h["batches"], 1) for h in looked],
+                    "error_at_own_calibration": [h["own_calibration_error"] for h in looked]})
             for suffix, cat in ({} if window is None else at_rate or {}).items():
                 sim = simulate(s.plan, cat, window, seed).metrics(0, s.plan).p95_ms
                 level = [recent_ratio(calls, cat, -np.inf) for calls in s.calls]

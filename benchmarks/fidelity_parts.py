@@ -92,11 +92,16 @@ def main() -> int:
     for tname, trace in traces.items():
         calls = family_calibration_calls(reporter, args.seed, 10.0, rate=trace.request_qps(),
                                          setup=setup)
-        planned = calls.moved(reporter=reporter).apply(profiles)
+        calibration = calls.moved(reporter=reporter)
+        reporter.note(f"{tname}: runtimes calibrated at {trace.request_qps():.1f} requests/s: "
+                      f"{calibration.describe()}")
+        planned = calibration.apply(profiles)
         runs = replay_rounds(list(plans.values()), to_serve.loaders, trace, to_serve.sample,
                              args.replays, seed=args.seed, reporter=reporter,
                              admission="max_in_flight")
-        entry: dict = {"trace": trace.name, "requests": len(trace), "plans": {}}
+        entry: dict = {"trace": trace.name, "requests": len(trace), "plans": {},
+                       "calibration": calibration.describe(),
+                       "calibration_other_cores": calibration.other_cores}
         for (name, plan), served in zip(plans.items(), runs, strict=True):
             sim = float(np.median([simulate(plan, planned, trace, seed=s).metrics(0, plan).p95_ms
                                    for s in range(SEEDS)]))

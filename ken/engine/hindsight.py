@@ -42,6 +42,9 @@ from ken.policy.scheduling import Batch
 
 #: seeds the own-calibration simulation takes the median p95 of
 SEEDS = 3
+#: what a request the engine metered but did not admit ends as (rejected by admission,
+#: dropped for its deadline, failed because its model is marked failed)
+TURNED_AWAY = ("rejected", "dropped", "error")
 
 
 @dataclass(frozen=True)
@@ -49,8 +52,8 @@ class Hindsight:
     """A replay against the simulator fed its own batch times and its own calibration
     (milliseconds; errors as measured / simulated - 1)."""
 
-    requests: int  # simulated: answered and in the engine's path log
-    left_out: int  # the replay's other requests (rejected, failed, or older than the log)
+    requests: int  # compared: the answered requests in the engine's path log
+    left_out: int  # the replay's other requests (turned away, failed, older than the log)
     batches: int  # batches the own-times simulation ran
     own_batches: int  # of them, charged the time of the engine's batch of the same rows
     measured_p95_ms: float
@@ -132,9 +135,11 @@ def hindsight(plan: GearPlan, catalog: Catalog, outcomes: Sequence[Outcome],
     at = np.array([admitted[r] for r in rid])
     trace = Trace(at - at[0], name="admissions")
     sim_rows = [int(rows[i]) for i in keep]
-    # turned away at admission: metered then (resolved in the same step), never queued
+    # turned away at admission: metered then (resolved in the same step), never queued;
+    # not those from before the log's oldest admission (a replay longer than the log)
     turned = [(o.completion_s - at[0], _meter) for o in outcomes
-              if o.request_id not in admitted and o.status != "cancelled"]
+              if o.request_id not in admitted and o.status in TURNED_AWAY
+              and o.completion_s >= at[0]]
     # the replica admission queued each request at (it may route around the router's pick):
     # the replica of its first-stage model on the device its first batch ran on
     first_batch: dict[int, BatchPath] = {}

@@ -170,8 +170,6 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
     if rows is not None and len(rows) != n:
         raise SimulationError(f"rows gives {len(rows)} sample rows for {n} requests")
     if routes is not None and rows is not None:
-        if len(rows) != n:
-            raise SimulationError(f"rows gives {len(rows)} sample rows for {n} requests")
         path = [tuple(routes[r]) for r in rows]
         for r in routes:
             if not r or len(set(r)) != len(r) or not all(0 <= k < len(plans) for k in r):
