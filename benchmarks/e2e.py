@@ -94,7 +94,7 @@ from ken.engine.calibrate import (
 from ken.engine.hindsight import hindsight
 from ken.engine.replay import Served, replay_rounds
 from ken.engine.supervision import BatchRecord
-from ken.errors import WorkloadError
+from ken.errors import KenError, WorkloadError
 from ken.models import family
 from ken.models.cascade import Cascade
 from ken.models.model import DeviceConfig
@@ -354,8 +354,12 @@ def own_times(plan: GearPlan, profiles: Catalog, served: Served) -> dict | None:
     if served.paths is None or served.path_log is None or served.replay.rows is None:
         return None
     own = fit_calibration(served.batch_log, profiles)
-    return hindsight(plan, profiles, served.replay.outcomes, served.replay.rows,
-                     served.path_log, own.apply(profiles) if own.fits else None).to_dict()
+    try:
+        return hindsight(plan, profiles, served.replay.outcomes, served.replay.rows,
+                         served.path_log, own.apply(profiles) if own.fits else None).to_dict()
+    except KenError as exc:  # a diagnosis: the run keeps what it measured
+        print(f"no hindsight of a replay of {plan.describe()[0]}: {exc}", file=sys.stderr)
+        return None
 
 
 def point(workload: str, b: System, k: System | None) -> dict:

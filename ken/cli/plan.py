@@ -329,9 +329,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
         # the simulator fed this replay's own batch times (what of a miss is its structure)
         # and drawing them from this replay's calibration (what is their draw)
         assert rep.rows is not None
-        seen = hindsight(plan, profiled, rep.outcomes, rep.rows, engine.path_log,
-                         own.apply(profiled) if own.fits else None)
-        console.print(seen.describe())
+        try:
+            seen = hindsight(plan, profiled, rep.outcomes, rep.rows, engine.path_log,
+                             own.apply(profiled) if own.fits else None)
+            console.print(seen.describe())
+        except KenError as exc:  # a diagnosis: the replay's own results are written anyway
+            reporter.note(f"no hindsight of this replay: {exc}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     store.write_text(out / "replay.json", rep.to_json(plan, paths, seen))

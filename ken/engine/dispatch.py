@@ -301,6 +301,7 @@ class Scheduler:
             first = disp.plan.cascade_of(rng).models[0]
             reason = self.breaker.reason(first)
             if reason is not None:
+                self.path_log.turn(rid, now, False)
                 self.requests.resolve(rid, "error", model=first, gear=rng, error=reason)
                 continue
             if self.deadlines is not None:
@@ -308,6 +309,7 @@ class Scheduler:
                 drop = self.deadlines.arrive(rid, disp.plan.operator, self.clock.now(),
                                              req.arrival_s, req.deadline_s, req.route, req.job)
                 if drop is not None:
+                    self.path_log.turn(rid, now, False)
                     self.requests.resolve(rid, "dropped", gear=rng, error=drop.reason)
                     continue
             placed = self.admission.place(disp, rid, disp.route(), self._device_work,
@@ -315,6 +317,7 @@ class Scheduler:
             if placed.reason is not None:
                 with self.requests.lock:
                     self.rejected += 1
+                self.path_log.turn(rid, now, True)
                 self.requests.resolve(rid, "rejected", gear=rng, error=placed.reason,
                                       retry_after_s=placed.retry_after_s)
                 continue

@@ -9,8 +9,9 @@ tells them apart after the fact:
 - **own times**: the replay's admitted requests are simulated at the times the engine admitted
   them, on the sample rows they asked, and each batch is charged the time the engine's batch
   of the same model and rows held its device (``BatchRecord.held_s``); a batch the engine did
-  not form (the two diverged) is charged the catalog's. If the structure is the engine's, the
-  simulation forms the engine's batches and answers each request when the engine did.
+  not form (the two diverged) is charged as on the own calibration below where one is given,
+  else the catalog's. If the structure is the engine's, the simulation forms the engine's
+  batches and answers each request when the engine did.
 - **own calibration** (``drawn``): the same requests simulated on a catalog calibrated on the
   replay's own calls (the caller's ``fit_calibration(calls, profiles).apply(profiles)``: a
   factor per batch size and the spread of the rest, drawn per batch), the median p95 over a
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ken.engine.outcome import Outcome
-from ken.engine.request_path import BatchPath, PathLog
+from ken.engine.request_path import PathLog
 from ken.errors import KenError
 from ken.optimizer.perf import Catalog
 from ken.optimizer.sim_core import EventLoop
@@ -42,9 +43,6 @@ from ken.policy.scheduling import Batch
 
 #: seeds the own-calibration simulation takes the median p95 of
 SEEDS = 3
-#: what a request the engine metered but did not admit ends as (rejected by admission,
-#: dropped for its deadline, failed because its model is marked failed)
-TURNED_AWAY = ("rejected", "dropped", "error")
 
 
 @dataclass(frozen=True)
@@ -113,10 +111,13 @@ def hindsight(plan: GearPlan, catalog: Catalog, outcomes: Sequence[Outcome],
     calls, to simulate the same requests on too (the median p95 of ``seeds`` seeds). See
     the module docstring.
 
-    Simulated: every admitted request the log has a batch of (a failed one too: it took
-    its place in batches); compared: the answered ones. A request the engine turned away
-    (rejected, dropped, a failed model) is metered when it was turned away, as the engine's
-    dispatcher metered it, so the gears see the offered load in both."""
+    Simulated: every admitted request the log has a batch of; compared: the answered ones.
+    A request the scheduler turned away (``PathLog.turned``: its model failed, its deadline
+    could not be met, admission rejected it) is metered when the scheduler metered it, with
+    the router's turn where it took one, and so is an admitted request none of whose batches
+    the log has (each failed): the gears see the offered load in both. Requests the engine
+    turned away before its scheduler saw them (``max_in_flight``) are not metered there
+    either."""
     if len(rows) != len(outcomes):
         raise KenError(f"{len(rows)} sample rows for {len(outcomes)} outcomes")
     admitted = log.admitted()
@@ -135,20 +136,27 @@ def hindsight(plan: GearPlan, catalog: Catalog, outcomes: Sequence[Outcome],
     at = np.array([admitted[r] for r in rid])
     trace = Trace(at - at[0], name="admissions")
     sim_rows = [int(rows[i]) for i in keep]
-    # turned away at admission: metered then (resolved in the same step), never queued;
+    # metered and not queued: turned away by the scheduler, or admitted with no logged batch;
     # not those from before the log's oldest admission (a replay longer than the log)
-    turned = [(o.completion_s - at[0], _meter) for o in outcomes
-              if o.request_id not in admitted and o.status in TURNED_AWAY
-              and o.completion_s >= at[0]]
+    asked = {o.request_id for o in outcomes}
+    turned = [(t - at[0], _routed if routed else _metered) for r, t, routed in log.turned()
+              if r in asked and t >= at[0]]
+    turned += [(t - at[0], _routed) for r, t in admitted.items()
+               if r in asked and r not in in_batch and t >= at[0]]
     # the replica admission queued each request at (it may route around the router's pick):
-    # the replica of its first-stage model on the device its first batch ran on
-    first_batch: dict[int, BatchPath] = {}
+    # the replica of the first model of its gear on the device its first batch there ran on
+    # (a batch record names its replica's first device)
+    where = {(x.model, x.devices[0]): k for k, x in enumerate(plan.placement)}
+    first: dict[int, int] = {}
     for b in sorted(log.batches(), key=lambda b: b.formed_s):
+        k = where.get((b.record.model, b.record.device))
         for r in b.request_ids:
-            first_batch.setdefault(r, b)
-    where = {(x.model, d): k for k, x in enumerate(plan.placement) for d in x.devices}
-    queued_at = [where.get((first_batch[r].record.model, first_batch[r].record.device))
-                 for r in rid]
+            if r not in first and k is not None:
+                first[r] = k
+    gear_of = {outcomes[i].request_id: outcomes[i].gear for i in keep}
+    queued_at = [first.get(r) if gear_of[r] is not None and first.get(r) is not None
+                 and plan.placement[first[r]].model
+                 == plan.cascade_of(gear_of[r]).models[0] else None for r in rid]
     counts = {"batches": 0, "own": 0}
 
     def own(_: int, batch: Batch, now: float) -> float | None:
@@ -164,7 +172,10 @@ def hindsight(plan: GearPlan, catalog: Catalog, outcomes: Sequence[Outcome],
     answered = [outcomes[i] for i, good in zip(keep, ok, strict=True) if good]
     admit = (at - np.array([outcomes[i].arrival_s for i in keep]))[ok]
     measured = np.array([o.latency_s for o in answered])
-    res = run(catalog, runtimes=own)
+    # a batch the engine did not form: the replay's own calibration where given (in an
+    # overloaded replay a sub-millisecond difference re-forms every later batch, and the
+    # profiles' runtimes are far from serving's), else the profiles'
+    res = run(drawn or catalog, runtimes=own)
     lat = res.latency_s[ok] + admit
     stage = np.array([-1 if o.stage is None else o.stage for o in answered])
     gear = np.array([-1 if o.gear is None else o.gear for o in answered])
@@ -179,6 +190,15 @@ def hindsight(plan: GearPlan, catalog: Catalog, outcomes: Sequence[Outcome],
                      int((res.stage[0][ok] != stage).sum()), lat)
 
 
-def _meter(loop: EventLoop, now: float) -> None:
-    """A request the engine turned away: its plan's dispatcher meters it, queues nothing."""
-    loop.runners[0].dispatcher.arrival(now)
+def _metered(loop: EventLoop, now: float) -> None:
+    """A request the scheduler metered and turned away before routing it: its plan's
+    dispatcher meters it, queues nothing."""
+    loop.runners[0].dispatcher.arrival(now)  # type: ignore[attr-defined]
+
+
+def _routed(loop: EventLoop, now: float) -> None:
+    """A request metered and routed, then turned away (or admitted, its batches lost): the
+    dispatcher meters it and the router's turn is taken."""
+    dispatcher = loop.runners[0].dispatcher  # type: ignore[attr-defined]
+    dispatcher.arrival(now)
+    dispatcher.route()

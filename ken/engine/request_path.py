@@ -53,18 +53,31 @@ class BatchPath:
 
 
 class PathLog:
-    """The newest ``capacity`` admissions (request id, time) and finished online batches
-    (a replay of more requests is split over its newest ``capacity``). Written by the
-    scheduler thread; ``admitted`` and ``batches`` copy it under its lock, from any thread."""
+    """The newest ``capacity`` admissions (request id, time), finished online batches, and
+    requests the scheduler metered and turned away (a replay of more requests is split over
+    its newest ``capacity``). Written by the scheduler thread; the readers copy it under its
+    lock, from any thread."""
 
     def __init__(self, capacity: int = PATH_LOG) -> None:
         self._lock = threading.Lock()
         self._admitted: deque[tuple[int, float]] = deque(maxlen=capacity)
         self._batches: deque[BatchPath] = deque(maxlen=capacity)
+        self._turned: deque[tuple[int, float, bool]] = deque(maxlen=capacity)
 
     def admit(self, rid: int, now: float) -> None:
         with self._lock:
             self._admitted.append((rid, now))
+
+    def turn(self, rid: int, now: float, routed: bool) -> None:
+        """Request ``rid`` was metered at ``now`` and turned away (its model failed, its
+        deadline could not be met, or admission rejected it: ``routed``, the router's turn
+        taken)."""
+        with self._lock:
+            self._turned.append((rid, now, routed))
+
+    def turned(self) -> list[tuple[int, float, bool]]:
+        with self._lock:
+            return list(self._turned)
 
     def batch(self, path: BatchPath) -> None:
         with self._lock:

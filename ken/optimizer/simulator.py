@@ -159,9 +159,9 @@ def simulate_many(plans: Sequence[GearPlan], catalogs: Sequence[Catalog], trace:
     ``runtimes`` (optional): each batch's runtime from outside the catalog where it returns a
     number (e.g. the time the engine's batch of the same rows took: ``ken.engine.hindsight``),
     the catalog's where it returns None. ``replicas`` (optional, one plan): the first-stage
-    replica each request is queued at where not None (an engine's admission, which may
-    route around the router's pick; the router's turn is taken all the same), instead of
-    the router's."""
+    replica each request is queued at where not None and a replica of the first model of the
+    gear it is admitted in (an engine's admission, which may route around the router's pick;
+    the router's turn is taken all the same), else the router's."""
     if not plans or len(plans) != len(catalogs):
         raise SimulationError("give one catalog per plan (and at least one plan)")
     n = len(trace)
@@ -295,7 +295,10 @@ class _Operator:
         else:  # as the engine: metered, the router's turn taken, queued where admission said
             d = self.dispatcher
             d.arrival(now)
-            d.route()
+            routed = d.route()
+            first = d.plan.cascade_of(d.current_range).models[0]
+            if d.plan.placement[given].model != first:  # not a replica of this gear's first
+                given = routed
             started = d.admit(request_id, metered=False, replica=given)
         self._gear[request_id] = self.dispatcher.current_range
         return started
