@@ -106,10 +106,10 @@ def hindsight(plan: GearPlan, catalog: Catalog, outcomes: Sequence[Outcome],
               seeds: int = SEEDS) -> Hindsight:
     """``outcomes`` of a replay through an engine serving ``plan`` (one plan: no swap), in
     trace order, ``rows`` the sample row of each, ``log`` the engine's path log; ``catalog``
-    the profiles (certainties decide the simulated escalations; its runtimes charge the
-    batches the engine did not form); ``drawn``: a catalog calibrated on the replay's own
-    calls, to simulate the same requests on too (the median p95 of ``seeds`` seeds). See
-    the module docstring.
+    the profiles (certainties decide the simulated escalations; without ``drawn`` its runtimes
+    charge the batches the engine did not form); ``drawn``: a catalog calibrated on the
+    replay's own calls, to simulate the same requests on too (the median p95 of ``seeds``
+    seeds), and to charge those batches. See the module docstring.
 
     Simulated: every admitted request the log has a batch of; compared: the answered ones.
     A request the scheduler turned away (``PathLog.turned``: its model failed, its deadline
@@ -175,7 +175,7 @@ def hindsight(plan: GearPlan, catalog: Catalog, outcomes: Sequence[Outcome],
     # a batch the engine did not form: the replay's own calibration where given (in an
     # overloaded replay a sub-millisecond difference re-forms every later batch, and the
     # profiles' runtimes are far from serving's), else the profiles'
-    res = run(drawn or catalog, runtimes=own)
+    res = run(catalog if drawn is None else drawn, runtimes=own)
     lat = res.latency_s[ok] + admit
     stage = np.array([-1 if o.stage is None else o.stage for o in answered])
     gear = np.array([-1 if o.gear is None else o.gear for o in answered])
