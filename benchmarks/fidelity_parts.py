@@ -52,7 +52,7 @@ from ken.engine.calibrate import (  # noqa: E402
     model_levels,
     predicted_s,
 )
-from ken.engine.hindsight import hindsight  # noqa: E402
+from ken.engine.hindsight import SEEDS, hindsight  # noqa: E402
 from ken.engine.replay import Served, replay_rounds  # noqa: E402
 from ken.optimizer.baselines import dynamic_batching_plan  # noqa: E402
 from ken.optimizer.perf import Catalog  # noqa: E402
@@ -63,7 +63,6 @@ from ken.progress import Reporter  # noqa: E402
 RESULTS = Path(__file__).parent / "results" / "fidelity_parts"
 #: the simulations each replay is set against, from the most to the least hindsight
 FORMS = ("own_times", "own_calibration", "own_level", "planned")
-SEEDS = 3
 
 
 def main() -> int:
@@ -109,9 +108,9 @@ def main() -> int:
             reps, residuals = [], []
             for r in served:
                 assert r.path_log is not None and r.replay.rows is not None
-                own = fit_calibration(r.batch_log, profiles)
+                own = fit_calibration(r.batch_log, profiles).apply(profiles)
                 seen = hindsight(plan, profiles, r.replay.outcomes, r.replay.rows, r.path_log,
-                                 own.apply(profiles))
+                                 own)
                 level = model_levels(r.batch_log, planned)
                 at_own = float(np.median([
                     simulate(plan, at_levels(planned, level), trace, seed=args.seed + s).metrics(
@@ -120,7 +119,7 @@ def main() -> int:
                 p95 = {"own_times": seen.own_times_p95_ms,
                        "own_calibration": seen.own_calibration_p95_ms,
                        "own_level": at_own, "planned": sim}
-                residuals.append(by_rows(r, own.apply(profiles)))
+                residuals.append(by_rows(r, own))
                 reps.append({"measured_p95_ms": measured, "simulated_p95_ms": p95,
                              # the hindsight compares the answered requests (all, here)
                              "error": {k: measured / v - 1.0 for k, v in p95.items()},

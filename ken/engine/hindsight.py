@@ -26,7 +26,7 @@ the simulator does not model, is added to each simulated latency as measured.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -61,7 +61,6 @@ class Hindsight:
     p95_abs_ms: float
     other_gear: int  # requests the own-times simulation admitted in another gear
     other_stage: int  # ... answered at another stage of the cascade than the engine did
-    latency_s: np.ndarray = field(repr=False)  # own-times latency per simulated request
 
     @property
     def own_times_error(self) -> float:
@@ -187,7 +186,7 @@ def hindsight(plan: GearPlan, catalog: Catalog, outcomes: Sequence[Outcome],
                      float(np.percentile(lat, 95)) * 1000.0, own_cal,
                      float(np.median(diff)), float(np.percentile(diff, 95)),
                      int((res.range_index[0][ok] != gear).sum()),
-                     int((res.stage[0][ok] != stage).sum()), lat)
+                     int((res.stage[0][ok] != stage).sum()))
 
 
 def _metered(loop: EventLoop, now: float) -> None:
