@@ -75,7 +75,7 @@ import functools
 import json
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -386,6 +386,22 @@ def point(workload: str, b: System, k: System | None) -> dict:
     return out
 
 
+#: how many seeds (the spread's draws) the replayed window is simulated on at the serving
+#: rate, to show the simulator's own sampling spread beside the engine's (``fidelity``)
+SIM_SEEDS = 5
+
+
+def self_errors(p95s: Sequence[float]) -> list[float]:
+    """Each replay's p95 against the median of the same plan's other replays, minus 1: how
+    near another replay of the engine, on the same trace and rows, comes to it. This is the
+    repeatability a simulated p95 is judged against (a simulator cannot come nearer to a
+    replay than the engine's own replays do, on average). Empty with fewer than two."""
+    if len(p95s) < 2:
+        return []
+    return [x / float(np.median([y for j, y in enumerate(p95s) if j != i])) - 1.0
+            for i, x in enumerate(p95s)]
+
+
 #: the calibrations at the serving rate the fidelity is also simulated on (``fidelity``):
 #: each model fitted on its calls there (``ken plan``'s), and every model moved by the
 #: cheapest one's calls (session 35's form)
@@ -410,6 +426,7 @@ def fidelity(systems: list[System], at_rate: Mapping[str, Catalog] | None = None
                 "measured_p95_ms": s.measured_p95(),
                 "measured_p95s_ms": [m.p95_ms for m in s.replays],
                 "error": s.measured_p95() / s.window.p95_ms - 1.0,
+                "engine_self_error": self_errors([m.p95_ms for m in s.replays]),
                 "host_ms": [None if i.get("paths") is None else
                             [i["paths"]["median_ms"]["host"], i["paths"]["p95_ms"]["host"]]
                             for i in s.replay_info]}
@@ -426,11 +443,16 @@ def fidelity(systems: list[System], at_rate: Mapping[str, Catalog] | None = None
                 level = [recent_ratio(calls, cat, -np.inf) for calls in s.calls]
                 entry.update({f"simulated_p95_ms_{suffix}": sim,
                               f"error_{suffix}": s.measured_p95() / sim - 1.0,
+                              f"replay_errors_{suffix}": [m.p95_ms / sim - 1.0
+                                                          for m in s.replays],
                               f"calls_{suffix}": [None if x is None else x[0] for x in level]})
             if window is not None and at_rate and "at_rate" in at_rate:
                 # in hindsight, a diagnosis: each replay simulated with every model at the
                 # level its own batches ran at there (what the calibration's level missed,
                 # against what the simulator's structure misses)
+                entry["simulated_p95s_ms_at_rate_seeds"] = [
+                    simulate(s.plan, at_rate["at_rate"], window, seed + k).metrics(
+                        0, s.plan).p95_ms for k in range(SIM_SEEDS)]
                 own = [simulate(s.plan, at_levels(at_rate["at_rate"], model_levels(
                     calls, at_rate["at_rate"])), window, seed).metrics(0, s.plan).p95_ms
                     for calls in s.calls]
@@ -456,6 +478,14 @@ def goals(points: list[dict], fid: list[dict], bursty: set[str]) -> dict:
             "median_goal_1_5x_on_bursty_met": all(med.get(w, 0) >= 1.5 for w in bursty),
             "fidelity_within_10pct": sum(abs(f["error"]) <= 0.10 for f in fid),
             "fidelity_plans": len(fid),
+            # the yardstick: replays of the engine within 10% of the same plan's other
+            # replays, and (per replay, as planned at the serving rate) the simulator's
+            "engine_within_10pct_of_its_other_replays": sum(
+                abs(e) <= 0.10 for f in fid for e in f.get("engine_self_error", [])),
+            "engine_replays_compared": sum(len(f.get("engine_self_error", [])) for f in fid),
+            **({"fidelity_replays_within_10pct_at_rate": sum(
+                abs(e) <= 0.10 for f in fid for e in f["replay_errors_at_rate"])}
+               if fid and all("replay_errors_at_rate" in f for f in fid) else {}),
             **{f"fidelity_within_10pct_{suffix}": sum(abs(f[f"error_{suffix}"]) <= 0.10
                                                       for f in fid)
                for suffix in AT_RATE if fid and all(f"error_{suffix}" in f for f in fid)},
@@ -498,13 +528,18 @@ def markdown(results: dict) -> str:
                 "| the cheapest model's shift: simulated p95 ms | error "
                 "| batches held x the charge at the rate (replays) "
                 "| outside queues and calls, ms p50/p95 (replays) "
-                "| error fed its own batch times / on its own calibration (replays) |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| error fed its own batch times / on its own calibration (replays) "
+                "| each replay against the plan's other replays |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for f in w["fidelity"]:
             reps = ", ".join(f"{x:,.0f}" for x in f["measured_p95s_ms"])
+            seeds = f.get("simulated_p95s_ms_at_rate_seeds")
+            spread = {"at_rate": "" if not seeds else
+                      f" (seeds {min(seeds):,.0f}-{max(seeds):,.0f})"}
             rate = " | ".join(
-                f"{f[f'simulated_p95_ms_{k}']:,.0f} | {f[f'error_{k}']:+.0%}"
+                f"{f[f'simulated_p95_ms_{k}']:,.0f}{spread.get(k, '')} | {f[f'error_{k}']:+.0%}"
                 if f"error_{k}" in f else "— | —" for k in AT_RATE)
+            self_err = ", ".join(f"{e:+.0%}" for e in f.get("engine_self_error", [])) or "—"
             calls = ", ".join("—" if x is None else f"{x:.2f}"
                               for x in f.get("calls_at_rate", [])) or "—"
             host = ", ".join("—" if x is None else f"{x[0]:.1f}/{x[1]:.1f}"
@@ -514,7 +549,7 @@ def markdown(results: dict) -> str:
                 strict=True)) or "—"
             out.append(f"| {f['plan']} | {f['simulated_p95_ms']:,.0f} | "
                        f"{f['measured_p95_ms']:,.0f} ({reps}) | {f['error']:+.0%} | {rate} | "
-                       f"{calls} | {host} | {seen} |")
+                       f"{calls} | {host} | {seen} | {self_err} |")
         out.append("")
     out += ["## goals", "", "```", json.dumps(results["goals"], indent=1), "```", ""]
     return "\n".join(out)

@@ -19,6 +19,10 @@ Each replay's p95 is set against four simulations of it:
 - ``own_times``: fed the replay's own batch times (``ken.engine.hindsight``): the structure
   alone (queues, batching, gears, escalations).
 
+Beside them, ``engine_self``: each replay's p95 against the median of the same plan's other
+replays (``e2e.self_errors``), how near another replay of the engine comes: the yardstick, as
+no simulation of a replay can be expected nearer on average.
+
 And how alike batches of the same rows deviate from their charge: replays of one plan and
 trace send the same sample rows at the same times, so many batches hold the same rows, at
 the same moment of the trace, in two replays; ``rows_share`` is the correlation between two
@@ -44,6 +48,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from e2e import self_errors  # noqa: E402
 from soak import PLAN_CORES, family_calibration_calls, plans_to_serve, soak_setup  # noqa: E402
 
 from ken.engine.calibrate import (  # noqa: E402
@@ -176,12 +181,15 @@ def summarise(out: dict) -> dict:
                 "mean_log_error": float(e.mean()), "se": se}
 
     summary: dict = {}
-    every: dict[str, list[float]] = {k: [] for k in FORMS}
+    every: dict[str, list[float]] = {k: [] for k in (*FORMS, "engine_self")}
     for tname, entry in out["traces"].items():
         for name, reps in entry["plans"].items():
-            summary[f"{tname}/{name}"] = {k: stats([x["error"][k] for x in reps]) for k in FORMS}
-            for k in FORMS:
-                every[k] += [x["error"][k] for x in reps]
+            errors = {k: [x["error"][k] for x in reps] for k in FORMS}
+            # the yardstick: each replay against the same plan's other replays
+            errors["engine_self"] = self_errors([x["measured_p95_ms"] for x in reps])
+            summary[f"{tname}/{name}"] = {k: stats(v) for k, v in errors.items() if v}
+            for k, v in errors.items():
+                every[k] += v
     summary["all"] = {k: stats(v) for k, v in every.items() if v}
     return {**out, "summary": summary}
 

@@ -1,0 +1,78 @@
+"""The fidelity yardstick of ``benchmarks/e2e.py`` and ``benchmarks/fidelity_parts.py``: each
+replay of a plan against the median of the same plan's other replays (``self_errors``), and
+the counts ``goals`` and ``summarise`` make of it, checked against a brute force."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import e2e  # noqa: E402
+import fidelity_parts  # noqa: E402
+
+
+def brute(p95s: list[float]) -> list[float]:
+    out = []
+    for i, x in enumerate(p95s):
+        others = sorted(p95s[:i] + p95s[i + 1:])
+        k = len(others)
+        middle = others[k // 2] if k % 2 else (others[k // 2 - 1] + others[k // 2]) / 2
+        out.append(x / middle - 1.0)
+    return out
+
+
+@pytest.mark.parametrize("p95s", [[100.0, 110.0], [100.0, 110.0, 90.0],
+                                  [50.0, 80.0, 200.0, 65.0], [1.0, 1.0, 1.0]])
+def test_each_replay_is_set_against_the_median_of_the_others(p95s: list[float]) -> None:
+    assert e2e.self_errors(p95s) == pytest.approx(brute(p95s))
+
+
+def test_fewer_than_two_replays_have_nothing_to_compare() -> None:
+    assert e2e.self_errors([]) == []
+    assert e2e.self_errors([42.0]) == []
+
+
+def test_goals_count_the_engine_and_the_simulator_per_replay() -> None:
+    rng = np.random.default_rng(3)
+    fid, replays = [], []
+    for _ in range(4):
+        reps = list(rng.uniform(80, 130, 3))
+        replays.append(reps)
+        sim = float(rng.uniform(90, 110))
+        fid.append({"error": float(np.median(reps)) / sim - 1.0,
+                    "engine_self_error": e2e.self_errors(reps),
+                    "error_at_rate": float(np.median(reps)) / sim - 1.0,
+                    "replay_errors_at_rate": [r / sim - 1.0 for r in reps],
+                    "error_at_rate_cheapest": 0.0})
+    g = e2e.goals([], fid, set())
+    assert g["engine_replays_compared"] == 12
+    assert g["engine_within_10pct_of_its_other_replays"] == sum(
+        abs(e) <= 0.10 for reps in replays for e in brute(reps))
+    assert g["fidelity_replays_within_10pct_at_rate"] == sum(
+        abs(e) <= 0.10 for f in fid for e in f["replay_errors_at_rate"])
+    # without per-replay errors at the rate (a run with --calibration), no count is made up
+    for f in fid:
+        del f["replay_errors_at_rate"]
+    assert "fidelity_replays_within_10pct_at_rate" not in e2e.goals([], fid, set())
+
+
+def test_fidelity_parts_summarises_the_engine_beside_the_simulations() -> None:
+    measured = {"fast": [30.0, 33.0, 40.0], "main": [100.0, 101.0]}
+    out = {"traces": {"gamma": {"plans": {
+        name: [{"measured_p95_ms": m, "error": {k: 0.05 for k in fidelity_parts.FORMS}}
+               for m in ms] for name, ms in measured.items()}}}}
+    summary = fidelity_parts.summarise(out)["summary"]
+    for name, ms in measured.items():
+        engine = summary[f"gamma/{name}"]["engine_self"]
+        errors = brute(ms)
+        assert engine["replays"] == len(ms)
+        assert engine["within_10pct"] == sum(abs(e) <= 0.10 for e in errors)
+        assert engine["mean_log_error"] == pytest.approx(np.mean(np.log1p(errors)))
+    assert summary["all"]["engine_self"]["replays"] == 5
+    assert summary["all"]["planned"]["within_10pct"] == 5
+    assert list(summary) == ["gamma/fast", "gamma/main", "all"]
