@@ -5,10 +5,15 @@ the counts ``goals`` and ``summarise`` make of it, checked against a brute force
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
+from test_simulator import make_catalog, single
+
+from ken.optimizer.simulator import simulate
+from ken.optimizer.workload import gamma_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -76,3 +81,24 @@ def test_fidelity_parts_summarises_the_engine_beside_the_simulations() -> None:
     assert summary["all"]["engine_self"]["replays"] == 5
     assert summary["all"]["planned"]["within_10pct"] == 5
     assert list(summary) == ["gamma/fast", "gamma/main", "all"]
+
+
+def test_fidelity_predicts_by_the_median_over_seeds_and_sets_each_replay_against_it() -> None:
+    catalog = make_catalog()
+    # a wide spread, so that the seeds' draws differ
+    wide = replace(catalog.perf["a"], spread=(0.3, 1.0, 2.7))
+    catalog = catalog.with_perf({**catalog.perf, "a": wide})
+    plan = single("a", max_batch=4)
+    window = gamma_trace(150.0, 4.0, 3.0, seed=2)
+    base = simulate(plan, catalog, window, 0).metrics(0, plan)
+    replays = [replace(base, p95_ms=base.p95_ms * f) for f in (0.9, 1.0, 1.3)]
+    system = e2e.System("ken", plan, base, base, replays, [{}, {}, {}], calls=[(), (), ()])
+    [f] = e2e.fidelity([system], {"at_rate": catalog}, window, seed=5)
+    seeds = [simulate(plan, catalog, window, 5 + k).metrics(0, plan).p95_ms
+             for k in range(e2e.SIM_SEEDS)]
+    assert f["simulated_p95s_ms_at_rate_seeds"] == pytest.approx(seeds)
+    assert len(set(seeds)) > 1
+    assert f["simulated_p95_ms_at_rate"] == pytest.approx(float(np.median(seeds)))
+    assert f["replay_errors_at_rate"] == pytest.approx(
+        [m.p95_ms / float(np.median(seeds)) - 1.0 for m in replays])
+    assert f["engine_self_error"] == pytest.approx(brute([m.p95_ms for m in replays]))
