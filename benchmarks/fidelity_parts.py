@@ -9,8 +9,9 @@ MiniLM-L3 alone on both workers, and ``main``, a MiniLM-L3 -> MiniLM-L6 gear pla
 runtimes are first calibrated at the rate as ``ken plan`` does (``calibration_calls``).
 Each replay's p95 is set against four simulations of it:
 
-- ``planned``: on that calibration (the median of three seeds): what a plan made before
-  serving predicts; its error is the level's, the draw's and the structure's together;
+- ``planned``: on that calibration (the median of three seeds, on the replayed rows): what
+  a plan made before serving predicts; its error is the level's, the draw's and the
+  structure's together;
 - ``own_level``: on that calibration with every model moved to the level its own batches ran
   at in the replay (``at_levels``; session 37's diagnosis);
 - ``own_calibration``: on a calibration fitted on the replay's own calls (``fit_calibration``:
@@ -108,8 +109,12 @@ def main() -> int:
                        "calibration": calibration.describe(),
                        "calibration_other_cores": calibration.other_cores}
         for (name, plan), served in zip(plans.items(), runs, strict=True):
-            sim = float(np.median([simulate(plan, planned, trace, seed=args.seed + s).metrics(
-                0, plan).p95_ms for s in range(SEEDS)]))
+            # every seed on the rows the replays asked (a seed also picks a simulation's rows;
+            # every round replays the same ones)
+            rows = served[0].replay.rows
+            sim = float(np.median([simulate(plan, planned, trace, seed=args.seed + s,
+                                            rows=rows).metrics(0, plan).p95_ms
+                                   for s in range(SEEDS)]))
             reps, residuals = [], []
             for r in served:
                 assert r.path_log is not None and r.replay.rows is not None
@@ -118,8 +123,9 @@ def main() -> int:
                                  own)
                 level = model_levels(r.batch_log, planned)
                 at_own = float(np.median([
-                    simulate(plan, at_levels(planned, level), trace, seed=args.seed + s).metrics(
-                        0, plan).p95_ms for s in range(SEEDS)]))
+                    simulate(plan, at_levels(planned, level), trace, seed=args.seed + s,
+                             rows=r.replay.rows).metrics(0, plan).p95_ms
+                    for s in range(SEEDS)]))
                 measured = r.replay.result.metrics(0, plan).p95_ms
                 p95 = {"own_times": seen.own_times_p95_ms,
                        "own_calibration": seen.own_calibration_p95_ms,
@@ -172,7 +178,8 @@ def rows_share(residuals: list[dict]) -> dict:
 
 def summarise(out: dict) -> dict:
     """``out`` with, per form, the replays within 10% and the mean of log(measured /
-    simulated) with its standard error, per trace and plan and over all."""
+    simulated) with its standard error, per trace and plan and over all; and the same of
+    ``engine_self``, each replay against the plan's other replays (``self_errors``)."""
     def stats(errors: list[float]) -> dict:
         e = np.log1p(np.array(errors))
         se = float(e.std(ddof=1) / np.sqrt(e.size)) if e.size > 1 else None

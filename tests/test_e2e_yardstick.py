@@ -4,21 +4,35 @@ the counts ``goals`` and ``summarise`` make of it, checked against a brute force
 
 from __future__ import annotations
 
+import importlib
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
 from test_simulator import make_catalog, single
 
-from ken.optimizer.simulator import simulate
+from ken.optimizer.simulator import sample_rows, simulate
 from ken.optimizer.workload import gamma_trace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 
-import e2e  # noqa: E402
-import fidelity_parts  # noqa: E402
+
+def _bench(name: str) -> ModuleType:
+    """A benchmark module, imported with benchmarks/ on the path only while importing (its
+    generic module names must not shadow others for the rest of the test run)."""
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(BENCHMARKS)
+
+
+e2e = _bench("e2e")
+fidelity_parts = _bench("fidelity_parts")
 
 
 def brute(p95s: list[float]) -> list[float]:
@@ -40,6 +54,8 @@ def test_each_replay_is_set_against_the_median_of_the_others(p95s: list[float]) 
 def test_fewer_than_two_replays_have_nothing_to_compare() -> None:
     assert e2e.self_errors([]) == []
     assert e2e.self_errors([42.0]) == []
+    # nothing to divide by: no error, not an exception
+    assert math.isnan(e2e.self_errors([5.0, 0.0])[0])
 
 
 def test_goals_count_the_engine_and_the_simulator_per_replay() -> None:
@@ -60,10 +76,16 @@ def test_goals_count_the_engine_and_the_simulator_per_replay() -> None:
         abs(e) <= 0.10 for reps in replays for e in brute(reps))
     assert g["fidelity_replays_within_10pct_at_rate"] == sum(
         abs(e) <= 0.10 for f in fid for e in f["replay_errors_at_rate"])
-    # without per-replay errors at the rate (a run with --calibration), no count is made up
+    assert g["fidelity_replays_at_rate"] == 12
+    # without per-replay errors at the rate (a run with --calibration), no count is made up;
+    # a plan replayed once has nothing for the engine to be compared with
     for f in fid:
         del f["replay_errors_at_rate"]
-    assert "fidelity_replays_within_10pct_at_rate" not in e2e.goals([], fid, set())
+    fid[0]["engine_self_error"] = []
+    g = e2e.goals([], fid, set())
+    assert "fidelity_replays_within_10pct_at_rate" not in g
+    assert "fidelity_replays_at_rate" not in g
+    assert g["engine_replays_compared"] == 9
 
 
 def test_fidelity_parts_summarises_the_engine_beside_the_simulations() -> None:
@@ -94,11 +116,31 @@ def test_fidelity_predicts_by_the_median_over_seeds_and_sets_each_replay_against
     replays = [replace(base, p95_ms=base.p95_ms * f) for f in (0.9, 1.0, 1.3)]
     system = e2e.System("ken", plan, base, base, replays, [{}, {}, {}], calls=[(), (), ()])
     [f] = e2e.fidelity([system], {"at_rate": catalog}, window, seed=5)
-    seeds = [simulate(plan, catalog, window, 5 + k).metrics(0, plan).p95_ms
+    # the replays asked the rows of seed 5: every seed's simulation answers those
+    rows = sample_rows(len(window), catalog.num_rows, 5)
+    seeds = [simulate(plan, catalog, window, 5 + k, rows=rows).metrics(0, plan).p95_ms
              for k in range(e2e.SIM_SEEDS)]
     assert f["simulated_p95s_ms_at_rate_seeds"] == pytest.approx(seeds)
     assert len(set(seeds)) > 1
-    assert f["simulated_p95_ms_at_rate"] == pytest.approx(float(np.median(seeds)))
+    median = float(np.median(seeds))
+    assert f["simulated_p95_ms_at_rate"] == pytest.approx(median)
+    assert f["error_at_rate"] == pytest.approx(float(np.median(
+        [m.p95_ms for m in replays])) / median - 1.0)
     assert f["replay_errors_at_rate"] == pytest.approx(
-        [m.p95_ms / float(np.median(seeds)) - 1.0 for m in replays])
+        [m.p95_ms / median - 1.0 for m in replays])
     assert f["engine_self_error"] == pytest.approx(brute([m.p95_ms for m in replays]))
+
+    # e2e.md's fidelity table: as many cells in every row as in its header
+    info = {"planning_trace": "p", "planning_requests": 1, "planning_peak_qps": 1.0,
+            "evaluation_trace": "e", "evaluation_requests": 1, "evaluation_peak_qps": 1.0,
+            "replayed_requests": 1, "replayed_s": 1.0, "replayed_peak_qps": 1.0}
+    lean = {k: v for k, v in f.items() if "at_rate" not in k and "own" not in k}
+    for entry in (f, lean):
+        text = e2e.markdown({"setup": {"replays": 3}, "goals": e2e.goals([], [entry], set()),
+                             "workloads": {"w": {"info": info, "points": [],
+                                                 "fidelity": [entry]}}})
+        lines = text.splitlines()
+        head = next(i for i, line in enumerate(lines) if line.startswith("| replayed plan"))
+        assert lines[head + 2].startswith(f"| {f['plan']} |")
+        assert lines[head].count("|") == lines[head + 1].count("|") == lines[head + 2].count("|")
+        assert (f"(seeds {min(seeds):,.0f}-{max(seeds):,.0f})" in text) == (entry is f)
