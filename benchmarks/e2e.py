@@ -400,8 +400,9 @@ SIM_SEEDS = 5
 def self_errors(p95s: Sequence[float]) -> list[float]:
     """Each replay's p95 against the median of the same plan's other replays, minus 1: how
     near another replay of the engine, on the same trace and rows, comes to it. This is the
-    repeatability a simulated p95 is judged against (a simulator cannot come nearer to a
-    replay than the engine's own replays do, on average). Empty with fewer than two."""
+    repeatability a simulated p95 is judged against: a simulation that knew the engine's
+    mean p95 exactly would still miss each replay by the replays' own spread. Empty with
+    fewer than two; NaN where the others' median is 0."""
     if len(p95s) < 2:
         return []
     out = []

@@ -21,8 +21,9 @@ Each replay's p95 is set against four simulations of it:
   alone (queues, batching, gears, escalations).
 
 Beside them, ``engine_self``: each replay's p95 against the median of the same plan's other
-replays (``e2e.self_errors``), how near another replay of the engine comes: the yardstick, as
-no simulation of a replay can be expected nearer on average.
+replays (``e2e.self_errors``), how near another replay of the engine comes: the yardstick (a
+simulation that knew the engine's mean p95 exactly would still miss each replay by the
+replays' own spread).
 
 And how alike batches of the same rows deviate from their charge: replays of one plan and
 trace send the same sample rows at the same times, so many batches hold the same rows, at
