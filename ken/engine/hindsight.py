@@ -120,9 +120,10 @@ def hindsight(plan: GearPlan, catalog: Catalog, outcomes: Sequence[Outcome],
     if len(rows) != len(outcomes):
         raise KenError(f"{len(rows)} sample rows for {len(outcomes)} outcomes")
     admitted = log.admitted()
+    batches = log.batches()
     held: dict[tuple[str, frozenset[int]], float] = {}
     in_batch: set[int] = set()
-    for b in log.batches():
+    for b in batches:
         held[(b.record.model, frozenset(b.request_ids))] = b.record.held_s
         in_batch.update(b.request_ids)
     keep = sorted((i for i, o in enumerate(outcomes)
@@ -143,19 +144,17 @@ def hindsight(plan: GearPlan, catalog: Catalog, outcomes: Sequence[Outcome],
     turned += [(t - at[0], _routed) for r, t in admitted.items()
                if r in asked and r not in in_batch and t >= at[0]]
     # the replica admission queued each request at (it may route around the router's pick):
-    # the replica of the first model of its gear on the device its first batch there ran on
-    # (a batch record names its replica's first device)
+    # the replica its first logged batch ran on (a batch record names its replica's first
+    # device); the simulator takes it only where it is a replica of the first model of the
+    # gear it admits the request in (``simulate_many(replicas=)``), else the router's pick
     where = {(x.model, x.devices[0]): k for k, x in enumerate(plan.placement)}
     first: dict[int, int] = {}
-    for b in sorted(log.batches(), key=lambda b: b.formed_s):
+    for b in sorted(batches, key=lambda b: b.formed_s):
         k = where.get((b.record.model, b.record.device))
-        for r in b.request_ids:
-            if r not in first and k is not None:
-                first[r] = k
-    gear_of = {outcomes[i].request_id: outcomes[i].gear for i in keep}
-    queued_at = [first.get(r) if gear_of[r] is not None and first.get(r) is not None
-                 and plan.placement[first[r]].model
-                 == plan.cascade_of(gear_of[r]).models[0] else None for r in rid]
+        if k is not None:
+            for r in b.request_ids:
+                first.setdefault(r, k)
+    queued_at = [first.get(r) for r in rid]
     counts = {"batches": 0, "own": 0}
 
     def own(_: int, batch: Batch, now: float) -> float | None:
