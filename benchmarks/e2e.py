@@ -397,6 +397,14 @@ def point(workload: str, b: System, k: System | None) -> dict:
 SIM_SEEDS = 5
 
 
+def seed_p95s(plan: GearPlan, catalog: Catalog, trace: Trace, seed: int,
+              rows: Sequence[int], seeds: int) -> list[float]:
+    """``plan``'s simulated p95 on ``trace`` for ``seeds`` seeds from ``seed`` (the calls'
+    spread drawn anew), every one on ``rows`` (a seed also picks a simulation's rows)."""
+    return [simulate(plan, catalog, trace, seed + k, rows=rows).metrics(0, plan).p95_ms
+            for k in range(seeds)]
+
+
 def self_errors(p95s: Sequence[float]) -> list[float]:
     """Each replay's p95 against the median of the same plan's other replays, minus 1: how
     near another replay of the engine, on the same trace and rows, comes to it. This is the
@@ -434,6 +442,10 @@ def fidelity(systems: list[System], at_rate: Mapping[str, Catalog] | None = None
     request's latency spent outside queues and calls (``request_path``).
     ``engine_self_error``: the yardstick, each replay against the plan's other replays."""
     seen: dict[str, dict] = {}
+    at_rate = {} if window is None else at_rate or {}
+    # the rows the replays asked (each replay's were drawn with ``seed``)
+    rows = (sample_rows(len(window), next(iter(at_rate.values())).num_rows, seed)
+            if window is not None and at_rate else None)
     for s in systems:
         if s.replays and s.plan.serving_key() not in seen:
             entry = seen[s.plan.serving_key()] = {
@@ -453,12 +465,10 @@ def fidelity(systems: list[System], at_rate: Mapping[str, Catalog] | None = None
                     "error_with_own_times": [h["own_times_error"] for h in looked],
                     "own_batches": [h["own_batches"] / max(h["batches"], 1) for h in looked],
                     "error_at_own_calibration": [h["own_calibration_error"] for h in looked]})
-            for suffix, cat in ({} if window is None else at_rate or {}).items():
+            for suffix, cat in at_rate.items():
                 # the median over seeds: one draw of the calls' spread is not a prediction
-                # (on the rows the replays asked: a seed also picks a simulation's rows)
-                rows = sample_rows(len(window), cat.num_rows, seed)
-                seeds = [simulate(s.plan, cat, window, seed + k, rows=rows).metrics(
-                    0, s.plan).p95_ms for k in range(SIM_SEEDS)]
+                assert window is not None and rows is not None
+                seeds = seed_p95s(s.plan, cat, window, seed, rows, SIM_SEEDS)
                 sim = float(np.median(seeds))
                 level = [recent_ratio(calls, cat, -np.inf) for calls in s.calls]
                 entry.update({f"simulated_p95_ms_{suffix}": sim,

@@ -50,7 +50,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from e2e import self_errors  # noqa: E402
+from e2e import seed_p95s, self_errors  # noqa: E402
 from soak import PLAN_CORES, family_calibration_calls, plans_to_serve, soak_setup  # noqa: E402
 
 from ken.engine.calibrate import (  # noqa: E402
@@ -63,7 +63,6 @@ from ken.engine.hindsight import SEEDS, hindsight  # noqa: E402
 from ken.engine.replay import Served, replay_rounds  # noqa: E402
 from ken.optimizer.baselines import dynamic_batching_plan  # noqa: E402
 from ken.optimizer.perf import Catalog  # noqa: E402
-from ken.optimizer.simulator import simulate  # noqa: E402
 from ken.optimizer.workload import gamma_trace, poisson_trace  # noqa: E402
 from ken.progress import Reporter  # noqa: E402
 
@@ -113,9 +112,7 @@ def main() -> int:
             # every seed on the rows the replays asked (a seed also picks a simulation's rows;
             # every round replays the same ones)
             rows = served[0].replay.rows
-            sim = float(np.median([simulate(plan, planned, trace, seed=args.seed + s,
-                                            rows=rows).metrics(0, plan).p95_ms
-                                   for s in range(SEEDS)]))
+            sim = float(np.median(seed_p95s(plan, planned, trace, args.seed, rows, SEEDS)))
             reps, residuals = [], []
             for r in served:
                 assert r.path_log is not None and r.replay.rows is not None
@@ -123,10 +120,8 @@ def main() -> int:
                 seen = hindsight(plan, profiles, r.replay.outcomes, r.replay.rows, r.path_log,
                                  own)
                 level = model_levels(r.batch_log, planned)
-                at_own = float(np.median([
-                    simulate(plan, at_levels(planned, level), trace, seed=args.seed + s,
-                             rows=r.replay.rows).metrics(0, plan).p95_ms
-                    for s in range(SEEDS)]))
+                at_own = float(np.median(seed_p95s(plan, at_levels(planned, level), trace,
+                                                   args.seed, r.replay.rows, SEEDS)))
                 measured = r.replay.result.metrics(0, plan).p95_ms
                 p95 = {"own_times": seen.own_times_p95_ms,
                        "own_calibration": seen.own_calibration_p95_ms,
