@@ -4,8 +4,10 @@ The simulator charges a batch its size's calibrated runtime, scaled by its longe
 characters, times a factor drawn independently per batch (``Calibration.spread``). Fed a
 replay's own batch times it reproduces the replay; on a calibration of the replay's own calls
 (the same factors' distribution, drawn independently) it under-predicts bursty tails by up to
-15%. So what a batch's deviation from its charge follows matters: the machine's moment (slow
-spells, shared by whatever runs then) or the batch's rows.
+15%. So what a batch's deviation from its charge follows matters: its moment of the trace
+(the load then, what else runs) or its rows. Replays run minutes apart, so what they share
+is the trace's and the rows', not a slow spell of the machine's (which no pairing here
+repeats).
 
 ``--model`` alone on the two CPU workers (batches of up to 4 rows, 5-ms wait) serves one Gamma
 trace ``--replays`` times, the sample rows alternating between two draws (row seeds 0 and 1:
@@ -25,7 +27,7 @@ over what a calibration fitted on all the replays' calls charges it (its residua
 
 Writes DIR/call_rows.json and DIR/call_rows.png.
 
-    python benchmarks/call_rows.py --out DIR     # about 4 minutes with cached models
+    python benchmarks/call_rows.py --out DIR     # about 3 minutes with cached models
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ def _corr(pairs: Sequence[tuple[float, float]]) -> dict:
 
 def same_rows(a: list[Residual], b: list[Residual]) -> dict:
     """Batches of the same rows in both replays (where ``b`` has several, the one formed
-    nearest in time)."""
+    nearest in time). Between replays with the same row draw these are also at the same
+    moment of the trace: the rows and the moment together."""
     by_rows: dict[tuple[int, ...], list[Residual]] = {}
     for y in b:
         by_rows.setdefault(y.rows, []).append(y)
@@ -143,14 +146,13 @@ def size_r2(res: list[Residual], sizes: np.ndarray) -> dict[int, float | None]:
 
 
 def token_counts(model: object, texts: Sequence[str]) -> np.ndarray | None:
-    """Each text's tokens as ``model`` reads them (truncated where it truncates), or None for
-    a model without a tokenizer this can reach (a transformers body's)."""
-    body = getattr(model, "body", None)
-    tokenizer = getattr(body, "tokenizer", None)
-    if tokenizer is None:
+    """Each text's tokens as ``model`` runs them (its prefix and special tokens, truncated to
+    its limit: ``TransformersBody.tokenize``), or None for a model without a transformers
+    body."""
+    tokenize = getattr(getattr(model, "body", None), "tokenize", None)
+    if tokenize is None:
         return None
-    limit = int(getattr(body, "max_tokens", 10**9))
-    return np.array([min(len(tokenizer(t)["input_ids"]), limit) for t in texts], dtype=float)
+    return np.array([len(ids) for ids in tokenize(list(texts))], dtype=float)
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -235,7 +237,7 @@ def main() -> int:
     out = {"args": {k: str(v) for k, v in vars(args).items()}, "plan": plan.describe(),
            "p95_ms": [r["p95_ms"] for r in runs], "row_seeds": [r["row_seed"] for r in runs],
            "batches": [len(r["residuals"]) for r in runs],
-           "residual_sd": float(np.std([x.value for x in everything])),
+           "residual_sd": float(np.std([x.value for x in everything])) if everything else None,
            "correlations": summary, "r2_by_batch_size": r2,
            "wall_s": time.perf_counter() - started}
     (args.out / "call_rows.json").write_text(json.dumps(out, indent=1))

@@ -82,3 +82,22 @@ def test_summarise_pairs_replays_by_their_row_seeds():
     assert len(out["same_rows"]) == 2 and len(out["same_moment"]) == 4
     assert out["same_rows_median"] == pytest.approx(1.0)
     assert abs(out["same_moment_median"]) < 0.3
+
+
+def test_same_moment_pairs_only_the_nearest_batch_of_the_same_device_size_and_other_rows():
+    a = [Residual(1.0, (1,), 1.000, "cpu0", 1)]
+    near = Residual(2.0, (2,), 1.003, "cpu0", 1)
+    for b, pairs in [
+        ([near], 1),
+        ([near._replace(formed_s=1.005)], 0),  # beyond 4 ms
+        ([near._replace(device="cpu1")], 0),  # another device
+        ([near._replace(rows=(2, 3), size=2)], 0),  # another size
+        ([near._replace(rows=(1,))], 0),  # the same rows: not "other rows"
+        # the nearest is the earlier one, 2 ms before (the later one, 4.5 ms after, is not)
+        ([near._replace(formed_s=0.998), near._replace(formed_s=1.0045)], 1),
+    ]:
+        assert same_moment(a, b)["pairs"] == pairs, b
+    # the nearest of two batches is taken, and only it: two pairs from a's two batches
+    a2 = a + [Residual(3.0, (4,), 2.0, "cpu0", 1)]
+    b2 = [near, Residual(0.0, (5,), 1.999, "cpu0", 1), Residual(9.0, (6,), 2.0035, "cpu0", 1)]
+    assert same_moment(a2, b2)["pairs"] == 2
