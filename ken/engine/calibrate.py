@@ -34,30 +34,17 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ken import store
+from ken.engine.charge import predicted_s
 from ken.engine.supervision import BatchRecord
 from ken.errors import KenError
 from ken.machine import OtherLoad, least_loaded
 from ken.models.cascade import Cascade
 from ken.optimizer.baselines import static_plans
-from ken.optimizer.perf import WAKE_IDLE_S, Catalog, ModelPerf, sized_runtime, woke
+from ken.optimizer.perf import WAKE_IDLE_S, Catalog, ModelPerf, woke
 from ken.optimizer.plan_context import PlannerSettings, planning_context
 from ken.optimizer.workload import Hardware, Trace, gamma_trace
 from ken.policy.plan import GearPlan
 from ken.progress import QUIET, Reporter
-
-
-def predicted_s(record: BatchRecord, catalog: Catalog) -> float:
-    """What the simulator charges the batch ``record`` before calibration: the profiled
-    runtime of its size,
-    scaled by its largest row's size where the catalog knows sizes (``Catalog.size_factors``),
-    times the model's ``wake`` when its device idled ``WAKE_IDLE_S`` or more before it."""
-    if record.model not in catalog.perf:
-        raise KenError(f"the engine ran {record.model}, which the catalog has no profile of")
-    perf = catalog.perf_on(record.model, record.device)
-    return perf.woken(record.idle_before_s) * sized_runtime(
-        perf.batch_runtime(record.rows),
-        catalog.size_factors(record.model, record.device, record.rows), record.rows,
-        record.largest)
 
 
 def runtime_ratios(log: Iterable[BatchRecord], catalog: Catalog, include_bulk: bool = False

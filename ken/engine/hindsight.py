@@ -16,23 +16,32 @@ tells them apart after the fact:
   replay's own calls (the caller's ``fit_calibration(calls, profiles).apply(profiles)``: a
   factor per batch size and the spread of the rest, drawn per batch), the median p95 over a
   few seeds: the level is the replay's, each batch's draw is the simulator's.
+- **shuffled** (with ``drawn``): each of the engine's batches' held time over what ``drawn``
+  charges it without the spread (its size's factor, its longest row; a wake-up counts in
+  its factor), those factors permuted among the batches of each model and charged again in
+  that order (the median p95 over the seeds' permutations): the replay's own factors, but
+  not which batch got which.
 
 Measured against own times is the structure's error; own times against own calibration is what
-drawing each batch's time independently misses; the planned calibration against own
-calibration is the level's. Admission (submit to the scheduler taking a request in), which
-the simulator does not model, is added to each simulated latency as measured.
+drawing each batch's time independently misses, split by the shuffled times into which batch
+got which time (own times against shuffled) and the fitted form of the times (shuffled against
+own calibration); the planned calibration against own calibration is the level's.
+Admission (submit to the scheduler taking a request in), which the simulator does not model,
+is added to each simulated latency as measured.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
+from ken.engine.charge import predicted_s
 from ken.engine.outcome import Outcome
-from ken.engine.request_path import PathLog
+from ken.engine.request_path import BatchPath, PathLog
+from ken.engine.supervision import BatchRecord
 from ken.errors import KenError
 from ken.optimizer.perf import Catalog
 from ken.optimizer.sim_core import EventLoop
@@ -61,6 +70,7 @@ class Hindsight:
     p95_abs_ms: float
     other_gear: int  # requests the own-times simulation admitted in another gear
     other_stage: int  # ... answered at another stage of the cascade than the engine did
+    shuffled_p95_ms: float | None = None  # the own factors permuted (None: no own calibration)
 
     @property
     def own_times_error(self) -> float:
@@ -86,6 +96,9 @@ class Hindsight:
         if self.own_calibration_p95_ms is not None:
             out += (f"; on this replay's own calibration, each batch's time drawn, "
                     f"{self.own_calibration_p95_ms:.1f} ms ({self.own_calibration_error:+.0%})")
+        if self.shuffled_p95_ms is not None:
+            out += (f"; its own batches' factors shuffled among them, "
+                    f"{self.shuffled_p95_ms:.1f} ms")
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -97,7 +110,8 @@ class Hindsight:
                 "own_calibration_p95_ms": self.own_calibration_p95_ms,
                 "own_calibration_error": self.own_calibration_error,
                 "median_abs_ms": self.median_abs_ms, "p95_abs_ms": self.p95_abs_ms,
-                "other_gear": self.other_gear, "other_stage": self.other_stage}
+                "other_gear": self.other_gear, "other_stage": self.other_stage,
+                "shuffled_p95_ms": self.shuffled_p95_ms}
 
 
 def hindsight(plan: GearPlan, catalog: Catalog, outcomes: Sequence[Outcome],
@@ -177,15 +191,58 @@ def hindsight(plan: GearPlan, catalog: Catalog, outcomes: Sequence[Outcome],
     lat = res.latency_s[ok] + admit
     stage = np.array([-1 if o.stage is None else o.stage for o in answered])
     gear = np.array([-1 if o.gear is None else o.gear for o in answered])
-    own_cal = None if drawn is None else float(np.median([
-        np.percentile(run(drawn, s).latency_s[ok] + admit, 95) for s in range(seeds)])) * 1000.0
+    own_cal = shuffled = None
+    if drawn is not None:
+        own_cal = float(np.median([np.percentile(run(drawn, s).latency_s[ok] + admit, 95)
+                                   for s in range(seeds)])) * 1000.0
+        factors = own_factors(batches, drawn)
+        shuffled = float(np.median([np.percentile(run(drawn, runtimes=permuted(
+            factors, drawn, sim_rows, s)).latency_s[ok] + admit, 95)
+            for s in range(seeds)])) * 1000.0
     diff = np.abs(lat - measured) * 1000.0
     return Hindsight(len(answered), len(outcomes) - len(answered), counts["batches"],
                      counts["own"], float(np.percentile(measured, 95)) * 1000.0,
                      float(np.percentile(lat, 95)) * 1000.0, own_cal,
                      float(np.median(diff)), float(np.percentile(diff, 95)),
                      int((res.range_index[0][ok] != gear).sum()),
-                     int((res.stage[0][ok] != stage).sum()))
+                     int((res.stage[0][ok] != stage).sum()), shuffled)
+
+
+def own_factors(batches: Sequence[BatchPath], catalog: Catalog) -> dict[str, np.ndarray]:
+    """Per model, each logged batch's held time over what ``catalog`` charges it without the
+    spread and as if its device had not idled (``predicted_s``; a wake-up stays in its
+    factor), in the log's order."""
+    out: dict[str, list[float]] = {}
+    for b in batches:
+        r = b.record
+        out.setdefault(r.model, []).append(
+            r.held_s / predicted_s(replace(r, idle_before_s=0.0), catalog))
+    return {m: np.array(v) for m, v in out.items()}
+
+
+def permuted(factors: dict[str, np.ndarray], catalog: Catalog, rows: Sequence[int],
+             seed: int) -> Runtimes:
+    """Batch runtimes for ``simulate_many``: each batch of a model charged as
+    ``own_factors`` does (the simulated request ``j`` asks sample row ``rows[j]``) times the
+    next of that model's ``factors`` in a seeded permutation (cycling); the catalog's own
+    charge for a model without factors."""
+    rng = np.random.default_rng(seed)
+    order = {m: rng.permutation(v) for m, v in factors.items()}
+    taken = dict.fromkeys(order, 0)
+    sizes = catalog.row_sizes
+
+    def runtime(_: int, batch: Batch, now: float) -> float | None:
+        mine = order.get(batch.model)
+        if mine is None or not mine.size:
+            return None
+        k = taken[batch.model]
+        taken[batch.model] = k + 1
+        largest = 0 if sizes is None else int(max(sizes[rows[j]] for j in batch.request_ids))
+        record = BatchRecord(batch.devices[0], batch.model, len(batch.request_ids), 0.0, 0.0,
+                             0.0, largest=largest)
+        return predicted_s(record, catalog) * float(mine[k % mine.size])
+
+    return runtime
 
 
 def _metered(loop: EventLoop, now: float) -> None:
