@@ -7,7 +7,7 @@ Three plans serve Poisson and Gamma (CV 3) arrivals at ``--rate`` for ``--second
 MiniLM-L3 alone on both workers, and ``main``, a MiniLM-L3 -> MiniLM-L6 gear plan) and
 ``l6``, MiniLM-L6 alone on both workers (batches of up to 4 rows, 5-ms wait). Per trace the
 runtimes are first calibrated at the rate as ``ken plan`` does (``calibration_calls``).
-Each replay's p95 is set against four simulations of it:
+Each replay's p95 is set against five simulations of it:
 
 - ``planned``: on that calibration (the median of three seeds, on the replayed rows): what
   a plan made before serving predicts; its error is the level's, the draw's and the
@@ -17,6 +17,9 @@ Each replay's p95 is set against four simulations of it:
 - ``own_calibration``: on a calibration fitted on the replay's own calls (``fit_calibration``:
   a factor per batch size and the spread of the rest, drawn per batch; three seeds): the
   level and each size's factor are the replay's, which batch ran slow is the simulator's draw;
+- ``shuffled``: each of the replay's batches' own factor over that own calibration's charge,
+  permuted among the batches of its model (``Hindsight.shuffled_p95_ms``, the median of
+  three permutations): the replay's own factors, not which batch got which;
 - ``own_times``: fed the replay's own batch times (``ken.engine.hindsight``): the structure
   alone (queues, batching, gears, escalations).
 
@@ -68,7 +71,7 @@ from ken.progress import Reporter  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "fidelity_parts"
 #: the simulations each replay is set against, from the most to the least hindsight
-FORMS = ("own_times", "own_calibration", "own_level", "planned")
+FORMS = ("own_times", "shuffled", "own_calibration", "own_level", "planned")
 
 
 def main() -> int:
@@ -124,6 +127,7 @@ def main() -> int:
                                                    args.seed, r.replay.rows, SEEDS)))
                 measured = r.replay.result.metrics(0, plan).p95_ms
                 p95 = {"own_times": seen.own_times_p95_ms,
+                       "shuffled": seen.shuffled_p95_ms,
                        "own_calibration": seen.own_calibration_p95_ms,
                        "own_level": at_own, "planned": sim}
                 residuals.append(by_rows(r, own))
@@ -187,7 +191,8 @@ def summarise(out: dict) -> dict:
     every: dict[str, list[float]] = {k: [] for k in (*FORMS, "engine_self")}
     for tname, entry in out["traces"].items():
         for name, reps in entry["plans"].items():
-            errors = {k: [x["error"][k] for x in reps] for k in FORMS}
+            # a run written before a form was added has none of it (e.g. ``shuffled``)
+            errors = {k: [x["error"][k] for x in reps if k in x["error"]] for k in FORMS}
             # the yardstick: each replay against the same plan's other replays
             errors["engine_self"] = self_errors([x["measured_p95_ms"] for x in reps])
             summary[f"{tname}/{name}"] = {k: stats(v) for k, v in errors.items() if v}
@@ -209,8 +214,8 @@ def plot(out: dict, path: Path) -> None:
     for tname, entry in out["traces"].items():
         for name, reps in entry["plans"].items():
             for k, form in enumerate(FORMS):
-                ys = [100 * r["error"][form] for r in reps]
-                ax.plot([x + 0.15 * (k - 1.5)] * len(ys), ys, "osD^"[k], color=f"C{k}",
+                ys = [100 * r["error"][form] for r in reps if form in r["error"]]
+                ax.plot([x + 0.15 * (k - 2)] * len(ys), ys, "ovsD^"[k], color=f"C{k}",
                         label=form.replace("_", " ") if x == 0 else None, ms=4)
             labels.append(f"{name}\n{tname}")
             x += 1
@@ -218,8 +223,9 @@ def plot(out: dict, path: Path) -> None:
     ax.axhline(0, color="k", lw=0.5)
     ax.set_xticks(range(len(labels)), labels, fontsize=7)
     ax.set_ylabel("measured / simulated p95 - 1 (%)")
-    ax.set_title("each replay against the simulator: fed its own batch times, on its own "
-                 "calibration,\nat its own level, and on the calibration made before serving",
+    ax.set_title("each replay against the simulator: fed its own batch times, its own "
+                 "factors shuffled, on its own\ncalibration, at its own level, and on the "
+                 "calibration made before serving",
                  fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
