@@ -180,10 +180,11 @@ def test_fed_the_engines_own_batch_times_the_simulator_answers_when_the_engine_d
 
 
 def _replay_by_hand(p: GearPlan, cat: Catalog, trace: Trace, factor) -> tuple:
-    """A replay of ``trace`` built from a simulation in which each batch took ``factor(now)``
-    times what ``cat`` charges it: (outcomes, rows, path log, the simulation)."""
+    """A replay of ``trace`` built from a simulation in which each batch took
+    ``factor(batch, now)`` times what ``cat`` charges it: (outcomes, rows, path log, the
+    simulation)."""
     def runtime(k: int, batch: Batch, now: float) -> float:
-        dt = factor(now) * cat.perf_on(batch.model, batch.devices[0]).batch_runtime(
+        dt = factor(batch, now) * cat.perf_on(batch.model, batch.devices[0]).batch_runtime(
             len(batch.request_ids))
         runs.append((batch, now, dt))
         return dt
@@ -204,21 +205,23 @@ def _replay_by_hand(p: GearPlan, cat: Catalog, trace: Trace, factor) -> tuple:
 
 
 def test_shuffled_own_factors_tell_which_batch_got_which_time() -> None:
-    """Every batch at twice its charge: the own factors shuffled are the own times. The slow
-    batches all in a burst: shuffled among all batches, the burst's share of them is
-    spread over the calm, and the p95 falls well below the replay's own."""
+    """Every batch of a model at twice its charge, of the other at its charge: the own
+    factors shuffled (per model) are the own times. The slow batches all in a burst:
+    shuffled among all batches, the burst's share of them is spread over the calm, and the
+    p95 falls well below the replay's own."""
     cat, p = _catalog(), plan(max_batch=4, max_wait_s=0.002)
     calm = poisson_trace(40.0, 3.0, seed=6).arrival_s
     burst = 1.3 + poisson_trace(250.0, 0.4, seed=7).arrival_s
     trace = Trace(np.sort(np.concatenate([calm, burst])))
-    outcomes, rows, log, _ = _replay_by_hand(p, cat, trace, lambda now: 2.0)
+    outcomes, rows, log, _ = _replay_by_hand(p, cat, trace,
+                                             lambda b, now: 2.0 if b.model == "a" else 1.0)
     h = hindsight(p, cat, outcomes, rows, log, cat)
     assert h.own_batches == h.batches
     assert h.shuffled_p95_ms == pytest.approx(h.own_times_p95_ms)
     assert h.to_dict()["shuffled_p95_ms"] == h.shuffled_p95_ms
-    assert "shuffled among them" in h.describe()
+    assert "shuffled among them" in h.describe() and h.shuffled_error == pytest.approx(0.0)
     outcomes, rows, log, _ = _replay_by_hand(
-        p, cat, trace, lambda now: 4.0 if 1.3 <= now <= 1.9 else 1.0)
+        p, cat, trace, lambda b, now: 4.0 if 1.3 <= now <= 1.9 else 1.0)
     h = hindsight(p, cat, outcomes, rows, log, cat)
     assert h.own_times_p95_ms == pytest.approx(h.measured_p95_ms)
     assert h.shuffled_p95_ms < 0.8 * h.own_times_p95_ms

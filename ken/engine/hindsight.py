@@ -46,18 +46,19 @@ from ken.errors import KenError
 from ken.optimizer.perf import Catalog
 from ken.optimizer.sim_core import EventLoop
 from ken.optimizer.simulator import Runtimes, SimResult, simulate_many
-from ken.optimizer.workload import Trace
+from ken.optimizer.workload import Trace, is_gpu_id
 from ken.policy.plan import GearPlan
 from ken.policy.scheduling import Batch
 
-#: seeds the own-calibration simulation takes the median p95 of
+#: seeds the own-calibration simulation takes the median p95 of (and the shuffled form:
+#: permutations)
 SEEDS = 3
 
 
 @dataclass(frozen=True)
 class Hindsight:
-    """A replay against the simulator fed its own batch times and its own calibration
-    (milliseconds; errors as measured / simulated - 1)."""
+    """A replay against the simulator fed its own batch times, on its own calibration and
+    on its own batches' factors shuffled (milliseconds; errors as measured / simulated - 1)."""
 
     requests: int  # compared: the answered requests in the engine's path log
     left_out: int  # the replay's other requests (turned away, failed, older than the log)
@@ -82,8 +83,15 @@ class Hindsight:
             return None
         return self.measured_p95_ms / self.own_calibration_p95_ms - 1.0
 
+    @property
+    def shuffled_error(self) -> float | None:
+        if self.shuffled_p95_ms is None:
+            return None
+        return self.measured_p95_ms / self.shuffled_p95_ms - 1.0
+
     def describe(self) -> str:
-        """Two sentences: the own-times simulation, then the own calibration's."""
+        """One sentence: the own-times simulation, then (where given) the own calibration's
+        and the shuffled factors'."""
         out = (f"in hindsight, fed this replay's own batch times ({self.own_batches:,} of "
                f"{self.batches:,} batches), the simulator puts the p95 of the "
                f"{self.requests:,} answered requests at {self.own_times_p95_ms:.1f} ms "
@@ -98,7 +106,7 @@ class Hindsight:
                     f"{self.own_calibration_p95_ms:.1f} ms ({self.own_calibration_error:+.0%})")
         if self.shuffled_p95_ms is not None:
             out += (f"; its own batches' factors shuffled among them, "
-                    f"{self.shuffled_p95_ms:.1f} ms")
+                    f"{self.shuffled_p95_ms:.1f} ms ({self.shuffled_error:+.0%})")
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -111,7 +119,8 @@ class Hindsight:
                 "own_calibration_error": self.own_calibration_error,
                 "median_abs_ms": self.median_abs_ms, "p95_abs_ms": self.p95_abs_ms,
                 "other_gear": self.other_gear, "other_stage": self.other_stage,
-                "shuffled_p95_ms": self.shuffled_p95_ms}
+                "shuffled_p95_ms": self.shuffled_p95_ms,
+                "shuffled_error": self.shuffled_error}
 
 
 def hindsight(plan: GearPlan, catalog: Catalog, outcomes: Sequence[Outcome],
@@ -195,8 +204,11 @@ def hindsight(plan: GearPlan, catalog: Catalog, outcomes: Sequence[Outcome],
     if drawn is not None:
         own_cal = float(np.median([np.percentile(run(drawn, s).latency_s[ok] + admit, 95)
                                    for s in range(seeds)])) * 1000.0
-        factors = own_factors(batches, drawn)
-        shuffled = float(np.median([np.percentile(run(drawn, runtimes=permuted(
+        # the batches of the requests simulated (not those of a log longer than the replay)
+        simulated = set(rid)
+        factors = own_factors([b for b in batches if simulated.issuperset(b.request_ids)],
+                              drawn)
+        shuffled = float(np.median([np.percentile(run(drawn, s, permuted(
             factors, drawn, sim_rows, s)).latency_s[ok] + admit, 95)
             for s in range(seeds)])) * 1000.0
     diff = np.abs(lat - measured) * 1000.0
@@ -208,35 +220,39 @@ def hindsight(plan: GearPlan, catalog: Catalog, outcomes: Sequence[Outcome],
                      int((res.stage[0][ok] != stage).sum()), shuffled)
 
 
-def own_factors(batches: Sequence[BatchPath], catalog: Catalog) -> dict[str, np.ndarray]:
-    """Per model, each logged batch's held time over what ``catalog`` charges it without the
-    spread and as if its device had not idled (``predicted_s``; a wake-up stays in its
-    factor), in the log's order."""
-    out: dict[str, list[float]] = {}
+def own_factors(batches: Sequence[BatchPath], catalog: Catalog
+                ) -> dict[tuple[str, bool], np.ndarray]:
+    """Per model and kind of device (GPU or not: a calibration scales CPU runtimes only),
+    each logged batch's held time over what ``catalog`` charges it without the spread and as
+    if its device had not idled (``predicted_s``; a wake-up stays in its factor), in the
+    log's order."""
+    out: dict[tuple[str, bool], list[float]] = {}
     for b in batches:
         r = b.record
-        out.setdefault(r.model, []).append(
+        out.setdefault((r.model, is_gpu_id(r.device)), []).append(
             r.held_s / predicted_s(replace(r, idle_before_s=0.0), catalog))
-    return {m: np.array(v) for m, v in out.items()}
+    return {k: np.array(v) for k, v in out.items()}
 
 
-def permuted(factors: dict[str, np.ndarray], catalog: Catalog, rows: Sequence[int],
-             seed: int) -> Runtimes:
-    """Batch runtimes for ``simulate_many``: each batch of a model charged as
-    ``own_factors`` does (the simulated request ``j`` asks sample row ``rows[j]``) times the
-    next of that model's ``factors`` in a seeded permutation (cycling); the catalog's own
-    charge for a model without factors."""
+def permuted(factors: dict[tuple[str, bool], np.ndarray], catalog: Catalog,
+             rows: Sequence[int], seed: int) -> Runtimes:
+    """Batch runtimes for ``simulate_many``: each batch charged as ``own_factors`` does (the
+    simulated request ``j`` asks sample row ``rows[j]``) times the next of its model's and
+    device kind's ``factors`` in a seeded permutation (cycling); the catalog's own charge
+    where there are none. Runtimes per degree of a replica across devices are not
+    distinguished (``predicted_s`` charges degree 1; the factor, a ratio, carries it)."""
     rng = np.random.default_rng(seed)
-    order = {m: rng.permutation(v) for m, v in factors.items()}
+    order = {k: rng.permutation(v) for k, v in factors.items()}
     taken = dict.fromkeys(order, 0)
     sizes = catalog.row_sizes
 
     def runtime(_: int, batch: Batch, now: float) -> float | None:
-        mine = order.get(batch.model)
+        key = (batch.model, is_gpu_id(batch.devices[0]))
+        mine = order.get(key)
         if mine is None or not mine.size:
             return None
-        k = taken[batch.model]
-        taken[batch.model] = k + 1
+        k = taken[key]
+        taken[key] = k + 1
         largest = 0 if sizes is None else int(max(sizes[rows[j]] for j in batch.request_ids))
         record = BatchRecord(batch.devices[0], batch.model, len(batch.request_ids), 0.0, 0.0,
                              0.0, largest=largest)
