@@ -19,7 +19,7 @@ from ken.engine.supervision import BatchRecord
 from ken.errors import KenError, ProfileError
 from ken.models.cascade import Cascade
 from ken.models.model import row_size
-from ken.optimizer.perf import Catalog, ModelPerf, expected_max, size_factor
+from ken.optimizer.perf import Catalog, ModelPerf, batch_shares, expected_max, size_factor
 from ken.optimizer.profile import size_share
 from ken.optimizer.simulator import simulate_many
 from ken.optimizer.workload import Trace
@@ -84,6 +84,47 @@ def test_size_factors_average_one_over_random_batches() -> None:
     assert size_factor(0.5, 10.0, 0.0) == 1.0
 
 
+def test_a_batch_pads_to_its_largest_row_so_its_size_share_grows_with_its_rows() -> None:
+    """A batch of b rows runs every row as long as its largest (padding): a fixed part, a
+    part per row, and ``b x largest`` units of size. ``batch_shares`` recovers each batch
+    size's share from the one-row share alone, so that every batch, checked against brute
+    force over all batches of up to 4 rows, is charged its own runtime."""
+    values = np.array([5.0, 40.0, 9.0, 22.0, 13.0])
+    expected = expected_max(values, 4)
+    fixed, per_row, per_unit = 0.004, 0.001, 0.0002
+    runtimes = [0.0] + [fixed + per_row * b + per_unit * b * expected[b] for b in range(1, 5)]
+    shares = batch_shares(per_unit * expected[1] / runtimes[1], expected, runtimes)
+    for b in range(1, 5):
+        assert shares[b] == pytest.approx(per_unit * b * expected[b] / runtimes[b])
+        for rows in itertools.product(values, repeat=b):
+            truth = fixed + per_row * b + per_unit * b * max(rows)
+            charged = runtimes[b] * size_factor(shares[b], max(rows), expected[b])
+            assert charged == pytest.approx(truth)
+    assert shares[1] < shares[2] < shares[4]
+    assert batch_shares(0.9, expected, [0.0, 1.0, 0.5, 0.5, 0.5])[2:].tolist() == [1.0] * 3
+
+
+def test_each_model_scales_by_its_own_row_sizes() -> None:
+    """Sizes are per model (a tokenizer's tokens differ by model): the simulator charges a
+    replica by its own model's sizes; a model without sizes is unscaled; sizes of a model
+    the catalog does not know are refused."""
+    trace = Trace([0.0, 1.0])
+    base = catalog(None, share=0.5)
+    a_sizes, b_sizes = np.array([100.0, 10, 10, 10, 10, 10]), np.array([10.0, 100, 10, 10, 10, 10])
+    both = Catalog(base.perf, dict(base.quality), dict(base.scores), "t",
+                   row_sizes={"a": a_sizes, "b": b_sizes})
+    lat = simulate_many([one_model()], [both], trace, rows=[0, 1], routes=[(0,)] * 6).latency_s
+    assert lat[0] == pytest.approx(RT * (0.5 + 0.5 * 100 / a_sizes.mean()))
+    assert lat[1] == pytest.approx(RT * (0.5 + 0.5 * 10 / a_sizes.mean()))
+    only_b = Catalog(base.perf, dict(base.quality), dict(base.scores), "t",
+                     row_sizes={"b": b_sizes})
+    assert only_b.sizes_of("a") is None and only_b.size_factors("a", "d0", 4) is None
+    assert np.allclose(simulate_many([one_model()], [only_b], trace, rows=[0, 1],
+                                     routes=[(0,)] * 6).latency_s, RT)
+    with pytest.raises(ProfileError, match="row sizes of .'z'., which the catalog"):
+        Catalog(base.perf, dict(base.quality), dict(base.scores), row_sizes={"z": a_sizes})
+
+
 def test_the_simulator_charges_long_rows_more_and_knows_nothing_without_sizes() -> None:
     trace = Trace([0.0, 1.0, 2.0, 3.0])  # far apart: each request alone in its batch
     sizes = [100, 10, 10, 10, 10, 10]
@@ -99,7 +140,7 @@ def test_the_simulator_charges_long_rows_more_and_knows_nothing_without_sizes() 
     assert np.allclose(plain, RT)  # no row sizes: every batch its profiled runtime
     with pytest.raises(ProfileError, match="size_share"):
         ModelPerf("x", (1,), ((0.1,),), (1,), size_share=1.5)
-    with pytest.raises(ProfileError, match="row sizes cover"):
+    with pytest.raises(ProfileError, match="row sizes of a cover 3 rows"):
         Catalog(sized.perf, dict(sized.quality), dict(sized.scores), row_sizes=np.ones(3))
     unshared = simulate_many([one_model()], [catalog(sizes, share=0.0)], trace, rows=rows,
                              routes=[(0,)] * 6).latency_s
@@ -219,7 +260,7 @@ def test_calibration_applies_round_trips_and_refuses_bad_files(tmp_path) -> None
     cat = cal.apply(catalog([5, 6, 7, 8, 9, 10], share=0.4))
     assert cat.perf["a"].batch_runtime(1) == pytest.approx(0.8 * RT)
     assert cat.perf["b"].batch_runtime(1) == RT
-    assert cat.perf["a"].size_share == 0.4 and cat.row_sizes is not None  # kept
+    assert cat.perf["a"].size_share == 0.4 and cat.sizes_of("a") is not None  # kept
     assert "minilm" not in cal.describe() and "a x0.80@1 x1.20@4" in cal.describe()
     path = cal.save(tmp_path / "calibration.json")
     again = Calibration.load(path)
@@ -463,3 +504,33 @@ def test_a_busy_machine_is_measured_again_and_the_quietest_fit_kept() -> None:
                                 seconds=1.0, workers="thread",
                                 other_load=fakes.fake_loads([0.0]))  # one attempt, nothing more
     assert quiet.other_cores == 0.0 and "attempt" not in quiet.source
+
+
+def test_a_worker_reports_its_batch_largest_row_as_its_model_counts_sizes() -> None:
+    """What the engine logs as a batch's largest row (``BatchRecord.largest``) is in the
+    unit of the model's own sizes, which its profile and the simulator use: characters by
+    default, the model's ``row_sizes`` where it counts otherwise, and the sizes its output
+    carries where it gives them (a classifier on a transformers body: the tokens it ran)."""
+    from dataclasses import replace
+
+    from fakes import FakeModel
+
+    from ken.engine.workers import ThreadRunner
+
+    class Words(FakeModel):
+        def row_sizes(self, rows: list) -> np.ndarray:
+            return np.array([len(r.split()) for r in rows])
+
+    class Given(Words):
+        def predict(self, texts: list, batch_size: int = 32) -> object:
+            return replace(super().predict(texts, batch_size), row_sizes=np.full(len(texts), 7))
+
+    texts = ["a b c", "one two three four", "xxxxxxxxxxxxxxxxxxxxxxxx"]
+    runner = ThreadRunner("cpu0", {m.name: m for m in (FakeModel("chars"), Words("words"),
+                                                       Given("given"))})
+    try:
+        assert runner.run("chars", texts)[2] == 24
+        assert runner.run("words", texts)[2] == 4
+        assert runner.run("given", texts)[2] == 7
+    finally:
+        runner.close()

@@ -955,7 +955,7 @@ class _DeadRunner:
             raise RuntimeError("no memory left")
 
     def run(self, model: str, texts: list, timeout_s: float | None = None) -> tuple:
-        return list(texts), np.ones((len(texts), 2)) / 2
+        return list(texts), np.ones((len(texts), 2)) / 2, 1
 
 
 def test_a_worker_that_dies_again_while_idle_is_replaced_at_most_max_crashes_times_in_a_row(

@@ -128,6 +128,10 @@ def test_profile_and_cascade_metrics_on_real_models(models) -> None:
         np.testing.assert_allclose(p.scores, pred.probabilities, atol=1e-5)
         assert p.quality.tolist() == (pred.labels == sample.labels).astype(float).tolist()
         assert p.peak_memory_bytes > p.memory_bytes
+        # sizes are the tokens the model runs, as its answers report them to the engine
+        tokens = [len(ids) for ids in models[name].body.tokenize(list(sample.texts))]
+        assert p.row_sizes.tolist() == tokens == pred.row_sizes.tolist()
+        assert sum(tokens) < sum(map(len, sample.texts))  # not characters
     cascade = Cascade(("minilm-l3", "smollm2-135m"), (0.6,))
     metrics = evaluate(cascade, profiles, batch_size=4)
     executed = run_cascade(cascade, models, list(sample.texts), batch_size=4)
@@ -200,6 +204,9 @@ def test_engine_process_workers_serve_the_real_models_like_the_batch_cascade(hom
                                                    "cpu1/minilm-l3", "cpu0/minilm-l6"}
         online = [f.result(timeout=120) for f in [engine.submit(t) for t in rows]]
         bulk = [f.result(timeout=120) for f in engine.submit_many(rows, bulk=True)]
+        log = list(engine.batch_log)
+    sizes = {n: set(models[n].row_sizes(rows).tolist()) for n in ("minilm-l3", "minilm-l6")}
+    assert log and all(r.largest in sizes[r.model] for r in log)  # tokens, from the workers
     for got in (online, bulk):
         assert [o.status for o in got] == ["ok"] * len(rows)
         assert [o.value for o in got] == expected.values

@@ -244,7 +244,6 @@ def permuted(factors: dict[tuple[str, bool], np.ndarray], catalog: Catalog,
     rng = np.random.default_rng(seed)
     order = {k: rng.permutation(v) for k, v in factors.items()}
     taken = dict.fromkeys(order, 0)
-    sizes = catalog.row_sizes
 
     def runtime(_: int, batch: Batch, now: float) -> float | None:
         key = (batch.model, is_gpu_id(batch.devices[0]))
@@ -253,6 +252,7 @@ def permuted(factors: dict[tuple[str, bool], np.ndarray], catalog: Catalog,
             return None
         k = taken[key]
         taken[key] = k + 1
+        sizes = catalog.sizes_of(batch.model)
         largest = 0 if sizes is None else int(max(sizes[rows[j]] for j in batch.request_ids))
         record = BatchRecord(batch.devices[0], batch.model, len(batch.request_ids), 0.0, 0.0,
                              0.0, largest=largest)

@@ -127,13 +127,13 @@ class _DeviceActor:
 
         return os.getpid(), ray.get_runtime_context().get_node_id()
 
-    def predict(self, model: str, texts: list) -> tuple[list, np.ndarray]:
+    def predict(self, model: str, texts: list) -> Answers:
         if model not in self.models:  # Ray restarted this actor: only its constructor ran
             raise WorkerDied(f"the Ray actor (pid {os.getpid()}) has not loaded {model}: "
                              "Ray restarted it")
         try:
-            out = self.models[model].predict(texts, batch_size=max(len(texts), 1))
-            return answers(out, len(texts))
+            found = self.models[model]
+            return answers(found, texts, found.predict(texts, batch_size=max(len(texts), 1)))
         except Exception as exc:  # noqa: BLE001 - a model failure, reported as WorkerError
             raise WorkerError(f"{type(exc).__name__}: {exc}") from None
 
@@ -260,8 +260,8 @@ class RayRunner:
         ray = ensure_ray()
         self.revive()
         try:
-            values, scores = ray.get(self._actor.predict.remote(model, list(texts)),
-                                     timeout=timeout_s)
+            values, scores, largest = ray.get(self._actor.predict.remote(model, list(texts)),
+                                              timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
             self._kill(restart=not self.closing)
             raise BatchTimeout(
@@ -285,7 +285,7 @@ class RayRunner:
                 f"on {len(texts)} rows: {ray_error_cause(exc)}"
                 + ("; it is not restarted: the engine is shutting down" if self.closing
                    else "")) from None
-        return values, np.asarray(scores)
+        return values, np.asarray(scores), largest
 
     def revive(self) -> None:
         """Between batches: load the models of an actor that died or was killed with a batch

@@ -48,7 +48,7 @@ from ken.engine.workers import (
 )
 from ken.errors import BatchTimeout, EngineError
 from ken.models.gpus import Gpu, gpu_budget_bytes
-from ken.models.model import Model, row_size
+from ken.models.model import Model
 from ken.policy.plan import GearPlan
 from ken.policy.scheduling import WallClock
 
@@ -105,7 +105,7 @@ class BatchRecord:
     end_s: float
     idle_before_s: float  # how long the device had been idle before this call
     bulk: bool = False
-    largest: int = 0  # the size of its largest row (``row_size``), which its runtime grows with
+    largest: int = 0  # its largest row's size (``Model.row_sizes``), which its runtime grows with
     handoff_s: float = 0.0  # online batches: dispatcher start to this call's start
     report_s: float = 0.0  # this call's end to the scheduler taking its answer in
 
@@ -615,7 +615,7 @@ class DevicePool:
             observed_s = self.observed.expected_s(batch.model, len(texts))
             timeout_s, why = self.deadline.explain(expected_s, observed_s)
             try:
-                values, scores = runner.run(batch.model, texts, timeout_s)
+                values, scores, largest = runner.run(batch.model, texts, timeout_s)
             except Exception as exc:  # noqa: BLE001 - this thread must never die with a batch
                 self._running_until.pop(device, None)
                 self.failed_attempts += 1
@@ -634,8 +634,7 @@ class DevicePool:
             idle_since, idle_s = self.clock.now(), started - idle_since
             self.observed.add(batch.model, len(texts), idle_since - started)
             record = BatchRecord(device, batch.model, len(texts), started, idle_since,
-                                 idle_s, isinstance(batch, BulkBatch),
-                                 max(map(row_size, texts), default=0))
+                                 idle_s, isinstance(batch, BulkBatch), largest)
             self._report(("done", batch, values, scores, record))  # logged when taken in
 
     def _revive(self, device: str, runner: ProcessRunner | ThreadRunner | RayRunner,

@@ -16,8 +16,9 @@ A *runner* owns the models placed on one device and runs one batch at a time:
   deadline is abandoned (it may go on running, and using a core, until it returns; its answer
   is dropped) and the device goes on with a fresh thread.
 
-Both return ``(values, scores)`` from ``run`` (one value per row, and the class probabilities
-of a classifier or the model's own certainty per row) or raise ``WorkerError``.
+Both return ``(values, scores, largest)`` from ``run`` (one value per row, the class
+probabilities of a classifier or the model's own certainty per row, and the size of the
+batch's largest row as the model counts sizes, ``Model.row_sizes``) or raise ``WorkerError``.
 
 A worker process lives only as long as its engine wants it: it ignores SIGINT and SIGTERM
 (Ctrl-C in a terminal or a SIGTERM to the process group reaches every process; the engine
@@ -48,18 +49,25 @@ from ken.models.model import Model, ModelOutput
 from ken.optimizer.workload import GPU_ID
 
 Loader = Callable[[], Model]
-Answers = tuple[list, np.ndarray]  # (values, scores), see the module docstring
+Answers = tuple[list, np.ndarray, int]  # (values, scores, largest), see the module docstring
 
 #: how often a worker process checks that its parent is still there (while a call is stuck)
 PARENT_CHECK_S = 0.2
 
 
-def answers(out: ModelOutput, rows: int) -> Answers:
-    """``(values, scores)`` of a model's output, checked to have one answer per row."""
+def answers(model: Model, texts: Sequence, out: ModelOutput) -> Answers:
+    """``(values, scores, largest)`` of ``model``'s output on ``texts``, checked to have one
+    answer per row; ``largest`` is the size of the largest row (``Model.row_sizes``: from the
+    output where the model gives it, as a classifier on a transformers body does, so nothing
+    is counted twice)."""
+    rows = len(texts)
     values, scores = list(out.values), np.asarray(out.scores)
     if len(values) != rows or scores.shape[0] != rows:
         raise WorkerError(f"the model answered {len(values)} of {rows} rows")
-    return values, scores
+    sizes = getattr(out, "row_sizes", None)
+    if sizes is None or len(sizes) != rows:
+        sizes = model.row_sizes(texts)
+    return values, scores, int(max(sizes, default=0))
 
 
 def load_models(loaders: Mapping[str, Loader], into: dict[str, Model], threads: int
@@ -182,8 +190,8 @@ class ThreadRunner:
 
     def _predict(self, model: str, texts: list) -> Answers:
         try:
-            out = self.models[model].predict(texts, batch_size=max(len(texts), 1))
-            return answers(out, len(texts))
+            found = self.models[model]
+            return answers(found, texts, found.predict(texts, batch_size=max(len(texts), 1)))
         except Exception as exc:  # noqa: BLE001 - any model failure is reported, re-run
             raise WorkerError(f"{type(exc).__name__}: {exc}") from exc
 
@@ -268,12 +276,13 @@ def _serve(inp: Connection, out: Connection, threads: int) -> None:
             continue
         _, model, texts = msg
         try:
-            values, scores = answers(models[model].predict(texts, batch_size=max(len(texts), 1)),
-                                     len(texts))
+            found = models[model]
+            values, scores, largest = answers(
+                found, texts, found.predict(texts, batch_size=max(len(texts), 1)))
         except Exception as exc:  # noqa: BLE001 - the engine decides whether to re-run
             out.send(("error", f"{type(exc).__name__}: {exc}"))
             continue
-        out.send(("ok", values, scores))
+        out.send(("ok", values, scores, largest))
 
 
 class ProcessRunner:
@@ -390,7 +399,7 @@ class ProcessRunner:
                 + ("; it is not restarted: the engine is shutting down" if self.closing
                    else "")) from None
         if msg[0] == "ok":
-            return msg[1], msg[2]
+            return msg[1], msg[2], msg[3]
         raise WorkerError(msg[1])
 
     def died_idle(self) -> int | None:

@@ -150,6 +150,8 @@ class Prediction:
     labels: np.ndarray  # int64, shape (rows,)
     probabilities: np.ndarray  # float32, shape (rows, classes)
     label_names: tuple[str, ...]
+    # each row's size as the model ran it (``Model.row_sizes``), where the model gives it
+    row_sizes: np.ndarray | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -234,6 +236,12 @@ class Model(ABC):
         row: object = WARM_UP_TEXT if self.spec.num_inputs == 1 else (WARM_UP_TEXT,) * 2
         for n in (1, min(8, max_batch), 1):
             self.predict([row] * n, batch_size=n)
+
+    def row_sizes(self, rows: Sequence) -> np.ndarray:
+        """Each row's size as this model's runtime grows with it (int64): the characters of its
+        text (``row_size``); models that run tokens count the tokens they run. A model's
+        outputs carry the same sizes where they give any (``Prediction.row_sizes``)."""
+        return np.fromiter((row_size(r) for r in rows), dtype=np.int64, count=len(rows))
 
     @abstractmethod
     def predict(self, texts: Sequence, batch_size: int = 32) -> ModelOutput:

@@ -220,7 +220,14 @@ class TransformersBody:
 
     def features(self, texts: Sequence[str], batch_size: int = 32,
                  on_batch: Callable[[int], None] | None = None) -> np.ndarray:
-        """Mean-pooled hidden states as float32, shape ``(len(texts), hidden)``, in input order.
+        """Mean-pooled hidden states as float32, shape ``(len(texts), hidden)``, in input order
+        (``embed`` without the token counts)."""
+        return self.embed(texts, batch_size, on_batch)[0]
+
+    def embed(self, texts: Sequence[str], batch_size: int = 32,
+              on_batch: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Mean-pooled hidden states as float32, shape ``(len(texts), hidden)``, in input order,
+        and each text's token count as run (``tokenize``; int64).
 
         Rows are sorted by token count before batching so that a batch pads to similar lengths
         (its width rounded up to ``pad_multiple``; on a GPU to a ``GPU_WIDTHS`` bucket, with
@@ -237,7 +244,7 @@ class TransformersBody:
         hidden = int(self.net.config.hidden_size)
         out = np.zeros((len(texts), hidden), dtype=np.float32)
         if not texts:
-            return out
+            return out, np.zeros(0, dtype=np.int64)
         torch.set_num_threads(self.device.threads)
         ids = self.tokenize(texts)
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
@@ -270,7 +277,7 @@ class TransformersBody:
                     on_batch(len(rows))
         if pooled_rows is not None:
             out[order] = pooled_rows.cpu().numpy()
-        return out
+        return out, lengths
 
     def warm_shapes(self, max_rows: int = GPU_WARM_ROWS) -> int:
         """On a GPU, run every batch shape ``features`` can give for batches of up to
@@ -327,9 +334,18 @@ class TransformersClassifier(Model):
         self.body.warm_shapes(max(max_batch, GPU_WARM_ROWS))
         super().warm_up(max_batch)
 
+    def row_sizes(self, rows: Sequence[str]) -> np.ndarray:
+        """The tokens each row runs as (``TransformersBody.tokenize``): a batch pads to its
+        longest row, whose tokens its runtime grows with (characters tell them apart less
+        well: ``benchmarks/call_rows.py``)."""
+        return np.fromiter(map(len, self.body.tokenize(list(rows))), dtype=np.int64,
+                           count=len(rows))
+
     def predict(self, texts: Sequence[str], batch_size: int = 32,
                 on_batch: Callable[[int], None] | None = None) -> Prediction:
-        probs = self.head.predict_proba(self.body.features(texts, batch_size, on_batch))
+        features, tokens = self.body.embed(texts, batch_size, on_batch)
+        probs = self.head.predict_proba(features)
         if len(texts) == 0:
             probs = np.zeros((0, len(self.spec.labels)), dtype=np.float32)
-        return Prediction(probs.argmax(axis=1).astype(np.int64), probs, self.spec.labels)
+        return Prediction(probs.argmax(axis=1).astype(np.int64), probs, self.spec.labels,
+                          row_sizes=tokens)

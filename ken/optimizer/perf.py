@@ -165,8 +165,10 @@ class Catalog:
     scores: Mapping[str, np.ndarray] = field(repr=False)
     sample_hash: str = ""
     gpu_perf: Mapping[str, ModelPerf] = field(default_factory=dict, repr=False)
-    # each sample row's size (``Profile.row_sizes``); None: unknown, every row average
-    row_sizes: np.ndarray | None = field(default=None, repr=False)
+    # each sample row's size per model (``Profile.row_sizes``: as that model counts sizes,
+    # tokens or characters), or one array for every model; None or a model left out:
+    # unknown, every row average
+    row_sizes: Mapping[str, np.ndarray] | np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "perf", MappingProxyType(dict(self.perf)))
@@ -188,11 +190,20 @@ class Catalog:
         if len(sizes) != 1 or 0 in sizes:
             raise ProfileError(f"per-sample outcomes must cover the same non-empty sample; "
                                f"row counts: {sorted(sizes)}")
-        if self.row_sizes is not None:
-            object.__setattr__(self, "row_sizes", np.asarray(self.row_sizes, dtype=np.float64))
-            if self.row_sizes.shape != (next(iter(sizes)),):
-                raise ProfileError(f"row sizes cover {self.row_sizes.shape[0]} rows of a "
+        given = self.row_sizes
+        if given is None:
+            given = {}
+        elif not isinstance(given, Mapping):
+            given = dict.fromkeys(self.perf, given)
+        unknown = sorted(set(given) - set(self.perf))
+        if unknown:
+            raise ProfileError(f"row sizes of {unknown}, which the catalog has no profile of")
+        checked = {m: np.asarray(v, dtype=np.float64) for m, v in given.items()}
+        for m, v in checked.items():
+            if v.shape != (next(iter(sizes)),):
+                raise ProfileError(f"row sizes of {m} cover {v.shape[0]} rows of a "
                                    f"{next(iter(sizes))}-row sample")
+        object.__setattr__(self, "row_sizes", MappingProxyType(checked))
 
     def with_overhead(self, seconds: float) -> Catalog:
         """Every model's batches ``seconds`` longer (``ModelPerf.with_overhead``)."""
@@ -205,7 +216,8 @@ class Catalog:
                   gpu_perf: Mapping[str, ModelPerf] | None = None) -> Catalog:
         """The same outcomes with other performance (``gpu_perf`` None: kept)."""
         return Catalog(perf, dict(self.quality), dict(self.scores), self.sample_hash,
-                       dict(self.gpu_perf) if gpu_perf is None else gpu_perf, self.row_sizes)
+                       dict(self.gpu_perf) if gpu_perf is None else gpu_perf,
+                       dict(self.row_sizes))
 
     def perf_on(self, model: str, device: str | Sequence[str]) -> ModelPerf:
         """``model``'s performance on ``device`` (or on the first of a replica's devices)."""
@@ -217,34 +229,43 @@ class Catalog:
     def __reduce__(self) -> tuple:
         # mapping proxies do not pickle; rebuild from plain dicts (e.g. in planner workers)
         return (Catalog, (dict(self.perf), dict(self.quality), dict(self.scores),
-                          self.sample_hash, dict(self.gpu_perf), self.row_sizes))
+                          self.sample_hash, dict(self.gpu_perf), dict(self.row_sizes)))
 
     @classmethod
     def from_profiles(cls, profiles: Mapping[str, Profile] | Sequence[Profile]) -> Catalog:
         items = list(profiles.values()) if isinstance(profiles, Mapping) else list(profiles)
-        sized = [p.row_sizes for p in items if p.row_sizes.size]
         return cls({p.model: ModelPerf.from_profile(p) for p in items},
                    {p.model: p.quality for p in items},
                    {p.model: p.scores for p in items},
                    items[0].sample_hash if items else "",
-                   row_sizes=sized[0] if sized else None)
+                   row_sizes={p.model: p.row_sizes for p in items if p.row_sizes.size})
+
+    def sizes_of(self, model: str) -> np.ndarray | None:
+        """Each sample row's size as ``model`` counts it, or None where unknown."""
+        return self.row_sizes.get(model)
 
     def size_factors(self, model: str, device: str | Sequence[str], max_batch: int
-                     ) -> tuple[float, np.ndarray] | None:
-        """What scales a batch of ``model`` on ``device`` by the size of its rows: its
-        ``size_share`` and, for ``b = 0..max_batch``, the expected size of the largest of
-        ``b`` rows drawn from the sample (so that random batches average their profiled
-        runtime); None when the catalog has no row sizes or the model no size share."""
-        share = self.perf_on(model, device).size_share
-        if self.row_sizes is None or share <= 0 or not self.row_sizes.size:
+                     ) -> tuple[np.ndarray, np.ndarray] | None:
+        """What scales a batch of ``model`` on ``device`` by the size of its rows: for
+        ``b = 0..max_batch``, the share of a ``b``-row batch's runtime that grows with its
+        largest row (``batch_shares``) and the expected size of the largest of ``b`` rows
+        drawn from the sample (so that random batches average their profiled runtime); None
+        when the catalog has no row sizes of the model or the model no size share."""
+        perf = self.perf_on(model, device)
+        sizes = self.row_sizes.get(model)
+        if sizes is None or perf.size_share <= 0 or not sizes.size:
             return None
-        cache = self._expected_max_cache  # every simulation of a plan asks for the same table
-        if max_batch not in cache:
-            cache[max_batch] = expected_max(self.row_sizes, max_batch)
-        return share, cache[max_batch]
+        # every simulation of a plan asks for the same tables
+        key = (model, perf is not self.perf.get(model), max_batch)
+        cache = self._size_factor_cache
+        if key not in cache:
+            expected = expected_max(sizes, max_batch)
+            cache[key] = (batch_shares(perf.size_share, expected,
+                                       perf.runtime_table(1, max_batch)), expected)
+        return cache[key]
 
     @cached_property
-    def _expected_max_cache(self) -> dict[int, np.ndarray]:
+    def _size_factor_cache(self) -> dict[tuple[str, bool, int], tuple[np.ndarray, np.ndarray]]:
         return {}
 
     @property
@@ -311,15 +332,35 @@ def expected_max(values: np.ndarray, up_to: int) -> np.ndarray:
     return out
 
 
-def sized_runtime(seconds: float, sizing: tuple[float, np.ndarray] | None, rows: int,
+def batch_shares(share: float, expected: np.ndarray, runtimes: Sequence[float]) -> np.ndarray:
+    """``out[b]``: the share of a ``b``-row batch's runtime that grows with its largest row's
+    size, from a one-row call's ``share`` (``Profile.size_share``), ``expected[b]`` (the
+    expected largest size of ``b`` rows) and ``runtimes[b]`` (a ``b``-row batch's runtime,
+    ``runtimes[0]`` unused). A batch pads every row to its largest, so the size-bound part of
+    a one-row call on the mean row, ``share * runtimes[1]``, grows to ``b * expected[b] /
+    expected[1]`` times as much, while the rest of the batch's runtime does not; capped at 1.
+    (With one share for every size, the residuals of batches of 2-4 rows grew with their
+    largest row's tokens: ``benchmarks/call_rows.py``.)"""
+    out = np.zeros(expected.size)
+    if expected.size < 2 or expected[1] <= 0:
+        return out
+    per_size = share * runtimes[1] / expected[1]  # seconds per unit of size in one row
+    for b in range(1, expected.size):
+        if runtimes[b] > 0:
+            out[b] = min(1.0, per_size * b * expected[b] / runtimes[b])
+    return out
+
+
+def sized_runtime(seconds: float, sizing: tuple[np.ndarray, np.ndarray] | None, rows: int,
                   largest: float) -> float:
     """``seconds`` (a batch of ``rows`` rows' profiled runtime) scaled by its largest row's
     size, with ``sizing`` from ``Catalog.size_factors`` (None: unscaled): what the simulator
     charges a batch, and what calibration compares serving calls with."""
     if sizing is None or largest <= 0:
         return seconds
-    share, expected = sizing
-    return seconds * size_factor(share, largest, expected[min(rows, expected.size - 1)])
+    shares, expected = sizing
+    b = min(rows, expected.size - 1)
+    return seconds * size_factor(float(shares[b]), largest, expected[b])
 
 
 def size_factor(share: float, largest: float, expected: float) -> float:

@@ -26,7 +26,7 @@ from ken.errors import ProfileError, StoreError
 from ken.machine import OtherLoad, least_loaded
 from ken.models.certainty import certainty_of
 from ken.models.datasets import LabelledSample
-from ken.models.model import DeviceConfig, Model, ModelOutput, Prediction, row_size
+from ken.models.model import DeviceConfig, Model, ModelOutput, Prediction
 from ken.models.quality import EvalSample
 from ken.paths import ken_home
 from ken.progress import QUIET, Reporter
@@ -36,7 +36,8 @@ DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 #: every batch size is timed on at least this many rows (see ``measure_batch_runtimes``)
 MIN_TIMED_ROWS = 32
 #: part of the cache key: profiles timed by an older method are measured again
-TIMING_METHOD = "timing-v3"  # v3: per-row sizes and the runtime's share that grows with them
+TIMING_METHOD = "timing-v4"  # v3: per-row sizes and the runtime's share that grows with them;
+# v4: sizes as the model counts them (tokens for a transformers classifier, not characters)
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,8 +64,9 @@ class Profile:
     values: tuple = field(default=(), repr=False)  # per-row values (may be empty if unknown)
     num_params: int = 0
     metric: str = "accuracy"
-    # each row's size (``row_size``: characters of its text) and the share of a batch's
-    # runtime that grows with the size of its largest row (``size_share``; 0: none measured)
+    # each row's size as the model counts it (``Model.row_sizes``: the tokens it runs, or the
+    # characters of its text) and the share of a one-row call's runtime that grows with the
+    # size (``size_share``; 0: none measured)
     row_sizes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
     size_share: float = 0.0
     #: cores other programs kept busy while the runtimes were timed (``ken.machine.OtherLoad``;
@@ -442,7 +444,7 @@ def run_profile(
         timed, f"timing {model.name}", attempts, other_load, reporter.note, reporter.warn,
         "plans made from this profile expect slower calls than a quiet machine makes; "
         "profile again on a quiet machine (delete its folder under KEN_HOME/profiles)")
-    sizes = np.array([row_size(x) for x in inputs], dtype=np.int64)
+    sizes = np.asarray(model.row_sizes(inputs), dtype=np.int64)
     rest = [i for i in range(len(inputs)) if i not in answers]
     if rest:
         out = model.predict([inputs[i] for i in rest], batch_size=32)

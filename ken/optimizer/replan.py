@@ -82,7 +82,7 @@ def resampled_catalog(catalog: Catalog, cascade: Cascade, escalation: float,
     return Catalog(catalog.perf, {m: q[rows] for m, q in catalog.quality.items()},
                    {m: s[rows] for m, s in catalog.scores.items()},
                    f"{catalog.sample_hash}-resampled-{escalation:.3f}", catalog.gpu_perf,
-                   None if catalog.row_sizes is None else catalog.row_sizes[rows])
+                   {m: v[rows] for m, v in catalog.row_sizes.items()})
 
 
 def scaled_catalog(catalog: Catalog, factor: float, gpus: bool = False) -> Catalog:

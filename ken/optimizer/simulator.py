@@ -281,8 +281,10 @@ class _Operator:
         # per replica: its size share and the expected largest row size per batch size
         self._sizing = [catalog.size_factors(r.model, r.devices, plan.max_batch[i])
                         for i, r in enumerate(plan.placement)]
-        self._size = (catalog.row_sizes[rows].tolist() if catalog.row_sizes is not None
-                      else None)
+        # per replica: each request's row size as its model counts sizes (None: unknown)
+        by_model = {m: catalog.sizes_of(m) for m in used}
+        by_model = {m: None if v is None else v[rows].tolist() for m, v in by_model.items()}
+        self._size = [by_model[r.model] for r in plan.placement]
         self._rng = random.Random(seed)  # draws runtime spread factors (if any)
         self._stage, self._gear, self._quality_of = \
             record.stage[index], record.gear[index], record.quality[index]
@@ -318,9 +320,10 @@ class _Operator:
             return given
         b = len(batch.request_ids)
         dt = self._runtime[batch.replica][b]
-        if self._size is not None:
+        sizes = self._size[batch.replica]
+        if sizes is not None:
             dt = sized_runtime(dt, self._sizing[batch.replica], b,
-                               max(self._size[i] for i in batch.request_ids))
+                               max(sizes[i] for i in batch.request_ids))
         factors = self._spread[batch.replica]
         if factors:
             dt *= factors[self._rng.randrange(len(factors))]
