@@ -1,7 +1,8 @@
 """Which batch runs slow: its rows or its moment? (issue 33, item 3, session 40)
 
 The simulator charges a batch its size's calibrated runtime, scaled by its longest row's
-characters, times a factor drawn independently per batch (``Calibration.spread``). Fed a
+size (characters until session 41, the tokens the model runs since), times a factor drawn
+independently per batch (``Calibration.spread``). Fed a
 replay's own batch times it reproduces the replay; on a calibration of the replay's own calls
 (the same factors' distribution, drawn independently) it under-predicts bursty tails by up to
 15%. So what a batch's deviation from its charge follows matters: its moment of the trace
@@ -23,7 +24,8 @@ over what a calibration fitted on all the replays' calls charges it (its residua
   apart (the row, another moment);
 - ``tokens``: where the model has a tokenizer, per batch size, the share of the residuals'
   variance (R^2) that the log of the longest row's tokens explains, beside its characters'
-  (what the simulator's size model reads).
+  (the simulator's size model read characters until session 41 and tokens since, so with it
+  the tokens should explain little of what is left).
 
 Writes DIR/call_rows.json and DIR/call_rows.png.
 

@@ -3,7 +3,8 @@ runtime grows with its row's length, and the rows that escalate are longer than 
 
 Times one-row calls of MiniLM-L6 and SmolLM2 (1 thread, in this process) on the first 150
 held-out tweets of the default family, and prints the percentiles of those times, their
-correlation with the tweet's characters, and the size share the profile fitted; then the mean
+correlation with the tweet's characters and with its size as the model counts it
+(``Model.row_sizes``: tokens), and the size share the profile fitted (on those sizes); then the mean
 length of all sample rows, of those the cascade L3 -(0.757)-> L6 -(0.564)-> SmolLM2 passes on
 to L6, and of those it passes on to SmolLM2. Writes ``row_size.json`` to ``--out``.
 
@@ -57,12 +58,14 @@ def main() -> int:
             ms.append(1000 * (time.perf_counter() - t0))
         p10, p50, p90 = np.percentile(ms, [10, 50, 90])
         corr = float(np.corrcoef(ms, sizes[:args.rows])[0, 1])
+        own = float(np.corrcoef(ms, model.row_sizes(texts[:args.rows]))[0, 1])
         out["models"][name] = {"ms_p10": p10, "ms_p50": p50, "ms_p90": p90,
                                "correlation_with_characters": corr,
+                               "correlation_with_own_sizes": own,
                                "profile_size_share": profiles[name].size_share}
         print(f"{name}: one-row calls {p10:.1f} / {p50:.1f} / {p90:.1f} ms (p10 / p50 / p90), "
-              f"correlation with characters {corr:.2f}, profile's size share "
-              f"{profiles[name].size_share:.2f}", flush=True)
+              f"correlation with characters {corr:.2f}, with its own sizes {own:.2f}, "
+              f"profile's size share {profiles[name].size_share:.2f}", flush=True)
     catalog = Catalog.from_profiles(profiles)
     to_l6 = CASCADE.escalates(0, catalog.certainty(CASCADE.models[0], CASCADE.certainty))
     to_smol = to_l6 & CASCADE.escalates(1, catalog.certainty(CASCADE.models[1],
