@@ -104,6 +104,32 @@ def test_a_batch_pads_to_its_largest_row_so_its_size_share_grows_with_its_rows()
     assert batch_shares(0.9, expected, [0.0, 1.0, 0.5, 0.5, 0.5])[2:].tolist() == [1.0] * 3
 
 
+def test_a_profiles_batch_shares_survive_calibration_and_thin_out_under_an_overhead() -> None:
+    """The shares per batch size come from the profile's own rows and runtimes; a calibration
+    scales whole calls, so it keeps them (a batch's size-bound seconds scale with it), while
+    a hop's added seconds do not grow with the rows, so they dilute them."""
+    from ken.optimizer.profile import Profile
+
+    sizes = np.array([5, 40, 9, 22, 13, 30] * 5)
+    runtimes = (0.010, 0.016, 0.030, 0.060)
+    profile = Profile("a", "cpu-1t", (1, 2, 4, 8), runtimes, 100, 100, (), "s", "h", "fp",
+                      np.ones(30), np.full((30, 2), 0.5), row_sizes=sizes, size_share=0.4)
+    perf = ModelPerf.from_profile(profile)
+    dense = batch_shares(0.4, expected_max(sizes, 8),
+                         [0.0, *np.interp(np.arange(1, 9), (1, 2, 4, 8), runtimes)])
+    assert perf.size_shares == pytest.approx([dense[b] for b in (1, 2, 4, 8)])
+    assert perf.size_shares[0] == pytest.approx(0.4) and perf.size_shares[3] > 0.4
+    cat = Catalog.from_profiles([profile])
+    before = cat.size_factors("a", "d0", 8)[0]
+    assert before[3] == pytest.approx(np.interp(3, (1, 2, 4, 8), perf.size_shares))
+    calibrated = Calibration({"a": ((1, 0.8), (8, 1.3))}).apply(cat)
+    assert calibrated.perf["a"].batch_runtime(8) == pytest.approx(1.3 * 0.060)
+    np.testing.assert_allclose(calibrated.size_factors("a", "d0", 8)[0], before)
+    hop = cat.with_overhead(0.005).size_factors("a", "d0", 8)[0]
+    for b, t in zip((1, 2, 4, 8), runtimes, strict=True):
+        assert hop[b] == pytest.approx(before[b] * t / (t + 0.005))
+
+
 def test_each_model_scales_by_its_own_row_sizes() -> None:
     """Sizes are per model (a tokenizer's tokens differ by model): the simulator charges a
     replica by its own model's sizes; a model without sizes is unscaled; sizes of a model
@@ -278,6 +304,8 @@ def test_calibration_applies_round_trips_and_refuses_bad_files(tmp_path) -> None
     assert Calibration.load(tmp_path / "v3.json").spread == {}
     assert "fitted on the calls alone" in Calibration.load(tmp_path / "v3.json").source
     assert "calls alone" not in again.source  # version 5: fitted on the held time
+    assert "characters" in Calibration.load(tmp_path / "v3.json").source  # before version 6
+    assert "characters" not in again.source
     for bad in ({"a": (0.0, 1.0)}, {"b": (1.0,)}):
         with pytest.raises(KenError, match="runtime spread"):
             Calibration(cal.fits, spread=bad)

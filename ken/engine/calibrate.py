@@ -207,7 +207,7 @@ class Calibration:
     def save(self, path: str | Path) -> Path:
         """Write it as JSON, atomically (``Calibration.load`` reads it)."""
         return store.write_text(Path(path), json.dumps({
-            "kind": CALIBRATION_KIND, "version": 5, "source": self.source,
+            "kind": CALIBRATION_KIND, "version": 6, "source": self.source,
             "other_cores": self.other_cores, "wake": self.wake,
             "fits": {m: {"factors": [[b, f] for b, f in pairs], "calls": self.calls.get(m, 0),
                          "spread": list(self.spread.get(m, ()))}
@@ -224,7 +224,7 @@ class Calibration:
             data = json.loads(path.read_text())
             if data.get("kind") != CALIBRATION_KIND:
                 raise ValueError(f"kind is {data.get('kind')!r}")
-            if data.get("version") not in (3, 4, 5):
+            if data.get("version") not in (3, 4, 5, 6):
                 raise ValueError(f"it is version {data.get('version')} (one factor for all "
                                  "batch sizes or runtime spreads, written before the fit per "
                                  "batch size); run `ken replay` or `ken plan` again")
@@ -237,6 +237,10 @@ class Calibration:
             if data["version"] < 5:  # fitted on the calls alone, before session 37
                 source += (" (fitted on the calls alone, without the hand-off and report "
                            "around them: charges 3-7% less than serving holds a device)")
+            if data["version"] < 6:  # rows sized in characters, before session 41
+                source += (" (fitted with rows sized in characters and one size share for "
+                           "every batch size: its factors and spread are against the size "
+                           "model ken had then; run `ken replay` or `ken plan` again)")
             return cls(fits, calls, source,
                        None if other is None else float(other), float(data.get("wake", 1.0)),
                        spread)

@@ -53,12 +53,18 @@ class ModelPerf:
     # (an empirical distribution, e.g. measured serving calls / profiled runtime; see
     # ken.engine.calibrate). Empty: every batch takes exactly its profiled runtime.
     spread: tuple[float, ...] = ()
-    # the share of a batch's runtime that grows with the size of its largest row
+    # the share of a one-row call's runtime on the mean row that grows with the row's size
     # (``Profile.size_share``); the simulator scales a batch by its rows' sizes (``size_factor``)
     size_share: float = 0.0
     # how much longer a batch runs when its devices were idle for ``WAKE_IDLE_S`` or more
     # before it (measured by ``ken.engine.calibrate``; 1.0: no difference)
     wake: float = 1.0
+    # the share of a batch's runtime that grows with its largest row, per size of
+    # ``batch_sizes`` (``batch_shares``, from the profile's rows and runtimes: a batch pads to
+    # its largest row); kept by ``scaled`` (the whole call scales), diluted by
+    # ``with_overhead`` (the added seconds do not grow with rows). Empty: ``size_share`` at
+    # every size
+    size_shares: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "batch_sizes", tuple(int(b) for b in self.batch_sizes))
@@ -67,6 +73,7 @@ class ModelPerf:
         object.__setattr__(self, "memory_bytes", tuple(int(m) for m in self.memory_bytes))
         object.__setattr__(self, "degrees", tuple(int(d) for d in self.degrees))
         object.__setattr__(self, "spread", tuple(float(f) for f in self.spread))
+        object.__setattr__(self, "size_shares", tuple(float(f) for f in self.size_shares))
         where = f"performance profile of {self.name!r}"
         if not self.batch_sizes or list(self.batch_sizes) != sorted(set(self.batch_sizes)) \
                 or self.batch_sizes[0] < 1:
@@ -78,6 +85,9 @@ class ModelPerf:
             raise ProfileError(f"{where}: need one runtime row and one memory size per degree")
         if not 0.0 <= self.size_share <= 1.0:
             raise ProfileError(f"{where}: size_share must be in [0, 1], got {self.size_share}")
+        if self.size_shares and (len(self.size_shares) != len(self.batch_sizes) or any(
+                not 0.0 <= f <= 1.0 for f in self.size_shares)):
+            raise ProfileError(f"{where}: size_shares need one share in [0, 1] per batch size")
         if not (np.isfinite(self.wake) and self.wake > 0):
             raise ProfileError(f"{where}: the wake-up factor must be positive, got {self.wake}")
         if any(not np.isfinite(f) or f <= 0 for f in self.spread):
@@ -90,9 +100,24 @@ class ModelPerf:
                 raise ProfileError(f"{where}: runtimes must be positive seconds")
 
     def with_overhead(self, seconds: float) -> ModelPerf:
-        """The same model with ``seconds`` added to every batch (a hop to a remote worker)."""
+        """The same model with ``seconds`` added to every batch (a hop to a remote worker),
+        which does not grow with the rows' sizes."""
+        one = self.runtime_s[self.degrees.index(1) if 1 in self.degrees else 0]
         return replace(self, runtime_s=tuple(tuple(t + seconds for t in row)
-                                             for row in self.runtime_s))
+                                             for row in self.runtime_s),
+                       size_shares=tuple(f * t / (t + seconds) for f, t in
+                                         zip(self.size_shares, one, strict=True))
+                       if self.size_shares else ())
+
+    def shares_table(self, up_to: int) -> np.ndarray:
+        """``out[b]``: the share of a ``b``-row batch's runtime that grows with its largest row,
+        ``b = 0..up_to`` (``size_shares`` interpolated between batch sizes, the largest's
+        beyond it; ``size_share`` at every size without them; ``out[0] = 0``)."""
+        rows = np.arange(up_to + 1, dtype=np.float64)
+        out = (np.interp(rows, self.batch_sizes, self.size_shares) if self.size_shares
+               else np.full(up_to + 1, self.size_share))
+        out[0] = 0.0
+        return out
 
     def scaled(self, factors: float | Sequence[float]) -> ModelPerf:
         """The same model with every batch ``factors`` times as long: one factor, or one per
@@ -108,8 +133,16 @@ class ModelPerf:
 
     @classmethod
     def from_profile(cls, profile: Profile) -> ModelPerf:
+        shares: tuple[float, ...] = ()
+        if profile.size_share > 0 and profile.row_sizes.size:
+            top = profile.batch_sizes[-1]
+            table = [0.0, *np.interp(np.arange(1, top + 1), profile.batch_sizes,
+                                     profile.batch_runtime_s)]
+            dense = batch_shares(profile.size_share, expected_max(profile.row_sizes, top), table)
+            shares = tuple(float(dense[b]) for b in profile.batch_sizes)
         return cls(profile.model, profile.batch_sizes, (profile.batch_runtime_s,),
-                   (profile.memory_bytes,), (1,), size_share=profile.size_share)
+                   (profile.memory_bytes,), (1,), size_share=profile.size_share,
+                   size_shares=shares)
 
     @property
     def max_batch(self) -> int:
@@ -248,9 +281,10 @@ class Catalog:
                      ) -> tuple[np.ndarray, np.ndarray] | None:
         """What scales a batch of ``model`` on ``device`` by the size of its rows: for
         ``b = 0..max_batch``, the share of a ``b``-row batch's runtime that grows with its
-        largest row (``batch_shares``) and the expected size of the largest of ``b`` rows
-        drawn from the sample (so that random batches average their profiled runtime); None
-        when the catalog has no row sizes of the model or the model no size share."""
+        largest row (``ModelPerf.shares_table``) and the expected size of the largest of ``b``
+        rows drawn from the sample (so that random batches average their profiled runtime);
+        None when the catalog has no row sizes of the model or the model no size share. (The
+        shares are taken at one device whatever the replica's degree.)"""
         perf = self.perf_on(model, device)
         sizes = self.row_sizes.get(model)
         if sizes is None or perf.size_share <= 0 or not sizes.size:
@@ -259,9 +293,7 @@ class Catalog:
         key = (model, perf is not self.perf.get(model), max_batch)
         cache = self._size_factor_cache
         if key not in cache:
-            expected = expected_max(sizes, max_batch)
-            cache[key] = (batch_shares(perf.size_share, expected,
-                                       perf.runtime_table(1, max_batch)), expected)
+            cache[key] = (perf.shares_table(max_batch), expected_max(sizes, max_batch))
         return cache[key]
 
     @cached_property

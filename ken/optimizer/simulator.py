@@ -278,7 +278,7 @@ class _Operator:
         self._wake = [p.wake for p in perf]
         self._woken = any(w != 1.0 for w in self._wake)  # else idle times are not tracked
         self._free_at: dict[str, float] = {}  # device -> when its last batch ends
-        # per replica: its size share and the expected largest row size per batch size
+        # per replica: its size share and the expected largest row size, per batch size
         self._sizing = [catalog.size_factors(r.model, r.devices, plan.max_batch[i])
                         for i, r in enumerate(plan.placement)]
         # per replica: each request's row size as its model counts sizes (None: unknown)
