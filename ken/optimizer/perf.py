@@ -133,16 +133,14 @@ class ModelPerf:
 
     @classmethod
     def from_profile(cls, profile: Profile) -> ModelPerf:
-        shares: tuple[float, ...] = ()
-        if profile.size_share > 0 and profile.row_sizes.size:
-            top = profile.batch_sizes[-1]
-            table = [0.0, *np.interp(np.arange(1, top + 1), profile.batch_sizes,
-                                     profile.batch_runtime_s)]
-            dense = batch_shares(profile.size_share, expected_max(profile.row_sizes, top), table)
-            shares = tuple(float(dense[b]) for b in profile.batch_sizes)
-        return cls(profile.model, profile.batch_sizes, (profile.batch_runtime_s,),
-                   (profile.memory_bytes,), (1,), size_share=profile.size_share,
-                   size_shares=shares)
+        perf = cls(profile.model, profile.batch_sizes, (profile.batch_runtime_s,),
+                   (profile.memory_bytes,), (1,), size_share=profile.size_share)
+        if profile.size_share <= 0 or not profile.row_sizes.size:
+            return perf
+        top = perf.max_batch
+        dense = batch_shares(profile.size_share, expected_max(profile.row_sizes, top),
+                             perf.runtime_table(1, top))
+        return replace(perf, size_shares=tuple(float(dense[b]) for b in perf.batch_sizes))
 
     @property
     def max_batch(self) -> int:
@@ -286,7 +284,7 @@ class Catalog:
         None when the catalog has no row sizes of the model or the model no size share. (The
         shares are taken at one device whatever the replica's degree.)"""
         perf = self.perf_on(model, device)
-        sizes = self.row_sizes.get(model)
+        sizes = self.sizes_of(model)
         if sizes is None or perf.size_share <= 0 or not sizes.size:
             return None
         # every simulation of a plan asks for the same tables

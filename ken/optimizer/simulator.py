@@ -282,8 +282,8 @@ class _Operator:
         self._sizing = [catalog.size_factors(r.model, r.devices, plan.max_batch[i])
                         for i, r in enumerate(plan.placement)]
         # per replica: each request's row size as its model counts sizes (None: unknown)
-        by_model = {m: catalog.sizes_of(m) for m in used}
-        by_model = {m: None if v is None else v[rows].tolist() for m, v in by_model.items()}
+        by_model = {m: None if (v := catalog.sizes_of(m)) is None else v[rows].tolist()
+                    for m in used}
         self._size = [by_model[r.model] for r in plan.placement]
         self._rng = random.Random(seed)  # draws runtime spread factors (if any)
         self._stage, self._gear, self._quality_of = \
