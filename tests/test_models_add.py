@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,7 @@ from ken import store
 from ken.cli import main
 from ken.errors import KenError, ModelError, StoreError
 from ken.models import convert, registry
+from ken.models.gguf_file import read_header
 from ken.models.resources import CAUSAL_LMS, Resources, causal_lm_dir, lm_names
 from ken.ops.llm_operator import stage_prefix
 
@@ -96,7 +98,7 @@ def test_refused_before_anything_is_written(tmp_path: Path) -> None:
     cut = tmp_path / "cut.gguf"  # the magic number, then a header cut short
     cut.write_bytes(b"GGUF\x03\0\0\0" + b"\xff" * 16 + bytes(64))
     cases += [(fake, "not a GGUF file"), (other, "neither a transformers model folder"),
-              (cut, "is it a complete GGUF file")]
+              (cut, "not a valid GGUF file: it claims 18,446,744,073,709,551,615 metadata")]
     for path, reason in cases:
         with pytest.raises(ModelError, match=reason) as info:
             registry.add("x", path, home=home)
@@ -275,3 +277,38 @@ def test_a_folder_whose_chat_template_never_finishes_is_refused(home: Path,
         registry.add("loops", folder, home=home)
     assert f"cannot add {folder}" in str(info.value)
     assert not (home / "models" / "loops").exists() and not leftovers(home)
+
+
+#: a template that reaches for Python's internals, which the sandbox refuses
+ESCAPE = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+
+
+def with_chat_template(src: Path, out: Path, template: str) -> Path:
+    """A copy of the GGUF file ``src`` whose chat template is ``template``, padded with spaces
+    to the original's length (so every offset after it stays where it was)."""
+    data = bytearray(src.read_bytes())
+    key = b"tokenizer.chat_template"
+    at = data.find(struct.pack("<Q", len(key)) + key) + 8 + len(key)
+    kind, length = struct.unpack_from("<IQ", data, at)
+    new = template.encode()
+    assert at > 8 + len(key) and kind == 8 and len(new) <= length
+    data[at + 12:at + 12 + length] = new.ljust(length)
+    out.write_bytes(data)
+    return out
+
+
+@pytest.mark.models
+def test_a_gguf_whose_chat_template_escapes_the_sandbox_is_refused(home: Path,
+                                                                  tmp_path: Path) -> None:
+    """The packaged SmolLM2 GGUF with its chat template replaced by one that reaches for
+    Python's internals: the weights convert and score, the template is refused, nothing is
+    written."""
+    folder, file = convert.smollm2_gguf()
+    assert read_header(folder / file).metadata["tokenizer.chat_template"]  # it has one
+    evil = with_chat_template(folder / file, tmp_path / "evil.gguf", ESCAPE)
+    assert read_header(evil).metadata["tokenizer.chat_template"].rstrip() == ESCAPE
+    with pytest.raises(ModelError, match="chat template cannot render a four-message "
+                                         "conversation.*SecurityError") as info:
+        registry.add("evil", evil, home=home)
+    assert f"cannot add {evil}" in str(info.value)
+    assert not (home / "models" / "evil").exists() and not leftovers(home)

@@ -35,6 +35,7 @@ import numpy as np
 
 from ken import store
 from ken.errors import KenError, ModelError, StoreError
+from ken.models.gguf_file import read_header
 from ken.paths import package_dir
 from ken.progress import Reporter
 
@@ -609,6 +610,7 @@ def write_gguf_folder(gguf_dir: Path, gguf_file: str, folder: Path) -> Path:
     gguf_dir, folder = Path(gguf_dir), Path(folder)
     if not (gguf_dir / gguf_file).is_file():
         raise ModelError(f"no GGUF file {gguf_file!r} in {gguf_dir}")
+    read_header(gguf_dir / gguf_file)  # every count and offset within the file, or why not
     with quiet_transformers():
         try:
             gguf_model = AutoModelForCausalLM.from_pretrained(

@@ -34,6 +34,7 @@ from ken import store
 from ken.errors import ModelError, StoreError
 from ken.models import convert, family
 from ken.models.fetch import CHUNKED_MODELS
+from ken.models.gguf_file import read_header
 from ken.paths import ken_home
 from ken.progress import QUIET, Reporter
 
@@ -209,6 +210,10 @@ def _source_format(source: Path) -> str:
         raise ModelError(f"it cannot be read ({exc.strerror or exc})") from None
     if magic != b"GGUF":
         raise ModelError("it is not a GGUF file (it does not start with the GGUF magic number)")
+    header = read_header(source)  # every count and offset within the file, before a reader
+    template = header.metadata.get("tokenizer.chat_template")
+    if isinstance(template, str) and len(template) > MAX_TEMPLATE_CHARS:  # before converting
+        check_chat_template(template)
     return "gguf"
 
 
