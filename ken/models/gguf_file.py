@@ -17,6 +17,7 @@ which byte.
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,14 @@ MAX_DIMS = 4
 #: arrays of arrays are allowed this deep (ggml's own readers allow none)
 MAX_ARRAY_DEPTH = 2
 DEFAULT_ALIGNMENT = 32
+#: what a header may hold, far above any real model's (tens of keys, thousands of tensors, a
+#: chat template of a few KB), so that a crafted header cannot make ken hold more memory than
+#: a few times the limits: keys, tensors, and the longest string value kept
+MAX_KEYS = 65_536
+MAX_TENSORS = 1_000_000
+MAX_STRING_BYTES = 16 * 2**20
+#: a dimension is an int64 in ggml
+MAX_DIM = 2**63 - 1
 
 # the value types of GGUF metadata: struct format of the fixed-size ones
 _FIXED = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
@@ -98,6 +107,9 @@ class _Cursor:
         self.pos += length
         if not keep:
             return None
+        if length > MAX_STRING_BYTES:
+            raise self.fail(f"{what} is a string of {length:,} bytes, over ken's limit of "
+                            f"{MAX_STRING_BYTES:,}")
         try:
             return bytes(self.data[start:self.pos]).decode("utf-8")
         except UnicodeDecodeError:
@@ -162,8 +174,9 @@ def _tensor_bytes(ggml_type: int, shape: tuple[int, ...], cur: _Cursor, name: st
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     except (ValueError, KeyError):
         raise cur.fail(f"tensor {name!r} has an unknown ggml type {ggml_type}") from None
-    if shape[0] % block:
-        raise cur.fail(f"tensor {name!r}'s first dimension {shape[0]:,} is not a multiple of "
+    first = shape[0] if shape else 1  # a 0-d tensor holds one element
+    if first % block:
+        raise cur.fail(f"tensor {name!r}'s first dimension {first:,} is not a multiple of "
                        f"its type's block of {block}")
     elements = 1
     for d in shape:
@@ -179,7 +192,7 @@ def read_header(path: Path) -> GGUFHeader:
     where = str(path)
     try:
         with path.open("rb") as f:
-            if path.stat().st_size == 0:
+            if os.fstat(f.fileno()).st_size == 0:
                 raise ModelError(f"{where} is not a valid GGUF file: it is empty")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
                 return _walk(_Cursor(data, where))
@@ -197,9 +210,12 @@ def _walk(cur: _Cursor) -> GGUFHeader:
                        f"{' and '.join(map(str, VERSIONS))}, little-endian)")
     n_tensors = cur.take("Q", "the tensor count")
     n_keys = cur.take("Q", "the metadata count")
-    # the smallest key: a length and a type; the smallest tensor entry: a name's length, the
-    # dimension count, one dimension, the type and the offset
-    if n_keys * 12 + n_tensors * 28 > cur.left():
+    if n_keys > MAX_KEYS or n_tensors > MAX_TENSORS:
+        raise cur.fail(f"it claims {n_keys:,} metadata keys and {n_tensors:,} tensors, over "
+                       f"ken's limits of {MAX_KEYS:,} and {MAX_TENSORS:,}")
+    # the smallest key: a length, a type and a one-byte value; the smallest tensor entry: a
+    # name's length, the dimension count, the type and the offset
+    if n_keys * 13 + n_tensors * 24 > cur.left():
         raise cur.fail(f"it claims {n_keys:,} metadata keys and {n_tensors:,} tensors, more "
                        f"than the {cur.left():,} bytes left can hold")
     metadata: dict[str, Any] = {}
@@ -227,11 +243,11 @@ def _walk(cur: _Cursor) -> GGUFHeader:
             raise cur.fail(f"tensor {name!r} appears twice")
         names.add(name)
         dims = cur.take("I", f"the dimension count of tensor {name!r}")
-        if not 1 <= dims <= MAX_DIMS:
-            raise cur.fail(f"tensor {name!r} has {dims} dimensions (1 to {MAX_DIMS})")
+        if dims > MAX_DIMS:
+            raise cur.fail(f"tensor {name!r} has {dims} dimensions (at most {MAX_DIMS})")
         shape = tuple(cur.take("Q", f"the shape of tensor {name!r}") for _ in range(dims))
-        if any(d == 0 for d in shape):
-            raise cur.fail(f"tensor {name!r} has an empty dimension, shape {shape}")
+        if any(d > MAX_DIM for d in shape):
+            raise cur.fail(f"tensor {name!r} has a dimension over 2^63 - 1, shape {shape}")
         ggml_type = cur.take("I", f"the type of tensor {name!r}")
         offset = cur.take("Q", f"the offset of tensor {name!r}")
         if offset % alignment:
