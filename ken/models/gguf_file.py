@@ -2,13 +2,14 @@
 before a GGUF reader (``gguf``'s, through transformers) is given it.
 
 A GGUF file is a header (metadata keys and values, then one entry per tensor: name, shape,
-type, offset) and the tensors' data. A reader trusts the header's numbers: a count of 2^60
-array elements, a string longer than the file, a tensor whose data lies past the end or a
-shape whose size overflows leads it into a loop it does not leave, an allocation it cannot
-make, or a read of whatever lies at that offset. ``read_header`` walks the header with each
-number bounded by the bytes left in the file, so a crafted or cut file costs at most one pass
-over its header, and says what is wrong with it in a ``ModelError``: which key or tensor, at
-which byte.
+type, offset) and the tensors' data. A reader that trusts the header's numbers reads what a
+crafted file tells it to: ``gguf``'s own (0.19) returns a string longer than the file cut
+short and takes a misaligned offset or a tensor of 5 dimensions without a word, and fails on
+other crafted headers with its own ``IndexError``, ``KeyError`` or numpy errors
+(``docs/reliability.md``). ``read_header`` walks the header with each number bounded by the
+bytes left in the file (and by limits far above any real model's), so a crafted or cut file
+costs at most one pass over its header, and says what is wrong with it in a ``ModelError``:
+which key or tensor, at which byte.
 
 >>> # header = read_header(Path("model.gguf"))
 >>> # header.metadata["tokenizer.chat_template"]  # scalars and strings; arrays by length
