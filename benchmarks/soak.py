@@ -19,7 +19,9 @@ memory grows with the shapes it has seen, then levels off.
 
 Every ``--sample-s`` it records the resident memory, threads and open files of this process
 and its workers (``ken.machine.tree_usage``), the classifier's p99 over the window
-(answered requests), and outcomes so far. At the end every request must have exactly one
+(answered requests), outcomes so far, and what the machine did meanwhile: other programs' cores
+and the hypervisor's steal (``ken.machine.other_cores``) and how late the load generator's
+own sleeps woke. At the end every request must have exactly one
 outcome. Goals (docs/reliability.md): RSS growth < 50 MB after warm-up (the first
 ``--warmup-s``), no growth in open files or threads, p99 within 2x the plan's latency target in
 the windows outside bursts and kills (the target of the plan serving then), 0 lost.
@@ -51,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ken.engine.calibrate import Calibration, CalibrationCalls, calibration_calls  # noqa: E402
 from ken.engine.decode import DecodeServer  # noqa: E402
 from ken.engine.serving import Engine  # noqa: E402
-from ken.machine import tree_usage  # noqa: E402
+from ken.machine import cpu_reading, other_cores, steal_cores, tree_usage  # noqa: E402
 from ken.models import family  # noqa: E402
 from ken.models.model import DeviceConfig  # noqa: E402
 from ken.ops.base import shared_resources  # noqa: E402
@@ -223,11 +225,16 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
                    "replan": args.replan_every_s, "gen": 0.0}
         kills = swaps = 0
         arrival = 0.0
+        cpu, late = cpu_reading(), 0.0  # the machine at the window's start; oversleep (s)
         while (now := time.monotonic() - t0) < duration:
             if now >= next_at["sample"]:
                 lat, gen, status = window.take()
                 use = tree_usage()
                 host = tree_usage(os.getpid(), alone=True)
+                cpu_now = cpu_reading()
+                machine = None if cpu is None or cpu_now is None else {
+                    "other_cores": other_cores(cpu, cpu_now),
+                    "steal_cores": steal_cores(cpu, cpu_now)}
                 samples.append({
                     "t_s": round(now, 1), "rss_mb": use.rss_bytes / 2**20 if use else None,
                     "host_rss_mb": host.rss_bytes / 2**20 if host else None,
@@ -238,7 +245,9 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
                     "p99_ms": float(np.percentile(lat, 99)) if lat else None,
                     "gen_max_ms": max(gen) if gen else None,
                     "status": status, "in_burst": in_burst(now - args.sample_s, now, args),
-                    "target_ms": 1000 * (serving.latency_target_s() or target_s)})
+                    "target_ms": 1000 * (serving.latency_target_s() or target_s),
+                    **(machine or {}), "late_ms": 1000 * late})
+                cpu, late = cpu_now, 0.0
                 next_at["sample"] += args.sample_s
             if now >= next_at["kill"]:
                 device = devices[kills % len(devices)]
@@ -264,7 +273,10 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
                 window.track("classify", engine.submit(texts[int(rng.integers(len(texts)))]))
                 rate = classify_peak * (args.burst if in_burst(now, now, args) else args.load)
                 arrival += rng.exponential(1.0 / rate)
-            time.sleep(max(0.0, min(arrival, *next_at.values()) - (time.monotonic() - t0)))
+            # how long a sleep overran (not how far the loop is behind its schedule)
+            wake = max(min(arrival, *next_at.values()), time.monotonic() - t0)
+            time.sleep(wake - (time.monotonic() - t0))
+            late = max(late, time.monotonic() - t0 - wake)
         done_by = time.monotonic() + 120.0
         while window.pending and time.monotonic() < done_by:
             time.sleep(0.1)
@@ -374,6 +386,7 @@ def summarise(args, samples, events, submitted, outcomes, lost, restarts, target
         "after_kill": after_kill,
         "kills_over_1s": sum(1 for a in after_kill
                              if a["worst_p99_ms"] is not None and a["worst_p99_ms"] > 1000),
+        "calm_missed_vs_held": missed_vs_held(calm, within),
         "samples": samples}
     out["goals"] = {
         "rss_growth_under_50mb": out["rss_growth_mb"] is not None and
@@ -384,6 +397,30 @@ def summarise(args, samples, events, submitted, outcomes, lost, restarts, target
         out["threads_growth"] <= 0,
         "calm_p99_within_2x": bool(calm) and all(within), "none_lost": lost == 0}
     return out
+
+
+def missed_vs_held(calm: list[dict], within: list[bool]) -> dict:
+    """The calm windows that missed 2x of the target against those that held: the median of
+    other programs' cores (``other_cores``, the hypervisor's ``steal_cores`` among them), the
+    load generator's worst oversleep in the window (``late_ms``: this process waiting for a
+    core or the GIL), the share of classifier requests turned away and the window's slowest
+    generation."""
+    def medians(windows: list[dict]) -> dict:
+        def median(values: list) -> float | None:
+            values = [v for v in values if v is not None]
+            return float(np.median(values)) if values else None
+
+        def turned_away(s: dict) -> float | None:
+            n = sum(v for k, v in s["status"].items() if k.startswith("classify:"))
+            return s["status"].get("classify:rejected", 0) / n if n else None
+
+        return {"windows": len(windows),
+                **{key: median([s.get(key) for s in windows])
+                   for key in ("other_cores", "steal_cores", "late_ms", "gen_max_ms")},
+                "turned_away": median([turned_away(s) for s in windows])}
+
+    return {"missed": medians([s for s, ok in zip(calm, within, strict=True) if not ok]),
+            "held": medians([s for s, ok in zip(calm, within, strict=True) if ok])}
 
 
 def generation_max_ms(samples: list[dict]) -> dict | None:
@@ -404,7 +441,7 @@ def plot(result: dict, path: Path) -> None:
 
     s = result["samples"]
     t = [x["t_s"] / 60 for x in s]
-    fig, ax = plt.subplots(1, 3, figsize=(14, 3.6))
+    fig, ax = plt.subplots(1, 4, figsize=(18, 3.6))
     ax[0].plot(t, [x["rss_mb"] for x in s], ".-", label="ken and its workers")
     ax[0].plot(t, [x["host_rss_mb"] for x in s], ".-", label="ken's process")
     ax[0].set_ylabel("RSS (MB)")
@@ -421,6 +458,12 @@ def plot(result: dict, path: Path) -> None:
     ax[2].set_yscale("log")
     ax[2].set_ylabel("ms")
     ax[2].legend(fontsize=8)
+    ax[3].plot(t, [x.get("other_cores") for x in s], ".-", label="other programs' cores")
+    ax[3].plot(t, [x.get("steal_cores") for x in s], ".-", label="stolen by the hypervisor")
+    ax[3].plot(t, [None if x.get("late_ms") is None else x["late_ms"] / 1000 for x in s],
+               ".", ms=2, color="0.6", label="load generator's worst oversleep (s)")
+    ax[3].set_ylabel("cores (or s)")
+    ax[3].legend(fontsize=8)
     for a in ax:
         a.set_xlabel("minutes")
         a.grid(alpha=0.3)
@@ -486,7 +529,8 @@ def main(argv: list[str] | None = None) -> int:
                                               "open_files_growth",
                                               "threads_growth", "calm_windows",
                                               "generation_max_ms",
-                                              "calm_windows_p99_within_2x", "goals")}))
+                                              "calm_windows_p99_within_2x",
+                                              "calm_missed_vs_held", "goals")}))
     print(f"wrote {args.out}/soak.json and soak.png in {result['seconds']:.0f} s")
     return 0
 

@@ -31,17 +31,22 @@ _PROC = Path("/proc")
 
 @dataclass(frozen=True)
 class CpuReading:
-    """Busy jiffies of the whole machine and of this process tree, and when."""
+    """Busy jiffies of the whole machine and of this process tree, and when; ``steal``: the
+    jiffies the hypervisor gave this machine's cores to other machines (counted in
+    ``machine``)."""
 
     machine: int
     ours: int
     wall_s: float
+    steal: int = 0
 
 
-def _machine_busy(proc: Path) -> int:
+def _machine_busy(proc: Path) -> tuple[int, int]:
+    """Busy and stolen jiffies of the whole machine."""
     fields = (proc / "stat").read_text().splitlines()[0].split()
-    values = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
-    return sum(values) - values[3] - values[4]
+    # user nice system idle iowait irq softirq steal (steal since Linux 2.6.11)
+    values = [int(v) for v in fields[1:9]]
+    return sum(values) - values[3] - values[4], values[7] if len(values) > 7 else 0
 
 
 def _processes(proc: Path) -> dict[int, list[str]]:
@@ -137,8 +142,8 @@ def process_rss_bytes(pid: int | None, proc: Path = _PROC) -> int | None:
 def cpu_reading(proc: Path = _PROC) -> CpuReading | None:
     """The machine's and this process tree's busy CPU time now; None without ``/proc``."""
     try:
-        return CpuReading(_machine_busy(proc), _tree_busy(proc, os.getpid()),
-                          time.monotonic())
+        busy, steal = _machine_busy(proc)
+        return CpuReading(busy, _tree_busy(proc, os.getpid()), time.monotonic(), steal)
     except (OSError, ValueError, IndexError):
         return None
 
@@ -152,6 +157,15 @@ def other_cores(before: CpuReading, after: CpuReading, ticks_per_s: float | None
         return 0.0
     others = (after.machine - before.machine) - (after.ours - before.ours)
     return max(0.0, others / ticks / wall)
+
+
+def steal_cores(before: CpuReading, after: CpuReading, ticks_per_s: float | None = None
+                ) -> float:
+    """Cores the hypervisor gave to other machines, on average, between two readings (part
+    of ``other_cores``)."""
+    ticks = ticks_per_s or float(os.sysconf("SC_CLK_TCK"))
+    wall = after.wall_s - before.wall_s
+    return max(0.0, (after.steal - before.steal) / ticks / wall) if wall > 0 else 0.0
 
 
 #: other programs' share above which a measurement is reported as taken on a busy machine

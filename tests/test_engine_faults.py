@@ -658,6 +658,52 @@ def test_the_measured_slowdown_is_a_recent_high_quantile_of_latency_over_estimat
     assert s.value(9.5) == 1.0  # nothing left within the last 5 s
 
 
+def test_the_slowdown_counts_requests_still_waiting_as_lower_bounds() -> None:
+    """When the machine slows, the slow requests are answered last: the slowdown follows the
+    waits of the requests admitted near the target before any of them is answered."""
+    from ken.engine.admission import FORGET_WAITING_S, Slowdown
+
+    s = Slowdown(quantile=0.95, window=400, horizon_s=5.0, every=10, waiting_every_s=0.0)
+    for i in range(100):
+        s.add(1.2, i / 100)  # the machine at its profile's speed, give or take
+    assert s.value(1.0) == pytest.approx(1.2)
+    for rid in range(20):  # admitted with an estimate of 50 ms each
+        s.admitted(rid, 0.05, 1.0)
+    # young requests cannot lower what was answered
+    assert s.value(1.01) == pytest.approx(1.2)
+    assert s.waiting == 20
+    # 150 ms later, none answered: each will take at least 3x its estimate
+    brute = np.quantile([1.2] * 100 + [3.0] * 20, 0.95)
+    assert s.value(1.15) == pytest.approx(brute)
+    assert s.value(1.15) > 2.9
+    # the answers confirm it; forgetting a request (its batch failed) drops its bound
+    for rid in range(10):
+        s.answered(rid, 0.2, 1.2)  # ratio 4
+    for rid in range(10, 20):
+        s.forget(rid)
+    assert s.waiting == 0
+    answered = [1.2] * 100 + [4.0] * 10
+    assert s.value(1.2) == pytest.approx(np.quantile(answered, 0.95))
+    # a request answered without being admitted here (not near the target) is not learnt
+    s.answered(99, 10.0, 1.2)
+    assert len(s.samples) == 110
+    # a request waiting past the horizon no longer counts by its wait, as an old answer no
+    # longer counts, but its answer is learnt when it comes
+    s.admitted(7, 0.05, 2.0)
+    assert s.value(2.5) > 3.0
+    assert s.value(7.5) == 1.0 and s.waiting == 1
+    s.answered(7, 6.0, 7.6)  # 120x its estimate: counted as 50
+    assert s.samples[-1] == (7.6, 50.0) and s.waiting == 0
+    # one never ended is forgotten after FORGET_WAITING_S
+    s.admitted(9, 0.05, 8.0)
+    s.value(8.0 + FORGET_WAITING_S + 1)
+    assert s.waiting == 0
+    # a plan swap forgets every waiting request
+    s.admitted(8, 0.05, 1000.0)
+    s.forget_all()
+    assert s.value(1001.0) == 1.0 and s.waiting == 0
+
+
 def two_stage_plan(threshold: float = 0.5) -> GearPlan:
     """a -> b, each 40 ms a batch of <= 4 rows (10 ms a row of a full batch)."""
     return GearPlan("op", (0.0, 1e6), (Cascade(("a", "b"), (threshold,)),),
@@ -729,6 +775,27 @@ def test_admission_asks_every_replica_of_the_stage_and_routes_around_a_reloading
     unchecked = Admission(VirtualClock(0.0), mode="max_in_flight")
     assert unchecked.place(disp, 6, 0, dict, reloading={"cpu0"}).replica == 1
 
+
+
+def test_admission_turns_requests_away_while_those_admitted_wait_past_their_estimate() -> None:
+    """The machine slows and nothing admitted near the target has been answered yet: the
+    waits so far already say so, and admission holds new requests to the target at the
+    slower speed (before: admitted at the profile's speed until answers came)."""
+    from ken.engine.admission import Admission
+
+    clock = VirtualClock(0.0)
+    admission = Admission(clock)
+    disp = Dispatcher(two_replica_plan(), clock)  # 10 ms a batch, target 50 ms
+    work = {"cpu0": 0.02, "cpu1": 0.02}
+    for rid in range(10):  # estimated 30 ms each: near the target, so they teach the slowdown
+        assert admission.place(disp, rid, 0, lambda: work).reason is None
+    clock.t = 0.15  # five times their estimate, none answered
+    placed = admission.place(disp, 10, 0, lambda: work)
+    assert placed.reason is not None and "(x5.0 as measured while serving)" in placed.reason
+    for rid in range(10):  # their batch failed: their waits say nothing of the machine
+        admission.forget(rid)
+    clock.t = 0.2
+    assert admission.place(disp, 11, 0, lambda: work).reason is None
 
 def test_requests_are_served_by_the_other_replica_while_a_killed_worker_reloads(
         tmp_path: Path) -> None:

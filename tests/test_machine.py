@@ -15,9 +15,11 @@ from ken.machine import (
     BUSY_CORES,
     CpuReading,
     OtherLoad,
+    _machine_busy,
     _tree_busy,
     least_loaded,
     other_cores,
+    steal_cores,
 )
 
 SPIN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0: pass\n"
@@ -29,6 +31,15 @@ def test_other_cores_is_the_machine_less_this_process_tree() -> None:
     assert other_cores(before, after, ticks_per_s=100) == pytest.approx(1.0)
     assert other_cores(before, CpuReading(1100, 600, 12.0), ticks_per_s=100) == 0.0
     assert other_cores(before, CpuReading(1400, 600, 10.0), ticks_per_s=100) == 0.0
+    stolen = CpuReading(machine=1400, ours=600, wall_s=12.0, steal=50)  # 0.25 of a core
+    assert steal_cores(before, stolen, ticks_per_s=100) == pytest.approx(0.25)
+    assert other_cores(before, stolen, ticks_per_s=100) == pytest.approx(1.0)  # in there
+
+
+def test_a_reading_splits_the_machine_s_stolen_time_from_its_busy_time(tmp_path: Path) -> None:
+    #                     user nice system idle iowait irq softirq steal guest guest_nice
+    (tmp_path / "stat").write_text("cpu  100 10 50 900 40 5 5 30 0 0\ncpu0 1 2 3\n")
+    assert _machine_busy(tmp_path) == (200, 30)
 
 
 def test_tree_sums_descendants_and_reads_names_with_parentheses(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ thread: nothing here is locked).
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict, deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from ken.policy.scheduling import Dispatcher, WallClock
 
 #: answered rows of a cascade's stage before admission trusts its measured escalation rate
 MIN_ESCALATION_ROWS = 20
+#: seconds after which a request admitted and still waiting is no longer held by ``Slowdown``
+FORGET_WAITING_S = 600.0
 #: the least latency target a plan's predicted p99 sets: models faster than the engine's own
 #: hand-offs between threads (about a millisecond each) are simulated with p99s no wall-clock
 #: engine can meet, and would have every request turned away
@@ -63,21 +66,57 @@ class Slowdown:
     there are none. A high quantile, not the mean: requests whose rows escalate wait in later
     stages' queues too, and admission holds the tail to the target. A recent window, not all
     history: a worker restart delays the requests behind it by seconds, and that must not
-    keep admission shut once the worker is back."""
+    keep admission shut once the worker is back.
+
+    Requests still waiting count too (``admitted``): one that has waited ``w`` seconds will
+    take at least ``w`` over its estimate, so when such lower bounds reach past the answered
+    quantile, the quantile is taken over the answered ratios and the lower bounds together
+    (requests admitted more than ``horizon_s`` ago are left out of it; their answers are still
+    learnt when they come, and one still waiting after ``FORGET_WAITING_S`` is forgotten).
+    When the machine slows, the slowest requests are answered last: counting only answers
+    would learn the slowdown a target's wait after admission had filled the queues at the old
+    speed."""
 
     def __init__(self, quantile: float = 0.95, window: int = 400, horizon_s: float = 5.0,
-                 every: int = 20) -> None:
+                 every: int = 20, waiting_every_s: float = 0.02) -> None:
         self.quantile, self.horizon_s, self.every = quantile, horizon_s, every
+        self.waiting_every_s = waiting_every_s
         self.samples: deque[tuple[float, float]] = deque(maxlen=window)  # (time, ratio)
         self._value = 1.0
         self._new = 0
+        self._pending: dict[int, tuple[float, float]] = {}  # rid -> (admitted at, estimate)
+        self._waiting, self._waiting_at = 1.0, -math.inf
 
     def add(self, ratio: float, now: float) -> None:
         # never below 1: profiles time each model alone, serving is not faster than that
-        self.samples.append((now, min(max(ratio, 1.0), 50.0)))
+        self.samples.append((now, _ratio(ratio)))
         self._new += 1
         if self._new >= self.every:
             self._refresh()
+
+    def admitted(self, rid: int, estimate_s: float, now: float) -> None:
+        """Request ``rid`` was admitted at ``now`` with this estimate of its latency."""
+        if estimate_s > 0:
+            self._pending[rid] = (now, estimate_s)
+
+    def answered(self, rid: int, latency_s: float, now: float) -> None:
+        """Request ``rid`` was answered ``latency_s`` after it arrived: its ratio is learnt
+        if it was ``admitted`` (and is still waiting) here."""
+        pending = self._pending.pop(rid, None)
+        if pending is not None:
+            self.add(latency_s / pending[1], now)
+
+    def forget(self, rid: int) -> None:
+        """Request ``rid`` ends otherwise (a failed attempt says nothing about queueing)."""
+        self._pending.pop(rid, None)
+
+    def forget_all(self) -> None:
+        self._pending.clear()
+
+    @property
+    def waiting(self) -> int:
+        """Requests admitted and not yet answered or forgotten."""
+        return len(self._pending)
 
     def value(self, now: float) -> float:
         """The slowdown to apply now (samples older than ``horizon_s`` are forgotten)."""
@@ -87,12 +126,32 @@ class Slowdown:
             stale = True
         if stale:
             self._refresh()
-        return self._value
+        if now - self._waiting_at >= self.waiting_every_s:
+            self._waiting, self._waiting_at = self._with_waiting(now), now
+        return max(self._value, self._waiting)
+
+    def _with_waiting(self, now: float) -> float:
+        """The quantile over answered ratios and waiting requests' lower bounds, when any of
+        those can raise it; 1 otherwise."""
+        lost = now - FORGET_WAITING_S
+        for rid in [r for r, (t, _) in self._pending.items() if t < lost]:
+            del self._pending[rid]  # a bound on what is held, were an end ever missed
+        old = now - self.horizon_s
+        lows = [(now - t) / e for t, e in self._pending.values() if t >= old]
+        if not lows or max(lows) <= self._value:
+            return 1.0
+        ratios = [r for _, r in self.samples] + [_ratio(r) for r in lows]
+        return float(np.quantile(ratios, self.quantile))
 
     def _refresh(self) -> None:
         self._new = 0
         self._value = (float(np.quantile([r for _, r in self.samples], self.quantile))
                        if self.samples else 1.0)
+
+
+def _ratio(ratio: float) -> float:
+    """A latency-over-estimate ratio as the slowdown counts it: at least 1, at most 50."""
+    return min(max(ratio, 1.0), 50.0)
 
 
 class Admission:
@@ -112,7 +171,7 @@ class Admission:
         # (cascade, stage) -> (rows answered at that stage, rows escalated from it): a rate
         # belongs to a stage's threshold, so other gears and swapped-in plans start cold
         self._escalations: dict[tuple[Cascade, int], tuple[int, int]] = {}
-        self._estimated: dict[int, tuple[str, float]] = {}  # rid -> (operator, estimate s)
+        self._operator_of: dict[int, str] = {}  # rid -> operator, while its slowdown waits
 
     @property
     def escalations(self) -> Mapping[tuple[Cascade, int], tuple[int, int]]:
@@ -158,7 +217,8 @@ class Admission:
         if target is None:
             return Placed(routed)
         work = device_work()
-        slowdown = self._slowdown[plan.operator].value(self.clock.now())
+        now = self.clock.now()
+        slowdown = self._slowdown[plan.operator].value(now)
 
         def fits(e: _Estimate) -> bool:  # an idle replica admits whatever the target says
             return e.wait_s <= 0.0 or e.expected_s <= target
@@ -170,7 +230,8 @@ class Admission:
         if fits(best):
             if best.wait_s > 0.0 and best.expected_s >= target / 2:
                 # near the limit: learn how far off the estimate is
-                self._estimated[rid] = (plan.operator, best.raw_s)
+                self._operator_of[rid] = plan.operator
+                self._slowdown[plan.operator].admitted(rid, best.raw_s, now)
             return Placed(best.replica)
         retry = max(best.expected_s - target, best.row_s * slowdown)
         where = best.device if len(ready) == 1 else \
@@ -224,15 +285,17 @@ class Admission:
     def answered(self, rid: int, latency_s: float) -> None:
         """Request ``rid`` was answered: add its latency over its estimate to its operator's
         slowdown (requests admitted near the limit only; ``Slowdown``)."""
-        estimated = self._estimated.pop(rid, None)
-        if estimated is not None:
-            operator, seconds = estimated
-            self._slowdown[operator].add(latency_s / seconds,
-                                                                self.clock.now())
+        operator = self._operator_of.pop(rid, None)
+        if operator is not None:
+            self._slowdown[operator].answered(rid, latency_s, self.clock.now())
 
     def forget(self, rid: int) -> None:
         """Request ``rid`` ends otherwise (a failed attempt says nothing about queueing)."""
-        self._estimated.pop(rid, None)
+        operator = self._operator_of.pop(rid, None)
+        if operator is not None:
+            self._slowdown[operator].forget(rid)
 
     def forget_all(self) -> None:
-        self._estimated.clear()
+        self._operator_of.clear()
+        for slowdown in self._slowdown.values():
+            slowdown.forget_all()

@@ -10,7 +10,8 @@ did (``AnswerLengths``), plus the work queued on the server's other lanes (they 
 device), plus the request's own work on the later stages of its cascade that enough
 requests reach (``later_stages_s``, from each lane's measured share passed on), times the
 slowdown measured while serving (``Slowdown``, shared with the classifier
-engine: answered latency over estimate for requests admitted near the target).
+engine: answered latency over estimate for requests admitted near the target, those still
+waiting counted by their wait so far).
 
 Until a lane has measured passes of both kinds (or has a token cost) it admits one batch
 (``max_running`` requests) and turns the rest away: a cold server under a flood does not
@@ -176,7 +177,6 @@ class DecodeAdmission:
         self.lengths: dict[str, AnswerLengths] = {}
         self.slowdown = Slowdown()
         self.rejected = 0
-        self._estimated: dict[int, float] = {}  # rid -> raw estimate (near the target)
         self._others: tuple[int, str, float] | None = None  # (boundary, lane, seconds)
         self._onward: dict[str, deque[bool]] = {}  # lane -> recent answers passed on or not
 
@@ -236,15 +236,13 @@ class DecodeAdmission:
         """Request ``rid``'s answer on ``lane`` took ``tokens`` of ``max_new``; ``latency_s``
         from arrival (the slowdown learns from it when its estimate was near the target)."""
         self.lane_lengths(lane).add(tokens, max_new)
-        estimate = self._estimated.pop(rid, None)
-        if estimate is not None and estimate > 0:
-            self.slowdown.add(latency_s / estimate, now)
+        self.slowdown.answered(rid, latency_s, now)
 
     def forget(self, rid: int) -> None:
         """Request ``rid`` ended without an answer. (An escalated request is not forgotten:
         its answered latency, later stages included, is set against its first lane's
         estimate, so the slowdown learns the later stages' share too.)"""
-        self._estimated.pop(rid, None)
+        self.slowdown.forget(rid)
 
     def check(self, rid: int, lane: str, lanes: Mapping[str, DecodeScheduler],
               prompt_tokens: int, max_new: int, arrival: float, now: float,
@@ -288,7 +286,7 @@ class DecodeAdmission:
         expected = done * slowdown
         if expected <= target:
             if expected >= target / 2:
-                self._estimated[rid] = done
+                self.slowdown.admitted(rid, done, arrival)  # done counts from arrival
             return Verdict(estimate_s=done)
         self.rejected += 1
         alone = times.prefill_s(1, prompt_tokens) + max(0, max_new - 1) * \

@@ -33,7 +33,8 @@ longer make its end-to-end deadline (below). Failure behaviour (DESIGN.md sectio
   will bring (escalation rates measured while serving, per cascade and stage; every row
   escalates until 20 have been answered), times the slowdown it measures while serving
   (``admission.Slowdown``: the 95th percentile of answered latency over estimate in the last
-  5 s, for requests admitted near the limit). Over the target at every replica it is
+  5 s, for requests admitted near the limit, those still waiting counted by their wait so
+  far). Over the target at every replica it is
   rejected at once, with the reason and a retry hint (a SQL query sends such rows again
   after the hint). ``max_in_flight`` stays as a hard cap on memory.
 - *deadlines*: every batch has one, ``BatchDeadline.seconds`` of its profiled runtime (a
