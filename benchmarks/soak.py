@@ -275,7 +275,7 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
                 arrival += rng.exponential(1.0 / rate)
             # how long a sleep overran (not how far the loop is behind its schedule)
             wake = max(min(arrival, *next_at.values()), time.monotonic() - t0)
-            time.sleep(wake - (time.monotonic() - t0))
+            time.sleep(max(0.0, wake - (time.monotonic() - t0)))
             late = max(late, time.monotonic() - t0 - wake)
         done_by = time.monotonic() + 120.0
         while window.pending and time.monotonic() < done_by:
