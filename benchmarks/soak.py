@@ -18,13 +18,14 @@ server runs every shape it will meet (``warm_up_decoding``; ``--gen-warmup 0`` s
 memory grows with the shapes it has seen, then levels off.
 
 Every ``--sample-s`` it records the resident memory, threads and open files of this process
-and its workers (``ken.machine.tree_usage``), the classifier's p99 over the window
-(answered requests), outcomes so far, and what the machine did meanwhile: other programs' cores
-and the hypervisor's steal (``ken.machine.other_cores``) and how late the load generator's
-own sleeps woke. At the end every request must have exactly one
-outcome. Goals (docs/reliability.md): RSS growth < 50 MB after warm-up (the first
-``--warmup-s``), no growth in open files or threads, p99 within 2x the plan's latency target in
-the windows outside bursts and kills (the target of the plan serving then), 0 lost.
+and its workers (``ken.machine.tree_usage``), the classifier's p99 over the window (answered
+requests), outcomes so far, and what the machine did meanwhile: other programs' cores and the
+hypervisor's steal (``ken.machine.other_cores``), how late the load generator's own sleeps
+woke, and the longest pause of Python's garbage collector in this process. At the end every
+request must have exactly one outcome. Goals (docs/reliability.md): RSS growth < 50 MB after
+warm-up (the first ``--warmup-s``), no growth in open files or threads, p99 within 2x the
+plan's latency target in the windows outside bursts and kills (the target of the plan serving
+then), 0 lost.
 
     python benchmarks/soak.py                       # an hour, ~62 min with setup
     python benchmarks/soak.py --minutes 5 --out DIR  # the short version (tests/test_soak.py)
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import signal
@@ -188,6 +190,36 @@ class Window:
         return out
 
 
+class Collections:
+    """The pauses of Python's cyclic garbage collector in this process (``gc.callbacks``; a
+    collection holds the GIL, so every thread of ken's process waits for it): the longest in
+    the window and how many were full (generation 2). Registered while it is entered."""
+
+    def __init__(self) -> None:
+        self.longest_s, self.full = 0.0, 0
+        self._started: float | None = None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            self.longest_s = max(self.longest_s, time.perf_counter() - self._started)
+            self.full += info.get("generation") == 2
+            self._started = None
+
+    def take(self) -> tuple[float, int]:
+        out = self.longest_s, self.full
+        self.longest_s, self.full = 0.0, 0
+        return out
+
+    def __enter__(self) -> Collections:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+
 def run(args: argparse.Namespace, reporter: Reporter) -> dict:
     main, other, loaders, sample, calibration, _ = plans_to_serve(reporter, args.seed,
                                                                   args.calibration_s)
@@ -216,7 +248,8 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
     reporter.note(f"the decode server takes {share:.1%} of the plan's cores at one "
                   f"generation every {args.gen_every_s:g} s: the classifier's load is "
                   f"{args.load:g}x the {classify_peak:.1f} qps the plan can serve on the rest")
-    with Engine(main, loaders, workers="process", standby=bool(args.standby)) as engine:
+    with Engine(main, loaders, workers="process", standby=bool(args.standby)) as engine, \
+            Collections() as collections:
         devices = sorted(engine.pids())
         plans = [main, other]
         serving = main
@@ -232,6 +265,7 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
                 use = tree_usage()
                 host = tree_usage(os.getpid(), alone=True)
                 cpu_now = cpu_reading()
+                gc_s, gc_full = collections.take()
                 machine = None if cpu is None or cpu_now is None else {
                     "other_cores": other_cores(cpu, cpu_now),
                     "steal_cores": steal_cores(cpu, cpu_now)}
@@ -246,7 +280,8 @@ def run(args: argparse.Namespace, reporter: Reporter) -> dict:
                     "gen_max_ms": max(gen) if gen else None,
                     "status": status, "in_burst": in_burst(now - args.sample_s, now, args),
                     "target_ms": 1000 * (serving.latency_target_s() or target_s),
-                    **(machine or {}), "late_ms": 1000 * late})
+                    **(machine or {}), "late_ms": 1000 * late,
+                    "gc_max_ms": 1000 * gc_s, "gc_full": gc_full})
                 cpu, late = cpu_now, 0.0
                 next_at["sample"] += args.sample_s
             if now >= next_at["kill"]:
@@ -403,7 +438,8 @@ def missed_vs_held(calm: list[dict], within: list[bool]) -> dict:
     """The calm windows that missed 2x of the target against those that held: the median of
     other programs' cores (``other_cores``, the hypervisor's ``steal_cores`` among them), the
     load generator's worst oversleep in the window (``late_ms``: this process waiting for a
-    core or the GIL), the share of classifier requests turned away and the window's slowest
+    core or the GIL), the longest pause of the garbage collector in this process
+    (``gc_max_ms``), the share of classifier requests turned away and the window's slowest
     generation."""
     def medians(windows: list[dict]) -> dict:
         def median(values: list) -> float | None:
@@ -416,7 +452,8 @@ def missed_vs_held(calm: list[dict], within: list[bool]) -> dict:
 
         return {"windows": len(windows),
                 **{key: median([s.get(key) for s in windows])
-                   for key in ("other_cores", "steal_cores", "late_ms", "gen_max_ms")},
+                   for key in ("other_cores", "steal_cores", "late_ms", "gc_max_ms",
+                               "gen_max_ms")},
                 "turned_away": median([turned_away(s) for s in windows])}
 
     return {"missed": medians([s for s, ok in zip(calm, within, strict=True) if not ok]),
