@@ -151,21 +151,23 @@ def cpu_reading(proc: Path = _PROC) -> CpuReading | None:
 def other_cores(before: CpuReading, after: CpuReading, ticks_per_s: float | None = None
                 ) -> float:
     """Cores other programs kept busy, on average, between two readings."""
-    ticks = ticks_per_s or float(os.sysconf("SC_CLK_TCK"))
-    wall = after.wall_s - before.wall_s
-    if wall <= 0:
-        return 0.0
     others = (after.machine - before.machine) - (after.ours - before.ours)
-    return max(0.0, others / ticks / wall)
+    return _cores(others, before, after, ticks_per_s)
 
 
 def steal_cores(before: CpuReading, after: CpuReading, ticks_per_s: float | None = None
                 ) -> float:
     """Cores the hypervisor gave to other machines, on average, between two readings (part
     of ``other_cores``)."""
+    return _cores(after.steal - before.steal, before, after, ticks_per_s)
+
+
+def _cores(jiffies: int, before: CpuReading, after: CpuReading, ticks_per_s: float | None
+           ) -> float:
+    """``jiffies`` spent between two readings as cores kept busy on average (at least 0)."""
     ticks = ticks_per_s or float(os.sysconf("SC_CLK_TCK"))
     wall = after.wall_s - before.wall_s
-    return max(0.0, (after.steal - before.steal) / ticks / wall) if wall > 0 else 0.0
+    return max(0.0, jiffies / ticks / wall) if wall > 0 else 0.0
 
 
 #: other programs' share above which a measurement is reported as taken on a busy machine

@@ -776,7 +776,6 @@ def test_admission_asks_every_replica_of_the_stage_and_routes_around_a_reloading
     assert unchecked.place(disp, 6, 0, dict, reloading={"cpu0"}).replica == 1
 
 
-
 def test_admission_turns_requests_away_while_those_admitted_wait_past_their_estimate() -> None:
     """The machine slows and nothing admitted near the target has been answered yet: the
     waits so far already say so, and admission holds new requests to the target at the
@@ -796,6 +795,7 @@ def test_admission_turns_requests_away_while_those_admitted_wait_past_their_esti
         admission.forget(rid)
     clock.t = 0.2
     assert admission.place(disp, 11, 0, lambda: work).reason is None
+
 
 def test_requests_are_served_by_the_other_replica_while_a_killed_worker_reloads(
         tmp_path: Path) -> None:
