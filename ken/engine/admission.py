@@ -171,7 +171,6 @@ class Admission:
         # (cascade, stage) -> (rows answered at that stage, rows escalated from it): a rate
         # belongs to a stage's threshold, so other gears and swapped-in plans start cold
         self._escalations: dict[tuple[Cascade, int], tuple[int, int]] = {}
-        self._operator_of: dict[int, str] = {}  # rid -> operator, while its slowdown waits
 
     @property
     def escalations(self) -> Mapping[tuple[Cascade, int], tuple[int, int]]:
@@ -230,7 +229,6 @@ class Admission:
         if fits(best):
             if best.wait_s > 0.0 and best.expected_s >= target / 2:
                 # near the limit: learn how far off the estimate is
-                self._operator_of[rid] = plan.operator
                 self._slowdown[plan.operator].admitted(rid, best.raw_s, now)
             return Placed(best.replica)
         retry = max(best.expected_s - target, best.row_s * slowdown)
@@ -284,18 +282,17 @@ class Admission:
 
     def answered(self, rid: int, latency_s: float) -> None:
         """Request ``rid`` was answered: add its latency over its estimate to its operator's
-        slowdown (requests admitted near the limit only; ``Slowdown``)."""
-        operator = self._operator_of.pop(rid, None)
-        if operator is not None:
-            self._slowdown[operator].answered(rid, latency_s, self.clock.now())
+        slowdown (requests admitted near the limit only: the one operator whose ``Slowdown``
+        waits for it learns it)."""
+        now = self.clock.now()
+        for slowdown in self._slowdown.values():
+            slowdown.answered(rid, latency_s, now)
 
     def forget(self, rid: int) -> None:
         """Request ``rid`` ends otherwise (a failed attempt says nothing about queueing)."""
-        operator = self._operator_of.pop(rid, None)
-        if operator is not None:
-            self._slowdown[operator].forget(rid)
+        for slowdown in self._slowdown.values():
+            slowdown.forget(rid)
 
     def forget_all(self) -> None:
-        self._operator_of.clear()
         for slowdown in self._slowdown.values():
             slowdown.forget_all()
