@@ -235,6 +235,20 @@ class EnvModel(Model):
         return Output([seen] * len(texts), np.ones(len(texts)))
 
 
+class FreezeCount(Model):
+    """Answers every row with how many objects Python's collector holds frozen in the process
+    it runs in (``gc.get_freeze_count()``): what a worker froze after loading."""
+
+    def __init__(self, name: str) -> None:
+        self.spec = ModelSpec(name, "fake", "fake", "", 1, 1, 16, (), f"fp-{name}")
+        self.device = DeviceConfig()
+
+    def predict(self, texts: Sequence[str], batch_size: int = 32) -> Output:
+        import gc
+
+        return Output([str(gc.get_freeze_count())] * len(texts), np.ones(len(texts)))
+
+
 class GpuHog(Model):
     """Holds ``mb`` MB on the process's GPU (cuda:0) from its load on, and answers every row
     with the GPU's name: a model whose GPU memory the engine can check."""

@@ -36,6 +36,7 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
+from ken.engine import collector
 from ken.engine.decode_admission import DecodeAdmission, Verdict
 from ken.engine.outcome import Outcome, Status
 from ken.engine.supervision import BatchDeadline, Breaker
@@ -307,6 +308,7 @@ class DecodeServer:
         self._ids = itertools.count()
         self._pending: dict[int, _Pending] = {}
         self._thread: threading.Thread | None = None
+        self._frozen: collector.Hold | None = None  # the loaded model, while serving
         #: set by shutdown (under the lock): no new requests are taken
         self.closing = threading.Event()
         self._stopping = False  # the loop read shutdown's _STOP: it stops once idle
@@ -344,6 +346,7 @@ class DecodeServer:
             raise EngineError("the decode server was already started")
         self._thread = threading.Thread(target=self._guarded_loop, name="ken-decode",
                                         daemon=True)
+        self._frozen = collector.hold()  # no full collection walks the loaded model
         self._thread.start()
         threading.Thread(target=self._watch, name="ken-decode-watchdog", daemon=True).start()
         self._settled.wait(timeout=10.0)  # ``yielded`` is known when start returns
@@ -388,6 +391,13 @@ class DecodeServer:
         requests to finish; whatever is still queued or running then ends ``cancelled`` once
         the pass under way is done (``EngineError`` if it is not within ``pass_timeout_s``).
         Returns how many were cancelled. Safe to call twice and from any thread."""
+        try:
+            return self._shutdown(drain, timeout_s, pass_timeout_s)
+        finally:
+            if self._frozen is not None:
+                self._frozen.release()
+
+    def _shutdown(self, drain: bool, timeout_s: float, pass_timeout_s: float) -> int:
         with self._shutdown_lock:
             if self._thread is None or self._abandoned or (
                     self.closing.is_set() and not self._thread.is_alive()):

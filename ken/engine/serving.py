@@ -84,6 +84,7 @@ from typing import Literal
 
 import numpy as np
 
+from ken.engine import collector
 from ken.engine.admission import Admission, AdmissionMode
 from ken.engine.deadlines import EngineDeadlines, drop_policy, job_key
 from ken.engine.dispatch import Requests, Scheduler
@@ -227,6 +228,7 @@ class Engine:
         self._accepting = False
         self._shutdown_lock = threading.Lock()
         self._sigterm: SigtermDrain | None = None
+        self._frozen: collector.Hold | None = None  # what was loaded, while serving
         self.load_report: LoadReport | None = None
 
     # -- what it serves, and how ------------------------------------------------------------
@@ -308,6 +310,7 @@ class Engine:
         self._thread = threading.Thread(target=self.scheduler.run, name="ken-scheduler",
                                         daemon=True)
         self._accepting = True
+        self._frozen = collector.hold()  # no full collection walks what is loaded now
         self._thread.start()
         if self.drain_on_sigterm:
             self._sigterm = SigtermDrain.install(lambda: self.shutdown(drain=True))
@@ -355,6 +358,8 @@ class Engine:
             self.pool.close()
             self._thread = None
             self._forget_sigterm()
+            if self._frozen is not None:
+                self._frozen.release()
             return cancelled
 
     def _forget_sigterm(self) -> None:

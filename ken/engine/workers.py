@@ -43,6 +43,7 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
+from ken.engine.collector import settle_worker
 from ken.errors import BatchTimeout, WorkerDied, WorkerError
 from ken.machine import process_rss_bytes
 from ken.models.model import Model, ModelOutput
@@ -76,7 +77,8 @@ def load_models(loaders: Mapping[str, Loader], into: dict[str, Model], threads: 
     ``into`` does not hold yet, into it; seconds per model loaded. torch is imported by the
     models that use it (importing it takes a second, and a restart waits for it): its thread
     count is set once they are loaded; the worker started with OMP_NUM_THREADS set, for
-    what they ran while loading."""
+    what they ran while loading. What the worker holds then is frozen for its life
+    (``ken.engine.collector.settle_worker``)."""
     seconds = {}
     for name, loader in loaders.items():
         if name in into:
@@ -89,6 +91,8 @@ def load_models(loaders: Mapping[str, Loader], into: dict[str, Model], threads: 
         model.warm_up()  # before it serves: weights paged in, kernels (GPU shapes) set up
         into[name] = model
         seconds[name] = time.perf_counter() - started
+    if seconds:  # the worker holds its models for life: no collection walks them again
+        settle_worker()
     return seconds
 
 
