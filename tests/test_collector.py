@@ -51,13 +51,31 @@ assert gc.get_freeze_count() == 0 and collector.holders() == 0
 engine = Engine(plan, {"a": model}, workers="thread", drain_on_sigterm=False)
 engine.start()
 assert engine.submit("row").result(timeout=30).status == "ok"
-# what was loaded is frozen while the engine serves: a full collection does not walk it
+# what was loaded is frozen while the engine serves: no collection walks it
+# (gc.get_objects lists the three generations a collection walks, not the frozen objects)
 assert gc.get_freeze_count() > 0 and collector.holders() == 1
-assert not any(o is model for o in gc.get_objects(generation=2))
+assert not any(o is model for o in gc.get_objects())
 
+# a model a swapped-in plan adds is frozen once loaded
+other = fakes.FakeModel("b")
+engine.swap_plan(GearPlan("op", (0.0, 1e6), (Cascade(("b",)),), (Replica("b", ("cpu0",)),),
+                          (RangeSchedule(0, (1.0,), (1,)),), (4,), max_wait_s=0.005),
+                 {"b": other})
+assert engine.submit("row").result(timeout=30).model == "b"
+assert not any(o is other for o in gc.get_objects())
+del other
+
+# garbage is collected, not frozen, when another server starts
+class Cycle:
+    pass
+junk = Cycle()
+junk.me = junk
+gone = weakref.ref(junk)
+del junk
 lm = fakes.GatedLM()
 server = DecodeServer(lm, 2).start()  # a second server of the process
 assert collector.holders() == 2
+assert gone() is None, "garbage in a cycle was frozen rather than collected"
 engine.shutdown()
 assert gc.get_freeze_count() > 0 and collector.holders() == 1  # the decode server serves
 server.shutdown()
@@ -74,7 +92,7 @@ gc.freeze()
 mine = gc.get_freeze_count()
 server = DecodeServer(lm, 2).start()
 server.shutdown()
-assert gc.get_freeze_count() >= mine > 0
+assert mine > 0 and gc.get_freeze_count() > 0.9 * mine  # (frozen objects still die)
 print("ok")
 """
 

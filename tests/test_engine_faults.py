@@ -1278,3 +1278,34 @@ def test_sigterm_drains_a_served_generating_function_as_a_classifier() -> None:
     assert [o.status for o in outcomes] == ["ok"] * len(futures)
     assert len({o.request_id for o in outcomes}) == len(futures)
     assert manager.engine_for("gen", ()) is None  # nothing is served any more
+
+
+def test_stopping_serving_stops_every_server_even_after_one_fails_to() -> None:
+    """A decode server whose shutdown fails (a pass that hangs) does not leave the servers
+    after it running, their threads and their hold on the collector with them: each is
+    stopped, then the first error is raised."""
+    from types import SimpleNamespace
+
+    from ken.engine.manager import ServingManager
+    from ken.errors import EngineError
+    from ken.ops.base import OpContext
+
+    stopped = []
+
+    class Server:
+        def __init__(self, name: str, fails: bool) -> None:
+            self.name, self.fails = name, fails
+
+        def shutdown(self, drain: bool = True) -> int:
+            stopped.append(self.name)
+            if self.fails:
+                raise EngineError(f"{self.name}: a pass hangs")
+            return 1
+
+    manager = ServingManager({}, OpContext(), lambda name, constants: SimpleNamespace())
+    manager._servers.update({"a": Server("a", True), "b": Server("b", False),
+                             "c": Server("c", True)})
+    with pytest.raises(EngineError, match="a: a pass hangs"):
+        manager.stop()
+    assert stopped == ["a", "b", "c"]
+    assert manager.served == frozenset()

@@ -30,7 +30,7 @@ from ken.engine.serving import Engine
 from ken.engine.sigterm import SigtermDrain
 from ken.engine.supervision import BatchDeadline, LoadReport
 from ken.engine.workers import gpu_index
-from ken.errors import KenError
+from ken.errors import EngineError, KenError
 from ken.models.model import DeviceConfig, Model
 from ken.ops.base import Bound, OpContext, Operator
 from ken.optimizer.replan import GearReplan
@@ -409,9 +409,15 @@ class ServingManager:
             engine = self._engine
             servers = [s for s in self._servers.values() if s is not engine]  # decode servers
             cancelled = 0
+            failed: EngineError | None = None
             try:
-                for server in servers:
-                    cancelled += server.shutdown(drain)
+                for server in servers:  # each is stopped, even after one that fails to
+                    try:
+                        cancelled += server.shutdown(drain)
+                    except EngineError as exc:
+                        failed = failed or exc
+                if failed is not None:
+                    raise failed
             finally:
                 try:
                     cancelled += 0 if engine is None else engine.shutdown(drain=drain)

@@ -24,6 +24,7 @@ needs a larger ``session.ray_stall_s``).
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -75,7 +76,7 @@ class CascadeColumns:
     """The Ray Data callable: one instance per actor (models loaded once), called per block."""
 
     def __init__(self, raw_sites: bytes, batch_size: int, threads: int,
-                 sys_path: Sequence[str] = ()) -> None:
+                 sys_path: Sequence[str] = (), driver_pid: int | None = None) -> None:
         sys.path[:0] = [p for p in sys_path if p not in sys.path]  # the driver's imports
         self.sites: list[SiteColumn] = pickle.loads(raw_sites)
         self.batch_size = batch_size
@@ -85,7 +86,7 @@ class CascadeColumns:
                 self.models.append(site.bound.models)
             else:
                 loaded: dict[str, Model] = {}
-                load_models(site.loaders, loaded, threads)
+                load_models(site.loaders, loaded, threads, driver_pid)
                 self.models.append(loaded)
 
     def __call__(self, block: pa.Table) -> pa.Table:
@@ -151,7 +152,8 @@ def semantic_columns(source: str | Sequence[str], sites: Sequence[SiteColumn], o
     paths = [source] if isinstance(source, str) else list(source)
     ds = ray.data.read_parquet(paths, columns=None if columns is None else list(columns))
     ds = ds.map_batches(CascadeColumns, fn_constructor_args=(pickle.dumps(list(sites)),
-                                                              batch_size, threads, sys.path),
+                                                              batch_size, threads, sys.path,
+                                                              os.getpid()),
                         batch_format="pyarrow", batch_size=block_rows,
                         compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=per_actor)
     from ray.data.exceptions import ExecutionTimeoutError  # Ray >= 2.60 (ken[ray])

@@ -110,8 +110,10 @@ def stop_local_ray() -> bool:
 class _DeviceActor:
     """The body of a device's actor (made a Ray actor class by ``_actor_class``)."""
 
-    def __init__(self, sys_path: list[str], threads: int) -> None:
+    def __init__(self, sys_path: list[str], threads: int, driver_pid: int | None = None
+                 ) -> None:
         sys.path[:0] = [p for p in sys_path if p not in sys.path]  # the driver's imports
+        self.driver_pid = driver_pid
         os.environ["OMP_NUM_THREADS"] = str(threads)
         self.threads = threads
         self.models: dict[str, Model] = {}
@@ -119,7 +121,7 @@ class _DeviceActor:
     def ensure_loaded(self, raw: bytes) -> dict[str, float]:
         """Load (and warm up) the models of ``raw`` (pickled name -> loader) not loaded yet;
         seconds per model loaded now."""
-        return load_models(pickle.loads(raw), self.models, self.threads)
+        return load_models(pickle.loads(raw), self.models, self.threads, self.driver_pid)
 
     def where(self) -> tuple[int, str]:
         """This actor's process id and Ray node id."""
@@ -212,7 +214,7 @@ class RayRunner:
         actor_cls = _actor_class()
         try:
             self._actor = actor_cls.options(**self.placement.ray_options()).remote(
-                list(sys.path), self.threads)
+                list(sys.path), self.threads, os.getpid())
         except Exception as exc:  # noqa: BLE001 - Ray's own errors, reported as ours
             raise WorkerError(f"worker {self.device}: Ray could not create its actor: "
                               f"{exc}") from None

@@ -310,8 +310,8 @@ class Engine:
         self._thread = threading.Thread(target=self.scheduler.run, name="ken-scheduler",
                                         daemon=True)
         self._accepting = True
-        self._frozen = collector.hold()  # no full collection walks what is loaded now
         self._thread.start()
+        self._frozen = collector.hold()  # no full collection walks what is loaded now
         if self.drain_on_sigterm:
             self._sigterm = SigtermDrain.install(lambda: self.shutdown(drain=True))
         return self.load_report
@@ -354,12 +354,14 @@ class Engine:
                 time.sleep(0.005)
             # (a scheduler that died of a bug cannot cancel: do it here, nothing is lost)
             cancelled = done.result() if done.done() else self.scheduler.cancel_queued()
-            self._thread.join(timeout=5.0)
-            self.pool.close()
-            self._thread = None
-            self._forget_sigterm()
-            if self._frozen is not None:
-                self._frozen.release()
+            try:
+                self._thread.join(timeout=5.0)
+                self.pool.close()
+            finally:
+                self._thread = None
+                self._forget_sigterm()
+                if self._frozen is not None:
+                    self._frozen.release()
             return cancelled
 
     def _forget_sigterm(self) -> None:
@@ -391,6 +393,7 @@ class Engine:
         self.pool.add_sources(models, gpu_models)
         self.pool.check_plans([plan])
         self.pool.add(_placed(self.scheduler.served(plan)))
+        collector.refreeze()  # models loaded in this process for it (thread workers)
         self.scheduler.bulk_batch_size = max(self.scheduler.bulk_batch_size, *plan.max_batch)
         self._check_memory([plan], stop=False)  # over: keep the old plan
         done: Future = Future()

@@ -71,14 +71,15 @@ def answers(model: Model, texts: Sequence, out: ModelOutput) -> Answers:
     return values, scores, int(max(sizes, default=0))
 
 
-def load_models(loaders: Mapping[str, Loader], into: dict[str, Model], threads: int
-                ) -> dict[str, float]:
+def load_models(loaders: Mapping[str, Loader], into: dict[str, Model], threads: int,
+                driver_pid: int | None = None) -> dict[str, float]:
     """In a worker (process or Ray actor): load and warm up the models of ``loaders`` that
     ``into`` does not hold yet, into it; seconds per model loaded. torch is imported by the
     models that use it (importing it takes a second, and a restart waits for it): its thread
     count is set once they are loaded; the worker started with OMP_NUM_THREADS set, for
     what they ran while loading. What the worker holds then is frozen for its life
-    (``ken.engine.collector.settle_worker``)."""
+    (``ken.engine.collector.settle_worker``), unless it runs in ``driver_pid``, the process
+    that started it (a Ray in local mode)."""
     seconds = {}
     for name, loader in loaders.items():
         if name in into:
@@ -92,7 +93,7 @@ def load_models(loaders: Mapping[str, Loader], into: dict[str, Model], threads: 
         into[name] = model
         seconds[name] = time.perf_counter() - started
     if seconds:  # the worker holds its models for life: no collection walks them again
-        settle_worker()
+        settle_worker(driver_pid)
     return seconds
 
 
@@ -160,10 +161,13 @@ class _CallThread:
     def _loop(self) -> None:
         while (item := self._calls.get()) is not None:
             future, fn, args = item
+            item = None
             try:
                 future.set_result(fn(*args))
             except Exception as exc:  # noqa: BLE001 - handed to the caller
                 future.set_exception(exc)
+            # an idle thread holds neither the last call's rows nor its runner's models
+            future = fn = args = None
 
 
 class ThreadRunner:
