@@ -3,7 +3,7 @@
 A full collection walks every object the process tracks and holds the GIL while it does, so
 every thread of the process waits: the engine's scheduler, a decode server's passes, a
 worker's batch. A process that has imported torch and transformers and loaded the packaged
-models tracks 430,000-460,000 objects, and a full collection of them takes 190-230 ms on this
+models tracks 430,000-470,000 objects, and a full collection of them takes 190-240 ms on this
 project's CPUs (``docs/reliability.md``) — more than the fast plans' whole latency target. What
 is loaded before serving starts lives as long as the server, so it need not be walked again:
 ``gc.freeze()`` moves every tracked object to a generation no collection walks (objects still
@@ -13,10 +13,11 @@ die when nothing refers to them; only cycles among frozen objects wait for ``gc.
   once and freezes what it holds (``settle_worker``; not in the driver's own process, where a
   Ray started in local mode runs its actors).
 - The engine's process is the user's. An ``Engine`` or ``DecodeServer`` holds a freeze while it
-  serves (``hold``: the process's garbage collected first, then what is left frozen; models an
-  engine loads later, for a swapped-in plan, are frozen then, ``refreeze``); when the last one
-  stops, what was frozen goes back to the collector (``gc.unfreeze()``), so the models of
-  closed servers are collected as before once no server of the process serves. A process that
+  serves (``hold``: the process's garbage collected first, then what is left frozen; models
+  an engine's thread workers load later, for a swapped-in plan, are frozen then,
+  ``refreeze``); when the last one stops, what was frozen goes back to the collector
+  (``gc.unfreeze()``), so the models of closed servers are collected as before once no server
+  of the process serves. A process that
   had frozen objects itself before ken's first hold keeps them frozen: ken does not unfreeze
   what it did not freeze (objects the process freezes itself while ken holds a freeze are
   unfrozen with ken's at the last release).

@@ -336,6 +336,13 @@ class Engine:
         ``timeout_s``, default ``drain_timeout_s``) for admitted requests to finish; whatever
         is still queued or running then ends ``cancelled``. Returns how many were cancelled.
         Safe to call twice and from any thread."""
+        try:
+            return self._shutdown(drain, timeout_s)
+        finally:  # whatever failed on the way, the process's objects go back to the collector
+            if self._frozen is not None:
+                self._frozen.release()
+
+    def _shutdown(self, drain: bool, timeout_s: float | None) -> int:
         with self._shutdown_lock:
             with self._requests.lock:
                 self._accepting = False
@@ -360,8 +367,6 @@ class Engine:
             finally:
                 self._thread = None
                 self._forget_sigterm()
-                if self._frozen is not None:
-                    self._frozen.release()
             return cancelled
 
     def _forget_sigterm(self) -> None:
@@ -393,7 +398,8 @@ class Engine:
         self.pool.add_sources(models, gpu_models)
         self.pool.check_plans([plan])
         self.pool.add(_placed(self.scheduler.served(plan)))
-        collector.refreeze()  # models loaded in this process for it (thread workers)
+        if self.workers == "thread":  # its models were loaded in this process
+            collector.refreeze()
         self.scheduler.bulk_batch_size = max(self.scheduler.bulk_batch_size, *plan.max_batch)
         self._check_memory([plan], stop=False)  # over: keep the old plan
         done: Future = Future()
