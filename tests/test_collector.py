@@ -41,14 +41,16 @@ from ken.engine.serving import Engine
 from ken.models.cascade import Cascade
 from ken.policy.plan import GearPlan, RangeSchedule, Replica
 
-plan = GearPlan("op", (0.0, 1e6), (Cascade(("a",)),), (Replica("a", ("cpu0",)),),
-                (RangeSchedule(0, (1.0,), (1,)),), (4,), max_wait_s=0.005)
+def plan(name):
+    return GearPlan("op", (0.0, 1e6), (Cascade((name,)),), (Replica(name, ("cpu0",)),),
+                    (RangeSchedule(0, (1.0,), (1,)),), (4,), max_wait_s=0.005)
+
 model = fakes.FakeModel("a")
 model.me = model  # a cycle: only the collector frees it
 ref = weakref.ref(model)
 assert gc.get_freeze_count() == 0 and collector.holders() == 0
 
-engine = Engine(plan, {"a": model}, workers="thread", drain_on_sigterm=False)
+engine = Engine(plan("a"), {"a": model}, workers="thread", drain_on_sigterm=False)
 engine.start()
 assert engine.submit("row").result(timeout=30).status == "ok"
 # what was loaded is frozen while the engine serves: no collection walks it
@@ -58,9 +60,7 @@ assert not any(o is model for o in gc.get_objects())
 
 # a model a swapped-in plan adds is frozen once loaded
 other = fakes.FakeModel("b")
-engine.swap_plan(GearPlan("op", (0.0, 1e6), (Cascade(("b",)),), (Replica("b", ("cpu0",)),),
-                          (RangeSchedule(0, (1.0,), (1,)),), (4,), max_wait_s=0.005),
-                 {"b": other})
+engine.swap_plan(plan("b"), {"b": other})
 assert engine.submit("row").result(timeout=30).model == "b"
 assert not any(o is other for o in gc.get_objects())
 del other
